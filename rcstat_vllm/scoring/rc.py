@@ -1,0 +1,292 @@
+"""Relative contextualization (RCStat, Sections 3-4.1): expected RC per prompt token and its bounds.
+
+Notation (paper, Eq. 1 and Definitions 3.1-3.4). For one attention head, the logit of key i under query j is
+f(i, j) = <q_j, k_i> (pre-softmax, RoPE applied, *no* 1/sqrt(d) scale: the paper works on raw logits, and a
+common positive scale multiplies every score of a head by the same factor, which changes no eviction
+decision of Eq. 9 or of budget mode inside one layer).
+
+KV compression uses an observation window g^ = the last w prompt tokens as a proxy for the generation:
+
+* X_i = {f(i, j) : j in g^}                    the w cross logits of prompt token i (Eq. 2 with p1 = {t_i});
+* Y   = {f(k, l) : k <= l, k, l in g^}         the w(w+1)/2 causal self logits of the window (Eq. 3);
+* score_i = E[max(X_i - Y, 0)] under the uniform joint over all (x, y) pairs (Eq. 6 with |p1| = 1):
+            2 / (w^2 (w+1)) * sum_j sum_{k<=l} max(f(i, j) - f(k, l), 0).
+
+The triple sum is O(w^3) per token. Since Y does not depend on i, we sort Y once per head and use
+sum_y max(x - y, 0) = cnt(y < x) * x - sum(y < x), where both terms come from the sorted Y and its prefix
+sums via a binary search: O(w log w) per token, and the per-token work is one matmul plus a searchsorted.
+
+The IOT variant (supplement, Section 2.1; paper Section 3.3) assumes independent output tokens: each window
+query j is compared only with its own causal self logits {f(k, j) : k <= j}:
+    score_i = mean_j mean_{k<=j} max(f(i, j) - f(k, j), 0).
+
+Bounds (Theorem 3.6) hold for any joint of X and Y with the given marginals, so they sandwich the
+mean-over-all-pairs value: a (Eq. 5) <= E[max(X - Y, 0)] <= A (Eq. 4, computed by Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "expected_rc",
+    "expected_rc_iot",
+    "expected_rc_grouped",
+    "expected_rc_iot_grouped",
+    "expected_rc_samples",
+    "rc_upper_bound",
+    "rc_lower_bound",
+    "WindowSelfLogits",
+    "window_self_logits",
+]
+
+# Tokens per chunk when computing cross logits: bounds the transient [.., w, chunk] tensors (and the int64
+# searchsorted output) to a few MiB per head at 64k-token prompts instead of materialising [.., w, n] at once.
+_TOKEN_CHUNK = 8192
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (tests, exact checks); everything else (fp32, bf16, fp16) works in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------------------------------------------
+# Window self logits: the sorted sample Y and its prefix sums, computed once per query head.
+# --------------------------------------------------------------------------------------------------------
+
+
+class WindowSelfLogits:
+    """The sorted causal self logits Y of one observation window, per query head, ready for counting.
+
+    Attributes (leading dims ``...`` = the query-head dims, e.g. ``[Hkv, G]``):
+        center:  [...]         mean of Y. Every value below is stored relative to it: max(x - y, 0) is
+                               shift invariant, and centring keeps the terms of cnt * x - sum(y < x) (and
+                               the prefix sums) small when all logits of a head share a large offset.
+        sorted:  [..., m]      Y - center in ascending order, m = w(w+1)/2.
+        prefix:  [..., m + 1]  prefix[..., c] = sum of the c smallest centred values (prefix[..., 0] = 0).
+    """
+
+    def __init__(self, center: Tensor, sorted_values: Tensor, prefix: Tensor):
+        self.center = center
+        self.sorted = sorted_values
+        self.prefix = prefix
+
+    def sum_positive_gaps(self, x: Tensor) -> Tensor:
+        """sum over y in Y of max(x - y, 0), for every x.
+
+        Args:
+            x: [..., k] raw logits (not centred), same leading dims as ``sorted`` minus the last.
+        Returns:
+            [..., k] in the dtype of ``sorted``.
+        """
+        x_centered = x - self.center.unsqueeze(-1)
+        # side="left": number of y strictly below x; y == x contributes max(0, 0) = 0 either way.
+        count_below = torch.searchsorted(self.sorted, x_centered.contiguous(), side="left")
+        sum_below = torch.gather(self.prefix, -1, count_below)
+        gaps = count_below.to(x_centered.dtype) * x_centered - sum_below
+        # Mathematically >= 0; rounding can leave a tiny negative when x barely exceeds a y.
+        return gaps.clamp_min_(0)
+
+
+def window_self_logits(q_window: Tensor, window_keys: Tensor) -> WindowSelfLogits:
+    """Sorted causal self logits of the window, Y = {<q_l, k_k> : k <= l}, per query head.
+
+    Args:
+        q_window:    [Hkv, G, w, d] window queries, G query heads per KV head.
+        window_keys: [Hkv, w, d]    keys of the same w window tokens.
+    Returns:
+        WindowSelfLogits with leading dims [Hkv, G] and m = w(w+1)/2 values per query head.
+    """
+    acc = accumulation_dtype(q_window.dtype)
+    w = q_window.shape[-2]
+    # self_logits[h, g, l, k] = <q_l, k_k>: query position l (row), key position k (column).
+    self_logits = torch.einsum("hgld,hkd->hglk", q_window.to(acc), window_keys.to(acc))
+    rows, cols = torch.tril_indices(w, w, device=q_window.device)  # col <= row: key at or before query
+    y = self_logits[..., rows, cols]  # [Hkv, G, m]
+    center = y.mean(dim=-1)
+    y_sorted = torch.sort(y - center.unsqueeze(-1), dim=-1).values
+    prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0))
+    return WindowSelfLogits(center, y_sorted.contiguous(), prefix.contiguous())
+
+
+def _check_window_shapes(q_window: Tensor, keys: Tensor, grouped: bool) -> tuple[int, int]:
+    expected_q_dims = 4 if grouped else 3
+    if q_window.dim() != expected_q_dims or keys.dim() != 3:
+        raise ValueError(
+            f"expected q_window with {expected_q_dims} dims and keys [H, n, d], got "
+            f"{tuple(q_window.shape)} and {tuple(keys.shape)}"
+        )
+    w, n = q_window.shape[-2], keys.shape[1]
+    if q_window.shape[0] != keys.shape[0] or q_window.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"head count or head_dim mismatch: {tuple(q_window.shape)} vs {tuple(keys.shape)}")
+    if w < 1:
+        raise ValueError("the observation window needs at least one query")
+    if n < w:
+        raise ValueError(f"{n} keys cannot contain a window of {w} tokens (the window is keys[:, n-w:])")
+    return w, n
+
+
+# --------------------------------------------------------------------------------------------------------
+# Expected RC per prompt token (Eq. 6, non-IOT) and the IOT variant.
+# --------------------------------------------------------------------------------------------------------
+
+
+def expected_rc_grouped(q_window: Tensor, keys: Tensor) -> Tensor:
+    """Expected RC (Eq. 6) of every non-window token, for G query heads sharing each KV head (GQA).
+
+    Grouped so that GQA never repeats the keys: the G*w queries of a KV head meet its keys in one matmul.
+
+    Args:
+        q_window: [Hkv, G, w, d] queries of the last w prompt positions.
+        keys:     [Hkv, n, d] all prompt keys; the window is keys[:, n-w:].
+    Returns:
+        [Hkv, G, n - w] scores, float32 (float64 for float64 inputs).
+    """
+    w, n = _check_window_shapes(q_window, keys, grouped=True)
+    acc = accumulation_dtype(q_window.dtype)
+    num_kv_heads, group = q_window.shape[:2]
+    table = window_self_logits(q_window, keys[:, n - w :])
+    m = w * (w + 1) // 2
+    # Eq. 6 for one token: 2 / (w^2 (w+1)) = 1 / (w * m): the mean over all w * m (x, y) pairs.
+    pair_count = w * m
+    queries = q_window.to(acc).reshape(num_kv_heads, group * w, -1)
+    scores = torch.empty(num_kv_heads, group, n - w, dtype=acc, device=keys.device)
+    for start in range(0, n - w, _TOKEN_CHUNK):
+        stop = min(start + _TOKEN_CHUNK, n - w)
+        cross = torch.matmul(queries, keys[:, start:stop].to(acc).transpose(1, 2))  # [Hkv, G*w, chunk]
+        cross = cross.reshape(num_kv_heads, group, w * (stop - start))
+        gaps = table.sum_positive_gaps(cross).reshape(num_kv_heads, group, w, stop - start)
+        scores[..., start:stop] = gaps.sum(dim=2) / pair_count
+    return scores
+
+
+def expected_rc(q_window: Tensor, keys: Tensor) -> Tensor:
+    """Expected relative contextualization (Eq. 6, non-IOT) of every non-window prompt token.
+
+    score_i = 2 / (w^2 (w+1)) * sum_{j in window} sum_{k <= l in window} max(<q_j, k_i> - <q_l, k_k>, 0)
+
+    Args:
+        q_window: [H, w, d] queries of the last w prompt positions (RoPE applied).
+        keys:     [H, n, d] all prompt keys (RoPE applied); the window is keys[:, n-w:].
+    Returns:
+        [H, n - w] scores of tokens 0..n-w-1, float32 (float64 for float64 inputs). Logits are computed in
+        that dtype too (bf16/fp16 inputs are upcast chunk by chunk).
+    """
+    if q_window.dim() != 3:
+        raise ValueError(f"q_window must be [H, w, d], got {tuple(q_window.shape)}")
+    return expected_rc_grouped(q_window.unsqueeze(1), keys).squeeze(1)
+
+
+def expected_rc_iot_grouped(q_window: Tensor, keys: Tensor) -> Tensor:
+    """IOT variant (independent output tokens) of :func:`expected_rc_grouped`.
+
+    score_i = mean_j mean_{k <= j} max(<q_j, k_i> - <q_j, k_k>, 0): query j's cross logit is compared only
+    with its own causal self logits (j + 1 values, window-relative positions).
+
+    Args:
+        q_window: [Hkv, G, w, d]; keys: [Hkv, n, d].
+    Returns:
+        [Hkv, G, n - w], float32 (float64 for float64 inputs).
+    """
+    w, n = _check_window_shapes(q_window, keys, grouped=True)
+    acc = accumulation_dtype(q_window.dtype)
+    num_kv_heads, group = q_window.shape[:2]
+    queries = q_window.to(acc)
+    # self_logits[h, g, j, k] = <q_j, k_k>; entries with k > j are not part of query j's sample.
+    self_logits = torch.einsum("hgjd,hkd->hgjk", queries, keys[:, n - w :].to(acc))
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(diagonal=1)
+    valid_count = torch.arange(1, w + 1, device=keys.device, dtype=acc)  # query j sees j + 1 keys
+    center = self_logits.masked_fill(future, 0).sum(dim=-1) / valid_count  # [Hkv, G, w]
+    # +inf pads each row to w values: it sorts last and is never below a finite x, so the count of values
+    # below x never reaches the padding and the prefix sums it indexes stay finite.
+    centered = (self_logits - center.unsqueeze(-1)).masked_fill(future, float("inf"))
+    y_sorted = torch.sort(centered, dim=-1).values
+    prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0))
+    table = WindowSelfLogits(center, y_sorted.contiguous(), prefix.contiguous())  # leading dims [Hkv, G, w]
+
+    scores = torch.empty(num_kv_heads, group, n - w, dtype=acc, device=keys.device)
+    for start in range(0, n - w, _TOKEN_CHUNK):
+        stop = min(start + _TOKEN_CHUNK, n - w)
+        cross = torch.einsum("hgjd,hnd->hgjn", queries, keys[:, start:stop].to(acc))  # [Hkv, G, w, chunk]
+        gaps = table.sum_positive_gaps(cross) / valid_count.unsqueeze(-1)
+        scores[..., start:stop] = gaps.mean(dim=2)
+    return scores
+
+
+def expected_rc_iot(q_window: Tensor, keys: Tensor) -> Tensor:
+    """IOT variant of :func:`expected_rc` (supplement Sec. 2.1): [H, w, d], [H, n, d] -> [H, n - w]."""
+    if q_window.dim() != 3:
+        raise ValueError(f"q_window must be [H, w, d], got {tuple(q_window.shape)}")
+    return expected_rc_iot_grouped(q_window.unsqueeze(1), keys).squeeze(1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 1-D samples: exact mean over all pairs and the bounds of Theorem 3.6.
+# --------------------------------------------------------------------------------------------------------
+
+
+def expected_rc_samples(x: Tensor, y: Tensor) -> Tensor:
+    """E[max(X - Y, 0)] under the uniform joint over all (x, y) pairs, by sorting y once.
+
+    Args:
+        x: [..., nx] samples of X; y: [..., ny] samples of Y (same leading dims).
+    Returns:
+        [...] in x's accumulation dtype.
+    """
+    acc = accumulation_dtype(x.dtype)
+    x, y = x.to(acc), y.to(acc)
+    center = y.mean(dim=-1)
+    y_sorted = torch.sort(y - center.unsqueeze(-1), dim=-1).values.contiguous()
+    prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0))
+    table = WindowSelfLogits(center, y_sorted, prefix.contiguous())
+    return table.sum_positive_gaps(x).mean(dim=-1) / y.shape[-1]
+
+
+def _cdfs_at_midpoints(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Algorithm 1, lines 1-8: empirical CDFs of X and Y at the midpoints between consecutive breakpoints.
+
+    Breakpoints are all samples sorted; duplicates are not removed (the "unique" of line 2) because a
+    repeated breakpoint only adds an interval of width 0, which contributes nothing to the area.
+
+    Returns:
+        F_X(mid) [..., nx+ny-1], F_Y(mid) [..., nx+ny-1], widths [..., nx+ny-1].
+    """
+    if x.shape[-1] == 0 or y.shape[-1] == 0:
+        raise ValueError("both samples need at least one value")
+    acc = accumulation_dtype(x.dtype)
+    x, y = x.to(acc), y.to(acc)
+    x_sorted = torch.sort(x, dim=-1).values.contiguous()
+    y_sorted = torch.sort(y, dim=-1).values.contiguous()
+    breakpoints = torch.sort(torch.cat([x_sorted, y_sorted], dim=-1), dim=-1).values
+    left, right = breakpoints[..., :-1], breakpoints[..., 1:]
+    midpoints = ((left + right) / 2).contiguous()
+    widths = right - left
+    # F(m) = fraction of samples <= m: side="right" counts ties as below-or-equal.
+    cdf_x = torch.searchsorted(x_sorted, midpoints, side="right").to(acc) / x.shape[-1]
+    cdf_y = torch.searchsorted(y_sorted, midpoints, side="right").to(acc) / y.shape[-1]
+    return cdf_x, cdf_y, widths
+
+
+def rc_upper_bound(x: Tensor, y: Tensor) -> Tensor:
+    """Upper bound A of E[max(X - Y, 0)] (Theorem 3.6 Eq. 4, Algorithm 1): area under min(F_Y, 1 - F_X).
+
+    Args:
+        x: [..., nx] samples of X (cross logits); y: [..., ny] samples of Y (self logits).
+    Returns:
+        [...] the overlap area.
+    """
+    cdf_x, cdf_y, widths = _cdfs_at_midpoints(x, y)
+    return (torch.minimum(cdf_y, 1 - cdf_x) * widths).sum(dim=-1)
+
+
+def rc_lower_bound(x: Tensor, y: Tensor) -> Tensor:
+    """Lower bound a of E[max(X - Y, 0)] (Theorem 3.6 Eq. 5): area where F_Y exceeds F_X.
+
+    Args:
+        x: [..., nx] samples of X; y: [..., ny] samples of Y.
+    Returns:
+        [...] the area of max(F_Y - F_X, 0).
+    """
+    cdf_x, cdf_y, widths = _cdfs_at_midpoints(x, y)
+    return ((cdf_y - cdf_x).clamp_min(0) * widths).sum(dim=-1)

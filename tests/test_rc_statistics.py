@@ -1,0 +1,242 @@
+"""Expected RC (Eq. 6), its IOT variant and the bounds of Theorem 3.6 against brute force and hand-worked values."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rcstat_vllm.scoring import (
+    expected_rc,
+    expected_rc_grouped,
+    expected_rc_iot,
+    expected_rc_iot_grouped,
+    expected_rc_samples,
+    rc_lower_bound,
+    rc_upper_bound,
+)
+
+
+def brute_force_rc(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Eq. 6 as written: 2 / (w^2 (w+1)) * sum_j sum_{k <= l} max(<q_j, k_i> - <q_l, k_k>, 0)."""
+    num_heads, w, _ = q_window.shape
+    n = keys.shape[1]
+    window_keys = keys[:, n - w :]
+    out = torch.zeros(num_heads, n - w, dtype=torch.float64)
+    for h, i in itertools.product(range(num_heads), range(n - w)):
+        total = 0.0
+        for j in range(w):
+            x = float(q_window[h, j] @ keys[h, i])
+            for l in range(w):
+                for k in range(l + 1):
+                    total += max(x - float(q_window[h, l] @ window_keys[h, k]), 0.0)
+        out[h, i] = 2 * total / (w * w * (w + 1))
+    return out
+
+
+def brute_force_rc_iot(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """IOT: mean_j mean_{k <= j} max(<q_j, k_i> - <q_j, k_k>, 0)."""
+    num_heads, w, _ = q_window.shape
+    n = keys.shape[1]
+    window_keys = keys[:, n - w :]
+    out = torch.zeros(num_heads, n - w, dtype=torch.float64)
+    for h, i in itertools.product(range(num_heads), range(n - w)):
+        per_query = []
+        for j in range(w):
+            x = float(q_window[h, j] @ keys[h, i])
+            gaps = [max(x - float(q_window[h, j] @ window_keys[h, k]), 0.0) for k in range(j + 1)]
+            per_query.append(sum(gaps) / len(gaps))
+        out[h, i] = sum(per_query) / w
+    return out
+
+
+SHAPES = [  # (heads, w, n, d)
+    (1, 1, 5, 3),  # w = 1: Y is the single value <q_0, k_last>
+    (2, 1, 2, 1),
+    (2, 2, 9, 4),
+    (3, 3, 3, 2),  # n == w: nothing to score
+    (2, 4, 13, 5),
+    (1, 5, 6, 1),
+    (2, 8, 21, 8),
+]
+
+
+def random_inputs(shape, seed, dtype=torch.float64):
+    heads, w, n, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, w, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(heads, n, d, generator=gen, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expected_rc_matches_brute_force(shape, seed):
+    q, k = random_inputs(shape, seed)
+    got = expected_rc(q, k)
+    assert got.dtype == torch.float64
+    assert got.shape == (shape[0], shape[2] - shape[1])
+    torch.testing.assert_close(got, brute_force_rc(q, k), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expected_rc_iot_matches_brute_force(shape, seed):
+    q, k = random_inputs(shape, seed)
+    got = expected_rc_iot(q, k)
+    assert got.shape == (shape[0], shape[2] - shape[1])
+    torch.testing.assert_close(got, brute_force_rc_iot(q, k), rtol=1e-12, atol=1e-12)
+
+
+def test_expected_rc_with_ties_and_integer_logits():
+    # Integer-valued logits give many exact ties between x and y, where the count of "y below x" matters.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-2, 3, (2, 4, 3), generator=gen).double()
+    k = torch.randint(-2, 3, (2, 12, 3), generator=gen).double()
+    torch.testing.assert_close(expected_rc(q, k), brute_force_rc(q, k), rtol=0, atol=1e-12)
+    torch.testing.assert_close(expected_rc_iot(q, k), brute_force_rc_iot(q, k), rtol=0, atol=1e-12)
+
+
+def test_expected_rc_hand_worked():
+    # d = 1, keys [3, 0 | 1, 2] (window = last two), window queries [1, 2].
+    # Y = {k <= l}: l=0: 1*1 = 1; l=1: 2*1 = 2, 2*2 = 4  ->  {1, 2, 4}.
+    # token 0: X = {1*3, 2*3} = {3, 6}; gaps: (2 + 1 + 0) + (5 + 4 + 2) = 14; 2/(4*3) * 14 = 7/3.
+    # token 1: X = {0, 0}: below every y -> 0.
+    q = torch.tensor([[[1.0], [2.0]]], dtype=torch.float64)
+    k = torch.tensor([[[3.0], [0.0], [1.0], [2.0]]], dtype=torch.float64)
+    assert expected_rc(q, k)[0].tolist() == pytest.approx([7 / 3, 0.0], abs=1e-15)
+    # IOT: j=0 compares 3 with {1} -> 2; j=1 compares 6 with {2, 4} -> (4 + 2)/2 = 3; mean 2.5.
+    assert expected_rc_iot(q, k)[0].tolist() == pytest.approx([2.5, 0.0], abs=1e-15)
+
+
+def test_w1_single_self_logit():
+    # w = 1: score_i = max(<q, k_i> - <q, k_last>, 0) exactly (both variants coincide).
+    q = torch.tensor([[[2.0]]], dtype=torch.float64)
+    k = torch.tensor([[[1.0], [3.0], [-1.0], [2.0]]], dtype=torch.float64)  # Y = {4}
+    assert expected_rc(q, k).tolist() == [[0.0, 2.0, 0.0]]
+    assert expected_rc_iot(q, k).tolist() == [[0.0, 2.0, 0.0]]
+
+
+def test_grouped_equals_per_query_head():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 4, 6, generator=gen, dtype=torch.float64)  # [Hkv, G, w, d]
+    k = torch.randn(2, 15, 6, generator=gen, dtype=torch.float64)
+    grouped = expected_rc_grouped(q, k)
+    grouped_iot = expected_rc_iot_grouped(q, k)
+    for g in range(3):
+        torch.testing.assert_close(grouped[:, g], brute_force_rc(q[:, g], k), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grouped_iot[:, g], brute_force_rc_iot(q[:, g], k), rtol=1e-12, atol=1e-12)
+
+
+def test_token_chunking_matches_single_pass(monkeypatch):
+    import rcstat_vllm.scoring.rc as rc
+
+    q, k = random_inputs((2, 4, 40, 5), seed=7)
+    whole = expected_rc(q, k)
+    whole_iot = expected_rc_iot(q, k)
+    monkeypatch.setattr(rc, "_TOKEN_CHUNK", 7)  # 36 scored tokens: 5 full chunks and a partial one
+    torch.testing.assert_close(expected_rc(q, k), whole, rtol=0, atol=1e-13)
+    torch.testing.assert_close(expected_rc_iot(q, k), whole_iot, rtol=0, atol=1e-13)
+
+
+def test_dtypes_accumulate_in_float32():
+    q64, k64 = random_inputs((2, 8, 50, 16), seed=11)
+    exact = expected_rc(q64, k64)
+    got32 = expected_rc(q64.float(), k64.float())
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), exact, rtol=1e-5, atol=1e-5)
+    q16, k16 = q64.bfloat16(), k64.bfloat16()
+    got16 = expected_rc(q16, k16)
+    assert got16.dtype == torch.float32
+    # Compared with the exact value on the bf16-rounded inputs: only the float32 accumulation differs.
+    torch.testing.assert_close(got16.double(), expected_rc(q16.double(), k16.double()), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_with_large_common_logit_offset():
+    # All logits share an offset of ~1000 (first key component 1000, first query component 1) while the
+    # scores are O(1): float32 must still be accurate to well below the scores' scale.
+    gen = torch.Generator().manual_seed(2)
+    q = torch.cat([torch.ones(1, 8, 1), torch.randn(1, 8, 3, generator=gen)], dim=-1).double()
+    k = torch.cat([torch.full((1, 60, 1), 1000.0), torch.randn(1, 60, 3, generator=gen)], dim=-1).double()
+    exact = expected_rc(q, k)
+    assert exact.max() > 1.0
+    torch.testing.assert_close(expected_rc(q.float(), k.float()).double(), exact, rtol=0, atol=1e-4)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="window"):
+        expected_rc(torch.zeros(1, 5, 2), torch.zeros(1, 4, 2))
+    with pytest.raises(ValueError, match="mismatch"):
+        expected_rc(torch.zeros(2, 2, 2), torch.zeros(1, 4, 2))
+
+
+# ------------------------------------------------------------------------------------------------------
+# 1-D samples: exact mean and the bounds of Theorem 3.6
+# ------------------------------------------------------------------------------------------------------
+
+
+def brute_force_pair_mean(x: list[float], y: list[float]) -> float:
+    return sum(max(a - b, 0.0) for a in x for b in y) / (len(x) * len(y))
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "x, y, lower, exact, upper",
+    [
+        ([3.0], [1.0], 2.0, 2.0, 2.0),  # single samples: every bound is the one gap
+        ([1.0], [3.0], 0.0, 0.0, 0.0),
+        ([0.0, 1.0, 2.0], [5.0, 6.0], 0.0, 0.0, 0.0),  # x entirely below y
+        ([5.0, 7.0], [1.0, 2.0], 4.5, 4.5, 4.5),  # x entirely above y: E = mean(x) - mean(y)
+        ([0.0, 2.0], [1.0], 0.5, 0.5, 0.5),  # one y: every coupling is the same
+        # x = y = {0, 2}: comonotone pairs (0,0),(2,2) give 0; all pairs give 2/4; antitone (0,2),(2,0) give 1.
+        ([0.0, 2.0], [0.0, 2.0], 0.0, 0.5, 1.0),
+    ],
+)
+def test_bounds_hand_worked(x, y, lower, exact, upper):
+    assert rc_lower_bound(t(x), t(y)).item() == pytest.approx(lower, abs=1e-15)
+    assert expected_rc_samples(t(x), t(y)).item() == pytest.approx(exact, abs=1e-15)
+    assert rc_upper_bound(t(x), t(y)).item() == pytest.approx(upper, abs=1e-15)
+
+
+samples = st.lists(
+    st.floats(min_value=-50, max_value=50, allow_nan=False, allow_infinity=False), min_size=1, max_size=25
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(x=samples, y=samples)
+def test_bounds_sandwich_the_pair_mean(x, y):
+    exact = brute_force_pair_mean(x, y)
+    lower = rc_lower_bound(t(x), t(y)).item()
+    upper = rc_upper_bound(t(x), t(y)).item()
+    assert lower <= exact + 1e-9
+    assert exact <= upper + 1e-9
+    assert expected_rc_samples(t(x), t(y)).item() == pytest.approx(exact, rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=samples, shift=st.floats(min_value=0, max_value=10))
+def test_bounds_tight_when_x_dominates_y(x, shift):
+    # y = x shifted down and beyond x's range: every pair has x > y, all couplings agree, so a = E = A.
+    y = [v - shift - 101.0 for v in x]
+    exact = brute_force_pair_mean(x, y)
+    assert rc_lower_bound(t(x), t(y)).item() == pytest.approx(exact, rel=1e-9)
+    assert rc_upper_bound(t(x), t(y)).item() == pytest.approx(exact, rel=1e-9)
+
+
+def test_bounds_batched_rows_match_single_rows():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 7, generator=gen, dtype=torch.float64)
+    y = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    upper, lower = rc_upper_bound(x, y), rc_lower_bound(x, y)
+    assert upper.shape == lower.shape == (3,)
+    for row in range(3):
+        assert upper[row].item() == pytest.approx(rc_upper_bound(x[row], y[row]).item(), abs=1e-14)
+        assert lower[row].item() == pytest.approx(rc_lower_bound(x[row], y[row]).item(), abs=1e-14)
+        assert lower[row] <= brute_force_pair_mean(x[row].tolist(), y[row].tolist()) + 1e-12 <= upper[row] + 2e-12
