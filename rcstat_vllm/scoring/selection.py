@@ -1,0 +1,133 @@
+"""Which prompt tokens each KV head keeps, given per-(head, token) scores: one step shared by all methods.
+
+Two modes:
+
+* :func:`select_threshold`: RCStat's adaptive rule (Eq. 9). Each head evicts the tokens scoring at most
+  c times its own mean, so each head keeps a different number of tokens and the compression ratio is an
+  outcome, not an input.
+* :func:`select_budget`: a target compression ratio per layer, filled with the layer's top scores across
+  all its heads (heads still keep different counts). This gives matched-ratio comparisons between methods
+  and mild compression that Eq. 9 cannot offer (scores of exactly 0 are common and evicted for any c >= 0).
+
+Both always keep the observation window (last ``window`` tokens), the first ``sink_tokens`` tokens and every
+token whose score is not finite (scorers mark tokens they always keep with +inf).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["KeepSet", "select_threshold", "select_budget", "budget_keep_count", "forced_keep_mask"]
+
+
+@dataclass(frozen=True)
+class KeepSet:
+    """Tokens kept per KV head of one layer.
+
+    Attributes:
+        mask:   [Hkv, n] bool, True = keep.
+        counts: [Hkv] int64, kept tokens per head (= mask.sum(1)).
+    """
+
+    mask: Tensor
+    counts: Tensor
+
+    @classmethod
+    def from_mask(cls, mask: Tensor) -> "KeepSet":
+        return cls(mask=mask, counts=mask.sum(dim=1, dtype=torch.int64))
+
+    def indices(self) -> list[Tensor]:
+        """Per head, the kept token indices in ascending order (int64), as compaction needs them."""
+        return [torch.nonzero(row, as_tuple=False).squeeze(1) for row in self.mask]
+
+    @property
+    def num_kept(self) -> int:
+        return int(self.counts.sum())
+
+
+def forced_keep_mask(scores: Tensor, window: int, sink_tokens: int = 0) -> Tensor:
+    """[Hkv, n] bool: tokens kept whatever their score (window, sinks, non-finite scores)."""
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [Hkv, n], got {tuple(scores.shape)}")
+    if window < 0 or sink_tokens < 0:
+        raise ValueError(f"window and sink_tokens must be >= 0, got {window} and {sink_tokens}")
+    n = scores.shape[1]
+    positions = torch.arange(n, device=scores.device)
+    structural = (positions >= n - window) | (positions < sink_tokens)
+    return structural.unsqueeze(0) | ~torch.isfinite(scores)
+
+
+def select_threshold(scores: Tensor, window: int, c: float, sink_tokens: int = 0) -> KeepSet:
+    """Eq. 9: head h evicts non-window token i when scores[h, i] <= c * mean_h.
+
+    mean_h is head h's own mean over its non-window tokens with finite scores (the paper's
+    E[Z(p minus window, window)], so each head adapts to its own contextual load). Sink tokens count in
+    the mean (they are part of the paper's prompt) but are never evicted. Non-finite scores (+inf: tokens
+    a scorer always keeps) are excluded from the mean and kept. A head with no finite non-window score
+    evicts nothing. The comparison is done in float64.
+
+    Args:
+        scores: [Hkv, n] higher = more important.
+        window: the last ``window`` tokens are always kept.
+        c: threshold multiplier, >= 0. Note c = 0 still evicts every token scoring exactly 0 (common for RC).
+        sink_tokens: the first ``sink_tokens`` tokens are always kept.
+    Returns:
+        KeepSet.
+    """
+    if not (c >= 0 and math.isfinite(c)):
+        raise ValueError(f"c must be a finite number >= 0, got {c}")
+    forced = forced_keep_mask(scores, window, sink_tokens)
+    n = scores.shape[1]
+    in_window = (torch.arange(n, device=scores.device) >= n - window).unsqueeze(0)
+    in_mean = torch.isfinite(scores) & ~in_window
+    values = scores.to(torch.float64)
+    count = in_mean.sum(dim=1)
+    total = torch.where(in_mean, values, torch.zeros_like(values)).sum(dim=1)
+    # 0 / 0 = nan for a head without candidates; nan compares False, so that head evicts nothing.
+    mean = total / count
+    evict = (values <= c * mean.unsqueeze(1)) & ~forced
+    return KeepSet.from_mask(~evict)
+
+
+def budget_keep_count(num_entries: int, ratio: float, num_forced: int = 0) -> int:
+    """Entries a layer keeps in budget mode: num_entries - round(ratio * num_entries), at least num_forced.
+
+    Rounding is half up (floor(x + 0.5)), not Python's half-to-even, so that anyone recomputing a budget
+    (e.g. the scheduler side) gets the same number.
+    """
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+    evicted = math.floor(ratio * num_entries + 0.5)
+    return max(num_entries - evicted, num_forced)
+
+
+def select_budget(scores: Tensor, window: int, ratio: float, sink_tokens: int = 0) -> KeepSet:
+    """Keep a layer's top-scoring entries across all its KV heads so that a fraction ``ratio`` is evicted.
+
+    The layer keeps exactly ``budget_keep_count(Hkv * n, ratio, forced)`` entries: Hkv*n - round(ratio*Hkv*n),
+    unless the forced entries (window, sinks and non-finite scores, see :func:`forced_keep_mask`) are more,
+    in which case exactly the forced entries are kept (the ratio is then not reached). The rest are the
+    highest raw scores over all heads of the layer (no per-head normalisation), so heads keep different
+    counts. Ties are broken towards the lower (head, token) index, deterministically.
+
+    Args:
+        scores: [Hkv, n] higher = more important.
+        window: the last ``window`` tokens are always kept.
+        ratio:  target fraction of the layer's Hkv * n entries to evict, in [0, 1].
+        sink_tokens: the first ``sink_tokens`` tokens are always kept.
+    Returns:
+        KeepSet.
+    """
+    forced = forced_keep_mask(scores, window, sink_tokens)
+    num_heads, n = scores.shape
+    keep = budget_keep_count(num_heads * n, ratio, int(forced.sum()))
+    priority = scores.to(torch.float64).masked_fill(forced, float("inf")).flatten()
+    # Stable descending sort: equal scores keep their flat order, so lower (head, token) wins ties.
+    order = torch.sort(priority, descending=True, stable=True).indices[:keep]
+    mask = torch.zeros(num_heads * n, dtype=torch.bool, device=scores.device)
+    mask[order] = True
+    return KeepSet.from_mask(mask.view(num_heads, n))

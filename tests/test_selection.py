@@ -1,0 +1,183 @@
+"""Selection: Eq. 9 thresholds per head and the per-layer budget across heads, with exact expected masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rcstat_vllm.scoring import KeepSet, budget_keep_count, select_budget, select_threshold
+
+INF = float("inf")
+
+
+def mask_of(rows):
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def test_threshold_evicts_at_most_c_times_head_mean():
+    scores = torch.tensor(
+        [
+            [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 9.0, 9.0],  # non-window mean 16/6 = 2.67
+            [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 0.0, 0.0],  # mean 5: every token is <= 1 * mean
+        ]
+    )
+    keep = select_threshold(scores, window=2, c=1.0)
+    assert keep.mask.tolist() == [
+        [False, False, False, True, True, True, True, True],
+        [False, False, False, False, False, False, True, True],  # window kept though it scores 0
+    ]
+    assert keep.counts.tolist() == [5, 2]
+    assert keep.counts.dtype == torch.int64
+    half = select_threshold(scores, window=2, c=0.5)  # thresholds 1.33 and 2.5
+    assert half.mask[0].tolist() == [False, False, True, True, True, True, True, True]
+    assert half.mask[1].tolist() == [True] * 8
+
+
+def test_threshold_boundary_is_inclusive():
+    # mean of [1, 3] is 2; c = 0.5 gives threshold exactly 1: the token scoring 1 goes (score <= c * mean).
+    keep = select_threshold(torch.tensor([[1.0, 3.0, 0.0]]), window=1, c=0.5)
+    assert keep.mask.tolist() == [[False, True, True]]
+    keep = select_threshold(torch.tensor([[1.0, 3.0, 0.0]]), window=1, c=0.4999)
+    assert keep.mask.tolist() == [[True, True, True]]
+
+
+def test_threshold_c_zero_still_evicts_zero_scores():
+    scores = torch.tensor([[0.0, 0.0, 1.0, 2.0, 0.5, 0.0, 0.0]])
+    keep = select_threshold(scores, window=2, c=0.0)
+    assert keep.mask.tolist() == [[False, False, True, True, True, True, True]]
+
+
+def test_threshold_infinite_scores_kept_and_out_of_the_mean():
+    # Finite non-window scores [1, 3, 5]: mean 3 (inf would make it inf and evict everything finite).
+    scores = torch.tensor([[INF, 1.0, 3.0, 5.0, INF, 0.0]])
+    keep = select_threshold(scores, window=1, c=1.0)
+    assert keep.mask.tolist() == [[True, False, False, True, True, True]]
+
+
+def test_threshold_head_without_candidates_evicts_nothing():
+    scores = torch.tensor([[INF, INF, 0.0], [1.0, 2.0, 0.0]])
+    keep = select_threshold(scores, window=1, c=1.0)
+    assert keep.mask.tolist() == [[True, True, True], [False, True, True]]
+
+
+def test_threshold_sinks_kept_but_counted_in_mean():
+    # Non-window [8, 1, 2, 1]: mean 3 (sink's 8 counts); sink kept; 1, 2, 1 <= 3 evicted.
+    scores = torch.tensor([[8.0, 1.0, 2.0, 1.0, 0.0]])
+    keep = select_threshold(scores, window=1, c=1.0, sink_tokens=1)
+    assert keep.mask.tolist() == [[True, False, False, False, True]]
+    # Sink scoring low is kept all the same.
+    keep = select_threshold(torch.tensor([[0.0, 1.0, 2.0, 9.0, 0.0]]), window=1, c=1.0, sink_tokens=1)
+    assert keep.mask.tolist() == [[True, False, False, True, True]]
+
+
+def test_threshold_window_larger_than_prompt_keeps_all():
+    keep = select_threshold(torch.tensor([[1.0, 0.0, 2.0]]), window=5, c=1.0)
+    assert keep.mask.tolist() == [[True, True, True]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.lists(st.lists(st.integers(0, 6), min_size=6, max_size=6), min_size=1, max_size=4),
+    window=st.integers(0, 3),
+    c=st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5]),
+)
+def test_threshold_matches_rule_on_small_integer_scores(data, window, c):
+    scores = torch.tensor(data, dtype=torch.float32)
+    keep = select_threshold(scores, window=window, c=c)
+    n = scores.shape[1]
+    for head, row in enumerate(data):
+        candidates = row[: n - window]
+        mean = sum(candidates) / len(candidates) if candidates else math.nan
+        expected = [i >= n - window or not (v <= c * mean) for i, v in enumerate(row)]
+        assert keep.mask[head].tolist() == expected
+        assert keep.counts[head].item() == sum(expected)
+
+
+def test_budget_takes_top_scores_across_heads():
+    scores = torch.tensor([[10.0, 9.0, 8.0, 7.0, 0.0], [1.0, 2.0, 3.0, 4.0, 0.0]])
+    keep = select_budget(scores, window=1, ratio=0.5)  # 10 entries: evict 5, keep 5 = 2 windows + 3 best
+    assert keep.mask.tolist() == [[True, True, True, False, True], [False, False, False, False, True]]
+    assert keep.counts.tolist() == [4, 1]
+
+
+def test_budget_raw_scores_not_normalised_per_head():
+    # Head 1's scores are all larger than head 0's: a global top-k keeps head 1's tokens first even though
+    # head 0's ordering is the same relative pattern.
+    scores = torch.tensor([[0.1, 0.2, 0.3, 0.4], [10.0, 20.0, 30.0, 40.0]])
+    keep = select_budget(scores, window=0, ratio=0.5)
+    assert keep.counts.tolist() == [0, 4]
+
+
+@pytest.mark.parametrize(
+    "heads, n, ratio, expected_keep",
+    [
+        (2, 5, 0.25, 7),  # 2.5 rounds half up to 3 evicted (Python's round would give 2)
+        (2, 5, 0.15, 8),  # 1.5 -> 2
+        (3, 7, 0.5, 10),  # 10.5 -> 11
+        (4, 16, 0.0, 64),
+        (1, 9, 0.3, 6),  # 2.7 -> 3
+    ],
+)
+def test_budget_hits_exact_target_count(heads, n, ratio, expected_keep):
+    gen = torch.Generator().manual_seed(heads * n)
+    scores = torch.rand(heads, n, generator=gen)
+    keep = select_budget(scores, window=0, ratio=ratio)
+    assert keep.num_kept == expected_keep
+    assert budget_keep_count(heads * n, ratio) == expected_keep
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    n=st.integers(1, 30),
+    ratio=st.floats(0, 1),
+    window=st.integers(0, 4),
+    seed=st.integers(0, 1000),
+)
+def test_budget_count_and_forced_tokens(heads, n, ratio, window, seed):
+    scores = torch.rand(heads, n, generator=torch.Generator().manual_seed(seed))
+    keep = select_budget(scores, window=window, ratio=ratio, sink_tokens=1)
+    forced_per_head = len(set(range(max(n - window, 0), n)) | {0})
+    target = heads * n - math.floor(ratio * heads * n + 0.5)
+    assert keep.num_kept == max(target, heads * forced_per_head)
+    assert keep.mask[:, max(n - window, 0) :].all()
+    assert keep.mask[:, 0].all()
+    # Every kept non-forced entry scores at least as high as every evicted entry.
+    free = keep.mask.clone()
+    free[:, max(n - window, 0) :] = False
+    free[:, 0] = False
+    if free.any() and (~keep.mask).any():
+        assert scores[free].min() >= scores[~keep.mask].max()
+
+
+def test_budget_never_below_forced_tokens():
+    scores = torch.tensor([[1.0, INF, 2.0, 3.0, 0.0, 0.0], [4.0, 5.0, 6.0, 7.0, 0.0, 0.0]])
+    keep = select_budget(scores, window=2, ratio=1.0, sink_tokens=1)
+    assert keep.mask.tolist() == [[True, True, False, False, True, True], [True, False, False, False, True, True]]
+    assert keep.counts.tolist() == [4, 3]
+
+
+def test_budget_ties_go_to_lower_head_then_token():
+    scores = torch.ones(2, 4)
+    keep = select_budget(scores, window=0, ratio=0.5)  # keep 4 of 8 equal scores
+    assert keep.mask.tolist() == [[True, True, True, True], [False, False, False, False]]
+
+
+def test_keepset_indices_ascending_per_head():
+    keep = KeepSet.from_mask(mask_of([[True, False, True, True], [False, False, False, True]]))
+    assert [ix.tolist() for ix in keep.indices()] == [[0, 2, 3], [3]]
+    assert all(ix.dtype == torch.int64 for ix in keep.indices())
+    assert keep.counts.tolist() == [3, 1]
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="c must be"):
+        select_threshold(torch.zeros(1, 3), window=1, c=-1.0)
+    with pytest.raises(ValueError, match="ratio"):
+        select_budget(torch.zeros(1, 3), window=1, ratio=1.5)
+    with pytest.raises(ValueError, match=r"\[Hkv, n\]"):
+        select_budget(torch.zeros(3), window=1, ratio=0.5)
