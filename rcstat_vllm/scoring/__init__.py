@@ -9,6 +9,18 @@ from .rc import (
     rc_lower_bound,
     rc_upper_bound,
 )
+from .scorers import (
+    SCORERS,
+    KnormScorer,
+    RandomScorer,
+    RCScorer,
+    Scorer,
+    SnapKVScorer,
+    StreamingLLMScorer,
+    TOVAScorer,
+    get_scorer,
+)
+from .selection import KeepSet, budget_keep_count, select_budget, select_threshold
 
 __all__ = [
     "expected_rc",
@@ -18,4 +30,17 @@ __all__ = [
     "expected_rc_samples",
     "rc_lower_bound",
     "rc_upper_bound",
+    "SCORERS",
+    "Scorer",
+    "RCScorer",
+    "SnapKVScorer",
+    "TOVAScorer",
+    "KnormScorer",
+    "StreamingLLMScorer",
+    "RandomScorer",
+    "get_scorer",
+    "KeepSet",
+    "budget_keep_count",
+    "select_budget",
+    "select_threshold",
 ]

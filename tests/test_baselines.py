@@ -1,0 +1,218 @@
+"""Every scorer on tiny hand-computed examples (d = 1 so each logit is a product worked out in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rcstat_vllm.scoring import (
+    SCORERS,
+    KnormScorer,
+    RandomScorer,
+    RCScorer,
+    SnapKVScorer,
+    StreamingLLMScorer,
+    TOVAScorer,
+    get_scorer,
+    select_budget,
+)
+from rcstat_vllm.scoring.scorers import smooth_scores
+
+INF = float("inf")
+LN2, LN3 = math.log(2), math.log(3)
+
+
+def col(values, dtype=torch.float64):
+    """[H][n] nested lists -> [H, n, 1] (d = 1)."""
+    return torch.tensor(values, dtype=dtype).unsqueeze(-1)
+
+
+def approx_row(row, expected):
+    assert len(row) == len(expected)
+    for got, want in zip(row, expected):
+        if math.isinf(want):
+            assert got == want
+        else:
+            assert got == pytest.approx(want, abs=1e-6)
+
+
+def unused_values(keys):
+    return torch.zeros_like(keys)
+
+
+# ------------------------------------------------------------------------------------------------- RC
+
+
+def test_rc_scorer_hand_worked_and_window_marked():
+    # keys [3, 0 | 1, 2], window queries [1, 2]: Y = {1, 2, 4}; token 0: X = {3, 6} -> 14 * 2/(4*3) = 7/3.
+    keys = col([[3.0, 0.0, 1.0, 2.0]])
+    queries = col([[1.0, 2.0]])
+    scores = RCScorer(window_size=2).score(queries, keys, unused_values(keys), scale=0.125)
+    assert scores.dtype == torch.float32
+    approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
+    # IOT: j=0: 3 vs {1} -> 2; j=1: 6 vs {2, 4} -> 3; mean 2.5.
+    iot = RCScorer(window_size=2, iot=True).score(queries, keys, unused_values(keys), scale=0.125)
+    approx_row(iot[0].tolist(), [2.5, 0.0, INF, INF])
+
+
+def test_rc_scorer_uses_trailing_window_queries_only():
+    keys = col([[3.0, 0.0, 1.0, 2.0]])
+    # Three queries given, window_size 2: the first (99) is ignored; the same result as above.
+    scores = RCScorer(window_size=2).score(col([[99.0, 1.0, 2.0]]), keys, unused_values(keys), 1.0)
+    approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
+    # Short prompt: window_size 8 but only 2 queries: uses those 2 (and marks 2 tokens).
+    scores = RCScorer().score(col([[1.0, 2.0]]), keys, unused_values(keys), 1.0)
+    approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
+
+
+def test_rc_gqa_mean_and_max_follow_vllm_head_grouping():
+    # Hq = 4, Hkv = 2, G = 2, w = 1: query heads 0, 1 read KV head 0; heads 2, 3 read KV head 1.
+    keys = col([[1.0, 3.0, 2.0], [5.0, 0.0, 1.0]])
+    queries = col([[2.0], [1.0], [3.0], [4.0]])
+    # KV 0: q=2: Y={4}, X=[2, 6] -> [0, 2];  q=1: Y={2}, X=[1, 3] -> [0, 1].
+    # KV 1: q=3: Y={3}, X=[15, 0] -> [12, 0]; q=4: Y={4}, X=[20, 0] -> [16, 0].
+    mean = RCScorer(window_size=1).score(queries, keys, unused_values(keys), 1.0)
+    approx_row(mean[0].tolist(), [0.0, 1.5, INF])
+    approx_row(mean[1].tolist(), [14.0, 0.0, INF])
+    top = RCScorer(window_size=1, gqa_reduce="max").score(queries, keys, unused_values(keys), 1.0)
+    approx_row(top[0].tolist(), [0.0, 2.0, INF])
+    approx_row(top[1].tolist(), [16.0, 0.0, INF])
+
+
+def test_gqa_head_count_must_divide():
+    keys = col([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match="query heads"):
+        RCScorer(window_size=1).score(col([[1.0], [1.0], [1.0]]), keys, unused_values(keys), 1.0)
+
+
+# --------------------------------------------------------------------------------------------- SnapKV
+
+
+def snapkv_example():
+    # n = 4, w = 2, scale 0.5, keys [0, 2 ln2, 0, 2 ln3] -> scaled logits of q=1: [0, ln2, 0, ln3].
+    # Query at position 2 sees keys 0..2: exp [1, 2, 1] / 4.  Query at position 3 sees all: [1, 2, 1, 3] / 7.
+    # Mean over the two window queries, tokens 0 and 1: (1/4 + 1/7)/2 = 11/56, (2/4 + 2/7)/2 = 11/28.
+    keys = col([[0.0, 2 * LN2, 0.0, 2 * LN3]])
+    queries = col([[1.0, 1.0]])
+    return queries, keys
+
+
+def test_snapkv_causal_window_attention_hand_worked():
+    queries, keys = snapkv_example()
+    scores = SnapKVScorer(window_size=2, kernel_size=1).score(queries, keys, unused_values(keys), scale=0.5)
+    approx_row(scores[0].tolist(), [11 / 56, 11 / 28, INF, INF])
+
+
+def test_snapkv_default_pooling_kernel_5():
+    queries, keys = snapkv_example()
+    scorer = SnapKVScorer(window_size=2)
+    assert scorer.kernel_size == 5
+    # Pooling of [11/56, 22/56] with kernel 5 and zero padding 2 (counted): each output sums both / 5.
+    scores = scorer.score(queries, keys, unused_values(keys), scale=0.5)
+    approx_row(scores[0].tolist(), [33 / 280, 33 / 280, INF, INF])
+
+
+def test_snapkv_pooling_counts_padding_at_edges():
+    pooled = smooth_scores(torch.tensor([[[0.0, 0.0, 5.0, 0.0, 0.0, 0.0], [10.0, 0.0, 0.0, 0.0, 0.0, 0.0]]]), 5)
+    assert pooled.tolist() == [[[1.0, 1.0, 1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 0.0, 0.0, 0.0]]]
+
+
+def test_snapkv_gqa_mean():
+    # Second query head of the group has q = 0: uniform causal attention, rows [1/3]*3 and [1/4]*4,
+    # so 7/24 for tokens 0 and 1. Group mean with the first head (11/56, 11/28).
+    keys = col([[0.0, 2 * LN2, 0.0, 2 * LN3]])
+    queries = col([[1.0, 1.0], [0.0, 0.0]])
+    scores = SnapKVScorer(window_size=2, kernel_size=1).score(queries, keys, unused_values(keys), scale=0.5)
+    approx_row(scores[0].tolist(), [(11 / 56 + 7 / 24) / 2, (11 / 28 + 7 / 24) / 2, INF, INF])
+
+
+# ----------------------------------------------------------------------------------------------- TOVA
+
+
+def test_tova_last_query_attention_averaged_over_all_heads():
+    # Hkv = 2, G = 1. Only the last of the three window queries counts (the 50s are ignored).
+    # KV 0, q=1: logits [ln2, 0, ln3] -> [2, 1, 3]/6.  KV 1, q=0: uniform 1/3.
+    # Mean over both heads (TOVA averages all heads of the layer): [(1/3 + 1/3)/2, (1/6 + 1/3)/2].
+    keys = col([[LN2, 0.0, LN3], [5.0, 7.0, 1.0]])
+    queries = col([[50.0, 50.0, 1.0], [50.0, 50.0, 0.0]])
+    scorer = TOVAScorer()
+    assert scorer.window_size == 1
+    scores = scorer.score(queries, keys, unused_values(keys), scale=1.0)
+    approx_row(scores[0].tolist(), [1 / 3, 1 / 4, INF])
+    approx_row(scores[1].tolist(), [1 / 3, 1 / 4, INF])
+    top = TOVAScorer(gqa_reduce="max").score(queries, keys, unused_values(keys), scale=1.0)
+    approx_row(top[1].tolist(), [1 / 3, 1 / 3, INF])
+
+
+# ---------------------------------------------------------------------------------------------- Knorm
+
+
+def test_knorm_negative_l2_norm():
+    keys = torch.tensor([[[3.0, 4.0], [1.0, 0.0], [0.0, 0.0]], [[0.0, 2.0], [6.0, 8.0], [1.0, 1.0]]])
+    scores = KnormScorer().score(torch.zeros(2, 1, 2), keys, unused_values(keys), 1.0)
+    approx_row(scores[0].tolist(), [-5.0, -1.0, 0.0])
+    approx_row(scores[1].tolist(), [-2.0, -10.0, -math.sqrt(2)])
+
+
+# -------------------------------------------------------------------------------------- StreamingLLM
+
+
+def test_streaming_sinks_and_positions():
+    keys = torch.zeros(2, 7, 3)
+    scores = StreamingLLMScorer().score(torch.zeros(2, 1, 3), keys, unused_values(keys), 1.0)
+    assert scores.tolist() == [[INF] * 4 + [4.0, 5.0, 6.0]] * 2
+
+
+def test_streaming_budget_keeps_sinks_plus_most_recent():
+    keys = torch.zeros(2, 12, 3)
+    scores = StreamingLLMScorer().score(torch.zeros(2, 1, 3), keys, unused_values(keys), 1.0)
+    keep = select_budget(scores, window=0, ratio=0.5)  # keep 12 of 24: 8 sinks + tokens 10, 11 per head
+    assert [ix.tolist() for ix in keep.indices()] == [[0, 1, 2, 3, 10, 11]] * 2
+
+
+# --------------------------------------------------------------------------------------------- Random
+
+
+def test_random_is_seeded_and_uniform():
+    keys = torch.zeros(3, 5, 2)
+    first = RandomScorer(seed=7).score(torch.zeros(3, 1, 2), keys, unused_values(keys), 1.0)
+    again = RandomScorer(seed=7).score(torch.zeros(3, 1, 2), keys, unused_values(keys), 1.0)
+    other = RandomScorer(seed=8).score(torch.zeros(3, 1, 2), keys, unused_values(keys), 1.0)
+    assert first.shape == (3, 5) and first.dtype == torch.float32
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert torch.equal(first, torch.rand(3, 5, generator=torch.Generator().manual_seed(7)))
+    assert ((first >= 0) & (first < 1)).all()
+
+
+# ------------------------------------------------------------------------------------------- Registry
+
+
+def test_registry_defaults_and_options():
+    assert sorted(SCORERS) == ["knorm", "random", "rc", "snapkv", "streaming", "tova"]
+    defaults = {name: get_scorer(name).window_size for name in SCORERS}
+    assert defaults == {"rc": 8, "snapkv": 64, "tova": 1, "knorm": 0, "streaming": 0, "random": 0}
+    snap = get_scorer("snapkv", window_size=16, kernel_size=3)
+    assert (snap.name, snap.window_size, snap.kernel_size) == ("snapkv", 16, 3)
+    assert get_scorer("streaming").n_sink == 4
+    assert get_scorer("rc", iot=True).iot is True
+
+
+def test_registry_unknown_method_names_allowed():
+    with pytest.raises(ValueError, match="allowed: knorm, random, rc, snapkv, streaming, tova"):
+        get_scorer("h2o")
+    with pytest.raises(ValueError, match="gqa_reduce"):
+        get_scorer("rc", gqa_reduce="median")
+
+
+@pytest.mark.parametrize("method", sorted(SCORERS))
+def test_every_scorer_returns_float32_per_kv_head_token(method):
+    gen = torch.Generator().manual_seed(0)
+    queries = torch.randn(6, 8, 4, generator=gen).bfloat16()
+    keys = torch.randn(2, 20, 4, generator=gen).bfloat16()
+    scores = get_scorer(method).score(queries, keys, keys, 0.5)
+    assert scores.shape == (2, 20)
+    assert scores.dtype == torch.float32
+    assert not torch.isnan(scores).any()
