@@ -1,0 +1,47 @@
+"""Triton kernel of fused RC scoring (see :mod:`rcstat_vllm.kernels.rc_scoring` for the contract)."""
+
+import triton
+import triton.language as tl
+
+from ._tiles_triton import load_group_queries, load_paged_key_tile
+
+
+@triton.jit
+def rc_scores_paged_kernel(
+    q_ptr, stride_qh, stride_qw, stride_qd,
+    kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+    block_table_ptr,
+    y_sorted_ptr, prefix_ptr, center_ptr,  # [Hq, m], [Hq, m + 1], [Hq] float32, contiguous
+    out_ptr, stride_oh,                     # [Hkv, n - w] float32
+    num_scored, m, norm,
+    G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program: BLOCK_N tokens of one KV head; the G*W cross logits of the tile live in registers only."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q, rows_valid = load_group_queries(q_ptr, stride_qh, stride_qw, stride_qd, kv_head, G, W, ROWS, D, D_PAD)
+    keys, tokens, tokens_valid = load_paged_key_tile(
+        kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
+        num_scored, BLOCK_N, PAGE, D, D_PAD,
+    )
+    if IEEE:  # float32 caches: full-precision products (tf32 would round the logits to 10 mantissa bits)
+        logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    else:
+        logits = tl.dot(q, tl.trans(keys))  # [ROWS, BLOCK_N] float32 accumulation
+    q_head = kv_head * G + tl.arange(0, ROWS) // W
+    center = tl.load(center_ptr + q_head, mask=rows_valid, other=0.0)
+    x = logits - center[:, None]
+
+    # count[r, t] = #{y in Y of query head(r) : y < x[r, t]}; Y is sorted, so its prefix sum at `count`
+    # is the sum of exactly those y, and sum_y max(x - y, 0) = count * x - prefix[count].
+    count = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
+    for k in range(0, m):
+        y = tl.load(y_sorted_ptr + q_head * m + k, mask=rows_valid, other=float("inf"))
+        count += (y[:, None] < x).to(tl.int32)
+    below = tl.load(prefix_ptr + q_head[:, None] * (m + 1) + count, mask=rows_valid[:, None], other=0.0)
+    gaps = tl.maximum(count.to(tl.float32) * x - below, 0.0)
+    gaps = tl.where(rows_valid[:, None], gaps, 0.0)
+    # norm = 1 / (W * m * G): mean over the W*m (x, y) pairs of Eq. 6, then over the G query heads.
+    scores = tl.sum(gaps, axis=0) * norm
+    tl.store(out_ptr + kv_head * stride_oh + tokens, scores, mask=tokens_valid)

@@ -1,0 +1,45 @@
+"""Triton building blocks shared by the scoring kernels: load a KV head's window queries and a paged key tile.
+
+Imported only when a Triton kernel is launched (``triton`` is an optional dependency on CPU machines).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_group_queries(
+    q_ptr, stride_qh, stride_qw, stride_qd, kv_head,
+    G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """Rows r < G*W: query head kv_head*G + r // W, window position r % W. Returns ([ROWS, D_PAD], rows_valid)."""
+    rows = tl.arange(0, ROWS)
+    rows_valid = rows < G * W
+    q_head = kv_head * G + rows // W
+    q_pos = rows % W
+    dims = tl.arange(0, D_PAD)
+    ptrs = q_ptr + q_head[:, None] * stride_qh + q_pos[:, None] * stride_qw + dims[None, :] * stride_qd
+    q = tl.load(ptrs, mask=rows_valid[:, None] & (dims[None, :] < D), other=0.0)
+    return q, rows_valid
+
+
+@triton.jit
+def load_paged_key_tile(
+    kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile_start, num_valid,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """Keys of tokens tile_start .. tile_start+BLOCK_N-1 (< num_valid) through the block table.
+
+    Returns ([BLOCK_N, D_PAD] keys, zero where invalid; [BLOCK_N] token indices; [BLOCK_N] valid mask).
+    """
+    tokens = tile_start + tl.arange(0, BLOCK_N)
+    valid = tokens < num_valid
+    block = tl.load(block_table_ptr + tokens // PAGE, mask=valid, other=0).to(tl.int64)
+    slot = tokens % PAGE
+    dims = tl.arange(0, D_PAD)
+    ptrs = (
+        kc_ptr + block[:, None] * stride_kb + kv_head * stride_kh + slot[:, None] * stride_ks
+        + dims[None, :] * stride_kd
+    )
+    keys = tl.load(ptrs, mask=valid[:, None] & (dims[None, :] < D), other=0.0)
+    return keys, tokens, valid

@@ -1,0 +1,44 @@
+"""Reading one request's tokens out of a paged KV cache in torch (references and small precomputations).
+
+Layout (vLLM's per-layer key cache, possibly a strided view of a fused K/V tensor):
+``key_cache[num_blocks, Hkv, block_size, d]``; page j of the request (``block_table[j]``) holds tokens
+j*block_size .. (j+1)*block_size - 1, and the last page may be partly filled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["gather_paged_tokens", "check_paged_inputs"]
+
+
+def check_paged_inputs(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[int, int]:
+    """Validate shapes; returns (group size G, window length w)."""
+    if q_window.dim() != 3 or key_cache.dim() != 4 or block_table.dim() != 1:
+        raise ValueError(
+            "expected q_window [Hq, w, d], key_cache [num_blocks, Hkv, block_size, d], block_table [pages], got "
+            f"{tuple(q_window.shape)}, {tuple(key_cache.shape)}, {tuple(block_table.shape)}"
+        )
+    num_q_heads, w, head_dim = q_window.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: queries {head_dim}, keys {key_cache.shape[3]}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV-head groups")
+    if not 1 <= w <= num_tokens:
+        raise ValueError(f"window of {w} queries does not fit {num_tokens} tokens")
+    pages_needed = -(-num_tokens // block_size)
+    if block_table.shape[0] < pages_needed:
+        raise ValueError(f"{num_tokens} tokens need {pages_needed} pages, block table has {block_table.shape[0]}")
+    return num_q_heads // num_kv_heads, w
+
+
+def gather_paged_tokens(key_cache: Tensor, block_table: Tensor, start: int, stop: int) -> Tensor:
+    """Tokens start..stop-1 of one request, contiguous: [Hkv, stop - start, d] in the cache's dtype."""
+    block_size = key_cache.shape[2]
+    positions = torch.arange(start, stop, device=key_cache.device)
+    blocks = block_table.to(device=key_cache.device, dtype=torch.long)[positions // block_size]
+    slots = positions % block_size
+    # Advanced indexing on dims 0 and 2 with a slice between puts the token dim first: [tokens, Hkv, d].
+    return key_cache[blocks, :, slots].transpose(0, 1).contiguous()
