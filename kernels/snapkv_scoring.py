@@ -1,0 +1,82 @@
+"""Paged SnapKV scoring (Triton, two passes) with its torch reference.
+
+Same numbers as :class:`rcstat_vllm.scoring.SnapKVScorer` with ``gqa_reduce="mean"`` for the non-window
+tokens: causal softmax of the w window queries over the prompt, mean over the window queries and the G
+query heads of each KV head, then average pooling along tokens.
+
+The softmax needs each window query's normaliser over *all* n keys before any weight is known, so the
+kernel is two passes over the keys, like attention without values:
+1. per tile, each query's log-sum-exp over the tile's non-window tokens (written, [Hkv, tiles, G*w]);
+   torch merges the tiles with the window part (w x w causal logits, tiny) into one log-sum-exp per query;
+2. per tile, exp(logit - lse) summed over the G*w queries, written per token.
+Pooling (a 5-wide moving average over n floats) stays in torch. The [G*w, n] weights never hit memory;
+the price is reading the keys twice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rcstat_vllm.scoring.scorers import SnapKVScorer, smooth_scores
+
+from .paged import check_paged_inputs, gather_paged_tokens
+from .rc_scoring import _next_power_of_2, triton_cdiv
+
+__all__ = ["snapkv_scores_paged", "snapkv_scores_paged_reference"]
+
+
+def snapkv_scores_paged_reference(
+    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float, kernel_size: int = 5
+) -> Tensor:
+    """Torch reference: gather keys via the block table and run SnapKVScorer. Returns float32 [Hkv, n - w]."""
+    _, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
+    keys = gather_paged_tokens(key_cache, block_table, 0, num_tokens)
+    scorer = SnapKVScorer(window_size=w, kernel_size=kernel_size)
+    return scorer.score(q_window, keys, keys, scale)[:, : num_tokens - w]
+
+
+def snapkv_scores_paged(
+    q_window: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    num_tokens: int,
+    scale: float,
+    kernel_size: int = 5,
+    block_n: int = 32,
+) -> Tensor:
+    """Triton version of :func:`snapkv_scores_paged_reference` (same arguments): float32 [Hkv, n - w]."""
+    group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
+    from ._snapkv_triton import snapkv_mean_attention_kernel, snapkv_partial_logsumexp_kernel
+
+    num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    num_scored = num_tokens - w
+    if num_scored == 0:
+        return torch.empty(num_kv_heads, 0, dtype=torch.float32, device=key_cache.device)
+    rows = _next_power_of_2(group * w)
+    queries = q_window.to(key_cache.dtype)
+    table = block_table.to(device=key_cache.device, dtype=torch.int32)
+    num_tiles = triton_cdiv(num_scored, block_n)
+    meta = dict(
+        G=group, W=w, ROWS=rows, D=head_dim, D_PAD=_next_power_of_2(head_dim),
+        BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
+    )
+    common = (queries, *queries.stride(), key_cache, *key_cache.stride(), table)
+
+    partial = torch.empty(num_kv_heads, num_tiles, rows, dtype=torch.float32, device=key_cache.device)
+    snapkv_partial_logsumexp_kernel[(num_tiles, num_kv_heads)](*common, partial, num_scored, num_tiles, scale, **meta)
+
+    # Window part of each query's normaliser: query j (position n-w+j) sees window keys 0..j.
+    window_keys = gather_paged_tokens(key_cache, block_table, num_scored, num_tokens).float()
+    grouped = queries.float().reshape(num_kv_heads, group * w, head_dim)
+    window_logits = torch.matmul(grouped, window_keys.transpose(1, 2)) * scale  # [Hkv, G*w, w]
+    future = torch.ones(w, w, dtype=torch.bool, device=key_cache.device).triu(diagonal=1).repeat(group, 1)
+    window_lse = torch.logsumexp(window_logits.masked_fill(future, float("-inf")), dim=-1)  # [Hkv, G*w]
+    lse = torch.logsumexp(torch.cat([partial[..., : group * w], window_lse.unsqueeze(1)], dim=1), dim=1)
+    lse = torch.nn.functional.pad(lse, (0, rows - group * w)).contiguous()  # padded rows are masked anyway
+
+    mean_attention = torch.empty(num_kv_heads, num_scored, dtype=torch.float32, device=key_cache.device)
+    snapkv_mean_attention_kernel[(num_tiles, num_kv_heads)](
+        *common, lse, mean_attention, mean_attention.stride(0), num_scored, scale, **meta
+    )
+    return smooth_scores(mean_attention, kernel_size)
