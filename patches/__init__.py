@@ -1,0 +1,34 @@
+"""Every touch of a private vLLM API, one module per concern, each with its ``CONTRACTS``.
+
+- ``platform``: validate the flag at start-up, choose the plugin's attention backend on CPU.
+- ``request_validation``: reject a bad per-request override (``vllm_xargs``) for that request only.
+- ``scheduler``: apply the worker's compaction reports, returning freed blocks to the ``BlockPool``.
+- ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
+"""
+
+from __future__ import annotations
+
+from . import model_runner, platform, request_validation, scheduler
+from ._contract import Contract, VLLMContractError
+
+MODULES = (platform, request_validation, scheduler, model_runner)
+
+
+def all_contracts() -> list[Contract]:
+    return [c for module in MODULES for c in module.CONTRACTS]
+
+
+def check_contracts() -> None:
+    """Raise :class:`VLLMContractError` naming the first private API that does not match."""
+    for contract in all_contracts():
+        contract.check()
+
+
+def install_all() -> None:
+    """Install the process-wide hooks (idempotent). ``model_runner`` hooks are installed by the backend."""
+    check_contracts()
+    for module in (platform, request_validation, scheduler):
+        module.install()
+
+
+__all__ = ["Contract", "VLLMContractError", "all_contracts", "check_contracts", "install_all"]

@@ -1,0 +1,66 @@
+"""Scheduler side of the worker-to-scheduler report: return the blocks compaction freed to the pool.
+
+After a request's last prefill chunk the worker compacts each head's kept KV into the request's first
+``keep_blocks`` blocks (plus its last prompt block, where decode continues) and reports that in the
+``ModelRunnerOutput``. Here, before vLLM processes that output, the blocks in between go back to the
+``BlockPool`` and are replaced by the null block in the request's block list, exactly as vLLM's own
+sliding-window manager does: the list keeps its length, so later allocation by position is unchanged.
+"""
+
+from __future__ import annotations
+
+
+
+from rcstat_vllm.reports import REPORTS_ATTR, CompressionReport
+
+from ._contract import Contract, wrap_method
+
+from rcstat_vllm.log import logger
+
+CONTRACTS = (
+    Contract(
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+    ),
+    Contract(
+        "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._remove_blocks_in_range",
+        ("self", "request_id", "first_block", "last_block"),
+    ),
+    Contract("vllm.v1.core.block_pool:BlockPool.get_num_free_blocks", ("self",)),
+)
+
+
+def release_blocks(kv_cache_manager, report: CompressionReport) -> int:
+    """Free the blocks ``[keep_blocks, tail_block)`` of the request; returns how many were freed."""
+    pool = kv_cache_manager.block_pool
+    before = pool.get_num_free_blocks()
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        if report.req_id in manager.req_to_blocks:
+            manager._remove_blocks_in_range(report.req_id, report.keep_blocks, report.tail_block)
+    return pool.get_num_free_blocks() - before
+
+
+def _update_from_output(original):
+    def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
+        reports = model_runner_output.__dict__.pop(REPORTS_ATTR, None)
+        for report in reports or ():
+            if report.keep_blocks < report.tail_block:
+                freed = release_blocks(self.kv_cache_manager, report)
+            else:
+                freed = 0
+            logger.debug(
+                "rcstat: request %s freed %d blocks (predicted %d); free blocks now %d",
+                report.req_id,
+                freed,
+                report.blocks_freed,
+                self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            )
+        return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+
+    return wrapper
+
+
+def install() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    wrap_method(Scheduler, "update_from_output", _update_from_output)

@@ -1,0 +1,34 @@
+"""The per-step view of the batch that the plugin's backend needs (filled by patches/model_runner.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One row of the batch, in the order of the attention metadata's rows."""
+
+    req_id: str
+    num_prompt_tokens: int
+    #: tokens already in the KV cache before this step
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    extra_args: Mapping[str, Any] | None = None
+
+    @property
+    def num_tokens_after_step(self) -> int:
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+    @property
+    def finishes_prefill(self) -> bool:
+        """This step writes the last prompt token's KV: the moment to compress."""
+        return self.num_computed_tokens < self.num_prompt_tokens <= self.num_tokens_after_step
+
+
+@dataclass
+class StepInfo:
+    requests: list[BatchRequest]
+    #: requests finished, preempted or resumed: their compressed state is gone
+    dropped_req_ids: set[str] = field(default_factory=set)
