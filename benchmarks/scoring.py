@@ -1,0 +1,217 @@
+"""Scoring overhead: RC (Eq. 6, GQA mean) and SnapKV against the plain matmul of the same logits.
+
+Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), one request, one layer, prompt
+lengths n (default 4k, 16k, 64k). RC uses a window of w = 8 queries, SnapKV its default 64. Each method's
+ratio is taken against ``q_window @ K^T`` with the same w: the cost every logit-based scorer must pay.
+
+* CPU (always): the torch paths the engine runs on vLLM-CPU, float32.
+* CUDA (when available): the torch paths plus the Triton kernels reading a paged bf16 cache.
+
+    python benchmarks/scoring.py                       # writes benchmarks/results/scoring_<device>.json
+    python benchmarks/scoring.py --sizes 4096 --repeats 3 --json /tmp/s.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from rcstat_vllm.scoring import RCScorer, SnapKVScorer
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+RC_WINDOW, SNAPKV_WINDOW = 8, 64
+PAGE_SIZE = 16
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Timing:
+    n: int
+    method: str
+    window: int
+    baseline: str  # the matmul row this method's ratio refers to
+    repeats: int
+    ms_median: float
+    ms_min: float
+    ratio_vs_matmul: float | None = None
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def time_call(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, float]:
+    """Median and min wall time in ms after one warm-up call."""
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples), min(samples)
+
+
+def repeats_for(n: int, repeats: int) -> int:
+    """Fewer repeats at long prompts (each run is longer and its timing steadier), at least 2."""
+    return max(2, min(repeats, round(repeats * 16384 / n)))
+
+
+def make_inputs(n: int, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
+    keys = torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=generator).to(device, dtype)
+    queries = torch.randn(NUM_Q_HEADS, SNAPKV_WINDOW, HEAD_DIM, generator=generator).to(device, dtype)
+    # Realistic logits: RoPE'd queries and keys are correlated; plain Gaussians are enough for timing.
+    return queries, keys
+
+
+def paged_cache(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same keys in a vLLM-style cache [blocks, Hkv, page, d] under a shuffled block table."""
+    n = keys.shape[1]
+    pages = math.ceil(n / PAGE_SIZE)
+    padded = torch.nn.functional.pad(keys, (0, 0, 0, pages * PAGE_SIZE - n))
+    ordered = padded.reshape(NUM_KV_HEADS, pages, PAGE_SIZE, HEAD_DIM).transpose(0, 1)
+    perm = torch.randperm(pages, device=keys.device)
+    cache = torch.empty_like(ordered)
+    cache[perm] = ordered
+    return cache.contiguous(), perm.to(torch.int32)
+
+
+def plan(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device):
+    """(method, window, baseline, fn) rows for one prompt length."""
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    scale = HEAD_DIM**-0.5
+    q_rc = queries[:, -RC_WINDOW:]
+    keys_t = keys.transpose(1, 2)
+
+    def matmul(window):
+        grouped = queries[:, -window:].reshape(NUM_KV_HEADS, group * window, HEAD_DIM)
+        return lambda: torch.matmul(grouped, keys_t)
+
+    rc, snapkv = RCScorer(window_size=RC_WINDOW), SnapKVScorer(window_size=SNAPKV_WINDOW)
+    rows = [
+        (f"matmul w={RC_WINDOW}", RC_WINDOW, None, matmul(RC_WINDOW)),
+        ("rc torch", RC_WINDOW, f"matmul w={RC_WINDOW}", lambda: rc.score(q_rc, keys, keys, scale)),
+        (f"matmul w={SNAPKV_WINDOW}", SNAPKV_WINDOW, None, matmul(SNAPKV_WINDOW)),
+        ("snapkv torch", SNAPKV_WINDOW, f"matmul w={SNAPKV_WINDOW}", lambda: snapkv.score(queries, keys, keys, scale)),
+    ]
+    if device.type == "cuda":
+        from rcstat_vllm.kernels.rc_scoring import rc_scores_paged
+        from rcstat_vllm.kernels.snapkv_scoring import snapkv_scores_paged
+
+        cache, table = paged_cache(keys)
+        rows += [
+            ("rc triton paged", RC_WINDOW, f"matmul w={RC_WINDOW}", lambda: rc_scores_paged(q_rc, cache, table, n)),
+            (
+                "snapkv triton paged",
+                SNAPKV_WINDOW,
+                f"matmul w={SNAPKV_WINDOW}",
+                lambda: snapkv_scores_paged(queries, cache, table, n, scale),
+            ),
+        ]
+    return rows
+
+
+def run(sizes: list[int], repeats: int, device: torch.device, dtype: torch.dtype) -> list[Timing]:
+    generator = torch.Generator().manual_seed(0)
+    rows_per_size = 6 if device.type == "cuda" else 4
+    timings: list[Timing] = []
+    with tqdm(total=len(sizes) * rows_per_size, desc="scoring benchmark", file=sys.stderr) as progress:
+        for n in sizes:
+            queries, keys = make_inputs(n, device, dtype, generator)
+            reps = repeats_for(n, repeats)
+            by_method: dict[str, Timing] = {}
+            for method, window, baseline, fn in plan(n, queries, keys, device):
+                progress.set_postfix_str(f"n={n} {method}")
+                median, fastest = time_call(fn, reps, device)
+                timing = Timing(n, method, window, baseline or method, reps, median, fastest)
+                if baseline is not None:
+                    timing.ratio_vs_matmul = median / by_method[baseline].ms_median
+                by_method[method] = timing
+                timings.append(timing)
+                progress.update(1)
+            del queries, keys
+    return timings
+
+
+def print_table(timings: list[Timing]) -> None:
+    header = f"{'n':>7}  {'method':<20} {'w':>3} {'reps':>4} {'ms (median)':>12} {'ms (min)':>10}  {'x matmul':>8}"
+    print(header)
+    print("-" * len(header))
+    for t in timings:
+        ratio = f"{t.ratio_vs_matmul:8.1f}" if t.ratio_vs_matmul is not None else f"{'1.0':>8}"
+        print(f"{t.n:>7}  {t.method:<20} {t.window:>3} {t.repeats:>4} {t.ms_median:>12.2f} {t.ms_min:>10.2f}  {ratio}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096, 16384, 65536],
+                        help="comma-separated prompt lengths (default 4096,16384,65536)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per method at n <= 16k; fewer at longer n, at least 2 (default 5)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="output file (default benchmarks/results/scoring_<cpu|cuda>.json)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    dtype = torch.bfloat16 if use_cuda else torch.float32
+    load_before = _load_average()
+    timings = run(args.sizes, args.repeats, device, dtype)
+    print_table(timings)
+
+    path = args.json or RESULTS_DIR / f"scoring_{device.type}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "device": device.type,
+        "device_name": device_description(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        # Other processes share the machine's cores: the 1-minute load average says how much.
+        "load_average_1min": {"before": load_before, "after": _load_average()},
+        "dtype": str(dtype).removeprefix("torch."),
+        "shapes": {"q_heads": NUM_Q_HEADS, "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                   "rc_window": RC_WINDOW, "snapkv_window": SNAPKV_WINDOW, "page_size": PAGE_SIZE},
+        "note": "ratio_vs_matmul = median ms / median ms of q_window @ K^T with the same window (baseline)",
+        "results": [asdict(t) for t in timings],
+    }
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
