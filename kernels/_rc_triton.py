@@ -14,34 +14,38 @@ def rc_scores_paged_kernel(
     y_sorted_ptr, prefix_ptr, center_ptr,  # [Hq, m], [Hq, m + 1], [Hq] float32, contiguous
     out_ptr, stride_oh,                     # [Hkv, n - w] float32
     num_scored, m, norm,
-    G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One program: BLOCK_N tokens of one KV head; the G*W cross logits of the tile live in registers only."""
+    """One program: BLOCK_N tokens of one KV head. The key tile is loaded once; the G*W query rows are
+    processed ROW_BLOCK at a time (bounded registers for large G*W); logits never leave registers."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q, rows_valid = load_group_queries(q_ptr, stride_qh, stride_qw, stride_qd, kv_head, G, W, ROWS, D, D_PAD)
     keys, tokens, tokens_valid = load_paged_key_tile(
         kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
         num_scored, BLOCK_N, PAGE, D, D_PAD,
     )
-    if IEEE:  # float32 caches: full-precision products (tf32 would round the logits to 10 mantissa bits)
-        logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
-    else:
-        logits = tl.dot(q, tl.trans(keys))  # [ROWS, BLOCK_N] float32 accumulation
-    q_head = kv_head * G + tl.arange(0, ROWS) // W
-    center = tl.load(center_ptr + q_head, mask=rows_valid, other=0.0)
-    x = logits - center[:, None]
+    scores = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row_block in tl.static_range(NUM_ROW_BLOCKS):
+        q, rows, rows_valid = load_group_queries(
+            q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_block * ROW_BLOCK, G, W, ROW_BLOCK, D, D_PAD
+        )
+        if IEEE:  # float32 caches: full-precision products (tf32 would round the logits to 10 mantissa bits)
+            logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            logits = tl.dot(q, tl.trans(keys))  # [ROW_BLOCK, BLOCK_N], float32 accumulation
+        q_head = kv_head * G + rows // W
+        center = tl.load(center_ptr + q_head, mask=rows_valid, other=0.0)
+        x = logits - center[:, None]
 
-    # count[r, t] = #{y in Y of query head(r) : y < x[r, t]}; Y is sorted, so its prefix sum at `count`
-    # is the sum of exactly those y, and sum_y max(x - y, 0) = count * x - prefix[count].
-    count = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)
-    for k in range(0, m):
-        y = tl.load(y_sorted_ptr + q_head * m + k, mask=rows_valid, other=float("inf"))
-        count += (y[:, None] < x).to(tl.int32)
-    below = tl.load(prefix_ptr + q_head[:, None] * (m + 1) + count, mask=rows_valid[:, None], other=0.0)
-    gaps = tl.maximum(count.to(tl.float32) * x - below, 0.0)
-    gaps = tl.where(rows_valid[:, None], gaps, 0.0)
+        # count[r, t] = #{y in Y of query head(r) : y < x[r, t]}; Y is sorted, so its prefix sum at `count`
+        # is the sum of exactly those y, and sum_y max(x - y, 0) = count * x - prefix[count].
+        count = tl.zeros([ROW_BLOCK, BLOCK_N], dtype=tl.int32)
+        for k in range(0, m):
+            y = tl.load(y_sorted_ptr + q_head * m + k, mask=rows_valid, other=float("inf"))
+            count += (y[:, None] < x).to(tl.int32)
+        below = tl.load(prefix_ptr + q_head[:, None] * (m + 1) + count, mask=rows_valid[:, None], other=0.0)
+        gaps = tl.maximum(count.to(tl.float32) * x - below, 0.0)
+        scores += tl.sum(tl.where(rows_valid[:, None], gaps, 0.0), axis=0)
     # norm = 1 / (W * m * G): mean over the W*m (x, y) pairs of Eq. 6, then over the G query heads.
-    scores = tl.sum(gaps, axis=0) * norm
-    tl.store(out_ptr + kv_head * stride_oh + tokens, scores, mask=tokens_valid)
+    tl.store(out_ptr + kv_head * stride_oh + tokens, scores * norm, mask=tokens_valid)

@@ -20,24 +20,27 @@ def snapkv_partial_logsumexp_kernel(
     q_ptr, stride_qh, stride_qw, stride_qd,
     kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
     block_table_ptr,
-    partial_ptr,  # [Hkv, num_tiles, ROWS] float32: log-sum-exp of each row over the tile's tokens
+    partial_ptr,  # [Hkv, num_tiles, NUM_ROW_BLOCKS * ROW_BLOCK] float32: row log-sum-exp over the tile
     num_scored, num_tiles, scale,
-    G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Pass 1: per (KV head, tile), each window query's log-sum-exp over the tile's non-window tokens."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q, rows_valid = load_group_queries(q_ptr, stride_qh, stride_qw, stride_qd, kv_head, G, W, ROWS, D, D_PAD)
     keys, tokens, tokens_valid = load_paged_key_tile(
         kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
         num_scored, BLOCK_N, PAGE, D, D_PAD,
     )
-    logits = _scaled_logits(q, keys, tokens_valid, scale, IEEE)
-    row_max = tl.max(logits, axis=1)  # finite: every tile has at least one valid token
-    row_lse = row_max + tl.log(tl.sum(tl.exp(logits - row_max[:, None]), axis=1))
-    rows = tl.arange(0, ROWS)
-    tl.store(partial_ptr + (kv_head * num_tiles + tile) * ROWS + rows, row_lse)
+    out_row_ptr = partial_ptr + (kv_head * num_tiles + tile) * (NUM_ROW_BLOCKS * ROW_BLOCK)
+    for row_block in tl.static_range(NUM_ROW_BLOCKS):
+        q, rows, rows_valid = load_group_queries(
+            q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_block * ROW_BLOCK, G, W, ROW_BLOCK, D, D_PAD
+        )
+        logits = _scaled_logits(q, keys, tokens_valid, scale, IEEE)
+        row_max = tl.max(logits, axis=1)  # finite: every tile has at least one valid token
+        row_lse = row_max + tl.log(tl.sum(tl.exp(logits - row_max[:, None]), axis=1))
+        tl.store(out_row_ptr + rows, row_lse)
 
 
 @triton.jit
@@ -45,23 +48,26 @@ def snapkv_mean_attention_kernel(
     q_ptr, stride_qh, stride_qw, stride_qd,
     kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
     block_table_ptr,
-    lse_ptr,  # [Hkv, ROWS] float32: each window query's log-sum-exp over all keys it sees
+    lse_ptr,  # [Hkv, NUM_ROW_BLOCKS * ROW_BLOCK] float32: each window query's log-sum-exp over its keys
     out_ptr, stride_oh,  # [Hkv, n - w] float32
     num_scored, scale,
-    G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Pass 2: softmax weight of each token under each window query, averaged over the G*W queries."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q, rows_valid = load_group_queries(q_ptr, stride_qh, stride_qw, stride_qd, kv_head, G, W, ROWS, D, D_PAD)
     keys, tokens, tokens_valid = load_paged_key_tile(
         kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
         num_scored, BLOCK_N, PAGE, D, D_PAD,
     )
-    logits = _scaled_logits(q, keys, tokens_valid, scale, IEEE)
-    rows = tl.arange(0, ROWS)
-    lse = tl.load(lse_ptr + kv_head * ROWS + rows)
-    weights = tl.where(rows_valid[:, None], tl.exp(logits - lse[:, None]), 0.0)
-    mean_weight = tl.sum(weights, axis=0) * (1.0 / (G * W))
-    tl.store(out_ptr + kv_head * stride_oh + tokens, mean_weight, mask=tokens_valid)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row_block in tl.static_range(NUM_ROW_BLOCKS):
+        q, rows, rows_valid = load_group_queries(
+            q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_block * ROW_BLOCK, G, W, ROW_BLOCK, D, D_PAD
+        )
+        logits = _scaled_logits(q, keys, tokens_valid, scale, IEEE)
+        lse = tl.load(lse_ptr + kv_head * (NUM_ROW_BLOCKS * ROW_BLOCK) + rows)
+        weights = tl.where(rows_valid[:, None], tl.exp(logits - lse[:, None]), 0.0)
+        total += tl.sum(weights, axis=0)
+    tl.store(out_ptr + kv_head * stride_oh + tokens, total * (1.0 / (G * W)), mask=tokens_valid)

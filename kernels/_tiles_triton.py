@@ -9,18 +9,19 @@ import triton.language as tl
 
 @triton.jit
 def load_group_queries(
-    q_ptr, stride_qh, stride_qw, stride_qd, kv_head,
+    q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_start,
     G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    """Rows r < G*W: query head kv_head*G + r // W, window position r % W. Returns ([ROWS, D_PAD], rows_valid)."""
-    rows = tl.arange(0, ROWS)
+    """Rows row_start .. row_start+ROWS-1 of the KV head's G*W window queries; row r is query head
+    kv_head*G + r // W at window position r % W. Returns ([ROWS, D_PAD] queries, [ROWS] row ids, valid)."""
+    rows = row_start + tl.arange(0, ROWS)
     rows_valid = rows < G * W
     q_head = kv_head * G + rows // W
     q_pos = rows % W
     dims = tl.arange(0, D_PAD)
     ptrs = q_ptr + q_head[:, None] * stride_qh + q_pos[:, None] * stride_qw + dims[None, :] * stride_qd
     q = tl.load(ptrs, mask=rows_valid[:, None] & (dims[None, :] < D), other=0.0)
-    return q, rows_valid
+    return q, rows, rows_valid
 
 
 @triton.jit

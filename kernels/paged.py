@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gather_paged_tokens", "check_paged_inputs"]
+__all__ = ["gather_paged_tokens", "check_paged_inputs", "cdiv", "next_power_of_2", "row_blocking"]
 
 
 def check_paged_inputs(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[int, int]:
@@ -42,3 +42,23 @@ def gather_paged_tokens(key_cache: Tensor, block_table: Tensor, start: int, stop
     slots = positions % block_size
     # Advanced indexing on dims 0 and 2 with a slice between puts the token dim first: [tokens, Hkv, d].
     return key_cache[blocks, :, slots].transpose(0, 1).contiguous()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(value: int, minimum: int = 16) -> int:
+    """Tile sizes for Triton: tl.arange needs powers of 2 and tl.dot needs every dim >= 16."""
+    return max(minimum, 1 << (max(value, 1) - 1).bit_length())
+
+
+#: Query rows a scoring program holds at once: enough for tensor cores, few enough for registers
+#: (G*w reaches 256 for SnapKV's 64-query window with G = 4).
+MAX_ROW_BLOCK = 32
+
+
+def row_blocking(num_rows: int) -> dict[str, int]:
+    """ROW_BLOCK and NUM_ROW_BLOCKS meta-parameters covering num_rows = G*w query rows."""
+    row_block = min(next_power_of_2(num_rows), MAX_ROW_BLOCK)
+    return {"ROW_BLOCK": row_block, "NUM_ROW_BLOCKS": cdiv(num_rows, row_block)}

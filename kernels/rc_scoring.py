@@ -20,7 +20,7 @@ from torch import Tensor
 
 from rcstat_vllm.scoring.rc import expected_rc_grouped, window_self_logits
 
-from .paged import check_paged_inputs, gather_paged_tokens
+from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 
 __all__ = ["rc_scores_paged", "rc_scores_paged_reference", "triton_available"]
 
@@ -51,11 +51,6 @@ def rc_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: 
     return expected_rc_grouped(queries, keys).mean(dim=1)
 
 
-def _next_power_of_2(value: int, minimum: int = 16) -> int:
-    # tl.arange needs powers of 2; tl.dot needs every dim >= 16.
-    return max(minimum, 1 << (max(value, 1) - 1).bit_length())
-
-
 def rc_scores_paged(
     q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, block_n: int = 64
 ) -> Tensor:
@@ -81,7 +76,7 @@ def rc_scores_paged(
     prefix = table.prefix.reshape(-1, m + 1).float().contiguous()
     center = table.center.reshape(-1).float().contiguous()
 
-    grid = (triton_cdiv(num_scored, block_n), num_kv_heads)
+    grid = (cdiv(num_scored, block_n), num_kv_heads)
     rc_scores_paged_kernel[grid](
         queries, *queries.stride(),
         key_cache, *key_cache.stride(),
@@ -89,11 +84,7 @@ def rc_scores_paged(
         y_sorted, prefix, center,
         out, out.stride(0),
         num_scored, m, 1.0 / (w * m * group),
-        G=group, W=w, ROWS=_next_power_of_2(group * w), D=head_dim, D_PAD=_next_power_of_2(head_dim),
+        G=group, W=w, **row_blocking(group * w), D=head_dim, D_PAD=next_power_of_2(head_dim),
         BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
     )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -20,8 +20,7 @@ from torch import Tensor
 
 from rcstat_vllm.scoring.scorers import SnapKVScorer, smooth_scores
 
-from .paged import check_paged_inputs, gather_paged_tokens
-from .rc_scoring import _next_power_of_2, triton_cdiv
+from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 
 __all__ = ["snapkv_scores_paged", "snapkv_scores_paged_reference"]
 
@@ -53,12 +52,13 @@ def snapkv_scores_paged(
     num_scored = num_tokens - w
     if num_scored == 0:
         return torch.empty(num_kv_heads, 0, dtype=torch.float32, device=key_cache.device)
-    rows = _next_power_of_2(group * w)
+    blocking = row_blocking(group * w)
+    rows = blocking["ROW_BLOCK"] * blocking["NUM_ROW_BLOCKS"]  # padded; padded rows are masked in pass 2
     queries = q_window.to(key_cache.dtype)
     table = block_table.to(device=key_cache.device, dtype=torch.int32)
-    num_tiles = triton_cdiv(num_scored, block_n)
+    num_tiles = cdiv(num_scored, block_n)
     meta = dict(
-        G=group, W=w, ROWS=rows, D=head_dim, D_PAD=_next_power_of_2(head_dim),
+        G=group, W=w, **blocking, D=head_dim, D_PAD=next_power_of_2(head_dim),
         BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
     )
     common = (queries, *queries.stride(), key_cache, *key_cache.stride(), table)

@@ -20,7 +20,9 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot run")
 
-for _module in ("rcstat_vllm.kernels._tiles_triton", "rcstat_vllm.kernels._rc_triton", "rcstat_vllm.kernels._snapkv_triton"):
+_JIT_MODULES = ("_tiles_triton", "_rc_triton", "_snapkv_triton")  # reloaded in dependency order
+for _name in _JIT_MODULES:
+    _module = f"rcstat_vllm.kernels.{_name}"
     if _module in sys.modules:
         importlib.reload(sys.modules[_module])
 
@@ -93,7 +95,7 @@ def test_rc_kernel_float16_cache():
 
 @pytest.mark.parametrize(
     "window, group, num_tokens, block_size",
-    [(8, 1, 30, 16), (8, 3, 45, 16), (16, 3, 37, 8), (16, 1, 17, 8)],
+    [(8, 1, 30, 16), (8, 3, 45, 16), (16, 3, 37, 8), (16, 1, 17, 8), (64, 2, 75, 16)],  # last: SnapKV default w
 )
 def test_snapkv_kernel_matches_reference(window, group, num_tokens, block_size):
     num_kv_heads, head_dim = 2, 24
