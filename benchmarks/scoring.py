@@ -67,22 +67,27 @@ def _load_average() -> float | None:
         return None
 
 
-def time_call(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, float]:
-    """Median and min wall time in ms after one warm-up call."""
+def time_round_robin(fns: list[Callable[[], object]], repeats: int, device: torch.device) -> list[list[float]]:
+    """Wall times in ms, ``repeats`` per function, after one warm-up call each.
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    The functions take turns (one call each per round) so that load from other processes on a shared
+    machine lands on every method alike instead of on whichever happened to run during a busy spell.
+    """
 
-    fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
+    def timed(fn) -> float:
         start = time.perf_counter()
         fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples), min(samples)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) * 1e3
+
+    for fn in fns:
+        timed(fn)
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples):
+            times.append(timed(fn))
+    return samples
 
 
 def repeats_for(n: int, repeats: int) -> int:
@@ -146,22 +151,22 @@ def plan(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device
 
 def run(sizes: list[int], repeats: int, device: torch.device, dtype: torch.dtype) -> list[Timing]:
     generator = torch.Generator().manual_seed(0)
-    rows_per_size = 6 if device.type == "cuda" else 4
     timings: list[Timing] = []
-    with tqdm(total=len(sizes) * rows_per_size, desc="scoring benchmark", file=sys.stderr) as progress:
+    with tqdm(total=len(sizes), desc="scoring benchmark", unit="size", file=sys.stderr) as progress:
         for n in sizes:
             queries, keys = make_inputs(n, device, dtype, generator)
             reps = repeats_for(n, repeats)
+            rows = plan(n, queries, keys, device)
+            progress.set_postfix_str(f"n={n}")
+            samples = time_round_robin([fn for *_, fn in rows], reps, device)
             by_method: dict[str, Timing] = {}
-            for method, window, baseline, fn in plan(n, queries, keys, device):
-                progress.set_postfix_str(f"n={n} {method}")
-                median, fastest = time_call(fn, reps, device)
-                timing = Timing(n, method, window, baseline or method, reps, median, fastest)
+            for (method, window, baseline, _), times in zip(rows, samples):
+                timing = Timing(n, method, window, baseline or method, reps, statistics.median(times), min(times))
                 if baseline is not None:
-                    timing.ratio_vs_matmul = median / by_method[baseline].ms_median
+                    timing.ratio_vs_matmul = timing.ms_median / by_method[baseline].ms_median
                 by_method[method] = timing
                 timings.append(timing)
-                progress.update(1)
+            progress.update(1)
             del queries, keys
     return timings
 
@@ -184,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None,
                         help="output file (default benchmarks/results/scoring_<cpu|cuda>.json)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
