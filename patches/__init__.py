@@ -4,14 +4,15 @@
 - ``request_validation``: reject a bad per-request override (``vllm_xargs``) for that request only.
 - ``scheduler``: apply the worker's compaction reports, returning freed blocks to the ``BlockPool``.
 - ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
+- ``cpu_kv_layout``: check the CPU kernels' in-page K/V layout that compaction reads and writes.
 """
 
 from __future__ import annotations
 
-from . import model_runner, platform, request_validation, scheduler
+from . import cpu_kv_layout, model_runner, platform, request_validation, scheduler
 from ._contract import Contract, VLLMContractError
 
-MODULES = (platform, request_validation, scheduler, model_runner)
+MODULES = (platform, request_validation, scheduler, model_runner, cpu_kv_layout)
 
 
 def all_contracts() -> list[Contract]:

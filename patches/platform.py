@@ -9,6 +9,7 @@ from __future__ import annotations
 
 
 
+from rcstat_vllm.api import EXTENSION_PATH
 from rcstat_vllm.config import server_config
 
 from ._contract import Contract, wrap_method
@@ -41,6 +42,15 @@ def _check_and_update_config(original):
             # other requests' caches.
             logger.info("rcstat: prefix caching turned off (compacted KV blocks must never be shared)")
             cache.enable_prefix_caching = False
+        parallel = vllm_config.parallel_config
+        if not parallel.worker_extension_cls:
+            # Lets LLM.collective_rpc read per-request results (rcstat_vllm.api).
+            parallel.worker_extension_cls = EXTENSION_PATH
+        elif parallel.worker_extension_cls != EXTENSION_PATH:
+            logger.warning(
+                "rcstat: worker_extension_cls is %s; rcstat_vllm.api results are unavailable",
+                parallel.worker_extension_cls,
+            )
         logger.info("rcstat: KV compression enabled with %s", config.to_dict())
 
     return wrapper

@@ -1,0 +1,63 @@
+"""Reading what the plugin did from the Python API.
+
+The results live in the worker processes (where compression happens). The plugin adds
+:class:`RCStatWorkerExtension` to vLLM's workers (``parallel_config.worker_extension_cls``) when the flag
+is on, so ``LLM.collective_rpc`` can reach them::
+
+    llm = LLM(model, additional_config={"rcstat": {"method": "rc"}})
+    outputs = llm.generate(prompts, params)
+    results = compression_results(llm)          # {request id: {"compression_ratio": ..., ...}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EXTENSION_PATH = "rcstat_vllm.api.RCStatWorkerExtension"
+
+
+class RCStatWorkerExtension:
+    """Mixed into vLLM's worker class: methods callable through ``collective_rpc``."""
+
+    def _rcstat_builders(self) -> list:
+        from rcstat_vllm.patches.model_runner import _rcstat_builders
+
+        return _rcstat_builders(self.model_runner)
+
+    def rcstat_compression_results(self) -> dict[str, dict[str, Any]]:
+        results: dict[str, dict[str, Any]] = {}
+        for builder in self._rcstat_builders():
+            results.update(builder.compression_results())
+        return results
+
+    def rcstat_clear_results(self) -> None:
+        for builder in self._rcstat_builders():
+            builder.results.clear()
+
+    def rcstat_num_compressed_requests(self) -> int:
+        """Requests whose compacted KV the worker still tracks (0 once every request has finished)."""
+        return sum(len(builder._states) for builder in self._rcstat_builders())
+
+
+def compression_results(llm) -> dict[str, dict[str, Any]]:
+    """Per-request compression results (ratio, kept counts per layer and head, blocks freed), keyed by the
+    engine's request id. Tensor-parallel ranks hold different heads: their kept counts are concatenated."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rank_results in llm.collective_rpc("rcstat_compression_results"):
+        for req_id, result in rank_results.items():
+            if req_id not in merged:
+                merged[req_id] = result
+            else:  # another rank: more heads of the same layers
+                merged[req_id]["kept"] = [a + b for a, b in zip(merged[req_id]["kept"], result["kept"])]
+    return merged
+
+
+def match_outputs(outputs, results: dict[str, dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """The result of each ``RequestOutput`` (vLLM may suffix the engine-side request id)."""
+    matched = []
+    for output in outputs:
+        found = results.get(output.request_id)
+        if found is None:
+            found = next((r for k, r in results.items() if k.startswith(f"{output.request_id}-")), None)
+        matched.append(found)
+    return matched

@@ -1,0 +1,132 @@
+"""Per-request compression: decide whether a request is compressed, then score, select and compact it
+layer by layer during the forward of its last prefill chunk.
+
+Backend-agnostic: works on one layer's cache tensor ``[num_blocks, H, N, 2D]`` and the request's block
+row, so the CPU backend and a CUDA backend can share it (only the attention kernels differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
+from rcstat_vllm.head_pages import CompactedRequest, cdiv, compact_layer, gather_prompt
+from rcstat_vllm.reports import CompressionReport
+from rcstat_vllm.scoring import get_scorer, select_budget, select_threshold
+from rcstat_vllm.step import BatchRequest
+
+
+@dataclass(frozen=True)
+class CompressionDecision:
+    req_id: str
+    config: RCStatConfig
+    #: tokens in the cache after this step (prompt, plus recomputed output after a preemption)
+    num_tokens: int
+    #: this request's rows in the step's query tensor
+    query_start: int
+    query_end: int
+    skipped_reason: str | None = None
+
+    def skipped_report(self, num_layers: int, num_heads: int) -> CompressionReport:
+        return CompressionReport(
+            req_id=self.req_id,
+            num_prompt_tokens=self.num_tokens,
+            method=self.config.method,
+            keep_blocks=0,  # keep_blocks == tail_block: the scheduler frees nothing
+            tail_block=0,
+            kept=[[self.num_tokens] * num_heads for _ in range(num_layers)],
+            skipped_reason=self.skipped_reason,
+        )
+
+
+def plan_compression(
+    request: BatchRequest,
+    server: RCStatConfig,
+    query_start: int,
+    query_end: int,
+    disabled_reason: str | None = None,
+) -> CompressionDecision:
+    """Whether (and how) a request finishing its prefill this step is compressed; the reason if not."""
+    reason = disabled_reason
+    config = server
+    try:
+        config = server.merged(request_overrides(request.extra_args))
+    except ConfigError as exc:  # validated at admission already; never crash the batch over it
+        reason = reason or f"invalid override: {exc}"
+    n = request.num_tokens_after_step
+    if reason is None:
+        if not config.enabled:
+            reason = "method none"
+        elif n < config.min_prompt_len:
+            reason = f"prompt of {n} tokens is shorter than min_prompt_len={config.min_prompt_len}"
+        elif query_end - query_start < config.window:
+            reason = "last prefill chunk is shorter than the observation window"
+        elif n <= config.window + config.sink_tokens:
+            reason = "nothing outside the window and sink tokens"
+    return CompressionDecision(request.req_id, config, n, query_start, query_end, reason)
+
+
+class LayerCompressor:
+    """Compresses one request, one layer at a time, then hands over its :class:`CompactedRequest`."""
+
+    def __init__(self, decision: CompressionDecision, num_layers: int, num_heads: int, block_row: torch.Tensor):
+        self.decision = decision
+        self.config = decision.config
+        self.block_row = block_row.clone()
+        self.num_heads = num_heads
+        self.kept = torch.zeros((num_layers, num_heads), dtype=torch.int64)
+        self.tables: list[torch.Tensor | None] = [None] * num_layers
+        self.block_size = 0
+        self.scorer = get_scorer(self.config.method, **self._scorer_options())
+
+    def _scorer_options(self) -> dict:
+        # RC's observation window is the config's; the baselines keep their published defaults.
+        return {"window_size": self.config.window} if self.config.method == "rc" else {}
+
+    def compress_layer(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
+        d = self.decision
+        n = d.num_tokens
+        self.block_size = kv_cache.shape[2]
+        width = min(max(self.scorer.window_size, self.config.window), d.query_end - d.query_start)
+        # [Hq, w, D] queries of the last w prompt tokens (RoPE applied: vLLM passes rotated queries).
+        q_window = query[d.query_end - width : d.query_end].transpose(0, 1).float()
+        keys, values = gather_prompt(kv_cache, self.block_row, n)
+        scores = self.scorer.score(q_window, keys.float(), values.float(), scale)
+        if self.config.budget_mode:
+            keep = select_budget(scores, self.config.window, self.config.target_ratio, self.config.sink_tokens)
+        else:
+            keep = select_threshold(scores, self.config.window, self.config.c, self.config.sink_tokens)
+        self.tables[layer] = compact_layer(kv_cache, self.block_row, keep.mask)
+        self.kept[layer] = keep.counts.cpu()
+
+    def finish(self) -> CompactedRequest:
+        missing = [i for i, t in enumerate(self.tables) if t is None]
+        if missing:
+            raise RuntimeError(f"rcstat: layers {missing} were not compressed for {self.decision.req_id}")
+        state = CompactedRequest(
+            num_compacted_tokens=self.decision.num_tokens,
+            block_size=self.block_size,
+            num_heads=self.num_heads,
+            kept=self.kept,
+            tables=list(self.tables),
+        )
+        state.finalize(self.block_row)
+        return state
+
+    def report(self, state: CompactedRequest) -> CompressionReport:
+        return CompressionReport(
+            req_id=self.decision.req_id,
+            num_prompt_tokens=self.decision.num_tokens,
+            method=self.config.method,
+            keep_blocks=state.keep_blocks,
+            tail_block=state.tail_block,
+            kept=self.kept.tolist(),
+        )
+
+
+def ideal_blocks(kept: torch.Tensor, block_size: int) -> int:
+    """Blocks the kept tokens would need with no fragmentation: max over layers of ceil(sum_h k / N / H)."""
+    num_heads = kept.shape[1]
+    return int(max(cdiv(int(row.sum()), block_size * num_heads) for row in kept))

@@ -1,0 +1,214 @@
+"""Head pages: the per-KV-head paged layout that lets heads keep different numbers of tokens.
+
+vLLM's KV cache for one layer is ``[num_blocks, H, N, 2D]``: a block holds all H KV heads of N tokens
+(``2 N D`` values per head: N keys, then N values). Viewed as ``[num_blocks * H, 2N, D]``,
+the same memory is ``num_blocks * H`` *head pages* of N single-head tokens each; page ``b * H + h`` is head
+``h``'s slice of block ``b``. An uncompressed request's head ``h`` uses pages ``row[j] * H + h`` (the
+identity map). After compaction every (layer, head) owns its own page list, filled densely, so a head
+keeping k tokens needs ``ceil(k / N)`` pages and a request needs ``keep_blocks`` blocks; the rest go back to
+vLLM.
+
+Everything here is plain torch on whatever device the cache lives on; it does not import vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of the cache as head pages: keys ``[num_pages, D, N]`` and values ``[num_pages, N, D]``.
+
+    vLLM's CPU kernels (ISAs ``vec``/``vec16``) store a page's keys transposed, channel-major (``[D, N]``),
+    and its values token-major (``[N, D]``); ``patches/cpu_kv_layout.py`` checks this on the installed
+    vLLM before compression is enabled.
+    """
+    num_blocks, num_heads, block_size, two_d = kv_cache.shape
+    head_dim = two_d // 2
+    pages = kv_cache.view(num_blocks * num_heads, 2 * block_size * head_dim)
+    keys = pages[:, : block_size * head_dim].view(-1, head_dim, block_size)
+    values = pages[:, block_size * head_dim :].view(-1, block_size, head_dim)
+    return keys, values
+
+
+def read_kv(kv_cache: Tensor, pages: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values ``[*pages.shape, D]`` stored at ``(page, offset)`` (copies)."""
+    keys, values = key_value_pages(kv_cache)
+    return keys[pages, :, offsets], values[pages, offsets]
+
+
+def write_kv(kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor) -> None:
+    key_pages, value_pages = key_value_pages(kv_cache)
+    key_pages[pages, :, offsets] = keys
+    value_pages[pages, offsets] = values
+
+
+def head_page_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """Key and value caches with one KV head per page: ``[num_blocks * H, 1, N, D]`` each (views), the
+    shape vLLM's CPU kernels take (they apply their own in-page layout)."""
+    num_blocks, num_heads, block_size, two_d = kv_cache.shape
+    pages = kv_cache.view(num_blocks * num_heads, 1, 2 * block_size, two_d // 2)
+    keys, values = pages.chunk(2, dim=2)
+    return keys, values
+
+
+def identity_pages(block_row: Tensor, num_heads: int) -> Tensor:
+    """``[H, num_blocks_in_row]``: head h's pages of an uncompressed request, ``row[j] * H + h``."""
+    heads = torch.arange(num_heads, device=block_row.device, dtype=torch.int64)
+    return block_row.to(torch.int64).unsqueeze(0) * num_heads + heads.unsqueeze(1)
+
+
+def gather_prompt(kv_cache: Tensor, block_row: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """Keys and values ``[H, n, D]`` of an uncompressed request's first ``n`` tokens."""
+    _, num_heads, block_size, _ = kv_cache.shape
+    tokens = torch.arange(num_tokens, device=kv_cache.device)
+    pages = identity_pages(block_row[: cdiv(num_tokens, block_size)], num_heads)[:, tokens // block_size]
+    return read_kv(kv_cache, pages, (tokens % block_size).expand_as(pages))
+
+
+def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor) -> Tensor:
+    """Move each head's kept tokens (in order) to the front of fresh head pages of the request's blocks.
+
+    Pages are handed out in order ``row[0]*H + 0, row[0]*H + 1, ..., row[1]*H + 0, ...``: head 0 takes the
+    first ``ceil(k_0 / N)``, head 1 the next, and so on, so this layer needs only the request's first
+    ``ceil(sum_h ceil(k_h / N) / H)`` blocks. Everything kept is gathered before anything is written, which
+    makes the in-place move safe although sources and destinations share blocks.
+
+    Args:
+        kv_cache: the layer's cache ``[num_blocks, H, N, 2D]``.
+        block_row: the request's block ids (at least ``cdiv(n, N)`` valid entries).
+        keep_mask: ``[H, n]`` bool, the tokens each head keeps.
+
+    Returns:
+        ``[H, max_pages]`` int64 page table of the compacted layer (-1 where a head has no page).
+    """
+    _, num_heads, block_size, _ = kv_cache.shape
+    num_tokens = keep_mask.shape[1]
+    device = kv_cache.device
+    counts = keep_mask.sum(dim=1)
+    pages_per_head = (counts + block_size - 1) // block_size
+    first_page = torch.cumsum(pages_per_head, 0) - pages_per_head
+    num_pages = int(pages_per_head.sum())
+    pool = identity_pages(block_row[: cdiv(num_pages, num_heads)], num_heads).t().reshape(-1)[:num_pages]
+
+    # Sources: (head, token) of every kept entry, in head-major then token order.
+    head_idx, token_idx = torch.nonzero(keep_mask, as_tuple=True)
+    source_pages = identity_pages(block_row[: cdiv(num_tokens, block_size)], num_heads)[
+        head_idx, token_idx // block_size
+    ]
+    # Destinations: the j-th kept token of head h goes to slot j of head h's page run.
+    rank = torch.arange(head_idx.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[head_idx]
+    dest_pages = pool[first_page[head_idx] + rank // block_size]
+
+    keys, values = read_kv(kv_cache, source_pages, token_idx % block_size)  # copies: sources may be overwritten
+    write_kv(kv_cache, dest_pages, rank % block_size, keys, values)
+
+    max_pages = int(pages_per_head.max()) if num_heads else 0
+    table = torch.full((num_heads, max(max_pages, 1)), -1, dtype=torch.int64, device=device)
+    slot = torch.arange(max(max_pages, 1), device=device).unsqueeze(0)
+    valid = slot < pages_per_head.unsqueeze(1)
+    table[valid] = pool[(first_page.unsqueeze(1) + slot)[valid]]
+    return table
+
+
+@dataclass
+class CompactedRequest:
+    """Worker-side state of one compressed request: every (layer, head)'s page list and length.
+
+    A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
+    compaction is appended to every head. New pages come from per-layer pools of unused head pages in the
+    blocks the request still holds (see :meth:`finalize`), refilled as vLLM appends blocks to the row.
+    """
+
+    num_compacted_tokens: int
+    block_size: int
+    num_heads: int
+    #: [L, H] kept prompt tokens per (layer, head)
+    kept: Tensor
+    #: per layer, [H, P] int64 page table (-1 = none); rows grow as heads need pages
+    tables: list[Tensor]
+    keep_blocks: int = 0
+    tail_block: int = 0
+    #: block-row entries already turned into pool pages
+    absorbed_blocks: int = 0
+    pools: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tables)
+
+    def finalize(self, block_row: Tensor) -> None:
+        """Decide which blocks the request keeps and build the per-layer pools of unused pages.
+
+        ``keep_blocks`` = max over layers of ``ceil(pages the layer uses / H)``. The request keeps blocks
+        ``[0, keep_blocks)`` and ``[tail_block, ...)`` where ``tail_block`` is its last prompt block (decode
+        goes on writing there); the blocks in between are freed. This always leaves enough pages: each later
+        step of N tokens brings one new block (H pages) and needs at most H new pages, and the tail block
+        covers the rounding of the current partial pages.
+        """
+        n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
+        used = [int((t >= 0).sum()) for t in self.tables]
+        self.keep_blocks = max(cdiv(u, self.num_heads) for u in used)
+        self.tail_block = n_blocks - 1
+        if self.keep_blocks >= self.tail_block:
+            self.keep_blocks = self.tail_block = n_blocks  # nothing freed: keep every prompt block
+            held = block_row[:n_blocks]
+        else:
+            held = torch.cat([block_row[: self.keep_blocks], block_row[self.tail_block : n_blocks]])
+        candidates = identity_pages(held, self.num_heads).t().reshape(-1).tolist()
+        self.pools = []
+        for table in self.tables:
+            taken = set(table[table >= 0].tolist())
+            self.pools.append([p for p in candidates if p not in taken])
+        self.absorbed_blocks = n_blocks
+
+    @property
+    def blocks_held(self) -> int:
+        return self.keep_blocks + (cdiv(self.num_compacted_tokens, self.block_size) - self.tail_block)
+
+    def reserve(self, num_tokens: int, block_row: Tensor) -> None:
+        """Make sure every head has pages for ``num_tokens`` logical tokens (the length after this step)."""
+        n_row = cdiv(num_tokens, self.block_size)
+        if n_row > self.absorbed_blocks:
+            fresh = identity_pages(block_row[self.absorbed_blocks : n_row], self.num_heads)
+            fresh_pages = fresh.t().reshape(-1).tolist()
+            for pool in self.pools:
+                pool.extend(fresh_pages)
+            self.absorbed_blocks = n_row
+        lengths = self.kept + (num_tokens - self.num_compacted_tokens)
+        needed = (lengths + self.block_size - 1) // self.block_size
+        for layer, table in enumerate(self.tables):
+            have = (table >= 0).sum(dim=1)
+            short = (needed[layer] - have).clamp(min=0)
+            if int(short.sum()) == 0:
+                continue
+            width = int(needed[layer].max())
+            if width > table.shape[1]:
+                grown = torch.full((self.num_heads, width), -1, dtype=table.dtype, device=table.device)
+                grown[:, : table.shape[1]] = table
+                table = self.tables[layer] = grown
+            pool = self.pools[layer]
+            for head in torch.nonzero(short).flatten().tolist():
+                for slot in range(int(have[head]), int(needed[layer, head])):
+                    if not pool:
+                        raise RuntimeError("rcstat: head-page pool exhausted (block accounting bug)")
+                    table[head, slot] = pool.pop(0)
+
+    def lengths(self, num_tokens: int) -> Tensor:
+        """[L, H] tokens each (layer, head) attends over when the request holds ``num_tokens`` tokens."""
+        return self.kept + (num_tokens - self.num_compacted_tokens)
+
+    def slots(self, layer: int, positions: Tensor) -> Tensor:
+        """[T, H] head-page slots (page * N + offset) of tokens at logical ``positions`` (>= compaction)."""
+        index = self.kept[layer].unsqueeze(0) + (positions.unsqueeze(1) - self.num_compacted_tokens)
+        table = self.tables[layer]
+        heads = torch.arange(self.num_heads, device=table.device).unsqueeze(0).expand_as(index)
+        pages = table[heads, index // self.block_size]
+        return pages * self.block_size + index % self.block_size
