@@ -1,0 +1,171 @@
+"""Head-page layout and the compacted decode attention, against dense references (no engine needed).
+
+Uses vLLM-CPU's own cache-write and attention kernels (the ones the backend calls) on small caches.
+"""
+
+import pytest
+import torch
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+from rcstat_vllm.backend import head_sequence_attention, make_head_plan  # noqa: E402
+from rcstat_vllm.head_pages import (  # noqa: E402
+    CompactedRequest,
+    cdiv,
+    compact_layer,
+    gather_prompt,
+    head_page_caches,
+    read_kv,
+)
+from rcstat_vllm.patches.cpu_kv_layout import layout_matches  # noqa: E402
+
+ISA = "vec"
+BLOCK, HEADS, GROUP, DIM = 32, 3, 3, 64
+SCALE = DIM**-0.5
+
+
+def _dense_attention(q, keys, values):
+    """q [G, D], keys/values [n, D] -> [G, D], float32 softmax attention."""
+    weights = torch.softmax(q.float() @ keys.float().T * SCALE, dim=-1)
+    return weights @ values.float()
+
+
+def _request(num_blocks_total, n, generator):
+    rows = torch.randperm(num_blocks_total - 1, generator=generator)[: cdiv(n + 64, BLOCK)] + 1
+    return rows.to(torch.int32)
+
+
+def test_layout_probe_accepts_vec_and_rejects_amx_prepacking():
+    assert layout_matches(ISA, torch.bfloat16, BLOCK, DIM)
+    assert layout_matches(ISA, torch.float32, 128, 64)
+    # AMX prepacks blocks (or is absent on this CPU): either way head pages must not be used with it.
+    assert not layout_matches("amx", torch.bfloat16, 128, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_layer_moves_exactly_the_kept_tokens(dtype):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, n = 40, 150
+    kv = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype)
+    row = _request(num_blocks, n, g)
+    keys, values = gather_prompt(kv, row, n)
+    mask = torch.rand(HEADS, n, generator=g) < torch.tensor([[0.9], [0.3], [0.0]])
+    mask[:, -8:] = True  # the window
+    table = compact_layer(kv, row, mask)
+    for h in range(HEADS):
+        kept = mask[h].nonzero().flatten()
+        slots = torch.arange(kept.numel())
+        got_k, got_v = read_kv(kv, table[h, slots // BLOCK], slots % BLOCK)
+        assert torch.equal(got_k, keys[h, kept]) and torch.equal(got_v, values[h, kept])
+        assert int((table[h] >= 0).sum()) == cdiv(kept.numel(), BLOCK)
+    # The pages used lie in the request's first ceil(sum pages / H) blocks.
+    used_blocks = set((table[table >= 0] // HEADS).tolist())
+    needed = cdiv(int(((mask.sum(1) + BLOCK - 1) // BLOCK).sum()), HEADS)
+    assert used_blocks == set(row[:needed].tolist())
+
+
+def test_finalize_keeps_blocks_for_the_largest_layer_and_the_tail_block():
+    g = torch.Generator().manual_seed(2)
+    n = 300  # 10 blocks of 32
+    kv = torch.randn(40, HEADS, BLOCK, 2 * DIM, generator=g)
+    row = _request(40, n, g)
+    masks = [torch.zeros(HEADS, n, dtype=torch.bool) for _ in range(2)]
+    masks[0][:, -8:] = True  # layer 0 keeps only the window: 3 pages, 1 block
+    masks[1][:, :100] = True  # layer 1 keeps 100 per head: 4 pages per head = 12 pages, 4 blocks
+    tables = [compact_layer(kv.clone(), row, m) for m in masks]
+    state = CompactedRequest(n, BLOCK, HEADS, torch.stack([m.sum(1) for m in masks]), tables)
+    state.finalize(row)
+    assert (state.keep_blocks, state.tail_block) == (4, 9)
+    assert state.blocks_held == 5
+    # Pools: unused pages of the kept blocks and every page of the tail block.
+    assert len(state.pools[0]) == 5 * HEADS - 3
+    assert len(state.pools[1]) == 5 * HEADS - 12
+
+
+def _write(kv, keys, values, slots):
+    key_pages, value_pages = head_page_caches(kv)
+    ops.cpu_attn_reshape_and_cache(
+        keys.reshape(-1, 1, DIM), values.reshape(-1, 1, DIM), key_pages, value_pages, slots.reshape(-1), ISA
+    )
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
+    """Several requests of different lengths, GQA, heads keeping very different counts (down to the
+    window only), one uncompressed request in the same batch, several decode steps with page growth."""
+    g = torch.Generator().manual_seed(3)
+    num_blocks = 120
+    kv = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype)
+    blocks = torch.randperm(num_blocks - 1, generator=g) + 1
+    lengths = [70, 200, 41]  # request 2 stays uncompressed
+    rows, start = [], 0
+    for n in lengths:
+        count = cdiv(n + 40, BLOCK)
+        rows.append(blocks[start : start + count].to(torch.int32))
+        start += count
+    width = max(len(r) for r in rows)
+    block_table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        block_table[i, : len(r)] = r
+
+    prompts = [gather_prompt(kv, rows[i], n) for i, n in enumerate(lengths)]
+    keep_fraction = torch.tensor([[1.0], [0.5], [0.0]])
+    states, masks = {}, {}
+    for i in (0, 1):
+        n = lengths[i]
+        mask = torch.rand(HEADS, n, generator=g) < keep_fraction
+        mask[:, -8:] = True
+        masks[i] = mask
+        table = compact_layer(kv, rows[i], mask)
+        state = CompactedRequest(n, BLOCK, HEADS, mask.sum(1).unsqueeze(0), [table])
+        state.finalize(rows[i])
+        states[i] = state
+
+    history = {i: ([], []) for i in range(3)}
+    for step in range(40):  # crosses page boundaries for every head
+        seq_lens = [n + step + 1 for n in lengths]
+        query_start = list(range(len(lengths) + 1))
+        for i, state in states.items():
+            state.reserve(seq_lens[i], block_table[i])
+        plan = make_head_plan(query_start, seq_lens, block_table, HEADS, BLOCK, states)
+        new_k = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
+        new_v = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
+        positions = torch.tensor([s - 1 for s in seq_lens])
+        slots = torch.empty(len(lengths), HEADS, dtype=torch.int64)
+        tables, lens = plan.base_tables.clone(), plan.base_lengths.clone()
+        for i in range(len(lengths)):
+            if i in states:
+                slots[i] = states[i].slots(0, positions[i : i + 1])[0]
+                t = states[i].tables[0]
+                if t.shape[1] > tables.shape[2]:
+                    grown = torch.zeros(tables.shape[0], HEADS, t.shape[1], dtype=tables.dtype)
+                    grown[:, :, : tables.shape[2]] = tables
+                    tables = grown
+                tables[i, :, : t.shape[1]] = t.clamp(min=0)
+                lens[i] = states[i].lengths(seq_lens[i])[0]
+            else:
+                p = int(positions[i])
+                block = int(block_table[i, p // BLOCK])
+                slots[i] = (block * HEADS + torch.arange(HEADS)) * BLOCK + p % BLOCK
+        _write(kv, new_k, new_v, slots)
+        for i in range(len(lengths)):
+            history[i][0].append(new_k[i])
+            history[i][1].append(new_v[i])
+
+        query = torch.randn(len(lengths), HEADS * GROUP, DIM, generator=g).to(dtype)
+        output = torch.zeros_like(query)
+        head_sequence_attention(query, *head_page_caches(kv), output, plan, tables, lens, scale=SCALE, isa=ISA)
+
+        for i in range(len(lengths)):
+            keys, values = prompts[i]
+            gen_k, gen_v = torch.stack(history[i][0], 1), torch.stack(history[i][1], 1)
+            for h in range(HEADS):
+                kept = masks[i][h] if i in masks else torch.ones(lengths[i], dtype=torch.bool)
+                k = torch.cat([keys[h, kept], gen_k[h]])
+                v = torch.cat([values[h, kept], gen_v[h]])
+                q = query[i].view(HEADS, GROUP, DIM)[h]
+                expected = _dense_attention(q, k, v)
+                got = output[i].view(HEADS, GROUP, DIM)[h].float()
+                torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    # The window-only head of request 1 keeps 8 tokens; the full head all of them.
+    assert states[1].kept[0].tolist()[2] == 8 and states[0].kept[0].tolist()[0] == 70
