@@ -19,8 +19,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from vllm import _custom_ops as ops
-from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -30,7 +28,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from rcstat_vllm.compression import LayerCompressor, plan_compression
 from rcstat_vllm.config import RCStatConfig, server_config
-from rcstat_vllm.head_pages import CompactedRequest, cdiv, head_page_caches, identity_pages
+from rcstat_vllm.head_attention import HeadSequencePlan, head_sequence_attention, make_head_plan, write_head_sequence_kv
+from rcstat_vllm.head_pages import CompactedRequest, head_page_caches
 from rcstat_vllm.log import logger
 from rcstat_vllm.patches.cpu_kv_layout import layout_matches
 from rcstat_vllm.reports import CompressionReport
@@ -55,70 +54,11 @@ class RCStatCPUBackend(CPUAttentionBackend):
 
 
 @dataclass
-class HeadSequencePlan:
-    """Index maps that present each (request, KV head) as a sequence of its own (same for all layers)."""
-
-    #: [T*H] token and KV-head index of each head-sequence query row
-    token_index: torch.Tensor
-    head_index: torch.Tensor
-    #: [R*H + 1] int32
-    query_start_loc: torch.Tensor
-    #: [T] logical position of each token
-    positions: torch.Tensor
-    #: [R, H, P] int64 pages and [R, H] lengths of uncompressed rows (compressed rows are filled per layer)
-    base_tables: torch.Tensor
-    base_lengths: torch.Tensor
-    #: batch row -> compressed state
-    compressed: dict[int, CompactedRequest]
-
-
-@dataclass
 class RCStatCPUMetadata(CPUAttentionMetadata):
     head_plan: HeadSequencePlan | None = None
     #: batch row -> (request id, config, token range) of requests compressed after this step's attention
     to_compress: list = field(default_factory=list)
     builder: "RCStatCPUMetadataBuilder | None" = None
-
-
-def make_head_plan(
-    query_start: list[int],
-    seq_lens: list[int],
-    block_table: torch.Tensor,
-    num_heads: int,
-    block_size: int,
-    compressed: dict[int, CompactedRequest],
-) -> HeadSequencePlan:
-    """Index maps and the uncompressed rows' page tables for head-as-sequence attention of one step."""
-    num_reqs = len(seq_lens)
-    device = block_table.device
-    query_lens = [query_start[r + 1] - query_start[r] for r in range(num_reqs)]
-    token_index, head_index, starts = [], [], [0]
-    for row in range(num_reqs):
-        tokens = torch.arange(query_start[row], query_start[row + 1], device=device)
-        for head in range(num_heads):
-            token_index.append(tokens)
-            head_index.append(torch.full_like(tokens, head))
-            starts.append(starts[-1] + query_lens[row])
-    positions = torch.cat(
-        [torch.arange(seq_lens[r] - query_lens[r], seq_lens[r], device=device) for r in range(num_reqs)]
-    )
-    width = max((cdiv(seq_lens[r], block_size) for r in range(num_reqs) if r not in compressed), default=1)
-    tables = torch.zeros((num_reqs, num_heads, max(width, 1)), dtype=torch.int64, device=device)
-    lengths = torch.zeros((num_reqs, num_heads), dtype=torch.int64, device=device)
-    for row in range(num_reqs):
-        if row not in compressed:
-            n_blocks = cdiv(seq_lens[row], block_size)
-            tables[row, :, :n_blocks] = identity_pages(block_table[row, :n_blocks], num_heads)
-            lengths[row] = seq_lens[row]
-    return HeadSequencePlan(
-        token_index=torch.cat(token_index),
-        head_index=torch.cat(head_index),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        positions=positions,
-        base_tables=tables,
-        base_lengths=lengths,
-        compressed=compressed,
-    )
 
 
 class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -217,7 +157,18 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                     metadata.to_compress.append((row, decision))
         if compressed:
             metadata.head_plan = make_head_plan(
-                query_start, seq_lens, block_table, self.num_kv_heads, self.block_size, compressed
+                query_start,
+                seq_lens,
+                block_table,
+                common_attn_metadata.slot_mapping,
+                compressed,
+                num_layers=self.num_layers,
+                num_heads=self.num_kv_heads,
+                group=self.num_heads // self.num_kv_heads,
+                block_size=self.block_size,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                isa=self.isa,
             )
         return metadata
 
@@ -237,9 +188,18 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 super().do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         else:
-            self._head_sequence_forward(
-                layer, layer_index, query[:num_tokens], key[:num_tokens], value[:num_tokens],
-                kv_cache, attn_metadata, plan, output[:num_tokens],
+            key_pages, value_pages = head_page_caches(kv_cache)
+            scales = dict(
+                k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype
+            )
+            if key is not None and value is not None:
+                write_head_sequence_kv(
+                    key[:num_tokens], value[:num_tokens], key_pages, value_pages, plan, layer_index,
+                    layer.isa, **scales,
+                )
+            head_sequence_attention(
+                query[:num_tokens], key_pages, value_pages, output[:num_tokens], plan, layer_index,
+                scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, **scales,
             )
         for row, decision in attn_metadata.to_compress:
             compressor = builder._pending.get(decision.req_id)
@@ -249,104 +209,3 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 )
             compressor.compress_layer(layer_index, query, kv_cache, self.scale)
         return output
-
-    def _head_sequence_forward(self, layer, layer_index, query, key, value, kv_cache, metadata, plan, output):
-        num_heads, group = self.num_kv_heads, self.num_queries_per_kv
-        num_tokens, _, head_dim = query.shape
-        block_size = kv_cache.shape[2]
-        key_pages, value_pages = head_page_caches(kv_cache)
-
-        # Write this step's K/V: uncompressed rows map vLLM's slot into the head-page view, compressed
-        # rows append to each head's own pages.
-        slots = metadata.slot_mapping[:num_tokens].to(torch.int64)
-        heads = torch.arange(num_heads, device=slots.device)
-        head_slots = (slots // block_size).unsqueeze(1) * num_heads + heads
-        head_slots = head_slots * block_size + (slots % block_size).unsqueeze(1)
-        head_slots = torch.where(slots.unsqueeze(1) < 0, -1, head_slots)
-        query_start = metadata.query_start_loc.tolist()
-        tables = plan.base_tables.clone()
-        lengths = plan.base_lengths.clone()
-        for row, state in plan.compressed.items():
-            start, end = query_start[row], query_start[row + 1]
-            if end > start:
-                head_slots[start:end] = state.slots(layer_index, plan.positions[start:end])
-            num_after = int(metadata.seq_lens[row])
-            table = state.tables[layer_index]
-            if table.shape[1] > tables.shape[2]:
-                grown = torch.zeros((tables.shape[0], num_heads, table.shape[1]), dtype=tables.dtype)
-                grown[:, :, : tables.shape[2]] = tables
-                tables = grown
-            tables[row, :, : table.shape[1]] = table.clamp(min=0)
-            lengths[row] = state.lengths(num_after)[layer_index]
-        ops.cpu_attn_reshape_and_cache(
-            key.reshape(num_tokens * num_heads, 1, head_dim),
-            value.reshape(num_tokens * num_heads, 1, -1),
-            key_pages,
-            value_pages,
-            head_slots.reshape(-1),
-            layer.isa,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-
-        # Attention: one sequence per (request, KV head), G query heads each.
-        head_sequence_attention(
-            query, key_pages, value_pages, output, plan, tables, lengths,
-            scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
-        )
-
-
-def head_sequence_attention(
-    query, key_pages, value_pages, output, plan: HeadSequencePlan, tables, lengths, *, scale, isa,
-    softcap=0.0, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
-):
-    """Causal paged attention with each (request, KV head) as its own sequence, via vLLM's CPU kernel.
-
-    Args:
-        query: [T, H*G, D]; output: [T, H*G, D] written in place.
-        key_pages, value_pages: head-page caches [num_blocks * H, 1, N, D] (:func:`head_page_caches`).
-        tables: [R, H, P] head pages per (request, head); lengths: [R, H] tokens per (request, head).
-    """
-    num_tokens, num_query_heads, head_dim = query.shape
-    num_heads = tables.shape[1]
-    group = num_query_heads // num_heads
-    seq_lens = lengths.reshape(-1).to(torch.int32)
-    block_table = tables.reshape(-1, tables.shape[2]).to(torch.int32)
-    head_queries = query.view(num_tokens, num_heads, group, head_dim)[plan.token_index, plan.head_index]
-    head_output = torch.empty_like(head_queries)
-    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.shape[0],
-        num_heads=group,
-        num_kv_heads=1,
-        head_dim=head_dim,
-        seq_lens=seq_lens,
-        dtype=query.dtype,
-        query_start_loc=plan.query_start_loc,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    ops.cpu_attention_with_kv_cache(
-        query=head_queries,
-        key_cache=key_pages,
-        value_cache=value_pages,
-        output=head_output,
-        query_start_loc=plan.query_start_loc,
-        seq_lens=seq_lens,
-        scale=scale,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=block_table,
-        softcap=softcap,
-        scheduler_metadata=scheduler_metadata,
-        s_aux=None,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    output.view(num_tokens, num_heads, group, head_dim)[plan.token_index, plan.head_index] = head_output

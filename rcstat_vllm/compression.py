@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import CompactedRequest, cdiv, compact_layer, gather_prompt
+from rcstat_vllm.head_pages import CompactedRequest, cdiv, compact_layer, gather_prompt, stack_tables
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import get_scorer, select_budget, select_threshold
 from rcstat_vllm.step import BatchRequest
@@ -110,7 +110,7 @@ class LayerCompressor:
             block_size=self.block_size,
             num_heads=self.num_heads,
             kept=self.kept,
-            tables=list(self.tables),
+            tables=stack_tables(self.tables),
         )
         state.finalize(self.block_row)
         return state

@@ -118,6 +118,15 @@ def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor) -> Ten
     return table
 
 
+def stack_tables(tables: list[Tensor]) -> Tensor:
+    """Per-layer ``[H, P_l]`` page tables -> one ``[L, H, max P_l]`` tensor padded with -1."""
+    width = max(t.shape[1] for t in tables)
+    stacked = torch.full((len(tables), tables[0].shape[0], width), -1, dtype=torch.int64, device=tables[0].device)
+    for layer, table in enumerate(tables):
+        stacked[layer, :, : table.shape[1]] = table
+    return stacked
+
+
 @dataclass
 class CompactedRequest:
     """Worker-side state of one compressed request: every (layer, head)'s page list and length.
@@ -132,17 +141,19 @@ class CompactedRequest:
     num_heads: int
     #: [L, H] kept prompt tokens per (layer, head)
     kept: Tensor
-    #: per layer, [H, P] int64 page table (-1 = none); rows grow as heads need pages
-    tables: list[Tensor]
+    #: [L, H, P] int64 page table per (layer, head), -1 = no page; grows along P as heads need pages
+    tables: Tensor
     keep_blocks: int = 0
     tail_block: int = 0
     #: block-row entries already turned into pool pages
     absorbed_blocks: int = 0
     pools: list[list[int]] = field(default_factory=list)
+    #: [L, H] pages each (layer, head) holds
+    page_counts: Tensor | None = None
 
     @property
     def num_layers(self) -> int:
-        return len(self.tables)
+        return self.tables.shape[0]
 
     def finalize(self, block_row: Tensor) -> None:
         """Decide which blocks the request keeps and build the per-layer pools of unused pages.
@@ -154,8 +165,9 @@ class CompactedRequest:
         covers the rounding of the current partial pages.
         """
         n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
-        used = [int((t >= 0).sum()) for t in self.tables]
-        self.keep_blocks = max(cdiv(u, self.num_heads) for u in used)
+        self.page_counts = (self.tables >= 0).sum(dim=2)
+        used = self.page_counts.sum(dim=1)
+        self.keep_blocks = cdiv(int(used.max()), self.num_heads)
         self.tail_block = n_blocks - 1
         if self.keep_blocks >= self.tail_block:
             self.keep_blocks = self.tail_block = n_blocks  # nothing freed: keep every prompt block
@@ -182,33 +194,31 @@ class CompactedRequest:
             for pool in self.pools:
                 pool.extend(fresh_pages)
             self.absorbed_blocks = n_row
-        lengths = self.kept + (num_tokens - self.num_compacted_tokens)
-        needed = (lengths + self.block_size - 1) // self.block_size
-        for layer, table in enumerate(self.tables):
-            have = (table >= 0).sum(dim=1)
-            short = (needed[layer] - have).clamp(min=0)
-            if int(short.sum()) == 0:
-                continue
-            width = int(needed[layer].max())
-            if width > table.shape[1]:
-                grown = torch.full((self.num_heads, width), -1, dtype=table.dtype, device=table.device)
-                grown[:, : table.shape[1]] = table
-                table = self.tables[layer] = grown
+        needed = (self.lengths(num_tokens) + self.block_size - 1) // self.block_size
+        short = needed > self.page_counts
+        if not bool(short.any()):  # the common case: every head still has room in its last page
+            return
+        width = int(needed.max())
+        if width > self.tables.shape[2]:
+            grown = torch.full(
+                (self.num_layers, self.num_heads, width), -1, dtype=self.tables.dtype, device=self.tables.device
+            )
+            grown[:, :, : self.tables.shape[2]] = self.tables
+            self.tables = grown
+        for layer, head in torch.nonzero(short).tolist():
             pool = self.pools[layer]
-            for head in torch.nonzero(short).flatten().tolist():
-                for slot in range(int(have[head]), int(needed[layer, head])):
-                    if not pool:
-                        raise RuntimeError("rcstat: head-page pool exhausted (block accounting bug)")
-                    table[head, slot] = pool.pop(0)
+            for slot in range(int(self.page_counts[layer, head]), int(needed[layer, head])):
+                if not pool:
+                    raise RuntimeError("rcstat: head-page pool exhausted (block accounting bug)")
+                self.tables[layer, head, slot] = pool.pop(0)
+            self.page_counts[layer, head] = needed[layer, head]
 
     def lengths(self, num_tokens: int) -> Tensor:
         """[L, H] tokens each (layer, head) attends over when the request holds ``num_tokens`` tokens."""
         return self.kept + (num_tokens - self.num_compacted_tokens)
 
-    def slots(self, layer: int, positions: Tensor) -> Tensor:
-        """[T, H] head-page slots (page * N + offset) of tokens at logical ``positions`` (>= compaction)."""
-        index = self.kept[layer].unsqueeze(0) + (positions.unsqueeze(1) - self.num_compacted_tokens)
-        table = self.tables[layer]
-        heads = torch.arange(self.num_heads, device=table.device).unsqueeze(0).expand_as(index)
-        pages = table[heads, index // self.block_size]
+    def slots(self, positions: Tensor) -> Tensor:
+        """[L, T, H] head-page slots (page * N + offset) of tokens at logical ``positions`` (>= compaction)."""
+        index = self.kept.unsqueeze(1) + (positions.view(1, -1, 1) - self.num_compacted_tokens)
+        pages = torch.gather(self.tables, 2, (index // self.block_size).transpose(1, 2)).transpose(1, 2)
         return pages * self.block_size + index % self.block_size

