@@ -11,6 +11,7 @@ from __future__ import annotations
 
 
 
+from rcstat_vllm.metrics import CompressionStats
 from rcstat_vllm.reports import REPORTS_ATTR, CompressionReport
 
 from ._contract import Contract, wrap_method
@@ -43,18 +44,21 @@ def release_blocks(kv_cache_manager, report: CompressionReport) -> int:
 def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
         reports = model_runner_output.__dict__.pop(REPORTS_ATTR, None)
-        for report in reports or ():
-            if report.keep_blocks < report.tail_block:
-                freed = release_blocks(self.kv_cache_manager, report)
-            else:
-                freed = 0
-            logger.debug(
-                "rcstat: request %s freed %d blocks (predicted %d); free blocks now %d",
-                report.req_id,
-                freed,
-                report.blocks_freed,
-                self.kv_cache_manager.block_pool.get_num_free_blocks(),
-            )
+        if reports:
+            stats = self.__dict__.setdefault("_rcstat_stats", CompressionStats())
+            pool = self.kv_cache_manager.block_pool
+            for report in reports:
+                freed = release_blocks(self.kv_cache_manager, report) if report.blocks_freed else 0
+                stats.observe(report, freed)
+                logger.debug(
+                    "rcstat: request %s: compression ratio %.3f, %d blocks freed (predicted %d), %d free now",
+                    report.req_id,
+                    report.compression_ratio,
+                    freed,
+                    report.blocks_freed,
+                    pool.get_num_free_blocks(),
+                )
+            stats.maybe_log(pool.get_num_free_blocks())
         return original(self, scheduler_output, model_runner_output, *args, **kwargs)
 
     return wrapper
