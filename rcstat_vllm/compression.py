@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import CompactedRequest, cdiv, compact_layer, gather_prompt, stack_tables
+from rcstat_vllm.head_pages import CompactedRequest, compact_layer, gather_prompt, stack_tables
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.scoring import get_scorer, select_budget, select_threshold
+from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_threshold
 from rcstat_vllm.step import BatchRequest
 
 
@@ -29,7 +29,7 @@ class CompressionDecision:
     query_end: int
     skipped_reason: str | None = None
 
-    def skipped_report(self, num_layers: int, num_heads: int) -> CompressionReport:
+    def skipped_report(self, num_layers: int, num_heads: int, block_size: int) -> CompressionReport:
         return CompressionReport(
             req_id=self.req_id,
             num_prompt_tokens=self.num_tokens,
@@ -38,7 +38,23 @@ class CompressionDecision:
             tail_block=0,
             kept=[[self.num_tokens] * num_heads for _ in range(num_layers)],
             skipped_reason=self.skipped_reason,
+            block_size=block_size,
         )
+
+
+def request_config(request: BatchRequest, server: RCStatConfig) -> tuple[RCStatConfig, str | None]:
+    """The server config with the request's overrides, or the server config and why the overrides failed."""
+    try:
+        return server.merged(request_overrides(request.extra_args)), None
+    except ConfigError as exc:  # validated at admission already; never crash the batch over it
+        return server, f"invalid override: {exc}"
+
+
+def window_queries(config: RCStatConfig) -> int:
+    """How many trailing prompt queries scoring needs: the method's own window and the kept window."""
+    if config.method == "rc":
+        return config.window
+    return max(SCORERS[config.method].default_window_size, config.window)
 
 
 def plan_compression(
@@ -47,22 +63,22 @@ def plan_compression(
     query_start: int,
     query_end: int,
     disabled_reason: str | None = None,
+    saved_queries: int = 0,
 ) -> CompressionDecision:
-    """Whether (and how) a request finishing its prefill this step is compressed; the reason if not."""
-    reason = disabled_reason
-    config = server
-    try:
-        config = server.merged(request_overrides(request.extra_args))
-    except ConfigError as exc:  # validated at admission already; never crash the batch over it
-        reason = reason or f"invalid override: {exc}"
+    """Whether (and how) a request finishing its prefill this step is compressed; the reason if not.
+
+    ``saved_queries``: trailing queries kept from earlier prefill chunks (chunked prefill).
+    """
+    config, reason = request_config(request, server)
+    reason = disabled_reason or reason
     n = request.num_tokens_after_step
     if reason is None:
         if not config.enabled:
             reason = "method none"
         elif n < config.min_prompt_len:
             reason = f"prompt of {n} tokens is shorter than min_prompt_len={config.min_prompt_len}"
-        elif query_end - query_start < config.window:
-            reason = "last prefill chunk is shorter than the observation window"
+        elif query_end - query_start + saved_queries < config.window:
+            reason = "fewer prompt queries than the observation window"
         elif n <= config.window + config.sink_tokens:
             reason = "nothing outside the window and sink tokens"
     return CompressionDecision(request.req_id, config, n, query_start, query_end, reason)
@@ -83,15 +99,26 @@ class LayerCompressor:
 
     def _scorer_options(self) -> dict:
         # RC's observation window is the config's; the baselines keep their published defaults.
-        return {"window_size": self.config.window} if self.config.method == "rc" else {}
+        return {"window_size": window_queries(self.config)} if self.config.method == "rc" else {}
 
-    def compress_layer(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
+    def compress_layer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        saved_queries: torch.Tensor | None = None,
+    ) -> None:
+        """Score, select and compact one layer. ``query`` is the step's [T, Hq, D] (RoPE applied: vLLM
+        passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks."""
         d = self.decision
         n = d.num_tokens
         self.block_size = kv_cache.shape[2]
-        width = min(max(self.scorer.window_size, self.config.window), d.query_end - d.query_start)
-        # [Hq, w, D] queries of the last w prompt tokens (RoPE applied: vLLM passes rotated queries).
-        q_window = query[d.query_end - width : d.query_end].transpose(0, 1).float()
+        queries = query[d.query_start : d.query_end]
+        if saved_queries is not None:
+            queries = torch.cat([saved_queries, queries])
+        width = min(window_queries(self.config), queries.shape[0])
+        q_window = queries[-width:].transpose(0, 1).float()  # [Hq, w, D]
         keys, values = gather_prompt(kv_cache, self.block_row, n)
         scores = self.scorer.score(q_window, keys.float(), values.float(), scale)
         if self.config.budget_mode:
@@ -123,10 +150,6 @@ class LayerCompressor:
             keep_blocks=state.keep_blocks,
             tail_block=state.tail_block,
             kept=self.kept.tolist(),
+            block_size=self.block_size,
         )
 
-
-def ideal_blocks(kept: torch.Tensor, block_size: int) -> int:
-    """Blocks the kept tokens would need with no fragmentation: max over layers of ceil(sum_h k / N / H)."""
-    num_heads = kept.shape[1]
-    return int(max(cdiv(int(row.sum()), block_size * num_heads) for row in kept))

@@ -24,6 +24,30 @@ class CompressionReport:
     #: kept tokens per [layer][kv head]
     kept: list[list[int]] = field(default_factory=list)
     skipped_reason: str | None = None
+    block_size: int = 0
+
+    @property
+    def prompt_blocks(self) -> int:
+        return -(-self.num_prompt_tokens // self.block_size) if self.block_size else 0
+
+    @property
+    def blocks_held(self) -> int:
+        """vLLM blocks the request holds for its prompt after compaction."""
+        return self.prompt_blocks - self.blocks_freed
+
+    @property
+    def ideal_blocks(self) -> int:
+        """Blocks the kept entries would fill if packed perfectly (no partial pages, layers balanced)."""
+        if not self.block_size or not self.kept:
+            return 0
+        entries = sum(map(sum, self.kept))
+        per_block = self.block_size * len(self.kept[0]) * len(self.kept)
+        return max(-(-entries // per_block), 1)
+
+    @property
+    def fragmentation(self) -> float:
+        """Blocks held / ideal blocks for the kept tokens (1.0 = no waste)."""
+        return self.blocks_held / self.ideal_blocks if self.ideal_blocks else 1.0
 
     @property
     def blocks_freed(self) -> int:
@@ -44,6 +68,9 @@ class CompressionReport:
             "method": self.method,
             "compression_ratio": self.compression_ratio,
             "blocks_freed": self.blocks_freed,
+            "blocks_held": self.blocks_held,
+            "ideal_blocks": self.ideal_blocks,
+            "fragmentation": self.fragmentation,
             "keep_blocks": self.keep_blocks,
             "tail_block": self.tail_block,
             "kept": self.kept,
