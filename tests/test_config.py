@@ -1,0 +1,139 @@
+"""RCStatConfig: every bad field fails with a ConfigError naming it; good configs and overrides work."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rcstat_vllm.config import (
+    CONFIG_KEY,
+    METHODS,
+    ConfigError,
+    RCStatConfig,
+    request_overrides,
+    server_config,
+)
+
+BAD_FIELDS = [
+    ({"method": "bogus"}, "method"),
+    ({"method": ""}, "method"),
+    ({"method": None}, "method"),
+    ({"c": -0.5}, "c"),
+    ({"c": math.nan}, "c"),
+    ({"c": math.inf}, "c"),
+    ({"c": "1.0"}, "c"),
+    ({"c": True}, "c"),
+    ({"window": 0}, "window"),
+    ({"window": -3}, "window"),
+    ({"window": 1.5}, "window"),
+    ({"window": "8"}, "window"),
+    ({"target_ratio": 1.0}, "target_ratio"),
+    ({"target_ratio": 1.5}, "target_ratio"),
+    ({"target_ratio": -0.1}, "target_ratio"),
+    ({"target_ratio": "0.5"}, "target_ratio"),
+    ({"sink_tokens": -1}, "sink_tokens"),
+    ({"sink_tokens": 2.5}, "sink_tokens"),
+    ({"min_prompt_len": 0}, "min_prompt_len"),
+    ({"budget": 0.5}, "budget"),  # unknown key
+    ({"Method": "rc"}, "Method"),  # keys are case-sensitive
+]
+
+
+@pytest.mark.parametrize("values, field", BAD_FIELDS, ids=[f"{f}={v[f]!r}" for v, f in BAD_FIELDS])
+def test_bad_field_is_named(values, field):
+    with pytest.raises(ConfigError) as info:
+        RCStatConfig.from_dict(values)
+    assert info.value.field == field
+    assert f"'{field}'" in str(info.value)
+    assert "allowed" in str(info.value)
+
+
+def test_unknown_method_lists_the_allowed_methods():
+    with pytest.raises(ConfigError) as info:
+        RCStatConfig.from_dict({"method": "h2o"})
+    for method in METHODS:
+        assert method in str(info.value)
+
+
+def test_bad_field_from_the_constructor_too():
+    with pytest.raises(ConfigError, match="'window'"):
+        RCStatConfig(window=0)
+
+
+@pytest.mark.parametrize("values", [[], ["rc"], 3, "not json", '["rc"]', "{bad json"])
+def test_non_dict_is_rejected(values):
+    with pytest.raises(ConfigError) as info:
+        RCStatConfig.from_dict(values)
+    assert info.value.field == CONFIG_KEY
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_defaults():
+    config = RCStatConfig.from_dict({})
+    assert config == RCStatConfig()
+    assert config.method == "rc" and config.enabled and not config.budget_mode
+    assert config.target_ratio is None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_accepted(method):
+    config = RCStatConfig.from_dict({"method": method})
+    assert config.method == method
+    assert config.enabled == (method != "none")
+
+
+def test_good_config_round_trips():
+    values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
+              "min_prompt_len": 1}
+    config = RCStatConfig.from_dict(values)
+    assert config.to_dict() == values
+    assert config.budget_mode
+    assert RCStatConfig.from_dict(config.to_dict()) == config
+    assert RCStatConfig.from_dict(json.dumps(values)) == config  # JSON text is accepted too
+
+
+def test_boundaries():
+    assert RCStatConfig.from_dict({"target_ratio": 0.999}).target_ratio == 0.999
+    assert RCStatConfig.from_dict({"c": 0.0}).c == 0.0
+    assert RCStatConfig.from_dict({"c": 3}).c == 3  # ints are numbers
+    assert RCStatConfig.from_dict({"target_ratio": None}).target_ratio is None
+
+
+def test_merged_applies_overrides_and_keeps_the_rest():
+    base = RCStatConfig.from_dict({"method": "rc", "c": 2.0, "window": 16})
+    merged = base.merged({"c": 0.5, "target_ratio": 0.25})
+    assert (merged.method, merged.c, merged.window, merged.target_ratio) == ("rc", 0.5, 16, 0.25)
+    assert base.c == 2.0  # the server config is not changed
+    assert base.merged(None) is base
+    assert base.merged({}) == base
+    assert base.merged('{"method": "none"}').method == "none"  # the vllm_xargs form: JSON text
+
+
+@pytest.mark.parametrize("overrides, field", [({"c": -1}, "c"), ({"method": "x"}, "method"),
+                                               ({"window": 0}, "window"), ({"nope": 1}, "nope")])
+def test_merged_validates_overrides(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        RCStatConfig().merged(overrides)
+    assert info.value.field == field
+
+
+def test_server_config():
+    assert server_config(None) is None
+    assert server_config({}) is None
+    assert server_config({"other_plugin": {"x": 1}}) is None
+    assert server_config({CONFIG_KEY: {}}) == RCStatConfig()
+    assert server_config({CONFIG_KEY: {"method": "tova"}}).method == "tova"
+    with pytest.raises(ConfigError, match="'c'"):
+        server_config({CONFIG_KEY: {"c": -1}})
+
+
+def test_request_overrides():
+    assert request_overrides(None) is None
+    assert request_overrides({}) is None
+    assert request_overrides({"other": 1}) is None
+    assert request_overrides({CONFIG_KEY: {"c": 2}}) == {"c": 2}

@@ -1,0 +1,146 @@
+"""The contracts of patches/: every private vLLM API the plugin touches exists, with the expected signature,
+in the installed vLLM; a broken contract fails with a message naming the symbol and the pinned version;
+the hooks install once however often vLLM calls ``register()``."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm  # noqa: E402
+
+from rcstat_vllm import plugin  # noqa: E402
+from rcstat_vllm.patches import (  # noqa: E402
+    MODULES,
+    Contract,
+    VLLMContractError,
+    all_contracts,
+    check_contracts,
+)
+from rcstat_vllm.patches._contract import PINNED_VLLM, wrap_method  # noqa: E402
+
+CONTRACTS = all_contracts()
+
+
+def test_installed_vllm_is_the_pinned_version():
+    assert vllm.__version__.startswith(PINNED_VLLM + "."), vllm.__version__
+
+
+def test_every_patch_module_declares_contracts():
+    assert len(MODULES) >= 4
+    for module in MODULES:
+        assert module.CONTRACTS, f"{module.__name__} has no CONTRACTS"
+
+
+@pytest.mark.parametrize("contract", CONTRACTS, ids=[c.target for c in CONTRACTS])
+def test_contract_holds_on_installed_vllm(contract):
+    assert contract.check() is not None
+
+
+def test_check_contracts():
+    check_contracts()
+
+
+def test_missing_module_names_symbol_and_version():
+    contract = Contract("vllm.no_such_module:Thing.method")
+    with pytest.raises(VLLMContractError) as info:
+        contract.check()
+    message = str(info.value)
+    assert "vllm.no_such_module:Thing.method" in message
+    assert "is missing" in message
+    assert PINNED_VLLM in message and vllm.__version__ in message
+
+
+def test_missing_attribute_names_symbol_and_version():
+    contract = Contract("vllm.platforms.cpu:CpuPlatform.no_such_hook", ("cls",))
+    with pytest.raises(VLLMContractError) as info:
+        contract.check()
+    message = str(info.value)
+    assert "CpuPlatform.no_such_hook" in message
+    assert PINNED_VLLM in message and vllm.__version__ in message
+
+
+def test_wrong_parameters_name_symbol_expected_and_version():
+    contract = Contract(
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output", ("self", "renamed_output")
+    )
+    with pytest.raises(VLLMContractError) as info:
+        contract.check()
+    message = str(info.value)
+    assert "Scheduler.update_from_output" in message
+    assert "renamed_output" in message and "scheduler_output" in message
+    assert PINNED_VLLM in message and vllm.__version__ in message
+
+
+def test_wrong_classmethod_parameters_are_caught():
+    contract = Contract("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("cls", "config"))
+    with pytest.raises(VLLMContractError, match="check_and_update_config"):
+        contract.check()
+
+
+def _counting_wrapper(calls: list):
+    def make(original):
+        def wrapper(*args, **kwargs):
+            calls.append(args)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def test_wrap_method_is_idempotent():
+    class Target:
+        def method(self, x):
+            return x + 1
+
+    calls: list = []
+    wrap_method(Target, "method", _counting_wrapper(calls))
+    wrap_method(Target, "method", _counting_wrapper(calls))
+    assert Target().method(1) == 2
+    assert len(calls) == 1
+    assert Target.method.__name__ == "method"
+
+
+def test_wrap_method_classmethod_is_idempotent():
+    class Target:
+        @classmethod
+        def build(cls, x):
+            return (cls, x)
+
+    calls: list = []
+    for _ in range(3):
+        wrap_method(Target, "build", _counting_wrapper(calls))
+    assert Target.build(5) == (Target, 5)
+    assert isinstance(Target.__dict__["build"], classmethod)
+    assert len(calls) == 1 and calls[0][0] is Target
+
+
+def _wrap_depth(func) -> int:
+    """How many rcstat wrappers are stacked on ``func``."""
+    depth = 0
+    while getattr(func, "__rcstat_wrapped__", False):
+        depth += 1
+        func = func.__wrapped__
+    return depth
+
+
+def test_register_is_idempotent():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    plugin.register()
+    plugin._registered = False  # as if a fresh import ran register() again in the same process
+    plugin.register()
+    plugin.register()
+    hooked = [
+        CpuPlatform.__dict__["get_attn_backend_cls"].__func__,
+        CpuPlatform.__dict__["check_and_update_config"].__func__,
+        InputProcessor.__dict__["_validate_params"],
+        Scheduler.__dict__["update_from_output"],
+    ]
+    assert [_wrap_depth(f) for f in hooked] == [1, 1, 1, 1]
+    # The contracts still see vLLM's own signatures through the wrappers.
+    check_contracts()
