@@ -1,0 +1,24 @@
+"""Attribution (RCStat, Section 4.2): which prompt spans a generated span relies on, from the RC-ranked heads.
+
+* :mod:`.core`: head ranking, span RC, Eq. 10 and the streaming trace (pure torch);
+* :mod:`.spans`: sentences, chunks and tokens with character offsets;
+* :mod:`.hf`: the transformers path (reference and evaluation);
+* :mod:`.capture`, :mod:`.processor`, :mod:`.vllm_api`: the vLLM path (capture in the attention backend,
+  switch per request with a logits processor, results through ``collective_rpc``).
+
+``results(llm, request_output)`` is the Python API of the vLLM path (imported lazily: no vLLM import here).
+"""
+
+from __future__ import annotations
+
+from rcstat_vllm.attribution.core import AttributionOptions, AttributionTrace, SpanScores
+from rcstat_vllm.attribution.report import AttributionResult
+
+__all__ = ["AttributionOptions", "AttributionTrace", "AttributionResult", "SpanScores", "results"]
+
+
+def results(llm, request_output, **kwargs) -> AttributionResult | None:
+    """Attribution of one finished ``RequestOutput`` of ``llm`` (see :func:`.vllm_api.results`)."""
+    from rcstat_vllm.attribution.vllm_api import results as _results
+
+    return _results(llm, request_output, **kwargs)

@@ -1,0 +1,172 @@
+"""From token-level scores to what the user reads: spans with character offsets and their Eq. 10 scores.
+
+Split in three so that the scoring can run where the q/k are (a vLLM worker) and the text work where the
+tokenizer and the texts are (the client):
+
+* :func:`plan_spans` (client): prompt spans and generated spans, each with character and token ranges;
+* :func:`score_spans` (where the trace is): Eq. 10 for every generated span, JSON-able;
+* :func:`assemble` (client): the :class:`AttributionResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from rcstat_vllm.attribution.core import AttributionTrace
+from rcstat_vllm.attribution.spans import TextSpan, decode_offsets, prompt_offsets, spans_for, split_sentences, token_spans
+
+__all__ = ["AttributionResult", "GeneratedAttribution", "plan_spans", "score_spans", "assemble", "build_result"]
+
+
+@dataclass
+class GeneratedAttribution:
+    """One generated span (character offsets into the generated text, token range into the generation),
+    the Eq. 10 score of every prompt span, and the best ones."""
+
+    span: TextSpan
+    scores: list[float]
+    top: list[dict[str, Any]]
+    degenerate: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"span": self.span.to_dict(), "scores": self.scores, "top": self.top, "degenerate": self.degenerate}
+
+
+@dataclass
+class AttributionResult:
+    prompt: str
+    generated_text: str
+    prompt_spans: list[TextSpan]
+    generated: list[GeneratedAttribution]
+    heads: list[tuple[int, int]] = field(default_factory=list)
+    head_scores: list[float] = field(default_factory=list)
+    estimator: str = "exact"
+    num_generated_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_spans": [s.to_dict() for s in self.prompt_spans],
+            "generated": [g.to_dict() for g in self.generated],
+            "heads": [list(h) for h in self.heads],
+            "head_scores": self.head_scores,
+            "estimator": self.estimator,
+            "num_generated_tokens": self.num_generated_tokens,
+        }
+
+
+def plan_spans(
+    tokenizer,
+    prompt: str | None,
+    prompt_ids: Sequence[int],
+    generated_ids: Sequence[int],
+    spans: str = "sentences",
+    chunks: Sequence | None = None,
+    generated_spans: str | Sequence[Sequence[int]] = "sentences",
+) -> tuple[str, list[TextSpan], str, list[TextSpan]]:
+    """(prompt text, prompt spans, generated text, generated spans) with character and token ranges.
+
+    Prompt offsets index ``prompt`` (when re-tokenizing it gives ``prompt_ids``; else the decoded ids).
+    Generated offsets index the decoded generation without special tokens (vLLM's ``output.text``).
+    """
+    prompt_text, p_offsets = prompt_offsets(tokenizer, prompt, prompt_ids)
+    prompt_spans = spans_for(prompt_text, p_offsets, spans, chunks)
+    # Offsets index the decoded text; vLLM's output.text is the same decoding (skip_special_tokens=True).
+    gen_text, g_offsets = decode_offsets(tokenizer, generated_ids, skip_special_tokens=True)
+    if generated_spans == "sentences":
+        ranges = split_sentences(gen_text)
+    elif generated_spans == "all":
+        trimmed = gen_text.strip()
+        start = gen_text.find(trimmed) if trimmed else 0
+        ranges = [(start, start + len(trimmed))] if trimmed else []
+    else:
+        ranges = [(int(a), int(b)) for a, b in generated_spans]
+    gen_spans = token_spans(gen_text, g_offsets, ranges)
+    return prompt_text, prompt_spans, gen_text, gen_spans
+
+
+def score_spans(
+    trace: AttributionTrace,
+    prompt_ranges: Sequence[Sequence[int]],
+    generated_ranges: Sequence[Sequence[int]],
+    prune: bool = True,
+) -> dict[str, Any]:
+    """Eq. 10 of every generated token range over the prompt token ranges (JSON-able)."""
+    heads = trace.finalize(prune=prune)
+    prompt_ranges = [(int(a), int(b)) for a, b in prompt_ranges]
+    scores, degenerate = [], []
+    exact = trace.options.use_exact(trace.num_generated)
+    for a, b in generated_ranges:
+        result = trace.span_scores(prompt_ranges, (int(a), int(b)), heads)
+        scores.append(result.scores.tolist())
+        degenerate.append(result.degenerate)
+    head_scores = [float(trace.head_scores[l, h]) for l, h in heads] if trace.head_scores is not None else []
+    return {
+        "heads": [[l, h] for l, h in heads],
+        "head_scores": head_scores,
+        "estimator": "exact" if exact else "upper",
+        "num_generated_tokens": trace.num_generated,
+        "num_prompt_tokens": trace.num_prompt_tokens,
+        "scores": scores,
+        "degenerate": degenerate,
+        "pruned": trace.pruned,
+        "peak_bytes": trace.peak_bytes,
+    }
+
+
+def assemble(
+    prompt_text: str,
+    prompt_spans: list[TextSpan],
+    gen_text: str,
+    gen_spans: list[TextSpan],
+    scored: dict[str, Any],
+    top: int = 3,
+) -> AttributionResult:
+    generated = []
+    for span, scores, degenerate in zip(gen_spans, scored["scores"], scored["degenerate"]):
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:top]
+        best = [
+            {
+                "index": i,
+                "score": scores[i],
+                "start": prompt_spans[i].start,
+                "end": prompt_spans[i].end,
+                "text": prompt_spans[i].text,
+            }
+            for i in order
+        ]
+        generated.append(GeneratedAttribution(span, scores, best, degenerate))
+    return AttributionResult(
+        prompt=prompt_text,
+        generated_text=gen_text,
+        prompt_spans=prompt_spans,
+        generated=generated,
+        heads=[tuple(h) for h in scored["heads"]],
+        head_scores=scored["head_scores"],
+        estimator=scored["estimator"],
+        num_generated_tokens=scored["num_generated_tokens"],
+    )
+
+
+def build_result(
+    trace: AttributionTrace,
+    tokenizer,
+    prompt: str | None,
+    prompt_ids: Sequence[int],
+    generated_ids: Sequence[int],
+    spans: str = "sentences",
+    chunks: Sequence | None = None,
+    generated_spans: str | Sequence = "sentences",
+    top: int = 3,
+) -> AttributionResult:
+    """Plan, score and assemble in one process (the transformers path)."""
+    prompt_text, prompt_spans, gen_text, gen_spans = plan_spans(
+        tokenizer, prompt, prompt_ids, generated_ids, spans, chunks, generated_spans
+    )
+    scored = score_spans(
+        trace,
+        [(s.token_start, s.token_end) for s in prompt_spans],
+        [(s.token_start, s.token_end) for s in gen_spans],
+        prune=False,
+    )
+    return assemble(prompt_text, prompt_spans, gen_text, gen_spans, scored, top)
