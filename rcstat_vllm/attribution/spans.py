@@ -36,7 +36,7 @@ MARKUP = re.compile(
 )
 _END = re.compile(r"[.!?]+[\"'”’)\]]*(?=\s)|\n")
 _ABBREVIATIONS = {
-    "mr", "mrs", "ms", "dr", "prof", "st", "sr", "jr", "vs", "etc", "e.g", "i.e", "inc", "ltd", "co", "no",
+    "mr", "mrs", "ms", "dr", "prof", "st", "sr", "jr", "vs", "etc", "e.g", "i.e", "inc", "ltd", "co",
     "fig", "al", "approx", "dept", "est", "mt", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep",
     "sept", "oct", "nov", "dec",
 }

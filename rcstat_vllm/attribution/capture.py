@@ -1,0 +1,230 @@
+"""The narrow interface between the attention backend and attribution: per step, which batch rows asked;
+per layer, their post-RoPE q/k into each request's :class:`~rcstat_vllm.attribution.core.AttributionTrace`.
+
+One :class:`AttributionCapture` per worker process (:func:`attribution_capture`). It is inert until the
+attribution logits processor is constructed in that process (``RCStatAttributionProcessor.__init__`` calls
+:meth:`AttributionCapture.activate`): before that, and for every step in which no request asked,
+:meth:`AttributionCapture.plan` returns None after one attribute check, and the backend records nothing.
+
+Backend wiring (three lines in ``rcstat_vllm/backend.py``)::
+
+    # RCStatCPUMetadata: a field
+    attribution: list | None = None
+    # RCStatCPUMetadataBuilder.build, after ``query_start = ...``:
+    metadata.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
+    # RCStatCPUImpl.forward, after ``layer_index = ...``:
+    if attn_metadata.attribution: attribution_capture().record(layer_index, attn_metadata.attribution, query, key)
+
+The q/k are recorded before compaction touches the cache, so attribution sees every prompt key even when
+the same request is compressed (compression changes which keys the model attends to afterwards, and so
+the generated q/k, but attribution scores the keys as computed).
+
+Results leave the worker through :func:`worker_results` (``RCStatWorkerExtension.rcstat_attribution_results``
+calls it), where traces are finalized (top-k heads chosen, everything else dropped) and removed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from torch import Tensor
+
+from rcstat_vllm.attribution.core import AttributionOptions, AttributionTrace
+from rcstat_vllm.config import ConfigError
+
+__all__ = [
+    "REQUEST_KEY",
+    "PRESENTATION_KEYS",
+    "AttributionCapture",
+    "CaptureRow",
+    "attribution_capture",
+    "parse_request_options",
+    "worker_results",
+    "AttributionWorkerMixin",
+]
+
+#: Key of the per-request switch in ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP).
+REQUEST_KEY = "rcstat_attribution"
+
+#: Per-request keys used by the client when it builds the result (not by the worker).
+PRESENTATION_KEYS = {
+    "spans": ("sentences", "chunks", "tokens"),
+    "chunks": None,
+    "generated_spans": ("sentences", "all"),
+    "top": None,
+}
+
+#: Traces kept per worker (least recently active dropped first: finished requests whose results nobody read).
+MAX_TRACES = 256
+
+
+def parse_request_options(value: Any) -> tuple[AttributionOptions, dict[str, Any]] | None:
+    """The request's attribution setting -> (trace options, presentation options), or None when off.
+
+    Accepted: absent / None / False (off), True (defaults), or a dict of :class:`AttributionOptions` fields
+    plus ``spans`` (sentences | chunks | tokens), ``chunks`` (list of strings or [start, end] pairs),
+    ``generated_spans`` (sentences | all) and ``top`` (int >= 1). ``{"enabled": false}`` is off too.
+    Raises :class:`~rcstat_vllm.config.ConfigError` naming the bad field.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return AttributionOptions(), {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(REQUEST_KEY, value, "true, false or a JSON object of attribution options")
+    values = dict(value)
+    enabled = values.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError("enabled", enabled, "true or false")
+    presentation = {key: values.pop(key) for key in list(values) if key in PRESENTATION_KEYS}
+    for key, allowed in PRESENTATION_KEYS.items():
+        if key in presentation and allowed is not None and presentation[key] not in allowed:
+            raise ConfigError(key, presentation[key], " | ".join(allowed))
+    if "top" in presentation and (
+        not isinstance(presentation["top"], int) or isinstance(presentation["top"], bool) or presentation["top"] < 1
+    ):
+        raise ConfigError("top", presentation["top"], "an integer >= 1")
+    if "chunks" in presentation:
+        chunks = presentation["chunks"]
+        if not isinstance(chunks, (list, tuple)) or not all(
+            isinstance(c, str) or (isinstance(c, (list, tuple)) and len(c) == 2) for c in chunks
+        ):
+            raise ConfigError("chunks", chunks, "a list of strings or [start, end] character ranges")
+    if presentation.get("spans") == "chunks" and not presentation.get("chunks"):
+        raise ConfigError("chunks", presentation.get("chunks"), "a non-empty list when spans is 'chunks'")
+    options = AttributionOptions.from_dict(values)
+    return (options, presentation) if enabled else None
+
+
+@dataclass(frozen=True)
+class CaptureRow:
+    """One batch row of a request that asked: its trace, its rows in the step's q/k, its first position."""
+
+    trace: AttributionTrace
+    row_start: int
+    row_end: int
+    position: int
+
+
+class AttributionCapture:
+    def __init__(self, max_traces: int = MAX_TRACES):
+        self.active = False
+        self.max_traces = max_traces
+        self.traces: OrderedDict[str, AttributionTrace] = OrderedDict()
+
+    def activate(self) -> None:
+        self.active = True
+
+    # ---- the backend's calls ----
+
+    def plan(self, requests: Sequence, query_start: Sequence[int], num_layers: int) -> list[CaptureRow] | None:
+        """Rows of this step's batch to record (None when no request asked: the backend does nothing).
+
+        Args:
+            requests: the batch rows in attention-metadata order (``rcstat_vllm.step.BatchRequest``: req_id,
+                num_prompt_tokens, num_computed_tokens, extra_args).
+            query_start: row r's tokens are query rows query_start[r] .. query_start[r + 1] - 1.
+            num_layers: attention layers of the model (as the backend numbers them).
+        """
+        if not self.active:
+            return None
+        rows = None
+        for index, request in enumerate(requests):
+            extra = request.extra_args
+            if not extra or REQUEST_KEY not in extra:
+                continue
+            trace = self.traces.get(request.req_id)
+            if trace is None:
+                try:
+                    parsed = parse_request_options(extra[REQUEST_KEY])
+                except ConfigError:
+                    parsed = None  # validated at admission; never fail a batch over it
+                if parsed is None:
+                    continue
+                trace = self._new_trace(request.req_id, request.num_prompt_tokens, num_layers, parsed[0])
+            else:
+                self.traces.move_to_end(request.req_id)
+            rows = rows or []
+            rows.append(CaptureRow(trace, query_start[index], query_start[index + 1], request.num_computed_tokens))
+        return rows
+
+    def record(self, layer_index: int, rows: Sequence[CaptureRow], query: Tensor, key: Tensor | None) -> None:
+        """One layer of one step: query [T, Hq, D], key [T, Hkv, D] of the whole batch (post-RoPE)."""
+        if key is None:
+            return
+        for row in rows:
+            if row.row_end > row.row_start:
+                row.trace.record(layer_index, row.position, query[row.row_start : row.row_end], key[row.row_start : row.row_end])
+
+    def record_request(self, layer_index: int, req_id: str, position: int, query: Tensor, key: Tensor) -> None:
+        """The per-request form: rows of positions position .. position + t - 1 of a request already planned."""
+        trace = self.traces.get(req_id)
+        if trace is not None:
+            trace.record(layer_index, position, query, key)
+
+    # ---- traces ----
+
+    def _new_trace(self, req_id: str, num_prompt_tokens: int, num_layers: int, options: AttributionOptions) -> AttributionTrace:
+        trace = AttributionTrace(num_prompt_tokens, num_layers, options)
+        self.traces[req_id] = trace
+        while len(self.traces) > self.max_traces:
+            self.traces.popitem(last=False)
+        return trace
+
+    def find(self, req_id: str) -> tuple[str, AttributionTrace] | None:
+        """The trace of ``req_id`` (exact, or an engine id that ``req_id`` prefixes: ``<id>-<suffix>``)."""
+        if req_id in self.traces:
+            return req_id, self.traces[req_id]
+        for key, trace in self.traces.items():
+            if key.startswith(f"{req_id}-"):
+                return key, trace
+        return None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes() for t in self.traces.values())
+
+    def clear(self) -> None:
+        self.traces.clear()
+
+
+_CAPTURE = AttributionCapture()
+
+
+def attribution_capture() -> AttributionCapture:
+    """This process's capture (one per worker process)."""
+    return _CAPTURE
+
+
+def worker_results(
+    req_id: str,
+    prompt_ranges: Sequence[Sequence[int]],
+    generated_ranges: Sequence[Sequence[int]],
+    pop: bool = True,
+) -> dict[str, Any] | None:
+    """Eq. 10 for ``generated_ranges`` (token ranges of the generation) over ``prompt_ranges`` (token ranges
+    of the prompt) for request ``req_id``; None if this worker has no trace of it. JSON-able."""
+    from rcstat_vllm.attribution.report import score_spans
+
+    capture = attribution_capture()
+    found = capture.find(req_id)
+    if found is None:
+        return None
+    key, trace = found
+    result = score_spans(trace, prompt_ranges, generated_ranges, prune=True)
+    result["req_id"] = key
+    if pop:
+        capture.traces.pop(key, None)
+    return result
+
+
+class AttributionWorkerMixin:
+    """Worker-extension methods (mixed into ``rcstat_vllm.api.RCStatWorkerExtension``)."""
+
+    def rcstat_attribution_results(self, req_id, prompt_ranges, generated_ranges, pop=True):
+        return worker_results(req_id, prompt_ranges, generated_ranges, pop)
+
+    def rcstat_attribution_requests(self) -> list[str]:
+        """Request ids whose traces this worker holds."""
+        return list(attribution_capture().traces)
