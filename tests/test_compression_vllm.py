@@ -124,9 +124,14 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
     ]
     requests, aborts = [], {}
     for i in range(200):
-        length = rng.choice([rng.randint(20, 80), rng.randint(100, 700), rng.randint(700, 1400)])
+        if i < 8:
+            # Long uncompressed requests arriving together: their prefill chunks exhaust the small pool
+            # (8 x ~44 blocks > the pool), which forces preemption.
+            length, params = rng.randint(1200, 1400), greedy(32, method="none")
+        else:
+            length = rng.choice([rng.randint(20, 100)] * 6 + [rng.randint(100, 500)] * 3 + [rng.randint(700, 1000)])
+            params = greedy(rng.randint(2, 12), **rng.choice(settings))
         request_id = f"soak-{i}"
-        params = greedy(rng.randint(4, 48), **rng.choice(settings))
         requests.append((request_id, driver.prompt(length, offset=rng.randint(0, 500)), params))
         if rng.random() < 0.1:
             aborts[request_id] = rng.randint(1, 60)
@@ -137,16 +142,16 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
     assert driver.free_blocks() == driver.initial_free
     assert driver.builder._states == {}
     compressed = [r for r in driver.builder.compression_results().values() if r["req_id"].startswith("soak")]
-    assert sum(r["blocks_freed"] > 0 for r in compressed) > 50
+    assert sum(r["blocks_freed"] > 0 for r in compressed) > 10
 
 
 def test_capacity_grows_with_the_compression_ratio(driver, capsys):
     def batch(tag, **rcstat):
-        return [(f"{tag}-{i}", driver.prompt(1000, offset=i), greedy(96, **rcstat)) for i in range(14)]
+        return [(f"{tag}-{i}", driver.prompt(1000, offset=i), greedy(48, **rcstat)) for i in range(10)]
 
     vanilla = driver.run(batch("cap-none", method="none"))
     compressed = driver.run(batch("cap-rc", target_ratio=0.5))
-    results = [driver.result(f"cap-rc-{i}") for i in range(14)]
+    results = [driver.result(f"cap-rc-{i}") for i in range(10)]
     ratio = sum(r["compression_ratio"] for r in results) / len(results)
     expected = vanilla.peak_running / (1 - ratio)
     with capsys.disabled():
