@@ -300,3 +300,45 @@ def test_bad_request_override_fails_only_that_request(engines):
     # The server is still serving after the rejected requests.
     status, reply = server.post("/v1/chat/completions", {**requests["good"], "max_tokens": 4})
     assert status == 200, reply
+
+
+def test_sixteen_concurrent_chats_with_overrides(engines):
+    """16 parallel chat requests over the OpenAI API, most with per-request overrides, one invalid: every
+    valid one is answered, the invalid one alone is rejected with an error naming the field."""
+    _, server = engines
+    server.wait_healthy()
+    overrides = [
+        None,
+        {"c": 0.5},
+        {"c": 1.5},
+        {"target_ratio": 0.5},
+        {"target_ratio": 0.8, "sink_tokens": 4},
+        {"method": "snapkv", "target_ratio": 0.5},
+        {"method": "tova", "target_ratio": 0.5},
+        {"method": "knorm", "target_ratio": 0.5},
+        {"method": "streaming", "target_ratio": 0.5},
+        {"method": "none"},
+        {"window": 16},
+        {"min_prompt_len": 100000},
+        None,
+        {"method": "rc", "c": 1.0},
+        {"target_ratio": 0.3},
+    ]
+    bodies = {}
+    for i, override in enumerate(overrides):
+        xargs = None if override is None else {"rcstat": json.dumps(override)}
+        bodies[f"ok-{i}"] = _chat(f"{ESSAY}\nQuestion {i}: who kept the light after 1861?", xargs, max_tokens=12)
+    bodies["invalid"] = _chat(f"{ESSAY}\nQuestion: who?", {"rcstat": json.dumps({"c": -1})}, max_tokens=12)
+    assert len(bodies) == 16
+    for body in bodies.values():
+        body["model"] = server.model
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = {name: pool.submit(server.post, "/v1/chat/completions", body) for name, body in bodies.items()}
+        replies = {name: f.result(timeout=600) for name, f in futures.items()}
+    for name, (status, reply) in replies.items():
+        if name == "invalid":
+            assert status == 400, f"{name}: {status} {reply}"
+            assert "'c'" in json.dumps(reply), reply
+        else:
+            assert status == 200, f"{name}: {status} {reply}\n{server.log_tail()}"
+            assert reply["usage"]["completion_tokens"] > 0 and reply["usage"]["prompt_tokens"] > 200
