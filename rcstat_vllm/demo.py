@@ -84,8 +84,12 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
 
     llm = LLM(**engine_kwargs(model_dir, rcstat))
     t1 = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outputs = llm.chat([build_messages()], params, use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)]
+    if config.enabled:
+        # The same question once more, uncompressed (a per-request override), for comparison.
+        params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                     extra_args={"rcstat": {"method": "none"}}))
+    outputs = llm.chat([build_messages()] * len(params), params, use_tqdm=False)
     t2 = time.perf_counter()
     out = outputs[0]
 
@@ -93,17 +97,27 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
     print("=" * 72)
     print(f"question: {QUESTION}")
     print(f"prompt tokens: {len(out.prompt_token_ids)}, generated tokens: {len(out.outputs[0].token_ids)}")
-    print(f"answer: {out.outputs[0].text.strip()}")
+    print(f"answer ({config.method}): {out.outputs[0].text.strip()}")
+    if len(outputs) > 1:
+        print(f"answer (uncompressed, per-request method none): {outputs[1].outputs[0].text.strip()}")
     print(f"rcstat config: {json.dumps(config.to_dict())}")
     print(f"engine start: {t1 - t0:.1f} s, generation: {t2 - t1:.2f} s")
     try:
         from rcstat_vllm.api import compression_results
 
         results = compression_results(llm)
+        try:
+            from rcstat_vllm.api import match_outputs
+
+            matched = match_outputs(outputs[:1], results)[0]
+            if matched is not None:
+                results = {matched.get("req_id", out.request_id): matched}
+        except (ImportError, AttributeError):
+            pass
     except (ImportError, AttributeError):
         print("compression results: not available yet")
     else:
-        print("compression results:")
+        print(f"compression results ({config.method} request):")
         print(format_results(results) if results else "  (none recorded for this request)")
     print("=" * 72)
     return 0
