@@ -170,3 +170,39 @@ def build_result(
         prune=False,
     )
     return assemble(prompt_text, prompt_spans, gen_text, gen_spans, scored, top)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Terminal rendering
+# --------------------------------------------------------------------------------------------------------
+
+#: Background colours of the 1st, 2nd, 3rd... best span (ANSI 256-colour codes), then the reset.
+_STYLES = ("\x1b[1;30;48;5;46m", "\x1b[30;48;5;226m", "\x1b[30;48;5;214m", "\x1b[30;48;5;117m")
+_RESET = "\x1b[0m"
+
+
+def render_prompt(result: AttributionResult, generated_index: int, color: bool = True, hide_markup: bool = True) -> str:
+    """The prompt with the best spans of one generated span highlighted (rank 1 green, 2 yellow, 3 orange,
+    4 blue; ``[[1| ... ]]`` markers without colour); chat markup hidden."""
+    from rcstat_vllm.attribution.spans import MARKUP
+
+    text = result.prompt
+    marks: dict[int, list[str]] = {}
+    for rank, best in enumerate(result.generated[generated_index].top):
+        if color:
+            opening, closing = _STYLES[min(rank, len(_STYLES) - 1)], _RESET
+        else:
+            opening, closing = f"[[{rank + 1}|", "]]"
+        marks.setdefault(best["start"], []).append(opening)
+        marks.setdefault(best["end"], []).insert(0, closing)
+    hidden = set()
+    if hide_markup:
+        for match in MARKUP.finditer(text):
+            hidden.update(range(match.start(), match.end()))
+    out = []
+    for i, char in enumerate(text):
+        out.extend(marks.get(i, []))
+        if i not in hidden:
+            out.append(char)
+    out.extend(marks.get(len(text), []))
+    return "".join(out).strip()

