@@ -43,6 +43,11 @@ PROMPTS = [
     "Here is a list of the planets of the solar system in order of their distance from the Sun: Mercury,"
     " Venus, Earth, Mars, Jupiter, Saturn, Uranus and Neptune. The largest of them is",
     f"{ESSAY}\nQuestion: who rowed out to the Grey Heron, and in which year?\nAnswer:",
+    # Four more (8 in all, the compression issue's batch): lengths across and between KV blocks.
+    "Summarise in one sentence: " + ESSAY[:600],
+    f"{ESSAY}\n{ESSAY}\nQuestion: when was the automatic lamp installed?\nAnswer:",
+    "Translate to French: good morning, my friend.",
+    "Continue the story: " + ESSAY[:1500],
 ]
 
 
@@ -222,7 +227,9 @@ def _assert_same_tokens(run: dict, vanilla: dict, name: str) -> None:
 def test_prompts_have_mixed_lengths(engines):
     runs, _ = engines
     lens = runs["vanilla"]["prompt_lens"]
-    assert min(lens) < 16 and max(lens) > 200, lens
+    assert len(lens) == 8 and min(lens) < 16 and max(lens) > 800, lens
+    # Longer than one KV block (128 tokens on vLLM-CPU) and not a multiple of it.
+    assert any(n > 128 and n % 128 for n in lens), lens
 
 
 def test_flag_absent_is_token_identical_to_vanilla(engines):
