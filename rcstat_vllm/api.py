@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rcstat_vllm.attribution.capture import AttributionWorkerMixin
+
 EXTENSION_PATH = "rcstat_vllm.api.RCStatWorkerExtension"
 
 
-class RCStatWorkerExtension:
+class RCStatWorkerExtension(AttributionWorkerMixin):
     """Mixed into vLLM's worker class: methods callable through ``collective_rpc``."""
 
     def _rcstat_builders(self) -> list:

@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from rcstat_vllm.attribution.capture import attribution_capture
 from rcstat_vllm.compression import LayerCompressor, plan_compression, request_config, window_queries
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.head_attention import HeadSequencePlan, head_sequence_attention, make_head_plan, write_head_sequence_kv
@@ -61,6 +62,8 @@ class RCStatCPUMetadata(CPUAttentionMetadata):
     #: (request id, query start, query end, how many) of non-final prefill chunks whose queries are kept
     to_save: list = field(default_factory=list)
     builder: "RCStatCPUMetadataBuilder | None" = None
+    #: rows of requests that asked for attribution (rcstat_vllm.attribution.capture), None if none did
+    attribution: list | None = None
 
 
 class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -150,6 +153,7 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         seq_lens = common_attn_metadata.seq_lens.tolist()
         block_table = common_attn_metadata.block_table_tensor
         query_start = common_attn_metadata.query_start_loc_cpu.tolist()
+        metadata.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
 
         compressed: dict[int, CompactedRequest] = {}
         for row, request in enumerate(step.requests):
@@ -203,6 +207,8 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
             raise TypeError(f"rcstat backend got {type(attn_metadata).__name__} metadata")
         builder = attn_metadata.builder
         layer_index = builder.layer_index[layer.layer_name]
+        if attn_metadata.attribution:
+            attribution_capture().record(layer_index, attn_metadata.attribution, query, key)
         num_tokens = attn_metadata.num_actual_tokens
         plan = attn_metadata.head_plan
         if plan is None:
