@@ -320,6 +320,9 @@ def test_request_options():
     options, presentation = parse_request_options({"k": 4, "spans": "chunks", "chunks": ["a"], "top": 2})
     assert options.k == 4 and presentation == {"spans": "chunks", "chunks": ["a"], "top": 2}
     assert parse_request_options({"enabled": False}) is None
+    assert parse_request_options('{"k": 2, "top": 1}')[0].k == 2  # the vllm_xargs form: JSON text
+    assert parse_request_options(1)[0] == AttributionOptions() and parse_request_options(0) is None
+    assert parse_request_options("true")[0] == AttributionOptions() and parse_request_options("false") is None
     for bad, field in [
         ({"k": 0}, "k"),
         ({"estimator": "mean"}, "estimator"),
@@ -328,6 +331,7 @@ def test_request_options():
         ({"top": 0}, "top"),
         ({"colour": 1}, "colour"),
         ("yes", "rcstat_attribution"),
+        (7, "rcstat_attribution"),
     ]:
         with pytest.raises(ConfigError, match=f"'{field}'"):
             parse_request_options(bad)

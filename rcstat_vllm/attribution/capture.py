@@ -25,6 +25,7 @@ calls it), where traces are finalized (top-k heads chosen, everything else dropp
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -63,11 +64,24 @@ MAX_TRACES = 256
 def parse_request_options(value: Any) -> tuple[AttributionOptions, dict[str, Any]] | None:
     """The request's attribution setting -> (trace options, presentation options), or None when off.
 
-    Accepted: absent / None / False (off), True (defaults), or a dict of :class:`AttributionOptions` fields
+    Accepted: absent / None / False / 0 (off), True / 1 (defaults), or a dict (or its JSON text) of :class:`AttributionOptions` fields
     plus ``spans`` (sentences | chunks | tokens), ``chunks`` (list of strings or [start, end] pairs),
     ``generated_spans`` (sentences | all) and ``top`` (int >= 1). ``{"enabled": false}`` is off too.
     Raises :class:`~rcstat_vllm.config.ConfigError` naming the bad field.
     """
+    if isinstance(value, str):  # over HTTP, vllm_xargs values are scalars: the object travels as JSON text
+        text = value.strip()
+        if text.lower() in ("true", "1", "on"):
+            value = True
+        elif text.lower() in ("false", "0", "off", ""):
+            value = False
+        else:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(REQUEST_KEY, value, f"true, false or a JSON object ({exc})") from None
+    elif isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        value = bool(value)
     if value is None or value is False:
         return None
     if value is True:

@@ -14,8 +14,8 @@ The client side (this module) splits prompt and generation into spans with the t
 the token ranges to the worker (``collective_rpc("rcstat_attribution_results", ...)``), which scores them on
 the request's trace (Eq. 10 with the top-k RC heads), frees the trace and returns plain lists.
 
-``vllm serve``: the same worker method answers a companion endpoint (see ``docs`` in the module
-:mod:`rcstat_vllm.attribution.server`, if present) or an in-process client of ``AsyncLLM.collective_rpc``.
+``vllm serve``: the same worker method fills the ``rcstat_attribution`` field of chat completion responses
+(:mod:`rcstat_vllm.attribution.server`).
 """
 
 from __future__ import annotations
