@@ -116,7 +116,13 @@ def make_examples(count: int, seed: int = 0, docs_per_example: int = 4) -> list[
 
 def user_message(example: dict) -> str:
     documents = "\n".join(f"Document {i + 1}: {doc}" for i, doc in enumerate(example["docs"]))
-    return f"Answer the question using the documents.\n\n{documents}\n\nQuestion: {example['question']}"
+    return (
+        f"Answer the question using the documents.\n\n{documents}\n\nQuestion: {example['question']}\n"
+        "Answer in one short sentence."
+    )
+
+
+SWEEP_K = (3, 5, 10, 20)
 
 
 def run(args) -> dict:
@@ -128,6 +134,7 @@ def run(args) -> dict:
     methods = ("rc_topk", "attn_all", "rc_bottomk")
     rows = []
     started = time.time()
+    k = None
     for index, example in enumerate(examples):
         prompt = chat_prompt(tokenizer, user_message(example))
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -137,14 +144,8 @@ def run(args) -> dict:
         spans = token_spans(text, offsets, chunk_spans(text, example["docs"]))
         ranges = [(s.token_start, s.token_end) for s in spans]
         trace = trace_sequence(model, prompt_ids, answer_ids, options)
-        scores = trace.rank_heads()
-        k = num_top_heads(options, trace.num_total_heads)
         generated = (0, trace.num_generated)
-        best = {
-            "rc_topk": trace.span_scores(ranges, generated, top_heads(scores, k)).scores,
-            "attn_all": trace.attention_scores(ranges, generated),
-            "rc_bottomk": trace.span_scores(ranges, generated, bottom_heads(scores, k)).scores,
-        }
+        k = num_top_heads(options, trace.num_total_heads)
         row = {
             "target": example["target"],
             "question": example["question"],
@@ -153,20 +154,41 @@ def run(args) -> dict:
             "answered": example["answer"].lower() in answer.lower(),
             "prompt_tokens": len(prompt_ids),
             "answer_tokens": len(answer_ids),
-            "top_heads": [list(h) for h in top_heads(scores, k)],
+        }
+        # Headline: the configured estimator and k.
+        scores = trace.rank_heads()
+        row["top_heads"] = [list(h) for h in top_heads(scores, k)]
+        best = {
+            "rc_topk": trace.span_scores(ranges, generated, top_heads(scores, k)).scores,
+            "attn_all": trace.attention_scores(ranges, generated),
+            "rc_bottomk": trace.span_scores(ranges, generated, bottom_heads(scores, k)).scores,
         }
         for method in methods:
             row[method] = int(torch.argmax(best[method]))
             row[f"{method}_scores"] = [round(float(v), 4) for v in best[method]]
+        # Sweep: k and estimator (not used to pick the headline setting).
+        row["sweep"] = {}
+        for exact in (True, False):
+            estimator = "exact" if exact else "upper"
+            sweep_scores = scores if options.use_exact(trace.num_generated) == exact else trace.rank_heads(exact)
+            for sweep_k in SWEEP_K:
+                for name, heads in (("top", top_heads(sweep_scores, sweep_k)), ("bottom", bottom_heads(sweep_scores, sweep_k))):
+                    with_heads = trace.span_scores(ranges, generated, heads).scores
+                    row["sweep"][f"rc_{name}{sweep_k}_{estimator}"] = int(torch.argmax(with_heads))
+        row["sweep"]["rc_all_heads"] = int(torch.argmax(trace.span_scores(ranges, generated, trace.stored_heads()).scores))
         rows.append(row)
         if args.verbose:
             print(index, {m: row[m] == row["target"] for m in methods}, row["answered"], repr(answer[:60]), flush=True)
     elapsed = time.time() - started
 
-    def accuracy(subset):
-        return {m: (sum(r[m] == r["target"] for r in subset) / len(subset) if subset else None) for m in methods}
+    def accuracy(subset, names=methods, key=None):
+        if not subset:
+            return {m: None for m in names}
+        pick = (lambda r, m: r[m]) if key is None else (lambda r, m: r[key][m])
+        return {m: round(sum(pick(r, m) == r["target"] for r in subset) / len(subset), 4) for m in names}
 
     answered = [r for r in rows if r["answered"]]
+    sweep_names = list(rows[0]["sweep"]) if rows else []
     head_counts: dict[str, int] = {}
     for r in rows:
         for layer, head in r["top_heads"]:
@@ -181,12 +203,14 @@ def run(args) -> dict:
         "documents_per_example": 4,
         "chance": 0.25,
         "k": k,
-        "total_heads": trace.num_total_heads,
+        "total_heads": trace.num_total_heads if rows else None,
         "options": options.to_dict(),
         "seed": args.seed,
         "accuracy": accuracy(rows),
         "answered_examples": len(answered),
         "accuracy_answered": accuracy(answered),
+        "sweep_accuracy": accuracy(rows, sweep_names, "sweep"),
+        "sweep_accuracy_answered": accuracy(answered, sweep_names, "sweep"),
         "most_frequent_top_heads": sorted(head_counts.items(), key=lambda kv: -kv[1])[:10],
         "seconds": round(elapsed, 1),
         "rows": rows,
@@ -209,7 +233,8 @@ def main(argv=None) -> None:
     result = run(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    summary = {k: result[k] for k in ("examples", "k", "accuracy", "answered_examples", "accuracy_answered", "seconds")}
+    keys = ("examples", "k", "accuracy", "answered_examples", "accuracy_answered", "sweep_accuracy", "seconds")
+    summary = {key: result[key] for key in keys}
     print(json.dumps(summary, indent=1))
 
 
