@@ -393,3 +393,24 @@ def test_worker_results_pop_the_trace():
     assert all(sum(s) == pytest.approx(1.0) for s in reply["scores"])
     assert len(reply["heads"]) == 2 and reply["estimator"] == "exact"
     assert capture_module.worker_results("7", [[0, 8]], [[0, 4]]) is None
+
+
+def test_capture_drops_least_recently_active_traces_over_budget():
+    queries, keys = random_sequence(layers=2, m=8, n=4, dtype=torch.float32)
+    capture = AttributionCapture(max_traces=2)
+    capture.activate()
+    asked = {"rcstat_attribution": True}
+    for name in ("a", "b", "c"):
+        capture.plan([batch_request(name, 8, 0, 8, asked)], [0, 8], 2)
+    assert list(capture.traces) == ["b", "c"] and capture.evicted == 1
+    capture.plan([batch_request("b", 8, 8, 1, asked)], [0, 1], 2)  # b active again: c is now the oldest
+    assert list(capture.traces) == ["c", "b"]
+    small = AttributionCapture(max_bytes=1)
+    small.activate()
+    for step in range(40):
+        plan = small.plan([batch_request(f"r{step}", 8, 0, 8, asked)], [0, 8], 2)
+        for layer in range(2):
+            small.record(layer, plan, queries[layer][:8], keys[layer][:8])
+    assert len(small.traces) < 40 and f"r{39}" in small.traces  # over budget: old ones dropped, not the active one
+    late = small.plan([batch_request("late", 8, 4, 4, asked)], [0, 4], 2)
+    assert late[0].trace.missing_prompt_tokens == 4  # a prefix it never saw is reported

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from rcstat_vllm.attribution.core import AttributionOptions, AttributionTrace
 from rcstat_vllm.config import ConfigError
+from rcstat_vllm.log import logger
 
 __all__ = [
     "REQUEST_KEY",
@@ -57,8 +58,12 @@ PRESENTATION_KEYS = {
     "top": None,
 }
 
-#: Traces kept per worker (least recently active dropped first: finished requests whose results nobody read).
+#: Traces kept per worker, and their total bytes: beyond either, the least recently active traces are dropped
+#: (finished requests whose results nobody read go first; a running request is never dropped in its own step).
 MAX_TRACES = 256
+MAX_BYTES = 1 << 30
+#: Steps between two byte-budget checks (the check walks every trace's tensors).
+_BUDGET_CHECK_EVERY = 32
 
 
 def parse_request_options(value: Any) -> tuple[AttributionOptions, dict[str, Any]] | None:
@@ -123,10 +128,13 @@ class CaptureRow:
 
 
 class AttributionCapture:
-    def __init__(self, max_traces: int = MAX_TRACES):
+    def __init__(self, max_traces: int = MAX_TRACES, max_bytes: int = MAX_BYTES):
         self.active = False
         self.max_traces = max_traces
+        self.max_bytes = max_bytes
         self.traces: OrderedDict[str, AttributionTrace] = OrderedDict()
+        self.evicted = 0
+        self._steps = 0
 
     def activate(self) -> None:
         self.active = True
@@ -158,10 +166,16 @@ class AttributionCapture:
                 if parsed is None:
                     continue
                 trace = self._new_trace(request.req_id, request.num_prompt_tokens, num_layers, parsed[0])
+                # Keys of tokens computed before the first traced step (a prefix-cache hit) never pass by.
+                trace.missing_prompt_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
             else:
                 self.traces.move_to_end(request.req_id)
             rows = rows or []
             rows.append(CaptureRow(trace, query_start[index], query_start[index + 1], request.num_computed_tokens))
+        if rows is not None:
+            self._steps += 1
+            if self._steps % _BUDGET_CHECK_EVERY == 0:
+                self._enforce_bytes(keep={id(row.trace) for row in rows})
         return rows
 
     def record(self, layer_index: int, rows: Sequence[CaptureRow], query: Tensor, key: Tensor | None) -> None:
@@ -184,8 +198,23 @@ class AttributionCapture:
         trace = AttributionTrace(num_prompt_tokens, num_layers, options)
         self.traces[req_id] = trace
         while len(self.traces) > self.max_traces:
-            self.traces.popitem(last=False)
+            dropped, _ = self.traces.popitem(last=False)
+            self.evicted += 1
+            logger.warning("rcstat: attribution trace of %s dropped (more than %d traces)", dropped, self.max_traces)
         return trace
+
+    def _enforce_bytes(self, keep: set[int]) -> None:
+        total = self.nbytes()
+        for req_id in list(self.traces):
+            if total <= self.max_bytes:
+                break
+            trace = self.traces[req_id]
+            if id(trace) in keep:
+                continue
+            total -= trace.nbytes()
+            del self.traces[req_id]
+            self.evicted += 1
+            logger.warning("rcstat: attribution trace of %s dropped (traces over %d bytes)", req_id, self.max_bytes)
 
     def find(self, req_id: str) -> tuple[str, AttributionTrace] | None:
         """The trace of ``req_id`` (exact, or an engine id that ``req_id`` prefixes: ``<id>-<suffix>``)."""

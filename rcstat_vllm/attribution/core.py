@@ -429,6 +429,8 @@ class AttributionTrace:
         self.head_scores: Tensor | None = None
         self.top: list[tuple[int, int]] = []
         self.peak_bytes = 0
+        #: prompt tokens whose keys were never recorded (e.g. a prefix-cache hit before the first traced step)
+        self.missing_prompt_tokens = 0
 
     # ---- recording ----
 

@@ -111,6 +111,7 @@ def score_spans(
         "degenerate": degenerate,
         "pruned": trace.pruned,
         "peak_bytes": trace.peak_bytes,
+        "missing_prompt_tokens": trace.missing_prompt_tokens,
     }
 
 
