@@ -61,36 +61,6 @@ DOCS = [
 ASK = {"rcstat_attribution": {"spans": "chunks", "chunks": DOCS}}
 
 
-def wire_backend_for_tests() -> None:
-    """Stand-in for the three backend lines (see rcstat_vllm/attribution/capture.py) while backend.py lacks
-    them: wraps the builder's ``build`` and the impl's ``forward`` in this (in-process) engine."""
-    from rcstat_vllm import backend
-
-    if "attribution" in backend.RCStatCPUMetadata.__dataclass_fields__ or getattr(backend, "_attribution_shim", False):
-        return
-    original_build, original_forward = backend.RCStatCPUMetadataBuilder.build, backend.RCStatCPUImpl.forward
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = original_build(self, common_prefix_len, common_attn_metadata, fast_build)
-        metadata.attribution = None
-        step = self._step
-        if step is not None and len(step.requests) == common_attn_metadata.num_reqs:
-            query_start = common_attn_metadata.query_start_loc_cpu.tolist()
-            metadata.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
-        return metadata
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        rows = getattr(attn_metadata, "attribution", None)
-        if rows:
-            layer_index = attn_metadata.builder.layer_index[layer.layer_name]
-            attribution_capture().record(layer_index, rows, query, key)
-        return original_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-
-    backend.RCStatCPUMetadataBuilder.build = build
-    backend.RCStatCPUImpl.forward = forward
-    backend._attribution_shim = True
-
-
 @pytest.fixture(scope="module")
 def engine():
     from rcstat_vllm.model import default_model_dir
@@ -98,7 +68,6 @@ def engine():
     if not (default_model_dir() / "model.safetensors").exists():
         pytest.skip("embedded model not converted")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
-    wire_backend_for_tests()
     from vllm import LLM
 
     llm = LLM(
@@ -162,3 +131,92 @@ def test_attribution_end_to_end(engine):
     assert len(set(map(tuple, expected["heads"])) & set(traced.heads)) >= 4
     best = max(range(3), key=lambda i: expected["scores"][0][i])
     assert traced.generated[0].top[0]["index"] == best
+
+
+# --------------------------------------------------------------------------------------------------------
+# vllm serve: the response field
+# --------------------------------------------------------------------------------------------------------
+
+LAUNCHER = """
+import sys
+from rcstat_vllm.attribution.server import install
+assert install()
+from rcstat_vllm.cli import serve_main
+sys.exit(serve_main(sys.argv[1:]))
+"""
+
+
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.vllm
+def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from rcstat_vllm.model import default_model_dir
+
+    if not (default_model_dir() / "model.safetensors").exists():
+        pytest.skip("embedded model not converted")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = [
+        "--served-model-name", "smollm2", "--enforce-eager", "-cc", '{"mode": 0}', "--max-model-len", "2048",
+        "--kv-cache-memory-bytes", str(128 << 20), "--port", str(port), "--host", "127.0.0.1",
+        "--additional-config", '{"rcstat": {"method": "none"}}',
+        "--logits-processors", "rcstat_vllm.attribution.processor:RCStatAttributionProcessor",
+    ]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                assert time.time() < deadline, "server did not start"
+                time.sleep(3)
+        content = "\n".join(DOCS) + "\n\nQuestion: When does the ferry to Oskaro leave?"
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 16}
+        setting = json.dumps({"spans": "chunks", "chunks": DOCS, "generated_spans": "all", "top": 2})
+        status, plain = _post(port, body)
+        assert status == 200 and "rcstat_attribution" not in plain
+        status, asked = _post(port, {**body, "vllm_xargs": {"rcstat_attribution": setting}})
+        assert status == 200, asked
+        assert asked["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        field = asked["rcstat_attribution"]
+        assert [s["text"] for s in field["prompt_spans"]] == DOCS
+        generated = field["generated"][0]
+        assert sum(generated["scores"]) == pytest.approx(1.0, abs=1e-5)
+        assert len(generated["top"]) == 2 and generated["top"][0]["score"] >= generated["top"][1]["score"]
+        first = generated["top"][0]
+        assert first["text"] in DOCS and first["end"] - first["start"] == len(first["text"])
+        status, bad = _post(port, {**body, "vllm_xargs": {"rcstat_attribution": json.dumps({"k": 0})}})
+        assert status == 400 and "'k'" in json.dumps(bad)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
