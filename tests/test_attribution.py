@@ -189,11 +189,11 @@ def stream(queries, keys, m, options, prefill_chunk=7):
     return trace
 
 
-@pytest.mark.parametrize("warmup", [3, 100])
-def test_streaming_equals_full_computation(warmup):
+@pytest.mark.parametrize("warmup,estimator", [(3, "exact"), (100, "exact"), (3, "upper")])
+def test_streaming_equals_full_computation(warmup, estimator):
     planted = {(0, 4), (2, 1), (3, 5), (1, 0)}
     queries, keys = planted_sequence(planted, m=20, n=12)
-    options = AttributionOptions(k=4, estimator="exact", warmup_tokens=warmup, candidate_factor=2)
+    options = AttributionOptions(k=4, estimator=estimator, warmup_tokens=warmup, candidate_factor=2)
     streamed = stream(queries, keys, 20, options)
     full = AttributionTrace.from_sequence(queries, keys, 20, options)
     assert streamed.pruned == (warmup == 3)
@@ -201,6 +201,8 @@ def test_streaming_equals_full_computation(warmup):
     top_streamed = streamed.finalize(prune=True)
     top_full = full.finalize(prune=False)
     assert top_streamed == top_full
+    assert streamed.stored_heads() == sorted(top_full)  # finalize kept the top k only
+    assert streamed.span_scores([(0, 20)], (0, 12)).exact == (estimator == "exact")
     for head in top_full:
         assert float(streamed.head_scores[head]) == pytest.approx(float(full.head_scores[head]), rel=1e-6)
     spans = [(0, 5), (5, 12), (12, 20)]
