@@ -147,23 +147,9 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
     run = driver.run(requests, abort_after=aborts)
     assert set(run.outputs) >= {r[0] for r in requests} - set(aborts)
     assert driver.free_blocks() == driver.initial_free
+    # vLLM tells the worker which requests finished with the *next* step: run one tiny uncompressed
+    # request so the last finished ones are delivered, then the worker must hold no compressed state.
+    driver.run([("flush", driver.prompt(8), greedy(1))])
     assert driver.builder._states == {} and driver.builder._saved_queries == {}
     compressed = [r for r in driver.builder.compression_results().values() if r["req_id"].startswith("soak")]
     assert sum(r["blocks_freed"] > 0 for r in compressed) > 10
-
-
-def test_capacity_grows_with_the_compression_ratio(driver, capsys):
-    def batch(tag, **rcstat):
-        return [(f"{tag}-{i}", driver.prompt(1000, offset=i), greedy(48, **rcstat)) for i in range(10)]
-
-    vanilla = driver.run(batch("cap-none", method="none"))
-    compressed = driver.run(batch("cap-rc", target_ratio=0.5))
-    results = [driver.result(f"cap-rc-{i}") for i in range(10)]
-    ratio = sum(r["compression_ratio"] for r in results) / len(results)
-    expected = vanilla.peak_running / (1 - ratio)
-    with capsys.disabled():
-        print(
-            f"\n[capacity] pool {driver.initial_free} blocks: vanilla peak {vanilla.peak_running} running, "
-            f"RC budget ratio {ratio:.3f} peak {compressed.peak_running} (ideal {expected:.1f})"
-        )
-    assert compressed.peak_running >= 0.8 * expected
