@@ -1,0 +1,69 @@
+"""The compression settings the benchmarks compare, as plugin config dicts with a label and a family.
+
+Families (one plot line each): ``full`` (no eviction), ``rc`` (RCStat threshold mode, Eq. 9, the ratio is an
+outcome of c), ``rc_budget`` (RC scores, budget mode), and the budget-mode baselines ``snapkv``, ``tova``,
+``knorm``, ``streaming``, ``random``. Budget mode evicts the same fraction of every layer's prompt entries for
+every method, so the families are compared at matched ratios. ``matched`` entries put a baseline in budget
+mode at the ratio RC's threshold mode achieved on the same prompt (filled in per prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BASELINES = ("snapkv", "tova", "knorm", "streaming", "random")
+FAMILY_LABELS = {
+    "full": "full cache",
+    "rc": "RCStat (threshold c)",
+    "rc_budget": "RCStat (budget)",
+    "snapkv": "SnapKV",
+    "tova": "TOVA",
+    "knorm": "K-norm",
+    "streaming": "StreamingLLM",
+    "random": "random",
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str
+    family: str
+    rcstat: dict = field(default_factory=dict)  # the per-request override ({"method": ..., ...})
+    #: for matched settings: the RC threshold label whose per-prompt ratio this one takes
+    matched_to: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "family": self.family, "rcstat": dict(self.rcstat), "matched_to": self.matched_to}
+
+
+def rc_label(c: float) -> str:
+    return f"rc_c{c:g}"
+
+
+def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=BASELINES,
+                   rc_budget: bool = True, matched_c=(), matched_methods=("rc_budget", "snapkv", "tova"),
+                   window: int = 8) -> list[Setting]:
+    """Full cache, RC at each c, and each budget family at each ratio; plus matched settings for matched_c."""
+    settings = [Setting("full", "full", {"method": "none"})]
+    settings += [Setting(rc_label(c), "rc", {"method": "rc", "c": float(c), "window": window}) for c in c_values]
+    families = (["rc_budget"] if rc_budget else []) + list(baselines)
+    for family in families:
+        method = "rc" if family == "rc_budget" else family
+        for r in ratios:
+            settings.append(Setting(f"{family}_r{r:g}", family,
+                                    {"method": method, "target_ratio": float(r), "window": window}))
+    for c in matched_c:
+        for family in matched_methods:
+            method = "rc" if family == "rc_budget" else family
+            settings.append(Setting(f"{family}@{rc_label(c)}", family, {"method": method, "window": window},
+                                    matched_to=rc_label(c)))
+    return settings
+
+
+def resolve(setting: Setting, rc_ratios: dict[str, float]) -> dict:
+    """The override for one prompt: a matched setting takes RC's achieved ratio on that prompt."""
+    if setting.matched_to is None:
+        return dict(setting.rcstat)
+    ratio = rc_ratios[setting.matched_to]
+    # The plugin accepts target_ratio in [0, 1); RC never evicts the window, so its ratio is < 1.
+    return {**setting.rcstat, "target_ratio": min(max(float(ratio), 0.0), 0.999)}
