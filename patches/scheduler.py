@@ -1,8 +1,8 @@
 """Scheduler side of the worker-to-scheduler report: return the blocks compaction freed to the pool.
 
 After a request's last prefill chunk the worker compacts each head's kept KV into the request's first
-``keep_blocks`` blocks (plus its last prompt block, where decode continues) and reports that in the
-``ModelRunnerOutput``. Here, before vLLM processes that output, the blocks in between go back to the
+``keep_blocks`` blocks and reports that in the ``ModelRunnerOutput``. Here, before vLLM processes that
+output (so before it appends any block for decode), the request's other prompt blocks go back to the
 ``BlockPool`` and are replaced by the null block in the request's block list, exactly as vLLM's own
 sliding-window manager does: the list keeps its length, so later allocation by position is unchanged.
 """
@@ -32,12 +32,12 @@ CONTRACTS = (
 
 
 def release_blocks(kv_cache_manager, report: CompressionReport) -> int:
-    """Free the blocks ``[keep_blocks, tail_block)`` of the request; returns how many were freed."""
+    """Free the blocks ``[keep_blocks, prompt_blocks)`` of the request; returns how many were freed."""
     pool = kv_cache_manager.block_pool
     before = pool.get_num_free_blocks()
     for manager in kv_cache_manager.coordinator.single_type_managers:
         if report.req_id in manager.req_to_blocks:
-            manager._remove_blocks_in_range(report.req_id, report.keep_blocks, report.tail_block)
+            manager._remove_blocks_in_range(report.req_id, report.keep_blocks, report.prompt_blocks)
     return pool.get_num_free_blocks() - before
 
 

@@ -34,8 +34,7 @@ class CompressionDecision:
             req_id=self.req_id,
             num_prompt_tokens=self.num_tokens,
             method=self.config.method,
-            keep_blocks=0,  # keep_blocks == tail_block: the scheduler frees nothing
-            tail_block=0,
+            keep_blocks=-(-self.num_tokens // block_size),  # every prompt block: the scheduler frees nothing
             kept=[[self.num_tokens] * num_heads for _ in range(num_layers)],
             skipped_reason=self.skipped_reason,
             block_size=block_size,
@@ -148,7 +147,6 @@ class LayerCompressor:
             num_prompt_tokens=self.decision.num_tokens,
             method=self.config.method,
             keep_blocks=state.keep_blocks,
-            tail_block=state.tail_block,
             kept=self.kept.tolist(),
             block_size=self.block_size,
         )

@@ -144,7 +144,6 @@ class CompactedRequest:
     #: [L, H, P] int64 page table per (layer, head), -1 = no page; grows along P as heads need pages
     tables: Tensor
     keep_blocks: int = 0
-    tail_block: int = 0
     #: block-row entries already turned into pool pages
     absorbed_blocks: int = 0
     pools: list[list[int]] = field(default_factory=list)
@@ -156,25 +155,23 @@ class CompactedRequest:
         return self.tables.shape[0]
 
     def finalize(self, block_row: Tensor) -> None:
-        """Decide which blocks the request keeps and build the per-layer pools of unused pages.
+        """Decide how many blocks the request keeps and build the per-layer pools of unused pages.
 
-        ``keep_blocks`` = max over layers of ``ceil(pages the layer uses / H)``. The request keeps blocks
-        ``[0, keep_blocks)`` and ``[tail_block, ...)`` where ``tail_block`` is its last prompt block (decode
-        goes on writing there); the blocks in between are freed. This always leaves enough pages: each later
-        step of N tokens brings one new block (H pages) and needs at most H new pages, and the tail block
-        covers the rounding of the current partial pages.
+        The request keeps its first ``keep_blocks`` blocks and frees the rest of its prompt blocks. Until vLLM
+        appends the request's next block (at the next multiple of N tokens), the ``m = (-n) % N`` tokens still
+        to come must fit in pages it already holds: head h then needs ``cdiv(k_h + m, N) - cdiv(k_h, N)`` new
+        pages. From there on every block vLLM appends brings H pages per layer before the N tokens that need
+        exactly one new page per head. So ``keep_blocks`` = max over layers of ``cdiv(pages used + pages
+        needed before the next block, H)``: at most one block more than the kept pages themselves need,
+        often none (never when n is a multiple of N).
         """
         n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
         self.page_counts = (self.tables >= 0).sum(dim=2)
-        used = self.page_counts.sum(dim=1)
-        self.keep_blocks = cdiv(int(used.max()), self.num_heads)
-        self.tail_block = n_blocks - 1
-        if self.keep_blocks >= self.tail_block:
-            self.keep_blocks = self.tail_block = n_blocks  # nothing freed: keep every prompt block
-            held = block_row[:n_blocks]
-        else:
-            held = torch.cat([block_row[: self.keep_blocks], block_row[self.tail_block : n_blocks]])
-        candidates = identity_pages(held, self.num_heads).t().reshape(-1).tolist()
+        to_boundary = -self.num_compacted_tokens % self.block_size
+        pages_then = (self.kept + to_boundary + self.block_size - 1) // self.block_size
+        needed = torch.maximum(pages_then, self.page_counts).sum(dim=1)
+        self.keep_blocks = min(cdiv(int(needed.max()), self.num_heads), n_blocks)
+        candidates = identity_pages(block_row[: self.keep_blocks], self.num_heads).t().reshape(-1).tolist()
         self.pools = []
         for table in self.tables:
             taken = set(table[table >= 0].tolist())
@@ -183,7 +180,8 @@ class CompactedRequest:
 
     @property
     def blocks_held(self) -> int:
-        return self.keep_blocks + (cdiv(self.num_compacted_tokens, self.block_size) - self.tail_block)
+        """Prompt blocks the request holds after compaction (later blocks come from vLLM as it grows)."""
+        return self.keep_blocks
 
     def reserve(self, num_tokens: int, block_row: Tensor) -> None:
         """Make sure every head has pages for ``num_tokens`` logical tokens (the length after this step)."""

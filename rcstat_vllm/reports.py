@@ -12,15 +12,14 @@ REPORTS_ATTR = "rcstat_reports"
 class CompressionReport:
     """The outcome of compressing one request's prompt KV.
 
-    ``keep_blocks`` and ``tail_block`` tell the scheduler which blocks the request still holds: the first
-    ``keep_blocks`` and every block from ``tail_block`` on (the last prompt block, where decode goes on).
+    ``keep_blocks`` tells the scheduler which blocks the request still holds: its first ``keep_blocks``; the
+    rest of its prompt blocks go back to the pool (blocks vLLM appends later, as it decodes, are kept).
     """
 
     req_id: str
     num_prompt_tokens: int
     method: str
     keep_blocks: int
-    tail_block: int
     #: kept tokens per [layer][kv head]
     kept: list[list[int]] = field(default_factory=list)
     skipped_reason: str | None = None
@@ -33,7 +32,7 @@ class CompressionReport:
     @property
     def blocks_held(self) -> int:
         """vLLM blocks the request holds for its prompt after compaction."""
-        return self.prompt_blocks - self.blocks_freed
+        return min(self.keep_blocks, self.prompt_blocks)
 
     @property
     def ideal_blocks(self) -> int:
@@ -51,7 +50,7 @@ class CompressionReport:
 
     @property
     def blocks_freed(self) -> int:
-        return max(self.tail_block - self.keep_blocks, 0)
+        return max(self.prompt_blocks - self.keep_blocks, 0)
 
     @property
     def compression_ratio(self) -> float:
@@ -72,7 +71,6 @@ class CompressionReport:
             "ideal_blocks": self.ideal_blocks,
             "fragmentation": self.fragmentation,
             "keep_blocks": self.keep_blocks,
-            "tail_block": self.tail_block,
             "kept": self.kept,
             "skipped_reason": self.skipped_reason,
         }

@@ -43,9 +43,12 @@ def greedy(max_tokens=8, **rcstat):
 
 
 def predicted_blocks_freed(kept: list[list[int]], num_tokens: int, num_heads: int = 3) -> int:
-    """The head-page layout's prediction from the per-head kept counts alone."""
-    keep_blocks = max(cdiv(sum(cdiv(k, BLOCK) for k in layer), num_heads) for layer in kept)
-    return max(cdiv(num_tokens, BLOCK) - 1 - keep_blocks, 0)
+    """The head-page layout's prediction from the per-head kept counts alone: the request keeps, for its
+    fullest layer, the pages of its kept tokens plus those of the tokens still to come before vLLM's next
+    block (see ``CompactedRequest.finalize``)."""
+    to_boundary = -num_tokens % BLOCK
+    keep_blocks = max(cdiv(sum(cdiv(k + to_boundary, BLOCK) for k in layer), num_heads) for layer in kept)
+    return max(cdiv(num_tokens, BLOCK) - keep_blocks, 0)
 
 
 @pytest.mark.parametrize("num_tokens", [700, 1500])

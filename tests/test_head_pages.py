@@ -69,22 +69,33 @@ def test_compact_layer_moves_exactly_the_kept_tokens(dtype):
     assert used_blocks == set(row[:needed].tolist())
 
 
-def test_finalize_keeps_blocks_for_the_largest_layer_and_the_tail_block():
+@pytest.mark.parametrize(
+    "n,kept_per_head,keep_blocks",
+    [
+        (300, 100, 4),  # 4 pages per head; every last page has room for the 20 tokens before block 10
+        (300, 96, 4),  # 3 full pages per head; the 20 tokens before block 10 need a 4th page per head
+        (320, 96, 3),  # a multiple of N: vLLM's next block arrives with the first decode token
+    ],
+)
+def test_finalize_keeps_the_largest_layers_pages_and_what_it_needs_until_the_next_block(n, kept_per_head, keep_blocks):
     g = torch.Generator().manual_seed(2)
-    n = 300  # 10 blocks of 32
     kv = torch.randn(40, HEADS, BLOCK, 2 * DIM, generator=g)
     row = _request(40, n, g)
     masks = [torch.zeros(HEADS, n, dtype=torch.bool) for _ in range(2)]
-    masks[0][:, -8:] = True  # layer 0 keeps only the window: 3 pages, 1 block
-    masks[1][:, :100] = True  # layer 1 keeps 100 per head: 4 pages per head = 12 pages, 4 blocks
+    masks[0][:, -8:] = True  # layer 0 keeps only the window: 1 page per head
+    masks[1][:, :kept_per_head] = True
     tables = stack_tables([compact_layer(kv.clone(), row, m) for m in masks])
     state = CompactedRequest(n, BLOCK, HEADS, torch.stack([m.sum(1) for m in masks]), tables)
     state.finalize(row)
-    assert (state.keep_blocks, state.tail_block) == (4, 9)
-    assert state.blocks_held == 5
-    # Pools: unused pages of the kept blocks and every page of the tail block.
-    assert len(state.pools[0]) == 5 * HEADS - 3
-    assert len(state.pools[1]) == 5 * HEADS - 12
+    assert state.keep_blocks == state.blocks_held == keep_blocks
+    # Pools: the unused pages of the kept blocks.
+    assert len(state.pools[0]) == keep_blocks * HEADS - HEADS
+    assert len(state.pools[1]) == keep_blocks * HEADS - HEADS * cdiv(kept_per_head, BLOCK)
+    # Decode up to the next block boundary needs no page beyond the kept blocks.
+    state.reserve(cdiv(n, BLOCK) * BLOCK, row)
+    assert set(state.tables[state.tables >= 0].div(HEADS, rounding_mode="floor").tolist()) <= set(
+        row[:keep_blocks].tolist()
+    )
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
