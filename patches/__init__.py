@@ -5,14 +5,15 @@
 - ``scheduler``: apply the worker's compaction reports, returning freed blocks to the ``BlockPool``.
 - ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
 - ``cpu_kv_layout``: check the CPU kernels' in-page K/V layout that compaction reads and writes.
+- ``openai_chat``: add the attribution field to chat completions (API-server process, processor configured).
 """
 
 from __future__ import annotations
 
-from . import cpu_kv_layout, model_runner, platform, request_validation, scheduler
+from . import cpu_kv_layout, model_runner, openai_chat, platform, request_validation, scheduler
 from ._contract import Contract, VLLMContractError
 
-MODULES = (platform, request_validation, scheduler, model_runner, cpu_kv_layout)
+MODULES = (platform, request_validation, scheduler, model_runner, cpu_kv_layout, openai_chat)
 
 
 def all_contracts() -> list[Contract]:
@@ -26,7 +27,8 @@ def check_contracts() -> None:
 
 
 def install_all() -> None:
-    """Install the process-wide hooks (idempotent). ``model_runner`` hooks are installed by the backend."""
+    """Install the process-wide hooks (idempotent). ``model_runner`` hooks are installed by the backend,
+    ``openai_chat`` by the platform hook when the attribution processor is configured."""
     check_contracts()
     for module in (platform, request_validation, scheduler):
         module.install()

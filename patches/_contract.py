@@ -67,10 +67,11 @@ def wrap_method(owner: type, name: str, make_wrapper: Callable[[Callable], Calla
 
     Works for plain methods and classmethods (the wrapper then receives ``cls`` first).
     """
-    raw = owner.__dict__.get(name)
+    # The raw attribute (a ``classmethod`` object stays one) from the first class in the MRO defining it:
+    # ``getattr`` would return an inherited classmethod already bound to the parent class.
+    raw = next((klass.__dict__[name] for klass in owner.__mro__ if name in klass.__dict__), None)
     if raw is None:
-        # Inherited: wrap the resolved attribute on this class.
-        raw = getattr(owner, name)
+        raise AttributeError(f"{owner.__qualname__} has no attribute {name!r}")
     func = raw.__func__ if isinstance(raw, classmethod) else raw
     if getattr(func, _WRAPPED_MARK, False):
         return

@@ -52,6 +52,10 @@ def _check_and_update_config(original):
                 parallel.worker_extension_cls,
             )
         logger.info("rcstat: KV compression enabled with %s", config.to_dict())
+        # The front end builds the config too: there the chat endpoint learns to return attribution.
+        from rcstat_vllm.attribution.server import maybe_install
+
+        maybe_install(vllm_config)
 
     return wrapper
 

@@ -139,8 +139,6 @@ def test_attribution_end_to_end(engine):
 
 LAUNCHER = """
 import sys
-from rcstat_vllm.attribution.server import install
-assert install()
 from rcstat_vllm.cli import serve_main
 sys.exit(serve_main(sys.argv[1:]))
 """

@@ -117,6 +117,31 @@ def test_wrap_method_classmethod_is_idempotent():
     assert len(calls) == 1 and calls[0][0] is Target
 
 
+def test_wrap_method_inherited_classmethod_stays_a_classmethod_of_the_subclass():
+    class Parent:
+        @classmethod
+        def build(cls, x):
+            return (cls, x)
+
+    class Child(Parent):
+        pass
+
+    calls: list = []
+    wrap_method(Child, "build", _counting_wrapper(calls))
+    assert isinstance(Child.__dict__["build"], classmethod)
+    assert Child.build(1) == (Child, 1)  # not bound to Parent
+    assert Parent.build(2) == (Parent, 2)  # the parent is untouched
+    assert len(calls) == 1 and calls[0][0] is Child
+
+
+def test_wrap_method_names_a_missing_attribute():
+    class Target:
+        pass
+
+    with pytest.raises(AttributeError, match="method"):
+        wrap_method(Target, "method", _counting_wrapper([]))
+
+
 def _wrap_depth(func) -> int:
     """How many rcstat wrappers are stacked on ``func``."""
     depth = 0

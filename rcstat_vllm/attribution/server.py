@@ -35,11 +35,10 @@ from rcstat_vllm.attribution.vllm_api import WORKER_METHOD
 from rcstat_vllm.config import ConfigError
 from rcstat_vllm.log import logger
 
-__all__ = ["install", "maybe_install", "processor_configured", "RESPONSE_FIELD", "attribution_payload"]
+__all__ = ["install", "maybe_install", "processor_configured", "RESPONSE_FIELD", "attribution_payload",
+           "wrap_full_generator"]
 
 RESPONSE_FIELD = "rcstat_attribution"
-_TARGET = ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_full_generator")
-_MARK = "_rcstat_attribution_wrapped"
 
 
 def _setting(request) -> Any:
@@ -72,7 +71,8 @@ async def attribution_payload(engine_client, final_res, tokenizer, presentation:
     return assemble(prompt_text, prompt_spans, gen_text, gen_spans, scored, presentation.get("top", 3)).to_dict()
 
 
-def _wrap(original):
+def wrap_full_generator(original):
+    """The wrapper ``patches/openai_chat.py`` installs around vLLM's chat completion builder."""
     async def chat_completion_full_generator(self, request, result_generator, request_id, model_name, conversation, tokenizer, *args, **kwargs):
         try:
             parsed = parse_request_options(_setting(request))
@@ -103,25 +103,21 @@ def _wrap(original):
         setattr(response, RESPONSE_FIELD, payload)
         return response
 
-    setattr(chat_completion_full_generator, _MARK, True)
-    chat_completion_full_generator.__wrapped__ = original
     return chat_completion_full_generator
 
 
 def install() -> bool:
     """Wrap the chat completion handler of this process (idempotent). False when vLLM's API differs."""
-    import importlib
+    from rcstat_vllm.patches import openai_chat
+    from rcstat_vllm.patches._contract import VLLMContractError
 
-    module_name, class_name, method_name = _TARGET
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        original = getattr(cls, method_name)
-    except (ImportError, AttributeError) as exc:
+        for contract in openai_chat.CONTRACTS:
+            contract.check()
+    except VLLMContractError as exc:
         logger.warning("rcstat: attribution response field unavailable (%s)", exc)
         return False
-    if getattr(original, _MARK, False):
-        return True
-    setattr(cls, method_name, _wrap(original))
+    openai_chat.install()
     return True
 
 
