@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -67,6 +68,7 @@ def serve_main(vllm_args: list[str]) -> int:
             raise
 
     metadata.version = version
+    _prometheus_multiprocess()
     if not vllm_args or vllm_args[0].startswith("-"):
         if not any(a in ("-h", "--help") or a.startswith("--help=") for a in vllm_args):
             from rcstat_vllm.model import fetch_model
@@ -77,6 +79,27 @@ def serve_main(vllm_args: list[str]) -> int:
     sys.argv = ["vllm", "serve", *vllm_args]
     vllm_main()
     return 0
+
+
+def _prometheus_multiprocess() -> None:
+    """Let ``/metrics`` show the plugin's counters, which live in the engine-core process (the scheduler's).
+
+    prometheus_client aggregates across processes only in multiprocess mode, chosen from
+    ``PROMETHEUS_MULTIPROC_DIR`` when it is first imported; so the variable is set here, before vLLM (or
+    prometheus_client) is imported, to a fresh directory removed at exit. vLLM's own ``/metrics`` handler then
+    collects every process's values (as it does when it runs several API servers).
+    """
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_client" in sys.modules:
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="rcstat-prometheus-")
+    owner = os.getpid()
+    # Only the process that made it removes it (a forked child inherits atexit handlers).
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
 
 
 if __name__ == "__main__":

@@ -1,11 +1,23 @@
-"""Aggregate compression statistics on the scheduler side, logged periodically at INFO.
+"""Aggregate compression statistics on the scheduler side: logged periodically at INFO, exported to Prometheus.
 
 Per request the worker logs at DEBUG (ratio, kept counts, predicted blocks freed) and the scheduler at DEBUG
 (blocks actually returned to the pool). These running totals give operators the picture at a glance.
+
+Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
+
+    rcstat:requests_compressed_total      requests whose prompt KV was compressed
+    rcstat:requests_uncompressed_total    requests the plugin ran uncompressed (method none, too short, ...)
+    rcstat:kv_blocks_freed_total          KV blocks returned to vLLM's pool after compaction
+    rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request
+
+The scheduler runs in vLLM's engine-core process; ``vllm serve``'s ``/metrics`` (API-server process) shows these
+only in prometheus_client's multiprocess mode, which ``rcstat-vllm serve`` turns on
+(``PROMETHEUS_MULTIPROC_DIR``, as vLLM itself does for several API servers).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +25,34 @@ from rcstat_vllm.log import logger
 from rcstat_vllm.reports import CompressionReport
 
 LOG_INTERVAL_S = 10.0
+
+
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+@dataclass(frozen=True)
+class PrometheusMetrics:
+    requests_compressed: object
+    requests_uncompressed: object
+    kv_blocks_freed: object
+    compression_ratio: object
+
+
+@functools.cache
+def prometheus_metrics() -> PrometheusMetrics | None:
+    """The plugin's metrics in prometheus_client's registry of this process, created once (the registry is
+    process-wide and rejects a second registration of a name); None without prometheus_client."""
+    try:
+        from prometheus_client import Counter, Histogram
+    except ImportError:
+        return None
+    return PrometheusMetrics(
+        Counter("rcstat:requests_compressed", "Requests whose prompt KV cache rcstat compressed."),
+        Counter("rcstat:requests_uncompressed", "Requests rcstat ran uncompressed (method none, too short, ...)."),
+        Counter("rcstat:kv_blocks_freed", "KV cache blocks rcstat returned to vLLM's block pool."),
+        Histogram("rcstat:compression_ratio", "Evicted / prompt KV entries per compressed request.",
+                  buckets=RATIO_BUCKETS),
+    )
 
 
 @dataclass
@@ -24,6 +64,8 @@ class CompressionStats:
     _last_log: float = field(default_factory=time.monotonic)
     _dirty: bool = False
 
+    prometheus: PrometheusMetrics | None = field(default_factory=prometheus_metrics)
+
     def observe(self, report: CompressionReport, blocks_freed: int) -> None:
         if report.skipped_reason is not None:
             self.requests_skipped += 1
@@ -32,6 +74,13 @@ class CompressionStats:
             self.ratio_sum += report.compression_ratio
         self.blocks_freed += blocks_freed
         self._dirty = True
+        if self.prometheus is not None:
+            if report.skipped_reason is not None:
+                self.prometheus.requests_uncompressed.inc()
+            else:
+                self.prometheus.requests_compressed.inc()
+                self.prometheus.compression_ratio.observe(report.compression_ratio)
+            self.prometheus.kv_blocks_freed.inc(blocks_freed)
 
     @property
     def mean_ratio(self) -> float:

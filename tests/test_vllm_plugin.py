@@ -349,3 +349,16 @@ def test_sixteen_concurrent_chats_with_overrides(engines):
         else:
             assert status == 200, f"{name}: {status} {reply}\n{server.log_tail()}"
             assert reply["usage"]["completion_tokens"] > 0 and reply["usage"]["prompt_tokens"] > 200
+
+    # The plugin's counters live in the engine-core process and reach the API server's /metrics.
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("rcstat:"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values.get("rcstat:requests_compressed_total", 0) >= 12, text[-3000:]
+    assert values["rcstat:compression_ratio_count"] == values["rcstat:requests_compressed_total"]
+    assert values.get("rcstat:requests_uncompressed_total", 0) >= 2  # method none, min_prompt_len 100000
+    assert "rcstat:kv_blocks_freed_total" in values
