@@ -1,0 +1,219 @@
+"""Plots and README.md's results table, generated from the benchmarks' JSON in benchmarks/results/.
+
+    python benchmarks/report.py                 # PNGs into benchmarks/results/, table into README.md
+    python benchmarks/report.py --no-readme     # PNGs only; the table is printed
+
+Each part is drawn from whichever JSON exists (quality_cpu.json, accuracy_cpu.json, throughput_cpu.json,
+scoring_cpu.json, attribution_cpu.json); the table says which file and run every number comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from methods import FAMILY_LABELS  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parents[1] / "README.md"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
+         "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
+         "random": ("tab:gray", "x")}
+HEADLINE = ("rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def curves(summary: dict, y_key: str) -> dict[str, list[tuple[float, float]]]:
+    """family -> [(achieved ratio, y)] sorted by ratio, from the fixed (not per-prompt matched) settings."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for entry in summary.values():
+        y = entry.get(y_key)
+        if entry.get("matched_to") or y is None or (isinstance(y, float) and math.isnan(y)):
+            continue
+        lines.setdefault(entry["family"], []).append((entry["ratio"], y))
+    return {family: sorted(points) for family, points in lines.items()}
+
+
+def plot_lines(lines: dict, ylabel: str, title: str, path: Path, full_y: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for family, points in lines.items():
+        if family == "full":
+            continue
+        color, marker = STYLE.get(family, ("k", "."))
+        ax.plot(*zip(*points), marker=marker, color=color, label=FAMILY_LABELS.get(family, family))
+    if full_y is not None:
+        ax.axhline(full_y, color="black", linestyle="--", linewidth=1)
+        ax.plot([0.0], [full_y], marker="*", color="black", markersize=12, linestyle="", label="full cache")
+    ax.set_xlabel("achieved compression ratio (evicted / prompt KV entries)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_throughput(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for name, run in report["runs"].items():
+        if "error" in run or "vs_vanilla" not in run:
+            continue
+        family = "full" if name in ("vanilla", "none") else name.split("@")[0].split("_c")[0]
+        family = "rc_budget" if family.startswith("rc_budget") else family
+        color, marker = STYLE.get(family, ("k", "."))
+        x = run.get("mean_ratio", 0.0)
+        for ax, key in zip(axes, ("output_tok_per_s", "mean_running")):
+            ax.plot([x], [run["vs_vanilla"][key]], marker=marker, color=color, linestyle="", markersize=8)
+            ax.annotate(name, (x, run["vs_vanilla"][key]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for ax, label in zip(axes, ("output tokens/s vs vanilla vLLM", "mean running requests vs vanilla vLLM")):
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlabel("achieved compression ratio")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    w = report["workload"]
+    fig.suptitle(f"vLLM-CPU, KV pool of {w['kv_tokens']} tokens, {w['requests']} requests of "
+                 f"{w['min_len']}-{w['max_len']} prompt + {w['max_tokens']} output tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------- table
+
+
+def _f(value, digits=3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def quality_table(q: dict) -> list[str]:
+    s = q["summary"]
+    ratios = sorted({round(e["ratio"], 2) for k, e in s.items() if e["family"] == "snapkv" and not e["matched_to"]})
+    families = [f for f in HEADLINE if any(e["family"] == f for e in s.values())]
+    lines = [f"**Value error rate** (RCStat Eq. 8, last layer, lower is better; transformers, {len(q['samples'])} "
+             f"prompts, `benchmarks/results/quality_cpu.json`), budget mode at fixed ratios:", "",
+             "| ratio | " + " | ".join(FAMILY_LABELS[f] for f in families) + " |",
+             "|---|" + "---|" * len(families)]
+    for r in ratios:
+        cells = [_f(s.get(f"{f}_r{r:g}", {}).get("ver")) for f in families]
+        lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
+    rc = [(k, e) for k, e in s.items() if e["family"] == "rc"]
+    if rc:
+        lines += ["", "RCStat threshold mode and the baselines at the ratio it achieved on each prompt:", "",
+                  "| setting | ratio | RCStat | RCStat budget | SnapKV | TOVA |", "|---|---|---|---|---|---|"]
+        for label, e in rc:
+            matched = [_f(s.get(f"{f}@{label}", {}).get("ver")) for f in ("rc_budget", "snapkv", "tova")]
+            lines.append(f"| {label} | {_f(e['ratio'])} | {_f(e['ver'])} | " + " | ".join(matched) + " |")
+    return lines
+
+
+def accuracy_table(a: dict) -> list[str]:
+    s = a["summary"]
+    tasks = sorted({t for e in s.values() for t in e["by_task"]})
+    lines = [f"**Task accuracy through vLLM with the plugin** (greedy; needle/vt: share of expected strings "
+             f"found, summ: ROUGE-L F1 against the full-cache output; `benchmarks/results/accuracy_cpu.json`):", "",
+             "| setting | ratio | " + " | ".join(tasks) + " | = full cache |", "|---|---|" + "---|" * (len(tasks) + 1)]
+    for label, e in s.items():
+        cells = [_f(e["by_task"].get(t, {}).get("score")) for t in tasks]
+        lines.append(f"| {label} | {_f(e['ratio'])} | " + " | ".join(cells) + f" | {_f(e['same_as_full'], 2)} |")
+    fid = a.get("fidelity", {}).get("by_setting")
+    if fid:
+        rates = ", ".join(f"{k} {v['exact_match_rate']:.2f}" for k, v in fid.items())
+        lines += ["", f"Fidelity, vLLM vs the transformers masked reference (exact greedy match rate): {rates}."]
+    return lines
+
+
+def throughput_table(t: dict) -> list[str]:
+    w = t["workload"]
+    lines = [f"**Throughput, KV-memory-bound** (vLLM-CPU, {t.get('environment', {}).get('cores', '?')} cores, pool "
+             f"of {w['kv_tokens']} tokens, {w['requests']} requests of {w['min_len']}-{w['max_len']} + "
+             f"{w['max_tokens']} tokens, one run each, side by side; `benchmarks/results/throughput_cpu.json`):", "",
+             "| run | ratio | out tok/s | x vanilla | peak running | mean running | fragmentation | preemptions |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in t["runs"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+            continue
+        vs = r.get("vs_vanilla", {}).get("output_tok_per_s")
+        lines.append(f"| {name} | {_f(r.get('mean_ratio', 0.0))} | {r['output_tok_per_s']:.1f} | {_f(vs, 2)} | "
+                     f"{r['peak_running']:g} | {r['mean_running']:.1f} | {_f(r.get('mean_fragmentation'), 2)} | "
+                     f"{r['preemptions']:g} |")
+    over = {k: v for r in t["runs"].values() for k, v in r.get("prefill_overhead", {}).items()}
+    if over:
+        cells = ", ".join(f"{k} {v['tok_per_s']:.0f}" for k, v in over.items())
+        lines += ["", f"Prefill (prompt tokens/s, median of rounds; `none`/`rc`/`snapkv`/`tova` in the plugin's "
+                      f"engine, `vanilla` in vLLM's): {cells}."]
+    return lines
+
+
+def build_table() -> list[str]:
+    parts = []
+    for name, make in (("quality_cpu.json", quality_table), ("accuracy_cpu.json", accuracy_table),
+                       ("throughput_cpu.json", throughput_table)):
+        data = load(name)
+        if data is not None:
+            parts += make(data) + [""]
+    images = [p.name for p in sorted(RESULTS.glob("*.png"))]
+    if images:
+        parts.append("Plots: " + ", ".join(f"[{n}](benchmarks/results/{n})" for n in images) + ".")
+    return parts
+
+
+def write_readme(lines: list[str]) -> None:
+    text = README.read_text()
+    block = "\n".join([START, *lines, END])
+    if START in text and END in text:
+        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    README.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-readme", action="store_true")
+    args = parser.parse_args(argv)
+    q, a, t = load("quality_cpu.json"), load("accuracy_cpu.json"), load("throughput_cpu.json")
+    if q:
+        full = q["summary"].get("full", {}).get("ver")
+        plot_lines(curves(q["summary"], "ver"), "value error rate (last layer)",
+                   "Value error vs compression (SmolLM2-135M, transformers)", RESULTS / "ratio_vs_value_error.png", full)
+    if a:
+        full = a["summary"].get("full", {}).get("needle_accuracy")
+        plot_lines(curves(a["summary"], "needle_accuracy"), "needle accuracy",
+                   "Needle retrieval vs compression (vLLM + plugin)", RESULTS / "ratio_vs_needle_accuracy.png", full)
+    if t:
+        plot_throughput(t, RESULTS / "ratio_vs_throughput.png")
+    lines = build_table()
+    if args.no_readme:
+        print("\n".join(lines))
+    else:
+        write_readme(lines)
+        print(f"wrote {README} results table and {len(list(RESULTS.glob('*.png')))} plots", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

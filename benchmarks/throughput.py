@@ -1,0 +1,356 @@
+"""Throughput and memory on a KV-memory-bound workload: vanilla vLLM vs the plugin, side by side in one run.
+
+Workload: ``--requests`` distinct long prompts (``--min-len``..``--max-len`` tokens of essay text, seeded) all
+submitted at once, ``--max-tokens`` greedy output tokens each (``ignore_eos``, so every run produces the same
+number of tokens), through a KV pool set explicitly (``--kv-tokens`` tokens' worth of bytes) so that vanilla
+vLLM holds only a few of these requests at a time. Prefix caching is off in every run (the plugin turns it
+off; vanilla must not reuse prefixes either), block size 32 everywhere.
+
+Runs, each its own subprocess and engine, one after another:
+  vanilla            VLLM_PLUGINS=__none__ (the plugin is not loaded at all)
+  none               the plugin on with method none (no eviction; keeps vLLM's AMX ISA)
+  rc_c0.5/1/1.5      RC threshold mode
+  rc_budget_r0.5     RC budget mode (every layer evicts the same share: little fragmentation)
+  snapkv/tova@rc_c1  SnapKV and TOVA in budget mode, each request at the ratio RC (c=1) achieved on it
+
+Per run: output tokens/s and requests/s over the workload's wall time, peak and time-weighted mean of
+running requests, peak KV-cache usage (blocks in use), waiting requests and preemptions, all read from
+vLLM's own metrics (``disable_log_stats=False``; ``LLM.get_metrics()`` gauges ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and counter ``vllm:num_preemptions``) sampled
+after every engine step (the engine runs in-process, so a step's gauges are that step's scheduler state).
+The plugin's compression results give the achieved ratio and blocks freed per request.
+
+Prefill overhead: in the vanilla run and in the rc_c1 run, batches of ``--overhead-prompts`` prompts with
+one output token (prefill only) are timed; in the rc_c1 engine the same prompts run round-robin with
+per-request methods none / rc / snapkv / tova, so the difference is scoring + compaction alone (all on the
+plugin's kernels); vanilla's number is vLLM's own prefill.
+
+    python benchmarks/throughput.py                     # default, writes benchmarks/results/throughput_cpu.json
+    python benchmarks/throughput.py --quick --json /tmp/t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BENCH_DIR = Path(__file__).resolve().parent
+KV_BYTES_PER_TOKEN_SMOLLM2 = 30 * 3 * 64 * 2 * 2  # layers * KV heads * head_dim * (K, V) * bf16
+BLOCK_SIZE = 32
+
+# Decode-heavy on purpose: the KV pool (not compute) must be what limits concurrency, and output tokens must
+# dominate the work, or freed blocks cannot show up as throughput. ``kv_tokens`` holds about 4 requests.
+PRESETS = {
+    "quick": dict(requests=6, min_len=1024, max_len=1536, max_tokens=64, kv_tokens=4096, overhead_prompts=1,
+                  overhead_rounds=1, c_values=(1.0,), budget_ratios=()),
+    "default": dict(requests=16, min_len=1536, max_len=2048, max_tokens=256, kv_tokens=8192, overhead_prompts=2,
+                    overhead_rounds=3, c_values=(0.5, 1.0, 1.5), budget_ratios=(0.5,)),
+}
+
+
+# ----------------------------------------------------------------------------------------------- workload
+
+
+def build_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int, tag: str) -> list[list[int]]:
+    """n distinct needle prompts of uniform random length in [min_len, max_len] (token ids)."""
+    import data
+
+    prompts = []
+    for i in range(n):
+        rng = random.Random(f"{seed}-{tag}-{i}")
+        length = rng.randint(min_len, max_len)
+        sample = data.needle_sample(tokenizer, rng, data.Haystack(tokenizer, rng), length, rng.random())
+        prompts.append(sample.prompt_ids)
+    return prompts
+
+
+class StepSampler:
+    """Wraps ``llm.llm_engine.step`` to read vLLM's gauges after every step."""
+
+    NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+             "vllm:num_preemptions")
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.samples: list[tuple[float, dict]] = []
+        self._original = self.engine.step
+        self.engine.step = self._step
+
+    def _read(self) -> dict:
+        values = {}
+        for metric in self.llm.get_metrics():
+            if metric.name in self.NAMES and hasattr(metric, "value"):
+                values[metric.name] = values.get(metric.name, 0) + metric.value
+        return values
+
+    def _step(self):
+        out = self._original()
+        self.samples.append((time.perf_counter(), self._read()))
+        return out
+
+    def reset(self):
+        self.samples.clear()
+        self.base = self._read()
+
+    def summary(self, t_start: float, num_blocks: int | None) -> dict:
+        if not self.samples:
+            return {}
+        times = [t_start] + [t for t, _ in self.samples]
+        running = [v.get("vllm:num_requests_running", 0) for _, v in self.samples]
+        waiting = [v.get("vllm:num_requests_waiting", 0) for _, v in self.samples]
+        usage = [v.get("vllm:kv_cache_usage_perc", 0.0) for _, v in self.samples]
+        durations = [b - a for a, b in zip(times, times[1:])]
+        total = sum(durations) or 1.0
+        preempt = self.samples[-1][1].get("vllm:num_preemptions", 0) - self.base.get("vllm:num_preemptions", 0)
+        return {
+            "steps": len(self.samples),
+            "peak_running": max(running),
+            "mean_running": sum(r * d for r, d in zip(running, durations)) / total,
+            "peak_waiting": max(waiting),
+            "peak_kv_usage": max(usage),
+            "mean_kv_usage": sum(u * d for u, d in zip(usage, durations)) / total,
+            "peak_kv_blocks_used": round(max(usage) * num_blocks) if num_blocks else None,
+            "preemptions": preempt,
+            "running_trace": running[:: max(1, len(running) // 200)],
+        }
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+
+def worker(spec: dict) -> dict:
+    """One engine: warm-up, the workload, optionally the prefill-overhead batches. Runs in a subprocess."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import data
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokenizer = data.load_tokenizer(spec["model"])
+    prompts = build_prompts(tokenizer, spec["requests"], spec["min_len"], spec["max_len"], spec["seed"], "workload")
+    kwargs = dict(model=spec["model"], enforce_eager=True, compilation_config={"mode": 0},
+                  max_model_len=spec["max_model_len"], kv_cache_memory_bytes=spec["kv_bytes"],
+                  block_size=BLOCK_SIZE, enable_prefix_caching=False, disable_log_stats=False, seed=0)
+    if spec.get("rcstat") is not None:
+        kwargs["additional_config"] = {"rcstat": spec["rcstat"]}
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result = {"name": spec["name"], "engine_start_s": time.perf_counter() - t0}
+    num_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    result["num_kv_blocks"] = num_blocks
+    plugin = spec.get("rcstat") is not None
+    if plugin:
+        from rcstat_vllm.api import compression_results, match_outputs
+
+    def params(max_tokens: int, override: dict | None = None) -> SamplingParams:
+        extra = {"rcstat": override} if override is not None else None
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+
+    # Warm-up (oneDNN kernel creation, first-call costs): one short prompt, not measured.
+    warm = build_prompts(tokenizer, 1, 512, 512, spec["seed"], "warmup")
+    llm.generate([TokensPrompt(prompt_token_ids=warm[0])], params(4), use_tqdm=False)
+
+    sampler = StepSampler(llm)
+    sampler.reset()
+    overrides = spec.get("per_request") or [None] * len(prompts)
+    from tqdm import tqdm
+
+    def progress(*args, **kw):
+        kw["desc"] = f"{spec['name']}: {kw.get('desc', '')}".rstrip(": ")
+        return tqdm(*args, **kw)
+
+    t_start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           [params(spec["max_tokens"], o) for o in overrides], use_tqdm=progress)
+    wall = time.perf_counter() - t_start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result.update({
+        "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
+        "wall_s": wall, "output_tok_per_s": out_tokens / wall, "requests_per_s": len(prompts) / wall,
+        "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / wall,
+        **sampler.summary(t_start, num_blocks),
+    })
+    if plugin:
+        matched = match_outputs(outputs, compression_results(llm))
+        ratios = [m["compression_ratio"] if m and not m.get("skipped_reason") else 0.0 for m in matched]
+        result["ratios"] = ratios
+        result["mean_ratio"] = statistics.fmean(ratios)
+        result["blocks_freed"] = sum((m or {}).get("blocks_freed") or 0 for m in matched)
+        frag = [m["fragmentation"] for m in matched if m and not m.get("skipped_reason")]
+        result["mean_fragmentation"] = statistics.fmean(frag) if frag else None
+        result["skipped"] = [m.get("skipped_reason") for m in matched if m and m.get("skipped_reason")]
+        llm.collective_rpc("rcstat_clear_results")
+
+    if spec.get("overhead"):
+        ov = spec["overhead"]
+        batch = build_prompts(tokenizer, ov["prompts"], spec["min_len"], spec["max_len"], spec["seed"], "overhead")
+        times: dict[str, list[float]] = {m: [] for m in ov["methods"]}
+        for _ in tqdm(range(ov["rounds"]), desc="prefill overhead", unit="round"):
+            for method, override in ov["methods"].items():
+                t = time.perf_counter()
+                llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
+                             [params(1, override) for _ in batch], use_tqdm=False)
+                times[method].append(time.perf_counter() - t)
+        tokens = sum(map(len, batch))
+        result["prefill_overhead"] = {
+            m: {"median_s": statistics.median(v), "min_s": min(v), "runs": v, "prompt_tokens": tokens,
+                "tok_per_s": tokens / statistics.median(v)} for m, v in times.items()}
+    return result
+
+
+def run_worker(spec: dict, env_extra: dict) -> dict:
+    env = dict(os.environ)
+    env.update(env_extra)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                          env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"name": spec["name"], "error": f"worker exited with {proc.returncode}",
+            "stdout_tail": proc.stdout[-4000:]}
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="a ~3-minute smoke run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--min-len", type=int, default=None)
+    parser.add_argument("--max-len", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens of SmolLM2")
+    parser.add_argument("--c", type=float, nargs="*", default=None, help="RC threshold runs")
+    parser.add_argument("--matched-c", type=float, default=1.0, help="SnapKV/TOVA run at this RC run's ratios")
+    parser.add_argument("--runs", nargs="*", default=None, help="only these runs (names as in the docstring)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.worker:
+        result = worker(json.loads(args.worker))
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    preset = "quick" if args.quick else "default"
+    cfg = dict(PRESETS[preset])
+    for key in ("requests", "min_len", "max_len", "max_tokens", "kv_tokens"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if args.c is not None:
+        cfg["c_values"] = tuple(args.c)
+    from rcstat_vllm.model import default_model_dir
+
+    model_dir = str(args.model or default_model_dir())
+    kv_bytes = cfg["kv_tokens"] * KV_BYTES_PER_TOKEN_SMOLLM2
+    max_model_len = -(-(cfg["max_len"] + cfg["max_tokens"]) // 1024) * 1024
+    if cfg["kv_tokens"] < max_model_len:
+        raise SystemExit(f"--kv-tokens {cfg['kv_tokens']} cannot hold one request of {max_model_len} tokens")
+    base = dict(model=model_dir, requests=cfg["requests"], min_len=cfg["min_len"], max_len=cfg["max_len"],
+                max_tokens=cfg["max_tokens"], seed=args.seed, kv_bytes=kv_bytes, max_model_len=max_model_len)
+    overhead_methods = {"none": {"method": "none"}, "rc": {"method": "rc", "c": 1.0},
+                        "snapkv": {"method": "snapkv", "target_ratio": 0.8},
+                        "tova": {"method": "tova", "target_ratio": 0.8}}
+    ov = dict(prompts=cfg["overhead_prompts"], rounds=cfg["overhead_rounds"])
+    rc_name = lambda c: f"rc_c{c:g}"  # noqa: E731
+    plan = [
+        ("vanilla", {"VLLM_PLUGINS": "__none__"}, dict(rcstat=None, overhead={**ov, "methods": {"vanilla": None}})),
+        ("none", {}, dict(rcstat={"method": "none"})),
+    ]
+    for c in cfg["c_values"]:
+        extra = {"overhead": {**ov, "methods": overhead_methods}} if c == args.matched_c else {}
+        plan.append((rc_name(c), {}, dict(rcstat={"method": "rc", "c": c}, **extra)))
+    matched_source = rc_name(args.matched_c) if args.matched_c in cfg["c_values"] else None
+    for r in cfg["budget_ratios"]:
+        plan.append((f"rc_budget_r{r:g}", {}, dict(rcstat={"method": "rc", "target_ratio": r})))
+    if matched_source:
+        plan += [(f"snapkv@{matched_source}", {}, dict(rcstat={"method": "snapkv", "target_ratio": 0.5})),
+                 (f"tova@{matched_source}", {}, dict(rcstat={"method": "tova", "target_ratio": 0.5}))]
+    if args.runs:
+        plan = [p for p in plan if p[0] in args.runs]
+
+    t_start = time.time()
+    load_start = _load()
+    results: dict[str, dict] = {}
+    for name, env, extra in plan:
+        spec = {**base, "name": name, **extra}
+        if "@" in name:
+            source = results.get(name.split("@", 1)[1], {})
+            if "ratios" not in source:
+                results[name] = {"name": name, "error": f"no ratios from {name.split('@', 1)[1]}"}
+                continue
+            method = name.split("@", 1)[0]
+            spec["per_request"] = [{"method": method, "target_ratio": min(r, 0.999)} for r in source["ratios"]]
+        print(f"[throughput] run {name} ...", file=sys.stderr, flush=True)
+        results[name] = run_worker(spec, env)
+        results[name]["load_avg_after"] = _load()
+        r = results[name]
+        if "error" in r:
+            print(f"[throughput] {name} FAILED: {r['error']}\n{r.get('stdout_tail', '')}", file=sys.stderr)
+        else:
+            print(f"[throughput] {name}: {r['output_tok_per_s']:.1f} out tok/s, {r['requests_per_s']:.3f} req/s, "
+                  f"peak running {r.get('peak_running')}, ratio {r.get('mean_ratio', 0):.3f}", file=sys.stderr)
+
+    vanilla = results.get("vanilla", {})
+    for r in results.values():
+        if "error" in r or "error" in vanilla or not vanilla:
+            continue
+        r["vs_vanilla"] = {k: r[k] / vanilla[k] for k in ("output_tok_per_s", "requests_per_s", "peak_running",
+                                                          "mean_running") if vanilla.get(k)}
+    report = {"benchmark": "throughput", "preset": preset, "seed": args.seed, "model": model_dir,
+              "workload": {**{k: v for k, v in cfg.items() if k not in ("c_values", "budget_ratios")}, "kv_bytes": kv_bytes,
+                           "block_size": BLOCK_SIZE, "max_model_len": max_model_len,
+                           "vanilla_requests_that_fit": cfg["kv_tokens"] / ((cfg["min_len"] + cfg["max_len"]) / 2
+                                                                            + cfg["max_tokens"])},
+              "metrics_source": "LLM.get_metrics() gauges after every engine step (in-process engine core)",
+              "runs": results, "wall_s": round(time.time() - t_start, 1), "load_avg": [load_start, _load()]}
+    try:
+        import torch
+        import vllm
+
+        report["environment"] = {"device": "cpu", "cores": os.cpu_count(), "vllm": vllm.__version__,
+                                 "torch": torch.__version__}
+    except Exception:  # noqa: BLE001
+        pass
+    out = Path(args.json) if args.json else RESULTS_DIR / ("throughput_cpu_quick.json" if args.quick else "throughput_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print_table(report)
+    print(f"wrote {out} ({report['wall_s']} s)", file=sys.stderr)
+    return 0
+
+
+def _load():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def print_table(report: dict) -> None:
+    print(f"{'run':20s} {'ratio':>6s} {'out tok/s':>9s} {'req/s':>7s} {'peak run':>8s} {'mean run':>8s} "
+          f"{'peak KV':>7s} {'preempt':>7s} {'x vanilla':>9s}")
+    for name, r in report["runs"].items():
+        if "error" in r:
+            print(f"{name:20s} ERROR {r['error']}")
+            continue
+        print(f"{name:20s} {r.get('mean_ratio', 0.0):6.3f} {r['output_tok_per_s']:9.2f} {r['requests_per_s']:7.3f} "
+              f"{r.get('peak_running', 0):8.0f} {r.get('mean_running', 0):8.2f} {r.get('peak_kv_usage', 0):7.2f} "
+              f"{r.get('preemptions', 0):7.0f} {r.get('vs_vanilla', {}).get('output_tok_per_s', float('nan')):9.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
