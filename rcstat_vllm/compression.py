@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import CompactedRequest, compact_layer, gather_prompt, stack_tables
+from rcstat_vllm.head_pages import CPU_VEC, CacheLayout, CompactedRequest, compact_layer, gather_prompt, stack_tables
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_threshold
 from rcstat_vllm.step import BatchRequest
@@ -86,8 +86,16 @@ def plan_compression(
 class LayerCompressor:
     """Compresses one request, one layer at a time, then hands over its :class:`CompactedRequest`."""
 
-    def __init__(self, decision: CompressionDecision, num_layers: int, num_heads: int, block_row: torch.Tensor):
+    def __init__(
+        self,
+        decision: CompressionDecision,
+        num_layers: int,
+        num_heads: int,
+        block_row: torch.Tensor,
+        layout: CacheLayout = CPU_VEC,
+    ):
         self.decision = decision
+        self.layout = layout
         self.config = decision.config
         self.block_row = block_row.clone()
         self.num_heads = num_heads
@@ -112,19 +120,19 @@ class LayerCompressor:
         passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks."""
         d = self.decision
         n = d.num_tokens
-        self.block_size = kv_cache.shape[2]
+        self.block_size = self.layout.shape(kv_cache)[2]
         queries = query[d.query_start : d.query_end]
         if saved_queries is not None:
             queries = torch.cat([saved_queries, queries])
         width = min(window_queries(self.config), queries.shape[0])
         q_window = queries[-width:].transpose(0, 1).float()  # [Hq, w, D]
-        keys, values = gather_prompt(kv_cache, self.block_row, n)
+        keys, values = gather_prompt(kv_cache, self.block_row, n, self.layout)
         scores = self.scorer.score(q_window, keys.float(), values.float(), scale)
         if self.config.budget_mode:
             keep = select_budget(scores, self.config.window, self.config.target_ratio, self.config.sink_tokens)
         else:
             keep = select_threshold(scores, self.config.window, self.config.c, self.config.sink_tokens)
-        self.tables[layer] = compact_layer(kv_cache, self.block_row, keep.mask)
+        self.tables[layer] = compact_layer(kv_cache, self.block_row, keep.mask, self.layout)
         self.kept[layer] = keep.counts.cpu()
 
     def finish(self) -> CompactedRequest:

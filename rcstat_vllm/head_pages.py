@@ -24,7 +24,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """Views of the cache as head pages: keys ``[num_pages, D, N]`` and values ``[num_pages, N, D]``.
+    """Views of a CPU cache as head pages: keys ``[num_pages, D, N]`` and values ``[num_pages, N, D]``.
 
     vLLM's CPU kernels (ISAs ``vec``/``vec16``) store a page's keys transposed, channel-major (``[D, N]``),
     and its values token-major (``[N, D]``); ``patches/cpu_kv_layout.py`` checks this on the installed
@@ -38,16 +38,75 @@ def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     return keys, values
 
 
-def read_kv(kv_cache: Tensor, pages: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+class CacheLayout:
+    """Where head page ``p = block * H + h``, slot ``s`` of one layer's cache lives.
+
+    Compaction, gathering and the page bookkeeping only use :meth:`shape`, :meth:`read` and :meth:`write`,
+    so the CPU and GPU paths share them and differ only in the attention kernels.
+    """
+
+    def shape(self, kv_cache: Tensor) -> tuple[int, int, int]:
+        """``(num_blocks, H, N)``"""
+        raise NotImplementedError
+
+    def read(self, kv_cache: Tensor, pages: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values ``[*pages.shape, D]`` stored at ``(page, offset)`` (copies)."""
+        raise NotImplementedError
+
+    def write(self, kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor) -> None:
+        raise NotImplementedError
+
+
+class CPUVecLayout(CacheLayout):
+    """vLLM-CPU (``vec``/``vec16``): one tensor ``[num_blocks, H, N, 2D]``, see :func:`key_value_pages`."""
+
+    def shape(self, kv_cache):
+        num_blocks, num_heads, block_size, _ = kv_cache.shape
+        return num_blocks, num_heads, block_size
+
+    def read(self, kv_cache, pages, offsets):
+        keys, values = key_value_pages(kv_cache)
+        return keys[pages, :, offsets], values[pages, offsets]
+
+    def write(self, kv_cache, pages, offsets, keys, values):
+        key_pages, value_pages = key_value_pages(kv_cache)
+        key_pages[pages, :, offsets] = keys
+        value_pages[pages, offsets] = values
+
+
+class FlashLayout(CacheLayout):
+    """vLLM's CUDA FlashAttention/Triton layout: ``[2, num_blocks, N, H, D]`` (K then V); a head's page is
+    strided (its tokens are ``H * D`` apart), which ``kernels/head_attention.py`` reads directly."""
+
+    def shape(self, kv_cache):
+        _, num_blocks, block_size, num_heads, _ = kv_cache.shape
+        return num_blocks, num_heads, block_size
+
+    def read(self, kv_cache, pages, offsets):
+        num_heads = kv_cache.shape[3]
+        blocks, heads = pages // num_heads, pages % num_heads
+        return kv_cache[0, blocks, offsets, heads], kv_cache[1, blocks, offsets, heads]
+
+    def write(self, kv_cache, pages, offsets, keys, values):
+        num_heads = kv_cache.shape[3]
+        blocks, heads = pages // num_heads, pages % num_heads
+        kv_cache[0, blocks, offsets, heads] = keys
+        kv_cache[1, blocks, offsets, heads] = values
+
+
+CPU_VEC = CPUVecLayout()
+FLASH = FlashLayout()
+
+
+def read_kv(kv_cache: Tensor, pages: Tensor, offsets: Tensor, layout: CacheLayout = CPU_VEC) -> tuple[Tensor, Tensor]:
     """Keys and values ``[*pages.shape, D]`` stored at ``(page, offset)`` (copies)."""
-    keys, values = key_value_pages(kv_cache)
-    return keys[pages, :, offsets], values[pages, offsets]
+    return layout.read(kv_cache, pages, offsets)
 
 
-def write_kv(kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor) -> None:
-    key_pages, value_pages = key_value_pages(kv_cache)
-    key_pages[pages, :, offsets] = keys
-    value_pages[pages, offsets] = values
+def write_kv(
+    kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor, layout: CacheLayout = CPU_VEC
+) -> None:
+    layout.write(kv_cache, pages, offsets, keys, values)
 
 
 def head_page_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,15 +124,17 @@ def identity_pages(block_row: Tensor, num_heads: int) -> Tensor:
     return block_row.to(torch.int64).unsqueeze(0) * num_heads + heads.unsqueeze(1)
 
 
-def gather_prompt(kv_cache: Tensor, block_row: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
+def gather_prompt(
+    kv_cache: Tensor, block_row: Tensor, num_tokens: int, layout: CacheLayout = CPU_VEC
+) -> tuple[Tensor, Tensor]:
     """Keys and values ``[H, n, D]`` of an uncompressed request's first ``n`` tokens."""
-    _, num_heads, block_size, _ = kv_cache.shape
+    _, num_heads, block_size = layout.shape(kv_cache)
     tokens = torch.arange(num_tokens, device=kv_cache.device)
     pages = identity_pages(block_row[: cdiv(num_tokens, block_size)], num_heads)[:, tokens // block_size]
-    return read_kv(kv_cache, pages, (tokens % block_size).expand_as(pages))
+    return layout.read(kv_cache, pages, (tokens % block_size).expand_as(pages))
 
 
-def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor) -> Tensor:
+def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor, layout: CacheLayout = CPU_VEC) -> Tensor:
     """Move each head's kept tokens (in order) to the front of fresh head pages of the request's blocks.
 
     Pages are handed out in order ``row[0]*H + 0, row[0]*H + 1, ..., row[1]*H + 0, ...``: head 0 takes the
@@ -82,14 +143,15 @@ def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor) -> Ten
     makes the in-place move safe although sources and destinations share blocks.
 
     Args:
-        kv_cache: the layer's cache ``[num_blocks, H, N, 2D]``.
+        kv_cache: the layer's cache (``[num_blocks, H, N, 2D]`` in the default CPU layout).
         block_row: the request's block ids (at least ``cdiv(n, N)`` valid entries).
         keep_mask: ``[H, n]`` bool, the tokens each head keeps.
+        layout: where head pages live in ``kv_cache``.
 
     Returns:
         ``[H, max_pages]`` int64 page table of the compacted layer (-1 where a head has no page).
     """
-    _, num_heads, block_size, _ = kv_cache.shape
+    _, num_heads, block_size = layout.shape(kv_cache)
     num_tokens = keep_mask.shape[1]
     device = kv_cache.device
     counts = keep_mask.sum(dim=1)
@@ -107,8 +169,8 @@ def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor) -> Ten
     rank = torch.arange(head_idx.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[head_idx]
     dest_pages = pool[first_page[head_idx] + rank // block_size]
 
-    keys, values = read_kv(kv_cache, source_pages, token_idx % block_size)  # copies: sources may be overwritten
-    write_kv(kv_cache, dest_pages, rank % block_size, keys, values)
+    keys, values = layout.read(kv_cache, source_pages, token_idx % block_size)  # copies: sources may be overwritten
+    layout.write(kv_cache, dest_pages, rank % block_size, keys, values)
 
     max_pages = int(pages_per_head.max()) if num_heads else 0
     table = torch.full((num_heads, max(max_pages, 1)), -1, dtype=torch.int64, device=device)

@@ -73,3 +73,34 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="same shape and strides"):
         head_page_decode_attention_reference(query, k, v.contiguous().transpose(1, 2).contiguous().transpose(1, 2),
                                              tables, lengths, scale=1.0)
+
+
+def test_compaction_in_the_cuda_layout_then_the_kernel_equals_attention_over_the_kept_tokens():
+    """The GPU path end to end on CPU tensors: the same compaction code as the CPU path (FlashLayout) moves each
+    head's kept tokens into its own pages; the kernel over those pages equals dense attention over the kept set."""
+    from rcstat_vllm.head_pages import CPU_VEC, FLASH, compact_layer, identity_pages
+
+    g = torch.Generator().manual_seed(5)
+    n, group, num_blocks = 150, 3, 30
+    row = (torch.randperm(num_blocks - 1, generator=g)[: -(-n // BLOCK)] + 1).to(torch.int32)
+    keys, values = torch.randn(HEADS, n, DIM, generator=g), torch.randn(HEADS, n, DIM, generator=g)
+    tokens = torch.arange(n)
+    pages = identity_pages(row, HEADS)[:, tokens // BLOCK]
+    offsets = (tokens % BLOCK).expand_as(pages)
+    flash = torch.zeros(2, num_blocks, BLOCK, HEADS, DIM)
+    cpu = torch.zeros(num_blocks, HEADS, BLOCK, 2 * DIM)
+    FLASH.write(flash, pages, offsets, keys, values)
+    CPU_VEC.write(cpu, pages, offsets, keys, values)
+
+    keep = torch.rand(HEADS, n, generator=g) < torch.tensor([[0.9], [0.3], [0.0]])
+    keep[:, -8:] = True  # head 2 keeps only the window
+    table = compact_layer(flash, row, keep, layout=FLASH)
+    assert torch.equal(table, compact_layer(cpu, row, keep))  # same pages whatever the layout
+
+    query = torch.randn(1, HEADS, group, DIM, generator=g)
+    lengths = keep.sum(1).view(1, HEADS).to(torch.int32)
+    got = head_page_decode_attention(query, flash[0], flash[1], table.unsqueeze(0).clamp(min=0), lengths, 0.125)
+    for h in range(HEADS):
+        k, v = keys[h, keep[h]], values[h, keep[h]]
+        expected = torch.softmax(query[0, h] @ k.T * 0.125, dim=-1) @ v
+        torch.testing.assert_close(got[0, h], expected, rtol=1e-5, atol=1e-5)
