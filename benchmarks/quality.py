@@ -23,10 +23,6 @@ total prompt KV entries over all layers and KV heads.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
+from common import environment, load_avg, write_report  # noqa: E402
 import hf_reference as ref_lib  # noqa: E402
 import methods  # noqa: E402
 from rcstat_vllm.compression import window_queries  # noqa: E402
@@ -128,28 +125,6 @@ def summarize(samples: list[dict], settings: list[methods.Setting]) -> dict:
     return summary
 
 
-def environment(threads: int) -> dict:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"device": "cpu", "cpu": cpu, "cores": os.cpu_count(), "torch_threads": threads,
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
-
-
-def load_avg() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a ~3-minute smoke run")
@@ -211,16 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "settings": [s.to_dict() for s in settings],
-        "environment": environment(torch.get_num_threads()),
+        "environment": environment(torch_threads=torch.get_num_threads()),
         "wall_s": round(time.time() - t_start, 1),
         "load_avg": [load_start, load_avg()],
         "summary": summary,
         "samples": results,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=1))
-    print_table(summary)
-    print(f"wrote {out_path} ({report['wall_s']} s)", file=sys.stderr)
+    write_report(report, out_path, lambda r: print_table(r["summary"]))
     return 0
 
 

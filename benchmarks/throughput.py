@@ -43,6 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import environment, load_avg, write_report  # noqa: E402
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_DIR = Path(__file__).resolve().parent
 KV_BYTES_PER_TOKEN_SMOLLM2 = 30 * 3 * 64 * 2 * 2  # layers * KV heads * head_dim * (K, V) * bf16
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = [p for p in plan if p[0] in args.runs]
 
     t_start = time.time()
-    load_start = _load()
+    load_start = load_avg()
     results: dict[str, dict] = {}
     for name, env, extra in plan:
         spec = {**base, "name": name, **extra}
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             spec["per_request"] = [{"method": method, "target_ratio": min(r, 0.999)} for r in source["ratios"]]
         print(f"[throughput] run {name} ...", file=sys.stderr, flush=True)
         results[name] = run_worker(spec, env)
-        results[name]["load_avg_after"] = _load()
+        results[name]["load_avg_after"] = load_avg()
         r = results[name]
         if "error" in r:
             print(f"[throughput] {name} FAILED: {r['error']}\n{r.get('stdout_tail', '')}", file=sys.stderr)
@@ -316,28 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                            "vanilla_requests_that_fit": cfg["kv_tokens"] / ((cfg["min_len"] + cfg["max_len"]) / 2
                                                                             + cfg["max_tokens"])},
               "metrics_source": "LLM.get_metrics() gauges after every engine step (in-process engine core)",
-              "runs": results, "wall_s": round(time.time() - t_start, 1), "load_avg": [load_start, _load()]}
-    try:
-        import torch
-        import vllm
-
-        report["environment"] = {"device": "cpu", "cores": os.cpu_count(), "vllm": vllm.__version__,
-                                 "torch": torch.__version__}
-    except Exception:  # noqa: BLE001
-        pass
+              "runs": results, "wall_s": round(time.time() - t_start, 1), "load_avg": [load_start, load_avg()]}
+    report["environment"] = environment()
     out = Path(args.json) if args.json else RESULTS_DIR / ("throughput_cpu_quick.json" if args.quick else "throughput_cpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print_table(report)
-    print(f"wrote {out} ({report['wall_s']} s)", file=sys.stderr)
+    write_report(report, out, print_table)
     return 0
-
-
-def _load():
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
 
 
 def print_table(report: dict) -> None:
