@@ -28,7 +28,6 @@ numerical floor of the two implementations.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
 import methods  # noqa: E402
+from common import environment, load_avg, write_report  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(args.model or default_model_dir())
     t_start = time.time()
-    load_start = _load()
+    load_start = load_avg()
     tokenizer = data.load_tokenizer(model_dir)
     ap = dict(ACCURACY_PRESETS[preset])
     samples = data.build_suite(tokenizer, ap.pop("base"), args.seed, **ap)
@@ -299,25 +299,11 @@ def main(argv: list[str] | None = None) -> int:
             report["fidelity"] = {"error": traceback.format_exc()}
             print(report["fidelity"]["error"], file=sys.stderr)
 
-    import torch
-    import vllm
-
-    report["environment"] = {"device": "cpu", "cores": os.cpu_count(), "vllm": vllm.__version__,
-                             "torch": torch.__version__}
+    report["environment"] = environment()
     report["wall_s"] = round(time.time() - t_start, 1)
-    report["load_avg"] = [load_start, _load()]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=1))
-    print_table(report)
-    print(f"wrote {out_path} ({report['wall_s']} s)", file=sys.stderr)
+    report["load_avg"] = [load_start, load_avg()]
+    write_report(report, out_path, print_table)
     return 0
-
-
-def _load():
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
 
 
 def print_table(report: dict) -> None:
