@@ -168,13 +168,28 @@ def throughput_table(t: dict) -> list[str]:
     return lines
 
 
+def overhead_line(o: dict) -> list[str]:
+    """The plugin with method none vs vanilla vLLM, from interleaved rounds (throughput.py --repeat)."""
+    runs = o["runs"]
+    if "vanilla" not in runs or "none" not in runs or "error" in runs["vanilla"] or "error" in runs["none"]:
+        return []
+    rounds = lambda name: ", ".join(f"{x:.1f}" for x in runs[name].get("rounds_output_tok_per_s", []))  # noqa: E731
+    ratio = runs["none"]["output_tok_per_s"] / runs["vanilla"]["output_tok_per_s"]
+    return [f"**Plugin overhead, nothing evicted** (`{{\"method\": \"none\"}}` vs vanilla vLLM, same workload, "
+            f"{o.get('repeat', 1)} interleaved rounds; `benchmarks/results/plugin_overhead_cpu.json`): output tokens/s "
+            f"vanilla {rounds('vanilla')}, plugin {rounds('none')}; median ratio {ratio:.2f}."]
+
+
 def build_table() -> list[str]:
     parts = []
+    overhead = load("plugin_overhead_cpu.json")
     for name, make in (("quality_cpu.json", quality_table), ("accuracy_cpu.json", accuracy_table),
                        ("throughput_cpu.json", throughput_table)):
         data = load(name)
         if data is not None:
             parts += make(data) + [""]
+    if overhead is not None:
+        parts += overhead_line(overhead) + [""]
     images = [p.name for p in sorted(RESULTS.glob("*.png"))]
     if images:
         parts.append("Plots: " + ", ".join(f"[{n}](benchmarks/results/{n})" for n in images) + ".")
