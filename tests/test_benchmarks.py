@@ -126,3 +126,31 @@ def test_masked_decode_matches_plain_eager_attention(tiny_reference):
         expected = plain(torch.tensor([ids + generated])).logits[0, len(ids):]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     assert expected[:-1].argmax(-1).tolist() == generated[1:]
+
+
+def test_report_writes_plots_and_replaces_only_the_marked_readme_block(tmp_path, monkeypatch):
+    import report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    summary = {
+        "full": {"family": "full", "matched_to": None, "ratio": 0.0, "ver": 0.0},
+        "rc_c1": {"family": "rc", "matched_to": None, "ratio": 0.8, "ver": 0.3},
+        "rc_budget_r0.5": {"family": "rc_budget", "matched_to": None, "ratio": 0.5, "ver": 0.08},
+        "snapkv_r0.5": {"family": "snapkv", "matched_to": None, "ratio": 0.5, "ver": 0.22},
+        "snapkv@rc_c1": {"family": "snapkv", "matched_to": "rc_c1", "ratio": 0.8, "ver": 0.37},
+    }
+    (results / "quality_cpu.json").write_text(__import__("json").dumps({"summary": summary, "samples": [1, 2]}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nkept above\n\n{report.START}\nold table\n{report.END}\n\nkept below\n")
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "README", readme)
+
+    assert report.main([]) == 0
+    text = readme.read_text()
+    assert "old table" not in text and "kept above" in text and "kept below" in text
+    block = text[text.index(report.START): text.index(report.END)]
+    assert "| 0.5 | 0.080 | 0.220 |" in block  # RC budget and SnapKV at ratio 0.5
+    assert "| rc_c1 | 0.800 | 0.300 | - | 0.370 | - |" in block  # matched SnapKV at RC's ratio
+    assert (results / "ratio_vs_value_error.png").stat().st_size > 0
+    assert report.curves(summary, "ver")["snapkv"] == [(0.5, 0.22)]  # matched entries are not on the curve
