@@ -12,7 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import CPU_VEC, CacheLayout, CompactedRequest, compact_layer, gather_prompt, stack_tables
+from rcstat_vllm.head_pages import (
+    CPU_VEC,
+    CacheLayout,
+    CompactedRequest,
+    cdiv,
+    compact_layer,
+    gather_prompt,
+    stack_tables,
+)
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_threshold
 from rcstat_vllm.step import BatchRequest
@@ -34,7 +42,7 @@ class CompressionDecision:
             req_id=self.req_id,
             num_prompt_tokens=self.num_tokens,
             method=self.config.method,
-            keep_blocks=-(-self.num_tokens // block_size),  # every prompt block: the scheduler frees nothing
+            keep_blocks=cdiv(self.num_tokens, block_size),  # every prompt block: the scheduler frees nothing
             kept=[[self.num_tokens] * num_heads for _ in range(num_layers)],
             skipped_reason=self.skipped_reason,
             block_size=block_size,

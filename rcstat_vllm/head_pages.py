@@ -230,9 +230,8 @@ class CompactedRequest:
         n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
         self.page_counts = (self.tables >= 0).sum(dim=2)
         to_boundary = -self.num_compacted_tokens % self.block_size
-        pages_then = (self.kept + to_boundary + self.block_size - 1) // self.block_size
-        needed = torch.maximum(pages_then, self.page_counts).sum(dim=1)
-        self.keep_blocks = min(cdiv(int(needed.max()), self.num_heads), n_blocks)
+        pages_then = (self.kept + to_boundary + self.block_size - 1) // self.block_size  # [L, H]
+        self.keep_blocks = min(cdiv(int(pages_then.sum(dim=1).max()), self.num_heads), n_blocks)
         candidates = identity_pages(block_row[: self.keep_blocks], self.num_heads).t().reshape(-1).tolist()
         self.pools = []
         for table in self.tables:
