@@ -2,9 +2,10 @@
 
 After compaction every (request, layer, KV head) owns its own list of *head pages* (``rcstat_vllm/head_pages.py``):
 page ``p = block * H + h`` is KV head ``h``'s slice of vLLM block ``block``. On CPU the plugin runs vLLM's own
-kernels over a head-page view of the cache; vLLM's CUDA layout ``[num_blocks, N, H, D]`` (FlashAttention's
-K or V half) has no such view (a head's tokens are strided by ``H * D``), so the GPU path reads the pages
-itself: this kernel takes the cache as it is and each (request, head)'s page table and length.
+kernels over a head-page view of the cache, and the CUDA backend does the same with FlashAttention over
+head-major blocks (vLLM's ``LBHNC`` layout). This kernel is the dedicated alternative: it reads head pages
+through any strides of FlashAttention's ``[num_blocks, N, H, D]`` key/value views (token-major ``LBNHC``
+blocks included, where no head-page view exists), given each (request, head)'s page table and length.
 
 One decode token per request (``query [R, H, G, D]``: G query heads per KV head); the kernel runs one program
 per (request, KV head) with an online softmax over ``BLOCK_N``-token tiles of that head's pages.

@@ -1,6 +1,7 @@
 """Every touch of a private vLLM API, one module per concern, each with its ``CONTRACTS``.
 
-- ``platform``: validate the flag at start-up, choose the plugin's attention backend on CPU.
+- ``platform``: validate the flag at start-up, choose the plugin's attention backend (CPU and CUDA).
+- ``attention_backends``: the vLLM backend classes the plugin's backends extend, and the kernels they call.
 - ``request_validation``: reject a bad per-request override (``vllm_xargs``) for that request only.
 - ``scheduler``: apply the worker's compaction reports, returning freed blocks to the ``BlockPool``.
 - ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
@@ -10,10 +11,10 @@
 
 from __future__ import annotations
 
-from . import cpu_kv_layout, model_runner, openai_chat, platform, request_validation, scheduler
+from . import attention_backends, cpu_kv_layout, model_runner, openai_chat, platform, request_validation, scheduler
 from ._contract import Contract, VLLMContractError
 
-MODULES = (platform, request_validation, scheduler, model_runner, cpu_kv_layout, openai_chat)
+MODULES = (platform, request_validation, scheduler, model_runner, attention_backends, cpu_kv_layout, openai_chat)
 
 
 def all_contracts() -> list[Contract]:
@@ -21,9 +22,11 @@ def all_contracts() -> list[Contract]:
 
 
 def check_contracts() -> None:
-    """Raise :class:`VLLMContractError` naming the first private API that does not match."""
+    """Raise :class:`VLLMContractError` naming the first private API that does not match (among those that
+    concern this platform)."""
     for contract in all_contracts():
-        contract.check()
+        if contract.applies():
+            contract.check()
 
 
 def install_all() -> None:

@@ -23,10 +23,23 @@ class VLLMContractError(RuntimeError):
 
 @dataclass(frozen=True)
 class Contract:
-    """``module:qualname`` must exist (and, if ``params`` is given, start with those parameter names)."""
+    """``module:qualname`` must exist (and, if ``params`` is given, start with those parameter names).
+
+    ``platform`` ("cuda", "cpu") limits the contract to vLLM builds for that platform: vLLM's CPU wheel cannot
+    import its CUDA kernels' modules, and the other way round.
+    """
 
     target: str
     params: tuple[str, ...] | None = None
+    platform: str | None = None
+
+    def applies(self) -> bool:
+        """Whether this contract concerns the platform vLLM runs on here."""
+        if self.platform is None:
+            return True
+        from vllm.platforms import current_platform
+
+        return {"cuda": current_platform.is_cuda, "cpu": current_platform.is_cpu}[self.platform]()
 
     def resolve(self) -> Any:
         module_name, _, qualname = self.target.partition(":")

@@ -18,12 +18,16 @@ CONTRACTS = (
     Contract(
         "vllm._custom_ops:cpu_attn_reshape_and_cache",
         ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
+        platform="cpu",
     ),
     Contract(
         "vllm._custom_ops:cpu_attention_with_kv_cache",
         ("query", "key_cache", "value_cache", "output", "query_start_loc", "seq_lens", "scale"),
+        platform="cpu",
     ),
-    Contract("vllm._custom_ops:cpu_attn_get_scheduler_metadata", ("num_reqs", "num_heads", "num_kv_heads")),
+    Contract(
+        "vllm._custom_ops:cpu_attn_get_scheduler_metadata", ("num_reqs", "num_heads", "num_kv_heads"), platform="cpu"
+    ),
 )
 
 

@@ -30,13 +30,13 @@ CONTRACTS = (
 
 
 def _rcstat_builders(runner) -> list:
-    from rcstat_vllm.backend import RCStatCPUMetadataBuilder
+    from rcstat_vllm.backend_common import CompressionPlanner
 
     builders = []
     for groups in getattr(runner, "attn_groups", ()):
         for group in groups:
             for builder in getattr(group, "metadata_builders", ()):
-                if isinstance(builder, RCStatCPUMetadataBuilder):
+                if isinstance(builder, CompressionPlanner):
                     builders.append(builder)
     return builders
 

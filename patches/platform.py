@@ -1,63 +1,103 @@
 """Platform hooks: validate the plugin flag at start-up and select the plugin's attention backend.
 
-vLLM-CPU ignores ``--attention-backend`` (``CpuPlatform.get_attn_backend_cls`` always answers CPU_ATTN), so
-the backend is chosen by wrapping that classmethod. Both hooks pass straight through when the server was
-started without ``--additional-config '{"rcstat": ...}'``.
+- CPU: vLLM-CPU ignores ``--attention-backend`` (``CpuPlatform.get_attn_backend_cls`` always answers CPU_ATTN),
+  so the backend is chosen by wrapping that classmethod.
+- CUDA: the plugin registers its backend as vLLM's ``CUSTOM`` attention backend and, when the flag is on and
+  no backend was asked for, sets ``attention_config.backend`` to it; vLLM's own selector then validates it.
+
+Both hooks pass straight through when the server was started without ``--additional-config '{"rcstat": ...}'``.
 """
 
 from __future__ import annotations
 
-
-
 from rcstat_vllm.api import EXTENSION_PATH
 from rcstat_vllm.config import server_config
+from rcstat_vllm.log import logger
 
 from ._contract import Contract, wrap_method
 
-from rcstat_vllm.log import logger
-
 CPU_BACKEND_PATH = "rcstat_vllm.backend.RCStatCPUBackend"
+CUDA_BACKEND_PATH = "rcstat_vllm.backend_cuda.RCStatFlashBackend"
 
 CONTRACTS = (
     Contract(
         "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
         ("cls", "selected_backend", "attn_selector_config"),
+        platform="cpu",
     ),
-    Contract("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("cls", "vllm_config")),
+    Contract("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("cls", "vllm_config"), platform="cpu"),
+    Contract("vllm.platforms.cuda:CudaPlatformBase.check_and_update_config", ("cls", "vllm_config"), platform="cuda"),
     Contract("vllm.config:get_current_vllm_config_or_none", ()),
     Contract("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_ATTN"),
+    Contract("vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM"),
+    Contract("vllm.v1.attention.backends.registry:register_backend", ("backend", "class_path")),
+    Contract("vllm.v1.attention.backends.registry:_ATTN_OVERRIDES"),
+    Contract("vllm.platforms.interface:PlatformEnum.CUDA"),
+    Contract("vllm.config.attention:AttentionConfig"),
 )
+
+
+def _configure_engine(vllm_config, config) -> None:
+    """What the flag changes in vLLM's config, on every platform."""
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        # Compacted blocks hold other tokens than their prefix hash says: sharing them would corrupt
+        # other requests' caches.
+        logger.info("rcstat: prefix caching turned off (compacted KV blocks must never be shared)")
+        cache.enable_prefix_caching = False
+    parallel = vllm_config.parallel_config
+    if not parallel.worker_extension_cls:
+        # Lets LLM.collective_rpc read per-request results (rcstat_vllm.api).
+        parallel.worker_extension_cls = EXTENSION_PATH
+    elif parallel.worker_extension_cls != EXTENSION_PATH:
+        logger.warning(
+            "rcstat: worker_extension_cls is %s; rcstat_vllm.api results are unavailable",
+            parallel.worker_extension_cls,
+        )
+    logger.info("rcstat: KV compression enabled with %s", config.to_dict())
+    # The front end builds the config too: there the chat endpoint learns to return attribution.
+    from rcstat_vllm.attribution.server import maybe_install
+
+    maybe_install(vllm_config)
+
+
+def select_cuda_backend(attention_config) -> bool:
+    """Point an unset ``attention_config.backend`` at the plugin's CUDA backend; False (logged) when the
+    user asked for another backend, which then runs without compression."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    custom = AttentionBackendEnum.CUSTOM
+    if attention_config.backend is None:
+        attention_config.backend = custom
+        logger.info("rcstat: attention backend %s (FlashAttention with head pages)", CUDA_BACKEND_PATH)
+        return True
+    if attention_config.backend == custom:
+        return True
+    logger.warning(
+        "rcstat: --attention-backend %s was asked for; KV compression needs the plugin's backend (CUSTOM), "
+        "so requests run uncompressed",
+        attention_config.backend.name,
+    )
+    return False
 
 
 def _check_and_update_config(original):
     def wrapper(cls, vllm_config, *args, **kwargs):
+        config = server_config(vllm_config.additional_config)  # ConfigError naming the bad field, at start-up
+        if config is not None and _is_cuda(cls):
+            # Before vLLM's own checks, which size blocks and graphs for the chosen backend.
+            select_cuda_backend(vllm_config.attention_config)
         original(cls, vllm_config, *args, **kwargs)
-        # Raises ConfigError naming the bad field: the server fails at start-up, not per request.
-        config = server_config(vllm_config.additional_config)
-        if config is None:
-            return
-        cache = vllm_config.cache_config
-        if cache.enable_prefix_caching:
-            # Compacted blocks hold other tokens than their prefix hash says: sharing them would corrupt
-            # other requests' caches.
-            logger.info("rcstat: prefix caching turned off (compacted KV blocks must never be shared)")
-            cache.enable_prefix_caching = False
-        parallel = vllm_config.parallel_config
-        if not parallel.worker_extension_cls:
-            # Lets LLM.collective_rpc read per-request results (rcstat_vllm.api).
-            parallel.worker_extension_cls = EXTENSION_PATH
-        elif parallel.worker_extension_cls != EXTENSION_PATH:
-            logger.warning(
-                "rcstat: worker_extension_cls is %s; rcstat_vllm.api results are unavailable",
-                parallel.worker_extension_cls,
-            )
-        logger.info("rcstat: KV compression enabled with %s", config.to_dict())
-        # The front end builds the config too: there the chat endpoint learns to return attribution.
-        from rcstat_vllm.attribution.server import maybe_install
-
-        maybe_install(vllm_config)
+        if config is not None:
+            _configure_engine(vllm_config, config)
 
     return wrapper
+
+
+def _is_cuda(platform_cls) -> bool:
+    from vllm.platforms.interface import PlatformEnum
+
+    return getattr(platform_cls, "_enum", None) == PlatformEnum.CUDA
 
 
 def _get_attn_backend_cls(original):
@@ -77,8 +117,26 @@ def _get_attn_backend_cls(original):
     return wrapper
 
 
-def install() -> None:
-    from vllm.platforms.cpu import CpuPlatform
+def register_cuda_backend() -> None:
+    """Register the CUDA backend as vLLM's CUSTOM backend, unless another plugin already did."""
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
 
-    wrap_method(CpuPlatform, "check_and_update_config", _check_and_update_config)
-    wrap_method(CpuPlatform, "get_attn_backend_cls", _get_attn_backend_cls)
+    current = _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM)
+    if current not in (None, CUDA_BACKEND_PATH):
+        logger.warning("rcstat: the CUSTOM attention backend is already %s; not registering rcstat's", current)
+        return
+    register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND_PATH)
+
+
+def install() -> None:
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    if current_platform.is_cpu():
+        wrap_method(platform_cls, "check_and_update_config", _check_and_update_config)
+        wrap_method(platform_cls, "get_attn_backend_cls", _get_attn_backend_cls)
+    elif current_platform.is_cuda():
+        register_cuda_backend()
+        wrap_method(platform_cls, "check_and_update_config", _check_and_update_config)
+    else:
+        logger.info("rcstat: no KV-compression backend for platform %s; the plugin stays inert", platform_cls.__name__)

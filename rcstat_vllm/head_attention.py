@@ -1,4 +1,4 @@
-"""Head-as-sequence attention on vLLM-CPU's kernels.
+"""Head-as-sequence attention: the plan shared by both backends, and its run on vLLM-CPU's kernels.
 
 Each (request, KV head) is presented to vLLM's paged CPU attention as a sequence of its own, with one KV
 head, its G query heads, its own page table (head pages, see :mod:`rcstat_vllm.head_pages`) and its own
@@ -6,7 +6,8 @@ length. Compressed and uncompressed requests mix freely in one batch: an uncompr
 simply uses the identity pages ``row[j] * H + h``. No new attention kernel is needed.
 
 :func:`make_head_plan` does all per-step work once for every layer (index maps, page tables, lengths,
-write slots, the kernel's scheduler metadata); the per-layer calls only index into it.
+write slots); :func:`cpu_head_plan` adds the CPU kernel's scheduler metadata. The per-layer calls only
+index into it. The CUDA backend runs the same plan through FlashAttention (``rcstat_vllm/backend_cuda.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ class HeadSequencePlan:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     slots: torch.Tensor
-    #: per layer, the CPU kernel's work split for these lengths
-    scheduler_metadata: list[torch.Tensor]
     num_heads: int
+    #: longest query of a head sequence; per layer, longest head sequence (FlashAttention's bounds)
+    max_query_len: int = 0
+    max_seq_lens: list[int] | None = None
+    #: per layer, the CPU kernel's work split for these lengths (cpu_head_plan)
+    scheduler_metadata: list[torch.Tensor] | None = None
 
 
 def make_head_plan(
@@ -45,11 +49,7 @@ def make_head_plan(
     *,
     num_layers: int,
     num_heads: int,
-    group: int,
     block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    isa: str,
 ) -> HeadSequencePlan:
     """Plan one step: rows in ``compressed`` read and write their own head pages, the others the identity."""
     num_reqs = len(seq_lens)
@@ -90,35 +90,73 @@ def make_head_plan(
         start, end = query_start[row], query_start[row + 1]
         positions = torch.arange(seq_lens[row] - query_lens[row], seq_lens[row], device=device)
         head_slots[:, start:end] = state.slots(positions)
+    # Per layer, the longest head sequence, from host-side numbers only (no device synchronisation).
+    max_lengths = [
+        max([seq_lens[r] for r in range(num_reqs) if r not in compressed] + [0]) for _ in range(num_layers)
+    ]
+    for row, state in compressed.items():
+        longest = (state.kept.amax(dim=1) + (seq_lens[row] - state.num_compacted_tokens)).tolist()
+        max_lengths = [max(a, b) for a, b in zip(max_lengths, longest)]
 
     seq_lens_hs = lengths.reshape(num_layers, -1).to(torch.int32)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
-    scheduler_metadata = [
+    return HeadSequencePlan(
+        token_index=torch.cat(token_index) if token_index else torch.zeros(0, dtype=torch.int64),
+        head_index=torch.cat(head_index) if head_index else torch.zeros(0, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        block_tables=tables.reshape(num_layers, num_reqs * num_heads, width).to(torch.int32),
+        seq_lens=seq_lens_hs,
+        slots=head_slots.reshape(num_layers, -1),
+        num_heads=num_heads,
+        max_query_len=max(query_lens, default=0),
+        max_seq_lens=max_lengths,
+    )
+
+
+def cpu_head_plan(
+    common_attn_metadata,
+    compressed: dict[int, CompactedRequest],
+    *,
+    num_layers: int,
+    num_heads: int,
+    group: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    isa: str,
+) -> HeadSequencePlan:
+    """:func:`make_head_plan` from vLLM-CPU's batch metadata, with the CPU kernel's per-layer work split."""
+    plan = make_head_plan(
+        common_attn_metadata.query_start_loc_cpu.tolist(),
+        common_attn_metadata.seq_lens.tolist(),
+        common_attn_metadata.block_table_tensor,
+        common_attn_metadata.slot_mapping,
+        compressed,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        block_size=block_size,
+    )
+    add_cpu_scheduler_metadata(plan, group=group, head_dim=head_dim, dtype=dtype, isa=isa)
+    return plan
+
+
+def add_cpu_scheduler_metadata(plan: HeadSequencePlan, *, group: int, head_dim: int, dtype: torch.dtype, isa: str):
+    """The CPU attention kernel's per-layer work split for the plan's head sequences."""
+    plan.scheduler_metadata = [
         ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_reqs * num_heads,
+            num_reqs=plan.seq_lens.shape[1],
             num_heads=group,
             num_kv_heads=1,
             head_dim=head_dim,
-            seq_lens=seq_lens_hs[layer],
+            seq_lens=plan.seq_lens[layer],
             dtype=dtype,
-            query_start_loc=query_start_loc,
+            query_start_loc=plan.query_start_loc,
             causal=True,
             sliding_window_size=-1,
             isa=isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         )
-        for layer in range(num_layers)
+        for layer in range(plan.seq_lens.shape[0])
     ]
-    return HeadSequencePlan(
-        token_index=torch.cat(token_index) if token_index else torch.zeros(0, dtype=torch.int64),
-        head_index=torch.cat(head_index) if head_index else torch.zeros(0, dtype=torch.int64),
-        query_start_loc=query_start_loc,
-        block_tables=tables.reshape(num_layers, num_reqs * num_heads, width).to(torch.int32),
-        seq_lens=seq_lens_hs,
-        slots=head_slots.reshape(num_layers, -1),
-        scheduler_metadata=scheduler_metadata,
-        num_heads=num_heads,
-    )
 
 
 def write_head_sequence_kv(key, value, key_pages, value_pages, plan: HeadSequencePlan, layer: int, isa: str, **scales):

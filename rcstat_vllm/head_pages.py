@@ -75,23 +75,27 @@ class CPUVecLayout(CacheLayout):
 
 
 class FlashLayout(CacheLayout):
-    """vLLM's CUDA FlashAttention/Triton layout: ``[2, num_blocks, N, H, D]`` (K then V); a head's page is
-    strided (its tokens are ``H * D`` apart), which ``kernels/head_attention.py`` reads directly."""
+    """vLLM's CUDA caches (FlashAttention and the other GPU backends): the same logical ``[num_blocks, H, N, 2D]``
+    as on CPU, each token row holding its key then its value (``kv_cache.transpose(1, 2).split(D, -1)`` is
+    FlashAttention's ``[num_blocks, N, H, D]`` key and value view).
+
+    Indexing is logical, so it is right for every physical layout vLLM may resolve (``KVCacheLayout``); the
+    head-as-sequence view :func:`flash_head_page_caches` additionally needs head-major blocks (``LBHNC``,
+    which the plugin's CUDA backend declares).
+    """
 
     def shape(self, kv_cache):
-        _, num_blocks, block_size, num_heads, _ = kv_cache.shape
+        num_blocks, num_heads, block_size, _ = kv_cache.shape
         return num_blocks, num_heads, block_size
 
     def read(self, kv_cache, pages, offsets):
-        num_heads = kv_cache.shape[3]
-        blocks, heads = pages // num_heads, pages % num_heads
-        return kv_cache[0, blocks, offsets, heads], kv_cache[1, blocks, offsets, heads]
+        num_heads, head_dim = kv_cache.shape[1], kv_cache.shape[3] // 2
+        rows = kv_cache[pages // num_heads, pages % num_heads, offsets]
+        return rows[..., :head_dim], rows[..., head_dim:]
 
     def write(self, kv_cache, pages, offsets, keys, values):
-        num_heads = kv_cache.shape[3]
-        blocks, heads = pages // num_heads, pages % num_heads
-        kv_cache[0, blocks, offsets, heads] = keys
-        kv_cache[1, blocks, offsets, heads] = values
+        num_heads = kv_cache.shape[1]
+        kv_cache[pages // num_heads, pages % num_heads, offsets] = torch.cat([keys, values], dim=-1).to(kv_cache.dtype)
 
 
 CPU_VEC = CPUVecLayout()
@@ -107,6 +111,26 @@ def write_kv(
     kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor, layout: CacheLayout = CPU_VEC
 ) -> None:
     layout.write(kv_cache, pages, offsets, keys, values)
+
+
+def flash_head_page_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """Key and value caches with one KV head per page, ``[num_blocks * H, N, 1, D]`` each (views): the paged
+    cache shape vLLM's FlashAttention kernels take, over head pages instead of blocks.
+
+    Needs head-major blocks (vLLM's ``LBHNC`` layout: a head's ``N`` token rows are contiguous); raises
+    otherwise, since no view can then put a block's heads side by side as pages.
+    """
+    num_blocks, num_heads, block_size, two_d = kv_cache.shape
+    if kv_cache.stride(0) != num_heads * kv_cache.stride(1):
+        raise ValueError(
+            f"KV cache strides {kv_cache.stride()} are not head-major (vLLM layout LBHNC): head pages need it"
+        )
+    pages = kv_cache.as_strided(
+        (num_blocks * num_heads, block_size, 1, two_d),
+        (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(2), kv_cache.stride(3)),
+    )
+    keys, values = pages.split(two_d // 2, dim=-1)
+    return keys, values
 
 
 def head_page_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:

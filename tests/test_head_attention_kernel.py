@@ -87,7 +87,7 @@ def test_compaction_in_the_cuda_layout_then_the_kernel_equals_attention_over_the
     tokens = torch.arange(n)
     pages = identity_pages(row, HEADS)[:, tokens // BLOCK]
     offsets = (tokens % BLOCK).expand_as(pages)
-    flash = torch.zeros(2, num_blocks, BLOCK, HEADS, DIM)
+    flash = torch.zeros(num_blocks, HEADS, BLOCK, 2 * DIM)  # vLLM 0.32 CUDA: [B, H, N, 2D], K | V per token row
     cpu = torch.zeros(num_blocks, HEADS, BLOCK, 2 * DIM)
     FLASH.write(flash, pages, offsets, keys, values)
     CPU_VEC.write(cpu, pages, offsets, keys, values)
@@ -99,7 +99,8 @@ def test_compaction_in_the_cuda_layout_then_the_kernel_equals_attention_over_the
 
     query = torch.randn(1, HEADS, group, DIM, generator=g)
     lengths = keep.sum(1).view(1, HEADS).to(torch.int32)
-    got = head_page_decode_attention(query, flash[0], flash[1], table.unsqueeze(0).clamp(min=0), lengths, 0.125)
+    key_cache, value_cache = flash.transpose(1, 2).split(DIM, dim=-1)  # FlashAttention's [B, N, H, D] views
+    got = head_page_decode_attention(query, key_cache, value_cache, table.unsqueeze(0).clamp(min=0), lengths, 0.125)
     for h in range(HEADS):
         k, v = keys[h, keep[h]], values[h, keep[h]]
         expected = torch.softmax(query[0, h] @ k.T * 0.125, dim=-1) @ v

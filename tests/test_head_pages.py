@@ -9,6 +9,7 @@ import torch
 ops = pytest.importorskip("vllm._custom_ops")
 
 from rcstat_vllm.head_attention import (  # noqa: E402
+    add_cpu_scheduler_metadata,
     head_sequence_attention,
     make_head_plan,
     write_head_sequence_kv,
@@ -142,9 +143,9 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
             [int(block_table[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate(positions)]
         )
         plan = make_head_plan(
-            query_start, seq_lens, block_table, slot_mapping, states, num_layers=1, num_heads=HEADS,
-            group=GROUP, block_size=BLOCK, head_dim=DIM, dtype=dtype, isa=ISA,
+            query_start, seq_lens, block_table, slot_mapping, states, num_layers=1, num_heads=HEADS, block_size=BLOCK
         )
+        add_cpu_scheduler_metadata(plan, group=GROUP, head_dim=DIM, dtype=dtype, isa=ISA)
         new_k = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
         new_v = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
         write_head_sequence_kv(new_k, new_v, *head_page_caches(kv), plan, 0, ISA)

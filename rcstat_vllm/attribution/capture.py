@@ -6,14 +6,12 @@ attribution logits processor is constructed in that process (``RCStatAttribution
 :meth:`AttributionCapture.activate`): before that, and for every step in which no request asked,
 :meth:`AttributionCapture.plan` returns None after one attribute check, and the backend records nothing.
 
-Backend wiring (three lines in ``rcstat_vllm/backend.py``)::
+Backend wiring (``rcstat_vllm/backend_common.py``, shared by the CPU and CUDA backends)::
 
-    # RCStatCPUMetadata: a field
-    attribution: list | None = None
-    # RCStatCPUMetadataBuilder.build, after ``query_start = ...``:
-    metadata.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
-    # RCStatCPUImpl.forward, after ``layer_index = ...``:
-    if attn_metadata.attribution: attribution_capture().record(layer_index, attn_metadata.attribution, query, key)
+    # CompressionPlanner.plan_step, after ``query_start = ...``:
+    plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
+    # record_attribution, called by each backend's forward before its attention:
+    if plan.attribution: attribution_capture().record(layer_index, plan.attribution, query, key)
 
 The q/k are recorded before compaction touches the cache, so attribution sees every prompt key even when
 the same request is compressed (compression changes which keys the model attends to afterwards, and so

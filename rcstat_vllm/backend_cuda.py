@@ -1,0 +1,198 @@
+"""The plugin's attention backend for CUDA: vLLM's FlashAttention backend plus head pages.
+
+Registered as vLLM's ``CUSTOM`` attention backend and selected by the platform hook when the flag is on
+(``patches/platform.py``). It shares everything with the CPU backend (:mod:`rcstat_vllm.backend_common`:
+planning, scoring, compaction, page bookkeeping, reports) except the kernels:
+
+- it asks vLLM for head-major KV blocks (layout ``LBHNC``), so each (block, KV head) slice is one contiguous
+  head page and ``[num_blocks * H, N, 1, D]`` is a view FlashAttention's paged kernels accept
+  (:func:`rcstat_vllm.head_pages.flash_head_page_caches`);
+- a batch without compressed requests runs FlashAttention exactly as vLLM does;
+- a batch with compressed requests runs head-as-sequence (:mod:`rcstat_vllm.head_attention_flash`): vLLM's
+  ``reshape_and_cache_flash`` writes each (token, KV head) into its head page and ``flash_attn_varlen_func``
+  attends with every (request, KV head) as a sequence of one KV head and its G query heads.
+
+Verified on CPU tensors against torch references (tests/test_backend_cuda.py); vLLM's CUDA build cannot run on
+the machines this was written on, so nothing here has run inside a CUDA vLLM (see README, "CUDA").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from rcstat_vllm.backend_common import CompressionPlanner, StepCompression, finish_layer, record_attribution
+from rcstat_vllm.head_attention import make_head_plan
+from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
+from rcstat_vllm.head_pages import FLASH
+
+#: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
+HEAD_MAJOR_LAYOUT = KVCacheLayout.LBHNC
+
+
+class RCStatFlashBackend(FlashAttentionBackend):
+    # The backend writes new K/V itself: compressed heads append to their own pages, not to the slot vLLM
+    # computed from the (now stale) logical block table.
+    forward_includes_kv_cache_update: bool = True
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (HEAD_MAJOR_LAYOUT,)
+
+    @staticmethod
+    def get_impl_cls():
+        return RCStatFlashImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return RCStatFlashMetadataBuilder
+
+
+@dataclass
+class RCStatFlashMetadata(FlashAttentionMetadata):
+    rcstat: StepCompression | None = None
+
+
+class RCStatFlashMetadataBuilder(CompressionPlanner, FlashAttentionMetadataBuilder):
+    layout = FLASH
+    # Head-as-sequence batches change shape with every compressed request's kept counts: attention runs
+    # eager (vLLM keeps piecewise CUDA graphs for the rest of the model).
+    _cudagraph_support = AttentionCGSupport.NEVER
+    # Metadata must be built per KV-cache group from the step's plan, never copied with a new block table.
+    supports_update_block_table = False
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.init_compression(
+            vllm_config,
+            layer_names,
+            num_kv_heads=kv_cache_spec.num_kv_heads,
+            block_size=kv_cache_spec.block_size,
+            window_size=getattr(kv_cache_spec, "sliding_window", None),
+        )
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        reason = unsupported_reason(vllm_config, layer_names)
+        if reason is not None:
+            self.disable(reason)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        plan = self.plan_step(common_attn_metadata)
+        if plan.compressed:
+            plan.head_plan = make_head_plan(
+                common_attn_metadata.query_start_loc_cpu.tolist(),
+                plan.seq_lens,
+                common_attn_metadata.block_table_tensor,
+                common_attn_metadata.slot_mapping,
+                plan.compressed,
+                num_layers=self.num_layers,
+                num_heads=self.num_kv_heads,
+                block_size=self.rc_block_size,
+            )
+        return RCStatFlashMetadata(**vars(base), rcstat=plan)
+
+
+def unsupported_reason(vllm_config, layer_names) -> str | None:
+    """Why head-as-sequence FlashAttention cannot serve these layers, or None."""
+    layout = vllm_config.cache_config.kv_cache_layout
+    if layout is not None and layout != HEAD_MAJOR_LAYOUT.name:
+        return f"KV cache layout {layout} is not head-major ({HEAD_MAJOR_LAYOUT.name})"
+    if vllm_config.cache_config.cache_dtype not in ("auto", "float16", "bfloat16"):
+        return f"quantized KV cache ({vllm_config.cache_config.cache_dtype}): scores would read scaled values"
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        return "decode context parallelism shards each request's KV across ranks"
+    context = vllm_config.compilation_config.static_forward_context
+    for name in layer_names:
+        impl = getattr(context.get(name), "impl", None)
+        if impl is None:
+            continue
+        if getattr(impl, "alibi_slopes", None) is not None:
+            return "ALiBi attention layers are not supported"
+        if getattr(impl, "sinks", None) is not None:
+            return "attention sinks are not supported"
+        if tuple(getattr(impl, "sliding_window", (-1, -1))) != (-1, -1):
+            return "sliding-window attention layers are not supported"
+    return None
+
+
+class FlashAttentionHeadPageKernels(HeadPageKernels):
+    """vLLM's own FlashAttention cache-write and varlen attention, over head pages (one KV head each)."""
+
+    def __init__(self, impl: FlashAttentionImpl):
+        self.impl = impl
+
+    def write(self, keys, values, key_pages, value_pages, slots, layer):
+        from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
+
+        reshape_and_cache_flash(
+            keys, values, key_pages, value_pages, slots, self.impl.kv_cache_dtype, layer._k_scale, layer._v_scale
+        )
+
+    def attend(self, queries, key_pages, value_pages, out, plan, layer_index, *, scale, softcap, layer):
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+        flash_attn_varlen_func(
+            q=queries,
+            k=key_pages,
+            v=value_pages,
+            out=out,
+            cu_seqlens_q=plan.query_start_loc,
+            max_seqlen_q=plan.max_query_len,
+            seqused_k=plan.seq_lens[layer_index],
+            max_seqlen_k=plan.max_seq_lens[layer_index],
+            softmax_scale=scale,
+            causal=True,
+            block_table=plan.block_tables[layer_index],
+            softcap=softcap,
+            fa_version=self.impl.vllm_flash_attn_version,
+        )
+
+
+class RCStatFlashImpl(FlashAttentionImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head_page_kernels = FlashAttentionHeadPageKernels(self)
+
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
+        if attn_metadata is None or not isinstance(attn_metadata, RCStatFlashMetadata):
+            # Profiling run (None) or a batch this backend did not plan: vLLM's path.
+            if attn_metadata is not None and key is not None and value is not None:
+                self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        plan = attn_metadata.rcstat
+        layer_index = plan.builder.layer_index[layer.layer_name]
+        record_attribution(plan, layer_index, query, key)
+        num_tokens = attn_metadata.num_actual_tokens
+        if plan.head_plan is None:
+            # No compressed request in the batch: vLLM's own path, unchanged.
+            if key is not None and value is not None:
+                self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        else:
+            flash_head_sequence_forward(
+                self.head_page_kernels,
+                query[:num_tokens],
+                None if key is None else key[:num_tokens],
+                None if value is None else value[:num_tokens],
+                kv_cache,
+                output[:num_tokens],
+                plan.head_plan,
+                layer_index,
+                scale=self.scale,
+                softcap=self.logits_soft_cap,
+                layer=layer,
+            )
+        finish_layer(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
+        return output

@@ -1,0 +1,287 @@
+"""The CUDA backend (rcstat_vllm/backend_cuda.py) on CPU tensors.
+
+vLLM's CUDA build cannot run here, so its two FlashAttention kernels are replaced by torch references (the
+kernels are the only thing the CUDA path does not share with the CPU path): vLLM's own ``forward`` and
+``do_kv_cache_update`` for plain batches, and :class:`TorchHeadPageKernels` for head-as-sequence batches. All
+the rest runs as on a GPU: the plugin's impl ``forward``, the shared planner, the head plan, compaction in
+vLLM's GPU cache layout (head-major blocks) and the page bookkeeping.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl  # noqa: E402
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from rcstat_vllm.backend_common import CompressionPlanner  # noqa: E402
+from rcstat_vllm.backend_cuda import (  # noqa: E402
+    RCStatFlashBackend,
+    RCStatFlashImpl,
+    RCStatFlashMetadata,
+    RCStatFlashMetadataBuilder,
+    unsupported_reason,
+)
+from rcstat_vllm.head_attention import make_head_plan  # noqa: E402
+from rcstat_vllm.head_attention_flash import TorchHeadPageKernels, flash_head_sequence_forward  # noqa: E402
+from rcstat_vllm.head_pages import FLASH, cdiv, flash_head_page_caches, identity_pages  # noqa: E402
+from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
+
+BLOCK, HEADS, GROUP, DIM, LAYERS = 16, 2, 3, 32, 2
+SCALE = DIM**-0.5
+
+
+def _dense(q, keys, values, causal_offset=None):
+    """q [Q, G, D] over keys/values [n, D]; causal with the last query seeing every key."""
+    logits = torch.einsum("qgd,kd->gqk", q.float(), keys.float()) * SCALE
+    n, num_q = keys.shape[0], q.shape[0]
+    positions = n - num_q + torch.arange(num_q)
+    logits = logits.masked_fill(torch.arange(n).view(1, 1, -1) > positions.view(1, -1, 1), float("-inf"))
+    return torch.einsum("gqk,kd->qgd", logits.softmax(-1), values.float())
+
+
+# ---- vLLM's FlashAttention kernels, as torch references (plain batches) ----
+
+
+def _reference_kv_update(self, layer, key, value, kv_cache, slot_mapping):
+    slots = slot_mapping.long()
+    rows = kv_cache.transpose(1, 2)  # [B, N, H, 2D], FlashAttention's view
+    rows[slots // BLOCK, slots % BLOCK] = torch.cat([key[: len(slots)], value[: len(slots)]], -1).to(kv_cache.dtype)
+
+
+def _reference_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+    starts = attn_metadata.query_start_loc.tolist()
+    for r, length in enumerate(attn_metadata.seq_lens.tolist()):
+        tokens = torch.arange(length)
+        blocks = attn_metadata.block_table[r, tokens // BLOCK].long()
+        rows = kv_cache[blocks, :, tokens % BLOCK]  # [n, H, 2D]
+        for h in range(HEADS):
+            q = query[starts[r] : starts[r + 1], h * GROUP : (h + 1) * GROUP]
+            out = _dense(q, rows[:, h, :DIM], rows[:, h, DIM:])
+            output[starts[r] : starts[r + 1], h * GROUP : (h + 1) * GROUP] = out.to(output.dtype)
+    return output
+
+
+class _Planner(CompressionPlanner):
+    layout = FLASH
+
+    def __init__(self, rcstat: dict, layer_names):
+        vllm_config = SimpleNamespace(
+            additional_config={"rcstat": rcstat}, parallel_config=SimpleNamespace(tensor_parallel_size=1)
+        )
+        self.init_compression(vllm_config, layer_names, num_kv_heads=HEADS, block_size=BLOCK, window_size=None)
+
+
+def _recover_keep_mask(prompt_keys, compacted_keys):
+    """Which prompt tokens a head kept: its compacted keys are an ordered subsequence of its prompt keys."""
+    mask = torch.zeros(prompt_keys.shape[0], dtype=torch.bool)
+    position = 0
+    for key in compacted_keys:
+        while not torch.equal(prompt_keys[position], key):
+            position += 1
+        mask[position] = True
+        position += 1
+    return mask
+
+
+def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kept_tokens(monkeypatch):
+    """Step 1: a 150-token prompt (compressed, RC budget 0.5) and a 20-token prompt (below min_prompt_len:
+    uncompressed) prefill together. Then 20 decode steps in one batch (page growth included): every output
+    equals dense attention over each head's kept prompt tokens plus the generated ones, and the short request
+    equals plain causal attention."""
+    monkeypatch.setattr(FlashAttentionImpl, "do_kv_cache_update", _reference_kv_update)
+    monkeypatch.setattr(FlashAttentionImpl, "forward", _reference_forward)
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    planner = _Planner({"method": "rc", "target_ratio": 0.5, "min_prompt_len": 64}, layer_names)
+    impl = RCStatFlashImpl(
+        num_heads=HEADS * GROUP, head_size=DIM, scale=SCALE, num_kv_heads=HEADS, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="auto",
+    )
+    impl.head_page_kernels = TorchHeadPageKernels()
+    layers = [SimpleNamespace(layer_name=name) for name in layer_names]
+
+    g = torch.Generator().manual_seed(0)
+    num_blocks = 40
+    caches = [torch.zeros(num_blocks, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]  # LBHNC: contiguous
+    prompt_lens = [150, 20]
+    block_rows = [torch.arange(1, 1 + cdiv(150 + 40, BLOCK)), torch.arange(20, 20 + cdiv(20 + 40, BLOCK))]
+    block_table = torch.zeros(2, max(len(r) for r in block_rows), dtype=torch.int32)
+    for i, row in enumerate(block_rows):
+        block_table[i, : len(row)] = row
+    history = [[([], []) for _ in range(LAYERS)] for _ in prompt_lens]  # every token's K/V per request, layer
+
+    def run_step(computed: list[int], scheduled: list[int]):
+        info = StepInfo(
+            requests=[
+                BatchRequest(f"req{i}", prompt_lens[i], computed[i], scheduled[i]) for i in range(len(prompt_lens))
+            ]
+        )
+        planner.begin_step(info)
+        starts = [0]
+        for count in scheduled:
+            starts.append(starts[-1] + count)
+        seq_lens = [c + s for c, s in zip(computed, scheduled)]
+        positions = torch.cat([torch.arange(c, c + s) for c, s in zip(computed, scheduled)])
+        rows = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(scheduled))
+        slot_mapping = block_table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK
+        common = SimpleNamespace(
+            num_reqs=len(scheduled), block_table_tensor=block_table, query_start_loc_cpu=torch.tensor(starts),
+            slot_mapping=slot_mapping,
+        )
+        plan = planner.plan_step(common)
+        if plan.compressed:  # as RCStatFlashMetadataBuilder.build does
+            plan.head_plan = make_head_plan(
+                starts, plan.seq_lens, block_table, slot_mapping, plan.compressed, num_layers=LAYERS,
+                num_heads=HEADS, block_size=BLOCK,
+            )
+        metadata = RCStatFlashMetadata(
+            num_actual_tokens=starts[-1], max_query_len=max(scheduled), query_start_loc=torch.tensor(starts),
+            max_seq_len=max(seq_lens), seq_lens=torch.tensor(seq_lens), block_table=block_table,
+            slot_mapping=slot_mapping, rcstat=plan,
+        )
+        outputs = []
+        for layer_index, layer in enumerate(layers):
+            num_tokens = starts[-1]
+            query = torch.randn(num_tokens, HEADS * GROUP, DIM, generator=g)
+            key = torch.randn(num_tokens, HEADS, DIM, generator=g)
+            value = torch.randn(num_tokens, HEADS, DIM, generator=g)
+            for i in range(len(scheduled)):
+                history[i][layer_index][0].append(key[starts[i] : starts[i + 1]])
+                history[i][layer_index][1].append(value[starts[i] : starts[i + 1]])
+            output = torch.zeros_like(query)
+            impl.forward(layer, query, key, value, caches[layer_index], metadata, output)
+            outputs.append((query, output))
+        return starts, outputs, planner.pop_reports()
+
+    _, _, reports = run_step([0, 0], prompt_lens)
+    by_id = {r.req_id: r for r in reports}
+    assert by_id["req1"].skipped_reason.startswith("prompt of 20 tokens")
+    compressed = by_id["req0"]
+    assert compressed.skipped_reason is None
+    assert abs(compressed.compression_ratio - 0.5) < 0.02
+    assert compressed.blocks_freed > 0
+
+    # Which tokens each (layer, head) kept, read back from its pages.
+    state = planner._states["req0"]
+    keep = []
+    for layer_index in range(LAYERS):
+        prompt_k = torch.cat(history[0][layer_index][0])  # [150, H, D]
+        per_head = []
+        for h in range(HEADS):
+            k_h = int(state.kept[layer_index, h])
+            tokens = torch.arange(k_h)
+            pages = state.tables[layer_index, h, tokens // BLOCK]
+            compacted, _ = FLASH.read(caches[layer_index], pages, tokens % BLOCK)
+            per_head.append(_recover_keep_mask(prompt_k[:, h], compacted))
+        keep.append(per_head)
+        assert [int(m.sum()) for m in per_head] == compressed.kept[layer_index]
+
+    lengths = list(prompt_lens)
+    for _ in range(20):
+        starts, outputs, _ = run_step(lengths, [1, 1])
+        lengths = [n + 1 for n in lengths]
+        for layer_index, (query, output) in enumerate(outputs):
+            for i in range(2):
+                keys = torch.cat(history[i][layer_index][0])
+                values = torch.cat(history[i][layer_index][1])
+                for h in range(HEADS):
+                    kept = torch.ones(lengths[i], dtype=torch.bool)
+                    if i == 0:
+                        kept[: prompt_lens[0]] = keep[layer_index][h]
+                    q = query[starts[i] : starts[i + 1], h * GROUP : (h + 1) * GROUP]
+                    expected = _dense(q, keys[kept, h], values[kept, h])
+                    got = output[starts[i] : starts[i + 1], h * GROUP : (h + 1) * GROUP]
+                    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_head_as_sequence_prefill_next_to_compressed_decode_equals_causal_attention():
+    """A multi-token prefill chunk of an uncompressed request runs head-as-sequence (identity pages) with
+    causal masking in the same batch as compressed decode rows."""
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(30, HEADS, BLOCK, 2 * DIM, generator=g)
+    row = torch.arange(3, 3 + 6, dtype=torch.int32).view(1, -1)
+    computed, chunk = 40, 25  # the chunk's queries see the 40 cached tokens and causally each other
+    starts, seq_lens = [0, chunk], [computed + chunk]
+    positions = torch.arange(computed, computed + chunk)
+    slot_mapping = row[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    plan = make_head_plan(starts, seq_lens, row, slot_mapping, {}, num_layers=1, num_heads=HEADS, block_size=BLOCK)
+    query = torch.randn(chunk, HEADS * GROUP, DIM, generator=g)
+    key, value = torch.randn(chunk, HEADS, DIM, generator=g), torch.randn(chunk, HEADS, DIM, generator=g)
+    output = torch.zeros_like(query)
+    flash_head_sequence_forward(TorchHeadPageKernels(), query, key, value, kv, output, plan, 0, scale=SCALE)
+    tokens = torch.arange(computed + chunk)
+    pages = identity_pages(row[0], HEADS)[:, tokens // BLOCK]
+    all_k, all_v = FLASH.read(kv, pages, (tokens % BLOCK).expand_as(pages))  # [H, n, D]
+    torch.testing.assert_close(all_k[:, computed:], key.transpose(0, 1))  # the chunk's K landed in its slots
+    for h in range(HEADS):
+        expected = _dense(query[:, h * GROUP : (h + 1) * GROUP], all_k[h], all_v[h])
+        torch.testing.assert_close(output[:, h * GROUP : (h + 1) * GROUP], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_head_page_view_is_the_flash_layout_and_needs_head_major_blocks():
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(5, HEADS, BLOCK, 2 * DIM, generator=g)
+    key_pages, value_pages = flash_head_page_caches(kv)
+    assert key_pages.shape == (5 * HEADS, BLOCK, 1, DIM) and key_pages.stride(-1) == 1
+    pages, offsets = torch.tensor([0, 3, 9]), torch.tensor([0, 7, 15])
+    keys, values = FLASH.read(kv, pages, offsets)
+    assert torch.equal(key_pages[pages, offsets, 0], keys) and torch.equal(value_pages[pages, offsets, 0], values)
+    # The same logical cache stored token-major (LBNHC) has no head-page view.
+    token_major = torch.randn(5, BLOCK, HEADS, 2 * DIM).transpose(1, 2)
+    with pytest.raises(ValueError, match="head-major"):
+        flash_head_page_caches(token_major)
+
+
+def test_backend_asks_vllm_for_head_major_blocks_and_no_cuda_graphs_for_attention():
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    assert RCStatFlashBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,)
+    assert get_supported_kv_cache_layouts([RCStatFlashBackend]) == [KVCacheLayout.LBHNC]
+    assert RCStatFlashBackend.forward_includes_kv_cache_update
+    assert RCStatFlashBackend.get_impl_cls() is RCStatFlashImpl
+    assert RCStatFlashBackend.get_builder_cls() is RCStatFlashMetadataBuilder
+    assert RCStatFlashMetadataBuilder._cudagraph_support == AttentionCGSupport.NEVER
+    assert not RCStatFlashMetadataBuilder.supports_update_block_table
+
+
+def _config(layout="LBHNC", cache_dtype="auto", dcp=1, impl=None):
+    layer = SimpleNamespace(impl=impl or SimpleNamespace(alibi_slopes=None, sinks=None, sliding_window=(-1, -1)))
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_layout=layout, cache_dtype=cache_dtype),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
+        compilation_config=SimpleNamespace(static_forward_context={"attn": layer}),
+    )
+
+
+def test_unsupported_configurations_are_named():
+    assert unsupported_reason(_config(), ["attn"]) is None
+    assert "LBNHC" in unsupported_reason(_config(layout="LBNHC"), ["attn"])
+    assert "fp8" in unsupported_reason(_config(cache_dtype="fp8"), ["attn"])
+    assert "context parallelism" in unsupported_reason(_config(dcp=2), ["attn"])
+    alibi = SimpleNamespace(alibi_slopes=torch.ones(2), sinks=None, sliding_window=(-1, -1))
+    assert "ALiBi" in unsupported_reason(_config(impl=alibi), ["attn"])
+    windowed = SimpleNamespace(alibi_slopes=None, sinks=None, sliding_window=(4095, 0))
+    assert "sliding-window" in unsupported_reason(_config(impl=windowed), ["attn"])
+
+
+def test_cuda_selection_registers_the_custom_backend_and_respects_an_explicit_choice():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rcstat_vllm.patches.platform import CUDA_BACKEND_PATH, register_cuda_backend, select_cuda_backend
+
+    register_cuda_backend()
+    register_cuda_backend()  # idempotent
+    assert AttentionBackendEnum.CUSTOM.get_path() == CUDA_BACKEND_PATH
+    assert AttentionBackendEnum.CUSTOM.get_class() is RCStatFlashBackend
+
+    unset = SimpleNamespace(backend=None)
+    assert select_cuda_backend(unset) and unset.backend is AttentionBackendEnum.CUSTOM
+    assert select_cuda_backend(SimpleNamespace(backend=AttentionBackendEnum.CUSTOM))
+    chosen = SimpleNamespace(backend=AttentionBackendEnum.FLASHINFER)
+    assert not select_cuda_backend(chosen) and chosen.backend is AttentionBackendEnum.FLASHINFER
