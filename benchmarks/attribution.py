@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 

@@ -132,8 +132,8 @@ def quality_table(q: dict) -> list[str]:
 def accuracy_table(a: dict) -> list[str]:
     s = a["summary"]
     tasks = sorted({t for e in s.values() for t in e["by_task"]})
-    lines = [f"**Task accuracy through vLLM with the plugin** (greedy; needle/vt: share of expected strings "
-             f"found, summ: ROUGE-L F1 against the full-cache output; `benchmarks/results/accuracy_cpu.json`):", "",
+    lines = ["**Task accuracy through vLLM with the plugin** (greedy; needle/vt: share of expected strings "
+             "found, summ: ROUGE-L F1 against the full-cache output; `benchmarks/results/accuracy_cpu.json`):", "",
              "| setting | ratio | " + " | ".join(tasks) + " | = full cache |", "|---|---|" + "---|" * (len(tasks) + 1)]
     for label, e in s.items():
         cells = [_f(e["by_task"].get(t, {}).get("score")) for t in tasks]

@@ -6,15 +6,34 @@
 - ``scheduler``: apply the worker's compaction reports, returning freed blocks to the ``BlockPool``.
 - ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
 - ``cpu_kv_layout``: check the CPU kernels' in-page K/V layout that compaction reads and writes.
+- ``tensor_parallel``: the process group on which TP ranks agree how many blocks a compressed request keeps.
 - ``openai_chat``: add the attribution field to chat completions (API-server process, processor configured).
 """
 
 from __future__ import annotations
 
-from . import attention_backends, cpu_kv_layout, model_runner, openai_chat, platform, request_validation, scheduler
+from . import (
+    attention_backends,
+    cpu_kv_layout,
+    model_runner,
+    openai_chat,
+    platform,
+    request_validation,
+    scheduler,
+    tensor_parallel,
+)
 from ._contract import Contract, VLLMContractError
 
-MODULES = (platform, request_validation, scheduler, model_runner, attention_backends, cpu_kv_layout, openai_chat)
+MODULES = (
+    platform,
+    request_validation,
+    scheduler,
+    model_runner,
+    attention_backends,
+    cpu_kv_layout,
+    openai_chat,
+    tensor_parallel,
+)
 
 
 def all_contracts() -> list[Contract]:

@@ -27,7 +27,13 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from rcstat_vllm.backend_common import CompressionPlanner, StepCompression, finish_layer, record_attribution
+from rcstat_vllm.backend_common import (
+    CompressionPlanner,
+    StepCompression,
+    finish_layer,
+    record_attribution,
+    unsupported_layer_reason,
+)
 from rcstat_vllm.head_attention import cpu_head_plan, head_sequence_attention, write_head_sequence_kv
 from rcstat_vllm.head_pages import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
@@ -73,6 +79,9 @@ class RCStatCPUMetadataBuilder(CompressionPlanner, CPUAttentionMetadataBuilder):
             logger.info("rcstat: using the 'vec' CPU attention kernels (AMX prepacked blocks cannot be compacted)")
         if not layout_matches(self.isa, kv_cache_spec.dtype, self.block_size, self.head_dim):
             self.disable(f"KV cache layout of ISA {self.isa!r} is not the one head pages expect")
+        reason = unsupported_layer_reason(vllm_config, layer_names)
+        if reason is not None:
+            self.disable(reason)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)

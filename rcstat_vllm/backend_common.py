@@ -68,10 +68,17 @@ class CompressionPlanner:
         self.disabled_reason: str | None = None
         if window_size not in (-1, None, (-1, -1)):
             self.disable("sliding-window attention layers are not supported")
-        elif vllm_config.parallel_config.tensor_parallel_size > 1:
-            # Each rank holds other KV heads but all share the scheduler's block table: the blocks a request
-            # keeps must be the max over ranks (one all-reduce in CompactedRequest.finalize). Not built yet.
-            self.disable("tensor parallelism: ranks do not yet agree on the blocks a request keeps")
+        elif getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
+            # Stages hold different layers but share one block table, and run different steps at a time:
+            # an agreement per step would pair different batches.
+            self.disable("pipeline parallelism: stages cannot agree on the blocks a request keeps")
+        #: tensor-parallel ranks hold different KV heads but share the scheduler's block table: every request
+        #: keeps the max over ranks of the blocks its heads need (None: a single rank)
+        self.block_agreement_group = None
+        if vllm_config.parallel_config.tensor_parallel_size > 1 and self.disabled_reason is None:
+            from rcstat_vllm.patches.tensor_parallel import tensor_parallel_cpu_group
+
+            self.block_agreement_group = tensor_parallel_cpu_group()
         self._step: StepInfo | None = None
         self._states: dict[str, CompactedRequest] = {}
         self._pending: dict[str, LayerCompressor] = {}
@@ -120,9 +127,13 @@ class CompressionPlanner:
         )
 
     def _finalize_pending(self) -> None:
-        for req_id, compressor in self._pending.items():
+        if not self._pending:  # the same on every TP rank: they run the same batch
+            return
+        states = [compressor.compacted() for compressor in self._pending.values()]
+        agreed = max_over_ranks([state.blocks_needed() for state in states], self.block_agreement_group)
+        for (req_id, compressor), state, keep_blocks in zip(self._pending.items(), states, agreed):
             self._saved_queries.pop(req_id, None)
-            state = compressor.finish()
+            state.finalize(compressor.block_row, keep_blocks)
             self._states[req_id] = state
             self._record(compressor.report(state))
         self._pending.clear()
@@ -172,6 +183,33 @@ class CompressionPlanner:
                     span = (query_start[row], query_start[row + 1], window_queries(config))
                     plan.to_save.append((request.req_id, *span))
         return plan
+
+
+def unsupported_layer_reason(vllm_config, layer_names) -> str | None:
+    """Attention features head-as-sequence does not reproduce (it passes no ALiBi slopes, sinks or window to
+    the kernels), found on the layers' vLLM impls; None when there are none."""
+    context = vllm_config.compilation_config.static_forward_context
+    for name in layer_names:
+        impl = getattr(context.get(name), "impl", None)
+        if impl is None:
+            continue
+        if getattr(impl, "alibi_slopes", None) is not None:
+            return "ALiBi attention layers are not supported"
+        if getattr(impl, "sinks", None) is not None:
+            return "attention sinks are not supported"
+        if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+            return "sliding-window attention layers are not supported"
+    return None
+
+
+def max_over_ranks(values: list[int], group) -> list[int]:
+    """Element-wise max of ``values`` over the ranks of ``group`` (a torch.distributed process group; None:
+    a single rank). Every rank must call it with as many values, in the same order."""
+    if group is None:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    return tensor.tolist()
 
 
 def record_attribution(plan: StepCompression | None, layer_index: int, query, key) -> None:

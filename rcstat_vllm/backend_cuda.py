@@ -29,7 +29,13 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from rcstat_vllm.backend_common import CompressionPlanner, StepCompression, finish_layer, record_attribution
+from rcstat_vllm.backend_common import (
+    CompressionPlanner,
+    StepCompression,
+    finish_layer,
+    record_attribution,
+    unsupported_layer_reason,
+)
 from rcstat_vllm.head_attention import make_head_plan
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.head_pages import FLASH
@@ -109,18 +115,7 @@ def unsupported_reason(vllm_config, layer_names) -> str | None:
         return f"quantized KV cache ({vllm_config.cache_config.cache_dtype}): scores would read scaled values"
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         return "decode context parallelism shards each request's KV across ranks"
-    context = vllm_config.compilation_config.static_forward_context
-    for name in layer_names:
-        impl = getattr(context.get(name), "impl", None)
-        if impl is None:
-            continue
-        if getattr(impl, "alibi_slopes", None) is not None:
-            return "ALiBi attention layers are not supported"
-        if getattr(impl, "sinks", None) is not None:
-            return "attention sinks are not supported"
-        if tuple(getattr(impl, "sliding_window", (-1, -1))) != (-1, -1):
-            return "sliding-window attention layers are not supported"
-    return None
+    return unsupported_layer_reason(vllm_config, layer_names)
 
 
 class FlashAttentionHeadPageKernels(HeadPageKernels):

@@ -143,18 +143,25 @@ class LayerCompressor:
         self.tables[layer] = compact_layer(kv_cache, self.block_row, keep.mask, self.layout)
         self.kept[layer] = keep.counts.cpu()
 
-    def finish(self) -> CompactedRequest:
+    def compacted(self) -> CompactedRequest:
+        """The request's compacted state, not yet finalized (the blocks it keeps are not decided)."""
         missing = [i for i, t in enumerate(self.tables) if t is None]
         if missing:
             raise RuntimeError(f"rcstat: layers {missing} were not compressed for {self.decision.req_id}")
-        state = CompactedRequest(
+        return CompactedRequest(
             num_compacted_tokens=self.decision.num_tokens,
             block_size=self.block_size,
             num_heads=self.num_heads,
             kept=self.kept,
-            tables=stack_tables(self.tables),
+            # Host-side page tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the
+            # accelerator; make_head_plan copies what a step needs to the cache's device.
+            tables=stack_tables(self.tables).cpu(),
         )
-        state.finalize(self.block_row)
+
+    def finish(self, keep_blocks: int | None = None) -> CompactedRequest:
+        """Finalize with ``keep_blocks`` (agreed across tensor-parallel ranks) or this rank's own need."""
+        state = self.compacted()
+        state.finalize(self.block_row, keep_blocks)
         return state
 
     def report(self, state: CompactedRequest) -> CompressionReport:

@@ -88,7 +88,8 @@ def make_head_plan(
         tables[:, row, :, : state.tables.shape[2]] = state.tables.clamp(min=0)
         lengths[:, row] = state.lengths(seq_lens[row])
         start, end = query_start[row], query_start[row + 1]
-        positions = torch.arange(seq_lens[row] - query_lens[row], seq_lens[row], device=device)
+        # The request's bookkeeping lives on the host (see CompactedRequest); its slots are copied over.
+        positions = torch.arange(seq_lens[row] - query_lens[row], seq_lens[row])
         head_slots[:, start:end] = state.slots(positions)
     # Per layer, the longest head sequence, from host-side numbers only (no device synchronisation).
     max_lengths = [

@@ -217,6 +217,9 @@ def stack_tables(tables: list[Tensor]) -> Tensor:
 class CompactedRequest:
     """Worker-side state of one compressed request: every (layer, head)'s page list and length.
 
+    Its tensors live on the host whatever the cache's device (``LayerCompressor.compacted``): they are read
+    with ``tolist()`` every step, which would otherwise synchronise with the GPU.
+
     A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
     compaction is appended to every head. New pages come from per-layer pools of unused head pages in the
     blocks the request still holds (see :meth:`finalize`), refilled as vLLM appends blocks to the row.
@@ -240,22 +243,35 @@ class CompactedRequest:
     def num_layers(self) -> int:
         return self.tables.shape[0]
 
-    def finalize(self, block_row: Tensor) -> None:
+    def blocks_needed(self) -> int:
+        """The fewest blocks this rank's heads can keep (see :meth:`finalize`)."""
+        n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
+        to_boundary = -self.num_compacted_tokens % self.block_size
+        pages_then = (self.kept + to_boundary + self.block_size - 1) // self.block_size  # [L, H]
+        return min(cdiv(int(pages_then.sum(dim=1).max()), self.num_heads), n_blocks)
+
+    def finalize(self, block_row: Tensor, keep_blocks: int | None = None) -> None:
         """Decide how many blocks the request keeps and build the per-layer pools of unused pages.
 
         The request keeps its first ``keep_blocks`` blocks and frees the rest of its prompt blocks. Until vLLM
         appends the request's next block (at the next multiple of N tokens), the ``m = (-n) % N`` tokens still
         to come must fit in pages it already holds: head h then needs ``cdiv(k_h + m, N) - cdiv(k_h, N)`` new
         pages. From there on every block vLLM appends brings H pages per layer before the N tokens that need
-        exactly one new page per head. So ``keep_blocks`` = max over layers of ``cdiv(pages used + pages
-        needed before the next block, H)``: at most one block more than the kept pages themselves need,
-        often none (never when n is a multiple of N).
+        exactly one new page per head. So the request needs max over layers of ``cdiv(pages used + pages
+        needed before the next block, H)`` blocks (:meth:`blocks_needed`): at most one block more than the
+        kept pages themselves need, often none (never when n is a multiple of N).
+
+        ``keep_blocks``: the count agreed by all tensor-parallel ranks (the max of their ``blocks_needed``:
+        they share one block table but hold different heads); None on a single rank.
         """
         n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
+        needed = self.blocks_needed()
+        if keep_blocks is None:
+            keep_blocks = needed
+        elif not needed <= keep_blocks <= n_blocks:
+            raise ValueError(f"keep_blocks={keep_blocks} outside [{needed}, {n_blocks}] (ranks disagree?)")
+        self.keep_blocks = keep_blocks
         self.page_counts = (self.tables >= 0).sum(dim=2)
-        to_boundary = -self.num_compacted_tokens % self.block_size
-        pages_then = (self.kept + to_boundary + self.block_size - 1) // self.block_size  # [L, H]
-        self.keep_blocks = min(cdiv(int(pages_then.sum(dim=1).max()), self.num_heads), n_blocks)
         candidates = identity_pages(block_row[: self.keep_blocks], self.num_heads).t().reshape(-1).tolist()
         self.pools = []
         for table in self.tables:

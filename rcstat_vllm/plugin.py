@@ -8,10 +8,6 @@ were not installed.
 
 from __future__ import annotations
 
-
-
-from rcstat_vllm.log import logger
-
 _registered = False
 
 

@@ -3,7 +3,6 @@ streaming equal to the full computation, sentence offsets, per-request options, 
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import pytest

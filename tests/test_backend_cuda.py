@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl  # noqa: E4
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from rcstat_vllm.backend_common import CompressionPlanner  # noqa: E402
+from rcstat_vllm.backend_common import CompressionPlanner, unsupported_layer_reason  # noqa: E402
 from rcstat_vllm.backend_cuda import (  # noqa: E402
     RCStatFlashBackend,
     RCStatFlashImpl,
@@ -268,6 +268,11 @@ def test_unsupported_configurations_are_named():
     assert "ALiBi" in unsupported_reason(_config(impl=alibi), ["attn"])
     windowed = SimpleNamespace(alibi_slopes=None, sinks=None, sliding_window=(4095, 0))
     assert "sliding-window" in unsupported_reason(_config(impl=windowed), ["attn"])
+    sinks = SimpleNamespace(alibi_slopes=None, sinks=torch.zeros(6), sliding_window=(-1, -1))
+    assert "sinks" in unsupported_reason(_config(impl=sinks), ["attn"])
+    # The CPU backend's impls use an int window (-1: none): the same check serves both backends.
+    assert unsupported_layer_reason(_config(impl=SimpleNamespace(sliding_window=-1)), ["attn"]) is None
+    assert "sliding-window" in unsupported_layer_reason(_config(impl=SimpleNamespace(sliding_window=512)), ["attn"])
 
 
 def test_cuda_selection_registers_the_custom_backend_and_respects_an_explicit_choice():

@@ -43,7 +43,6 @@ candidates (always when n <= W or C >= L*Hq); all span scores of those heads are
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
