@@ -32,7 +32,6 @@ CONTRACTS = (
     Contract("vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM"),
     Contract("vllm.v1.attention.backends.registry:register_backend", ("backend", "class_path")),
     Contract("vllm.v1.attention.backends.registry:_ATTN_OVERRIDES"),
-    Contract("vllm.platforms.interface:PlatformEnum.CUDA"),
     Contract("vllm.config.attention:AttentionConfig"),
 )
 
@@ -81,10 +80,12 @@ def select_cuda_backend(attention_config) -> bool:
     return False
 
 
-def _check_and_update_config(original):
+def _check_and_update_config(original, *, select_backend: bool = False):
+    """``select_backend``: point an unset attention backend at the plugin's (CUDA; CPU ignores the setting)."""
+
     def wrapper(cls, vllm_config, *args, **kwargs):
         config = server_config(vllm_config.additional_config)  # ConfigError naming the bad field, at start-up
-        if config is not None and _is_cuda(cls):
+        if config is not None and select_backend:
             # Before vLLM's own checks, which size blocks and graphs for the chosen backend.
             select_cuda_backend(vllm_config.attention_config)
         original(cls, vllm_config, *args, **kwargs)
@@ -94,10 +95,8 @@ def _check_and_update_config(original):
     return wrapper
 
 
-def _is_cuda(platform_cls) -> bool:
-    from vllm.platforms.interface import PlatformEnum
-
-    return getattr(platform_cls, "_enum", None) == PlatformEnum.CUDA
+def _check_and_update_config_selecting_backend(original):
+    return _check_and_update_config(original, select_backend=True)
 
 
 def _get_attn_backend_cls(original):
@@ -137,6 +136,6 @@ def install() -> None:
         wrap_method(platform_cls, "get_attn_backend_cls", _get_attn_backend_cls)
     elif current_platform.is_cuda():
         register_cuda_backend()
-        wrap_method(platform_cls, "check_and_update_config", _check_and_update_config)
+        wrap_method(platform_cls, "check_and_update_config", _check_and_update_config_selecting_backend)
     else:
         logger.info("rcstat: no KV-compression backend for platform %s; the plugin stays inert", platform_cls.__name__)

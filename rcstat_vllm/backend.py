@@ -34,7 +34,7 @@ from rcstat_vllm.backend_common import (
     record_attribution,
     unsupported_layer_reason,
 )
-from rcstat_vllm.head_attention import cpu_head_plan, head_sequence_attention, write_head_sequence_kv
+from rcstat_vllm.head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
 from rcstat_vllm.head_pages import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
 from rcstat_vllm.patches.cpu_kv_layout import layout_matches
@@ -86,14 +86,10 @@ class RCStatCPUMetadataBuilder(CompressionPlanner, CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         plan = self.plan_step(common_attn_metadata)
-        if plan.compressed:
-            plan.head_plan = cpu_head_plan(
-                common_attn_metadata,
-                plan.compressed,
-                num_layers=self.num_layers,
-                num_heads=self.num_kv_heads,
+        if plan.head_plan is not None:
+            add_cpu_scheduler_metadata(
+                plan.head_plan,
                 group=self.num_heads // self.num_kv_heads,
-                block_size=self.block_size,
                 head_dim=self.head_dim,
                 dtype=self.dtype,
                 isa=self.isa,

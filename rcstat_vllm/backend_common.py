@@ -19,6 +19,7 @@ import torch
 from rcstat_vllm.attribution.capture import attribution_capture
 from rcstat_vllm.compression import LayerCompressor, plan_compression, request_config, window_queries
 from rcstat_vllm.config import RCStatConfig, server_config
+from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan
 from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
 from rcstat_vllm.log import logger
 from rcstat_vllm.reports import CompressionReport
@@ -35,8 +36,8 @@ class StepCompression:
     builder: "CompressionPlanner"
     #: batch row -> state of the requests already compressed (their heads read and write head pages)
     compressed: dict[int, CompactedRequest] = field(default_factory=dict)
-    #: the backend's head-as-sequence plan when ``compressed`` is not empty, else None (vLLM's own path)
-    head_plan: object | None = None
+    #: the head-as-sequence plan when ``compressed`` is not empty, else None (vLLM's own path)
+    head_plan: HeadSequencePlan | None = None
     #: (batch row, CompressionDecision) of requests compressed after this step's attention
     to_compress: list = field(default_factory=list)
     #: (request id, query start, query end, how many) of non-final prefill chunks whose queries are kept
@@ -141,7 +142,8 @@ class CompressionPlanner:
     # ---- per-step plan ----
 
     def plan_step(self, common_attn_metadata) -> StepCompression:
-        """Decide what every row of this batch does; grow compressed requests' page tables for this step.
+        """Decide what every row of this batch does; grow compressed requests' page tables for this step and,
+        when the batch holds any, plan its head-as-sequence attention.
 
         Lengths come from the step info (computed + scheduled tokens), not from device tensors: on CUDA this
         costs no synchronisation.
@@ -182,6 +184,17 @@ class CompressionPlanner:
                 if config.enabled and request.num_prompt_tokens >= config.min_prompt_len:
                     span = (query_start[row], query_start[row + 1], window_queries(config))
                     plan.to_save.append((request.req_id, *span))
+        if plan.compressed:
+            plan.head_plan = make_head_plan(
+                query_start,
+                plan.seq_lens,
+                block_table,
+                common_attn_metadata.slot_mapping,
+                plan.compressed,
+                num_layers=self.num_layers,
+                num_heads=self.rc_num_kv_heads,
+                block_size=self.rc_block_size,
+            )
         return plan
 
 

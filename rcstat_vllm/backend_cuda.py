@@ -36,7 +36,6 @@ from rcstat_vllm.backend_common import (
     record_attribution,
     unsupported_layer_reason,
 )
-from rcstat_vllm.head_attention import make_head_plan
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.head_pages import FLASH
 
@@ -84,7 +83,6 @@ class RCStatFlashMetadataBuilder(CompressionPlanner, FlashAttentionMetadataBuild
             block_size=kv_cache_spec.block_size,
             window_size=getattr(kv_cache_spec, "sliding_window", None),
         )
-        self.num_kv_heads = kv_cache_spec.num_kv_heads
         reason = unsupported_reason(vllm_config, layer_names)
         if reason is not None:
             self.disable(reason)
@@ -92,17 +90,6 @@ class RCStatFlashMetadataBuilder(CompressionPlanner, FlashAttentionMetadataBuild
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         plan = self.plan_step(common_attn_metadata)
-        if plan.compressed:
-            plan.head_plan = make_head_plan(
-                common_attn_metadata.query_start_loc_cpu.tolist(),
-                plan.seq_lens,
-                common_attn_metadata.block_table_tensor,
-                common_attn_metadata.slot_mapping,
-                plan.compressed,
-                num_layers=self.num_layers,
-                num_heads=self.num_kv_heads,
-                block_size=self.rc_block_size,
-            )
         return RCStatFlashMetadata(**vars(base), rcstat=plan)
 
 

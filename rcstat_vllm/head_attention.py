@@ -6,7 +6,7 @@ length. Compressed and uncompressed requests mix freely in one batch: an uncompr
 simply uses the identity pages ``row[j] * H + h``. No new attention kernel is needed.
 
 :func:`make_head_plan` does all per-step work once for every layer (index maps, page tables, lengths,
-write slots); :func:`cpu_head_plan` adds the CPU kernel's scheduler metadata. The per-layer calls only
+write slots); :func:`add_cpu_scheduler_metadata` adds the CPU kernel's work split. The per-layer calls only
 index into it. The CUDA backend runs the same plan through FlashAttention (``rcstat_vllm/backend_cuda.py``).
 """
 
@@ -36,7 +36,7 @@ class HeadSequencePlan:
     #: longest query of a head sequence; per layer, longest head sequence (FlashAttention's bounds)
     max_query_len: int = 0
     max_seq_lens: list[int] | None = None
-    #: per layer, the CPU kernel's work split for these lengths (cpu_head_plan)
+    #: per layer, the CPU kernel's work split for these lengths (add_cpu_scheduler_metadata)
     scheduler_metadata: list[torch.Tensor] | None = None
 
 
@@ -71,7 +71,8 @@ def make_head_plan(
         + [1]
     )
     tables = torch.zeros((num_layers, num_reqs, num_heads, width), dtype=torch.int64, device=device)
-    lengths = torch.zeros((num_layers, num_reqs, num_heads), dtype=torch.int64, device=device)
+    # Lengths are assembled on the host (from host-side numbers) and copied once: no device sync for the maxima.
+    lengths = torch.zeros((num_layers, num_reqs, num_heads), dtype=torch.int64)
     # Uncompressed rows: vLLM's slot s = block * N + offset becomes (block * H + h) * N + offset.
     slots = slot_mapping[:num_tokens].to(torch.int64)
     heads = torch.arange(num_heads, device=device)
@@ -91,15 +92,8 @@ def make_head_plan(
         # The request's bookkeeping lives on the host (see CompactedRequest); its slots are copied over.
         positions = torch.arange(seq_lens[row] - query_lens[row], seq_lens[row])
         head_slots[:, start:end] = state.slots(positions)
-    # Per layer, the longest head sequence, from host-side numbers only (no device synchronisation).
-    max_lengths = [
-        max([seq_lens[r] for r in range(num_reqs) if r not in compressed] + [0]) for _ in range(num_layers)
-    ]
-    for row, state in compressed.items():
-        longest = (state.kept.amax(dim=1) + (seq_lens[row] - state.num_compacted_tokens)).tolist()
-        max_lengths = [max(a, b) for a, b in zip(max_lengths, longest)]
-
-    seq_lens_hs = lengths.reshape(num_layers, -1).to(torch.int32)
+    lengths = lengths.reshape(num_layers, -1)
+    seq_lens_hs = lengths.to(device=device, dtype=torch.int32)
     return HeadSequencePlan(
         token_index=torch.cat(token_index) if token_index else torch.zeros(0, dtype=torch.int64),
         head_index=torch.cat(head_index) if head_index else torch.zeros(0, dtype=torch.int64),
@@ -109,35 +103,8 @@ def make_head_plan(
         slots=head_slots.reshape(num_layers, -1),
         num_heads=num_heads,
         max_query_len=max(query_lens, default=0),
-        max_seq_lens=max_lengths,
+        max_seq_lens=lengths.amax(dim=1).tolist(),
     )
-
-
-def cpu_head_plan(
-    common_attn_metadata,
-    compressed: dict[int, CompactedRequest],
-    *,
-    num_layers: int,
-    num_heads: int,
-    group: int,
-    block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    isa: str,
-) -> HeadSequencePlan:
-    """:func:`make_head_plan` from vLLM-CPU's batch metadata, with the CPU kernel's per-layer work split."""
-    plan = make_head_plan(
-        common_attn_metadata.query_start_loc_cpu.tolist(),
-        common_attn_metadata.seq_lens.tolist(),
-        common_attn_metadata.block_table_tensor,
-        common_attn_metadata.slot_mapping,
-        compressed,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        block_size=block_size,
-    )
-    add_cpu_scheduler_metadata(plan, group=group, head_dim=head_dim, dtype=dtype, isa=isa)
-    return plan
 
 
 def add_cpu_scheduler_metadata(plan: HeadSequencePlan, *, group: int, head_dim: int, dtype: torch.dtype, isa: str):

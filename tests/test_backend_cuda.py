@@ -134,12 +134,7 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
             num_reqs=len(scheduled), block_table_tensor=block_table, query_start_loc_cpu=torch.tensor(starts),
             slot_mapping=slot_mapping,
         )
-        plan = planner.plan_step(common)
-        if plan.compressed:  # as RCStatFlashMetadataBuilder.build does
-            plan.head_plan = make_head_plan(
-                starts, plan.seq_lens, block_table, slot_mapping, plan.compressed, num_layers=LAYERS,
-                num_heads=HEADS, block_size=BLOCK,
-            )
+        plan = planner.plan_step(common)  # as RCStatFlashMetadataBuilder.build does (head plan included)
         metadata = RCStatFlashMetadata(
             num_actual_tokens=starts[-1], max_query_len=max(scheduled), query_start_loc=torch.tensor(starts),
             max_seq_len=max(seq_lens), seq_lens=torch.tensor(seq_lens), block_table=block_table,
