@@ -32,7 +32,6 @@ from rcstat_vllm.backend_common import (
     StepCompression,
     finish_layer,
     record_attribution,
-    unsupported_layer_reason,
 )
 from rcstat_vllm.head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
 from rcstat_vllm.head_pages import CPU_VEC, head_page_caches
@@ -69,7 +68,6 @@ class RCStatCPUMetadataBuilder(CompressionPlanner, CPUAttentionMetadataBuilder):
             layer_names,
             num_kv_heads=self.num_kv_heads,
             block_size=self.block_size,
-            window_size=self.window_size,
         )
         if self.isa == "amx" and self.config.enabled:
             # AMX prepacks KV blocks; head pages need plain rows. The vec kernels read plain rows on any
@@ -79,9 +77,6 @@ class RCStatCPUMetadataBuilder(CompressionPlanner, CPUAttentionMetadataBuilder):
             logger.info("rcstat: using the 'vec' CPU attention kernels (AMX prepacked blocks cannot be compacted)")
         if not layout_matches(self.isa, kv_cache_spec.dtype, self.block_size, self.head_dim):
             self.disable(f"KV cache layout of ISA {self.isa!r} is not the one head pages expect")
-        reason = unsupported_layer_reason(vllm_config, layer_names)
-        if reason is not None:
-            self.disable(reason)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)

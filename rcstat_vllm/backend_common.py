@@ -57,7 +57,7 @@ class CompressionPlanner:
 
     layout: CacheLayout
 
-    def init_compression(self, vllm_config, layer_names, *, num_kv_heads: int, block_size: int, window_size) -> None:
+    def init_compression(self, vllm_config, layer_names, *, num_kv_heads: int, block_size: int) -> None:
         from rcstat_vllm.patches import model_runner
 
         model_runner.install()
@@ -67,8 +67,9 @@ class CompressionPlanner:
         self.rc_num_kv_heads = num_kv_heads
         self.rc_block_size = block_size
         self.disabled_reason: str | None = None
-        if window_size not in (-1, None, (-1, -1)):
-            self.disable("sliding-window attention layers are not supported")
+        layer_reason = unsupported_layer_reason(vllm_config, layer_names)
+        if layer_reason is not None:
+            self.disable(layer_reason)
         elif getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
             # Stages hold different layers but share one block table, and run different steps at a time:
             # an agreement per step would pair different batches.

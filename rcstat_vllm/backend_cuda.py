@@ -34,7 +34,6 @@ from rcstat_vllm.backend_common import (
     StepCompression,
     finish_layer,
     record_attribution,
-    unsupported_layer_reason,
 )
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.head_pages import FLASH
@@ -81,7 +80,6 @@ class RCStatFlashMetadataBuilder(CompressionPlanner, FlashAttentionMetadataBuild
             layer_names,
             num_kv_heads=kv_cache_spec.num_kv_heads,
             block_size=kv_cache_spec.block_size,
-            window_size=getattr(kv_cache_spec, "sliding_window", None),
         )
         reason = unsupported_reason(vllm_config, layer_names)
         if reason is not None:
@@ -94,7 +92,8 @@ class RCStatFlashMetadataBuilder(CompressionPlanner, FlashAttentionMetadataBuild
 
 
 def unsupported_reason(vllm_config, layer_names) -> str | None:
-    """Why head-as-sequence FlashAttention cannot serve these layers, or None."""
+    """Why head-as-sequence FlashAttention cannot serve this engine, or None (the layers' attention features
+    are checked for both backends by ``CompressionPlanner.init_compression``)."""
     layout = vllm_config.cache_config.kv_cache_layout
     if layout is not None and layout != HEAD_MAJOR_LAYOUT.name:
         return f"KV cache layout {layout} is not head-major ({HEAD_MAJOR_LAYOUT.name})"
@@ -102,7 +101,7 @@ def unsupported_reason(vllm_config, layer_names) -> str | None:
         return f"quantized KV cache ({vllm_config.cache_config.cache_dtype}): scores would read scaled values"
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         return "decode context parallelism shards each request's KV across ranks"
-    return unsupported_layer_reason(vllm_config, layer_names)
+    return None
 
 
 class FlashAttentionHeadPageKernels(HeadPageKernels):

@@ -144,7 +144,8 @@ class LayerCompressor:
         self.kept[layer] = keep.counts.cpu()
 
     def compacted(self) -> CompactedRequest:
-        """The request's compacted state, not yet finalized (the blocks it keeps are not decided)."""
+        """The request's compacted state, not yet finalized: the planner decides the blocks it keeps (agreed
+        across tensor-parallel ranks) and calls ``finalize``."""
         missing = [i for i, t in enumerate(self.tables) if t is None]
         if missing:
             raise RuntimeError(f"rcstat: layers {missing} were not compressed for {self.decision.req_id}")
@@ -157,12 +158,6 @@ class LayerCompressor:
             # accelerator; make_head_plan copies what a step needs to the cache's device.
             tables=stack_tables(self.tables).cpu(),
         )
-
-    def finish(self, keep_blocks: int | None = None) -> CompactedRequest:
-        """Finalize with ``keep_blocks`` (agreed across tensor-parallel ranks) or this rank's own need."""
-        state = self.compacted()
-        state.finalize(self.block_row, keep_blocks)
-        return state
 
     def report(self, state: CompactedRequest) -> CompressionReport:
         return CompressionReport(

@@ -73,9 +73,11 @@ class _Planner(CompressionPlanner):
 
     def __init__(self, rcstat: dict, layer_names):
         vllm_config = SimpleNamespace(
-            additional_config={"rcstat": rcstat}, parallel_config=SimpleNamespace(tensor_parallel_size=1)
+            additional_config={"rcstat": rcstat},
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            compilation_config=SimpleNamespace(static_forward_context={}),
         )
-        self.init_compression(vllm_config, layer_names, num_kv_heads=HEADS, block_size=BLOCK, window_size=None)
+        self.init_compression(vllm_config, layer_names, num_kv_heads=HEADS, block_size=BLOCK)
 
 
 def _recover_keep_mask(prompt_keys, compacted_keys):
@@ -256,15 +258,17 @@ def _config(layout="LBHNC", cache_dtype="auto", dcp=1, impl=None):
 
 def test_unsupported_configurations_are_named():
     assert unsupported_reason(_config(), ["attn"]) is None
+    assert unsupported_layer_reason(_config(), ["attn"]) is None
     assert "LBNHC" in unsupported_reason(_config(layout="LBNHC"), ["attn"])
     assert "fp8" in unsupported_reason(_config(cache_dtype="fp8"), ["attn"])
     assert "context parallelism" in unsupported_reason(_config(dcp=2), ["attn"])
+    # Layer features: checked for both backends when the planner starts (CompressionPlanner.init_compression).
     alibi = SimpleNamespace(alibi_slopes=torch.ones(2), sinks=None, sliding_window=(-1, -1))
-    assert "ALiBi" in unsupported_reason(_config(impl=alibi), ["attn"])
+    assert "ALiBi" in unsupported_layer_reason(_config(impl=alibi), ["attn"])
     windowed = SimpleNamespace(alibi_slopes=None, sinks=None, sliding_window=(4095, 0))
-    assert "sliding-window" in unsupported_reason(_config(impl=windowed), ["attn"])
+    assert "sliding-window" in unsupported_layer_reason(_config(impl=windowed), ["attn"])
     sinks = SimpleNamespace(alibi_slopes=None, sinks=torch.zeros(6), sliding_window=(-1, -1))
-    assert "sinks" in unsupported_reason(_config(impl=sinks), ["attn"])
+    assert "sinks" in unsupported_layer_reason(_config(impl=sinks), ["attn"])
     # The CPU backend's impls use an int window (-1: none): the same check serves both backends.
     assert unsupported_layer_reason(_config(impl=SimpleNamespace(sliding_window=-1)), ["attn"]) is None
     assert "sliding-window" in unsupported_layer_reason(_config(impl=SimpleNamespace(sliding_window=512)), ["attn"])
