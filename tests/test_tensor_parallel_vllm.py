@@ -37,6 +37,11 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 3 ranks on a 2-core machine
+    # An engine started earlier in this process froze vLLM's env values; read them afresh (vLLM's own helper
+    # for isolating tests).
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
     llm = LLM(
         model=str(default_model_dir()),
         tensor_parallel_size=RANKS,
