@@ -10,7 +10,7 @@ How it maps onto the plugin (rcstat_vllm/compression.py):
 * Scoring uses the same scorers and selection functions as the plugin, on the same inputs: per layer the
   last ``window_queries(config)`` prompt queries after RoPE ([Hq, w, d]) and the prompt keys after RoPE and
   values ([Hkv, n, d]), the layer's softmax scale, a fresh scorer per request (so ``random`` draws the same
-  sequence), ``select_threshold`` or ``select_budget`` with the config's window and sink tokens.
+  sequence), ``select_keep_masks`` (threshold, per-layer or model-wide budget) as the plugin selects.
 * Decode runs an explicit (eager) softmax attention per KV head in which query rows of generated tokens
   cannot see the evicted prompt keys of that (layer, KV head); generated tokens always see each other.
   The per-query-head attention output (softmax-weighted value sum, before o_proj) of every layer is
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.compression import window_queries
+from rcstat_vllm.compression import select_keep_masks, window_queries
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.scoring import get_scorer, select_budget, select_threshold
+from rcstat_vllm.scoring import get_scorer
 
 ATTN_NAME = "rcstat_bench_masked"
 #: The widest window any scorer reads (SnapKV's 64); prefill keeps this many trailing queries per layer.
@@ -245,15 +245,10 @@ def score_layers(prefill: Prefill, config: RCStatConfig) -> list[Tensor]:
     return scores
 
 
-def select_layers(scores: list[Tensor], config: RCStatConfig) -> KeepMasks:
-    masks, kept = [], []
-    for layer_scores in scores:
-        if config.budget_mode:
-            keep = select_budget(layer_scores, config.window, config.target_ratio, config.sink_tokens)
-        else:
-            keep = select_threshold(layer_scores, config.window, config.c, config.sink_tokens)
-        masks.append(keep.mask)
-        kept.append(keep.counts.tolist())
+def select_layers(scores: list[Tensor], config: RCStatConfig, comparable: str | None = None) -> KeepMasks:
+    """The plugin's own selection (``select_keep_masks``) on the reference model's scores."""
+    masks = select_keep_masks(scores, config, comparable)
+    kept = [mask.sum(dim=1).tolist() for mask in masks]
     n = scores[0].shape[1]
     total = sum(len(row) for row in kept) * n
     ratio = 1.0 - sum(map(sum, kept)) / total

@@ -49,10 +49,10 @@ def check_contracts() -> None:
 
 
 def install_all() -> None:
-    """Install the process-wide hooks (idempotent). ``model_runner`` hooks are installed by the backend,
-    ``openai_chat`` by the platform hook when the attribution processor is configured."""
+    """Install the process-wide hooks (idempotent; each passes through unless the engine runs with the flag).
+    ``openai_chat`` is installed by the platform hook, only when the attribution processor is configured."""
     check_contracts()
-    for module in (platform, request_validation, scheduler):
+    for module in (platform, request_validation, scheduler, model_runner):
         module.install()
 
 

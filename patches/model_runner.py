@@ -1,20 +1,36 @@
-"""Worker side: tell the plugin's metadata builder which requests are in the batch, and carry the
-compaction reports back to the scheduler inside ``ModelRunnerOutput``.
+"""Worker side: the model runner creates the plugin's worker state, hands it each step's batch, and carries
+its compaction reports back to the scheduler.
 
-vLLM's ``CommonAttentionMetadata`` has no request ids, settings or prompt lengths, which per-request
-compression needs; the runner's persistent batch has them once ``_prepare_inputs`` has ordered it. These
-hooks are installed only by the plugin's backend (so only when the flag is on) and act only on runners
-whose attention groups use that backend.
+- ``initialize_kv_cache``: before vLLM builds the attention backends' metadata builders, start the worker's
+  :class:`~rcstat_vllm.worker.WorkerCompression` (the builders report to it); after vLLM allocated the KV
+  cache, bind the layers' cache tensors (it decides whether head pages pool across layers).
+- ``_prepare_inputs``: vLLM's ``CommonAttentionMetadata`` has no request ids, settings or prompt lengths, which
+  per-request compression needs; the runner's persistent batch has them once ``_prepare_inputs`` has ordered
+  it.
+- ``execute_model`` / ``sample_tokens``: the step's reports travel to the scheduler in
+  :class:`RCStatModelRunnerOutput`, a ``ModelRunnerOutput`` with one more field (it pickles between processes
+  like its base; ``patches/scheduler.py`` reads it).
+
+Every hook passes straight through when the engine runs without the plugin flag (no worker state).
 """
 
 from __future__ import annotations
 
-from rcstat_vllm.reports import REPORTS_ATTR
+from dataclasses import dataclass, field, fields
+
+from vllm.v1.outputs import ModelRunnerOutput
+
+from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import BatchRequest, StepInfo
+from rcstat_vllm.worker import start_worker_compression, worker_compression_of
 
 from ._contract import Contract, wrap_method
 
 CONTRACTS = (
+    Contract(
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache",
+        ("self", "kv_cache_config"),
+    ),
     Contract(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
         ("self", "scheduler_output", "num_scheduled_tokens"),
@@ -29,16 +45,23 @@ CONTRACTS = (
 )
 
 
-def _rcstat_builders(runner) -> list:
-    from rcstat_vllm.backend_common import CompressionPlanner
+@dataclass
+class RCStatModelRunnerOutput(ModelRunnerOutput):
+    """vLLM's step output plus the compression reports of the requests compacted in that step."""
 
-    builders = []
-    for groups in getattr(runner, "attn_groups", ()):
-        for group in groups:
-            for builder in getattr(group, "metadata_builders", ()):
-                if isinstance(builder, CompressionPlanner):
-                    builders.append(builder)
-    return builders
+    rcstat_reports: list[CompressionReport] = field(default_factory=list)
+
+
+def kv_cache_tensors(runner) -> dict:
+    """Layer name -> the layer's KV cache tensor, as vLLM bound it to the attention layers."""
+    caches = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        kv_cache = getattr(layer, "kv_cache", None)
+        if isinstance(kv_cache, (list, tuple)):  # one per virtual engine in some versions
+            kv_cache = kv_cache[0] if kv_cache else None
+        if kv_cache is not None and hasattr(kv_cache, "untyped_storage"):
+            caches[name] = kv_cache
+    return caches
 
 
 def step_info(runner, scheduler_output) -> StepInfo:
@@ -63,41 +86,49 @@ def step_info(runner, scheduler_output) -> StepInfo:
     return StepInfo(requests=requests, dropped_req_ids=dropped)
 
 
-def _prepare_inputs(original):
-    def wrapper(self, scheduler_output, *args, **kwargs):
-        result = original(self, scheduler_output, *args, **kwargs)
-        builders = _rcstat_builders(self)
-        if builders:
-            info = step_info(self, scheduler_output)
-            for builder in builders:
-                builder.begin_step(info)
+def _initialize_kv_cache(original):
+    def wrapper(self, *args, **kwargs):
+        owner = start_worker_compression(self.vllm_config)
+        result = original(self, *args, **kwargs)
+        if owner is not None:
+            owner.bind_kv_caches(kv_cache_tensors(self))
         return result
 
     return wrapper
 
 
-def _attach_reports(runner, output):
-    from vllm.v1.outputs import ModelRunnerOutput
+def _prepare_inputs(original):
+    def wrapper(self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        owner = worker_compression_of(self.vllm_config)
+        if owner is not None:
+            owner.begin_step(step_info(self, scheduler_output))
+        return result
 
-    if not isinstance(output, ModelRunnerOutput):
+    return wrapper
+
+
+def attach_reports(runner, output):
+    """The output with the worker's pending reports, when it is a plain step output (others keep them)."""
+    owner = worker_compression_of(runner.vllm_config)
+    if owner is None or type(output) is not ModelRunnerOutput:
         return output
-    reports = [r for b in _rcstat_builders(runner) for r in b.pop_reports()]
-    if reports:
-        # An attribute on the instance survives the pickling between worker and engine processes.
-        setattr(output, REPORTS_ATTR, reports)
-    return output
+    reports = owner.pop_reports()
+    if not reports:
+        return output
+    return RCStatModelRunnerOutput(**{f.name: getattr(output, f.name) for f in fields(output)}, rcstat_reports=reports)
 
 
 def _execute_model(original):
     def wrapper(self, *args, **kwargs):
-        return _attach_reports(self, original(self, *args, **kwargs))
+        return attach_reports(self, original(self, *args, **kwargs))
 
     return wrapper
 
 
 def _sample_tokens(original):
     def wrapper(self, *args, **kwargs):
-        return _attach_reports(self, original(self, *args, **kwargs))
+        return attach_reports(self, original(self, *args, **kwargs))
 
     return wrapper
 
@@ -105,6 +136,7 @@ def _sample_tokens(original):
 def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    wrap_method(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     wrap_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     wrap_method(GPUModelRunner, "execute_model", _execute_model)
     wrap_method(GPUModelRunner, "sample_tokens", _sample_tokens)

@@ -9,14 +9,14 @@ sliding-window manager does: the list keeps its length, so later allocation by p
 
 from __future__ import annotations
 
-
-
-from rcstat_vllm.metrics import CompressionStats
-from rcstat_vllm.reports import REPORTS_ATTR, CompressionReport
-
-from ._contract import Contract, wrap_method
+import weakref
 
 from rcstat_vllm.log import logger
+from rcstat_vllm.metrics import CompressionStats
+from rcstat_vllm.reports import CompressionReport
+
+from ._contract import Contract, wrap_method
+from .model_runner import RCStatModelRunnerOutput
 
 CONTRACTS = (
     Contract(
@@ -31,6 +31,17 @@ CONTRACTS = (
 )
 
 
+#: per scheduler, the totals it logs and exports (kept beside vLLM's objects, not on them)
+_STATS: "weakref.WeakKeyDictionary[object, CompressionStats]" = weakref.WeakKeyDictionary()
+
+
+def scheduler_stats(scheduler) -> CompressionStats:
+    stats = _STATS.get(scheduler)
+    if stats is None:
+        stats = _STATS[scheduler] = CompressionStats()
+    return stats
+
+
 def release_blocks(kv_cache_manager, report: CompressionReport) -> int:
     """Free the blocks ``[keep_blocks, prompt_blocks)`` of the request; returns how many were freed."""
     pool = kv_cache_manager.block_pool
@@ -43,9 +54,9 @@ def release_blocks(kv_cache_manager, report: CompressionReport) -> int:
 
 def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
-        reports = model_runner_output.__dict__.pop(REPORTS_ATTR, None)
+        reports = model_runner_output.rcstat_reports if isinstance(model_runner_output, RCStatModelRunnerOutput) else None
         if reports:
-            stats = self.__dict__.setdefault("_rcstat_stats", CompressionStats())
+            stats = scheduler_stats(self)
             pool = self.kv_cache_manager.block_pool
             for report in reports:
                 freed = release_blocks(self.kv_cache_manager, report) if report.blocks_freed else 0

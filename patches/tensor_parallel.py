@@ -1,7 +1,7 @@
 """Tensor parallelism: the process group on which ranks agree how many blocks a compressed request keeps.
 
 TP ranks hold different KV heads but share the scheduler's block table, so each request keeps the max over
-ranks of the blocks its heads need (``rcstat_vllm.backend_common.CompressionPlanner``). The reduction runs on
+ranks of the blocks its heads need (``rcstat_vllm.worker.WorkerCompression``). The reduction runs on
 vLLM's TP group's CPU (gloo) group: a handful of integers per step that compresses a request.
 """
 

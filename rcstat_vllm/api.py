@@ -22,24 +22,24 @@ EXTENSION_PATH = "rcstat_vllm.api.RCStatWorkerExtension"
 class RCStatWorkerExtension(AttributionWorkerMixin):
     """Mixed into vLLM's worker class: methods callable through ``collective_rpc``."""
 
-    def _rcstat_builders(self) -> list:
-        from rcstat_vllm.patches.model_runner import _rcstat_builders
+    def _rcstat_worker(self):
+        from rcstat_vllm.worker import worker_compression_of
 
-        return _rcstat_builders(self.model_runner)
+        return worker_compression_of(self.model_runner.vllm_config)
 
     def rcstat_compression_results(self) -> dict[str, dict[str, Any]]:
-        results: dict[str, dict[str, Any]] = {}
-        for builder in self._rcstat_builders():
-            results.update(builder.compression_results())
-        return results
+        owner = self._rcstat_worker()
+        return {} if owner is None else owner.compression_results()
 
     def rcstat_clear_results(self) -> None:
-        for builder in self._rcstat_builders():
-            builder.results.clear()
+        owner = self._rcstat_worker()
+        if owner is not None:
+            owner.results.clear()
 
     def rcstat_num_compressed_requests(self) -> int:
         """Requests whose compacted KV the worker still tracks (0 once every request has finished)."""
-        return sum(len(builder._states) for builder in self._rcstat_builders())
+        owner = self._rcstat_worker()
+        return 0 if owner is None else owner.num_compressed_requests
 
 
 def compression_results(llm) -> dict[str, dict[str, Any]]:

@@ -1,19 +1,19 @@
 """The plugin's attention backend for vLLM-CPU (selected in place of CPU_ATTN when the flag is on).
 
 Per step:
-- the metadata builder learns the batch's requests (``begin_step``, from patches/model_runner.py) and plans
+- the metadata builder asks the worker's :class:`~rcstat_vllm.worker.WorkerCompression` for the step's plan:
   which requests finish their prefill now (to be compressed after this step's attention) and which are
   already compressed (their heads read and write their own head pages);
 - a batch without compressed requests runs exactly vLLM's CPU path;
 - a batch with compressed requests runs *head-as-sequence*: every (request, KV head) becomes its own
   sequence with one KV head and its G query heads, over the head-page view of the cache
   (see :mod:`rcstat_vllm.head_pages`), through vLLM's own CPU attention and cache-write kernels;
-- after a layer's attention, requests finishing their prefill are scored, selected and compacted in that
-  layer; after the forward, :meth:`RCStatCPUMetadataBuilder.pop_reports` decides how many blocks each
+- after each layer's attention, requests finishing their prefill are scored; after the last layer's they are
+  selected and compacted in all layers at once; after the forward the worker decides how many blocks each
   request keeps and reports it to the scheduler (patches/scheduler.py frees the rest).
 
-The planning and compaction are shared with the CUDA backend (:mod:`rcstat_vllm.backend_common`); only the
-kernels and the cache layout differ.
+The planning and compaction are shared with the CUDA backend (:mod:`rcstat_vllm.worker`); only the kernels
+and the cache layout differ.
 """
 
 from __future__ import annotations
@@ -27,16 +27,11 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from rcstat_vllm.backend_common import (
-    CompressionPlanner,
-    StepCompression,
-    finish_layer,
-    record_attribution,
-)
 from rcstat_vllm.head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
 from rcstat_vllm.head_pages import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
 from rcstat_vllm.patches.cpu_kv_layout import layout_matches
+from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
 
 
 class RCStatCPUBackend(CPUAttentionBackend):
@@ -58,29 +53,23 @@ class RCStatCPUMetadata(CPUAttentionMetadata):
     rcstat: StepCompression | None = None
 
 
-class RCStatCPUMetadataBuilder(CompressionPlanner, CPUAttentionMetadataBuilder):
-    layout = CPU_VEC
-
+class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.init_compression(
-            vllm_config,
-            layer_names,
-            num_kv_heads=self.num_kv_heads,
-            block_size=self.block_size,
-        )
-        if self.isa == "amx" and self.config.enabled:
+        self.rcstat = worker_compression(vllm_config)
+        self.rcstat.attach_layers(layer_names, num_kv_heads=self.num_kv_heads, block_size=self.block_size, layout=CPU_VEC)
+        if self.isa == "amx" and self.rcstat.config.enabled:
             # AMX prepacks KV blocks; head pages need plain rows. The vec kernels read plain rows on any
             # x86 CPU. With method "none" server-wide, vLLM's own choice stays (bit-identical to vanilla).
             self.isa = "vec"
             self._set_isa_to_layers(layer_names)
             logger.info("rcstat: using the 'vec' CPU attention kernels (AMX prepacked blocks cannot be compacted)")
         if not layout_matches(self.isa, kv_cache_spec.dtype, self.block_size, self.head_dim):
-            self.disable(f"KV cache layout of ISA {self.isa!r} is not the one head pages expect")
+            self.rcstat.disable(f"KV cache layout of ISA {self.isa!r} is not the one head pages expect")
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        plan = self.plan_step(common_attn_metadata)
+        plan = self.rcstat.plan_step(common_attn_metadata)
         if plan.head_plan is not None:
             add_cpu_scheduler_metadata(
                 plan.head_plan,
@@ -99,7 +88,8 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
         if not isinstance(attn_metadata, RCStatCPUMetadata):
             raise TypeError(f"rcstat backend got {type(attn_metadata).__name__} metadata")
         plan = attn_metadata.rcstat
-        layer_index = plan.builder.layer_index[layer.layer_name]
+        owner = plan.owner
+        layer_index = owner.layer_index[layer.layer_name]
         record_attribution(plan, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
         head_plan = plan.head_plan
@@ -109,7 +99,7 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 super().do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         else:
-            key_pages, value_pages = head_page_caches(kv_cache)
+            key_pages, value_pages = head_page_caches(owner.page_cache(layer_index, kv_cache))
             scales = dict(
                 k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype
             )
@@ -122,5 +112,5 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 query[:num_tokens], key_pages, value_pages, output[:num_tokens], head_plan, layer_index,
                 scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, **scales,
             )
-        finish_layer(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
+        owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
         return output

@@ -1,8 +1,8 @@
 """The plugin's attention backend for CUDA: vLLM's FlashAttention backend plus head pages.
 
 Registered as vLLM's ``CUSTOM`` attention backend and selected by the platform hook when the flag is on
-(``patches/platform.py``). It shares everything with the CPU backend (:mod:`rcstat_vllm.backend_common`:
-planning, scoring, compaction, page bookkeeping, reports) except the kernels:
+(``patches/platform.py``). It shares everything with the CPU backend (:mod:`rcstat_vllm.worker`: planning,
+scoring, compaction, page bookkeeping, reports) except the kernels:
 
 - it asks vLLM for head-major KV blocks (layout ``LBHNC``), so each (block, KV head) slice is one contiguous
   head page and ``[num_blocks * H, N, 1, D]`` is a view FlashAttention's paged kernels accept
@@ -29,14 +29,9 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from rcstat_vllm.backend_common import (
-    CompressionPlanner,
-    StepCompression,
-    finish_layer,
-    record_attribution,
-)
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.head_pages import FLASH
+from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
 
 #: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
 HEAD_MAJOR_LAYOUT = KVCacheLayout.LBHNC
@@ -65,9 +60,7 @@ class RCStatFlashMetadata(FlashAttentionMetadata):
     rcstat: StepCompression | None = None
 
 
-class RCStatFlashMetadataBuilder(CompressionPlanner, FlashAttentionMetadataBuilder):
-    layout = FLASH
-    # Head-as-sequence batches change shape with every compressed request's kept counts: attention runs
+class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):    # Head-as-sequence batches change shape with every compressed request's kept counts: attention runs
     # eager (vLLM keeps piecewise CUDA graphs for the rest of the model).
     _cudagraph_support = AttentionCGSupport.NEVER
     # Metadata must be built per KV-cache group from the step's plan, never copied with a new block table.
@@ -75,25 +68,23 @@ class RCStatFlashMetadataBuilder(CompressionPlanner, FlashAttentionMetadataBuild
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.init_compression(
-            vllm_config,
-            layer_names,
-            num_kv_heads=kv_cache_spec.num_kv_heads,
-            block_size=kv_cache_spec.block_size,
+        self.rcstat = worker_compression(vllm_config)
+        self.rcstat.attach_layers(
+            layer_names, num_kv_heads=kv_cache_spec.num_kv_heads, block_size=kv_cache_spec.block_size, layout=FLASH
         )
         reason = unsupported_reason(vllm_config, layer_names)
         if reason is not None:
-            self.disable(reason)
+            self.rcstat.disable(reason)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        plan = self.plan_step(common_attn_metadata)
+        plan = self.rcstat.plan_step(common_attn_metadata)
         return RCStatFlashMetadata(**vars(base), rcstat=plan)
 
 
 def unsupported_reason(vllm_config, layer_names) -> str | None:
     """Why head-as-sequence FlashAttention cannot serve this engine, or None (the layers' attention features
-    are checked for both backends by ``CompressionPlanner.init_compression``)."""
+    are checked for both backends by ``WorkerCompression.attach_layers``)."""
     layout = vllm_config.cache_config.kv_cache_layout
     if layout is not None and layout != HEAD_MAJOR_LAYOUT.name:
         return f"KV cache layout {layout} is not head-major ({HEAD_MAJOR_LAYOUT.name})"
@@ -153,7 +144,8 @@ class RCStatFlashImpl(FlashAttentionImpl):
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
         plan = attn_metadata.rcstat
-        layer_index = plan.builder.layer_index[layer.layer_name]
+        owner = plan.owner
+        layer_index = owner.layer_index[layer.layer_name]
         record_attribution(plan, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
         if plan.head_plan is None:
@@ -167,7 +159,7 @@ class RCStatFlashImpl(FlashAttentionImpl):
                 query[:num_tokens],
                 None if key is None else key[:num_tokens],
                 None if value is None else value[:num_tokens],
-                kv_cache,
+                owner.page_cache(layer_index, kv_cache),
                 output[:num_tokens],
                 plan.head_plan,
                 layer_index,
@@ -175,5 +167,5 @@ class RCStatFlashImpl(FlashAttentionImpl):
                 softcap=self.logits_soft_cap,
                 layer=layer,
             )
-        finish_layer(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
+        owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
         return output

@@ -1,8 +1,8 @@
-"""Per-request compression: decide whether a request is compressed, then score, select and compact it
-layer by layer during the forward of its last prefill chunk.
+"""Per-request compression: decide whether a request is compressed, then score it layer by layer during the
+forward of its last prefill chunk and select and compact all layers after the last one.
 
-Backend-agnostic: works on one layer's cache tensor ``[num_blocks, H, N, 2D]`` and the request's block
-row, so the CPU backend and a CUDA backend can share it (only the attention kernels differ).
+Backend-agnostic: works on cache tensors ``[num_blocks, H, N, 2D]`` through a :class:`CacheLayout` and the
+request's block row, so the CPU and CUDA backends share it (only the attention kernels differ).
 """
 
 from __future__ import annotations
@@ -12,17 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import (
-    CPU_VEC,
-    CacheLayout,
-    CompactedRequest,
-    cdiv,
-    compact_layer,
-    gather_prompt,
-    stack_tables,
-)
+from rcstat_vllm.head_pages import CacheLayout, CompactedRequest, cdiv, compact, gather_prompt
+from rcstat_vllm.page_space import PageSpace
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_threshold
+from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_budget_across_layers, select_threshold
 from rcstat_vllm.step import BatchRequest
 
 
@@ -91,73 +84,81 @@ def plan_compression(
     return CompressionDecision(request.req_id, config, n, query_start, query_end, reason)
 
 
-class LayerCompressor:
-    """Compresses one request, one layer at a time, then hands over its :class:`CompactedRequest`."""
+#: How a model-wide budget makes layers' scores comparable (measured against the others: README, "Which mode").
+MODEL_BUDGET_COMPARABLE = "head_mean"
 
-    def __init__(
-        self,
-        decision: CompressionDecision,
-        num_layers: int,
-        num_heads: int,
-        block_row: torch.Tensor,
-        layout: CacheLayout = CPU_VEC,
-    ):
+
+def select_keep_masks(scores: list[torch.Tensor], config: RCStatConfig, comparable: str | None = None) -> list[torch.Tensor]:
+    """Per layer, the ``[H, n]`` keep mask from the layers' scores: threshold mode (Eq. 9, per head) or budget
+    mode, per layer or across the whole model (``config.budget_scope``)."""
+    if config.budget_mode and config.budget_scope == "model":
+        return select_budget_across_layers(
+            scores, config.window, config.target_ratio, config.sink_tokens, comparable or MODEL_BUDGET_COMPARABLE
+        )
+    if config.budget_mode:
+        return [select_budget(s, config.window, config.target_ratio, config.sink_tokens).mask for s in scores]
+    return [select_threshold(s, config.window, config.c, config.sink_tokens).mask for s in scores]
+
+
+class RequestCompressor:
+    """Compresses one request during the forward of its last prefill chunk: each layer is scored as it runs
+    (:meth:`score_layer`); once every layer is scored, :meth:`compact` selects what each (layer, head) keeps
+    and moves it into head pages in one pass over all layers.
+
+    Why not compact each layer as it runs: with pages pooled across layers, layer l's kept entries may move
+    into pages of a later layer's slice of the request's blocks, which still holds that layer's uncompressed
+    prompt KV (its attention and scoring in this very forward read it). Compacting after the last layer's
+    attention, when no layer reads prompt KV any more, is safe for any page assignment; and a model-wide budget
+    needs every layer's scores before it can select anyway. Between layers only the scores (``[H, n]`` floats
+    per layer) are held, no KV copies.
+    """
+
+    def __init__(self, decision: CompressionDecision, num_layers: int, block_row: torch.Tensor):
         self.decision = decision
-        self.layout = layout
         self.config = decision.config
         self.block_row = block_row.clone()
-        self.num_heads = num_heads
-        self.kept = torch.zeros((num_layers, num_heads), dtype=torch.int64)
-        self.tables: list[torch.Tensor | None] = [None] * num_layers
-        self.block_size = 0
+        self.scores: list[torch.Tensor | None] = [None] * num_layers
+        self.kept: torch.Tensor | None = None
         self.scorer = get_scorer(self.config.method, **self._scorer_options())
 
     def _scorer_options(self) -> dict:
         # RC's observation window is the config's; the baselines keep their published defaults.
         return {"window_size": window_queries(self.config)} if self.config.method == "rc" else {}
 
-    def compress_layer(
+    @property
+    def fully_scored(self) -> bool:
+        return all(scores is not None for scores in self.scores)
+
+    def score_layer(
         self,
         layer: int,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         scale: float,
+        layout: CacheLayout,
         saved_queries: torch.Tensor | None = None,
     ) -> None:
-        """Score, select and compact one layer. ``query`` is the step's [T, Hq, D] (RoPE applied: vLLM
+        """Score one layer's prompt tokens per KV head. ``query`` is the step's [T, Hq, D] (RoPE applied: vLLM
         passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks."""
         d = self.decision
-        n = d.num_tokens
-        self.block_size = self.layout.shape(kv_cache)[2]
         queries = query[d.query_start : d.query_end]
         if saved_queries is not None:
             queries = torch.cat([saved_queries, queries])
         width = min(window_queries(self.config), queries.shape[0])
         q_window = queries[-width:].transpose(0, 1).float()  # [Hq, w, D]
-        keys, values = gather_prompt(kv_cache, self.block_row, n, self.layout)
-        scores = self.scorer.score(q_window, keys.float(), values.float(), scale)
-        if self.config.budget_mode:
-            keep = select_budget(scores, self.config.window, self.config.target_ratio, self.config.sink_tokens)
-        else:
-            keep = select_threshold(scores, self.config.window, self.config.c, self.config.sink_tokens)
-        self.tables[layer] = compact_layer(kv_cache, self.block_row, keep.mask, self.layout)
-        self.kept[layer] = keep.counts.cpu()
+        keys, values = gather_prompt(kv_cache, self.block_row, d.num_tokens, layout)
+        self.scores[layer] = self.scorer.score(q_window, keys.float(), values.float(), scale)
 
-    def compacted(self) -> CompactedRequest:
-        """The request's compacted state, not yet finalized: the planner decides the blocks it keeps (agreed
-        across tensor-parallel ranks) and calls ``finalize``."""
-        missing = [i for i, t in enumerate(self.tables) if t is None]
-        if missing:
-            raise RuntimeError(f"rcstat: layers {missing} were not compressed for {self.decision.req_id}")
-        return CompactedRequest(
-            num_compacted_tokens=self.decision.num_tokens,
-            block_size=self.block_size,
-            num_heads=self.num_heads,
-            kept=self.kept,
-            # Host-side page tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the
-            # accelerator; make_head_plan copies what a step needs to the cache's device.
-            tables=stack_tables(self.tables).cpu(),
-        )
+    def compact(self, caches: list[torch.Tensor], space: PageSpace, layout: CacheLayout) -> CompactedRequest:
+        """Select and compact every layer; the state is not finalized yet: the worker decides the blocks it
+        keeps (agreed across tensor-parallel ranks) and calls ``finalize``."""
+        masks = select_keep_masks(self.scores, self.config)
+        tables = compact(caches, self.block_row, masks, space, layout)
+        self.kept = torch.stack([mask.sum(dim=1) for mask in masks]).cpu()
+        self.scores = [None] * len(self.scores)
+        # Host-side page tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the
+        # accelerator; make_head_plan copies what a step needs to the cache's device.
+        return CompactedRequest(self.decision.num_tokens, space, self.kept, tables.cpu())
 
     def report(self, state: CompactedRequest) -> CompressionReport:
         return CompressionReport(
@@ -166,6 +167,6 @@ class LayerCompressor:
             method=self.config.method,
             keep_blocks=state.keep_blocks,
             kept=self.kept.tolist(),
-            block_size=self.block_size,
+            block_size=state.block_size,
+            pooled_pages=state.space.is_pooled,
         )
-

@@ -21,6 +21,9 @@ CONFIG_KEY = "rcstat"
 #: Scoring methods. ``none`` is the off switch: the plugin's backend runs but evicts nothing.
 METHODS = ("rc", "snapkv", "tova", "knorm", "streaming", "random", "none")
 
+#: Where a budget (``target_ratio``) applies: to each layer alone, or to the whole model at once.
+BUDGET_SCOPES = ("layer", "model")
+
 
 class ConfigError(ValueError):
     """An invalid rcstat setting; the message names the field and what is allowed."""
@@ -44,6 +47,9 @@ class RCStatConfig:
             across the layer's heads are kept, so heads still keep different counts). None = threshold mode.
         sink_tokens: the first ``sink_tokens`` prompt tokens are always kept.
         min_prompt_len: prompts shorter than this run uncompressed (there is nothing worth evicting).
+        budget_scope: budget mode only: ``layer`` evicts ``target_ratio`` of every layer; ``model`` evicts it
+            from the model as a whole (top entries across all layers and heads, scores made comparable across
+            layers), so layers keep different shares.
     """
 
     method: str = "rc"
@@ -52,6 +58,7 @@ class RCStatConfig:
     target_ratio: float | None = None
     sink_tokens: int = 0
     min_prompt_len: int = 64
+    budget_scope: str = "layer"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +75,8 @@ class RCStatConfig:
             raise ConfigError("sink_tokens", self.sink_tokens, "an integer >= 0")
         if not _is_int(self.min_prompt_len) or self.min_prompt_len < 1:
             raise ConfigError("min_prompt_len", self.min_prompt_len, "an integer >= 1")
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ConfigError("budget_scope", self.budget_scope, " | ".join(BUDGET_SCOPES))
 
     @property
     def enabled(self) -> bool:

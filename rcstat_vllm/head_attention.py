@@ -18,7 +18,8 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 
-from rcstat_vllm.head_pages import CompactedRequest, cdiv, identity_pages
+from rcstat_vllm.head_pages import CompactedRequest, cdiv
+from rcstat_vllm.page_space import PageSpace, identity_pages
 
 
 @dataclass
@@ -46,12 +47,14 @@ def make_head_plan(
     block_table: torch.Tensor,
     slot_mapping: torch.Tensor,
     compressed: dict[int, CompactedRequest],
-    *,
-    num_layers: int,
-    num_heads: int,
-    block_size: int,
+    space: PageSpace,
 ) -> HeadSequencePlan:
-    """Plan one step: rows in ``compressed`` read and write their own head pages, the others the identity."""
+    """Plan one step: rows in ``compressed`` read and write their own head pages, the others the identity.
+
+    Page ids are those of ``space``: with pooled pages every layer reads the all-layers view, so layer l's
+    identity pages are offset by its base page.
+    """
+    num_layers, num_heads, block_size = space.num_layers, space.num_heads, space.block_size
     num_reqs = len(seq_lens)
     num_tokens = query_start[-1]
     device = block_table.device
@@ -73,17 +76,17 @@ def make_head_plan(
     tables = torch.zeros((num_layers, num_reqs, num_heads, width), dtype=torch.int64, device=device)
     # Lengths are assembled on the host (from host-side numbers) and copied once: no device sync for the maxima.
     lengths = torch.zeros((num_layers, num_reqs, num_heads), dtype=torch.int64)
-    # Uncompressed rows: vLLM's slot s = block * N + offset becomes (block * H + h) * N + offset.
+    # Uncompressed rows: vLLM's slot s = block * N + offset becomes (base_l + block * H + h) * N + offset.
     slots = slot_mapping[:num_tokens].to(torch.int64)
     heads = torch.arange(num_heads, device=device)
-    head_slots = ((slots // block_size).unsqueeze(1) * num_heads + heads) * block_size
-    head_slots = torch.where(slots.unsqueeze(1) < 0, -1, head_slots + (slots % block_size).unsqueeze(1))
-    head_slots = head_slots.unsqueeze(0).repeat(num_layers, 1, 1)
+    local = ((slots // block_size).unsqueeze(1) * num_heads + heads) * block_size + (slots % block_size).unsqueeze(1)
+    bases = torch.tensor(space.layer_base, dtype=torch.int64, device=device)
+    head_slots = torch.where(slots.view(1, -1, 1) < 0, -1, local + (bases * block_size).view(-1, 1, 1))  # [L, T, H]
     for row in range(num_reqs):
         state = compressed.get(row)
         if state is None:
             n_blocks = cdiv(seq_lens[row], block_size)
-            tables[:, row, :, :n_blocks] = identity_pages(block_table[row, :n_blocks], num_heads)
+            tables[:, row, :, :n_blocks] = identity_pages(block_table[row, :n_blocks], num_heads) + bases.view(-1, 1, 1)
             lengths[:, row] = seq_lens[row]
             continue
         tables[:, row, :, : state.tables.shape[2]] = state.tables.clamp(min=0)

@@ -82,7 +82,8 @@ def flash_head_sequence_forward(
 
     Args:
         query, output: ``[T, H*G, D]`` (the step's actual tokens); key, value: ``[T, H, D]`` or None (no write).
-        kv_cache: the layer's cache, logical ``[num_blocks, H, N, 2D]`` in head-major blocks (LBHNC).
+        kv_cache: the cache the plan's page ids index (the layer's, or all layers' when pages are pooled),
+            logical ``[num_blocks, H, N, 2D]`` in head-major blocks (LBHNC).
     """
     key_pages, value_pages = flash_head_page_caches(kv_cache)
     num_tokens, num_query_heads, head_dim = query.shape

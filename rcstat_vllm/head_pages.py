@@ -6,21 +6,22 @@ the same memory is ``num_blocks * H`` *head pages* of N single-head tokens each;
 ``h``'s slice of block ``b``. An uncompressed request's head ``h`` uses pages ``row[j] * H + h`` (the
 identity map). After compaction every (layer, head) owns its own page list, filled densely, so a head
 keeping k tokens needs ``ceil(k / N)`` pages and a request needs ``keep_blocks`` blocks; the rest go back to
-vLLM.
+vLLM. Which pages a request may use, and which tensor a page id indexes, is its :class:`PageSpace` (one pool
+across all layers, or one per layer: :mod:`rcstat_vllm.page_space`).
 
 Everything here is plain torch on whatever device the cache lives on; it does not import vLLM.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from rcstat_vllm.page_space import PageSpace, cdiv, identity_pages
 
 
 def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -142,12 +143,6 @@ def head_page_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     return keys, values
 
 
-def identity_pages(block_row: Tensor, num_heads: int) -> Tensor:
-    """``[H, num_blocks_in_row]``: head h's pages of an uncompressed request, ``row[j] * H + h``."""
-    heads = torch.arange(num_heads, device=block_row.device, dtype=torch.int64)
-    return block_row.to(torch.int64).unsqueeze(0) * num_heads + heads.unsqueeze(1)
-
-
 def gather_prompt(
     kv_cache: Tensor, block_row: Tensor, num_tokens: int, layout: CacheLayout = CPU_VEC
 ) -> tuple[Tensor, Tensor]:
@@ -158,50 +153,77 @@ def gather_prompt(
     return layout.read(kv_cache, pages, (tokens % block_size).expand_as(pages))
 
 
-def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor, layout: CacheLayout = CPU_VEC) -> Tensor:
-    """Move each head's kept tokens (in order) to the front of fresh head pages of the request's blocks.
+def compact(
+    caches: Sequence[Tensor],
+    block_row: Tensor,
+    keep_masks: Sequence[Tensor],
+    space: PageSpace,
+    layout: CacheLayout = CPU_VEC,
+) -> Tensor:
+    """Move each (layer, head)'s kept tokens (in order) to the front of fresh head pages of the request's blocks.
 
-    Pages are handed out in order ``row[0]*H + 0, row[0]*H + 1, ..., row[1]*H + 0, ...``: head 0 takes the
-    first ``ceil(k_0 / N)``, head 1 the next, and so on, so this layer needs only the request's first
-    ``ceil(sum_h ceil(k_h / N) / H)`` blocks. Everything kept is gathered before anything is written, which
-    makes the in-place move safe although sources and destinations share blocks.
+    Each pool of ``space`` hands out its pages block by block (:meth:`PageSpace.pool_pages`): the pool's first
+    (layer, head) takes the first ``ceil(k / N)`` pages, the next one the following pages, and so on, so the
+    request needs only its first ``ceil(pages of the pool / pages per block)`` blocks. Within a pool everything
+    kept is gathered before anything is written, which makes the in-place move safe although sources and
+    destinations share blocks (and, pooled, other layers' pages). The caller must run it only once no layer of
+    the pool still has to read its uncompressed prompt KV (see ``WorkerCompression``).
 
     Args:
-        kv_cache: the layer's cache (``[num_blocks, H, N, 2D]`` in the default CPU layout).
+        caches: per layer, its cache (``[num_blocks, H, N, 2D]``); a pooled space indexes its all-layers view.
         block_row: the request's block ids (at least ``cdiv(n, N)`` valid entries).
-        keep_mask: ``[H, n]`` bool, the tokens each head keeps.
-        layout: where head pages live in ``kv_cache``.
+        keep_masks: per layer, ``[H, n]`` bool, the tokens each head keeps.
+        space: where pages come from.
+        layout: where head pages live in a cache tensor.
 
     Returns:
-        ``[H, max_pages]`` int64 page table of the compacted layer (-1 where a head has no page).
+        ``[L, H, max_pages]`` int64 page tables (-1 where a head has no page).
     """
-    _, num_heads, block_size = layout.shape(kv_cache)
-    num_tokens = keep_mask.shape[1]
-    device = kv_cache.device
-    counts = keep_mask.sum(dim=1)
+    num_heads, block_size = space.num_heads, space.block_size
+    num_tokens = keep_masks[0].shape[1]
+    device = keep_masks[0].device
+    prompt_blocks = block_row[: cdiv(num_tokens, block_size)]
+    counts = torch.stack([mask.sum(dim=1) for mask in keep_masks])  # [L, H]
     pages_per_head = (counts + block_size - 1) // block_size
-    first_page = torch.cumsum(pages_per_head, 0) - pages_per_head
-    num_pages = int(pages_per_head.sum())
-    pool = identity_pages(block_row[: cdiv(num_pages, num_heads)], num_heads).t().reshape(-1)[:num_pages]
+    tables = torch.full(
+        (len(keep_masks), num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64, device=device
+    )
+    for pool_index, layers in enumerate(space.pools):
+        pool_counts = counts[list(layers)].reshape(-1)  # (layer of the pool, head), flattened
+        pool_pages_per_head = pages_per_head[list(layers)].reshape(-1)
+        first_page = torch.cumsum(pool_pages_per_head, 0) - pool_pages_per_head
+        num_pages = int(pool_pages_per_head.sum())
+        pool = space.pool_pages(pool_index, block_row[: cdiv(num_pages, space.pages_per_block(pool_index))])
+        pool = pool.to(device)[:num_pages]
 
-    # Sources: (head, token) of every kept entry, in head-major then token order.
-    head_idx, token_idx = torch.nonzero(keep_mask, as_tuple=True)
-    source_pages = identity_pages(block_row[: cdiv(num_tokens, block_size)], num_heads)[
-        head_idx, token_idx // block_size
-    ]
-    # Destinations: the j-th kept token of head h goes to slot j of head h's page run.
-    rank = torch.arange(head_idx.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[head_idx]
-    dest_pages = pool[first_page[head_idx] + rank // block_size]
+        # Sources: (layer, head, token) of every kept entry, in (layer, head) then token order.
+        source_pages, offsets, owner = [], [], []
+        for i, layer in enumerate(layers):
+            head_idx, token_idx = torch.nonzero(keep_masks[layer], as_tuple=True)
+            source_pages.append(space.identity(layer, prompt_blocks)[head_idx, token_idx // block_size])
+            offsets.append(token_idx % block_size)
+            owner.append(i * num_heads + head_idx)
+        source_pages, offsets, owner = torch.cat(source_pages), torch.cat(offsets), torch.cat(owner)
+        # Destinations: the j-th kept token of (layer, head) goes to slot j of that pair's page run.
+        rank = torch.arange(owner.numel(), device=device) - (torch.cumsum(pool_counts, 0) - pool_counts)[owner]
+        dest_pages = pool[first_page[owner] + rank // block_size]
 
-    keys, values = layout.read(kv_cache, source_pages, token_idx % block_size)  # copies: sources may be overwritten
-    layout.write(kv_cache, dest_pages, rank % block_size, keys, values)
+        cache = space.cache(layers[0], caches[layers[0]])
+        keys, values = layout.read(cache, source_pages, offsets)  # copies: sources may be overwritten
+        layout.write(cache, dest_pages, rank % block_size, keys, values)
 
-    max_pages = int(pages_per_head.max()) if num_heads else 0
-    table = torch.full((num_heads, max(max_pages, 1)), -1, dtype=torch.int64, device=device)
-    slot = torch.arange(max(max_pages, 1), device=device).unsqueeze(0)
-    valid = slot < pages_per_head.unsqueeze(1)
-    table[valid] = pool[(first_page.unsqueeze(1) + slot)[valid]]
-    return table
+        slot = torch.arange(tables.shape[2], device=device).unsqueeze(0)
+        valid = slot < pool_pages_per_head.unsqueeze(1)
+        pool_tables = torch.full((len(layers) * num_heads, tables.shape[2]), -1, dtype=torch.int64, device=device)
+        pool_tables[valid] = pool[(first_page.unsqueeze(1) + slot)[valid]]
+        tables[list(layers)] = pool_tables.view(len(layers), num_heads, -1)
+    return tables
+
+
+def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor, layout: CacheLayout = CPU_VEC) -> Tensor:
+    """:func:`compact` of one layer on its own pages: ``[H, max_pages]`` page table."""
+    _, num_heads, block_size = layout.shape(kv_cache)
+    return compact([kv_cache], block_row, [keep_mask], PageSpace.per_layer(1, num_heads, block_size), layout)[0]
 
 
 def stack_tables(tables: list[Tensor]) -> Tensor:
@@ -217,17 +239,17 @@ def stack_tables(tables: list[Tensor]) -> Tensor:
 class CompactedRequest:
     """Worker-side state of one compressed request: every (layer, head)'s page list and length.
 
-    Its tensors live on the host whatever the cache's device (``LayerCompressor.compacted``): they are read
-    with ``tolist()`` every step, which would otherwise synchronise with the GPU.
+    Its tensors live on the host whatever the cache's device: they are read with ``tolist()`` every step,
+    which would otherwise synchronise with the GPU.
 
     A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
-    compaction is appended to every head. New pages come from per-layer pools of unused head pages in the
-    blocks the request still holds (see :meth:`finalize`), refilled as vLLM appends blocks to the row.
+    compaction is appended to every head. New pages come from the pools of unused head pages in the blocks
+    the request still holds (one pool for all layers, or one per layer: ``space``, see :meth:`finalize`),
+    refilled as vLLM appends blocks to the row.
     """
 
     num_compacted_tokens: int
-    block_size: int
-    num_heads: int
+    space: PageSpace
     #: [L, H] kept prompt tokens per (layer, head)
     kept: Tensor
     #: [L, H, P] int64 page table per (layer, head), -1 = no page; grows along P as heads need pages
@@ -235,7 +257,8 @@ class CompactedRequest:
     keep_blocks: int = 0
     #: block-row entries already turned into pool pages
     absorbed_blocks: int = 0
-    pools: list[list[int]] = field(default_factory=list)
+    #: per pool of ``space``, its unused pages (handed out from the left)
+    pools: list[deque] = field(default_factory=list)
     #: [L, H] pages each (layer, head) holds
     page_counts: Tensor | None = None
 
@@ -243,23 +266,32 @@ class CompactedRequest:
     def num_layers(self) -> int:
         return self.tables.shape[0]
 
+    @property
+    def block_size(self) -> int:
+        return self.space.block_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.space.num_heads
+
     def blocks_needed(self) -> int:
         """The fewest blocks this rank's heads can keep (see :meth:`finalize`)."""
         n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
         to_boundary = -self.num_compacted_tokens % self.block_size
         pages_then = (self.kept + to_boundary + self.block_size - 1) // self.block_size  # [L, H]
-        return min(cdiv(int(pages_then.sum(dim=1).max()), self.num_heads), n_blocks)
+        return min(self.space.blocks_for(pages_then), n_blocks)
 
     def finalize(self, block_row: Tensor, keep_blocks: int | None = None) -> None:
-        """Decide how many blocks the request keeps and build the per-layer pools of unused pages.
+        """Decide how many blocks the request keeps and fill the pools with the unused pages of those blocks.
 
         The request keeps its first ``keep_blocks`` blocks and frees the rest of its prompt blocks. Until vLLM
         appends the request's next block (at the next multiple of N tokens), the ``m = (-n) % N`` tokens still
-        to come must fit in pages it already holds: head h then needs ``cdiv(k_h + m, N) - cdiv(k_h, N)`` new
-        pages. From there on every block vLLM appends brings H pages per layer before the N tokens that need
-        exactly one new page per head. So the request needs max over layers of ``cdiv(pages used + pages
-        needed before the next block, H)`` blocks (:meth:`blocks_needed`): at most one block more than the
-        kept pages themselves need, often none (never when n is a multiple of N).
+        to come must fit in pages it already holds: (layer, head) then needs ``cdiv(k + m, N) - cdiv(k, N)``
+        new pages. From there on every block vLLM appends brings ``H`` pages per layer into the pools before
+        the N tokens that need exactly one new page per (layer, head). So the request needs, over each pool,
+        ``cdiv(pages used + pages needed before the next block, pages per block)`` blocks, the max over pools
+        (:meth:`blocks_needed`): with one pool for all layers, a layer keeping little lends its pages to one
+        keeping much.
 
         ``keep_blocks``: the count agreed by all tensor-parallel ranks (the max of their ``blocks_needed``:
         they share one block table but hold different heads); None on a single rank.
@@ -272,11 +304,12 @@ class CompactedRequest:
             raise ValueError(f"keep_blocks={keep_blocks} outside [{needed}, {n_blocks}] (ranks disagree?)")
         self.keep_blocks = keep_blocks
         self.page_counts = (self.tables >= 0).sum(dim=2)
-        candidates = identity_pages(block_row[: self.keep_blocks], self.num_heads).t().reshape(-1).tolist()
+        kept_blocks = block_row[: self.keep_blocks].cpu()
         self.pools = []
-        for table in self.tables:
-            taken = set(table[table >= 0].tolist())
-            self.pools.append([p for p in candidates if p not in taken])
+        for pool_index, layers in enumerate(self.space.pools):
+            taken = set(self.tables[list(layers)].flatten().tolist())
+            candidates = self.space.pool_pages(pool_index, kept_blocks).tolist()
+            self.pools.append(deque(p for p in candidates if p not in taken))
         self.absorbed_blocks = n_blocks
 
     @property
@@ -288,10 +321,9 @@ class CompactedRequest:
         """Make sure every head has pages for ``num_tokens`` logical tokens (the length after this step)."""
         n_row = cdiv(num_tokens, self.block_size)
         if n_row > self.absorbed_blocks:
-            fresh = identity_pages(block_row[self.absorbed_blocks : n_row], self.num_heads)
-            fresh_pages = fresh.t().reshape(-1).tolist()
-            for pool in self.pools:
-                pool.extend(fresh_pages)
+            fresh = block_row[self.absorbed_blocks : n_row].cpu()
+            for pool_index, pool in enumerate(self.pools):
+                pool.extend(self.space.pool_pages(pool_index, fresh).tolist())
             self.absorbed_blocks = n_row
         needed = (self.lengths(num_tokens) + self.block_size - 1) // self.block_size
         short = needed > self.page_counts
@@ -305,11 +337,11 @@ class CompactedRequest:
             grown[:, :, : self.tables.shape[2]] = self.tables
             self.tables = grown
         for layer, head in torch.nonzero(short).tolist():
-            pool = self.pools[layer]
+            pool = self.pools[self.space.pool_of(layer)]
             for slot in range(int(self.page_counts[layer, head]), int(needed[layer, head])):
                 if not pool:
                     raise RuntimeError("rcstat: head-page pool exhausted (block accounting bug)")
-                self.tables[layer, head, slot] = pool.pop(0)
+                self.tables[layer, head, slot] = pool.popleft()
             self.page_counts[layer, head] = needed[layer, head]
 
     def lengths(self, num_tokens: int) -> Tensor:

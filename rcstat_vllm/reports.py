@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Attribute of ``ModelRunnerOutput`` that carries this step's reports from worker to scheduler.
-REPORTS_ATTR = "rcstat_reports"
-
-
 @dataclass
 class CompressionReport:
     """The outcome of compressing one request's prompt KV.
@@ -24,6 +20,8 @@ class CompressionReport:
     kept: list[list[int]] = field(default_factory=list)
     skipped_reason: str | None = None
     block_size: int = 0
+    #: whether the request's head pages came from one pool across all layers (else one pool per layer)
+    pooled_pages: bool = False
 
     @property
     def prompt_blocks(self) -> int:
@@ -74,6 +72,7 @@ class CompressionReport:
             "kept": self.kept,
             "skipped_reason": self.skipped_reason,
             "block_size": self.block_size,
+            "pooled_pages": self.pooled_pages,
         }
 
     @classmethod

@@ -56,11 +56,18 @@ class EngineDriver:
     # ---- helpers ----
 
     @property
-    def builder(self):
-        from rcstat_vllm.patches.model_runner import _rcstat_builders
+    def compression(self):
+        """The worker's compression state (rcstat_vllm.worker.WorkerCompression), None without the flag."""
+        from rcstat_vllm.worker import worker_compression_of
 
-        builders = _rcstat_builders(self.worker.model_runner)
-        return builders[0] if builders else None
+        return worker_compression_of(self.worker.model_runner.vllm_config)
+
+    @property
+    def stats(self):
+        """The scheduler's logged totals (rcstat_vllm.metrics.CompressionStats)."""
+        from rcstat_vllm.patches.scheduler import scheduler_stats
+
+        return scheduler_stats(self.scheduler)
 
     def free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
@@ -71,7 +78,7 @@ class EngineDriver:
         return {"prompt_token_ids": ids}
 
     def result(self, request_id: str) -> dict | None:
-        results = self.builder.compression_results()
+        results = self.compression.compression_results()
         return next((r for k, r in results.items() if k == request_id or k.startswith(f"{request_id}-")), None)
 
     def run(self, requests, abort_after: dict[str, int] | None = None, max_steps: int = 100_000) -> RunResult:

@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl  # noqa: E4
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from rcstat_vllm.backend_common import CompressionPlanner, unsupported_layer_reason  # noqa: E402
+
 from rcstat_vllm.backend_cuda import (  # noqa: E402
     RCStatFlashBackend,
     RCStatFlashImpl,
@@ -31,7 +31,9 @@ from rcstat_vllm.backend_cuda import (  # noqa: E402
 from rcstat_vllm.head_attention import make_head_plan  # noqa: E402
 from rcstat_vllm.head_attention_flash import TorchHeadPageKernels, flash_head_sequence_forward  # noqa: E402
 from rcstat_vllm.head_pages import FLASH, cdiv, flash_head_page_caches, identity_pages  # noqa: E402
+from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
+from rcstat_vllm.worker import WorkerCompression, unsupported_layer_reason  # noqa: E402
 
 BLOCK, HEADS, GROUP, DIM, LAYERS = 16, 2, 3, 32, 2
 SCALE = DIM**-0.5
@@ -68,16 +70,27 @@ def _reference_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
     return output
 
 
-class _Planner(CompressionPlanner):
-    layout = FLASH
+def _worker(rcstat: dict, layer_names, caches: dict) -> WorkerCompression:
+    """The worker state as the model runner hook and the builders set it up (patches/model_runner.py)."""
+    vllm_config = SimpleNamespace(
+        additional_config={"rcstat": rcstat},
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        kv_transfer_config=None,
+    )
+    worker = WorkerCompression(vllm_config)
+    worker.attach_layers(layer_names, num_kv_heads=HEADS, block_size=BLOCK, layout=FLASH)
+    worker.bind_kv_caches(caches)
+    return worker
 
-    def __init__(self, rcstat: dict, layer_names):
-        vllm_config = SimpleNamespace(
-            additional_config={"rcstat": rcstat},
-            parallel_config=SimpleNamespace(tensor_parallel_size=1),
-            compilation_config=SimpleNamespace(static_forward_context={}),
-        )
-        self.init_compression(vllm_config, layer_names, num_kv_heads=HEADS, block_size=BLOCK)
+
+def _layer_caches(num_blocks: int, pooled: bool) -> list[torch.Tensor]:
+    """LAYERS caches [num_blocks, H, N, 2D]: views of one backing buffer (as vLLM allocates), or separate."""
+    if pooled:
+        backing = torch.zeros(LAYERS * num_blocks, HEADS, BLOCK, 2 * DIM)
+        return list(backing.view(LAYERS, num_blocks, HEADS, BLOCK, 2 * DIM).unbind(0))
+    return [torch.zeros(num_blocks, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
 
 
 def _recover_keep_mask(prompt_keys, compacted_keys):
@@ -92,15 +105,21 @@ def _recover_keep_mask(prompt_keys, compacted_keys):
     return mask
 
 
-def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kept_tokens(monkeypatch):
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
+def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kept_tokens(monkeypatch, pooled):
     """Step 1: a 150-token prompt (compressed, RC budget 0.5) and a 20-token prompt (below min_prompt_len:
     uncompressed) prefill together. Then 20 decode steps in one batch (page growth included): every output
     equals dense attention over each head's kept prompt tokens plus the generated ones, and the short request
-    equals plain causal attention."""
+    equals plain causal attention. With pages pooled across layers (one backing buffer) and per layer."""
     monkeypatch.setattr(FlashAttentionImpl, "do_kv_cache_update", _reference_kv_update)
     monkeypatch.setattr(FlashAttentionImpl, "forward", _reference_forward)
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    planner = _Planner({"method": "rc", "target_ratio": 0.5, "min_prompt_len": 64}, layer_names)
+    num_blocks = 40
+    caches = _layer_caches(num_blocks, pooled)
+    planner = _worker(
+        {"method": "rc", "target_ratio": 0.5, "min_prompt_len": 64}, layer_names, dict(zip(layer_names, caches))
+    )
+    assert planner.space.is_pooled == pooled
     impl = RCStatFlashImpl(
         num_heads=HEADS * GROUP, head_size=DIM, scale=SCALE, num_kv_heads=HEADS, alibi_slopes=None,
         sliding_window=None, kv_cache_dtype="auto",
@@ -109,8 +128,6 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     layers = [SimpleNamespace(layer_name=name) for name in layer_names]
 
     g = torch.Generator().manual_seed(0)
-    num_blocks = 40
-    caches = [torch.zeros(num_blocks, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]  # LBHNC: contiguous
     prompt_lens = [150, 20]
     block_rows = [torch.arange(1, 1 + cdiv(150 + 40, BLOCK)), torch.arange(20, 20 + cdiv(20 + 40, BLOCK))]
     block_table = torch.zeros(2, max(len(r) for r in block_rows), dtype=torch.int32)
@@ -162,7 +179,7 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     compressed = by_id["req0"]
     assert compressed.skipped_reason is None
     assert abs(compressed.compression_ratio - 0.5) < 0.02
-    assert compressed.blocks_freed > 0
+    assert compressed.blocks_freed > 0 and compressed.pooled_pages == pooled
 
     # Which tokens each (layer, head) kept, read back from its pages.
     state = planner._states["req0"]
@@ -174,7 +191,7 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
             k_h = int(state.kept[layer_index, h])
             tokens = torch.arange(k_h)
             pages = state.tables[layer_index, h, tokens // BLOCK]
-            compacted, _ = FLASH.read(caches[layer_index], pages, tokens % BLOCK)
+            compacted, _ = FLASH.read(planner.page_cache(layer_index, caches[layer_index]), pages, tokens % BLOCK)
             per_head.append(_recover_keep_mask(prompt_k[:, h], compacted))
         keep.append(per_head)
         assert [int(m.sum()) for m in per_head] == compressed.kept[layer_index]
@@ -207,7 +224,7 @@ def test_head_as_sequence_prefill_next_to_compressed_decode_equals_causal_attent
     starts, seq_lens = [0, chunk], [computed + chunk]
     positions = torch.arange(computed, computed + chunk)
     slot_mapping = row[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
-    plan = make_head_plan(starts, seq_lens, row, slot_mapping, {}, num_layers=1, num_heads=HEADS, block_size=BLOCK)
+    plan = make_head_plan(starts, seq_lens, row, slot_mapping, {}, PageSpace.per_layer(1, HEADS, BLOCK))
     query = torch.randn(chunk, HEADS * GROUP, DIM, generator=g)
     key, value = torch.randn(chunk, HEADS, DIM, generator=g), torch.randn(chunk, HEADS, DIM, generator=g)
     output = torch.zeros_like(query)
@@ -262,7 +279,7 @@ def test_unsupported_configurations_are_named():
     assert "LBNHC" in unsupported_reason(_config(layout="LBNHC"), ["attn"])
     assert "fp8" in unsupported_reason(_config(cache_dtype="fp8"), ["attn"])
     assert "context parallelism" in unsupported_reason(_config(dcp=2), ["attn"])
-    # Layer features: checked for both backends when the planner starts (CompressionPlanner.init_compression).
+    # Layer features: checked for both backends when a builder attaches its layers (WorkerCompression.attach_layers).
     alibi = SimpleNamespace(alibi_slopes=torch.ones(2), sinks=None, sliding_window=(-1, -1))
     assert "ALiBi" in unsupported_layer_reason(_config(impl=alibi), ["attn"])
     windowed = SimpleNamespace(alibi_slopes=None, sinks=None, sliding_window=(4095, 0))

@@ -82,7 +82,7 @@ def test_last_chunk_shorter_than_window_uses_queries_kept_from_the_previous_chun
     result = driver.result("short-tail")
     assert result["skipped_reason"] is None
     assert result["compression_ratio"] > 0.3 and result["blocks_freed"] > 0
-    assert driver.builder._saved_queries == {}
+    assert driver.compression.idle
 
 
 def test_uncompressed_requests_in_a_compressed_batch_match_running_alone(driver):
@@ -153,25 +153,24 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
     # vLLM tells the worker which requests finished with the *next* step: run one tiny uncompressed
     # request so the last finished ones are delivered, then the worker must hold no compressed state.
     driver.run([("flush", driver.prompt(8), greedy(1))])
-    assert driver.builder._states == {} and driver.builder._saved_queries == {}
-    compressed = [r for r in driver.builder.compression_results().values() if r["req_id"].startswith("soak")]
+    assert driver.compression.idle
+    compressed = [r for r in driver.compression.compression_results().values() if r["req_id"].startswith("soak")]
     assert sum(r["blocks_freed"] > 0 for r in compressed) > 10
 
 
 def test_compressed_requests_preempted_by_decode_growth_are_recomputed_and_leak_nothing(driver):
     """Compressed requests fill the pool, then their decode growth forces vLLM to preempt some of them
     (recompute): each preempted request is prefilled and compressed again, and nothing leaks."""
-    stats_before = driver.scheduler.__dict__.get("_rcstat_stats")
-    compressed_before = stats_before.requests_compressed if stats_before else 0
+    compressed_before = driver.stats.requests_compressed
     requests = [
         (f"grow-rc-{i}", driver.prompt(900, offset=7 * i), greedy(256, target_ratio=0.6)) for i in range(14)
     ]
     run = driver.run(requests)
     assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 256 for r in requests}
     assert run.preemptions > 0, "decode growth was meant to exceed the pool"
-    compressed = driver.scheduler._rcstat_stats.requests_compressed - compressed_before
+    compressed = driver.stats.requests_compressed - compressed_before
     print(f"\n[preemption] {len(requests)} compressed requests, {run.preemptions} preemptions, {compressed} compressions")
     assert compressed > len(requests)  # preempted requests were compressed again on recompute
     assert driver.free_blocks() == driver.initial_free
     driver.run([("flush-2", driver.prompt(8), greedy(1))])
-    assert driver.builder._states == {} and driver.builder._saved_queries == {}
+    assert driver.compression.idle

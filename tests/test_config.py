@@ -36,6 +36,8 @@ BAD_FIELDS = [
     ({"sink_tokens": -1}, "sink_tokens"),
     ({"sink_tokens": 2.5}, "sink_tokens"),
     ({"min_prompt_len": 0}, "min_prompt_len"),
+    ({"budget_scope": "global"}, "budget_scope"),
+    ({"budget_scope": None}, "budget_scope"),
     ({"budget": 0.5}, "budget"),  # unknown key
     ({"Method": "rc"}, "Method"),  # keys are case-sensitive
 ]
@@ -89,7 +91,7 @@ def test_every_method_is_accepted(method):
 
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
-              "min_prompt_len": 1}
+              "min_prompt_len": 1, "budget_scope": "model"}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode

@@ -23,6 +23,7 @@ from rcstat_vllm.head_pages import (  # noqa: E402
     read_kv,
     stack_tables,
 )
+from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.patches.cpu_kv_layout import layout_matches  # noqa: E402
 
 ISA = "vec"
@@ -86,7 +87,7 @@ def test_finalize_keeps_the_largest_layers_pages_and_what_it_needs_until_the_nex
     masks[0][:, -8:] = True  # layer 0 keeps only the window: 1 page per head
     masks[1][:, :kept_per_head] = True
     tables = stack_tables([compact_layer(kv.clone(), row, m) for m in masks])
-    state = CompactedRequest(n, BLOCK, HEADS, torch.stack([m.sum(1) for m in masks]), tables)
+    state = CompactedRequest(n, PageSpace.per_layer(2, HEADS, BLOCK), torch.stack([m.sum(1) for m in masks]), tables)
     state.finalize(row)
     assert state.keep_blocks == state.blocks_held == keep_blocks
     # Pools: the unused pages of the kept blocks.
@@ -127,7 +128,7 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
         mask[:, -8:] = True
         masks[i] = mask
         table = compact_layer(kv, rows[i], mask)
-        state = CompactedRequest(n, BLOCK, HEADS, mask.sum(1).unsqueeze(0), stack_tables([table]))
+        state = CompactedRequest(n, PageSpace.per_layer(1, HEADS, BLOCK), mask.sum(1).unsqueeze(0), stack_tables([table]))
         state.finalize(rows[i])
         states[i] = state
 
@@ -143,7 +144,7 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
             [int(block_table[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate(positions)]
         )
         plan = make_head_plan(
-            query_start, seq_lens, block_table, slot_mapping, states, num_layers=1, num_heads=HEADS, block_size=BLOCK
+            query_start, seq_lens, block_table, slot_mapping, states, PageSpace.per_layer(1, HEADS, BLOCK)
         )
         add_cpu_scheduler_metadata(plan, group=GROUP, head_dim=DIM, dtype=dtype, isa=ISA)
         new_k = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)

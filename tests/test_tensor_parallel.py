@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rcstat_vllm.backend_common import max_over_ranks
+from rcstat_vllm.worker import max_over_ranks
 from rcstat_vllm.head_pages import CompactedRequest, compact_layer, stack_tables
+from rcstat_vllm.page_space import PageSpace
 
 BLOCK, HEADS, DIM, N = 16, 2, 8, 100
 #: rank 0's heads keep few tokens, rank 1's many: they need different block counts
@@ -26,7 +27,7 @@ def _state(rank: int) -> tuple[CompactedRequest, torch.Tensor]:
     keep = torch.rand(HEADS, N, generator=g) < KEEP_FRACTION[rank]
     keep[:, -8:] = True
     table = compact_layer(kv, row, keep)
-    return CompactedRequest(N, BLOCK, HEADS, keep.sum(1).unsqueeze(0), stack_tables([table])), row
+    return CompactedRequest(N, PageSpace.per_layer(1, HEADS, BLOCK), keep.sum(1).unsqueeze(0), stack_tables([table])), row
 
 
 def _rank(rank: int, port: int, out: str) -> None:

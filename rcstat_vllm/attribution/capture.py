@@ -6,9 +6,9 @@ attribution logits processor is constructed in that process (``RCStatAttribution
 :meth:`AttributionCapture.activate`): before that, and for every step in which no request asked,
 :meth:`AttributionCapture.plan` returns None after one attribute check, and the backend records nothing.
 
-Backend wiring (``rcstat_vllm/backend_common.py``, shared by the CPU and CUDA backends)::
+Backend wiring (``rcstat_vllm/worker.py``, shared by the CPU and CUDA backends)::
 
-    # CompressionPlanner.plan_step, after ``query_start = ...``:
+    # WorkerCompression.plan_step, after ``query_start = ...``:
     plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
     # record_attribution, called by each backend's forward before its attention:
     if plan.attribution: attribution_capture().record(layer_index, plan.attribution, query, key)

@@ -20,7 +20,14 @@ from .scorers import (
     TOVAScorer,
     get_scorer,
 )
-from .selection import KeepSet, budget_keep_count, select_budget, select_threshold
+from .selection import (
+    LAYER_COMPARABLE_SCORES,
+    KeepSet,
+    budget_keep_count,
+    select_budget,
+    select_budget_across_layers,
+    select_threshold,
+)
 
 __all__ = [
     "expected_rc",
@@ -42,5 +49,7 @@ __all__ = [
     "KeepSet",
     "budget_keep_count",
     "select_budget",
+    "select_budget_across_layers",
+    "LAYER_COMPARABLE_SCORES",
     "select_threshold",
 ]

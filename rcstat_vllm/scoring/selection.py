@@ -8,6 +8,9 @@ Two modes:
 * :func:`select_budget`: a target compression ratio per layer, filled with the layer's top scores across
   all its heads (heads still keep different counts). This gives matched-ratio comparisons between methods
   and mild compression that Eq. 9 cannot offer (scores of exactly 0 are common and evicted for any c >= 0).
+* :func:`select_budget_across_layers`: the same ratio over the whole model: the top entries across all layers
+  and heads, by scores made comparable across layers (:data:`LAYER_COMPARABLE_SCORES`), so layers keep
+  different shares (useful when the cache pools pages across layers: uneven layers then cost nothing).
 
 Both always keep the observation window (last ``window`` tokens), the first ``sink_tokens`` tokens and every
 token whose score is not finite (scorers mark tokens they always keep with +inf).
@@ -21,7 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["KeepSet", "select_threshold", "select_budget", "budget_keep_count", "forced_keep_mask"]
+__all__ = [
+    "KeepSet",
+    "select_threshold",
+    "select_budget",
+    "select_budget_across_layers",
+    "budget_keep_count",
+    "forced_keep_mask",
+    "LAYER_COMPARABLE_SCORES",
+]
 
 
 @dataclass(frozen=True)
@@ -131,3 +142,69 @@ def select_budget(scores: Tensor, window: int, ratio: float, sink_tokens: int = 
     mask = torch.zeros(num_heads * n, dtype=torch.bool, device=scores.device)
     mask[order] = True
     return KeepSet.from_mask(mask.view(num_heads, n))
+
+
+def _finite_non_window_mean(scores: Tensor, window: int, dim) -> Tensor:
+    n = scores.shape[-1]
+    in_mean = torch.isfinite(scores) & (torch.arange(n, device=scores.device) < n - window)
+    values = torch.where(in_mean, scores.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    return values.sum(dim=dim, keepdim=True) / in_mean.sum(dim=dim, keepdim=True).clamp_min(1)
+
+
+def _relative_to_head_mean(scores: Tensor, window: int) -> Tensor:
+    """Score / its head's mean non-window score: Eq. 9's own yardstick, so ranking by it is RCStat's threshold
+    rule with one model-wide c chosen to meet the budget."""
+    return scores.to(torch.float64) / _finite_non_window_mean(scores, window, dim=-1).clamp_min(1e-30)
+
+
+def _relative_to_layer_mean(scores: Tensor, window: int) -> Tensor:
+    """Score / the mean non-window score of its whole layer (heads of one layer stay on one scale)."""
+    return scores.to(torch.float64) / _finite_non_window_mean(scores, window, dim=(-2, -1)).clamp_min(1e-30)
+
+
+def _layer_rank(scores: Tensor, window: int) -> Tensor:
+    """Rank within the layer, as a fraction in [0, 1] (ties share the lower rank): each layer's scores on one
+    uniform scale, whatever their magnitudes."""
+    flat = scores.to(torch.float64).reshape(-1)
+    ranks = torch.empty_like(flat)
+    order = torch.argsort(flat, stable=True)
+    # Ties share the lowest rank of their run.
+    sorted_values = flat[order]
+    first_of_run = torch.ones_like(sorted_values, dtype=torch.bool)
+    first_of_run[1:] = sorted_values[1:] != sorted_values[:-1]
+    run_start = torch.cummax(torch.where(first_of_run, torch.arange(flat.numel(), device=flat.device), 0), 0).values
+    ranks[order] = run_start.to(torch.float64)
+    return (ranks / max(flat.numel() - 1, 1)).view_as(scores)
+
+
+#: How to put different layers' scores on one scale for a model-wide budget (``select_budget_across_layers``).
+LAYER_COMPARABLE_SCORES = {
+    "head_mean": _relative_to_head_mean,
+    "layer_mean": _relative_to_layer_mean,
+    "layer_rank": _layer_rank,
+}
+
+
+def select_budget_across_layers(
+    scores: list[Tensor], window: int, ratio: float, sink_tokens: int = 0, comparable: str = "head_mean"
+) -> list[Tensor]:
+    """Keep the model's top entries across all layers and heads so that a fraction ``ratio`` is evicted.
+
+    Scores are first made comparable across layers (``comparable``, a key of :data:`LAYER_COMPARABLE_SCORES`);
+    then exactly :func:`select_budget` runs over all ``L * Hkv`` (layer, head) rows at once: the window, sinks
+    and non-finite scores of every row are kept, and the rest of the model's budget goes to the highest
+    comparable scores wherever they are. Layers therefore keep different shares.
+
+    Returns:
+        per layer, the ``[Hkv, n]`` keep mask.
+    """
+    if comparable not in LAYER_COMPARABLE_SCORES:
+        raise ValueError(f"comparable must be one of {sorted(LAYER_COMPARABLE_SCORES)}, got {comparable!r}")
+    normalise = LAYER_COMPARABLE_SCORES[comparable]
+    # Non-finite scores stay non-finite (forced keeps) whatever the normalisation.
+    comparable_scores = torch.stack(
+        [torch.where(torch.isfinite(s), normalise(s, window), s.to(torch.float64)) for s in scores]
+    )
+    num_layers, num_heads, n = comparable_scores.shape
+    keep = select_budget(comparable_scores.view(num_layers * num_heads, n), window, ratio, sink_tokens)
+    return list(keep.mask.view(num_layers, num_heads, n).unbind(0))

@@ -1,0 +1,379 @@
+"""The worker's compression state and its one owner, :class:`WorkerCompression`.
+
+vLLM's metadata builders are per-step factories and its attention impls are stateless; what lives longer than a
+step lives here, one object per worker (per model runner):
+
+- the page space (:mod:`rcstat_vllm.page_space`): head pages pooled across all layers, or per layer, decided
+  once when the KV cache is bound (:meth:`WorkerCompression.bind_kv_caches`);
+- the compressed requests' page tables (:class:`CompactedRequest`), requests being scored in this step's
+  forward, queries saved from earlier prefill chunks, the tensor-parallel agreement, reports and results.
+
+Who calls what:
+
+- the model runner hooks (``patches/model_runner.py``) create it when the runner sets up its KV cache
+  (:func:`start_worker_compression`), bind the caches, hand it each step's batch (:meth:`begin_step`) and
+  collect its reports for the scheduler (:meth:`pop_reports`);
+- the backends' metadata builders ask it for the step's plan (:meth:`plan_step`);
+- the backends' impls call :meth:`after_attention` after each layer's attention.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from rcstat_vllm.attribution.capture import attribution_capture
+from rcstat_vllm.compression import RequestCompressor, plan_compression, request_config, window_queries
+from rcstat_vllm.config import RCStatConfig, server_config
+from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan
+from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
+from rcstat_vllm.log import logger
+from rcstat_vllm.page_space import PageSpace, pooled_space_or_reason
+from rcstat_vllm.reports import CompressionReport
+from rcstat_vllm.step import StepInfo
+
+#: How many finished requests' results the worker keeps for the Python API.
+MAX_RESULTS = 100_000
+
+
+@dataclass
+class StepCompression:
+    """One step's compression plan, shared by every layer (built once per step by the metadata builder)."""
+
+    owner: "WorkerCompression"
+    #: batch row -> state of the requests already compressed (their heads read and write head pages)
+    compressed: dict[int, CompactedRequest] = field(default_factory=dict)
+    #: the head-as-sequence plan when ``compressed`` is not empty, else None (vLLM's own path)
+    head_plan: HeadSequencePlan | None = None
+    #: (batch row, CompressionDecision) of requests compressed after this step's attention
+    to_compress: list = field(default_factory=list)
+    #: (request id, query start, query end, how many) of non-final prefill chunks whose queries are kept
+    to_save: list = field(default_factory=list)
+    #: rows of requests that asked for attribution (rcstat_vllm.attribution.capture), None if none did
+    attribution: list | None = None
+    #: per row, tokens in the cache after this step (from the step info: no device synchronisation)
+    seq_lens: list[int] = field(default_factory=list)
+
+
+class WorkerCompression:
+    """Per-request compression state of one worker (see the module docstring)."""
+
+    def __init__(self, vllm_config, disabled_reason: str | None = None):
+        self.vllm_config = vllm_config
+        self.config: RCStatConfig = server_config(vllm_config.additional_config) or RCStatConfig()
+        self.layer_names: list[str] = []
+        self.layer_index: dict[str, int] = {}
+        self.num_heads = 0
+        self.block_size = 0
+        self.layout: CacheLayout | None = None
+        self.space: PageSpace | None = None
+        self.disabled_reason: str | None = None
+        if disabled_reason is not None:
+            self.disable(disabled_reason)
+        elif getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
+            # Stages hold different layers but share one block table, and run different steps at a time:
+            # an agreement per step would pair different batches.
+            self.disable("pipeline parallelism: stages cannot agree on the blocks a request keeps")
+        #: tensor-parallel ranks hold different KV heads but share the scheduler's block table: every request
+        #: keeps the max over ranks of the blocks its heads need (None: a single rank)
+        self.block_agreement_group = None
+        if vllm_config.parallel_config.tensor_parallel_size > 1 and self.disabled_reason is None:
+            from rcstat_vllm.patches.tensor_parallel import tensor_parallel_cpu_group
+
+            self.block_agreement_group = tensor_parallel_cpu_group()
+        self._step: StepInfo | None = None
+        self._states: dict[str, CompactedRequest] = {}
+        #: requests whose last prefill chunk runs in this step's forward, scored layer by layer
+        self._scoring: dict[str, RequestCompressor] = {}
+        #: compacted in this step's forward, waiting for the blocks they keep (agreed across TP ranks)
+        self._compacted: list[tuple[RequestCompressor, CompactedRequest]] = []
+        #: per request in chunked prefill, per layer: trailing queries of its chunks so far
+        self._saved_queries: dict[str, list[torch.Tensor | None]] = {}
+        #: per layer, the cache tensor seen in this step's forward (compaction runs after the last layer)
+        self._layer_caches: list[torch.Tensor | None] = []
+        self._reports: list[CompressionReport] = []
+        self.results: OrderedDict[str, CompressionReport] = OrderedDict()
+
+    def disable(self, reason: str) -> None:
+        """Run every request uncompressed (each logs ``reason`` in its report)."""
+        if self.disabled_reason is None:
+            self.disabled_reason = reason
+            logger.warning("rcstat: compression off for this engine: %s", reason)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    # ---- set-up (builders' constructors, then the runner hook once the KV cache exists) ----
+
+    def attach_layers(self, layer_names: list[str], *, num_kv_heads: int, block_size: int, layout: CacheLayout):
+        """A metadata builder's layers (vLLM builds one builder per KV-cache group, sometimes several)."""
+        if self.layer_names and list(layer_names) != self.layer_names:
+            self.disable("several KV-cache groups use the plugin's backend (one block table per group)")
+            return
+        if not self.layer_names:
+            self.layer_names = list(layer_names)
+            self.layer_index = {name: i for i, name in enumerate(layer_names)}
+            self.num_heads, self.block_size, self.layout = num_kv_heads, block_size, layout
+            self.space = PageSpace.per_layer(len(layer_names), num_kv_heads, block_size)
+            self._layer_caches = [None] * len(layer_names)
+            layer_reason = unsupported_layer_reason(self.vllm_config, layer_names)
+            if layer_reason is not None:
+                self.disable(layer_reason)
+            logger.info("rcstat: attention backend active for %d layers", len(layer_names))
+
+    def bind_kv_caches(self, caches: Mapping[str, torch.Tensor]) -> None:
+        """Decide the page space from the layers' cache tensors (layer name -> ``[B, H, N, 2D]``), once, and say
+        which at start-up."""
+        if not self.layer_names:
+            return
+        space, reason = None, engine_not_pooled_reason(self.vllm_config, self.block_size)
+        if reason is None:
+            missing = [name for name in self.layer_names if name not in caches]
+            if missing:
+                reason = f"no KV cache tensor for layer {missing[0]}"
+            else:
+                layer_caches = [caches[name] for name in self.layer_names]
+                space, reason = pooled_space_or_reason(layer_caches, self.num_heads, self.block_size)
+        if space is not None:
+            self.space = space
+            logger.info(
+                "rcstat: head pages pooled across all %d layers (%d pages per block): layers keep different "
+                "amounts at no block cost",
+                self.num_layers,
+                self.num_layers * self.num_heads,
+            )
+        else:
+            logger.warning(
+                "rcstat: head pages per layer, not pooled across layers (%s): the layer keeping the most sets "
+                "the blocks a request holds",
+                reason,
+            )
+
+    # ---- step protocol (patches/model_runner.py) ----
+
+    def begin_step(self, info: StepInfo) -> None:
+        self._finalize_compacted()
+        for req_id in info.dropped_req_ids:
+            self._states.pop(req_id, None)
+            self._saved_queries.pop(req_id, None)
+        self._step = info
+
+    def pop_reports(self) -> list[CompressionReport]:
+        self._finalize_compacted()
+        reports, self._reports = self._reports, []
+        return reports
+
+    def compression_results(self) -> dict[str, dict]:
+        return {req_id: report.to_dict() for req_id, report in self.results.items()}
+
+    @property
+    def num_compressed_requests(self) -> int:
+        return len(self._states)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing tracked: no compressed request, no saved queries, nothing mid-compression."""
+        return not (self._states or self._saved_queries or self._scoring or self._compacted)
+
+    def _record(self, report: CompressionReport) -> None:
+        self._reports.append(report)
+        self.results[report.req_id] = report
+        while len(self.results) > MAX_RESULTS:
+            self.results.popitem(last=False)
+        logger.debug(
+            "rcstat: request %s (%d prompt tokens, %s): compression ratio %.3f, %d blocks freed%s",
+            report.req_id,
+            report.num_prompt_tokens,
+            report.method,
+            report.compression_ratio,
+            report.blocks_freed,
+            f" (skipped: {report.skipped_reason})" if report.skipped_reason else "",
+        )
+
+    def _finalize_compacted(self) -> None:
+        if not self._compacted:  # the same on every TP rank: they run the same batch
+            return
+        agreed = max_over_ranks([state.blocks_needed() for _, state in self._compacted], self.block_agreement_group)
+        for (compressor, state), keep_blocks in zip(self._compacted, agreed):
+            req_id = compressor.decision.req_id
+            self._saved_queries.pop(req_id, None)
+            state.finalize(compressor.block_row, keep_blocks)
+            self._states[req_id] = state
+            self._record(compressor.report(state))
+        self._compacted.clear()
+
+    # ---- per-step plan (the metadata builders) ----
+
+    def plan_step(self, common_attn_metadata) -> StepCompression:
+        """Decide what every row of this batch does; grow compressed requests' page tables for this step and,
+        when the batch holds any, plan its head-as-sequence attention.
+
+        Lengths come from the step info (computed + scheduled tokens), not from device tensors: on CUDA this
+        costs no synchronisation.
+        """
+        plan = StepCompression(owner=self)
+        step = self._step
+        if step is None or len(step.requests) != common_attn_metadata.num_reqs:
+            if self._states:
+                raise RuntimeError("rcstat: batch metadata without step info while requests are compressed")
+            return plan
+        block_table = common_attn_metadata.block_table_tensor
+        query_start = common_attn_metadata.query_start_loc_cpu.tolist()
+        plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
+        plan.seq_lens = [request.num_tokens_after_step for request in step.requests]
+        for row, request in enumerate(step.requests):
+            state = self._states.get(request.req_id)
+            if state is not None:
+                state.reserve(request.num_tokens_after_step, block_table[row])
+                plan.compressed[row] = state
+            elif request.finishes_prefill:
+                saved = self._saved_queries.get(request.req_id)
+                decision = plan_compression(
+                    request,
+                    self.config,
+                    query_start[row],
+                    query_start[row + 1],
+                    self.disabled_reason,
+                    saved_queries=0 if saved is None or saved[0] is None else saved[0].shape[0],
+                )
+                if decision.skipped_reason is not None:
+                    self._saved_queries.pop(request.req_id, None)
+                    self._record(decision.skipped_report(self.num_layers, self.num_heads, self.block_size))
+                else:
+                    plan.to_compress.append((row, decision))
+            elif request.num_tokens_after_step < request.num_prompt_tokens:
+                # A non-final prefill chunk: keep its trailing queries in case the last chunk is short.
+                config, _ = request_config(request, self.config)
+                if config.enabled and request.num_prompt_tokens >= config.min_prompt_len:
+                    span = (query_start[row], query_start[row + 1], window_queries(config))
+                    plan.to_save.append((request.req_id, *span))
+        if plan.compressed:
+            plan.head_plan = make_head_plan(
+                query_start, plan.seq_lens, block_table, common_attn_metadata.slot_mapping, plan.compressed, self.space
+            )
+        return plan
+
+    # ---- inside the forward (the impls) ----
+
+    def page_cache(self, layer_index: int, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The tensor this layer's head-page ids index (the all-layers view when pages are pooled)."""
+        return self.space.cache(layer_index, kv_cache)
+
+    def after_attention(
+        self,
+        plan: StepCompression,
+        layer_index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """After a layer's attention: save queries of non-final chunks, score requests finishing their prefill
+        and, after the last layer, select and compact them (see ``RequestCompressor``)."""
+        for req_id, start, end, count in plan.to_save:
+            saved = self._saved_queries.setdefault(req_id, [None] * self.num_layers)
+            recent = query[max(start, end - count) : end]
+            previous = saved[layer_index]
+            saved[layer_index] = (recent.clone() if previous is None else torch.cat([previous, recent]))[-count:]
+        if not plan.to_compress:
+            return
+        self._layer_caches[layer_index] = kv_cache
+        for row, decision in plan.to_compress:
+            compressor = self._scoring.get(decision.req_id)
+            if compressor is None:
+                compressor = self._scoring[decision.req_id] = RequestCompressor(
+                    decision, self.num_layers, block_table[row]
+                )
+            saved = self._saved_queries.get(decision.req_id)
+            compressor.score_layer(
+                layer_index, query, kv_cache, scale, self.layout, None if saved is None else saved[layer_index]
+            )
+        if all(compressor.fully_scored for compressor in self._scoring.values()):
+            # The last layer of this forward has run its attention: no layer reads prompt KV any more.
+            for compressor in self._scoring.values():
+                self._compacted.append((compressor, compressor.compact(self._layer_caches, self.space, self.layout)))
+            self._scoring.clear()
+            self._layer_caches = [None] * self.num_layers
+
+
+# ---- the worker's owner: one per process (a worker process runs one model runner) ----
+
+_current: WorkerCompression | None = None
+
+
+def start_worker_compression(vllm_config) -> WorkerCompression | None:
+    """A fresh owner for a model runner setting up its KV cache (``patches/model_runner.py``); None when the
+    flag is off. The builders vLLM creates next find it with :func:`worker_compression`."""
+    global _current
+    _current = WorkerCompression(vllm_config) if server_config(vllm_config.additional_config) is not None else None
+    return _current
+
+
+def worker_compression(vllm_config) -> WorkerCompression:
+    """The owner a metadata builder reports to. A builder built outside a hooked model runner (a runner class
+    the plugin does not hook) gets a disabled owner whose reason says so, logged once."""
+    global _current
+    if _current is None or _current.vllm_config is not vllm_config:
+        _current = WorkerCompression(
+            vllm_config, disabled_reason="the model runner does not carry the plugin's hooks (unsupported runner)"
+        )
+    return _current
+
+
+def worker_compression_of(vllm_config) -> WorkerCompression | None:
+    """The owner of the runner with this config, if there is one (runner hooks, the Python API)."""
+    return _current if _current is not None and _current.vllm_config is vllm_config else None
+
+
+def unsupported_layer_reason(vllm_config, layer_names) -> str | None:
+    """Attention features head-as-sequence does not reproduce (it passes no ALiBi slopes, sinks or window to
+    the kernels), found on the layers' vLLM impls; None when there are none."""
+    context = vllm_config.compilation_config.static_forward_context
+    for name in layer_names:
+        impl = getattr(context.get(name), "impl", None)
+        if impl is None:
+            continue
+        if getattr(impl, "alibi_slopes", None) is not None:
+            return "ALiBi attention layers are not supported"
+        if getattr(impl, "sinks", None) is not None:
+            return "attention sinks are not supported"
+        if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+            return "sliding-window attention layers are not supported"
+    return None
+
+
+def engine_not_pooled_reason(vllm_config, kernel_block_size: int) -> str | None:
+    """Engine features under which a request's blocks are not simply L * H head pages it alone owns."""
+    if vllm_config.cache_config.block_size != kernel_block_size:
+        return (
+            f"vLLM splits each {vllm_config.cache_config.block_size}-token block into kernel blocks of "
+            f"{kernel_block_size} tokens"
+        )
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector moves blocks between engines"
+    if getattr(vllm_config.cache_config, "kv_offloading_size", None):
+        return "KV offloading copies blocks to another tier"
+    context = vllm_config.compilation_config.static_forward_context
+    if any(getattr(layer, "kv_sharing_target_layer_name", None) for layer in context.values()):
+        return "some layers share another layer's KV cache"
+    return None
+
+
+def max_over_ranks(values: list[int], group) -> list[int]:
+    """Element-wise max of ``values`` over the ranks of ``group`` (a torch.distributed process group; None:
+    a single rank). Every rank must call it with as many values, in the same order."""
+    if group is None:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def record_attribution(plan: StepCompression | None, layer_index: int, query, key) -> None:
+    """Before a layer's attention: hand its queries/keys to the attribution capture when a request asked."""
+    if plan is not None and plan.attribution:
+        attribution_capture().record(layer_index, plan.attribution, query, key)
