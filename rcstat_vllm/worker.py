@@ -175,6 +175,11 @@ class WorkerCompression:
         return len(self._states)
 
     @property
+    def requests_with_saved_queries(self) -> set[str]:
+        """Requests in chunked prefill whose trailing queries are kept for their last chunk."""
+        return set(self._saved_queries)
+
+    @property
     def idle(self) -> bool:
         """Nothing tracked: no compressed request, no saved queries, nothing mid-compression."""
         return not (self._states or self._saved_queries or self._scoring or self._compacted)

