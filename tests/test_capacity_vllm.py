@@ -76,3 +76,27 @@ def test_compression_runs_at_least_80_percent_of_n_over_one_minus_r_at_once(driv
     )
     assert abs(ratio - 0.5) < 0.01
     assert run.peak_running >= 0.8 * ideal
+
+
+def test_threshold_mode_frees_what_it_evicts_and_runs_85_percent_of_n_over_one_minus_r(driver):
+    """RC's own adaptive rule (Eq. 9): layers keep very different amounts, but head pages are pooled across
+    layers, so a request holds about the blocks its kept entries fill (fragmentation <= 1.10, where per-layer
+    pools held ~1.9x) and the pool runs >= 85% of N / (1 - r) at once. c = 0.05 gives r ~ 0.4 here; at higher
+    r the bound is vLLM's admission rule (a request is admitted with its whole uncompressed prompt), not the
+    plugin's layout (see the module docstring)."""
+    count = 2 * N + 4
+    run = wave(driver, "rc-threshold", count, method="rc", c=0.05, target_ratio=None)  # the server runs budget mode
+    results = [driver.result(f"rc-threshold-{i}") for i in range(count)]
+    ratio = sum(r["compression_ratio"] for r in results) / len(results)
+    ideal = N / (1 - ratio)
+    worst = max(r["fragmentation"] for r in results)
+    spread = [max(map(sum, r["kept"])) / max(min(map(sum, r["kept"])), 1) for r in results]
+    print(
+        f"\nRC threshold c=0.05: achieved ratio {ratio:.3f}, peak running {run.peak_running} = "
+        f"{run.peak_running / ideal:.0%} of N/(1-r) = {ideal:.1f}; fragmentation <= {worst:.3f}; "
+        f"fullest/emptiest layer kept {min(spread):.1f}-{max(spread):.1f}x; preemptions {run.preemptions}"
+    )
+    assert all(r["pooled_pages"] and r["skipped_reason"] is None for r in results)
+    assert min(spread) > 1.5  # layers really keep different amounts
+    assert worst <= 1.10
+    assert run.peak_running >= 0.85 * ideal
