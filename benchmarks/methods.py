@@ -31,9 +31,13 @@ class Setting:
     rcstat: dict = field(default_factory=dict)  # the per-request override ({"method": ..., ...})
     #: for matched settings: the RC threshold label whose per-prompt ratio this one takes
     matched_to: str | None = None
+    #: model-wide budgets: how layers' scores are made comparable (rcstat_vllm.scoring.LAYER_COMPARABLE_SCORES;
+    #: None = the plugin's choice). Benchmarks only: the served plugin always uses its own choice.
+    comparable: str | None = None
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "family": self.family, "rcstat": dict(self.rcstat), "matched_to": self.matched_to}
+        return {"label": self.label, "family": self.family, "rcstat": dict(self.rcstat), "matched_to": self.matched_to,
+                "comparable": self.comparable}
 
 
 def rc_label(c: float) -> str:
@@ -67,3 +71,15 @@ def resolve(setting: Setting, rc_ratios: dict[str, float]) -> dict:
     ratio = rc_ratios[setting.matched_to]
     # The plugin accepts target_ratio in [0, 1); RC never evicts the window, so its ratio is < 1.
     return {**setting.rcstat, "target_ratio": min(max(float(ratio), 0.0), 0.999)}
+
+
+def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_mean", "layer_rank", "depthkv"),
+                          window: int = 8) -> list[Setting]:
+    """RC budget mode per layer vs over the whole model, the latter with each way of comparing layers."""
+    settings = [Setting("full", "full", {"method": "none"})]
+    for r in ratios:
+        base = {"method": "rc", "target_ratio": float(r), "window": window}
+        settings.append(Setting(f"rc_budget_r{r:g}", "rc_budget", base))
+        settings += [Setting(f"rc_model_{name}_r{r:g}", "rc_model", {**base, "budget_scope": "model"}, comparable=name)
+                     for name in comparables]
+    return settings

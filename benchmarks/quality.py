@@ -18,6 +18,7 @@ total prompt KV entries over all layers and KV heads.
 
     python benchmarks/quality.py                       # default, writes benchmarks/results/quality_cpu.json
     python benchmarks/quality.py --quick --json /tmp/q.json
+    python benchmarks/quality.py --budget-scope-study  # per-layer vs model-wide budgets (how layers compare)
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def evaluate_sample(ref: ref_lib.ReferenceModel, ids: list[int], settings: list[
             key = (config.method, window_queries(config))
             if key not in scores_cache:
                 scores_cache[key] = ref_lib.score_layers(prefill, config)
-            keep = ref_lib.select_layers(scores_cache[key], config)
+            keep = ref_lib.select_layers(scores_cache[key], config, setting.comparable)
             masks, kept, ratio = keep.masks, keep.kept, keep.ratio
         logits, attn = ref.decode(prefill, generated, masks, all_layers=True)
         err = ref_lib.value_error(attn_full, attn)  # [L, T, Hq]
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", nargs="*", default=list(methods.BASELINES))
     parser.add_argument("--max-samples", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--budget-scope-study", action="store_true",
+                        help="RC budget per layer vs model-wide, with each way of comparing layers' scores "
+                             "(default output benchmarks/results/quality_budget_scope_cpu.json)")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/quality_cpu.json; "
                         "quality_cpu_quick.json with --quick)")
     args = parser.parse_args(argv)
@@ -150,8 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         sp["matched_c"] = tuple(args.c)
     if args.ratios is not None:
         sp["ratios"] = tuple(args.ratios)
-    settings = methods.build_settings(baselines=tuple(args.baselines), **sp)
-    out_path = Path(args.json) if args.json else RESULTS_DIR / ("quality_cpu_quick.json" if args.quick else "quality_cpu.json")
+    if args.budget_scope_study:
+        settings = methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)))
+        default_name = "quality_budget_scope_cpu.json"
+    else:
+        settings = methods.build_settings(baselines=tuple(args.baselines), **sp)
+        default_name = "quality_cpu_quick.json" if args.quick else "quality_cpu.json"
+    out_path = Path(args.json) if args.json else RESULTS_DIR / default_name
 
     t_start = time.time()
     load_start = load_avg()

@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matched-c", type=float, default=1.0, help="SnapKV/TOVA run at this RC run's ratios")
     parser.add_argument("--runs", nargs="*", default=None, help="only these runs (names as in the docstring)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved; median reported")
+    parser.add_argument("--no-prefill-overhead", action="store_true", help="skip the prefill-overhead batches")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -284,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                  (f"tova@{matched_source}", {}, dict(rcstat={"method": "tova", "target_ratio": 0.5}))]
     if args.runs:
         plan = [p for p in plan if p[0] in args.runs]
+    if args.no_prefill_overhead:
+        plan = [(name, env, {k: v for k, v in extra.items() if k != "overhead"}) for name, env, extra in plan]
 
     t_start = time.time()
     load_start = load_avg()

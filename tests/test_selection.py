@@ -181,3 +181,23 @@ def test_invalid_arguments():
         select_budget(torch.zeros(1, 3), window=1, ratio=1.5)
     with pytest.raises(ValueError, match=r"\[Hkv, n\]"):
         select_budget(torch.zeros(3), window=1, ratio=0.5)
+
+
+def test_depthkv_allocation_keeps_layer_zero_meets_the_mean_and_caps_each_layer():
+    from rcstat_vllm.scoring.selection import DEPTHKV_MAX_RATIO, depthkv_layer_ratios, select_budget_across_layers
+
+    g = torch.Generator().manual_seed(7)
+    # Layer k's scores grow more peaked with k: more of their mass sits on their top entries (more robust).
+    scores = [torch.rand(2, 300, generator=g) ** (1 + 3 * k) for k in range(12)]
+    ratios = depthkv_layer_ratios(scores, window=8, ratio=0.5)
+    assert ratios[0] == 0.0
+    assert abs(sum(ratios) / len(ratios) - 0.5) < 1e-9
+    assert max(ratios) <= DEPTHKV_MAX_RATIO + 1e-12
+    assert ratios[-1] > ratios[1]  # the most peaked layer is pruned most
+    # At a high ratio the cap binds and what it cuts goes to the other layers.
+    high = depthkv_layer_ratios(scores, window=8, ratio=0.85)
+    assert abs(sum(high) / len(high) - 0.85) < 1e-9 and max(high) == pytest.approx(DEPTHKV_MAX_RATIO)
+    masks = select_budget_across_layers(scores, 8, 0.5, comparable="depthkv")
+    assert bool(masks[0].all())  # layer 0 keeps everything
+    evicted = sum(int((~m).sum()) for m in masks)
+    assert abs(evicted / (12 * 2 * 300) - 0.5) < 0.01

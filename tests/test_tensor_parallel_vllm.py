@@ -1,7 +1,7 @@
 """Tensor parallelism end to end on vLLM-CPU: SmolLM2's 3 KV heads on 3 ranks (one head each).
 
 RC threshold mode keeps a different number of tokens per head, so the ranks need different block counts; the
-request must keep the max over ranks (the one all-reduce in ``CompressionPlanner._finalize_pending``), every
+request must keep the max over ranks (the one all-reduce in ``WorkerCompression._finalize_compacted``), every
 rank must hold that same count, and every block must be back in the pool at the end.
 """
 

@@ -177,12 +177,56 @@ def _layer_rank(scores: Tensor, window: int) -> Tensor:
     return (ranks / max(flat.numel() - 1, 1)).view_as(scores)
 
 
-#: How to put different layers' scores on one scale for a model-wide budget (``select_budget_across_layers``).
+#: How to put different layers' scores on one scale for a model-wide budget (``select_budget_across_layers``);
+#: ``depthkv`` allocates per-layer budgets instead (:func:`depthkv_layer_ratios`).
 LAYER_COMPARABLE_SCORES = {
     "head_mean": _relative_to_head_mean,
     "layer_mean": _relative_to_layer_mean,
     "layer_rank": _layer_rank,
+    "depthkv": None,
 }
+
+#: DepthKV's cap on any one layer's pruning ratio (their ``r_max``), so no layer is pruned to nothing.
+DEPTHKV_MAX_RATIO = 0.95
+
+
+def depthkv_layer_ratios(scores: list[Tensor], window: int, ratio: float, max_ratio: float = DEPTHKV_MAX_RATIO) -> list[float]:
+    """Per-layer pruning ratios with mean ``ratio``, DepthKV's metric-guided allocation (MGA, Sec. 5) with an
+    RC-derived robustness metric in place of their offline InfoNCE profile.
+
+    DepthKV keeps the first layer whole, assigns the other layers ratios proportional to a robustness score
+    normalised over them, caps each at ``max_ratio`` and redistributes what the caps cut among unsaturated
+    layers until the mean is met. Robustness here: the share of a layer's (non-window) score mass held by its
+    top ``1 - ratio`` entries; a layer whose importance sits on few tokens loses little when the rest go.
+    """
+    num_layers = len(scores)
+    if num_layers == 1 or ratio == 0:
+        return [ratio] * num_layers
+    robustness = []
+    for layer_scores in scores[1:]:
+        n = layer_scores.shape[1]
+        values = layer_scores[:, : max(n - window, 0)].to(torch.float64)
+        values = torch.where(torch.isfinite(values), values, torch.zeros((), dtype=torch.float64)).flatten()
+        total = float(values.clamp_min(0).sum())
+        keep = max(int(round((1 - ratio) * values.numel())), 1)
+        top = float(torch.topk(values.clamp_min(0), min(keep, values.numel())).values.sum()) if values.numel() else 0.0
+        robustness.append(top / total if total > 0 else 1.0)
+    weights = torch.tensor(robustness, dtype=torch.float64)
+    weights = weights / weights.sum() if float(weights.sum()) > 0 else torch.full_like(weights, 1 / len(weights))
+    # Layer 0 is not pruned: the others carry the whole model's budget.
+    budget = min(ratio * num_layers, max_ratio * (num_layers - 1))
+    ratios = torch.zeros(num_layers - 1, dtype=torch.float64)
+    free = torch.ones(num_layers - 1, dtype=torch.bool)
+    for _ in range(num_layers):  # each pass saturates at least one layer or ends
+        remaining = budget - float(ratios[~free].sum())
+        share = weights * free
+        ratios[free] = remaining * share[free] / float(share.sum())
+        over = free & (ratios > max_ratio)
+        if not bool(over.any()):
+            break
+        ratios[over] = max_ratio
+        free &= ~over
+    return [0.0] + ratios.tolist()
 
 
 def select_budget_across_layers(
@@ -193,13 +237,17 @@ def select_budget_across_layers(
     Scores are first made comparable across layers (``comparable``, a key of :data:`LAYER_COMPARABLE_SCORES`);
     then exactly :func:`select_budget` runs over all ``L * Hkv`` (layer, head) rows at once: the window, sinks
     and non-finite scores of every row are kept, and the rest of the model's budget goes to the highest
-    comparable scores wherever they are. Layers therefore keep different shares.
+    comparable scores wherever they are. Layers therefore keep different shares. ``depthkv`` instead gives each
+    layer its own ratio (:func:`depthkv_layer_ratios`) and selects per layer.
 
     Returns:
         per layer, the ``[Hkv, n]`` keep mask.
     """
     if comparable not in LAYER_COMPARABLE_SCORES:
         raise ValueError(f"comparable must be one of {sorted(LAYER_COMPARABLE_SCORES)}, got {comparable!r}")
+    if comparable == "depthkv":
+        ratios = depthkv_layer_ratios(scores, window, ratio)
+        return [select_budget(s, window, r, sink_tokens).mask for s, r in zip(scores, ratios)]
     normalise = LAYER_COMPARABLE_SCORES[comparable]
     # Non-finite scores stay non-finite (forced keeps) whatever the normalisation.
     comparable_scores = torch.stack(

@@ -1,0 +1,78 @@
+"""The worker's compression owner: created by the model runner hook, found by the builders, never silent when a
+runner class the plugin does not hook builds the plugin's backend."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from rcstat_vllm.head_pages import CPU_VEC  # noqa: E402
+from rcstat_vllm.worker import (  # noqa: E402
+    WorkerCompression,
+    engine_not_pooled_reason,
+    start_worker_compression,
+    worker_compression,
+    worker_compression_of,
+)
+
+
+def _config(rcstat=None, block_size=16, **extra):
+    return SimpleNamespace(
+        additional_config={} if rcstat is None else {"rcstat": rcstat},
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(static_forward_context=extra.pop("context", {})),
+        cache_config=SimpleNamespace(block_size=block_size, kv_offloading_size=extra.pop("offloading", None)),
+        kv_transfer_config=extra.pop("kv_transfer", None),
+    )
+
+
+def test_the_runner_hook_creates_the_owner_the_builders_find():
+    config = _config({"method": "rc"})
+    owner = start_worker_compression(config)
+    assert owner is not None and owner.disabled_reason is None
+    assert worker_compression(config) is owner and worker_compression_of(config) is owner
+    assert start_worker_compression(_config()) is None  # no flag: no state, every hook passes through
+    assert worker_compression_of(config) is None
+
+
+def test_a_builder_outside_a_hooked_runner_gets_a_disabled_owner_naming_why(caplog):
+    start_worker_compression(_config())  # e.g. vLLM's Model Runner V2, which the plugin does not hook
+    config = _config({"method": "rc"})
+    owner = worker_compression(config)
+    assert "does not carry the plugin's hooks" in owner.disabled_reason
+    owner.attach_layers(["a", "b"], num_kv_heads=2, block_size=16, layout=CPU_VEC)
+    assert owner.space.is_pooled is False
+
+
+def test_pooling_preconditions_of_the_engine_are_named():
+    assert engine_not_pooled_reason(_config({}), 16) is None
+    assert "kernel blocks" in engine_not_pooled_reason(_config({}, block_size=32), 16)
+    assert "KV connector" in engine_not_pooled_reason(_config({}, kv_transfer=object()), 16)
+    assert "offloading" in engine_not_pooled_reason(_config({}, offloading=4.0), 16)
+    shared = {"l1": SimpleNamespace(kv_sharing_target_layer_name="l0")}
+    assert "share another layer" in engine_not_pooled_reason(_config({}, context=shared), 16)
+
+
+def test_bind_chooses_pooled_pages_for_one_backing_buffer_and_per_layer_otherwise():
+    names = ["l0", "l1"]
+    backing = torch.zeros(2 * 8, 2, 16, 8)
+    pooled = WorkerCompression(_config({"method": "rc"}))
+    pooled.attach_layers(names, num_kv_heads=2, block_size=16, layout=CPU_VEC)
+    pooled.bind_kv_caches(dict(zip(names, backing.view(2, 8, 2, 16, 8).unbind(0))))
+    assert pooled.space.is_pooled and pooled.space.layer_base == (0, 16)
+
+    separate = WorkerCompression(_config({"method": "rc"}, block_size=32))
+    separate.attach_layers(names, num_kv_heads=2, block_size=16, layout=CPU_VEC)
+    separate.bind_kv_caches(dict(zip(names, backing.view(2, 8, 2, 16, 8).unbind(0))))
+    assert not separate.space.is_pooled  # the engine splits blocks: per-layer pools, logged
+
+
+def test_a_second_kv_cache_group_turns_compression_off_with_a_reason():
+    owner = WorkerCompression(_config({"method": "rc"}))
+    owner.attach_layers(["l0"], num_kv_heads=2, block_size=16, layout=CPU_VEC)
+    owner.attach_layers(["l0"], num_kv_heads=2, block_size=16, layout=CPU_VEC)  # same group again: fine
+    assert owner.disabled_reason is None
+    owner.attach_layers(["m0"], num_kv_heads=2, block_size=16, layout=CPU_VEC)
+    assert "several KV-cache groups" in owner.disabled_reason
