@@ -153,6 +153,45 @@ def gather_prompt(
     return layout.read(kv_cache, pages, (tokens % block_size).expand_as(pages))
 
 
+def _compact_in_own_pages(
+    cache: Tensor, layer_pages: Tensor, keep_mask: Tensor, block_size: int, layout: CacheLayout
+) -> tuple[Tensor, Tensor]:
+    """Compact one layer within its own pages ``layer_pages`` ``[H, prompt blocks]`` (page ids of ``cache``).
+
+    The layer's pages are handed out block by block (``row[0]`` heads 0..H-1, then ``row[1]`` ...): head 0 takes
+    the first ``ceil(k_0 / N)``, head 1 the next, and so on. The layer's kept entries are gathered before any is
+    written, which makes the in-place move safe although sources and destinations share pages.
+
+    Returns:
+        ``[H, max_pages]`` page table (-1 where a head has no page) and the ``[H]`` pages per head.
+    """
+    num_heads = keep_mask.shape[0]
+    device = keep_mask.device
+    counts = keep_mask.sum(dim=1)
+    pages_per_head = (counts + block_size - 1) // block_size
+    first_page = torch.cumsum(pages_per_head, 0) - pages_per_head
+    pool = layer_pages.t().reshape(-1)[: int(pages_per_head.sum())]
+    # Sources: (head, token) of every kept entry, in head-major then token order.
+    head_idx, token_idx = torch.nonzero(keep_mask, as_tuple=True)
+    source_pages = layer_pages[head_idx, token_idx // block_size]
+    # Destinations: the j-th kept token of head h goes to slot j of head h's page run.
+    rank = torch.arange(head_idx.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[head_idx]
+    dest_pages = pool[first_page[head_idx] + rank // block_size]
+    keys, values = layout.read(cache, source_pages, token_idx % block_size)  # copies: sources may be overwritten
+    layout.write(cache, dest_pages, rank % block_size, keys, values)
+
+    width = max(int(pages_per_head.max()) if num_heads else 0, 1)
+    table = torch.full((num_heads, width), -1, dtype=torch.int64, device=device)
+    slot = torch.arange(width, device=device).unsqueeze(0)
+    valid = slot < pages_per_head.unsqueeze(1)
+    table[valid] = pool[(first_page.unsqueeze(1) + slot)[valid]]
+    return table, pages_per_head
+
+
+#: Pages moved per copy when overflow pages spill into other layers' vacated pages (bounds the transient copy).
+SPILL_CHUNK_PAGES = 1024
+
+
 def compact(
     caches: Sequence[Tensor],
     block_row: Tensor,
@@ -160,14 +199,17 @@ def compact(
     space: PageSpace,
     layout: CacheLayout = CPU_VEC,
 ) -> Tensor:
-    """Move each (layer, head)'s kept tokens (in order) to the front of fresh head pages of the request's blocks.
+    """Move each (layer, head)'s kept tokens (in order) to the front of head pages in the request's first blocks.
 
-    Each pool of ``space`` hands out its pages block by block (:meth:`PageSpace.pool_pages`): the pool's first
-    (layer, head) takes the first ``ceil(k / N)`` pages, the next one the following pages, and so on, so the
-    request needs only its first ``ceil(pages of the pool / pages per block)`` blocks. Within a pool everything
-    kept is gathered before anything is written, which makes the in-place move safe although sources and
-    destinations share blocks (and, pooled, other layers' pages). The caller must run it only once no layer of
-    the pool still has to read its uncompressed prompt KV (see ``WorkerCompression``).
+    1. Each layer compacts within its own pages of the request's blocks (:func:`_compact_in_own_pages`): a layer
+       needs ``ceil(sum_h ceil(k_h / N) / H)`` blocks of its own slice.
+    2. With pages pooled across layers (one pool of all layers, ``space``), the request keeps only
+       ``ceil(pages of all (layer, head) / (L * H))`` blocks: pages a full layer placed beyond them *spill*, whole,
+       into pages other layers left vacant within them. A spill never writes a page that holds kept KV or reads
+       one that was written, so it runs in chunks of :data:`SPILL_CHUNK_PAGES` pages in any order.
+
+    Memory beyond the cache: one layer's kept entries (step 1), one chunk of pages (step 2). Run it only once no
+    layer still has to read its uncompressed prompt KV: pooled, a spill writes into other layers' slices.
 
     Args:
         caches: per layer, its cache (``[num_blocks, H, N, 2D]``); a pooled space indexes its all-layers view.
@@ -181,43 +223,57 @@ def compact(
     """
     num_heads, block_size = space.num_heads, space.block_size
     num_tokens = keep_masks[0].shape[1]
-    device = keep_masks[0].device
-    prompt_blocks = block_row[: cdiv(num_tokens, block_size)]
-    counts = torch.stack([mask.sum(dim=1) for mask in keep_masks])  # [L, H]
-    pages_per_head = (counts + block_size - 1) // block_size
-    tables = torch.full(
-        (len(keep_masks), num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64, device=device
-    )
-    for pool_index, layers in enumerate(space.pools):
-        pool_counts = counts[list(layers)].reshape(-1)  # (layer of the pool, head), flattened
-        pool_pages_per_head = pages_per_head[list(layers)].reshape(-1)
-        first_page = torch.cumsum(pool_pages_per_head, 0) - pool_pages_per_head
-        num_pages = int(pool_pages_per_head.sum())
-        pool = space.pool_pages(pool_index, block_row[: cdiv(num_pages, space.pages_per_block(pool_index))])
-        pool = pool.to(device)[:num_pages]
-
-        # Sources: (layer, head, token) of every kept entry, in (layer, head) then token order.
-        source_pages, offsets, owner = [], [], []
-        for i, layer in enumerate(layers):
-            head_idx, token_idx = torch.nonzero(keep_masks[layer], as_tuple=True)
-            source_pages.append(space.identity(layer, prompt_blocks)[head_idx, token_idx // block_size])
-            offsets.append(token_idx % block_size)
-            owner.append(i * num_heads + head_idx)
-        source_pages, offsets, owner = torch.cat(source_pages), torch.cat(offsets), torch.cat(owner)
-        # Destinations: the j-th kept token of (layer, head) goes to slot j of that pair's page run.
-        rank = torch.arange(owner.numel(), device=device) - (torch.cumsum(pool_counts, 0) - pool_counts)[owner]
-        dest_pages = pool[first_page[owner] + rank // block_size]
-
-        cache = space.cache(layers[0], caches[layers[0]])
-        keys, values = layout.read(cache, source_pages, offsets)  # copies: sources may be overwritten
-        layout.write(cache, dest_pages, rank % block_size, keys, values)
-
-        slot = torch.arange(tables.shape[2], device=device).unsqueeze(0)
-        valid = slot < pool_pages_per_head.unsqueeze(1)
-        pool_tables = torch.full((len(layers) * num_heads, tables.shape[2]), -1, dtype=torch.int64, device=device)
-        pool_tables[valid] = pool[(first_page.unsqueeze(1) + slot)[valid]]
-        tables[list(layers)] = pool_tables.view(len(layers), num_heads, -1)
+    prompt_blocks = block_row[: cdiv(num_tokens, block_size)].to(keep_masks[0].device)
+    tables, pages = [], []
+    for layer, mask in enumerate(keep_masks):
+        cache = space.cache(layer, caches[layer])
+        table, pages_per_head = _compact_in_own_pages(
+            cache, space.identity(layer, prompt_blocks), mask, block_size, layout
+        )
+        tables.append(table)
+        pages.append(pages_per_head)
+    tables = stack_tables(tables)
+    if space.is_pooled:
+        keep_blocks = cdiv(int(torch.stack(pages).sum()), space.pages_per_block(0))
+        _spill_into_vacated_pages(space, tables, torch.stack(pages), prompt_blocks, keep_blocks, layout)
     return tables
+
+
+def _spill_into_vacated_pages(
+    space: PageSpace, tables: Tensor, pages: Tensor, prompt_blocks: Tensor, keep_blocks: int, layout: CacheLayout
+) -> None:
+    """Move every page of ``tables`` that lies beyond the request's first ``keep_blocks`` blocks into a page of
+    those blocks that no (layer, head) uses; rewrite ``tables`` in place."""
+    num_heads, block_size = space.num_heads, space.block_size
+    device = tables.device
+    # Layer l's heads took the first pages[l].sum() of its own pages in block-by-block order, head after head:
+    # slot j of head h is page number first_page[l, h] + j of that order, which lies in block (that) // H.
+    first_page = torch.cumsum(pages, dim=1) - pages  # [L, H]
+    position = first_page.unsqueeze(2) + torch.arange(tables.shape[2], device=device)
+    kept_pages_per_layer = keep_blocks * num_heads
+    overflow = (tables >= 0) & (position >= kept_pages_per_layer)
+    if not bool(overflow.any()):
+        return
+    used = pages.sum(dim=1)  # [L]
+    vacant = torch.cat(
+        [
+            space.identity(layer, prompt_blocks[:keep_blocks]).t().reshape(-1)[int(used[layer]) :]
+            for layer in range(tables.shape[0])
+            if int(used[layer]) < kept_pages_per_layer
+        ]
+    )
+    sources = tables[overflow]
+    if vacant.numel() < sources.numel():
+        raise RuntimeError("rcstat: not enough vacant pages to spill into (page accounting bug)")
+    destinations = vacant[: sources.numel()]
+    cache = space.all_layers
+    offsets = torch.arange(block_size, device=device)
+    for start in range(0, sources.numel(), SPILL_CHUNK_PAGES):
+        src = sources[start : start + SPILL_CHUNK_PAGES].unsqueeze(1).expand(-1, block_size)
+        dst = destinations[start : start + SPILL_CHUNK_PAGES].unsqueeze(1).expand(-1, block_size)
+        keys, values = layout.read(cache, src, offsets.expand_as(src))
+        layout.write(cache, dst, offsets.expand_as(dst), keys, values)
+    tables[overflow] = destinations
 
 
 def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor, layout: CacheLayout = CPU_VEC) -> Tensor:

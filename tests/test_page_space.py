@@ -81,8 +81,8 @@ def test_one_layer_keeping_everything_and_one_almost_nothing_hold_fewer_blocks_t
             slots = torch.arange(kept.numel())
             keys, values = read_kv(space.all_layers, tables[layer, h, slots // BLOCK], slots % BLOCK)
             assert torch.equal(keys, prompts[layer][0][h, kept]) and torch.equal(values, prompts[layer][1][h, kept])
-    # Layer 0 alone fills all 10 blocks; the pool lets layers 1 and 2 use its spare pages ... there are none,
-    # but layer 0's pages are spread over every layer's slice of the first blocks.
+    # Layer 0 alone fills all 10 blocks of its own slice; pooled, its pages beyond the kept blocks spill into the
+    # pages layers 1 and 2 left vacant, so the request keeps far fewer blocks.
     pages = (state.kept + BLOCK - 1) // BLOCK
     per_layer_blocks = max(cdiv(int(p), HEADS) for p in pages.sum(1))
     state.finalize(row)
