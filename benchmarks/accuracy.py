@@ -51,6 +51,10 @@ ACCURACY_PRESETS = {
                     niah_multi_lengths=[2048], niah_multi_depths=[0.5], vt_lengths=[1024], vt_per_length=2,
                     summ=2, summ_tokens=1024),
 }
+#: --budget-scope-study: needles only, more of them (single: 3 lengths x 6 depths; multi: 2 lengths x 3 depths).
+BUDGET_SCOPE_PRESET = dict(base="default", tasks=["niah_single", "niah_multi"], niah_lengths=[1024, 2048, 4096],
+                           niah_depths=[0.05, 0.25, 0.4, 0.6, 0.75, 0.95], niah_multi_lengths=[1024, 2048],
+                           niah_multi_depths=[0.1, 0.5, 0.9])
 SETTINGS_PRESETS = {
     "quick": dict(c_values=(0.05, 1.0), ratios=(0.5, 0.8), baselines=("snapkv", "tova"), matched_c=()),
     "default": dict(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=("snapkv", "tova"),
@@ -232,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fidelity-samples", type=int, default=None)
     parser.add_argument("--fidelity-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--no-fidelity", action="store_true")
+    parser.add_argument("--budget-scope-study", action="store_true",
+                        help="needles only: RC budget per layer vs model-wide (the plugin's own comparison of layers) "
+                             "at --ratios (default 0.5 0.8); writes benchmarks/results/accuracy_budget_scope_cpu.json")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/accuracy_cpu.json)")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "default"
@@ -240,8 +247,17 @@ def main(argv: list[str] | None = None) -> int:
                        ("matched_c", args.matched_c)):
         if value is not None:
             sp[key] = tuple(value)
-    settings = methods.build_settings(matched_methods=("snapkv", "tova"), **sp)
-    out_path = Path(args.json) if args.json else RESULTS_DIR / ("accuracy_cpu_quick.json" if args.quick else "accuracy_cpu.json")
+    if args.budget_scope_study:
+        settings = [st for st in methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)), comparables=())]
+        settings += [methods.Setting(f"rc_model_r{r:g}", "rc_model",
+                                     {"method": "rc", "target_ratio": float(r), "window": 8, "budget_scope": "model"})
+                     for r in (args.ratios or (0.5, 0.8))]
+        args.no_fidelity = True
+        default_name = "accuracy_budget_scope_cpu.json"
+    else:
+        settings = methods.build_settings(matched_methods=("snapkv", "tova"), **sp)
+        default_name = "accuracy_cpu_quick.json" if args.quick else "accuracy_cpu.json"
+    out_path = Path(args.json) if args.json else RESULTS_DIR / default_name
 
     from rcstat_vllm.model import default_model_dir
 
@@ -249,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     load_start = load_avg()
     tokenizer = data.load_tokenizer(model_dir)
-    ap = dict(ACCURACY_PRESETS[preset])
+    ap = dict(BUDGET_SCOPE_PRESET if args.budget_scope_study else ACCURACY_PRESETS[preset])
     samples = data.build_suite(tokenizer, ap.pop("base"), args.seed, **ap)
     by_id = {s.sample_id: s for s in samples}
     max_len = max(s.num_tokens + s.max_new_tokens for s in samples)

@@ -240,3 +240,18 @@ def test_bounds_batched_rows_match_single_rows():
         assert upper[row].item() == pytest.approx(rc_upper_bound(x[row], y[row]).item(), abs=1e-14)
         assert lower[row].item() == pytest.approx(rc_lower_bound(x[row], y[row]).item(), abs=1e-14)
         assert lower[row] <= brute_force_pair_mean(x[row].tolist(), y[row].tolist()) + 1e-12 <= upper[row] + 2e-12
+
+
+def test_direct_sum_and_sorted_prefix_sums_agree(monkeypatch):
+    """Small windows sum max(x - y, 0) directly, larger ones count with searchsorted: both are Eq. 6."""
+    import rcstat_vllm.scoring.rc as rc
+
+    g = torch.Generator().manual_seed(11)
+    for w in (1, 8, 16):
+        q = torch.randn(2, 3, w, 16, generator=g, dtype=torch.float64)
+        keys = torch.randn(2, 300, 16, generator=g, dtype=torch.float64) * 3
+        direct = rc.expected_rc_grouped(q, keys)
+        monkeypatch.setattr(rc, "DIRECT_SUM_MAX_M", 0)
+        sorted_path = rc.expected_rc_grouped(q, keys)
+        monkeypatch.undo()
+        torch.testing.assert_close(direct, sorted_path, rtol=1e-10, atol=1e-10)

@@ -41,6 +41,13 @@ __all__ = [
     "window_self_logits",
 ]
 
+#: Up to this many window self logits per query head (m = w(w+1)/2; w <= 16), summing max(x - y, 0) over Y
+#: directly is faster than searchsorted + prefix sums (one CPU thread, SmolLM2 shapes, 1800 tokens, per layer:
+#: w = 8: 2.1 vs 3.5 ms; w = 16: 6.6 vs 9.2 ms; w = 32: 44 vs 25 ms).
+DIRECT_SUM_MAX_M = 136
+#: Elements of the transient [..., k, m] difference tensor of the direct sum (16 MiB in float32).
+_DIRECT_SUM_ELEMENTS = 1 << 22
+
 # Tokens per chunk when computing cross logits: bounds the transient [.., w, chunk] tensors (and the int64
 # searchsorted output) to a few MiB per head at 64k-token prompts instead of materialising [.., w, n] at once.
 _TOKEN_CHUNK = 8192
@@ -81,6 +88,15 @@ class WindowSelfLogits:
             [..., k] in the dtype of ``sorted``.
         """
         x_centered = x - self.center.unsqueeze(-1)
+        m = self.sorted.shape[-1]
+        if m <= DIRECT_SUM_MAX_M:
+            # The definition itself, chunked along x: cheaper than a batched searchsorted for small windows.
+            gaps = torch.empty_like(x_centered)
+            step = max(1, _DIRECT_SUM_ELEMENTS // (m * max(self.sorted[..., 0].numel(), 1)))
+            for start in range(0, x_centered.shape[-1], step):
+                chunk = x_centered[..., start : start + step]
+                gaps[..., start : start + step] = (chunk.unsqueeze(-1) - self.sorted.unsqueeze(-2)).clamp_min_(0).sum(-1)
+            return gaps
         # side="left": number of y strictly below x; y == x contributes max(0, 0) = 0 either way.
         count_below = torch.searchsorted(self.sorted, x_centered.contiguous(), side="left")
         sum_below = torch.gather(self.prefix, -1, count_below)
