@@ -85,7 +85,7 @@ def plan_compression(
 
 
 #: How a model-wide budget makes layers' scores comparable (measured against the others: README, "Which mode").
-MODEL_BUDGET_COMPARABLE = "head_mean"
+MODEL_BUDGET_COMPARABLE = "layer_mean"
 
 
 def select_keep_masks(scores: list[torch.Tensor], config: RCStatConfig, comparable: str | None = None) -> list[torch.Tensor]:

@@ -230,7 +230,7 @@ def depthkv_layer_ratios(scores: list[Tensor], window: int, ratio: float, max_ra
 
 
 def select_budget_across_layers(
-    scores: list[Tensor], window: int, ratio: float, sink_tokens: int = 0, comparable: str = "head_mean"
+    scores: list[Tensor], window: int, ratio: float, sink_tokens: int = 0, comparable: str = "layer_mean"
 ) -> list[Tensor]:
     """Keep the model's top entries across all layers and heads so that a fraction ``ratio`` is evicted.
 
