@@ -183,3 +183,37 @@ def test_compressed_requests_preempted_by_decode_growth_are_recomputed_and_leak_
     assert driver.free_blocks() == driver.initial_free
     driver.run([("flush-2", driver.prompt(8), greedy(1))])
     assert driver.compression.idle
+
+
+def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewer_blocks(driver):
+    """The same compressed requests (threshold mode, and a model-wide budget) run once with head pages pooled
+    across layers (this engine's default) and once, in the same engine, with each layer's pages in its own slice:
+    the kept tokens and the generated tokens are identical (attention reads the same KV from other pages),
+    while the pooled requests hold fewer blocks."""
+    from rcstat_vllm.page_space import PageSpace
+
+    def wave(tag):
+        requests = [(f"{tag}-{i}", driver.prompt(700 + 250 * i, offset=31 * i), greedy(24)) for i in range(3)]
+        requests.append((f"{tag}-model", driver.prompt(1200, offset=5), greedy(24, target_ratio=0.7, budget_scope="model")))
+        run = driver.run(requests)
+        driver.run([(f"{tag}-flush", driver.prompt(8), greedy(1))])  # delivers the finished ids to the worker
+        assert driver.compression.idle and driver.free_blocks() == driver.initial_free
+        suffixes = [r[0][len(tag) + 1 :] for r in requests]
+        return {s: run.outputs[f"{tag}-{s}"] for s in suffixes}, {s: driver.result(f"{tag}-{s}") for s in suffixes}
+
+    owner = driver.compression
+    pooled_space = owner.space
+    assert pooled_space.is_pooled
+    pooled_tokens, pooled_results = wave("pooled")
+    owner.space = PageSpace.per_layer(owner.num_layers, owner.num_heads, owner.block_size)
+    try:
+        layer_tokens, layer_results = wave("per-layer")
+    finally:
+        owner.space = pooled_space
+    assert pooled_tokens == layer_tokens
+    for key, pooled in pooled_results.items():
+        per_layer = layer_results[key]
+        assert pooled["pooled_pages"] and not per_layer["pooled_pages"]
+        assert pooled["kept"] == per_layer["kept"]
+        assert pooled["blocks_held"] <= per_layer["blocks_held"]
+    assert sum(r["blocks_held"] for r in pooled_results.values()) < sum(r["blocks_held"] for r in layer_results.values())
