@@ -24,12 +24,14 @@ BLOCK, RANKS = 32, 3
 PROMPT_LENGTHS = [700, 450, 900, 520]
 
 
-def _blocks_needed(kept_one_head_per_layer: list[list[int]], num_tokens: int) -> int:
-    """One rank's need (CompactedRequest.blocks_needed with one head): pages of each layer's head, including
-    the tokens still to come before the next block."""
+def _blocks_needed(kept_one_head_per_layer: list[list[int]], num_tokens: int, pooled: bool) -> int:
+    """One rank's need (CompactedRequest.blocks_needed with one head): the pages of each layer's head, including
+    the tokens still to come before the next block; pooled across layers, L pages per block, else the fullest
+    layer's pages."""
     to_boundary = -num_tokens % BLOCK
-    pages = max(-(-(layer[0] + to_boundary) // BLOCK) for layer in kept_one_head_per_layer)
-    return min(pages, -(-num_tokens // BLOCK))
+    pages = [-(-(layer[0] + to_boundary) // BLOCK) for layer in kept_one_head_per_layer]
+    blocks = -(-sum(pages) // len(pages)) if pooled else max(pages)
+    return min(blocks, -(-num_tokens // BLOCK))
 
 
 def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypatch):
@@ -65,7 +67,8 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
         disagreed = 0
         for req_id, result in per_rank[0].items():
             assert result["skipped_reason"] is None
-            needs = [_blocks_needed(r[req_id]["kept"], result["num_prompt_tokens"]) for r in per_rank]
+            assert result["pooled_pages"]  # each rank's layers share one backing buffer
+            needs = [_blocks_needed(r[req_id]["kept"], result["num_prompt_tokens"], pooled=True) for r in per_rank]
             print(f"[tp] {req_id}: ranks need {needs}, keep {result['keep_blocks']}")
             assert [r[req_id]["keep_blocks"] for r in per_rank] == [max(needs)] * RANKS
             disagreed += len(set(needs)) > 1
