@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.compression import select_keep_masks, window_queries
+from rcstat_vllm.compression import scorer_options, select_keep_masks, window_queries
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.scoring import get_scorer
 
@@ -234,8 +234,7 @@ class KeepMasks:
 
 def score_layers(prefill: Prefill, config: RCStatConfig) -> list[Tensor]:
     """Per layer [Hkv, n] scores exactly as the plugin computes them (a fresh scorer per request)."""
-    options = {"window_size": window_queries(config)} if config.method == "rc" else {}
-    scorer = get_scorer(config.method, **options)
+    scorer = get_scorer(config.method, **scorer_options(config))
     width = min(window_queries(config), prefill.n)
     scores = []
     for layer in range(prefill.num_layers):

@@ -75,7 +75,7 @@ def evaluate_sample(ref: ref_lib.ReferenceModel, ids: list[int], settings: list[
         if not config.enabled:
             masks, kept, ratio = None, None, 0.0
         else:
-            key = (config.method, window_queries(config))
+            key = (config.method, window_queries(config), config.smoothing)
             if key not in scores_cache:
                 scores_cache[key] = ref_lib.score_layers(prefill, config)
             keep = ref_lib.select_layers(scores_cache[key], config, setting.comparable)

@@ -57,6 +57,14 @@ def window_queries(config: RCStatConfig) -> int:
     return max(SCORERS[config.method].default_window_size, config.window)
 
 
+def scorer_options(config: RCStatConfig) -> dict:
+    """The scorer's constructor options: RC's observation window and smoothing are the config's; the baselines
+    keep their published defaults."""
+    if config.method != "rc":
+        return {}
+    return {"window_size": window_queries(config), "smoothing": config.smoothing}
+
+
 def plan_compression(
     request: BatchRequest,
     server: RCStatConfig,
@@ -119,11 +127,7 @@ class RequestCompressor:
         self.block_row = block_row.clone()
         self.scores: list[torch.Tensor | None] = [None] * num_layers
         self.kept: torch.Tensor | None = None
-        self.scorer = get_scorer(self.config.method, **self._scorer_options())
-
-    def _scorer_options(self) -> dict:
-        # RC's observation window is the config's; the baselines keep their published defaults.
-        return {"window_size": window_queries(self.config)} if self.config.method == "rc" else {}
+        self.scorer = get_scorer(self.config.method, **scorer_options(self.config))
 
     @property
     def fully_scored(self) -> bool:

@@ -50,6 +50,9 @@ class RCStatConfig:
         budget_scope: budget mode only: ``layer`` evicts ``target_ratio`` of every layer; ``model`` evicts it
             from the model as a whole (top entries across all layers and heads, scores made comparable across
             layers), so layers keep different shares.
+        smoothing: RC only: each score is averaged over this many neighbouring tokens (an odd window centred on
+            the token, as SnapKV pools its scores) before selection, so a fact's span is kept or evicted whole;
+            1 = no smoothing.
     """
 
     method: str = "rc"
@@ -59,6 +62,7 @@ class RCStatConfig:
     sink_tokens: int = 0
     min_prompt_len: int = 64
     budget_scope: str = "layer"
+    smoothing: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -75,6 +79,8 @@ class RCStatConfig:
             raise ConfigError("sink_tokens", self.sink_tokens, "an integer >= 0")
         if not _is_int(self.min_prompt_len) or self.min_prompt_len < 1:
             raise ConfigError("min_prompt_len", self.min_prompt_len, "an integer >= 1")
+        if not _is_int(self.smoothing) or self.smoothing < 1 or self.smoothing % 2 == 0:
+            raise ConfigError("smoothing", self.smoothing, "an odd integer >= 1")
         if self.budget_scope not in BUDGET_SCOPES:
             raise ConfigError("budget_scope", self.budget_scope, " | ".join(BUDGET_SCOPES))
 

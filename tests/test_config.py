@@ -37,6 +37,8 @@ BAD_FIELDS = [
     ({"sink_tokens": 2.5}, "sink_tokens"),
     ({"min_prompt_len": 0}, "min_prompt_len"),
     ({"budget_scope": "global"}, "budget_scope"),
+    ({"smoothing": 4}, "smoothing"),
+    ({"smoothing": 0}, "smoothing"),
     ({"budget_scope": None}, "budget_scope"),
     ({"budget": 0.5}, "budget"),  # unknown key
     ({"Method": "rc"}, "Method"),  # keys are case-sensitive
@@ -91,7 +93,7 @@ def test_every_method_is_accepted(method):
 
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
-              "min_prompt_len": 1, "budget_scope": "model"}
+              "min_prompt_len": 1, "budget_scope": "model", "smoothing": 3}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode

@@ -119,15 +119,20 @@ class RCScorer(Scorer):
     name = "rc"
     default_window_size = 8
 
-    def __init__(self, window_size: int | None = None, gqa_reduce: str = "mean", iot: bool = False):
+    def __init__(self, window_size: int | None = None, gqa_reduce: str = "mean", iot: bool = False, smoothing: int = 1):
         super().__init__(window_size, gqa_reduce)
         self.iot = bool(iot)
+        if smoothing < 1 or smoothing % 2 == 0:
+            raise ValueError(f"smoothing must be an odd integer >= 1, got {smoothing}")
+        self.smoothing = int(smoothing)
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         queries = self._trailing_window(q_window, keys)
         rc = expected_rc_iot_grouped if self.iot else expected_rc_grouped
         per_query_head = rc(queries, keys)  # [Hkv, G, n - w]
-        return _mark_window_kept(reduce_query_heads(per_query_head, self.gqa_reduce), queries.shape[2])
+        # Optional SnapKV-style pooling along tokens (the config's ``smoothing``): neighbours share a score.
+        scores = smooth_scores(reduce_query_heads(per_query_head, self.gqa_reduce), self.smoothing)
+        return _mark_window_kept(scores, queries.shape[2])
 
 
 def window_attention(queries: Tensor, keys: Tensor, scale: float) -> Tensor:
