@@ -62,9 +62,11 @@ def _update_from_output(original):
                 freed = release_blocks(self.kv_cache_manager, report) if report.blocks_freed else 0
                 stats.observe(report, freed)
                 logger.debug(
-                    "rcstat: request %s: compression ratio %.3f, %d blocks freed (predicted %d), %d free now",
+                    "rcstat: request %s: compression ratio %.3f, global eviction ratio %.3f, %d blocks freed "
+                    "(predicted %d), %d free now",
                     report.req_id,
                     report.compression_ratio,
+                    report.global_eviction_ratio,
                     freed,
                     report.blocks_freed,
                     pool.get_num_free_blocks(),

@@ -127,6 +127,8 @@ class RequestCompressor:
         self.block_row = block_row.clone()
         self.scores: list[torch.Tensor | None] = [None] * num_layers
         self.kept: torch.Tensor | None = None
+        #: [L, n] bool: prompt token kept by at least one KV head of the layer (OR-ed over TP ranks by the worker)
+        self.visible: torch.Tensor | None = None
         self.scorer = get_scorer(self.config.method, **scorer_options(self.config))
 
     @property
@@ -159,6 +161,7 @@ class RequestCompressor:
         masks = select_keep_masks(self.scores, self.config)
         tables = compact(caches, self.block_row, masks, space, layout)
         self.kept = torch.stack([mask.sum(dim=1) for mask in masks]).cpu()
+        self.visible = torch.stack([mask.any(dim=0) for mask in masks]).cpu()
         self.scores = [None] * len(self.scores)
         # Host-side page tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the
         # accelerator; make_head_plan copies what a step needs to the cache's device.
@@ -173,4 +176,6 @@ class RequestCompressor:
             kept=self.kept.tolist(),
             block_size=state.block_size,
             pooled_pages=state.space.is_pooled,
+            layer_global_eviction=(~self.visible).float().mean(dim=1).tolist(),
+            global_eviction_ratio=float((~self.visible.any(dim=0)).float().mean()),
         )

@@ -9,6 +9,8 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
     rcstat:requests_uncompressed_total    requests the plugin ran uncompressed (method none, too short, ...)
     rcstat:kv_blocks_freed_total          KV blocks returned to vLLM's pool after compaction
     rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request
+    rcstat:global_eviction_ratio          histogram of the share of prompt tokens evicted from every head of
+                                          every layer per compressed request (the quality cliff's early warning)
 
 The scheduler runs in vLLM's engine-core process; ``vllm serve``'s ``/metrics`` (API-server process) shows these
 only in prometheus_client's multiprocess mode, which ``rcstat-vllm serve`` turns on
@@ -36,6 +38,7 @@ class PrometheusMetrics:
     requests_uncompressed: object
     kv_blocks_freed: object
     compression_ratio: object
+    global_eviction_ratio: object
 
 
 @functools.cache
@@ -52,6 +55,9 @@ def prometheus_metrics() -> PrometheusMetrics | None:
         Counter("rcstat:kv_blocks_freed", "KV cache blocks rcstat returned to vLLM's block pool."),
         Histogram("rcstat:compression_ratio", "Evicted / prompt KV entries per compressed request.",
                   buckets=RATIO_BUCKETS),
+        Histogram("rcstat:global_eviction_ratio",
+                  "Share of prompt tokens evicted from every KV head of every layer, per compressed request.",
+                  buckets=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)),
     )
 
 
@@ -61,6 +67,7 @@ class CompressionStats:
     requests_skipped: int = 0
     blocks_freed: int = 0
     ratio_sum: float = 0.0
+    global_eviction_sum: float = 0.0
     _last_log: float = field(default_factory=time.monotonic)
     _dirty: bool = False
 
@@ -72,6 +79,7 @@ class CompressionStats:
         else:
             self.requests_compressed += 1
             self.ratio_sum += report.compression_ratio
+            self.global_eviction_sum += report.global_eviction_ratio
         self.blocks_freed += blocks_freed
         self._dirty = True
         if self.prometheus is not None:
@@ -80,6 +88,7 @@ class CompressionStats:
             else:
                 self.prometheus.requests_compressed.inc()
                 self.prometheus.compression_ratio.observe(report.compression_ratio)
+                self.prometheus.global_eviction_ratio.observe(report.global_eviction_ratio)
             self.prometheus.kv_blocks_freed.inc(blocks_freed)
 
     @property
@@ -91,10 +100,11 @@ class CompressionStats:
         if not self._dirty or (not force and now - self._last_log < LOG_INTERVAL_S):
             return
         logger.info(
-            "rcstat: %d requests compressed (mean compression ratio %.3f), %d run uncompressed; "
-            "%d KV blocks freed in total; %d blocks free now",
+            "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f), "
+            "%d run uncompressed; %d KV blocks freed in total; %d blocks free now",
             self.requests_compressed,
             self.mean_ratio,
+            self.global_eviction_sum / self.requests_compressed if self.requests_compressed else 0.0,
             self.requests_skipped,
             self.blocks_freed,
             free_blocks,

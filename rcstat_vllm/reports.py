@@ -22,6 +22,11 @@ class CompressionReport:
     block_size: int = 0
     #: whether the request's head pages came from one pool across all layers (else one pool per layer)
     pooled_pages: bool = False
+    #: share of prompt tokens evicted from every KV head of every layer: no layer can attend to them any more
+    #: (the "global eviction ratio" of the KV-compression-physics paper, an early warning of the quality cliff)
+    global_eviction_ratio: float = 0.0
+    #: per layer, share of prompt tokens evicted from every KV head of that layer
+    layer_global_eviction: list[float] = field(default_factory=list)
 
     @property
     def prompt_blocks(self) -> int:
@@ -73,6 +78,8 @@ class CompressionReport:
             "skipped_reason": self.skipped_reason,
             "block_size": self.block_size,
             "pooled_pages": self.pooled_pages,
+            "global_eviction_ratio": self.global_eviction_ratio,
+            "layer_global_eviction": self.layer_global_eviction,
         }
 
     @classmethod

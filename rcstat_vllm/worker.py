@@ -190,11 +190,13 @@ class WorkerCompression:
         while len(self.results) > MAX_RESULTS:
             self.results.popitem(last=False)
         logger.debug(
-            "rcstat: request %s (%d prompt tokens, %s): compression ratio %.3f, %d blocks freed%s",
+            "rcstat: request %s (%d prompt tokens, %s): compression ratio %.3f, global eviction ratio %.3f, "
+            "%d blocks freed%s",
             report.req_id,
             report.num_prompt_tokens,
             report.method,
             report.compression_ratio,
+            report.global_eviction_ratio,
             report.blocks_freed,
             f" (skipped: {report.skipped_reason})" if report.skipped_reason else "",
         )
@@ -203,6 +205,14 @@ class WorkerCompression:
         if not self._compacted:  # the same on every TP rank: they run the same batch
             return
         agreed = max_over_ranks([state.blocks_needed() for _, state in self._compacted], self.block_agreement_group)
+        if self.block_agreement_group is not None:
+            # A token is evicted everywhere only if every rank's heads evicted it.
+            visible = [compressor.visible for compressor, _ in self._compacted]
+            merged = max_over_ranks(torch.cat([v.flatten() for v in visible]).to(torch.int64).tolist(),
+                                    self.block_agreement_group)
+            merged, start = torch.tensor(merged, dtype=torch.bool), 0
+            for (compressor, _), v in zip(self._compacted, visible):
+                compressor.visible, start = merged[start : start + v.numel()].view_as(v), start + v.numel()
         for (compressor, state), keep_blocks in zip(self._compacted, agreed):
             req_id = compressor.decision.req_id
             self._saved_queries.pop(req_id, None)

@@ -14,10 +14,12 @@ def _value(name: str) -> float:
 
 def test_observed_reports_move_the_prometheus_counters():
     names = ("rcstat:requests_compressed_total", "rcstat:requests_uncompressed_total",
-             "rcstat:kv_blocks_freed_total", "rcstat:compression_ratio_count", "rcstat:compression_ratio_sum")
+             "rcstat:kv_blocks_freed_total", "rcstat:compression_ratio_count", "rcstat:compression_ratio_sum",
+             "rcstat:global_eviction_ratio_count", "rcstat:global_eviction_ratio_sum")
     before = {name: _value(name) for name in names}
     stats = CompressionStats()
-    compressed = CompressionReport("a", 640, "rc", keep_blocks=6, kept=[[160, 320]], block_size=32)
+    compressed = CompressionReport("a", 640, "rc", keep_blocks=6, kept=[[160, 320]], block_size=32,
+                                   global_eviction_ratio=0.25)
     skipped = CompressionReport("b", 40, "rc", keep_blocks=2, kept=[[40, 40]], skipped_reason="too short",
                                 block_size=32)
     stats.observe(compressed, blocks_freed=14)
@@ -29,6 +31,8 @@ def test_observed_reports_move_the_prometheus_counters():
         "rcstat:kv_blocks_freed_total": 14.0,
         "rcstat:compression_ratio_count": 1.0,
         "rcstat:compression_ratio_sum": pytest.approx(1 - 480 / 1280),
+        "rcstat:global_eviction_ratio_count": 1.0,
+        "rcstat:global_eviction_ratio_sum": pytest.approx(0.25),
     }
     assert stats.requests_compressed == 1 and stats.requests_skipped == 1 and stats.blocks_freed == 14
     # A second stats object (a second scheduler in the process) shares the registered metrics.

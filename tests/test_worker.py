@@ -76,3 +76,29 @@ def test_a_second_kv_cache_group_turns_compression_off_with_a_reason():
     assert owner.disabled_reason is None
     owner.attach_layers(["m0"], num_kv_heads=2, block_size=16, layout=CPU_VEC)
     assert "several KV-cache groups" in owner.disabled_reason
+
+
+def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
+    """The global eviction ratio: tokens no (layer, head) kept; per layer: tokens no head of that layer kept."""
+    from rcstat_vllm.compression import CompressionDecision, RequestCompressor, select_keep_masks
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.page_space import PageSpace
+
+    n, heads, block = 64, 2, 16
+    config = RCStatConfig(method="rc", target_ratio=0.6, window=4)
+    compressor = RequestCompressor(CompressionDecision("r", config, n, 0, n), 2, torch.arange(1, 5))
+    # Layer 0: both heads prefer the first half; layer 1: head 0 the first half, head 1 the second half.
+    first, second = torch.zeros(n), torch.zeros(n)
+    first[: n // 2], second[n // 2 :] = 1.0, 1.0
+    compressor.scores = [torch.stack([first, first]), torch.stack([first, second])]
+    caches = [torch.zeros(8, heads, block, 8), torch.zeros(8, heads, block, 8)]
+    masks = select_keep_masks(compressor.scores, config)  # the selection compact() makes
+    state = compressor.compact(caches, PageSpace.per_layer(2, heads, block), CPU_VEC)
+    state.finalize(torch.arange(1, 5))
+    report = compressor.report(state)
+    evicted_everywhere_per_layer = [int((~m.any(dim=0)).sum()) for m in masks]
+    assert evicted_everywhere_per_layer[0] > evicted_everywhere_per_layer[1]  # layer 1's heads cover both halves
+    assert report.layer_global_eviction == [e / n for e in evicted_everywhere_per_layer]
+    assert report.global_eviction_ratio == int((~(masks[0].any(0) | masks[1].any(0))).sum()) / n
+    assert report.global_eviction_ratio <= min(report.layer_global_eviction)
+    assert report.to_dict()["global_eviction_ratio"] == report.global_eviction_ratio
