@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 BASELINES = ("snapkv", "tova", "knorm", "streaming", "random")
 FAMILY_LABELS = {
     "full": "full cache",
+    "default": "bare flag (defaults)",
     "rc": "RCStat (threshold c)",
     "rc_budget": "RCStat (budget)",
     "snapkv": "SnapKV",
@@ -47,19 +48,25 @@ def rc_label(c: float) -> str:
 def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=BASELINES,
                    rc_budget: bool = True, matched_c=(), matched_methods=("rc_budget", "snapkv", "tova"),
                    window: int = 8) -> list[Setting]:
-    """Full cache, RC at each c, and each budget family at each ratio; plus matched settings for matched_c."""
-    settings = [Setting("full", "full", {"method": "none"})]
-    settings += [Setting(rc_label(c), "rc", {"method": "rc", "c": float(c), "window": window}) for c in c_values]
+    """Full cache, the bare flag's default, RC at each c, and each budget family at each ratio; plus matched
+    settings for matched_c. RC rows spell out the RCStat paper's own scoring (no smoothing, per-layer budgets)
+    so that their labels keep their meaning whatever the plugin's defaults are."""
+    paper = {"smoothing": 1, "budget_scope": "layer"}
+    settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
+    settings += [Setting(rc_label(c), "rc", {"method": "rc", "c": float(c), "window": window, **paper})
+                 for c in c_values]
     families = (["rc_budget"] if rc_budget else []) + list(baselines)
     for family in families:
         method = "rc" if family == "rc_budget" else family
         for r in ratios:
+            extra = paper if method == "rc" else {}
             settings.append(Setting(f"{family}_r{r:g}", family,
-                                    {"method": method, "target_ratio": float(r), "window": window}))
+                                    {"method": method, "target_ratio": float(r), "window": window, **extra}))
     for c in matched_c:
         for family in matched_methods:
             method = "rc" if family == "rc_budget" else family
-            settings.append(Setting(f"{family}@{rc_label(c)}", family, {"method": method, "window": window},
+            extra = paper if method == "rc" else {}
+            settings.append(Setting(f"{family}@{rc_label(c)}", family, {"method": method, "window": window, **extra},
                                     matched_to=rc_label(c)))
     return settings
 
@@ -78,8 +85,8 @@ def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_me
     """RC budget mode per layer vs over the whole model, the latter with each way of comparing layers."""
     settings = [Setting("full", "full", {"method": "none"})]
     for r in ratios:
-        base = {"method": "rc", "target_ratio": float(r), "window": window}
-        settings.append(Setting(f"rc_budget_r{r:g}", "rc_budget", base))
+        base = {"method": "rc", "target_ratio": float(r), "window": window, "smoothing": 1}
+        settings.append(Setting(f"rc_budget_r{r:g}", "rc_budget", {**base, "budget_scope": "layer"}))
         settings += [Setting(f"rc_model_{name}_r{r:g}", "rc_model", {**base, "budget_scope": "model"}, comparable=name)
                      for name in comparables]
     return settings
@@ -88,19 +95,23 @@ def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_me
 #: RC variants of the high-compression ablation (README, "Moving the 0.8 cliff"): label -> settings on top of
 #: {"method": "rc", "target_ratio": r}.
 CLIFF_VARIANTS = {
-    "rc_layer_w8": {"window": 8},
-    "rc_model_w8": {"window": 8, "budget_scope": "model"},
-    "rc_model_w16": {"window": 16, "budget_scope": "model"},
-    "rc_model_w32": {"window": 32, "budget_scope": "model"},
+    "rc_layer_w8": {"window": 8, "budget_scope": "layer", "smoothing": 1},
+    "rc_model_w8": {"window": 8, "budget_scope": "model", "smoothing": 1},
+    "rc_model_w16": {"window": 16, "budget_scope": "model", "smoothing": 1},
+    "rc_model_w32": {"window": 32, "budget_scope": "model", "smoothing": 1},
     "rc_model_w16_s5": {"window": 16, "budget_scope": "model", "smoothing": 5},
+    "rc_model_w32_s3": {"window": 32, "budget_scope": "model", "smoothing": 3},
+    "rc_model_w32_s5": {"window": 32, "budget_scope": "model", "smoothing": 5},
 }
 
 
 def cliff_ablation_settings(ratios=(0.5, 0.8), variants=None, baselines=("tova", "snapkv")) -> list[Setting]:
-    """The full cache, each RC variant and the baselines (at their published defaults) at each ratio."""
+    """The full cache, each RC variant (labels of ``CLIFF_VARIANTS``; None = all) and the baselines (at their
+    published defaults) at each ratio."""
     settings = [Setting("full", "full", {"method": "none"})]
     for r in ratios:
-        for label, extra in (variants or CLIFF_VARIANTS).items():
+        chosen = {k: v for k, v in CLIFF_VARIANTS.items() if variants is None or k in variants}
+        for label, extra in chosen.items():
             settings.append(Setting(f"{label}_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r), **extra}))
         settings += [Setting(f"{b}_r{r:g}", b, {"method": b, "target_ratio": float(r)}) for b in baselines]
     return settings

@@ -40,11 +40,12 @@ class RCStatConfig:
     Attributes:
         method: scoring method, one of :data:`METHODS`.
         c: threshold multiplier of Eq. 9 (RCStat): a head evicts token i when its score is at most
-            ``c`` times the mean score of the head's non-window tokens. Used when ``target_ratio`` is None.
+            ``c`` times the mean score of the head's non-window tokens. Used when ``target_ratio`` is None;
+            giving ``c`` without ``target_ratio`` (server flag or request override) selects threshold mode.
         window: observation window, the last ``window`` prompt tokens whose queries score the prompt.
             Always kept.
-        target_ratio: budget mode: evict this fraction of each layer's prompt KV entries (top scores
-            across the layer's heads are kept, so heads still keep different counts). None = threshold mode.
+        target_ratio: budget mode: evict this fraction of the prompt KV entries (of each layer or of the whole
+            model, ``budget_scope``; heads keep different counts). None = threshold mode.
         sink_tokens: the first ``sink_tokens`` prompt tokens are always kept.
         min_prompt_len: prompts shorter than this run uncompressed (there is nothing worth evicting).
         budget_scope: budget mode only: ``layer`` evicts ``target_ratio`` of every layer; ``model`` evicts it
@@ -57,12 +58,14 @@ class RCStatConfig:
 
     method: str = "rc"
     c: float = 1.0
-    window: int = 8
-    target_ratio: float | None = None
+    # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of half the prompt KV, scored by
+    # RC with a 32-token window (the question, not only the chat template's tail) and 3-token smoothing.
+    window: int = 32
+    target_ratio: float | None = 0.5
     sink_tokens: int = 0
     min_prompt_len: int = 64
-    budget_scope: str = "layer"
-    smoothing: int = 1
+    budget_scope: str = "model"
+    smoothing: int = 3
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -113,7 +116,11 @@ class RCStatConfig:
         for key in overrides:
             if key not in known:
                 raise ConfigError(key, overrides[key], "a known field: " + ", ".join(sorted(known)))
-        return dataclasses.replace(self, **dict(overrides))
+        overrides = dict(overrides)
+        if "c" in overrides and "target_ratio" not in overrides:
+            # Setting c asks for threshold mode (Eq. 9): it would be ignored under a budget.
+            overrides["target_ratio"] = None
+        return dataclasses.replace(self, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -80,8 +80,17 @@ def test_config_error_is_a_value_error():
 def test_defaults():
     config = RCStatConfig.from_dict({})
     assert config == RCStatConfig()
-    assert config.method == "rc" and config.enabled and not config.budget_mode
-    assert config.target_ratio is None
+    # The measured default (README, "Defaults"): RC, a model-wide budget of half the prompt KV.
+    assert config.method == "rc" and config.enabled and config.budget_mode
+    assert (config.target_ratio, config.budget_scope, config.window, config.smoothing) == (0.5, "model", 32, 3)
+
+
+def test_giving_c_selects_threshold_mode_unless_a_ratio_is_given_too():
+    assert RCStatConfig.from_dict({"c": 2.0}).target_ratio is None
+    assert RCStatConfig.from_dict({"c": 2.0, "target_ratio": 0.3}).target_ratio == 0.3
+    server = RCStatConfig.from_dict({"target_ratio": 0.7})
+    assert not server.merged({"c": 0.5}).budget_mode  # a request override asking for Eq. 9
+    assert server.merged({"window": 8}).target_ratio == 0.7
 
 
 @pytest.mark.parametrize("method", METHODS)
