@@ -7,6 +7,7 @@ prompt to be worth compressing and for the answer to depend on a detail in the m
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -125,6 +126,12 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
                                              extra_args={"rcstat": {"method": "none"}}))
             outputs = llm.chat([build_messages()] * len(params), params, use_tqdm=False)
             t2 = time.perf_counter()
+            from rcstat_vllm.api import compression_results, match_outputs
+
+            results = compression_results(llm)
+            # Shut the engine down here, so its shutdown log goes to the log file too.
+            del llm
+            gc.collect()
     except Exception:
         if log_path:
             with open(log_path) as log:
@@ -141,10 +148,6 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
         print(f"answer (uncompressed, per-request method none): {outputs[1].outputs[0].text.strip()}")
     print(f"rcstat config: {json.dumps(config.to_dict())}")
     print(f"engine start: {t1 - t0:.1f} s, generation: {t2 - t1:.2f} s")
-    from rcstat_vllm.api import compression_results, match_outputs
-
-    with output_to(log_path):
-        results = compression_results(llm)
     matched = match_outputs(outputs[:1], results)[0]
     if matched is not None:
         results = {matched.get("req_id", out.request_id): matched}
@@ -166,6 +169,8 @@ def format_results(results: dict) -> str:
             if key == "kept" and isinstance(value, list) and value:
                 lines.append(f"    kept per layer [per KV head]: {json.dumps(value[0])} ... "
                              f"{json.dumps(value[-1])} ({len(value)} layers)")
+            elif key == "layer_global_eviction" and isinstance(value, list):
+                lines.append(f"    {key}: {json.dumps([round(v, 3) for v in value])}")
             elif key != "req_id":
                 lines.append(f"    {key}: {json.dumps(value, default=str)}")
     return "\n".join(lines)
