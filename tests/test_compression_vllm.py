@@ -114,11 +114,19 @@ def test_uncompressed_requests_in_a_compressed_batch_match_running_alone(driver)
 
 
 def test_budget_mode_hits_the_target_ratio_per_layer(driver):
-    driver.run([("budget", driver.prompt(1000, offset=5), greedy(4, target_ratio=0.6))])
+    driver.run([("budget", driver.prompt(1000, offset=5), greedy(4, target_ratio=0.6, budget_scope="layer"))])
     result = driver.result("budget")
     for layer in result["kept"]:
         assert sum(layer) == 3 * 1000 - round(0.6 * 3 * 1000)
     assert len({tuple(layer) for layer in result["kept"]}) > 1  # heads and layers differ
+
+
+def test_model_wide_budget_hits_the_target_ratio_over_the_model_with_uneven_layers(driver):
+    driver.run([("budget-model", driver.prompt(1000, offset=5), greedy(4, target_ratio=0.6, budget_scope="model"))])
+    result = driver.result("budget-model")
+    per_layer = [sum(layer) for layer in result["kept"]]
+    assert sum(per_layer) == 30 * 3 * 1000 - round(0.6 * 30 * 3 * 1000)
+    assert max(per_layer) > 1.5 * min(per_layer)  # layers keep different shares
 
 
 def test_no_block_leaks_through_aborts_and_preemptions(driver):
