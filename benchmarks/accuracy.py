@@ -239,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-scope-study", action="store_true",
                         help="needles only: RC budget per layer vs model-wide (the plugin's own comparison of layers) "
                              "at --ratios (default 0.5 0.8); writes benchmarks/results/accuracy_budget_scope_cpu.json")
-    parser.add_argument("--variants", nargs="*", default=None, help="--cliff-ablation: only these RC variants")
-    parser.add_argument("--cliff-ablation", action="store_true",
-                        help="needles only: RC variants (window, model-wide budget, smoothing) and baselines at "
-                             "--ratios (default 0.5 0.8); writes benchmarks/results/accuracy_cliff_cpu.json")
+    methods.add_cliff_arguments(parser, "accuracy_cliff_cpu.json")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/accuracy_cpu.json)")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "default"
@@ -252,13 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             sp[key] = tuple(value)
     if args.cliff_ablation:
-        settings = methods.cliff_ablation_settings(
-            ratios=tuple(args.ratios or (0.5, 0.8)), variants=args.variants,
-            baselines=("tova", "snapkv") if args.variants is None else ())
+        settings = methods.cliff_settings_from_args(args)
         args.no_fidelity = True
         default_name = "accuracy_cliff_cpu.json"
     elif args.budget_scope_study:
-        settings = [st for st in methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)), comparables=())]
+        settings = methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)), comparables=())
         settings += [methods.Setting(f"rc_model_r{r:g}", "rc_model",
                                      {"method": "rc", "target_ratio": float(r), "window": 8, "budget_scope": "model",
                                       "smoothing": 1})

@@ -115,3 +115,17 @@ def cliff_ablation_settings(ratios=(0.5, 0.8), variants=None, baselines=("tova",
             settings.append(Setting(f"{label}_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r), **extra}))
         settings += [Setting(f"{b}_r{r:g}", b, {"method": b, "target_ratio": float(r)}) for b in baselines]
     return settings
+
+
+def add_cliff_arguments(parser, output_name: str) -> None:
+    """``--cliff-ablation`` and ``--variants``, as accuracy.py and quality.py take them."""
+    parser.add_argument("--variants", nargs="*", default=None, help="--cliff-ablation: only these RC variants")
+    parser.add_argument("--cliff-ablation", action="store_true",
+                        help="RC variants (window, model-wide budget, smoothing) and baselines at --ratios "
+                             f"(default 0.5 0.8); writes benchmarks/results/{output_name}")
+
+
+def cliff_settings_from_args(args) -> list[Setting]:
+    """The ablation's settings for parsed ``add_cliff_arguments`` (baselines only when every variant runs)."""
+    return cliff_ablation_settings(ratios=tuple(args.ratios or (0.5, 0.8)), variants=args.variants,
+                                   baselines=("tova", "snapkv") if args.variants is None else ())

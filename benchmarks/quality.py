@@ -141,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-scope-study", action="store_true",
                         help="RC budget per layer vs model-wide, with each way of comparing layers' scores "
                              "(default output benchmarks/results/quality_budget_scope_cpu.json)")
-    parser.add_argument("--variants", nargs="*", default=None, help="--cliff-ablation: only these RC variants")
-    parser.add_argument("--cliff-ablation", action="store_true",
-                        help="RC variants (window, model-wide budget, smoothing) and baselines at --ratios "
-                             "(default 0.5 0.8); writes benchmarks/results/quality_cliff_cpu.json")
+    methods.add_cliff_arguments(parser, "quality_cliff_cpu.json")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/quality_cpu.json; "
                         "quality_cpu_quick.json with --quick)")
     args = parser.parse_args(argv)
@@ -159,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ratios is not None:
         sp["ratios"] = tuple(args.ratios)
     if args.cliff_ablation:
-        settings = methods.cliff_ablation_settings(
-            ratios=tuple(args.ratios or (0.5, 0.8)), variants=args.variants,
-            baselines=("tova", "snapkv") if args.variants is None else ())
+        settings = methods.cliff_settings_from_args(args)
         default_name = "quality_cliff_cpu.json"
     elif args.budget_scope_study:
         settings = methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)))
