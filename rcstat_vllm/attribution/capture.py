@@ -42,6 +42,7 @@ __all__ = [
     "attribution_capture",
     "parse_request_options",
     "worker_results",
+    "trace_id",
     "AttributionWorkerMixin",
 ]
 
@@ -228,6 +229,12 @@ class AttributionCapture:
 
     def clear(self) -> None:
         self.traces.clear()
+
+
+def trace_id(request_id: str, index: int, num_choices: int) -> str:
+    """The id the workers' traces are found by: the request's own id, or vLLM's child id ``<i>_<id>`` when
+    ``n > 1`` (``AttributionCapture.find`` also matches the engine's ``-<suffix>``)."""
+    return str(request_id) if num_choices <= 1 else f"{index}_{request_id}"
 
 
 _CAPTURE = AttributionCapture()

@@ -54,12 +54,16 @@ from rcstat_vllm.scoring.rc import WindowSelfLogits, accumulation_dtype, expecte
 
 __all__ = [
     "ESTIMATORS",
+    "SPAN_SCORES",
     "AttributionOptions",
     "AttributionTrace",
     "SpanScores",
     "head_relative_contextualization",
     "span_relative_contextualization",
     "span_attention",
+    "token_relative_contextualization",
+    "select_span_tokens",
+    "selected_span_scores",
     "normalize_span_scores",
     "num_top_heads",
     "top_heads",
@@ -67,6 +71,12 @@ __all__ = [
 ]
 
 ESTIMATORS = ("auto", "exact", "upper")
+
+#: How a prompt span's score is read from its tokens' RC (see :func:`select_span_tokens`).
+#: ``mean``: the paper's Eq. 10 as written (E[Z_h(p_i, g')] over all tokens of the span);
+#: ``window``: the span's best run of ``span_window`` consecutive tokens; ``top``: its ``span_window`` best
+#: tokens; ``max``: its best token; ``sum``: the sum over its tokens (mass-like, grows with length).
+SPAN_SCORES = ("mean", "window", "top", "max", "sum")
 
 #: Upper limit on the elements of one transient logits tensor (per head chunk), ~64 MiB in float32.
 _MAX_ELEMENTS = 1 << 24
@@ -93,6 +103,9 @@ class AttributionOptions:
             None = never prune (keeps every head: the reference computation).
         candidate_factor: streaming: candidates kept after the warm-up = this many times k.
         max_generated_tokens: streaming: generated tokens recorded at most (later ones are not attributed).
+        span_score: how a prompt span's score is read from the RC of its tokens (:data:`SPAN_SCORES`):
+            ``mean`` is Eq. 10 as the paper writes it; the others choose tokens of the span first.
+        span_window: tokens of the ``window`` / ``top`` selections (a shorter span uses all its tokens).
     """
 
     k: int | None = None
@@ -103,6 +116,8 @@ class AttributionOptions:
     warmup_tokens: int | None = 32
     candidate_factor: int = 4
     max_generated_tokens: int = 4096
+    span_score: str = "mean"
+    span_window: int = 16
 
     def __post_init__(self) -> None:
         if self.k is not None and (not _is_int(self.k) or self.k < 1):
@@ -121,6 +136,10 @@ class AttributionOptions:
             raise ConfigError("candidate_factor", self.candidate_factor, "an integer >= 1")
         if not _is_int(self.max_generated_tokens) or self.max_generated_tokens < 1:
             raise ConfigError("max_generated_tokens", self.max_generated_tokens, "an integer >= 1")
+        if self.span_score not in SPAN_SCORES:
+            raise ConfigError("span_score", self.span_score, " | ".join(SPAN_SCORES))
+        if not _is_int(self.span_window) or self.span_window < 1:
+            raise ConfigError("span_window", self.span_window, "an integer >= 1")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "AttributionOptions":
@@ -280,6 +299,60 @@ def span_relative_contextualization(
                     x = x.permute(0, 2, 1, 3).reshape(h1 - h0, chosen.numel(), s * length)
                     yy = y.unsqueeze(1).expand(-1, chosen.numel(), -1)
                     out[h0:h1, chosen] = rc_upper_bound(x, yy)
+    return out
+
+
+def token_relative_contextualization(
+    q_span: Tensor, k_prompt: Tensor, k_gen: Tensor, offset: int, exact: bool = True
+) -> Tensor:
+    """E[Z_h({t}, g')] of every prompt token t (Step 2 with singleton spans): [H, m].
+
+    With the exact estimator every token has the same number of pairs (|g'| |Y'|), so the mean of these over a
+    span's tokens is exactly the span's E[Z_h(p_i, g')] (Eq. 10's term); the upper bound is per token.
+    """
+    m = k_prompt.shape[1]
+    singles = torch.stack([torch.arange(m), torch.arange(1, m + 1)], dim=1)
+    return span_relative_contextualization(q_span, k_prompt, k_gen, offset, singles, exact=exact)
+
+
+def select_span_tokens(
+    profile: Tensor, spans: Sequence[tuple[int, int]] | Tensor, method: str, window: int = 16
+) -> list[Tensor]:
+    """The tokens each span is scored on, chosen on ``profile`` [m] (token scores summed over the heads).
+
+    ``mean`` / ``sum``: all tokens of the span; ``window``: the run of ``min(window, len)`` consecutive tokens
+    with the highest sum (the first such run on ties); ``top``: the ``min(window, len)`` highest tokens;
+    ``max``: the highest token. Returns one int64 index tensor per span (empty for an empty span).
+    """
+    if method not in SPAN_SCORES:
+        raise ValueError(f"unknown span score {method!r}: {' | '.join(SPAN_SCORES)}")
+    ranges = _as_ranges(spans, profile.shape[0], profile.device).tolist()
+    cumulative = torch.nn.functional.pad(torch.cumsum(profile.double(), dim=0), (1, 0))
+    chosen = []
+    for start, end in ranges:
+        length = end - start
+        if length <= 0 or method in ("mean", "sum"):
+            chosen.append(torch.arange(start, max(start, end), device=profile.device))
+            continue
+        if method == "window":
+            w = min(window, length)
+            sums = cumulative[start + w : end + 1] - cumulative[start : end - w + 1]
+            first = start + int(torch.argmax(sums))
+            chosen.append(torch.arange(first, first + w, device=profile.device))
+        else:
+            count = 1 if method == "max" else min(window, length)
+            best = torch.topk(profile[start:end], count, sorted=False).indices + start
+            chosen.append(torch.sort(best).values)
+    return chosen
+
+
+def selected_span_scores(per_token: Tensor, chosen: Sequence[Tensor], method: str) -> Tensor:
+    """Per head row, each span's score on its chosen tokens: [H, m] -> [H, S] (sum for ``sum``, else mean)."""
+    out = per_token.new_zeros(per_token.shape[0], len(chosen))
+    for index, tokens in enumerate(chosen):
+        if tokens.numel():
+            values = per_token[:, tokens]
+            out[:, index] = values.sum(dim=1) if method == "sum" else values.mean(dim=1)
     return out
 
 
@@ -573,20 +646,44 @@ class AttributionTrace:
         prompt_spans: Sequence[tuple[int, int]],
         generated_span: tuple[int, int],
         heads: Sequence[tuple[int, int]] | None = None,
+        span_score: str | None = None,
     ) -> SpanScores:
-        """Eq. 10 for the generated tokens [a, b) (indices into the generation) over ``prompt_spans``."""
+        """Eq. 10 for the generated tokens [a, b) (indices into the generation) over ``prompt_spans``.
+
+        ``span_score`` (default ``options.span_score``): ``mean`` is the paper's form; otherwise each span is
+        scored on the tokens :func:`select_span_tokens` chooses on the RC summed over ``heads``, each head's
+        term being its mean (or sum) over those tokens, then Eq. 10's normalization over heads and spans.
+        """
         if heads is None:
             heads = self.finalize(prune=False) if not self.finalized else self.top
         n = self.num_generated
         exact = self.options.use_exact(n)
         a, b = max(0, generated_span[0]), min(n, generated_span[1])
+        method = self.options.span_score if span_score is None else span_score
         if b <= a or not heads:
             per_head = torch.zeros(len(heads), len(prompt_spans))
         else:
             q, kp, kg = self.head_tensors(heads, b)
-            per_head = span_relative_contextualization(q[:, a:b], kp, kg, a, prompt_spans, exact=exact).float()
+            if method == "mean":  # Eq. 10 as written: the span's own estimator (exact or upper) per head
+                per_head = span_relative_contextualization(q[:, a:b], kp, kg, a, prompt_spans, exact=exact).float()
+            else:
+                per_token = token_relative_contextualization(q[:, a:b], kp, kg, a, exact=exact).float()
+                chosen = select_span_tokens(per_token.sum(dim=0), prompt_spans, method, self.options.span_window)
+                per_head = selected_span_scores(per_token, chosen, method)
         scores, degenerate = normalize_span_scores(per_head)
         return SpanScores(scores=scores, per_head=per_head, heads=list(heads), degenerate=degenerate, exact=exact)
+
+    def token_scores(
+        self, generated_span: tuple[int, int], heads: Sequence[tuple[int, int]], exact: bool | None = None
+    ) -> Tensor:
+        """E[Z_h({t}, g')] of every prompt token for each of ``heads``: [len(heads), m] (zeros if g' is empty)."""
+        n = self.num_generated
+        exact = self.options.use_exact(n) if exact is None else exact
+        a, b = max(0, generated_span[0]), min(n, generated_span[1])
+        if b <= a or not heads:
+            return torch.zeros(len(heads), self.num_prompt_tokens)
+        q, kp, kg = self.head_tensors(heads, b)
+        return token_relative_contextualization(q[:, a:b], kp, kg, a, exact=exact).float()
 
     def attention_scores(
         self,

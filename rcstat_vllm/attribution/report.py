@@ -43,16 +43,25 @@ class AttributionResult:
     head_scores: list[float] = field(default_factory=list)
     estimator: str = "exact"
     num_generated_tokens: int = 0
+    span_score: str = "mean"
+    span_window: int = 16
+    #: what may make the scores wrong (e.g. prompt tokens whose keys were never seen)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "prompt_spans": [s.to_dict() for s in self.prompt_spans],
             "generated": [g.to_dict() for g in self.generated],
             "heads": [list(h) for h in self.heads],
             "head_scores": self.head_scores,
             "estimator": self.estimator,
+            "span_score": self.span_score,
+            "span_window": self.span_window,
             "num_generated_tokens": self.num_generated_tokens,
         }
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
+        return out
 
 
 def plan_spans(
@@ -105,6 +114,8 @@ def score_spans(
         "heads": [[l, h] for l, h in heads],
         "head_scores": head_scores,
         "estimator": "exact" if exact else "upper",
+        "span_score": trace.options.span_score,
+        "span_window": trace.options.span_window,
         "num_generated_tokens": trace.num_generated,
         "num_prompt_tokens": trace.num_prompt_tokens,
         "scores": scores,
@@ -146,7 +157,21 @@ def assemble(
         head_scores=scored["head_scores"],
         estimator=scored["estimator"],
         num_generated_tokens=scored["num_generated_tokens"],
+        span_score=scored.get("span_score", "mean"),
+        span_window=scored.get("span_window", 16),
+        warnings=_warnings(scored),
     )
+
+
+def _warnings(scored: dict[str, Any]) -> list[str]:
+    out = []
+    missing = scored.get("missing_prompt_tokens", 0)
+    if missing:
+        out.append(
+            f"the keys of the first {missing} prompt tokens were never recorded (computed before the request was "
+            "traced, e.g. a prefix-cache hit): spans there are scored as if their keys were zero"
+        )
+    return out
 
 
 def build_result(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from rcstat_vllm.attribution.capture import trace_id
 from rcstat_vllm.attribution.report import AttributionResult, assemble, plan_spans
 
 __all__ = ["results", "WORKER_METHOD"]
@@ -67,11 +68,13 @@ def results(
         llm: the ``vllm.LLM`` that ran it (the processor and ``additional_config={"rcstat": ...}`` enabled).
         request_output: its ``RequestOutput``.
         spans / chunks / generated_spans / top: as in :func:`rcstat_vllm.attribution.hf.attribute`.
-        index: which completion of the request (``n > 1`` is not traced separately: 0 only).
+        index: which completion of the request (with ``n > 1`` each is traced as its own engine request).
         pop: free the worker's trace (default).
     """
     tokenizer = llm.get_tokenizer()
-    output = request_output.outputs[index]
+    output = next((o for o in request_output.outputs if o.index == index), None)
+    if output is None:
+        raise IndexError(f"request {request_output.request_id} has no completion {index}")
     prompt_text, prompt_spans, gen_text, gen_spans = plan_spans(
         tokenizer,
         request_output.prompt,
@@ -83,7 +86,8 @@ def results(
     )
     prompt_ranges = [[s.token_start, s.token_end] for s in prompt_spans]
     generated_ranges = [[s.token_start, s.token_end] for s in gen_spans]
-    replies = _call_worker(llm, str(request_output.request_id), prompt_ranges, generated_ranges, pop)
+    lookup = trace_id(str(request_output.request_id), output.index, len(request_output.outputs))
+    replies = _call_worker(llm, lookup, prompt_ranges, generated_ranges, pop)
     scored = next((r for r in replies if r is not None), None)
     if scored is None:
         return None
