@@ -83,7 +83,9 @@ def step_info(runner, scheduler_output) -> StepInfo:
     dropped = set(scheduler_output.finished_req_ids)
     dropped |= set(scheduler_output.preempted_req_ids or ())
     dropped |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
-    return StepInfo(requests=requests, dropped_req_ids=dropped)
+    # An RCStatSchedulerOutput (patches/scheduler.py) when the scheduler sends compactions.
+    compactions = getattr(scheduler_output, "rcstat_compactions", None) or []
+    return StepInfo(requests=requests, dropped_req_ids=dropped, compactions=list(compactions))
 
 
 def _initialize_kv_cache(original):

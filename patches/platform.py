@@ -33,17 +33,19 @@ CONTRACTS = (
     Contract("vllm.v1.attention.backends.registry:register_backend", ("backend", "class_path")),
     Contract("vllm.v1.attention.backends.registry:_ATTN_OVERRIDES"),
     Contract("vllm.config.attention:AttentionConfig"),
+    Contract("vllm.v1.attention.selector:_cached_get_attn_backend.cache_clear"),
 )
 
 
 def _configure_engine(vllm_config, config) -> None:
     """What the flag changes in vLLM's config, on every platform."""
-    cache = vllm_config.cache_config
-    if cache.enable_prefix_caching:
-        # Compacted blocks hold other tokens than their prefix hash says: sharing them would corrupt
-        # other requests' caches.
-        logger.info("rcstat: prefix caching turned off (compacted KV blocks must never be shared)")
-        cache.enable_prefix_caching = False
+    # Prefix caching stays as the user set it: compaction copies kept KV into fresh blocks and never caches them
+    # (patches/scheduler.py). The copy runs before the forward of the step after the scheduler freed the prompt
+    # blocks; with asynchronous scheduling another step could be scheduled (and write them) before it.
+    scheduler = vllm_config.scheduler_config
+    if getattr(scheduler, "async_scheduling", False) is not False:
+        logger.info("rcstat: asynchronous scheduling turned off (compaction is a two-step worker/scheduler exchange)")
+        scheduler.async_scheduling = False
     parallel = vllm_config.parallel_config
     if not parallel.worker_extension_cls:
         # Lets LLM.collective_rpc read per-request results (rcstat_vllm.api).
@@ -85,6 +87,11 @@ def _check_and_update_config(original, *, select_backend: bool = False):
 
     def wrapper(cls, vllm_config, *args, **kwargs):
         config = server_config(vllm_config.additional_config)  # ConfigError naming the bad field, at start-up
+        # vLLM memoizes its backend choice per process, keyed without the flag: an engine built after another
+        # one in the same process (with the flag or without) must choose again.
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        _cached_get_attn_backend.cache_clear()
         if config is not None and select_backend:
             # Before vLLM's own checks, which size blocks and graphs for the chosen backend.
             select_cuda_backend(vllm_config.attention_config)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import CacheLayout, CompactedRequest, cdiv, compact, gather_prompt
+from rcstat_vllm.head_pages import CacheLayout, CompactedRequest, blocks_needed, cdiv, compact_request, gather_prompt
 from rcstat_vllm.page_space import PageSpace
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_budget_across_layers, select_threshold
@@ -65,6 +65,19 @@ def scorer_options(config: RCStatConfig) -> dict:
     return {"window_size": window_queries(config), "smoothing": config.smoothing}
 
 
+def max_cached_prompt_tokens(num_tokens: int, extra_args, server: RCStatConfig, block_size: int) -> int | None:
+    """The most prompt tokens a prefix-cache hit may cover for a request that will be compressed, None for no
+    limit: its observation window's queries exist only if those tokens are computed, so a hit stops at the last
+    whole block before the window (as vLLM itself always recomputes the last prompt token)."""
+    try:
+        config = server.merged(request_overrides(extra_args))
+    except ConfigError:
+        return None  # runs uncompressed (rejected at admission, or reported by the worker)
+    if not config.enabled or num_tokens < config.min_prompt_len:
+        return None
+    return max(num_tokens - window_queries(config), 0) // block_size * block_size
+
+
 def plan_compression(
     request: BatchRequest,
     server: RCStatConfig,
@@ -109,16 +122,15 @@ def select_keep_masks(scores: list[torch.Tensor], config: RCStatConfig, comparab
 
 
 class RequestCompressor:
-    """Compresses one request during the forward of its last prefill chunk: each layer is scored as it runs
-    (:meth:`score_layer`); once every layer is scored, :meth:`compact` selects what each (layer, head) keeps
-    and moves it into head pages in one pass over all layers.
+    """Compresses one request: each layer is scored as it runs during the forward of the request's last prefill
+    chunk (:meth:`score_layer`); once every layer is scored, :meth:`select` decides what each (layer, head) keeps
+    (a model-wide budget needs every layer's scores) and how many blocks that takes; :meth:`compact` copies the
+    kept entries into the blocks the scheduler then allocated for them, at the start of the next step.
 
-    Why not compact each layer as it runs: with pages pooled across layers, layer l's kept entries may move
-    into pages of a later layer's slice of the request's blocks, which still holds that layer's uncompressed
-    prompt KV (its attention and scoring in this very forward read it). Compacting after the last layer's
-    attention, when no layer reads prompt KV any more, is safe for any page assignment; and a model-wide budget
-    needs every layer's scores before it can select anyway. Between layers only the scores (``[H, n]`` floats
-    per layer) are held, no KV copies.
+    Why copy into fresh blocks instead of compacting in place: the request's prompt blocks may be prefix-cache
+    entries, or blocks other requests hit and still read; they must stay as they are (they go back to the pool
+    as evictable cache entries). Between layers only the scores (``[H, n]`` floats per layer) are held; between
+    the steps only the keep masks (``[L, H, n]`` bools).
     """
 
     def __init__(self, decision: CompressionDecision, num_layers: int, block_row: torch.Tensor):
@@ -126,9 +138,15 @@ class RequestCompressor:
         self.config = decision.config
         self.block_row = block_row.clone()
         self.scores: list[torch.Tensor | None] = [None] * num_layers
+        self.masks: list[torch.Tensor] | None = None
         self.kept: torch.Tensor | None = None
         #: [L, n] bool: prompt token kept by at least one KV head of the layer (OR-ed over TP ranks by the worker)
         self.visible: torch.Tensor | None = None
+        #: blocks the request keeps (set by the worker: the max over tensor-parallel ranks of blocks_needed)
+        self.keep_blocks = 0
+        #: prompt tokens served from the prefix cache (computed by an earlier request)
+        self.num_cached_tokens = 0
+        self.block_size, self.pooled_pages = 0, False
         self.scorer = get_scorer(self.config.method, **scorer_options(self.config))
 
     @property
@@ -155,27 +173,48 @@ class RequestCompressor:
         keys, values = gather_prompt(kv_cache, self.block_row, d.num_tokens, layout)
         self.scores[layer] = self.scorer.score(q_window, keys.float(), values.float(), scale)
 
-    def compact(self, caches: list[torch.Tensor], space: PageSpace, layout: CacheLayout) -> CompactedRequest:
-        """Select and compact every layer; the state is not finalized yet: the worker decides the blocks it
-        keeps (agreed across tensor-parallel ranks) and calls ``finalize``."""
-        masks = select_keep_masks(self.scores, self.config)
-        tables = compact(caches, self.block_row, masks, space, layout)
-        self.kept = torch.stack([mask.sum(dim=1) for mask in masks]).cpu()
-        self.visible = torch.stack([mask.any(dim=0) for mask in masks]).cpu()
+    def select(self, space: PageSpace) -> int:
+        """Decide what every (layer, head) keeps; returns the blocks this rank's heads need for it."""
+        self.masks = select_keep_masks(self.scores, self.config)
+        self.kept = torch.stack([mask.sum(dim=1) for mask in self.masks]).cpu()
+        self.visible = torch.stack([mask.any(dim=0) for mask in self.masks]).cpu()
         self.scores = [None] * len(self.scores)
-        # Host-side page tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the
-        # accelerator; make_head_plan copies what a step needs to the cache's device.
-        return CompactedRequest(self.decision.num_tokens, space, self.kept, tables.cpu())
+        self.block_size, self.pooled_pages = space.block_size, space.is_pooled
+        return blocks_needed(self.kept, self.decision.num_tokens, space)
 
-    def report(self, state: CompactedRequest) -> CompressionReport:
+    def compact(
+        self, caches: list[torch.Tensor], dest_blocks: torch.Tensor, space: PageSpace, layout: CacheLayout
+    ) -> CompactedRequest:
+        """Copy the kept entries into ``dest_blocks`` (the scheduler's allocation of ``keep_blocks`` blocks)."""
+        if dest_blocks.numel() != self.keep_blocks:
+            raise ValueError(f"rcstat: {dest_blocks.numel()} blocks allocated for {self.keep_blocks} needed")
+        state = compact_request(caches, self.block_row, self.masks, dest_blocks, space, layout)
+        self.masks = None
+        return state
+
+    def report(self, skipped_reason: str | None = None) -> CompressionReport:
+        """The outcome (or the plan, before the copy); with ``skipped_reason`` the request stays uncompressed."""
+        if skipped_reason is not None:
+            n = self.decision.num_tokens
+            return CompressionReport(
+                req_id=self.decision.req_id,
+                num_prompt_tokens=n,
+                method=self.config.method,
+                keep_blocks=cdiv(n, self.block_size),
+                kept=[[n] * self.kept.shape[1] for _ in range(self.kept.shape[0])],
+                skipped_reason=skipped_reason,
+                block_size=self.block_size,
+                num_cached_tokens=self.num_cached_tokens,
+            )
         return CompressionReport(
             req_id=self.decision.req_id,
             num_prompt_tokens=self.decision.num_tokens,
             method=self.config.method,
-            keep_blocks=state.keep_blocks,
+            keep_blocks=self.keep_blocks,
             kept=self.kept.tolist(),
-            block_size=state.block_size,
-            pooled_pages=state.space.is_pooled,
+            block_size=self.block_size,
+            pooled_pages=self.pooled_pages,
             layer_global_eviction=(~self.visible).float().mean(dim=1).tolist(),
             global_eviction_ratio=float((~self.visible.any(dim=0)).float().mean()),
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -4,9 +4,9 @@ vLLM's KV cache for one layer is ``[num_blocks, H, N, 2D]``: a block holds all H
 (``2 N D`` values per head: N keys, then N values). Viewed as ``[num_blocks * H, 2N, D]``,
 the same memory is ``num_blocks * H`` *head pages* of N single-head tokens each; page ``b * H + h`` is head
 ``h``'s slice of block ``b``. An uncompressed request's head ``h`` uses pages ``row[j] * H + h`` (the
-identity map). After compaction every (layer, head) owns its own page list, filled densely, so a head
-keeping k tokens needs ``ceil(k / N)`` pages and a request needs ``keep_blocks`` blocks; the rest go back to
-vLLM. Which pages a request may use, and which tensor a page id indexes, is its :class:`PageSpace` (one pool
+identity map). Compaction copies every (layer, head)'s kept tokens into its own page list in ``keep_blocks``
+blocks the scheduler allocated (:func:`compact_into`), filled densely, so a head keeping k tokens needs
+``ceil(k / N)`` pages; the prompt's blocks go back to vLLM untouched (they may be prefix-cache entries). Which pages a request may use, and which tensor a page id indexes, is its :class:`PageSpace` (one pool
 across all layers, or one per layer: :mod:`rcstat_vllm.page_space`).
 
 Everything here is plain torch on whatever device the cache lives on; it does not import vLLM.
@@ -153,133 +153,115 @@ def gather_prompt(
     return layout.read(kv_cache, pages, (tokens % block_size).expand_as(pages))
 
 
-def _compact_in_own_pages(
-    cache: Tensor, layer_pages: Tensor, keep_mask: Tensor, block_size: int, layout: CacheLayout
-) -> tuple[Tensor, Tensor]:
-    """Compact one layer within its own pages ``layer_pages`` ``[H, prompt blocks]`` (page ids of ``cache``).
-
-    The layer's pages are handed out block by block (``row[0]`` heads 0..H-1, then ``row[1]`` ...): head 0 takes
-    the first ``ceil(k_0 / N)``, head 1 the next, and so on. The layer's kept entries are gathered before any is
-    written, which makes the in-place move safe although sources and destinations share pages.
+def assign_pages(kept: Tensor, dest_blocks: Tensor, space: PageSpace) -> tuple[Tensor, list[Tensor]]:
+    """Hand the pages of ``dest_blocks`` to the (layer, head)s: each takes ``ceil(kept / N)`` consecutive pages of
+    its pool, in the pool's block-by-block order (:meth:`PageSpace.pool_pages`), layers and heads in order.
 
     Returns:
-        ``[H, max_pages]`` page table (-1 where a head has no page) and the ``[H]`` pages per head.
+        ``[L, H, max_pages]`` int64 page tables (-1 where a head has no page) and, per pool, its unused pages.
     """
-    num_heads = keep_mask.shape[0]
-    device = keep_mask.device
-    counts = keep_mask.sum(dim=1)
-    pages_per_head = (counts + block_size - 1) // block_size
-    first_page = torch.cumsum(pages_per_head, 0) - pages_per_head
-    pool = layer_pages.t().reshape(-1)[: int(pages_per_head.sum())]
-    # Sources: (head, token) of every kept entry, in head-major then token order.
-    head_idx, token_idx = torch.nonzero(keep_mask, as_tuple=True)
-    source_pages = layer_pages[head_idx, token_idx // block_size]
-    # Destinations: the j-th kept token of head h goes to slot j of head h's page run.
-    rank = torch.arange(head_idx.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[head_idx]
-    dest_pages = pool[first_page[head_idx] + rank // block_size]
-    keys, values = layout.read(cache, source_pages, token_idx % block_size)  # copies: sources may be overwritten
-    layout.write(cache, dest_pages, rank % block_size, keys, values)
-
-    width = max(int(pages_per_head.max()) if num_heads else 0, 1)
-    table = torch.full((num_heads, width), -1, dtype=torch.int64, device=device)
-    slot = torch.arange(width, device=device).unsqueeze(0)
-    valid = slot < pages_per_head.unsqueeze(1)
-    table[valid] = pool[(first_page.unsqueeze(1) + slot)[valid]]
-    return table, pages_per_head
+    num_layers, num_heads = kept.shape
+    pages_per_head = (kept.to(torch.int64) + space.block_size - 1) // space.block_size
+    # Host-side tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the accelerator;
+    # make_head_plan copies what a step needs to the cache's device.
+    tables = torch.full((num_layers, num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64)
+    slot = torch.arange(tables.shape[2]).unsqueeze(0)
+    unused = []
+    for pool_index, layers in enumerate(space.pools):
+        pool = space.pool_pages(pool_index, dest_blocks.cpu())
+        counts = pages_per_head[list(layers)].reshape(-1)  # layer-major, then head
+        if int(counts.sum()) > pool.numel():
+            raise ValueError(f"{int(counts.sum())} pages needed, {dest_blocks.numel()} blocks bring {pool.numel()}")
+        first = torch.cumsum(counts, 0) - counts
+        valid = slot < counts.unsqueeze(1)
+        group = torch.full((counts.numel(), tables.shape[2]), -1, dtype=torch.int64)
+        group[valid] = pool[(first.unsqueeze(1) + slot)[valid]]
+        tables[list(layers)] = group.view(len(layers), num_heads, -1)
+        unused.append(pool[int(counts.sum()) :])
+    return tables, unused
 
 
-#: Pages moved per copy when overflow pages spill into other layers' vacated pages (bounds the transient copy).
-SPILL_CHUNK_PAGES = 1024
-
-
-def compact(
+def compact_into(
     caches: Sequence[Tensor],
-    block_row: Tensor,
+    source_row: Tensor,
     keep_masks: Sequence[Tensor],
+    dest_blocks: Tensor,
     space: PageSpace,
     layout: CacheLayout = CPU_VEC,
-) -> Tensor:
-    """Move each (layer, head)'s kept tokens (in order) to the front of head pages in the request's first blocks.
+) -> tuple[Tensor, list[Tensor]]:
+    """Copy each (layer, head)'s kept tokens (in order) from the request's uncompressed blocks into head pages of
+    ``dest_blocks``, densely (copy on compact: the source blocks are never written, so blocks the prefix cache
+    or another request still reads stay intact).
 
-    1. Each layer compacts within its own pages of the request's blocks (:func:`_compact_in_own_pages`): a layer
-       needs ``ceil(sum_h ceil(k_h / N) / H)`` blocks of its own slice.
-    2. With pages pooled across layers (one pool of all layers, ``space``), the request keeps only
-       ``ceil(pages of all (layer, head) / (L * H))`` blocks: pages a full layer placed beyond them *spill*, whole,
-       into pages other layers left vacant within them. A spill never writes a page that holds kept KV or reads
-       one that was written, so it runs in chunks of :data:`SPILL_CHUNK_PAGES` pages in any order.
-
-    Memory beyond the cache: one layer's kept entries (step 1), one chunk of pages (step 2). Run it only once no
-    layer still has to read its uncompressed prompt KV: pooled, a spill writes into other layers' slices.
+    The destination blocks are fresh, except when the scheduler had to reuse blocks the request just gave back
+    (memory was short): then sources and destinations may share blocks. Within one layer's own pages that is
+    safe (the layer reads all its kept entries before writing); across layers (pooled pages) every layer's kept
+    entries are read before any is written, which holds the request's whole kept KV in memory once.
 
     Args:
         caches: per layer, its cache (``[num_blocks, H, N, 2D]``); a pooled space indexes its all-layers view.
-        block_row: the request's block ids (at least ``cdiv(n, N)`` valid entries).
+        source_row: the request's block ids, uncompressed (at least ``cdiv(n, N)`` valid entries).
         keep_masks: per layer, ``[H, n]`` bool, the tokens each head keeps.
-        space: where pages come from.
-        layout: where head pages live in a cache tensor.
+        dest_blocks: the blocks the request keeps from now on (the scheduler's allocation).
 
     Returns:
-        ``[L, H, max_pages]`` int64 page tables (-1 where a head has no page).
+        ``[L, H, max_pages]`` page tables (host, -1 = no page) and, per pool of ``space``, its unused pages.
     """
-    num_heads, block_size = space.num_heads, space.block_size
-    num_tokens = keep_masks[0].shape[1]
-    prompt_blocks = block_row[: cdiv(num_tokens, block_size)].to(keep_masks[0].device)
-    tables, pages = [], []
+    block_size = space.block_size
+    device = keep_masks[0].device
+    kept = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
+    tables, unused = assign_pages(kept, dest_blocks, space)
+    source_blocks = source_row[: cdiv(keep_masks[0].shape[1], block_size)].to(device=device, dtype=torch.int64)
+    dest = dest_blocks.to(device=device, dtype=torch.int64)
+    stage_all_layers = space.is_pooled and bool(torch.isin(dest, source_blocks).any())
+    staged = []
+    device_tables = tables.to(device)
     for layer, mask in enumerate(keep_masks):
         cache = space.cache(layer, caches[layer])
-        table, pages_per_head = _compact_in_own_pages(
-            cache, space.identity(layer, prompt_blocks), mask, block_size, layout
-        )
-        tables.append(table)
-        pages.append(pages_per_head)
-    tables = stack_tables(tables)
-    if space.is_pooled:
-        keep_blocks = cdiv(int(torch.stack(pages).sum()), space.pages_per_block(0))
-        _spill_into_vacated_pages(space, tables, torch.stack(pages), prompt_blocks, keep_blocks, layout)
-    return tables
+        counts = mask.sum(dim=1)
+        head_idx, token_idx = torch.nonzero(mask, as_tuple=True)
+        source_pages = space.identity(layer, source_blocks)[head_idx, token_idx // block_size]
+        # The j-th kept token of head h goes to slot j of head h's pages.
+        rank = torch.arange(head_idx.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[head_idx]
+        dest_pages = device_tables[layer][head_idx, rank // block_size]
+        keys, values = layout.read(cache, source_pages, token_idx % block_size)  # copies
+        staged.append((cache, dest_pages, rank % block_size, keys, values))
+        if not stage_all_layers:
+            layout.write(*staged.pop())
+    for write in staged:
+        layout.write(*write)
+    return tables, unused
 
 
-def _spill_into_vacated_pages(
-    space: PageSpace, tables: Tensor, pages: Tensor, prompt_blocks: Tensor, keep_blocks: int, layout: CacheLayout
-) -> None:
-    """Move every page of ``tables`` that lies beyond the request's first ``keep_blocks`` blocks into a page of
-    those blocks that no (layer, head) uses; rewrite ``tables`` in place."""
-    num_heads, block_size = space.num_heads, space.block_size
-    device = tables.device
-    # Layer l's heads took the first pages[l].sum() of its own pages in block-by-block order, head after head:
-    # slot j of head h is page number first_page[l, h] + j of that order, which lies in block (that) // H.
-    first_page = torch.cumsum(pages, dim=1) - pages  # [L, H]
-    position = first_page.unsqueeze(2) + torch.arange(tables.shape[2], device=device)
-    kept_pages_per_layer = keep_blocks * num_heads
-    overflow = (tables >= 0) & (position >= kept_pages_per_layer)
-    if not bool(overflow.any()):
-        return
-    used = pages.sum(dim=1)  # [L]
-    vacant = torch.cat(
-        [
-            space.identity(layer, prompt_blocks[:keep_blocks]).t().reshape(-1)[int(used[layer]) :]
-            for layer in range(tables.shape[0])
-            if int(used[layer]) < kept_pages_per_layer
-        ]
-    )
-    sources = tables[overflow]
-    if vacant.numel() < sources.numel():
-        raise RuntimeError("rcstat: not enough vacant pages to spill into (page accounting bug)")
-    destinations = vacant[: sources.numel()]
-    cache = space.all_layers
-    offsets = torch.arange(block_size, device=device)
-    for start in range(0, sources.numel(), SPILL_CHUNK_PAGES):
-        src = sources[start : start + SPILL_CHUNK_PAGES].unsqueeze(1).expand(-1, block_size)
-        dst = destinations[start : start + SPILL_CHUNK_PAGES].unsqueeze(1).expand(-1, block_size)
-        keys, values = layout.read(cache, src, offsets.expand_as(src))
-        layout.write(cache, dst, offsets.expand_as(dst), keys, values)
-    tables[overflow] = destinations
-
-
-def compact_layer(kv_cache: Tensor, block_row: Tensor, keep_mask: Tensor, layout: CacheLayout = CPU_VEC) -> Tensor:
-    """:func:`compact` of one layer on its own pages: ``[H, max_pages]`` page table."""
+def compact_layer(
+    kv_cache: Tensor, source_row: Tensor, keep_mask: Tensor, dest_blocks: Tensor, layout: CacheLayout = CPU_VEC
+) -> Tensor:
+    """:func:`compact_into` of one layer on its own pages: ``[H, max_pages]`` page table."""
     _, num_heads, block_size = layout.shape(kv_cache)
-    return compact([kv_cache], block_row, [keep_mask], PageSpace.per_layer(1, num_heads, block_size), layout)[0]
+    space = PageSpace.per_layer(1, num_heads, block_size)
+    return compact_into([kv_cache], source_row, [keep_mask], dest_blocks, space, layout)[0][0]
+
+
+def compact_request(
+    caches: Sequence[Tensor],
+    source_row: Tensor,
+    keep_masks: Sequence[Tensor],
+    dest_blocks: Tensor,
+    space: PageSpace,
+    layout: CacheLayout = CPU_VEC,
+) -> "CompactedRequest":
+    """:func:`compact_into`, and the request's state from there on (it holds ``dest_blocks``)."""
+    tables, unused = compact_into(caches, source_row, keep_masks, dest_blocks, space, layout)
+    kept = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
+    return CompactedRequest.from_compaction(keep_masks[0].shape[1], space, kept, tables, unused, dest_blocks.numel())
+
+
+def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace) -> int:
+    """The fewest blocks a request can keep after compaction (see :class:`CompactedRequest`): the pages of its
+    kept tokens plus those the tokens still to come before vLLM appends its next block need, over each pool."""
+    to_boundary = -num_tokens % space.block_size
+    pages_then = (kept + to_boundary + space.block_size - 1) // space.block_size  # [L, H]
+    return min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size))
 
 
 def stack_tables(tables: list[Tensor]) -> Tensor:
@@ -299,9 +281,14 @@ class CompactedRequest:
     which would otherwise synchronise with the GPU.
 
     A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
-    compaction is appended to every head. New pages come from the pools of unused head pages in the blocks
-    the request still holds (one pool for all layers, or one per layer: ``space``, see :meth:`finalize`),
-    refilled as vLLM appends blocks to the row.
+    compaction is appended to every head. The request holds ``keep_blocks`` blocks given by the scheduler for its
+    compacted prompt (:func:`compact_into`); until vLLM appends its next block (at the next multiple of N
+    tokens), the ``m = (-n) % N`` tokens still to come must fit in pages of those blocks: (layer, head) then
+    needs ``cdiv(k + m, N) - cdiv(k, N)`` new pages (:func:`blocks_needed` counts them). From there on every
+    block vLLM appends brings ``H`` pages per layer into the pools before the N tokens that need exactly one new
+    page per (layer, head). New pages come from the pools of unused head pages (one pool for all layers, or one
+    per layer: ``space``); with one pool for all layers, a layer keeping little lends its pages to one keeping
+    much.
     """
 
     num_compacted_tokens: int
@@ -310,13 +297,30 @@ class CompactedRequest:
     kept: Tensor
     #: [L, H, P] int64 page table per (layer, head), -1 = no page; grows along P as heads need pages
     tables: Tensor
-    keep_blocks: int = 0
-    #: block-row entries already turned into pool pages
-    absorbed_blocks: int = 0
     #: per pool of ``space``, its unused pages (handed out from the left)
-    pools: list[deque] = field(default_factory=list)
+    pools: list[deque]
+    keep_blocks: int = 0
+    #: block-row entries (vLLM's positions) already turned into pool pages, or never to be (the prompt's own)
+    absorbed_blocks: int = 0
     #: [L, H] pages each (layer, head) holds
     page_counts: Tensor | None = None
+
+    @classmethod
+    def from_compaction(
+        cls, num_tokens: int, space: PageSpace, kept: Tensor, tables: Tensor, unused: list[Tensor], keep_blocks: int
+    ) -> "CompactedRequest":
+        """The state after :func:`compact_into` moved ``num_tokens`` tokens' kept entries into ``keep_blocks``
+        blocks: vLLM's row positions of the prompt blocks are absorbed (the scheduler gave them back)."""
+        return cls(
+            num_compacted_tokens=num_tokens,
+            space=space,
+            kept=kept,
+            tables=tables,
+            pools=[deque(pages.tolist()) for pages in unused],
+            keep_blocks=keep_blocks,
+            absorbed_blocks=cdiv(num_tokens, space.block_size),
+            page_counts=(tables >= 0).sum(dim=2),
+        )
 
     @property
     def num_layers(self) -> int:
@@ -329,44 +333,6 @@ class CompactedRequest:
     @property
     def num_heads(self) -> int:
         return self.space.num_heads
-
-    def blocks_needed(self) -> int:
-        """The fewest blocks this rank's heads can keep (see :meth:`finalize`)."""
-        n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
-        to_boundary = -self.num_compacted_tokens % self.block_size
-        pages_then = (self.kept + to_boundary + self.block_size - 1) // self.block_size  # [L, H]
-        return min(self.space.blocks_for(pages_then), n_blocks)
-
-    def finalize(self, block_row: Tensor, keep_blocks: int | None = None) -> None:
-        """Decide how many blocks the request keeps and fill the pools with the unused pages of those blocks.
-
-        The request keeps its first ``keep_blocks`` blocks and frees the rest of its prompt blocks. Until vLLM
-        appends the request's next block (at the next multiple of N tokens), the ``m = (-n) % N`` tokens still
-        to come must fit in pages it already holds: (layer, head) then needs ``cdiv(k + m, N) - cdiv(k, N)``
-        new pages. From there on every block vLLM appends brings ``H`` pages per layer into the pools before
-        the N tokens that need exactly one new page per (layer, head). So the request needs, over each pool,
-        ``cdiv(pages used + pages needed before the next block, pages per block)`` blocks, the max over pools
-        (:meth:`blocks_needed`): with one pool for all layers, a layer keeping little lends its pages to one
-        keeping much.
-
-        ``keep_blocks``: the count agreed by all tensor-parallel ranks (the max of their ``blocks_needed``:
-        they share one block table but hold different heads); None on a single rank.
-        """
-        n_blocks = cdiv(self.num_compacted_tokens, self.block_size)
-        needed = self.blocks_needed()
-        if keep_blocks is None:
-            keep_blocks = needed
-        elif not needed <= keep_blocks <= n_blocks:
-            raise ValueError(f"keep_blocks={keep_blocks} outside [{needed}, {n_blocks}] (ranks disagree?)")
-        self.keep_blocks = keep_blocks
-        self.page_counts = (self.tables >= 0).sum(dim=2)
-        kept_blocks = block_row[: self.keep_blocks].cpu()
-        self.pools = []
-        for pool_index, layers in enumerate(self.space.pools):
-            taken = set(self.tables[list(layers)].flatten().tolist())
-            candidates = self.space.pool_pages(pool_index, kept_blocks).tolist()
-            self.pools.append(deque(p for p in candidates if p not in taken))
-        self.absorbed_blocks = n_blocks
 
     @property
     def blocks_held(self) -> int:

@@ -89,7 +89,9 @@ class CompressionStats:
                 self.prometheus.requests_compressed.inc()
                 self.prometheus.compression_ratio.observe(report.compression_ratio)
                 self.prometheus.global_eviction_ratio.observe(report.global_eviction_ratio)
-            self.prometheus.kv_blocks_freed.inc(blocks_freed)
+            # Negative when the request's prompt blocks stay held by other running requests that share them
+            # (its fresh blocks are then extra until those requests finish): a counter only counts gains.
+            self.prometheus.kv_blocks_freed.inc(max(blocks_freed, 0))
 
     @property
     def mean_ratio(self) -> float:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 class CompressionReport:
     """The outcome of compressing one request's prompt KV.
 
-    ``keep_blocks`` tells the scheduler which blocks the request still holds: its first ``keep_blocks``; the
-    rest of its prompt blocks go back to the pool (blocks vLLM appends later, as it decodes, are kept).
+    ``keep_blocks`` tells the scheduler how many blocks the request holds for its compacted prompt: the scheduler
+    allocates that many fresh blocks, the worker copies the kept entries there, and every prompt block goes back
+    to the pool (blocks vLLM appends later, as it decodes, are kept).
     """
 
     req_id: str
@@ -27,6 +28,8 @@ class CompressionReport:
     global_eviction_ratio: float = 0.0
     #: per layer, share of prompt tokens evicted from every KV head of that layer
     layer_global_eviction: list[float] = field(default_factory=list)
+    #: prompt tokens served from vLLM's prefix cache (shared with earlier requests, not recomputed)
+    num_cached_tokens: int = 0
 
     @property
     def prompt_blocks(self) -> int:
@@ -80,6 +83,7 @@ class CompressionReport:
             "pooled_pages": self.pooled_pages,
             "global_eviction_ratio": self.global_eviction_ratio,
             "layer_global_eviction": self.layer_global_eviction,
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
     @classmethod

@@ -27,8 +27,21 @@ class BatchRequest:
         return self.num_computed_tokens < self.num_prompt_tokens <= self.num_tokens_after_step
 
 
+@dataclass(frozen=True)
+class Compaction:
+    """The scheduler's answer to a worker's compression plan (``patches/scheduler.py``), carried to the workers
+    in the next step's scheduler output: the blocks to copy the request's kept KV into, or why it stays
+    uncompressed (its prompt blocks untouched)."""
+
+    req_id: str
+    block_ids: tuple[int, ...] = ()
+    cancelled_reason: str | None = None
+
+
 @dataclass
 class StepInfo:
     requests: list[BatchRequest]
     #: requests finished, preempted or resumed: their compressed state is gone
     dropped_req_ids: set[str] = field(default_factory=set)
+    #: compactions to run before this step's forward (their prompt blocks are no longer the request's)
+    compactions: list[Compaction] = field(default_factory=list)

@@ -6,7 +6,16 @@ step lives here, one object per worker (per model runner):
 - the page space (:mod:`rcstat_vllm.page_space`): head pages pooled across all layers, or per layer, decided
   once when the KV cache is bound (:meth:`WorkerCompression.bind_kv_caches`);
 - the compressed requests' page tables (:class:`CompactedRequest`), requests being scored in this step's
-  forward, queries saved from earlier prefill chunks, the tensor-parallel agreement, reports and results.
+  forward, requests waiting for the blocks their kept KV is copied into, queries saved from earlier prefill
+  chunks, the tensor-parallel agreement, reports and results.
+
+A request is compressed over two steps (copy on compact, so that its prompt blocks can stay prefix-cache
+entries): in the forward of its last prefill chunk every layer is scored and, after the last layer, the kept
+entries are selected; the plan (how many blocks they need) goes to the scheduler with the step's output. The
+scheduler allocates those blocks, gives the prompt blocks back to the pool (cached ones stay cached) and sends the
+block ids with the next step, before whose forward :meth:`WorkerCompression.begin_step` copies the kept entries
+there. Nothing writes a block between the scheduler freeing it and that copy: vLLM-CPU schedules synchronously and
+the plugin turns asynchronous scheduling off (``patches/platform.py``).
 
 Who calls what:
 
@@ -33,7 +42,7 @@ from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
 from rcstat_vllm.log import logger
 from rcstat_vllm.page_space import PageSpace, pooled_space_or_reason
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.step import StepInfo
+from rcstat_vllm.step import Compaction, StepInfo
 
 #: How many finished requests' results the worker keeps for the Python API.
 MAX_RESULTS = 100_000
@@ -88,11 +97,15 @@ class WorkerCompression:
         self._states: dict[str, CompactedRequest] = {}
         #: requests whose last prefill chunk runs in this step's forward, scored layer by layer
         self._scoring: dict[str, RequestCompressor] = {}
-        #: compacted in this step's forward, waiting for the blocks they keep (agreed across TP ranks)
-        self._compacted: list[tuple[RequestCompressor, CompactedRequest]] = []
+        #: selected in this step's forward, with the blocks this rank needs (agreed across TP ranks next)
+        self._selected: list[tuple[RequestCompressor, int]] = []
+        #: plans sent to the scheduler, waiting for the blocks to copy into (or its refusal)
+        self._awaiting_blocks: dict[str, RequestCompressor] = {}
+        #: per request in prefill, prompt tokens that were prefix-cache hits (the computed tokens at first sight)
+        self._cached_tokens: dict[str, int] = {}
         #: per request in chunked prefill, per layer: trailing queries of its chunks so far
         self._saved_queries: dict[str, list[torch.Tensor | None]] = {}
-        #: per layer, the cache tensor seen in this step's forward (compaction runs after the last layer)
+        #: per layer, its cache tensor as the forward passes it (compactions copy within them)
         self._layer_caches: list[torch.Tensor | None] = []
         self._reports: list[CompressionReport] = []
         self.results: OrderedDict[str, CompressionReport] = OrderedDict()
@@ -156,14 +169,37 @@ class WorkerCompression:
     # ---- step protocol (patches/model_runner.py) ----
 
     def begin_step(self, info: StepInfo) -> None:
-        self._finalize_compacted()
+        """Before the step's forward: run the scheduler's compactions, forget dropped requests, note prefix-cache
+        hits of requests seen for the first time."""
+        self._agree_selected()
+        for compaction in info.compactions:
+            self._run_compaction(compaction)
         for req_id in info.dropped_req_ids:
             self._states.pop(req_id, None)
             self._saved_queries.pop(req_id, None)
+            self._cached_tokens.pop(req_id, None)
+            compressor = self._awaiting_blocks.pop(req_id, None)
+            if compressor is not None:
+                self._record(compressor.report("finished or preempted before its KV was compacted"))
+        for request in info.requests:
+            if request.num_computed_tokens < request.num_prompt_tokens and request.req_id not in self._states:
+                self._cached_tokens.setdefault(request.req_id, request.num_computed_tokens)
         self._step = info
 
+    def _run_compaction(self, compaction: Compaction) -> None:
+        compressor = self._awaiting_blocks.pop(compaction.req_id, None)
+        if compressor is None:
+            raise RuntimeError(f"rcstat: the scheduler sent blocks for request {compaction.req_id}, which has no plan")
+        if compaction.cancelled_reason is not None:
+            self._record(compressor.report(compaction.cancelled_reason))
+            return
+        dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
+        self._states[compaction.req_id] = compressor.compact(self._layer_caches, dest, self.space, self.layout)
+        self._record(compressor.report())
+
     def pop_reports(self) -> list[CompressionReport]:
-        self._finalize_compacted()
+        """What the scheduler learns from this step: compression plans (blocks to allocate) and skipped requests."""
+        self._agree_selected()
         reports, self._reports = self._reports, []
         return reports
 
@@ -182,10 +218,17 @@ class WorkerCompression:
     @property
     def idle(self) -> bool:
         """Nothing tracked: no compressed request, no saved queries, nothing mid-compression."""
-        return not (self._states or self._saved_queries or self._scoring or self._compacted)
+        return not (
+            self._states
+            or self._saved_queries
+            or self._scoring
+            or self._selected
+            or self._awaiting_blocks
+            or self._cached_tokens
+        )
 
     def _record(self, report: CompressionReport) -> None:
-        self._reports.append(report)
+        """A request's outcome: compressed (after the copy) or not, and why."""
         self.results[report.req_id] = report
         while len(self.results) > MAX_RESULTS:
             self.results.popitem(last=False)
@@ -201,25 +244,27 @@ class WorkerCompression:
             f" (skipped: {report.skipped_reason})" if report.skipped_reason else "",
         )
 
-    def _finalize_compacted(self) -> None:
-        if not self._compacted:  # the same on every TP rank: they run the same batch
+    def _agree_selected(self) -> None:
+        """Turn this step's selections into plans for the scheduler: the blocks each request keeps are the max over
+        tensor-parallel ranks (they share one block table but hold different heads)."""
+        if not self._selected:  # the same on every TP rank: they run the same batch
             return
-        agreed = max_over_ranks([state.blocks_needed() for _, state in self._compacted], self.block_agreement_group)
+        agreed = max_over_ranks([needed for _, needed in self._selected], self.block_agreement_group)
         if self.block_agreement_group is not None:
             # A token is evicted everywhere only if every rank's heads evicted it.
-            visible = [compressor.visible for compressor, _ in self._compacted]
+            visible = [compressor.visible for compressor, _ in self._selected]
             merged = max_over_ranks(torch.cat([v.flatten() for v in visible]).to(torch.int64).tolist(),
                                     self.block_agreement_group)
             merged, start = torch.tensor(merged, dtype=torch.bool), 0
-            for (compressor, _), v in zip(self._compacted, visible):
+            for (compressor, _), v in zip(self._selected, visible):
                 compressor.visible, start = merged[start : start + v.numel()].view_as(v), start + v.numel()
-        for (compressor, state), keep_blocks in zip(self._compacted, agreed):
+        for (compressor, _), keep_blocks in zip(self._selected, agreed):
             req_id = compressor.decision.req_id
             self._saved_queries.pop(req_id, None)
-            state.finalize(compressor.block_row, keep_blocks)
-            self._states[req_id] = state
-            self._record(compressor.report(state))
-        self._compacted.clear()
+            compressor.keep_blocks = keep_blocks
+            self._awaiting_blocks[req_id] = compressor
+            self._reports.append(compressor.report())
+        self._selected.clear()
 
     # ---- per-step plan (the metadata builders) ----
 
@@ -257,7 +302,10 @@ class WorkerCompression:
                 )
                 if decision.skipped_reason is not None:
                     self._saved_queries.pop(request.req_id, None)
-                    self._record(decision.skipped_report(self.num_layers, self.num_heads, self.block_size))
+                    report = decision.skipped_report(self.num_layers, self.num_heads, self.block_size)
+                    report.num_cached_tokens = self._cached_tokens.pop(request.req_id, 0)
+                    self._record(report)
+                    self._reports.append(report)
                 else:
                     plan.to_compress.append((row, decision))
             elif request.num_tokens_after_step < request.num_prompt_tokens:
@@ -303,16 +351,16 @@ class WorkerCompression:
                 compressor = self._scoring[decision.req_id] = RequestCompressor(
                     decision, self.num_layers, block_table[row]
                 )
+                compressor.num_cached_tokens = self._cached_tokens.pop(decision.req_id, 0)
             saved = self._saved_queries.get(decision.req_id)
             compressor.score_layer(
                 layer_index, query, kv_cache, scale, self.layout, None if saved is None else saved[layer_index]
             )
         if all(compressor.fully_scored for compressor in self._scoring.values()):
-            # The last layer of this forward has run its attention: no layer reads prompt KV any more.
+            # Every layer is scored: select (the kept entries are copied once the scheduler gave their blocks).
             for compressor in self._scoring.values():
-                self._compacted.append((compressor, compressor.compact(self._layer_caches, self.space, self.layout)))
+                self._selected.append((compressor, compressor.select(self.space)))
             self._scoring.clear()
-            self._layer_caches = [None] * self.num_layers
 
 
 # ---- the worker's owner: one per process (a worker process runs one model runner) ----

@@ -30,6 +30,8 @@ class RunResult:
     steps: int = 0
     preemptions: int = 0
     free_trace: list[int] = field(default_factory=list)
+    #: per finished request, its prompt tokens served from the prefix cache (RequestOutput.num_cached_tokens)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class EngineDriver:
@@ -73,9 +75,12 @@ class EngineDriver:
         return self.pool.get_num_free_blocks()
 
     def prompt(self, num_tokens: int, offset: int = 0) -> dict:
+        return {"prompt_token_ids": self.token_ids(num_tokens, offset)}
+
+    def token_ids(self, num_tokens: int, offset: int = 0) -> list[int]:
         ids = self._text_ids[offset : offset + num_tokens]
         assert len(ids) == num_tokens, "TEXT too short for this prompt"
-        return {"prompt_token_ids": ids}
+        return ids
 
     def result(self, request_id: str) -> dict | None:
         results = self.compression.compression_results()
@@ -92,6 +97,7 @@ class EngineDriver:
             for output in self.engine.step():
                 if output.finished:
                     result.outputs[output.request_id] = list(output.outputs[0].token_ids)
+                    result.cached_tokens[output.request_id] = output.num_cached_tokens or 0
             result.steps += 1
             result.peak_running = max(result.peak_running, len(self.scheduler.running))
             result.free_trace.append(self.free_blocks())

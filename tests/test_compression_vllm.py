@@ -45,7 +45,7 @@ def greedy(max_tokens=8, **rcstat):
 def predicted_blocks_freed(kept: list[list[int]], num_tokens: int, pooled: bool) -> int:
     """The head-page layout's prediction from the per-(layer, head) kept counts alone: the request keeps the
     pages of its kept tokens plus those of the tokens still to come before vLLM's next block (see
-    ``CompactedRequest.finalize``), L * H pages per block when pages are pooled across layers, else H pages
+    ``head_pages.blocks_needed``), L * H pages per block when pages are pooled across layers, else H pages
     per block of its fullest layer."""
     to_boundary = -num_tokens % BLOCK
     pages = [[cdiv(k + to_boundary, BLOCK) for k in layer] for layer in kept]
@@ -73,12 +73,15 @@ def test_free_blocks_rise_by_what_the_layout_predicts(driver, num_tokens, capsys
     per_layer = predicted_blocks_freed(result["kept"], num_tokens, pooled=False)
     with capsys.disabled():
         print(
-            f"\n[memory] {num_tokens} tokens in {steps} prefill chunks: ratio {result['compression_ratio']:.3f}, "
+            f"\n[memory] {num_tokens} tokens in {steps} steps: ratio {result['compression_ratio']:.3f}, "
             f"blocks freed predicted {predicted}, measured {measured} (of {cdiv(num_tokens, BLOCK)}; "
             f"per-layer pages would free {per_layer})"
         )
     assert result["skipped_reason"] is None
-    assert steps == cdiv(num_tokens, CHUNK)  # compressed after the last chunk, not before
+    # Selected in the last chunk's step, copied into fresh blocks before the next step's forward. The 1500-token
+    # prompt starts with the 700-token one: its first 21 blocks come from the prefix cache.
+    assert result["num_cached_tokens"] == (0 if num_tokens == 700 else 700 // BLOCK * BLOCK)
+    assert steps == cdiv(num_tokens - result["num_cached_tokens"], CHUNK) + 1
     assert measured == predicted == result["blocks_freed"] > 0
     assert predicted >= per_layer
     driver.run([])  # finish it
@@ -87,7 +90,7 @@ def test_free_blocks_rise_by_what_the_layout_predicts(driver, num_tokens, capsys
 
 def test_last_chunk_shorter_than_window_uses_queries_kept_from_the_previous_chunk(driver):
     # The last chunk holds 4 prompt tokens, the window is 8: the other 4 queries come from chunk one.
-    driver.run([("short-tail", driver.prompt(CHUNK + 4), greedy())])
+    driver.run([("short-tail", driver.prompt(CHUNK + 4, offset=1), greedy())])
     result = driver.result("short-tail")
     assert result["skipped_reason"] is None
     assert result["compression_ratio"] > 0.3 and result["blocks_freed"] > 0
@@ -201,6 +204,7 @@ def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewe
     from rcstat_vllm.page_space import PageSpace
 
     def wave(tag):
+        driver.engine.reset_prefix_cache()  # both waves prefill every prompt in full, in the same chunks
         requests = [(f"{tag}-{i}", driver.prompt(700 + 250 * i, offset=31 * i), greedy(24)) for i in range(3)]
         requests.append((f"{tag}-model", driver.prompt(1200, offset=5), greedy(24, target_ratio=0.7, budget_scope="model")))
         run = driver.run(requests)

@@ -15,13 +15,13 @@ from rcstat_vllm.head_attention import (  # noqa: E402
     write_head_sequence_kv,
 )
 from rcstat_vllm.head_pages import (  # noqa: E402
-    CompactedRequest,
+    blocks_needed,
     cdiv,
     compact_layer,
+    compact_request,
     gather_prompt,
     head_page_caches,
     read_kv,
-    stack_tables,
 )
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.patches.cpu_kv_layout import layout_matches  # noqa: E402
@@ -38,8 +38,10 @@ def _dense_attention(q, keys, values):
 
 
 def _request(num_blocks_total, n, generator):
-    rows = torch.randperm(num_blocks_total - 1, generator=generator)[: cdiv(n + 64, BLOCK)] + 1
-    return rows.to(torch.int32)
+    """A request's block row (room for 64 more tokens) and, after it, blocks the request does not hold."""
+    blocks = (torch.randperm(num_blocks_total - 1, generator=generator) + 1).to(torch.int32)
+    count = cdiv(n + 64, BLOCK)
+    return blocks[:count], blocks[count:]
 
 
 def test_layout_probe_accepts_vec_and_rejects_amx_prepacking():
@@ -50,25 +52,32 @@ def test_layout_probe_accepts_vec_and_rejects_amx_prepacking():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compact_layer_moves_exactly_the_kept_tokens(dtype):
+@pytest.mark.parametrize("destination", ["fresh", "reused"])
+def test_compact_layer_copies_exactly_the_kept_tokens(dtype, destination):
+    """Into fresh blocks (the prompt blocks stay as they were), or into the request's own prompt blocks in another
+    order (what the scheduler hands out when memory is short)."""
     g = torch.Generator().manual_seed(1)
     num_blocks, n = 40, 150
     kv = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype)
-    row = _request(num_blocks, n, g)
+    row, free = _request(num_blocks, n, g)
     keys, values = gather_prompt(kv, row, n)
     mask = torch.rand(HEADS, n, generator=g) < torch.tensor([[0.9], [0.3], [0.0]])
     mask[:, -8:] = True  # the window
-    table = compact_layer(kv, row, mask)
+    needed = blocks_needed(mask.sum(1).unsqueeze(0), n, PageSpace.per_layer(1, HEADS, BLOCK))
+    dest = free[:needed] if destination == "fresh" else row[:needed].flip(0)
+    before = kv.clone()
+    table = compact_layer(kv, row, mask, dest)
     for h in range(HEADS):
         kept = mask[h].nonzero().flatten()
         slots = torch.arange(kept.numel())
         got_k, got_v = read_kv(kv, table[h, slots // BLOCK], slots % BLOCK)
         assert torch.equal(got_k, keys[h, kept]) and torch.equal(got_v, values[h, kept])
         assert int((table[h] >= 0).sum()) == cdiv(kept.numel(), BLOCK)
-    # The pages used lie in the request's first ceil(sum pages / H) blocks.
-    used_blocks = set((table[table >= 0] // HEADS).tolist())
-    needed = cdiv(int(((mask.sum(1) + BLOCK - 1) // BLOCK).sum()), HEADS)
-    assert used_blocks == set(row[:needed].tolist())
+    # The pages used lie in the destination blocks; nothing else was written.
+    assert set((table[table >= 0] // HEADS).tolist()) == set(dest.tolist())
+    untouched = torch.ones(num_blocks, dtype=torch.bool)
+    untouched[dest.long()] = False
+    assert torch.equal(kv[untouched], before[untouched])
 
 
 @pytest.mark.parametrize(
@@ -79,25 +88,28 @@ def test_compact_layer_moves_exactly_the_kept_tokens(dtype):
         (320, 96, 3),  # a multiple of N: vLLM's next block arrives with the first decode token
     ],
 )
-def test_finalize_keeps_the_largest_layers_pages_and_what_it_needs_until_the_next_block(n, kept_per_head, keep_blocks):
+def test_blocks_needed_cover_the_largest_layer_and_the_tokens_until_the_next_block(n, kept_per_head, keep_blocks):
     g = torch.Generator().manual_seed(2)
     kv = torch.randn(40, HEADS, BLOCK, 2 * DIM, generator=g)
-    row = _request(40, n, g)
+    row, free = _request(40, n, g)
     masks = [torch.zeros(HEADS, n, dtype=torch.bool) for _ in range(2)]
     masks[0][:, -8:] = True  # layer 0 keeps only the window: 1 page per head
     masks[1][:, :kept_per_head] = True
-    tables = stack_tables([compact_layer(kv.clone(), row, m) for m in masks])
-    state = CompactedRequest(n, PageSpace.per_layer(2, HEADS, BLOCK), torch.stack([m.sum(1) for m in masks]), tables)
-    state.finalize(row)
+    space = PageSpace.per_layer(2, HEADS, BLOCK)
+    assert blocks_needed(torch.stack([m.sum(1) for m in masks]), n, space) == keep_blocks
+    dest = free[:keep_blocks]
+    state = compact_request([kv, kv.clone()], row, masks, dest, space)
     assert state.keep_blocks == state.blocks_held == keep_blocks
     # Pools: the unused pages of the kept blocks.
     assert len(state.pools[0]) == keep_blocks * HEADS - HEADS
     assert len(state.pools[1]) == keep_blocks * HEADS - HEADS * cdiv(kept_per_head, BLOCK)
     # Decode up to the next block boundary needs no page beyond the kept blocks.
     state.reserve(cdiv(n, BLOCK) * BLOCK, row)
-    assert set(state.tables[state.tables >= 0].div(HEADS, rounding_mode="floor").tolist()) <= set(
-        row[:keep_blocks].tolist()
-    )
+    assert set(state.tables[state.tables >= 0].div(HEADS, rounding_mode="floor").tolist()) <= set(dest.tolist())
+    # The next block vLLM appends (row position ceil(n / N)) brings the pages of the tokens after it.
+    state.reserve(cdiv(n, BLOCK) * BLOCK + 1, row)
+    used = set(state.tables[state.tables >= 0].div(HEADS, rounding_mode="floor").tolist())
+    assert used <= set(dest.tolist()) | {int(row[cdiv(n, BLOCK)])}
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -114,6 +126,7 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
         count = cdiv(n + 40, BLOCK)
         rows.append(blocks[start : start + count].to(torch.int32))
         start += count
+    fresh = blocks[start:]
     width = max(len(r) for r in rows)
     block_table = torch.zeros(len(rows), width, dtype=torch.int32)
     for i, r in enumerate(rows):
@@ -127,10 +140,10 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
         mask = torch.rand(HEADS, n, generator=g) < keep_fraction
         mask[:, -8:] = True
         masks[i] = mask
-        table = compact_layer(kv, rows[i], mask)
-        state = CompactedRequest(n, PageSpace.per_layer(1, HEADS, BLOCK), mask.sum(1).unsqueeze(0), stack_tables([table]))
-        state.finalize(rows[i])
-        states[i] = state
+        space = PageSpace.per_layer(1, HEADS, BLOCK)
+        needed = blocks_needed(mask.sum(1).unsqueeze(0), n, space)
+        states[i] = compact_request([kv], rows[i], [mask], fresh[:needed], space)
+        fresh = fresh[needed:]
 
     history = {i: ([], []) for i in range(3)}
     for step in range(40):  # crosses page boundaries for every head

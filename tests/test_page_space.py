@@ -12,7 +12,7 @@ from rcstat_vllm.head_attention import (  # noqa: E402
     make_head_plan,
     write_head_sequence_kv,
 )
-from rcstat_vllm.head_pages import CompactedRequest, compact, gather_prompt, head_page_caches, read_kv  # noqa: E402
+from rcstat_vllm.head_pages import blocks_needed, compact_request, gather_prompt, head_page_caches, read_kv  # noqa: E402
 from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason  # noqa: E402
 from rcstat_vllm.scoring import select_budget, select_budget_across_layers  # noqa: E402
 
@@ -59,39 +59,49 @@ def test_pooling_is_refused_with_a_reason_when_the_allocation_does_not_allow_it(
     assert "whole block" in pooled_space_or_reason(shifted, HEADS, BLOCK)[1]
 
 
-def test_one_layer_keeping_everything_and_one_almost_nothing_hold_fewer_blocks_than_the_fullest_layer():
+@pytest.mark.parametrize("destination", ["fresh", "reused"])
+def test_one_layer_keeping_everything_and_one_almost_nothing_hold_fewer_blocks_than_the_fullest_layer(destination):
+    """Copied into fresh blocks (the prompt blocks stay intact: they may be prefix-cache entries), or into the
+    request's own prompt blocks in another order (memory was short): there a layer's pages land in blocks still
+    holding other layers' prompt KV, so every layer must be read before any is written."""
     g = torch.Generator().manual_seed(0)
     backing, caches = _backing(generator=g)
     original = backing.clone()
     space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
     n = 320  # 10 blocks
-    row = (torch.randperm(BLOCKS - 1, generator=g)[: cdiv(n, BLOCK)] + 1).to(torch.int32)
+    blocks = (torch.randperm(BLOCKS - 1, generator=g) + 1).to(torch.int32)
+    row, free = blocks[: cdiv(n, BLOCK)], blocks[cdiv(n, BLOCK) :]
     masks = [torch.ones(HEADS, n, dtype=torch.bool), torch.zeros(HEADS, n, dtype=torch.bool), None]
     masks[1][:, -8:] = True  # the window only
     masks[2] = torch.rand(HEADS, n, generator=g) < 0.3
     masks[2][:, -8:] = True
     prompts = [gather_prompt(original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)[l], row, n) for l in range(LAYERS)]
 
-    tables = compact(caches, row, masks, space)
-    state = CompactedRequest(n, space, torch.stack([m.sum(1) for m in masks]), tables)
+    kept = torch.stack([m.sum(1) for m in masks])
+    pages = (kept + BLOCK - 1) // BLOCK
+    keep_blocks = blocks_needed(kept, n, space)
+    # Layer 0 alone needs all 10 blocks of its own slice; pooled, the request needs far fewer.
+    assert keep_blocks == cdiv(int(pages.sum()), LAYERS * HEADS) < max(cdiv(int(p), HEADS) for p in pages.sum(1)) == 10
+    dest = free[:keep_blocks] if destination == "fresh" else row[-keep_blocks:].flip(0)
+    state = compact_request(caches, row, masks, dest, space)
+    tables = state.tables
     # Every (layer, head) reads back exactly its kept tokens, in order, through the all-layers view.
     for layer, mask in enumerate(masks):
         for h in range(HEADS):
-            kept = mask[h].nonzero().flatten()
-            slots = torch.arange(kept.numel())
+            kept_tokens = mask[h].nonzero().flatten()
+            slots = torch.arange(kept_tokens.numel())
             keys, values = read_kv(space.all_layers, tables[layer, h, slots // BLOCK], slots % BLOCK)
-            assert torch.equal(keys, prompts[layer][0][h, kept]) and torch.equal(values, prompts[layer][1][h, kept])
-    # Layer 0 alone fills all 10 blocks of its own slice; pooled, its pages beyond the kept blocks spill into the
-    # pages layers 1 and 2 left vacant, so the request keeps far fewer blocks.
-    pages = (state.kept + BLOCK - 1) // BLOCK
-    per_layer_blocks = max(cdiv(int(p), HEADS) for p in pages.sum(1))
-    state.finalize(row)
-    assert state.keep_blocks == cdiv(int(pages.sum()), LAYERS * HEADS) < per_layer_blocks == cdiv(n, BLOCK)
-    used = tables[tables >= 0]
-    blocks_used = {(int(p) % (BLOCKS * HEADS)) // HEADS for p in used}
-    assert blocks_used <= set(row[: state.keep_blocks].tolist())
+            assert torch.equal(keys, prompts[layer][0][h, kept_tokens])
+            assert torch.equal(values, prompts[layer][1][h, kept_tokens])
+    blocks_used = {(int(p) % (BLOCKS * HEADS)) // HEADS for p in tables[tables >= 0]}
+    assert blocks_used == set(dest.tolist()) and state.keep_blocks == keep_blocks
+    # Only the destination blocks were written (of every layer).
+    untouched = torch.ones(BLOCKS, dtype=torch.bool)
+    untouched[dest.long()] = False
+    view, before = backing.view(LAYERS, BLOCKS, -1), original.view(LAYERS, BLOCKS, -1)
+    assert torch.equal(view[:, untouched], before[:, untouched])
     # The pool holds exactly the kept blocks' other pages.
-    assert len(state.pools) == 1 and len(state.pools[0]) == state.keep_blocks * LAYERS * HEADS - int(pages.sum())
+    assert len(state.pools) == 1 and len(state.pools[0]) == keep_blocks * LAYERS * HEADS - int(pages.sum())
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -115,8 +125,8 @@ def test_pooled_decode_equals_dense_reference_with_page_growth(dtype, atol):
     masks = [torch.rand(HEADS, lengths[0], generator=g) < fractions[l] for l in range(LAYERS)]
     for m in masks:
         m[:, -8:] = True
-    state = CompactedRequest(lengths[0], space, torch.stack([m.sum(1) for m in masks]), compact(caches, rows[0], masks, space))
-    state.finalize(rows[0])
+    keep_blocks = blocks_needed(torch.stack([m.sum(1) for m in masks]), lengths[0], space)
+    state = compact_request(caches, rows[0], masks, blocks[15 : 15 + keep_blocks], space)
     assert state.keep_blocks < cdiv(lengths[0], BLOCK)
 
     history = [[([], []) for _ in range(LAYERS)] for _ in lengths]

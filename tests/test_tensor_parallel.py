@@ -12,34 +12,37 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rcstat_vllm.worker import max_over_ranks
-from rcstat_vllm.head_pages import CompactedRequest, compact_layer, stack_tables
+from rcstat_vllm.head_pages import blocks_needed, cdiv, compact_request
 from rcstat_vllm.page_space import PageSpace
 
 BLOCK, HEADS, DIM, N = 16, 2, 8, 100
 #: rank 0's heads keep few tokens, rank 1's many: they need different block counts
 KEEP_FRACTION = {0: 0.2, 1: 0.9}
+SPACE = PageSpace.per_layer(1, HEADS, BLOCK)
+#: the blocks the scheduler allocates for the compacted request (the prompt's are 1..7)
+FRESH = torch.arange(10, 20)
 
 
-def _state(rank: int) -> tuple[CompactedRequest, torch.Tensor]:
+def _selection(rank: int):
     g = torch.Generator().manual_seed(rank)
     kv = torch.randn(20, HEADS, BLOCK, 2 * DIM, generator=g)
-    row = torch.arange(1, 1 + -(-N // BLOCK), dtype=torch.int32)
+    row = torch.arange(1, 1 + cdiv(N, BLOCK), dtype=torch.int32)
     keep = torch.rand(HEADS, N, generator=g) < KEEP_FRACTION[rank]
     keep[:, -8:] = True
-    table = compact_layer(kv, row, keep)
-    return CompactedRequest(N, PageSpace.per_layer(1, HEADS, BLOCK), keep.sum(1).unsqueeze(0), stack_tables([table])), row
+    return kv, row, keep
 
 
 def _rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        state, row = _state(rank)
-        needed = state.blocks_needed()
+        kv, row, keep = _selection(rank)
+        needed = blocks_needed(keep.sum(1).unsqueeze(0), N, SPACE)
         (agreed,) = max_over_ranks([needed], dist.group.WORLD)
-        state.finalize(row, agreed)
+        state = compact_request([kv], row, [keep], FRESH[:agreed], SPACE)
         free_pages = [len(pool) for pool in state.pools]
+        used = int((state.tables >= 0).sum())
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"needed": needed, "keep_blocks": state.keep_blocks, "free_pages": free_pages}, f)
+            json.dump({"needed": needed, "keep_blocks": state.keep_blocks, "free_pages": free_pages, "used": used}, f)
     finally:
         dist.destroy_process_group()
 
@@ -58,16 +61,15 @@ def test_ranks_keep_the_max_of_the_blocks_their_heads_need(tmp_path):
     agreed = results[1]["needed"]
     assert [r["keep_blocks"] for r in results] == [agreed, agreed]
     # Rank 0 keeps more blocks than its heads need: the extra pages wait in its pools for decode growth.
-    state, _ = _state(0)
-    used = int((state.tables >= 0).sum())
-    assert results[0]["free_pages"] == [agreed * HEADS - used]
+    assert results[0]["free_pages"] == [agreed * HEADS - results[0]["used"]]
 
 
 def test_single_rank_is_its_own_agreement():
     assert max_over_ranks([3, 1, 4], None) == [3, 1, 4]
 
 
-def test_finalize_rejects_fewer_blocks_than_the_heads_need():
-    state, row = _state(1)
-    with pytest.raises(ValueError, match="ranks disagree"):
-        state.finalize(row, state.blocks_needed() - 1)
+def test_compaction_refuses_fewer_blocks_than_the_kept_pages_need():
+    kv, row, keep = _selection(1)
+    pages = int(((keep.sum(1) + BLOCK - 1) // BLOCK).sum())
+    with pytest.raises(ValueError, match="pages needed"):
+        compact_request([kv], row, [keep], FRESH[: cdiv(pages, HEADS) - 1], SPACE)

@@ -91,11 +91,12 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     first, second = torch.zeros(n), torch.zeros(n)
     first[: n // 2], second[n // 2 :] = 1.0, 1.0
     compressor.scores = [torch.stack([first, first]), torch.stack([first, second])]
-    caches = [torch.zeros(8, heads, block, 8), torch.zeros(8, heads, block, 8)]
-    masks = select_keep_masks(compressor.scores, config)  # the selection compact() makes
-    state = compressor.compact(caches, PageSpace.per_layer(2, heads, block), CPU_VEC)
-    state.finalize(torch.arange(1, 5))
-    report = compressor.report(state)
+    caches = [torch.zeros(12, heads, block, 8), torch.zeros(12, heads, block, 8)]
+    masks = select_keep_masks(compressor.scores, config)  # the selection select() makes
+    space = PageSpace.per_layer(2, heads, block)
+    compressor.keep_blocks = compressor.select(space)
+    compressor.compact(caches, torch.arange(6, 6 + compressor.keep_blocks), space, CPU_VEC)
+    report = compressor.report()
     evicted_everywhere_per_layer = [int((~m.any(dim=0)).sum()) for m in masks]
     assert evicted_everywhere_per_layer[0] > evicted_everywhere_per_layer[1]  # layer 1's heads cover both halves
     assert report.layer_global_eviction == [e / n for e in evicted_everywhere_per_layer]
