@@ -68,6 +68,8 @@ class CompressionStats:
     blocks_freed: int = 0
     ratio_sum: float = 0.0
     global_eviction_sum: float = 0.0
+    #: prompt tokens of compressed requests served from the prefix cache
+    cached_tokens: int = 0
     _last_log: float = field(default_factory=time.monotonic)
     _dirty: bool = False
 
@@ -80,6 +82,7 @@ class CompressionStats:
             self.requests_compressed += 1
             self.ratio_sum += report.compression_ratio
             self.global_eviction_sum += report.global_eviction_ratio
+            self.cached_tokens += report.num_cached_tokens
         self.blocks_freed += blocks_freed
         self._dirty = True
         if self.prometheus is not None:
@@ -102,11 +105,13 @@ class CompressionStats:
         if not self._dirty or (not force and now - self._last_log < LOG_INTERVAL_S):
             return
         logger.info(
-            "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f), "
-            "%d run uncompressed; %d KV blocks freed in total; %d blocks free now",
+            "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f, "
+            "%d of their prompt tokens from the prefix cache), %d run uncompressed; %d KV blocks freed in total; "
+            "%d blocks free now",
             self.requests_compressed,
             self.mean_ratio,
             self.global_eviction_sum / self.requests_compressed if self.requests_compressed else 0.0,
+            self.cached_tokens,
             self.requests_skipped,
             self.blocks_freed,
             free_blocks,

@@ -233,10 +233,11 @@ class WorkerCompression:
         while len(self.results) > MAX_RESULTS:
             self.results.popitem(last=False)
         logger.debug(
-            "rcstat: request %s (%d prompt tokens, %s): compression ratio %.3f, global eviction ratio %.3f, "
-            "%d blocks freed%s",
+            "rcstat: request %s (%d prompt tokens, %d from the prefix cache, %s): compression ratio %.3f, "
+            "global eviction ratio %.3f, %d blocks freed%s",
             report.req_id,
             report.num_prompt_tokens,
+            report.num_cached_tokens,
             report.method,
             report.compression_ratio,
             report.global_eviction_ratio,
