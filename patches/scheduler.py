@@ -4,11 +4,13 @@ to the pool, and keep compacted blocks out of the prefix cache.
 The exchange (copy on compact; the worker side is ``rcstat_vllm/worker.py``):
 
 1. The step that runs a request's last prefill chunk reports a plan: ``keep_blocks`` blocks hold the kept KV.
-2. Here, after vLLM processed that step's output (so only requests still running): allocate ``keep_blocks`` fresh
-   blocks, free the request's prompt blocks and put the fresh ones in their place, followed by null blocks (as
-   vLLM's sliding-window manager does: the list keeps its length, so later allocation by position is unchanged).
-   Prompt blocks that are prefix-cache entries stay cached (evictable), and blocks other requests hit keep their
-   other references: nothing compaction writes was ever a cache entry or another request's block.
+2. Here, after vLLM processed that step's output (so only requests still running): the request's prefix-cache
+   hits stay in its block list as they are (shared: compressing them privately would hold the prefix once per
+   request instead of once for all); allocate fresh blocks for the rest of ``keep_blocks``, free the prompt blocks
+   the request computed and put the fresh ones in their place, followed by null blocks (as vLLM's sliding-window
+   manager does: the list keeps its length, so later allocation by position is unchanged). Freed blocks that are
+   prefix-cache entries stay cached (evictable), and blocks other requests hit keep their other references:
+   nothing compaction writes was ever a cache entry or another request's block.
 3. The next scheduler output carries the block ids (:class:`RCStatSchedulerOutput`); the worker copies the kept
    entries there before that step's forward, so before any other request can write a freed prompt block.
 
@@ -104,23 +106,25 @@ def request_manager(kv_cache_manager, req_id: str):
 
 
 def swap_in_fresh_blocks(kv_cache_manager, report: CompressionReport) -> tuple[Compaction, int]:
-    """Give the request ``report.keep_blocks`` fresh blocks in place of its prompt blocks; returns the compaction
-    to send and the change in free blocks. Fresh blocks are taken before the prompt blocks are freed when the
+    """Give the request fresh blocks in place of the prompt blocks it computed (its prefix-cache hits stay, shared);
+    returns the compaction to send and the change in free blocks. Fresh blocks are taken before the prompt blocks are freed when the
     pool has room (then no block is both a copy's source and its destination); otherwise after (the worker then
     reads every kept entry before writing). Refused (request left uncompressed) when even that is short, which
     needs prompt blocks shared with running requests."""
     pool = kv_cache_manager.block_pool
     blocks = request_manager(kv_cache_manager, report.req_id).req_to_blocks[report.req_id]
-    prompt = blocks[: report.prompt_blocks]
+    shared, end = report.shared_blocks, report.prompt_blocks
+    computed = blocks[shared:end]  # the blocks this request computed (its prefix-cache hits stay as they are)
+    num_fresh = report.keep_blocks - shared
     before = pool.get_num_free_blocks()
-    released = sum(1 for block in prompt if not block.is_null and block.ref_cnt == 1)
-    if report.keep_blocks > before + released:
+    released = sum(1 for block in computed if not block.is_null and block.ref_cnt == 1)
+    if num_fresh > before + released:
         return Compaction(report.req_id, cancelled_reason="no free blocks to copy the kept KV into"), 0
-    fresh = pool.get_new_blocks(report.keep_blocks) if report.keep_blocks <= before else None
-    pool.free_blocks(reversed(prompt))  # tail first: evicted first, as vLLM frees a request
+    fresh = pool.get_new_blocks(num_fresh) if num_fresh <= before else None
+    pool.free_blocks(reversed(computed))  # tail first: evicted first, as vLLM frees a request
     if fresh is None:
-        fresh = pool.get_new_blocks(report.keep_blocks)
-    blocks[: report.prompt_blocks] = fresh + [pool.null_block] * (report.prompt_blocks - report.keep_blocks)
+        fresh = pool.get_new_blocks(num_fresh)
+    blocks[shared:end] = fresh + [pool.null_block] * (end - shared - num_fresh)
     return Compaction(report.req_id, tuple(block.block_id for block in fresh)), pool.get_num_free_blocks() - before
 
 

@@ -7,6 +7,7 @@ request's block row, so the CPU and CUDA backends share it (only the attention k
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -173,22 +174,34 @@ class RequestCompressor:
         keys, values = gather_prompt(kv_cache, self.block_row, d.num_tokens, layout)
         self.scores[layer] = self.scorer.score(q_window, keys.float(), values.float(), scale)
 
+    @property
+    def shared_blocks(self) -> int:
+        """Blocks of the prompt served from the prefix cache: they stay shared and uncompressed."""
+        return self.num_cached_tokens // self.block_size if self.block_size else 0
+
     def select(self, space: PageSpace) -> int:
-        """Decide what every (layer, head) keeps; returns the blocks this rank's heads need for it."""
-        self.masks = select_keep_masks(self.scores, self.config)
+        """Decide what every (layer, head) keeps; returns the blocks this rank's heads need for it.
+
+        Tokens in blocks served from the prefix cache are all kept: those blocks stay shared (other requests may
+        be reading them, and copying them into this request's own pages would hold the prefix once per request
+        instead of once for all); the budget or threshold applies to the tokens this request computed."""
+        self.block_size, self.pooled_pages = space.block_size, space.is_pooled
+        shared = self.shared_blocks * space.block_size
+        config = dataclasses.replace(self.config, sink_tokens=max(self.config.sink_tokens - shared, 0))
+        own = select_keep_masks([scores[:, shared:] for scores in self.scores], config)
+        self.masks = [torch.nn.functional.pad(mask, (shared, 0), value=True) for mask in own]
         self.kept = torch.stack([mask.sum(dim=1) for mask in self.masks]).cpu()
         self.visible = torch.stack([mask.any(dim=0) for mask in self.masks]).cpu()
         self.scores = [None] * len(self.scores)
-        self.block_size, self.pooled_pages = space.block_size, space.is_pooled
-        return blocks_needed(self.kept, self.decision.num_tokens, space)
+        return blocks_needed(self.kept, self.decision.num_tokens, space, self.shared_blocks)
 
     def compact(
         self, caches: list[torch.Tensor], dest_blocks: torch.Tensor, space: PageSpace, layout: CacheLayout
     ) -> CompactedRequest:
-        """Copy the kept entries into ``dest_blocks`` (the scheduler's allocation of ``keep_blocks`` blocks)."""
-        if dest_blocks.numel() != self.keep_blocks:
-            raise ValueError(f"rcstat: {dest_blocks.numel()} blocks allocated for {self.keep_blocks} needed")
-        state = compact_request(caches, self.block_row, self.masks, dest_blocks, space, layout)
+        """Copy the kept entries into ``dest_blocks`` (the scheduler's fresh blocks: ``keep_blocks`` less the shared)."""
+        if dest_blocks.numel() != self.keep_blocks - self.shared_blocks:
+            raise ValueError(f"rcstat: {dest_blocks.numel()} fresh blocks allocated, {self.keep_blocks} needed in all")
+        state = compact_request(caches, self.block_row, self.masks, dest_blocks, space, layout, self.shared_blocks)
         self.masks = None
         return state
 

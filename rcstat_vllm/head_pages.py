@@ -188,6 +188,7 @@ def compact_into(
     dest_blocks: Tensor,
     space: PageSpace,
     layout: CacheLayout = CPU_VEC,
+    shared_blocks: int = 0,
 ) -> tuple[Tensor, list[Tensor]]:
     """Copy each (layer, head)'s kept tokens (in order) from the request's uncompressed blocks into head pages of
     ``dest_blocks``, densely (copy on compact: the source blocks are never written, so blocks the prefix cache
@@ -202,15 +203,26 @@ def compact_into(
         caches: per layer, its cache (``[num_blocks, H, N, 2D]``); a pooled space indexes its all-layers view.
         source_row: the request's block ids, uncompressed (at least ``cdiv(n, N)`` valid entries).
         keep_masks: per layer, ``[H, n]`` bool, the tokens each head keeps.
-        dest_blocks: the blocks the request keeps from now on (the scheduler's allocation).
+        dest_blocks: the fresh blocks the request keeps from now on (the scheduler's allocation).
+        shared_blocks: the request's first blocks (prefix-cache hits) stay as they are, shared, every head keeping
+            all their tokens (their masks must be all True): each head's pages start with them.
 
     Returns:
         ``[L, H, max_pages]`` page tables (host, -1 = no page) and, per pool of ``space``, its unused pages.
     """
     block_size = space.block_size
     device = keep_masks[0].device
+    shared_tokens = shared_blocks * block_size
+    if not all(bool(mask[:, :shared_tokens].all()) for mask in keep_masks):
+        raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
+    keep_masks = [mask[:, shared_tokens:] for mask in keep_masks]
     kept = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
     tables, unused = assign_pages(kept, dest_blocks, space)
+    if shared_blocks:
+        shared = source_row[:shared_blocks].cpu()
+        prefix = torch.stack([space.identity(layer, shared) for layer in range(len(keep_masks))])  # [L, H, S]
+        tables = torch.cat([prefix, tables], dim=2)
+    source_row = source_row[shared_blocks:]
     source_blocks = source_row[: cdiv(keep_masks[0].shape[1], block_size)].to(device=device, dtype=torch.int64)
     dest = dest_blocks.to(device=device, dtype=torch.int64)
     stage_all_layers = space.is_pooled and bool(torch.isin(dest, source_blocks).any())
@@ -221,9 +233,9 @@ def compact_into(
         counts = mask.sum(dim=1)
         head_idx, token_idx = torch.nonzero(mask, as_tuple=True)
         source_pages = space.identity(layer, source_blocks)[head_idx, token_idx // block_size]
-        # The j-th kept token of head h goes to slot j of head h's pages.
+        # The j-th kept token of head h goes to slot j of head h's own pages (after the shared ones).
         rank = torch.arange(head_idx.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[head_idx]
-        dest_pages = device_tables[layer][head_idx, rank // block_size]
+        dest_pages = device_tables[layer][head_idx, shared_blocks + rank // block_size]
         keys, values = layout.read(cache, source_pages, token_idx % block_size)  # copies
         staged.append((cache, dest_pages, rank % block_size, keys, values))
         if not stage_all_layers:
@@ -249,19 +261,24 @@ def compact_request(
     dest_blocks: Tensor,
     space: PageSpace,
     layout: CacheLayout = CPU_VEC,
+    shared_blocks: int = 0,
 ) -> "CompactedRequest":
-    """:func:`compact_into`, and the request's state from there on (it holds ``dest_blocks``)."""
-    tables, unused = compact_into(caches, source_row, keep_masks, dest_blocks, space, layout)
+    """:func:`compact_into`, and the request's state from there on (it holds its shared blocks and ``dest_blocks``)."""
+    tables, unused = compact_into(caches, source_row, keep_masks, dest_blocks, space, layout, shared_blocks)
     kept = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
-    return CompactedRequest.from_compaction(keep_masks[0].shape[1], space, kept, tables, unused, dest_blocks.numel())
+    return CompactedRequest.from_compaction(
+        keep_masks[0].shape[1], space, kept, tables, unused, shared_blocks + dest_blocks.numel()
+    )
 
 
-def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace) -> int:
-    """The fewest blocks a request can keep after compaction (see :class:`CompactedRequest`): the pages of its
-    kept tokens plus those the tokens still to come before vLLM appends its next block need, over each pool."""
+def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks: int = 0) -> int:
+    """The fewest blocks a request can hold after compaction (see :class:`CompactedRequest`): its shared blocks,
+    then the pages of its other kept tokens plus those the tokens still to come before vLLM appends its next block
+    need, over each pool."""
     to_boundary = -num_tokens % space.block_size
-    pages_then = (kept + to_boundary + space.block_size - 1) // space.block_size  # [L, H]
-    return min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size))
+    own = kept - shared_blocks * space.block_size
+    pages_then = (own + to_boundary + space.block_size - 1) // space.block_size  # [L, H]
+    return shared_blocks + min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size) - shared_blocks)
 
 
 def stack_tables(tables: list[Tensor]) -> Tensor:

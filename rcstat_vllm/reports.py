@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 class CompressionReport:
     """The outcome of compressing one request's prompt KV.
 
-    ``keep_blocks`` tells the scheduler how many blocks the request holds for its compacted prompt: the scheduler
-    allocates that many fresh blocks, the worker copies the kept entries there, and every prompt block goes back
-    to the pool (blocks vLLM appends later, as it decodes, are kept).
+    ``keep_blocks`` tells the scheduler how many blocks the request holds for its compacted prompt: its
+    ``shared_blocks`` (prefix-cache hits, kept as they are) and fresh blocks for the rest; the scheduler allocates
+    the fresh ones, the worker copies the kept entries there, and the request's other prompt blocks go back to the
+    pool (blocks vLLM appends later, as it decodes, are kept).
     """
 
     req_id: str
@@ -34,6 +35,11 @@ class CompressionReport:
     @property
     def prompt_blocks(self) -> int:
         return -(-self.num_prompt_tokens // self.block_size) if self.block_size else 0
+
+    @property
+    def shared_blocks(self) -> int:
+        """Prompt blocks served from the prefix cache: the request keeps them as they are (shared, uncompressed)."""
+        return self.num_cached_tokens // self.block_size if self.block_size else 0
 
     @property
     def blocks_held(self) -> int:

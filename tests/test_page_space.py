@@ -180,3 +180,44 @@ def test_model_wide_budget_meets_the_ratio_and_spends_it_unevenly():
     assert torch.equal(one, select_budget(spread, window, 0.3).mask)
     with pytest.raises(ValueError, match="comparable"):
         select_budget_across_layers([spread], window, 0.3, comparable="bogus")
+
+
+def test_prefix_cache_hits_stay_shared_and_only_the_computed_tokens_are_copied():
+    """A request whose first 3 blocks were prefix-cache hits: every head's pages start with those blocks' own
+    pages (shared, never written), the rest of its kept tokens are copied into fresh blocks."""
+    g = torch.Generator().manual_seed(7)
+    backing, caches = _backing(generator=g)
+    original = backing.clone()
+    space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
+    n, shared = 300, 3
+    blocks = (torch.randperm(BLOCKS - 1, generator=g) + 1).to(torch.int32)
+    row, free = blocks[: cdiv(n, BLOCK)], blocks[cdiv(n, BLOCK) :]
+    masks = [torch.rand(HEADS, n, generator=g) < f for f in (0.9, 0.1, 0.5)]
+    for m in masks:
+        m[:, : shared * BLOCK] = True  # the shared blocks' tokens are kept by every head
+        m[:, -8:] = True
+    kept = torch.stack([m.sum(1) for m in masks])
+    keep_blocks = blocks_needed(kept, n, space, shared_blocks=shared)
+    to_boundary = -n % BLOCK  # tokens still to come before vLLM's next block
+    own_pages = int(((kept - shared * BLOCK + to_boundary + BLOCK - 1) // BLOCK).sum())
+    assert keep_blocks == shared + cdiv(own_pages, LAYERS * HEADS)
+    fresh = free[: keep_blocks - shared]
+    state = compact_request(caches, row, masks, fresh, space, shared_blocks=shared)
+    assert state.keep_blocks == keep_blocks and torch.equal(state.kept, kept)
+    view = original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)
+    for layer, mask in enumerate(masks):
+        assert torch.equal(state.tables[layer, :, :shared], space.identity(layer, row[:shared]))
+        keys_all, values_all = gather_prompt(view[layer], row, n)
+        for h in range(HEADS):
+            kept_tokens = mask[h].nonzero().flatten()
+            slots = torch.arange(kept_tokens.numel())
+            keys, values = read_kv(space.all_layers, state.tables[layer, h, slots // BLOCK], slots % BLOCK)
+            assert torch.equal(keys, keys_all[h, kept_tokens]) and torch.equal(values, values_all[h, kept_tokens])
+    # Only the fresh blocks were written; the shared ones (and the computed ones, now free) are as they were.
+    untouched = torch.ones(BLOCKS, dtype=torch.bool)
+    untouched[fresh.long()] = False
+    assert torch.equal(backing.view(LAYERS, BLOCKS, -1)[:, untouched], original.view(LAYERS, BLOCKS, -1)[:, untouched])
+    # A head's shared tokens must all be kept.
+    masks[0][0, 5] = False
+    with pytest.raises(ValueError, match="kept by every head"):
+        compact_request(caches, row, masks, fresh, space, shared_blocks=shared)
