@@ -3,8 +3,8 @@
 Workload: ``--requests`` distinct long prompts (``--min-len``..``--max-len`` tokens of essay text, seeded) all
 submitted at once, ``--max-tokens`` greedy output tokens each (``ignore_eos``, so every run produces the same
 number of tokens), through a KV pool set explicitly (``--kv-tokens`` tokens' worth of bytes) so that vanilla
-vLLM holds only a few of these requests at a time. Prefix caching is off in every run (the plugin turns it
-off; vanilla must not reuse prefixes either), block size 32 everywhere.
+vLLM holds only a few of these requests at a time. Prefix caching is off in every run (the prompts share nothing
+to reuse), block size 32 everywhere, unless ``--prefix-caching-study``.
 
 Runs, each its own subprocess and engine, one after another:
   vanilla            VLLM_PLUGINS=__none__ (the plugin is not loaded at all)
@@ -19,6 +19,10 @@ vLLM's own metrics (``disable_log_stats=False``; ``LLM.get_metrics()`` gauges ``
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and counter ``vllm:num_preemptions``) sampled
 after every engine step (the engine runs in-process, so a step's gauges are that step's scheduler state).
 The plugin's compression results give the achieved ratio and blocks freed per request.
+
+``--prefix-caching-study``: every prompt starts with the same ``--shared-prefix`` tokens (1024 by default; a
+shared document or system prompt), and the runs are vanilla and the plugin's bare flag, each with vLLM's prefix
+caching on (its default) and off: ``vanilla+pc``, ``vanilla``, ``default+pc``, ``default``.
 
 Prefill overhead: in the vanilla run and in the rc_c1 run, batches of ``--overhead-prompts`` prompts with
 one output token (prefill only) are timed; in the rc_c1 engine the same prompts run round-robin with
@@ -63,16 +67,23 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------- workload
 
 
-def build_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int, tag: str) -> list[list[int]]:
-    """n distinct needle prompts of uniform random length in [min_len, max_len] (token ids)."""
+def build_prompts(
+    tokenizer, n: int, min_len: int, max_len: int, seed: int, tag: str, shared_prefix: int = 0
+) -> list[list[int]]:
+    """n distinct needle prompts of uniform random length in [min_len, max_len] (token ids); with
+    ``shared_prefix``, each starts with the same that many tokens of essay text (then its own needle prompt)."""
     import data
 
+    prefix = []
+    if shared_prefix:
+        sentences, _, _ = data.Haystack(tokenizer, random.Random(f"{seed}-shared-prefix")).take(shared_prefix + 64)
+        prefix = data.encode(tokenizer, " ".join(sentences))[:shared_prefix]
     prompts = []
     for i in range(n):
         rng = random.Random(f"{seed}-{tag}-{i}")
-        length = rng.randint(min_len, max_len)
+        length = rng.randint(min_len, max_len) - len(prefix)
         sample = data.needle_sample(tokenizer, rng, data.Haystack(tokenizer, rng), length, rng.random())
-        prompts.append(sample.prompt_ids)
+        prompts.append(prefix + sample.prompt_ids)
     return prompts
 
 
@@ -139,10 +150,12 @@ def worker(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     tokenizer = data.load_tokenizer(spec["model"])
-    prompts = build_prompts(tokenizer, spec["requests"], spec["min_len"], spec["max_len"], spec["seed"], "workload")
+    prompts = build_prompts(tokenizer, spec["requests"], spec["min_len"], spec["max_len"], spec["seed"], "workload",
+                            spec.get("shared_prefix", 0))
     kwargs = dict(model=spec["model"], enforce_eager=True, compilation_config={"mode": 0},
                   max_model_len=spec["max_model_len"], kv_cache_memory_bytes=spec["kv_bytes"],
-                  block_size=BLOCK_SIZE, enable_prefix_caching=False, disable_log_stats=False, seed=0)
+                  block_size=BLOCK_SIZE, enable_prefix_caching=spec.get("prefix_caching", False),
+                  disable_log_stats=False, seed=0)
     if spec.get("rcstat") is not None:
         kwargs["additional_config"] = {"rcstat": spec["rcstat"]}
     t0 = time.perf_counter()
@@ -178,6 +191,7 @@ def worker(spec: dict) -> dict:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result.update({
         "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
+        "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
         "wall_s": wall, "output_tok_per_s": out_tokens / wall, "requests_per_s": len(prompts) / wall,
         "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / wall,
         **sampler.summary(t_start, num_blocks),
@@ -242,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", nargs="*", default=None, help="only these runs (names as in the docstring)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved; median reported")
     parser.add_argument("--no-prefill-overhead", action="store_true", help="skip the prefill-overhead batches")
+    parser.add_argument("--prefix-caching-study", action="store_true",
+                        help="shared-prefix workload; vanilla and the bare flag, prefix caching on and off")
+    parser.add_argument("--shared-prefix", type=int, default=None, help="tokens every prompt starts with")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -283,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     if matched_source:
         plan += [(f"snapkv@{matched_source}", {}, dict(rcstat={"method": "snapkv", "target_ratio": 0.5})),
                  (f"tova@{matched_source}", {}, dict(rcstat={"method": "tova", "target_ratio": 0.5}))]
+    if args.prefix_caching_study:
+        base["shared_prefix"] = 1024 if args.shared_prefix is None else args.shared_prefix
+        plan = [(f"{name}{'+pc' if pc else ''}", env, dict(rcstat=rcstat, prefix_caching=pc))
+                for name, env, rcstat in (("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}))
+                for pc in (True, False)]
+    elif args.shared_prefix:
+        base["shared_prefix"] = args.shared_prefix
     if args.runs:
         plan = [p for p in plan if p[0] in args.runs]
     if args.no_prefill_overhead:
@@ -339,14 +363,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(report: dict) -> None:
     print(f"{'run':20s} {'ratio':>6s} {'out tok/s':>9s} {'req/s':>7s} {'peak run':>8s} {'mean run':>8s} "
-          f"{'peak KV':>7s} {'preempt':>7s} {'x vanilla':>9s}")
+          f"{'peak KV':>7s} {'preempt':>7s} {'cached':>7s} {'x vanilla':>9s}")
     for name, r in report["runs"].items():
         if "error" in r:
             print(f"{name:20s} ERROR {r['error']}")
             continue
         print(f"{name:20s} {r.get('mean_ratio', 0.0):6.3f} {r['output_tok_per_s']:9.2f} {r['requests_per_s']:7.3f} "
               f"{r.get('peak_running', 0):8.0f} {r.get('mean_running', 0):8.2f} {r.get('peak_kv_usage', 0):7.2f} "
-              f"{r.get('preemptions', 0):7.0f} {r.get('vs_vanilla', {}).get('output_tok_per_s', float('nan')):9.2f}")
+              f"{r.get('preemptions', 0):7.0f} {r.get('cached_prompt_tokens', 0):7d} "
+              f"{r.get('vs_vanilla', {}).get('output_tok_per_s', float('nan')):9.2f}")
 
 
 if __name__ == "__main__":
