@@ -22,8 +22,10 @@ from rcstat_vllm.attribution.processor import RCStatAttributionProcessor  # noqa
 
 
 def test_processor_validates_per_request_settings():
-    RCStatAttributionProcessor.validate_params(SamplingParams(extra_args={"rcstat_attribution": {"k": 3}}))
-    RCStatAttributionProcessor.validate_params(SamplingParams())
+    asked, plain = SamplingParams(extra_args={"rcstat_attribution": {"k": 3}}), SamplingParams()
+    RCStatAttributionProcessor.validate_params(asked)
+    RCStatAttributionProcessor.validate_params(plain)
+    assert asked.skip_reading_prefix_cache is True and plain.skip_reading_prefix_cache is False
     from vllm.exceptions import VLLMValidationError
 
     with pytest.raises(VLLMValidationError, match="'estimator'"):
@@ -160,11 +162,16 @@ def test_long_chunks_through_vllm_match_the_reference(engine):
             "rcstat_attribution": {"spans": "chunks", "chunks": e["docs"]}, "rcstat": {"method": "none"}})
         for e in examples
     ]
+    # The same prompts first without attribution: their blocks are in the prefix cache when the asking ones
+    # come; those must not read it (a hit skips the forward of the prompt tokens, whose keys attribution needs).
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     outputs = engine.generate(prompts, params, use_tqdm=False)
     model, _ = load_model()
     for example, prompt, output in zip(examples, prompts, outputs):
+        assert not output.num_cached_tokens
         got = results(engine, output, spans="chunks", chunks=example["docs"], generated_spans="all")
         assert got.span_score == AttributionOptions().span_score and [s.text for s in got.prompt_spans] == example["docs"]
+        assert got.warnings == []
         generated = list(output.outputs[0].token_ids)
         _, prompt_spans, _, gen_spans = plan_spans(
             tokenizer, prompt, output.prompt_token_ids, generated, "chunks", example["docs"], "all"
@@ -266,6 +273,7 @@ def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
         assert status == 200, asked
         assert asked["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
         field = asked["rcstat_attribution"]
+        assert "warnings" not in field  # the same prompt ran before: a prefix-cache hit would hide its keys
         assert [s["text"] for s in field["prompt_spans"]] == DOCS
         generated = field["generated"][0]
         assert sum(generated["scores"]) == pytest.approx(1.0, abs=1e-5)
@@ -282,7 +290,7 @@ def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
         assert text == plain["choices"][0]["message"]["content"]
         assert items[-2]["choices"] == [] and items[-2]["id"] == items[0]["id"]
         streamed = items[-2]["rcstat_attribution"]
-        assert streamed["index"] == 0 and streamed["prompt_spans"] == field["prompt_spans"]
+        assert streamed["index"] == 0 and streamed["prompt_spans"] == field["prompt_spans"] and "warnings" not in streamed
         assert streamed["generated"][0]["span"] == generated["span"]
         assert streamed["generated"][0]["scores"] == pytest.approx(generated["scores"], abs=1e-6)
         status, items = _post_stream(port, body)  # did not ask: vLLM's stream unchanged

@@ -5,7 +5,8 @@ Enable it with ``LLM(..., logits_processors=[RCStatAttributionProcessor])`` or
 ``SamplingParams(extra_args={"rcstat_attribution": True | {...}})`` (``vllm_xargs`` over HTTP; options in
 :func:`rcstat_vllm.attribution.capture.parse_request_options`).
 
-What it does: ``validate_params`` rejects a bad setting at admission (HTTP 400, naming the field);
+What it does: ``validate_params`` rejects a bad setting at admission (HTTP 400, naming the field) and makes a
+request that asks skip reading the prefix cache (its prompt keys must all be computed to be traced);
 constructing it (in the worker) activates this process's :class:`AttributionCapture`, so the attention backend
 records q/k for the requests that asked; ``update_state`` tracks which batch rows asked; ``apply`` returns
 the logits untouched (argmax invariant: sampling is exactly as without it). A processor sees logits only,
@@ -38,13 +39,18 @@ class RCStatAttributionProcessor(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         try:
-            parse_request_options(_setting(sampling_params))
+            parsed = parse_request_options(_setting(sampling_params))
         except ConfigError as exc:
             try:
                 from vllm.exceptions import VLLMValidationError
             except ImportError:  # pragma: no cover - older vLLM
                 raise ValueError(str(exc)) from exc
             raise VLLMValidationError(str(exc), parameter=f"vllm_xargs.{REQUEST_KEY}") from exc
+        if parsed is not None:
+            # Attribution needs every prompt key as the model computes it: a prefix-cache hit would skip
+            # those tokens' forward (their keys never reach the trace). vLLM reads this public field when it
+            # builds the engine request, after the processors validated the params (as for prompt logprobs).
+            sampling_params.skip_reading_prefix_cache = True
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.capture = attribution_capture()
