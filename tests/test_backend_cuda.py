@@ -32,7 +32,7 @@ from rcstat_vllm.head_attention import make_head_plan  # noqa: E402
 from rcstat_vllm.head_attention_flash import TorchHeadPageKernels, flash_head_sequence_forward  # noqa: E402
 from rcstat_vllm.head_pages import FLASH, cdiv, flash_head_page_caches, identity_pages  # noqa: E402
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
-from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
+from rcstat_vllm.step import BatchRequest, Compaction, StepInfo  # noqa: E402
 from rcstat_vllm.worker import WorkerCompression, unsupported_layer_reason  # noqa: E402
 
 BLOCK, HEADS, GROUP, DIM, LAYERS = 16, 2, 3, 32, 2
@@ -180,6 +180,10 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     assert compressed.skipped_reason is None
     assert abs(compressed.compression_ratio - 0.5) < 0.02
     assert compressed.blocks_freed > 0 and compressed.pooled_pages == pooled
+    # The scheduler's part: fresh blocks for the kept entries, copied there before the next step's forward.
+    fresh = tuple(range(30, 30 + compressed.keep_blocks))
+    planner.begin_step(StepInfo(requests=[], compactions=[Compaction("req0", fresh)]))
+    assert planner.results["req0"].keep_blocks == compressed.keep_blocks
 
     # Which tokens each (layer, head) kept, read back from its pages.
     state = planner._states["req0"]

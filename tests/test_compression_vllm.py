@@ -125,7 +125,7 @@ def test_budget_mode_hits_the_target_ratio_per_layer(driver):
 
 
 def test_model_wide_budget_hits_the_target_ratio_over_the_model_with_uneven_layers(driver):
-    driver.run([("budget-model", driver.prompt(1000, offset=5), greedy(4, target_ratio=0.6, budget_scope="model"))])
+    driver.run([("budget-model", driver.prompt(1000, offset=6), greedy(4, target_ratio=0.6, budget_scope="model"))])
     result = driver.result("budget-model")
     per_layer = [sum(layer) for layer in result["kept"]]
     assert sum(per_layer) == 30 * 3 * 1000 - round(0.6 * 30 * 3 * 1000)
