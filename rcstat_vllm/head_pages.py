@@ -5,7 +5,7 @@ vLLM's KV cache for one layer is ``[num_blocks, H, N, 2D]``: a block holds all H
 the same memory is ``num_blocks * H`` *head pages* of N single-head tokens each; page ``b * H + h`` is head
 ``h``'s slice of block ``b``. An uncompressed request's head ``h`` uses pages ``row[j] * H + h`` (the
 identity map). Compaction copies every (layer, head)'s kept tokens into its own page list in ``keep_blocks``
-blocks the scheduler allocated (:func:`compact_into`), filled densely, so a head keeping k tokens needs
+blocks the scheduler allocated (:func:`compact_request`), filled densely, so a head keeping k tokens needs
 ``ceil(k / N)`` pages; the prompt's blocks go back to vLLM untouched (they may be prefix-cache entries). Which pages a request may use, and which tensor a page id indexes, is its :class:`PageSpace` (one pool
 across all layers, or one per layer: :mod:`rcstat_vllm.page_space`).
 
@@ -181,7 +181,7 @@ def assign_pages(kept: Tensor, dest_blocks: Tensor, space: PageSpace) -> tuple[T
     return tables, unused
 
 
-def compact_into(
+def compact_request(
     caches: Sequence[Tensor],
     source_row: Tensor,
     keep_masks: Sequence[Tensor],
@@ -189,7 +189,7 @@ def compact_into(
     space: PageSpace,
     layout: CacheLayout = CPU_VEC,
     shared_blocks: int = 0,
-) -> tuple[Tensor, list[Tensor]]:
+) -> "CompactedRequest":
     """Copy each (layer, head)'s kept tokens (in order) from the request's uncompressed blocks into head pages of
     ``dest_blocks``, densely (copy on compact: the source blocks are never written, so blocks the prefix cache
     or another request still reads stay intact).
@@ -208,16 +208,18 @@ def compact_into(
             all their tokens (their masks must be all True): each head's pages start with them.
 
     Returns:
-        ``[L, H, max_pages]`` page tables (host, -1 = no page) and, per pool of ``space``, its unused pages.
+        The request's state from there on: it holds its shared blocks and ``dest_blocks``; its page tables
+        (host, -1 = no page) and the pools of its unused pages.
     """
     block_size = space.block_size
     device = keep_masks[0].device
+    num_tokens = keep_masks[0].shape[1]
     shared_tokens = shared_blocks * block_size
     if not all(bool(mask[:, :shared_tokens].all()) for mask in keep_masks):
         raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
+    kept_all = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
     keep_masks = [mask[:, shared_tokens:] for mask in keep_masks]
-    kept = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
-    tables, unused = assign_pages(kept, dest_blocks, space)
+    tables, unused = assign_pages(kept_all - shared_tokens, dest_blocks, space)
     if shared_blocks:
         shared = source_row[:shared_blocks].cpu()
         prefix = torch.stack([space.identity(layer, shared) for layer in range(len(keep_masks))])  # [L, H, S]
@@ -242,33 +244,18 @@ def compact_into(
             layout.write(*staged.pop())
     for write in staged:
         layout.write(*write)
-    return tables, unused
+    return CompactedRequest.from_compaction(
+        num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel()
+    )
 
 
 def compact_layer(
     kv_cache: Tensor, source_row: Tensor, keep_mask: Tensor, dest_blocks: Tensor, layout: CacheLayout = CPU_VEC
 ) -> Tensor:
-    """:func:`compact_into` of one layer on its own pages: ``[H, max_pages]`` page table."""
+    """:func:`compact_request` of one layer on its own pages: ``[H, max_pages]`` page table."""
     _, num_heads, block_size = layout.shape(kv_cache)
     space = PageSpace.per_layer(1, num_heads, block_size)
-    return compact_into([kv_cache], source_row, [keep_mask], dest_blocks, space, layout)[0][0]
-
-
-def compact_request(
-    caches: Sequence[Tensor],
-    source_row: Tensor,
-    keep_masks: Sequence[Tensor],
-    dest_blocks: Tensor,
-    space: PageSpace,
-    layout: CacheLayout = CPU_VEC,
-    shared_blocks: int = 0,
-) -> "CompactedRequest":
-    """:func:`compact_into`, and the request's state from there on (it holds its shared blocks and ``dest_blocks``)."""
-    tables, unused = compact_into(caches, source_row, keep_masks, dest_blocks, space, layout, shared_blocks)
-    kept = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
-    return CompactedRequest.from_compaction(
-        keep_masks[0].shape[1], space, kept, tables, unused, shared_blocks + dest_blocks.numel()
-    )
+    return compact_request([kv_cache], source_row, [keep_mask], dest_blocks, space, layout).tables[0]
 
 
 def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks: int = 0) -> int:
@@ -299,7 +286,7 @@ class CompactedRequest:
 
     A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
     compaction is appended to every head. The request holds ``keep_blocks`` blocks given by the scheduler for its
-    compacted prompt (:func:`compact_into`); until vLLM appends its next block (at the next multiple of N
+    compacted prompt (:func:`compact_request`); until vLLM appends its next block (at the next multiple of N
     tokens), the ``m = (-n) % N`` tokens still to come must fit in pages of those blocks: (layer, head) then
     needs ``cdiv(k + m, N) - cdiv(k, N)`` new pages (:func:`blocks_needed` counts them). From there on every
     block vLLM appends brings ``H`` pages per layer into the pools before the N tokens that need exactly one new
@@ -326,7 +313,7 @@ class CompactedRequest:
     def from_compaction(
         cls, num_tokens: int, space: PageSpace, kept: Tensor, tables: Tensor, unused: list[Tensor], keep_blocks: int
     ) -> "CompactedRequest":
-        """The state after :func:`compact_into` moved ``num_tokens`` tokens' kept entries into ``keep_blocks``
+        """The state after :func:`compact_request` moved ``num_tokens`` tokens' kept entries into ``keep_blocks``
         blocks: vLLM's row positions of the prompt blocks are absorbed (the scheduler gave them back)."""
         return cls(
             num_compacted_tokens=num_tokens,
