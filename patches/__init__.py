@@ -5,6 +5,7 @@
 - ``request_validation``: reject a bad per-request override (``vllm_xargs``) for that request only.
 - ``scheduler``: apply the worker's compaction reports, returning freed blocks to the ``BlockPool``.
 - ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
+- ``runner_choice``: with the flag, workers build the V1 model runner (the hooked one); refuse to start otherwise.
 - ``cpu_kv_layout``: check the CPU kernels' in-page K/V layout that compaction reads and writes.
 - ``tensor_parallel``: the process group on which TP ranks agree how many blocks a compressed request keeps.
 - ``openai_chat``: add the attribution field to chat completions (API-server process, processor configured).
@@ -19,6 +20,7 @@ from . import (
     openai_chat,
     platform,
     request_validation,
+    runner_choice,
     scheduler,
     tensor_parallel,
 )
@@ -29,6 +31,7 @@ MODULES = (
     request_validation,
     scheduler,
     model_runner,
+    runner_choice,
     attention_backends,
     cpu_kv_layout,
     openai_chat,
@@ -52,7 +55,7 @@ def install_all() -> None:
     """Install the process-wide hooks (idempotent; each passes through unless the engine runs with the flag).
     ``openai_chat`` is installed by the platform hook, only when the attribution processor is configured."""
     check_contracts()
-    for module in (platform, request_validation, scheduler, model_runner):
+    for module in (platform, request_validation, scheduler, model_runner, runner_choice):
         module.install()
 
 

@@ -75,6 +75,12 @@ class Contract:
 _WRAPPED_MARK = "__rcstat_wrapped__"
 
 
+def is_wrapped(func) -> bool:
+    """Whether ``func`` (a class attribute) is a hook installed by :func:`wrap_method`."""
+    func = getattr(func, "__func__", func)
+    return bool(getattr(func, _WRAPPED_MARK, False))
+
+
 def wrap_method(owner: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
     """Replace ``owner.name`` by ``make_wrapper(original)``, once (idempotent across repeated installs).
 

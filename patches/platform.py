@@ -42,6 +42,9 @@ def _configure_engine(vllm_config, config) -> None:
     # Prefix caching stays as the user set it: compaction copies kept KV into fresh blocks and never caches them
     # (patches/scheduler.py). The copy runs before the forward of the step after the scheduler freed the prompt
     # blocks; with asynchronous scheduling another step could be scheduled (and write them) before it.
+    from .runner_choice import check_runner_choice
+
+    check_runner_choice(vllm_config)
     scheduler = vllm_config.scheduler_config
     if getattr(scheduler, "async_scheduling", False) is not False:
         logger.info("rcstat: asynchronous scheduling turned off (compaction is a two-step worker/scheduler exchange)")
