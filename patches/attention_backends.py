@@ -36,6 +36,11 @@ CONTRACTS = (
     Contract(f"{_FLASH}:FlashAttentionMetadataBuilder.supports_update_block_table"),
     Contract("vllm.v1.attention.backend:AttentionCGSupport.NEVER"),
     Contract("vllm.v1.kv_cache_layout:KVCacheLayout.LBHNC"),
+    Contract(
+        "vllm.v1.attention.backends.fa_utils:get_flash_attn_version",
+        ("requires_alibi", "head_size", "head_size_v", "has_sinks", "requires_softcap", "kv_cache_block_size",
+         "supports_fa4_hd256"),
+    ),
     Contract("vllm.v1.attention.backends.fa_utils:flash_attn_varlen_func", platform="cuda"),
     Contract("vllm.v1.attention.backends.fa_utils:reshape_and_cache_flash", platform="cuda"),
 )

@@ -60,8 +60,12 @@ class RCStatFlashMetadata(FlashAttentionMetadata):
     rcstat: StepCompression | None = None
 
 
-class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):    # Head-as-sequence batches change shape with every compressed request's kept counts: attention runs
-    # eager (vLLM keeps piecewise CUDA graphs for the rest of the model).
+class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
+    # Head-as-sequence batches change shape with every compressed request's kept counts, and a graph captured
+    # over vLLM's logical block table would read a compressed request's freed prompt blocks: attention runs
+    # eager. vLLM then turns its default FULL_AND_PIECEWISE into PIECEWISE (graphs for everything but attention),
+    # for every batch, method "none" included; an explicit FULL mode fails at start-up (vLLM's own check).
+    # See README, "CUDA graphs", for what that costs and the alternative not built.
     _cudagraph_support = AttentionCGSupport.NEVER
     # Metadata must be built per KV-cache group from the step's plan, never copied with a new block table.
     supports_update_block_table = False
@@ -72,7 +76,7 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):    # Head-as-se
         self.rcstat.attach_layers(
             layer_names, num_kv_heads=kv_cache_spec.num_kv_heads, block_size=kv_cache_spec.block_size, layout=FLASH
         )
-        reason = unsupported_reason(vllm_config, layer_names)
+        reason = unsupported_reason(vllm_config, layer_names, kv_cache_spec)
         if reason is not None:
             self.rcstat.disable(reason)
 
@@ -82,9 +86,16 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):    # Head-as-se
         return RCStatFlashMetadata(**vars(base), rcstat=plan)
 
 
-def unsupported_reason(vllm_config, layer_names) -> str | None:
-    """Why head-as-sequence FlashAttention cannot serve this engine, or None (the layers' attention features
-    are checked for both backends by ``WorkerCompression.attach_layers``)."""
+#: FlashAttention versions whose paged varlen kernel head-as-sequence calls (``block_table`` + ``seqused_k``, one KV
+#: head per sequence, any block size FlashAttention's backend accepts).
+SUPPORTED_FA_VERSIONS = (2, 3)
+
+
+def unsupported_reason(vllm_config, layer_names, kv_cache_spec=None) -> str | None:
+    """Why head-as-sequence FlashAttention cannot serve this engine, or None. Checked when vLLM builds the metadata
+    builder (start-up), so an unsupported engine runs uncompressed with the reason logged once, never failing
+    mid-forward. The layers' attention features are checked for both backends by ``WorkerCompression.attach_layers``
+    and the cache tensors' strides when they are bound (``FlashLayout.unsupported_reason``)."""
     layout = vllm_config.cache_config.kv_cache_layout
     if layout is not None and layout != HEAD_MAJOR_LAYOUT.name:
         return f"KV cache layout {layout} is not head-major ({HEAD_MAJOR_LAYOUT.name})"
@@ -92,7 +103,35 @@ def unsupported_reason(vllm_config, layer_names) -> str | None:
         return f"quantized KV cache ({vllm_config.cache_config.cache_dtype}): scores would read scaled values"
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         return "decode context parallelism shards each request's KV across ranks"
+    if kv_cache_spec is None:
+        return None
+    scheduler_block_size = vllm_config.cache_config.block_size
+    if kv_cache_spec.block_size != scheduler_block_size:
+        # vLLM splits blocks into smaller kernel blocks for some FlashAttention versions and head sizes; head pages
+        # are (block, KV head) slices of the scheduler's blocks, whose ids the page tables hold.
+        return (
+            f"the attention kernel's block size ({kv_cache_spec.block_size} tokens) differs from the scheduler's "
+            f"({scheduler_block_size}): vLLM splits blocks for this FlashAttention version and head size"
+        )
+    version = flash_attn_version(kv_cache_spec)
+    if version not in SUPPORTED_FA_VERSIONS:
+        return (
+            f"FlashAttention version {version} (head size {kv_cache_spec.head_size}): head-as-sequence is written for "
+            f"the paged varlen kernel of versions {', '.join(map(str, SUPPORTED_FA_VERSIONS))}"
+        )
     return None
+
+
+def flash_attn_version(kv_cache_spec) -> int | None:
+    """The FlashAttention version vLLM's builder picks for this spec (as ``FlashAttentionMetadataBuilder``)."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    return get_flash_attn_version(
+        head_size=kv_cache_spec.head_size,
+        head_size_v=getattr(kv_cache_spec, "head_size_v", None),
+        kv_cache_block_size=kv_cache_spec.block_size,
+        supports_fa4_hd256=True,
+    )
 
 
 class FlashAttentionHeadPageKernels(HeadPageKernels):
