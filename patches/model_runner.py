@@ -65,12 +65,24 @@ def kv_cache_tensors(runner) -> dict:
 
 
 def step_info(runner, scheduler_output) -> StepInfo:
-    """The batch as the attention metadata will see it (rows in the runner's order)."""
+    """The batch as the attention metadata will see it (rows in the runner's order).
+
+    Each row carries its block ids from vLLM's host block table (``InputBatch.block_table``, rows in batch order
+    once ``_prepare_inputs`` ran), a read-only view: a compressed request growing into a new block takes its pages
+    from there instead of reading the device table. Only with a single KV-cache group (the plugin's); otherwise none
+    are carried and the worker falls back to the device table (``WorkerCompression._host_block_ids``).
+    """
     batch = runner.input_batch
+    group_tables = getattr(batch.block_table, "block_tables", ())
+    host_table = group_tables[0] if len(group_tables) == 1 else None
     requests = []
     for index, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
         state = runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
+        block_ids = None
+        if host_table is not None:
+            block_ids = host_table.block_table.np[index, : host_table.num_blocks_per_row[index]]
+            block_ids.flags.writeable = False
         requests.append(
             BatchRequest(
                 req_id=req_id,
@@ -78,6 +90,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
                 num_computed_tokens=int(batch.num_computed_tokens_cpu[index]),
                 num_scheduled_tokens=int(scheduler_output.num_scheduled_tokens[req_id]),
                 extra_args=getattr(params, "extra_args", None),
+                block_ids=block_ids,
             )
         )
     dropped = set(scheduler_output.finished_req_ids)
@@ -85,7 +98,12 @@ def step_info(runner, scheduler_output) -> StepInfo:
     dropped |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
     # An RCStatSchedulerOutput (patches/scheduler.py) when the scheduler sends compactions.
     compactions = getattr(scheduler_output, "rcstat_compactions", None) or []
-    return StepInfo(requests=requests, dropped_req_ids=dropped, compactions=list(compactions))
+    return StepInfo(
+        requests=requests,
+        dropped_req_ids=dropped,
+        compactions=list(compactions),
+        block_size=None if host_table is None else host_table.block_size,
+    )
 
 
 def _initialize_kv_cache(original):

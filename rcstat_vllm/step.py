@@ -16,6 +16,9 @@ class BatchRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     extra_args: Mapping[str, Any] | None = None
+    #: the row's vLLM block ids on the host (a read-only view of the runner's host block table: read it within this
+    #: step, vLLM rewrites it for the next one), in blocks of ``StepInfo.block_size`` tokens; None when not carried
+    block_ids: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens_after_step(self) -> int:
@@ -45,3 +48,5 @@ class StepInfo:
     dropped_req_ids: set[str] = field(default_factory=set)
     #: compactions to run before this step's forward (their prompt blocks are no longer the request's)
     compactions: list[Compaction] = field(default_factory=list)
+    #: tokens per block of the requests' ``block_ids`` (vLLM's KV-manager block size), None when they carry none
+    block_size: int | None = None
