@@ -2,7 +2,12 @@
 forward of its last prefill chunk and select and compact all layers after the last one.
 
 Backend-agnostic: works on cache tensors ``[num_blocks, H, N, 2D]`` through a :class:`CacheLayout` and the
-request's block row, so the CPU and CUDA backends share it (only the attention kernels differ).
+request's block row, so the CPU and CUDA backends share it (only the attention kernels differ). Scoring reads
+the keys in place: on CUDA through the Triton paged kernels where the method has one (:func:`triton_scoring`),
+otherwise by gathering the keys the scorer reads (never the values of a scorer that does not read them).
+
+Scoring and selection only queue device work: no host synchronisation per layer. The one device-to-host
+transfer is at the end of :meth:`RequestCompressor.select` (the kept counts the page bookkeeping needs).
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import CacheLayout, CompactedRequest, blocks_needed, cdiv, compact_request, gather_prompt
+from rcstat_vllm.head_pages import CacheLayout, CompactedRequest, blocks_needed, cdiv, compact_request
+from rcstat_vllm.kernels.rc_scoring import triton_available
 from rcstat_vllm.page_space import PageSpace
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_budget_across_layers, select_threshold
+from rcstat_vllm.scoring.scorers import PagedPrompt
 from rcstat_vllm.step import BatchRequest
 
 
@@ -106,6 +113,26 @@ def plan_compression(
     return CompressionDecision(request.req_id, config, n, query_start, query_end, reason)
 
 
+def triton_device(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels run where ``tensor`` lives: a CUDA device, with Triton installed. (On CPU Triton
+    has only its interpreter, far slower than torch; tests fake this check to run the kernels under it.)"""
+    return tensor.is_cuda and triton_available()
+
+
+def triton_scoring(layout: CacheLayout, kv_cache: torch.Tensor) -> bool:
+    """Whether a layer's prompt may be scored by the Triton paged kernels: a GPU layout (``FLASH``) on a device they
+    run on. The CPU layout (``CPU_VEC``) always scores in torch: vLLM-CPU runs no Triton. The scorer then takes its
+    kernel only where it has one (``Scorer.scores_in_triton``)."""
+    return layout.paged_kernels and triton_device(kv_cache)
+
+
+def host_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """CPU copies of small device tensors in one transfer (one synchronisation instead of one per tensor)."""
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()
+    copies = flat.split([t.numel() for t in tensors])
+    return [c.view(t.shape).to(t.dtype) for c, t in zip(copies, tensors)]
+
+
 #: How a model-wide budget makes layers' scores comparable (measured against the others: README, "Which mode").
 MODEL_BUDGET_COMPARABLE = "layer_mean"
 
@@ -164,15 +191,21 @@ class RequestCompressor:
         saved_queries: torch.Tensor | None = None,
     ) -> None:
         """Score one layer's prompt tokens per KV head. ``query`` is the step's [T, Hq, D] (RoPE applied: vLLM
-        passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks."""
+        passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks.
+
+        The prompt is read in place from the paged cache (no dense copy of every head's keys and values): by the
+        Triton kernels when :func:`triton_scoring` allows and the method has one, else by gathering what the
+        scorer reads. The scores stay on the cache's device (no host synchronisation)."""
         d = self.decision
         queries = query[d.query_start : d.query_end]
         if saved_queries is not None:
             queries = torch.cat([saved_queries, queries])
         width = min(window_queries(self.config), queries.shape[0])
-        q_window = queries[-width:].transpose(0, 1).float()  # [Hq, w, D]
-        keys, values = gather_prompt(kv_cache, self.block_row, d.num_tokens, layout)
-        self.scores[layer] = self.scorer.score(q_window, keys.float(), values.float(), scale)
+        q_window = queries[-width:].transpose(0, 1)  # [Hq, w, D], the model's dtype (the torch path casts to float32)
+        keys, values = layout.key_value_caches(kv_cache)
+        prompt = PagedPrompt(keys, values, self.block_row, d.num_tokens)
+        use_triton = triton_scoring(layout, kv_cache)
+        self.scores[layer] = self.scorer.score_paged(q_window, prompt, scale, use_triton=use_triton)
 
     @property
     def shared_blocks(self) -> int:
@@ -190,8 +223,11 @@ class RequestCompressor:
         config = dataclasses.replace(self.config, sink_tokens=max(self.config.sink_tokens - shared, 0))
         own = select_keep_masks([scores[:, shared:] for scores in self.scores], config)
         self.masks = [torch.nn.functional.pad(mask, (shared, 0), value=True) for mask in own]
-        self.kept = torch.stack([mask.sum(dim=1) for mask in self.masks]).cpu()
-        self.visible = torch.stack([mask.any(dim=0) for mask in self.masks]).cpu()
+        kept = torch.stack([mask.sum(dim=1) for mask in self.masks])  # [L, H]
+        visible = torch.stack([mask.any(dim=0) for mask in self.masks])  # [L, n]
+        # Selection's one device-to-host transfer: the page bookkeeping (blocks_needed, the scheduler's plan, the
+        # report) runs on the host; the masks stay on the device for the copy.
+        self.kept, self.visible = host_copies(kept, visible)
         self.scores = [None] * len(self.scores)
         return blocks_needed(self.kept, self.decision.num_tokens, space, self.shared_blocks)
 

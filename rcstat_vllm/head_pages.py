@@ -57,9 +57,24 @@ class CacheLayout:
     def write(self, kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor) -> None:
         raise NotImplementedError
 
+    #: Whether the prompt is scored by the Triton paged kernels (:mod:`rcstat_vllm.kernels`) when the cache is on
+    #: a CUDA device; layouts without them score in torch (see ``compression.triton_scoring``).
+    paged_kernels = False
+
+    def key_value_caches(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values as ``[num_blocks, H, N, D]`` views (strided, no copy): what the paged scoring kernels
+        and :func:`rcstat_vllm.kernels.paged.gather_paged_tokens` take, so a scorer reads only what it needs."""
+        raise NotImplementedError
+
 
 class CPUVecLayout(CacheLayout):
     """vLLM-CPU (``vec``/``vec16``): one tensor ``[num_blocks, H, N, 2D]``, see :func:`key_value_pages`."""
+
+    def key_value_caches(self, kv_cache):
+        num_blocks, num_heads, block_size, two_d = kv_cache.shape
+        keys, values = key_value_pages(kv_cache)  # keys channel-major [pages, D, N]: transposed back
+        keys = keys.view(num_blocks, num_heads, two_d // 2, block_size).transpose(2, 3)
+        return keys, values.view(num_blocks, num_heads, block_size, two_d // 2)
 
     def shape(self, kv_cache):
         num_blocks, num_heads, block_size, _ = kv_cache.shape
@@ -84,6 +99,11 @@ class FlashLayout(CacheLayout):
     head-as-sequence view :func:`flash_head_page_caches` additionally needs head-major blocks (``LBHNC``,
     which the plugin's CUDA backend declares).
     """
+
+    paged_kernels = True
+
+    def key_value_caches(self, kv_cache):
+        return kv_cache.split(kv_cache.shape[-1] // 2, dim=-1)  # each row: key then value
 
     def shape(self, kv_cache):
         num_blocks, num_heads, block_size, _ = kv_cache.shape

@@ -8,21 +8,30 @@ GQA convention (vLLM / HF): Hq = G * Hkv query heads, query head h reads KV head
 with queries compute one score per query head and reduce the G heads of a group with ``gqa_reduce``:
 "mean" (default; what kvpress/SnapKV do, see FasterDecoding/SnapKV#22) or "max" (keep a token if any
 query head of the group needs it).
+
+Inside the engine the prompt lives in a paged KV cache: :meth:`Scorer.score_paged` scores it there
+(:class:`PagedPrompt`), with a Triton kernel that reads the keys in place where one computes the method
+(RC and SnapKV with the GQA mean, :mod:`rcstat_vllm.kernels`), otherwise by gathering only the tensors the
+method reads (:attr:`Scorer.needs_keys`, :attr:`Scorer.needs_values`) and calling :meth:`Scorer.score`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rcstat_vllm.kernels.paged import gather_paged_tokens
+
 from .rc import expected_rc_grouped, expected_rc_iot_grouped
 
 __all__ = [
     "Scorer",
+    "PagedPrompt",
     "RCScorer",
     "SnapKVScorer",
     "TOVAScorer",
@@ -55,6 +64,45 @@ def reduce_query_heads(scores: Tensor, how: str, dim: int = 1) -> Tensor:
     raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, got {how!r}")
 
 
+#: Cache dtypes the Triton scoring kernels take (tensor-core dots on 16-bit inputs, IEEE products on float32);
+#: others (fp8 caches, float64 in tests) score in torch.
+PAGED_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PagedPrompt:
+    """One request's prompt in a paged KV cache, to be read in place.
+
+    Attributes:
+        keys, values: [num_blocks, Hkv, block_size, d] cache views (strided views are fine: e.g. the key and
+            value halves of vLLM's fused ``[num_blocks, Hkv, block_size, 2d]`` rows).
+        block_table:  [pages] the request's block ids in token order (may be longer than the prompt needs).
+        num_tokens:   n, the prompt tokens to score.
+    """
+
+    keys: Tensor
+    values: Tensor
+    block_table: Tensor
+    num_tokens: int
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    def gather_keys(self) -> Tensor:
+        """[Hkv, n, d] float32 copy of the prompt's keys (the torch path)."""
+        return gather_paged_tokens(self.keys, self.block_table, 0, self.num_tokens).float()
+
+    def gather_values(self) -> Tensor:
+        """[Hkv, n, d_v] float32 copy of the prompt's values (only for scorers that read them)."""
+        return gather_paged_tokens(self.values, self.block_table, 0, self.num_tokens).float()
+
+    @property
+    def kernel_dtype(self) -> bool:
+        """Whether the Triton kernels take this cache's dtype."""
+        return self.keys.dtype in PAGED_KERNEL_DTYPES
+
+
 def _mark_window_kept(non_window_scores: Tensor, window: int) -> Tensor:
     """[Hkv, n - window] -> float32 [Hkv, n] with the window tokens at +inf."""
     kept = torch.full(
@@ -71,10 +119,14 @@ class Scorer(ABC):
         window_size: how many trailing prompt queries :meth:`score` needs (0 = none). Given fewer (short
             prompt), a scorer uses what it gets; given more, it uses the last ``window_size``.
         gqa_reduce: "mean" | "max", how the G query heads of a KV head are combined.
+        needs_keys, needs_values: whether :meth:`score` reads the prompt's keys / values; :meth:`score_paged`
+            gathers nothing else (no method here reads values: a value-aware one would set ``needs_values``).
     """
 
     name: ClassVar[str]
     default_window_size: ClassVar[int] = 0
+    needs_keys: ClassVar[bool] = True
+    needs_values: ClassVar[bool] = False
 
     def __init__(self, window_size: int | None = None, gqa_reduce: str = "mean"):
         self.window_size = self.default_window_size if window_size is None else int(window_size)
@@ -91,20 +143,64 @@ class Scorer(ABC):
         Args:
             q_window: [Hq, w, d] queries of the last w prompt positions (RoPE applied).
             keys:     [Hkv, n, d] prompt keys (RoPE applied). values: [Hkv, n, d_v].
+                      From :meth:`score_paged`: keys [Hkv, n, 0] if not ``needs_keys``, values None if not
+                      ``needs_values``.
             scale:    the layer's softmax scale (1/sqrt(d) usually); used by softmax-based methods.
         Returns:
             float32 [Hkv, n], higher = more important, +inf = always kept.
         """
+
+    def score_paged(self, q_window: Tensor, prompt: PagedPrompt, scale: float, use_triton: bool = False) -> Tensor:
+        """:meth:`score` of a prompt read from a paged cache: same arguments and result, ``prompt`` for keys/values.
+
+        ``use_triton`` is the caller's go-ahead for the Triton kernels (the cache is where they run: a CUDA device,
+        or the interpreter in tests); the scorer then takes its kernel if it has one that computes exactly its
+        scores (:meth:`scores_in_triton`). Otherwise it gathers the keys (and values only if it reads them) into
+        float32 copies for :meth:`score`.
+        """
+        if self.scores_in_triton(prompt, use_triton):
+            return self._score_paged_triton(q_window, prompt, scale)
+        keys = prompt.gather_keys() if self.needs_keys else self._key_placeholder(prompt)
+        values = prompt.gather_values() if self.needs_values else None
+        return self.score(q_window.float(), keys, values, scale)
+
+    def scores_in_triton(self, prompt: PagedPrompt, use_triton: bool) -> bool:
+        """The path :meth:`score_paged` takes: True = the Triton kernel, False = gather + :meth:`score`."""
+        return bool(use_triton) and self.triton_kernel_applies(prompt)
+
+    def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
+        """Whether a Triton paged kernel computes this scorer's scores for ``prompt`` (none by default)."""
+        return False
+
+    def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
+        raise NotImplementedError(f"{self.name} has no Triton paged kernel")
+
+    @staticmethod
+    def _key_placeholder(prompt: PagedPrompt) -> Tensor:
+        """[Hkv, n, 0]: the shape and device position-only scorers use, without reading the cache."""
+        return prompt.keys.new_empty(prompt.num_kv_heads, prompt.num_tokens, 0, dtype=torch.float32)
+
+    def _window_length(self, num_queries: int, num_tokens: int) -> int:
+        """w' = min(w, window_size, n): the trailing queries a windowed method uses."""
+        w = min(num_queries, self.window_size, num_tokens)
+        if w < 1:
+            raise ValueError(f"{self.name} scoring needs at least one window query")
+        return w
 
     def _trailing_window(self, q_window: Tensor, keys: Tensor) -> Tensor:
         """The last min(w, window_size) queries, grouped per KV head: [Hkv, G, w', d]."""
         if keys.dim() != 3 or q_window.dim() != 3:
             raise ValueError(f"expected q_window [Hq, w, d] and keys [Hkv, n, d], got "
                              f"{tuple(q_window.shape)} and {tuple(keys.shape)}")
-        w = min(q_window.shape[1], self.window_size, keys.shape[1])
-        if w < 1:
-            raise ValueError(f"{self.name} scoring needs at least one window query")
+        w = self._window_length(q_window.shape[1], keys.shape[1])
         return group_queries(q_window[:, q_window.shape[1] - w :], keys.shape[0])
+
+    def _paged_window(self, q_window: Tensor, prompt: PagedPrompt) -> Tensor:
+        """The same trailing queries as :meth:`_trailing_window`, ungrouped [Hq, w', d] as the kernels take them."""
+        if q_window.dim() != 3:
+            raise ValueError(f"expected q_window [Hq, w, d], got {tuple(q_window.shape)}")
+        w = self._window_length(q_window.shape[1], prompt.num_tokens)
+        return q_window[:, q_window.shape[1] - w :]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(window_size={self.window_size}, gqa_reduce={self.gqa_reduce!r})"
@@ -133,6 +229,18 @@ class RCScorer(Scorer):
         # Optional SnapKV-style pooling along tokens (the config's ``smoothing``): neighbours share a score.
         scores = smooth_scores(reduce_query_heads(per_query_head, self.gqa_reduce), self.smoothing)
         return _mark_window_kept(scores, queries.shape[2])
+
+    def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
+        # The kernel computes Eq. 6 reduced by the GQA mean: the IOT variant and the max reduction have none.
+        return not self.iot and self.gqa_reduce == "mean" and prompt.kernel_dtype
+
+    def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
+        from rcstat_vllm.kernels.rc_scoring import rc_scores_paged  # lazy: the kernels module imports scoring
+
+        queries = self._paged_window(q_window, prompt)
+        # [Hkv, n - w'] for the non-window tokens, already the GQA mean; RC is scale-free (no ``scale``).
+        scores = rc_scores_paged(queries, prompt.keys, prompt.block_table, prompt.num_tokens)
+        return _mark_window_kept(smooth_scores(scores, self.smoothing), queries.shape[1])
 
 
 def window_attention(queries: Tensor, keys: Tensor, scale: float) -> Tensor:
@@ -178,6 +286,21 @@ class SnapKVScorer(Scorer):
         attention_to_token = torch.cat(per_head, dim=0)  # [Hkv, G, n - w]
         pooled = smooth_scores(attention_to_token, self.kernel_size)
         return _mark_window_kept(reduce_query_heads(pooled, self.gqa_reduce), w)
+
+    def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
+        # The kernel averages the G query heads before pooling: equal to pooling first for the (linear) mean,
+        # not for the max.
+        return self.gqa_reduce == "mean" and prompt.kernel_dtype
+
+    def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
+        from rcstat_vllm.kernels.snapkv_scoring import snapkv_scores_paged  # lazy: it imports this module
+
+        queries = self._paged_window(q_window, prompt)
+        # Softmax of logits * scale (the kernel takes the layer's scale, as :meth:`score`), pooled: [Hkv, n - w'].
+        scores = snapkv_scores_paged(
+            queries, prompt.keys, prompt.block_table, prompt.num_tokens, scale, self.kernel_size
+        )
+        return _mark_window_kept(scores, queries.shape[1])
 
 
 def smooth_scores(scores: Tensor, kernel_size: int) -> Tensor:
@@ -233,6 +356,7 @@ class StreamingLLMScorer(Scorer):
 
     name = "streaming"
     default_window_size = 0
+    needs_keys = False  # positions only
 
     def __init__(self, window_size: int | None = None, gqa_reduce: str = "mean", n_sink: int = 4):
         super().__init__(window_size, gqa_reduce)
@@ -256,6 +380,7 @@ class RandomScorer(Scorer):
 
     name = "random"
     default_window_size = 0
+    needs_keys = False
 
     def __init__(self, window_size: int | None = None, gqa_reduce: str = "mean", seed: int = 0):
         super().__init__(window_size, gqa_reduce)

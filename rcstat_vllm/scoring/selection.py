@@ -14,6 +14,10 @@ Two modes:
 
 Both always keep the observation window (last ``window`` tokens), the first ``sink_tokens`` tokens and every
 token whose score is not finite (scorers mark tokens they always keep with +inf).
+
+Selection runs once per compressed request inside the engine's forward, so it queues device work only: no
+``int(tensor)``, ``.item()`` or ``.tolist()`` on the scores (each would wait for the GPU). Counts that depend on
+the scores (the forced entries of a budget) stay tensors; the caller copies what the host needs at the end.
 """
 
 from __future__ import annotations
@@ -104,15 +108,18 @@ def select_threshold(scores: Tensor, window: int, c: float, sink_tokens: int = 0
     return KeepSet.from_mask(~evict)
 
 
-def budget_keep_count(num_entries: int, ratio: float, num_forced: int = 0) -> int:
+def budget_keep_count(num_entries: int, ratio: float, num_forced: int | Tensor = 0) -> int | Tensor:
     """Entries a layer keeps in budget mode: num_entries - round(ratio * num_entries), at least num_forced.
 
     Rounding is half up (floor(x + 0.5)), not Python's half-to-even, so that anyone recomputing a budget
-    (e.g. the scheduler side) gets the same number.
+    (e.g. the scheduler side) gets the same number. A tensor ``num_forced`` (counted on the device) gives a
+    tensor, without a host synchronisation.
     """
     if not 0 <= ratio <= 1:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     evicted = math.floor(ratio * num_entries + 0.5)
+    if isinstance(num_forced, Tensor):
+        return num_forced.clamp_min(num_entries - evicted)
     return max(num_entries - evicted, num_forced)
 
 
@@ -135,12 +142,13 @@ def select_budget(scores: Tensor, window: int, ratio: float, sink_tokens: int = 
     """
     forced = forced_keep_mask(scores, window, sink_tokens)
     num_heads, n = scores.shape
-    keep = budget_keep_count(num_heads * n, ratio, int(forced.sum()))
+    keep = budget_keep_count(num_heads * n, ratio, forced.sum())  # a device tensor: no host sync
     priority = scores.to(torch.float64).masked_fill(forced, float("inf")).flatten()
     # Stable descending sort: equal scores keep their flat order, so lower (head, token) wins ties.
-    order = torch.sort(priority, descending=True, stable=True).indices[:keep]
-    mask = torch.zeros(num_heads * n, dtype=torch.bool, device=scores.device)
-    mask[order] = True
+    order = torch.sort(priority, descending=True, stable=True).indices
+    # The first `keep` entries of the order, by comparing ranks with the count (slicing would need it on the host).
+    in_budget = torch.arange(num_heads * n, device=scores.device) < keep
+    mask = torch.empty(num_heads * n, dtype=torch.bool, device=scores.device).scatter_(0, order, in_budget)
     return KeepSet.from_mask(mask.view(num_heads, n))
 
 
@@ -202,16 +210,8 @@ def depthkv_layer_ratios(scores: list[Tensor], window: int, ratio: float, max_ra
     num_layers = len(scores)
     if num_layers == 1 or ratio == 0:
         return [ratio] * num_layers
-    robustness = []
-    for layer_scores in scores[1:]:
-        n = layer_scores.shape[1]
-        values = layer_scores[:, : max(n - window, 0)].to(torch.float64)
-        values = torch.where(torch.isfinite(values), values, torch.zeros((), dtype=torch.float64)).flatten()
-        total = float(values.clamp_min(0).sum())
-        keep = max(int(round((1 - ratio) * values.numel())), 1)
-        top = float(torch.topk(values.clamp_min(0), min(keep, values.numel())).values.sum()) if values.numel() else 0.0
-        robustness.append(top / total if total > 0 else 1.0)
-    weights = torch.tensor(robustness, dtype=torch.float64)
+    # The allocation below is a handful of floats per layer, done on the host: one transfer of the robustness.
+    weights = _top_share(torch.stack(scores[1:]), window, 1 - ratio).cpu()
     weights = weights / weights.sum() if float(weights.sum()) > 0 else torch.full_like(weights, 1 / len(weights))
     # Layer 0 is not pruned: the others carry the whole model's budget.
     budget = min(ratio * num_layers, max_ratio * (num_layers - 1))
@@ -227,6 +227,20 @@ def depthkv_layer_ratios(scores: list[Tensor], window: int, ratio: float, max_ra
         ratios[over] = max_ratio
         free &= ~over
     return [0.0] + ratios.tolist()
+
+
+def _top_share(scores: Tensor, window: int, keep_fraction: float) -> Tensor:
+    """[L, Hkv, n] -> float64 [L]: per layer, the share of its positive finite non-window score mass held by its top
+    ``keep_fraction`` entries (1 for a layer without any), computed for all layers at once on their device."""
+    n = scores.shape[-1]
+    values = scores[..., : max(n - window, 0)].to(torch.float64).flatten(1)
+    positive = torch.where(torch.isfinite(values), values, torch.zeros((), dtype=torch.float64)).clamp_min(0)
+    total = positive.sum(dim=1)
+    if positive.shape[1] == 0:
+        return torch.ones_like(total)
+    keep = min(max(int(round(keep_fraction * positive.shape[1])), 1), positive.shape[1])
+    top = torch.topk(positive, keep, dim=1).values.sum(dim=1)
+    return torch.where(total > 0, top / total, torch.ones_like(total))
 
 
 def select_budget_across_layers(

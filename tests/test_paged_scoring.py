@@ -1,0 +1,244 @@
+"""Scoring a request's prompt in place in the paged cache (the CUDA prefill path) against the torch path.
+
+The CUDA backend scores through ``RequestCompressor.score_layer`` -> ``Scorer.score_paged``: with a GPU layout
+(``FLASH``) on a CUDA device, RC and SnapKV run the Triton paged kernels over the key half of the cache rows;
+everything else gathers the keys and runs the torch scorer. Here the device check is faked so the kernels run
+under the Triton interpreter on CPU tensors, with the cache layout the CUDA backend uses: ``[B, H, N, 2D]``, each
+token row holding key then value, and a scrambled block table longer than the prompt needs.
+
+The interpreter of Triton 3.9 multiplies bfloat16 tiles as their raw uint16 storage in ``tl.dot`` (numpy has no
+bfloat16), so half precision is checked with float16 here; the bfloat16 case runs only on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot run")
+
+for _name in ("_tiles_triton", "_rc_triton", "_snapkv_triton"):  # compiled-mode copies are reloaded, see test_kernels
+    _module = f"rcstat_vllm.kernels.{_name}"
+    if _module in sys.modules:
+        importlib.reload(sys.modules[_module])
+
+import rcstat_vllm.compression as compression  # noqa: E402
+import rcstat_vllm.kernels.rc_scoring as rc_scoring  # noqa: E402
+import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
+from rcstat_vllm.compression import CompressionDecision, RequestCompressor, select_keep_masks, triton_scoring  # noqa: E402
+from rcstat_vllm.config import RCStatConfig  # noqa: E402
+from rcstat_vllm.head_pages import CPU_VEC, FLASH, gather_prompt  # noqa: E402
+from rcstat_vllm.scoring import SCORERS, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
+from rcstat_vllm.scoring.scorers import PagedPrompt  # noqa: E402
+
+# SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.
+KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 64, 16, 12
+SCALE = HEAD_DIM**-0.5
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+EXTRA_QUERIES = 3  # another request's rows before this one's in the step's query tensor
+
+
+def flash_request(num_tokens, group, seed, dtype=torch.float32, num_kv_heads=KV_HEADS):
+    """A FLASH cache [B, H, N, 2D] (key then value in each row), a scrambled block table with a spare page, and the
+    step's queries [T, Hq, D] whose last ``num_tokens`` rows are this request's (others' rows come first)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(NUM_BLOCKS, num_kv_heads, BLOCK, 2 * HEAD_DIM, generator=gen).to(dtype)
+    pages = -(-num_tokens // BLOCK) + 1
+    block_row = torch.randperm(NUM_BLOCKS, generator=gen)[:pages].to(torch.int32)
+    query = torch.randn(EXTRA_QUERIES + num_tokens, num_kv_heads * group, HEAD_DIM, generator=gen).to(dtype)
+    return kv_cache, block_row, query
+
+
+def compressor(config, num_tokens, block_row, num_layers=1):
+    decision = CompressionDecision("r", config, num_tokens, EXTRA_QUERIES, EXTRA_QUERIES + num_tokens)
+    return RequestCompressor(decision, num_layers, block_row)
+
+
+@pytest.fixture
+def spy_kernels(monkeypatch):
+    """Counts the launches of the paged kernels (the scorers import them from these modules when they run)."""
+    calls = {"rc": 0, "snapkv": 0}
+
+    def counting(name, kernel):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(rc_scoring, "rc_scores_paged", counting("rc", rc_scoring.rc_scores_paged))
+    monkeypatch.setattr(snapkv_scoring, "snapkv_scores_paged", counting("snapkv", snapkv_scoring.snapkv_scores_paged))
+    return calls
+
+
+def fake_cuda(monkeypatch):
+    """Fake the device check of ``triton_scoring`` (not its result): CPU tensors then take the CUDA decision."""
+    monkeypatch.setattr(compression, "triton_device", lambda tensor: True)
+
+
+def score_layer(config, kv_cache, block_row, query, layout=FLASH):
+    """One layer's scores by a fresh compressor (a fresh scorer: the random one draws the same scores each time)."""
+    request = compressor(config, query.shape[0] - EXTRA_QUERIES, block_row)
+    request.score_layer(0, query, kv_cache, SCALE, layout)
+    return request.scores[0]
+
+
+def old_torch_path(config, kv_cache, block_row, query, num_tokens, layout):
+    """What score_layer computed before paged scoring: dense float32 copies of every head's keys and values."""
+    keys, values = gather_prompt(kv_cache, block_row, num_tokens, layout)
+    width = min(compression.window_queries(config), num_tokens)
+    q_window = query[-width:].transpose(0, 1).float()
+    scorer = get_scorer(config.method, **compression.scorer_options(config))
+    return scorer.score(q_window, keys.float(), values.float(), SCALE)
+
+
+CASES = [
+    # (method, window, smoothing, G, prompt tokens); the prompt never fills its last page
+    ("rc", 8, 1, 1, 61),
+    ("rc", 8, 3, 3, 61),
+    ("rc", 32, 1, 3, 75),
+    ("rc", 32, 3, 1, 75),
+    ("snapkv", 8, 1, 1, 90),  # SnapKV's own 64-query window
+    ("snapkv", 8, 1, 3, 90),
+]
+
+
+@pytest.mark.parametrize("method, window, smoothing, group, num_tokens", CASES)
+def test_triton_path_of_score_layer_equals_the_torch_path_fp32(monkeypatch, spy_kernels, method, window, smoothing,
+                                                              group, num_tokens):
+    config = RCStatConfig(method=method, window=window, smoothing=smoothing)
+    kv_cache, block_row, query = flash_request(num_tokens, group, seed=window + group + smoothing)
+    want = score_layer(config, kv_cache, block_row, query)  # on CPU: the torch path
+    assert spy_kernels == {"rc": 0, "snapkv": 0}
+    fake_cuda(monkeypatch)
+    got = score_layer(config, kv_cache, block_row, query)
+    assert spy_kernels[method] == 1
+    assert got.shape == want.shape == (KV_HEADS, num_tokens) and got.dtype == torch.float32
+    scored = min(compression.window_queries(config), num_tokens)
+    assert torch.isinf(got[:, num_tokens - scored :]).all() and torch.isfinite(got[:, : num_tokens - scored]).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 if method == "snapkv" else 1e-5)
+
+
+@pytest.mark.parametrize("layout", [FLASH, CPU_VEC], ids=["flash", "cpu_vec"])
+@pytest.mark.parametrize("method", sorted(SCORERS))
+def test_torch_path_equals_the_dense_gather_it_replaces(layout, method):
+    """On CPU (and for methods without a kernel) score_layer still computes exactly what it did."""
+    config = RCStatConfig(method=method, window=8, smoothing=3)
+    kv_cache, block_row, query = flash_request(70, 3, seed=1)
+    got = score_layer(config, kv_cache, block_row, query, layout)
+    want = old_torch_path(config, kv_cache, block_row, query, 70, layout)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+HALF = [
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(
+        torch.bfloat16, id="bf16",
+        marks=pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(),
+                                 reason="the Triton interpreter multiplies bf16 tiles as raw uint16; needs a GPU"),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("method, window, smoothing, group, num_tokens", [CASES[1], CASES[2], CASES[5]])
+def test_triton_path_on_half_caches_is_close_to_the_float32_reference(monkeypatch, dtype, method, window, smoothing,
+                                                                      group, num_tokens):
+    config = RCStatConfig(method=method, window=window, smoothing=smoothing)
+    kv_cache, block_row, query = flash_request(num_tokens, group, seed=7, dtype=dtype)
+    device = "cuda" if not INTERPRETED and torch.cuda.is_available() else "cpu"
+    kv_cache, block_row, query = kv_cache.to(device), block_row.to(device), query.to(device)
+    # The reference: the torch path on float32 copies of the same (rounded) values.
+    want = score_layer(config, kv_cache.float(), block_row, query.float())
+    fake_cuda(monkeypatch)
+    got = score_layer(config, kv_cache, block_row, query)
+    # Measured under the interpreter: <= 4e-7 relative (products of half values are exact in float32, only the
+    # summation order differs); 1e-3 leaves room for a GPU's tensor-core accumulation order.
+    scale = want[torch.isfinite(want)].abs().mean().item()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * scale)
+
+
+@pytest.mark.parametrize("method", sorted(SCORERS))
+def test_no_scorer_reads_values(monkeypatch, method):
+    """A cache whose value half is NaN scores exactly as a clean one, on both paths: values are never read."""
+    config = RCStatConfig(method=method, window=8, smoothing=3)
+    kv_cache, block_row, query = flash_request(61, 3, seed=2)
+    poisoned = kv_cache.clone()
+    poisoned[..., HEAD_DIM:] = float("nan")
+    for use_triton in (False, True):
+        if use_triton:
+            fake_cuda(monkeypatch)
+        clean = score_layer(config, kv_cache, block_row, query)
+        got = score_layer(config, poisoned, block_row, query)
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, clean, rtol=0, atol=0)
+    assert not SCORERS[method].needs_values
+
+
+def test_dispatch_picks_triton_for_flash_on_cuda_and_torch_for_cpu_vec(monkeypatch, spy_kernels):
+    kv_cache, block_row, query = flash_request(61, 3, seed=3)
+    # A CPU tensor: the real device check says no, whatever the layout.
+    assert not triton_scoring(FLASH, kv_cache) and not triton_scoring(CPU_VEC, kv_cache)
+    fake_cuda(monkeypatch)
+    assert triton_scoring(FLASH, kv_cache)
+    assert not triton_scoring(CPU_VEC, kv_cache)  # vLLM-CPU runs no Triton
+    config = RCStatConfig(method="rc", window=8)
+    score_layer(config, kv_cache, block_row, query, CPU_VEC)
+    assert spy_kernels["rc"] == 0
+    score_layer(config, kv_cache, block_row, query, FLASH)
+    assert spy_kernels["rc"] == 1
+
+
+def test_each_scorer_takes_its_kernel_only_where_it_computes_the_same_scores():
+    kv_cache = torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM)
+    prompt = PagedPrompt(*FLASH.key_value_caches(kv_cache), torch.arange(4), 50)
+    assert RCScorer().scores_in_triton(prompt, use_triton=True)
+    assert SnapKVScorer().scores_in_triton(prompt, use_triton=True)
+    assert not RCScorer().scores_in_triton(prompt, use_triton=False)
+    assert not RCScorer(iot=True).scores_in_triton(prompt, use_triton=True)  # no IOT kernel
+    assert not RCScorer(gqa_reduce="max").scores_in_triton(prompt, use_triton=True)  # the kernels take the mean
+    assert not SnapKVScorer(gqa_reduce="max").scores_in_triton(prompt, use_triton=True)
+    for name in ("tova", "knorm", "streaming", "random"):
+        assert not get_scorer(name).scores_in_triton(prompt, use_triton=True)
+    double = PagedPrompt(*FLASH.key_value_caches(kv_cache.double()), torch.arange(4), 50)
+    assert not RCScorer().scores_in_triton(double, use_triton=True)  # float64 (and fp8) caches: torch
+
+
+def test_scorers_fall_back_to_torch_where_no_kernel_applies(monkeypatch, spy_kernels):
+    kv_cache, block_row, query = flash_request(61, 3, seed=4)
+    prompt = PagedPrompt(*FLASH.key_value_caches(kv_cache), block_row, 61)
+    q_window = query[-8:].transpose(0, 1)
+    for scorer in (RCScorer(iot=True), RCScorer(gqa_reduce="max"), SnapKVScorer(gqa_reduce="max")):
+        got = scorer.score_paged(q_window, prompt, SCALE, use_triton=True)
+        keys = gather_prompt(kv_cache, block_row, 61, FLASH)[0]
+        torch.testing.assert_close(got, scorer.score(q_window, keys, None, SCALE), rtol=0, atol=0)
+    assert spy_kernels == {"rc": 0, "snapkv": 0}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        RCStatConfig(),  # model-wide budget (layer_mean)
+        RCStatConfig(budget_scope="layer"),
+        RCStatConfig(target_ratio=None, c=1.0),  # threshold
+        RCStatConfig(method="snapkv", budget_scope="layer"),
+        RCStatConfig(method="tova"),
+    ],
+    ids=["model-budget", "layer-budget", "threshold", "snapkv", "tova"],
+)
+def test_scoring_and_selection_never_wait_for_the_device(config):
+    """Meta tensors hold no data: any host synchronisation (``.item()``, ``int(t)``, ``.tolist()``, ``.cpu()``)
+    in per-layer scoring or in the selection raises on them. Only ``select``'s final transfer may read data."""
+    num_tokens, layers = 70, 3
+    kv_cache, block_row, query = (t.to("meta") for t in flash_request(num_tokens, 3, seed=5))
+    request = compressor(config, num_tokens, block_row, num_layers=layers)
+    for layer in range(layers):
+        request.score_layer(layer, query, kv_cache, SCALE, FLASH)
+    masks = select_keep_masks(request.scores, config)
+    assert [m.shape for m in masks] == [(KV_HEADS, num_tokens)] * layers and masks[0].device.type == "meta"
