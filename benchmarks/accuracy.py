@@ -8,10 +8,23 @@ each request carrying its own ``SamplingParams.extra_args["rcstat"]`` override, 
 * ``summ``: ROUGE-L F1 of the compressed output against the full-cache (method ``none``) output of the same
   prompt, plus exact match of the two outputs' tokens.
 
-The achieved ratio of every request is read from the plugin (``compression_results``). Settings (see
-methods.py): full cache, RC threshold mode at several c, and RC budget / SnapKV / TOVA (optionally more
-baselines) in budget mode at fixed ratios, plus SnapKV and TOVA at exactly the ratio RC's threshold mode
-achieved on each prompt (a second wave of requests on the same engine).
+The achieved ratio of every request is read from the plugin (``compression_results``). Settings
+(``methods.accuracy_settings``): the full cache; the bare flag (the engine is started with ``{"rcstat": {}}``
+and the request overrides nothing, so the row follows the plugin's defaults); RC at budgets 0.5 / 0.7 / 0.8
+with its defaults otherwise; RC with the paper's scoring (per-layer budget, window 8, no smoothing) at 0.5 and
+in threshold mode at c = 1; SnapKV and TOVA at 0.5 and 0.8, each at kvpress's published window (SnapKV 64,
+kernel 5; TOVA the last token) and at RC's default window. Settings that resolve to the same config as an
+earlier one (RC at 0.5 is the default) are run once and reported under both labels (``same_run_as``).
+
+SnapKV at a window other than 64 is not something the plugin serves: its baselines score with their published
+windows (``rcstat_vllm.compression.scorer_options``). The engine runs in this process, so the benchmark
+makes SnapKV's scorer take the request's ``window`` (``baseline_windows_from_config``) and checks that the
+replaced function was the one the worker called. TOVA's score is the last token's attention whatever the
+window; at RC's window it keeps RC's 32 most recent tokens as well (kvpress's TOVA keeps only the last one).
+
+Needles are counted per value: single-needle prompts have one, multi-needle prompts three; ``needle_hits``
+is the number of values found, ``needle_kept_of_full`` the share of the values the full cache found that the
+setting also found.
 
 Fidelity: for a subset of prompts and settings, the transformers reference (hf_reference.py: the plugin's
 scorers and selection, uncompressed prefill, masked decode) decodes greedily; its tokens are compared with
@@ -44,34 +57,92 @@ from common import environment, load_avg, write_report  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+#: default: 32 needle prompts (single: 3 lengths x 8 depths spread evenly over 5-95%; multi, three needles: 2
+#: lengths x 4 depths of the queried needle), 2 variable-tracking prompts and 6 essay summaries.
 ACCURACY_PRESETS = {
-    "quick": dict(base="quick", niah_lengths=[1024, 2048], niah_depths=[0.1, 0.9], niah_multi_lengths=[],
-                  vt_lengths=[1024], vt_per_length=1, summ=1, summ_tokens=1024),
-    "default": dict(base="default", niah_lengths=[1024, 2048, 4096], niah_depths=[0.1, 0.5, 0.9],
-                    niah_multi_lengths=[2048], niah_multi_depths=[0.5], vt_lengths=[1024], vt_per_length=2,
-                    summ=2, summ_tokens=1024),
+    "quick": dict(base="quick", niah_lengths=[1024, 2048], niah_depths=[0.1, 0.9], niah_multi_lengths=[1024],
+                  niah_multi_depths=[0.5], vt_lengths=[1024], vt_per_length=1, summ=1, summ_tokens=1024),
+    "default": dict(base="default", niah_lengths=[1024, 2048, 4096],
+                    niah_depths=[0.05, 0.18, 0.31, 0.44, 0.56, 0.69, 0.82, 0.95], niah_multi_lengths=[1024, 2048],
+                    niah_multi_depths=[0.1, 0.4, 0.6, 0.9], vt_lengths=[1024], vt_per_length=2,
+                    summ=6, summ_tokens=1024),
 }
 #: --budget-scope-study: needles only, more of them (single: 3 lengths x 6 depths; multi: 2 lengths x 3 depths).
 BUDGET_SCOPE_PRESET = dict(base="default", tasks=["niah_single", "niah_multi"], niah_lengths=[1024, 2048, 4096],
                            niah_depths=[0.05, 0.25, 0.4, 0.6, 0.75, 0.95], niah_multi_lengths=[1024, 2048],
                            niah_multi_depths=[0.1, 0.5, 0.9])
+#: methods.accuracy_settings arguments per preset.
 SETTINGS_PRESETS = {
-    "quick": dict(c_values=(0.05, 1.0), ratios=(0.5, 0.8), baselines=("snapkv", "tova"), matched_c=()),
-    "default": dict(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=("snapkv", "tova"),
-                    matched_c=(1.0,)),
+    "quick": dict(rc_ratios=(0.8,), baseline_ratios=(0.5,), paper_ratios=(0.5,), c_values=()),
+    "default": dict(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,), c_values=(1.0,)),
 }
+#: The transformers cross-check: the shortest retrieval prompts, a few settings (it is a check of the plugin's
+#: path, not a measurement of the methods; settings missing from a run are skipped).
 FIDELITY = {
-    "quick": dict(samples=2, settings=("full", "rc_c1", "snapkv_r0.5", "tova_r0.5")),
-    "default": dict(samples=4, settings=("full", "rc_c0.05", "rc_c1", "rc_budget_r0.5", "snapkv_r0.5", "tova_r0.5",
-                                         "tova_r0.8")),
+    "quick": dict(samples=1, settings=("full", "default", "tova_w1_r0.5")),
+    "default": dict(samples=2, settings=("full", "default", "rc_paper_r0.5", "tova_w1_r0.5")),
 }
 
 
 def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int) -> dict:
     return dict(model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_bytes, seed=0,
-                # Server default rc; every request below overrides it (method none = full cache).
-                additional_config={"rcstat": {"method": "rc"}})
+                # Every prompt runs under every setting: with prefix caching a repeat would be served its prompt
+                # from the cache, and the plugin compresses only the tokens a request computes.
+                enable_prefix_caching=False,
+                # The bare flag: the "default" setting's requests override nothing, the others what they set.
+                additional_config={"rcstat": {}})
+
+
+def resolved_config(setting: methods.Setting) -> dict:
+    """The config a setting's requests run with on the bare-flag engine (the plugin's merge of the override)."""
+    from rcstat_vllm.config import RCStatConfig
+
+    return RCStatConfig().merged(setting.rcstat).to_dict()
+
+
+def run_plan(settings: list[methods.Setting]) -> dict[str, str]:
+    """label -> the label of the earlier setting with the same resolved config (run once, reported twice)."""
+    seen: dict[str, str] = {}
+    same: dict[str, str] = {}
+    for s in settings:
+        if s.matched_to is not None:
+            continue
+        key = repr(sorted(resolved_config(s).items()))
+        if key in seen:
+            same[s.label] = seen[key]
+        else:
+            seen[key] = s.label
+    return same
+
+
+class BaselineWindows:
+    """Makes SnapKV score with the request's ``window`` (the plugin's baselines keep their published windows),
+    by replacing ``rcstat_vllm.compression.scorer_options`` in this process; ``calls`` counts the requests it
+    served, so a run can check that the worker really used it (the engine must run in-process)."""
+
+    METHODS = ("snapkv",)
+
+    def __init__(self):
+        from rcstat_vllm import compression
+
+        self.module = compression
+        self.original = compression.scorer_options
+        self.calls = 0
+
+    def options(self, config) -> dict:
+        if config.method in self.METHODS:
+            self.calls += 1
+            return {"window_size": config.window}
+        return self.original(config)
+
+    def __enter__(self):
+        self.module.scorer_options = self.options
+        return self
+
+    def __exit__(self, *exc):
+        self.module.scorer_options = self.original
+        return False
 
 
 def run_wave(llm, jobs: list[tuple], desc: str) -> tuple[list[dict], float]:
@@ -106,28 +177,41 @@ def run_wave(llm, jobs: list[tuple], desc: str) -> tuple[list[dict], float]:
             "blocks_freed": None if res is None else res.get("blocks_freed"),
             "fragmentation": None if res is None else res.get("fragmentation"),
             "kept": None if res is None else res.get("kept"),
+            "cached_tokens": out.num_cached_tokens or 0,
         })
     return records, wall
+
+
+def copy_records(records: list[dict], same: dict[str, str], settings: list[methods.Setting]) -> list[dict]:
+    """Records of each setting that was run once under an earlier label, under its own label too."""
+    by_label = {s.label: s for s in settings}
+    extra = []
+    for label, source in same.items():
+        for r in records:
+            if r["setting"] == source:
+                extra.append({**r, "setting": label, "family": by_label[label].family,
+                              "override": dict(by_label[label].rcstat), "same_run_as": source})
+    return extra
 
 
 def score_records(records: list[dict], samples: dict[str, data.Sample]) -> None:
     full = {r["sample_id"]: r for r in records if r["setting"] == "full"}
     for r in records:
         sample = samples[r["sample_id"]]
+        ref = full.get(r["sample_id"])
         if sample.task == "summ":
-            ref = full.get(r["sample_id"])
             r["score"] = data.rouge_l(ref["text"], r["text"]) if ref else float("nan")
-            r["same_as_full"] = ref is not None and ref["token_ids"] == r["token_ids"]
         else:
+            r["found"] = data.found_answers(sample, r["text"])
             r["score"] = data.score_output(sample, r["text"])
-            ref = full.get(r["sample_id"])
-            r["same_as_full"] = ref is not None and ref["token_ids"] == r["token_ids"]
+        r["same_as_full"] = ref is not None and ref["token_ids"] == r["token_ids"]
         if r["ratio"] is None:
             r["ratio"] = 0.0 if r["family"] == "full" else float("nan")
 
 
 def summarize(records: list[dict], settings: list[methods.Setting]) -> dict:
     summary = {}
+    full_found = {r["sample_id"]: r["found"] for r in records if r["setting"] == "full" and "found" in r}
     for s in settings:
         rows = [r for r in records if r["setting"] == s.label]
         if not rows:
@@ -143,8 +227,29 @@ def summarize(records: list[dict], settings: list[methods.Setting]) -> dict:
         needle = [r for r in rows if r["task"] in ("niah_single", "niah_multi")]
         entry["needle_accuracy"] = _mean(r["score"] for r in needle)
         entry["needle_ratio"] = _mean(r["ratio"] for r in needle)
+        entry.update(needle_counts(needle, full_found))
+        entry["resolved"] = resolved_config(s)
+        same_run = {r.get("same_run_as") for r in rows} - {None}
+        entry["same_run_as"] = same_run.pop() if same_run else None
         summary[s.label] = entry
     return summary
+
+
+def needle_counts(rows: list[dict], full_found: dict[str, list[bool]]) -> dict:
+    """Needle values found (single: one per prompt, multi: three), per task and overall, and how many of the
+    values the full cache found this setting found too."""
+    out = {"needle_prompts": len(rows), "needle_values": sum(len(r["found"]) for r in rows),
+           "needle_hits": sum(sum(r["found"]) for r in rows)}
+    for task in ("niah_single", "niah_multi"):
+        t_rows = [r for r in rows if r["task"] == task]
+        out[f"{task}_values"] = sum(len(r["found"]) for r in t_rows)
+        out[f"{task}_hits"] = sum(sum(r["found"]) for r in t_rows)
+    both = sum(a and b for r in rows for a, b in zip(r["found"], full_found.get(r["sample_id"], [])))
+    full_hits = sum(sum(full_found.get(r["sample_id"], [])) for r in rows)
+    out["full_hits"] = full_hits
+    out["needle_kept_of_full"] = both / full_hits if full_hits else float("nan")
+    out["needle_hits_vs_full"] = out["needle_hits"] / full_hits if full_hits else float("nan")
+    return out
 
 
 def _mean(values) -> float:
@@ -227,11 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a ~3-minute smoke run")
     parser.add_argument("--seed", type=int, default=data.DEFAULT_SEED)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--c", type=float, nargs="*", default=None)
-    parser.add_argument("--ratios", type=float, nargs="*", default=None)
-    parser.add_argument("--baselines", nargs="*", default=None, help="budget-mode baselines (default snapkv tova)")
-    parser.add_argument("--matched-c", type=float, nargs="*", default=None,
-                        help="RC c values whose per-prompt ratio SnapKV/TOVA are also run at")
+    parser.add_argument("--c", type=float, nargs="*", default=None, help="RC threshold mode (paper scoring) at these c")
+    parser.add_argument("--ratios", type=float, nargs="*", default=None,
+                        help="RC budgets with its defaults otherwise (default 0.5 0.7 0.8); the studies' ratios")
+    parser.add_argument("--baseline-ratios", type=float, nargs="*", default=None,
+                        help="SnapKV and TOVA budgets, each at kvpress's window and RC's (default 0.5 0.8)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--fidelity-samples", type=int, default=None)
     parser.add_argument("--fidelity-dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -244,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "default"
     sp = dict(SETTINGS_PRESETS[preset])
-    for key, value in (("c_values", args.c), ("ratios", args.ratios), ("baselines", args.baselines),
-                       ("matched_c", args.matched_c)):
+    for key, value in (("c_values", args.c), ("rc_ratios", args.ratios), ("baseline_ratios", args.baseline_ratios)):
         if value is not None:
             sp[key] = tuple(value)
     if args.cliff_ablation:
@@ -261,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         args.no_fidelity = True
         default_name = "accuracy_budget_scope_cpu.json"
     else:
-        settings = methods.build_settings(matched_methods=("snapkv", "tova"), **sp)
+        settings = methods.accuracy_settings(**sp)
         default_name = "accuracy_cpu_quick.json" if args.quick else "accuracy_cpu.json"
     out_path = Path(args.json) if args.json else RESULTS_DIR / default_name
 
@@ -281,14 +385,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import LLM
 
+    same = run_plan(settings)
     report: dict = {"benchmark": "accuracy", "preset": preset, "seed": args.seed, "model": model_dir,
-                    "settings": [s.to_dict() for s in settings],
+                    "plugin_defaults": methods.plugin_defaults(), "baseline_published_windows": methods.kvpress_windows(),
+                    "settings": [{**s.to_dict(), "resolved": resolved_config(s), "same_run_as": same.get(s.label)}
+                                 for s in settings],
                     "samples": [s.to_dict() for s in samples]}
     t0 = time.perf_counter()
+    # The main run's SnapKV rows name their window; the studies' SnapKV rows mean kvpress's (the plugin's own).
+    windows = BaselineWindows()
+    if not (args.cliff_ablation or args.budget_scope_study):
+        windows.__enter__()
     llm = LLM(**engine_kwargs(model_dir, max_model_len, int(args.kv_cache_gib * (1 << 30))))
     report["engine_start_s"] = round(time.perf_counter() - t0, 1)
-    first = [(s, st, methods.resolve(st, {})) for st in settings if st.matched_to is None for s in samples]
+    first = [(s, st, methods.resolve(st, {})) for st in settings if st.matched_to is None and st.label not in same
+             for s in samples]
     records, wall1 = run_wave(llm, first, "vLLM wave 1 (fixed settings)")
+    snapkv_jobs = sum(1 for _, st, _ in first if st.rcstat.get("method") in BaselineWindows.METHODS
+                      and windows.module.scorer_options == windows.options)
+    report["baseline_window_calls"] = {"snapkv_requests": snapkv_jobs, "scorer_options_calls": windows.calls}
+    if snapkv_jobs and windows.calls == 0:
+        raise RuntimeError("SnapKV requests ran without the benchmark's scorer windows: the engine's worker is "
+                           "not in this process (VLLM_ENABLE_V1_MULTIPROCESSING must be 0)")
     matched = [st for st in settings if st.matched_to is not None]
     wall2 = 0.0
     if matched:
@@ -303,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         records += more
     report["generate_s"] = round(wall1 + wall2, 1)
     report["prompt_tokens_processed"] = sum(r["num_tokens"] for r in records)
+    report["cached_prompt_tokens"] = sum(r["cached_tokens"] for r in records)  # 0: prefix caching is off
     del llm
+    records += copy_records(records, same, settings)
     score_records(records, by_id)
     report["summary"] = summarize(records, settings)
     report["records"] = [{k: v for k, v in r.items() if k != "kept"} for r in records]
@@ -329,11 +449,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(report: dict) -> None:
-    tasks = sorted({t for e in report["summary"].values() for t in e["by_task"]})
-    print(f"{'setting':22s} {'ratio':>6s} " + " ".join(f"{t:>11s}" for t in tasks) + f" {'=full':>6s}")
+    print(f"{'setting':18s} {'ratio':>6s} {'single':>7s} {'multi':>7s} {'of full':>7s} {'vt':>6s} {'summ':>6s} "
+          f"{'=full':>6s}")
     for label, e in report["summary"].items():
-        cells = " ".join(f"{e['by_task'].get(t, {}).get('score', float('nan')):11.3f}" for t in tasks)
-        print(f"{label:22s} {e['ratio']:6.3f} {cells} {e['same_as_full']:6.2f}")
+        task = lambda t: e["by_task"].get(t, {}).get("score", float("nan"))  # noqa: E731
+        count = lambda t: f"{e.get(t + '_hits', 0)}/{e.get(t + '_values', 0)}"  # noqa: E731
+        print(f"{label:18s} {e['ratio']:6.3f} {count('niah_single'):>7s} {count('niah_multi'):>7s} "
+              f"{e.get('needle_kept_of_full', float('nan')):7.2f} {task('vt'):6.3f} {task('summ'):6.3f} "
+              f"{e['same_as_full']:6.2f}")
     fid = report.get("fidelity", {})
     if "by_setting" in fid:
         print("fidelity (vLLM vs transformers, greedy):")

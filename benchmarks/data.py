@@ -430,12 +430,17 @@ def build_suite(tokenizer, preset: str = "default", seed: int = DEFAULT_SEED, ta
 # ----------------------------------------------------------------------------------------------- scoring
 
 
+def found_answers(sample: Sample, text: str) -> list[bool]:
+    """For each of the sample's answers, whether ``text`` contains it as a whole word (RULER's string match)."""
+    return [re.search(rf"(?<![0-9A-Za-z]){re.escape(a)}(?![0-9A-Za-z])", text) is not None for a in sample.answers]
+
+
 def score_output(sample: Sample, text: str) -> float:
-    """Fraction of the sample's answers found in ``text`` (RULER string_match_all); None-like 0 for summ."""
+    """Fraction of the sample's answers found in ``text`` (RULER string_match_all); NaN for summ."""
     if not sample.answers:
         return float("nan")
-    found = sum(1 for a in sample.answers if re.search(rf"(?<![0-9A-Za-z]){re.escape(a)}(?![0-9A-Za-z])", text))
-    return found / len(sample.answers)
+    found = found_answers(sample, text)
+    return sum(found) / len(found)
 
 
 def rouge_l(reference: str, candidate: str) -> float:

@@ -17,8 +17,11 @@ FAMILY_LABELS = {
     "default": "bare flag (defaults)",
     "rc": "RCStat (threshold c)",
     "rc_budget": "RCStat (budget)",
+    "rc_paper": "RCStat (budget per layer, window 8, no smoothing)",
     "snapkv": "SnapKV",
     "tova": "TOVA",
+    "snapkv_rc_window": "SnapKV (RC's window)",
+    "tova_rc_window": "TOVA (RC's window)",
     "knorm": "K-norm",
     "streaming": "StreamingLLM",
     "random": "random",
@@ -68,6 +71,49 @@ def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=
             extra = paper if method == "rc" else {}
             settings.append(Setting(f"{family}@{rc_label(c)}", family, {"method": method, "window": window, **extra},
                                     matched_to=rc_label(c)))
+    return settings
+
+
+#: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (README, "Defaults").
+PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "budget_scope": "layer"}
+
+
+def plugin_defaults() -> dict:
+    """What the bare flag (``{"rcstat": {}}``) means: the plugin's own defaults, read from ``RCStatConfig()``."""
+    from rcstat_vllm.config import RCStatConfig
+
+    return RCStatConfig().to_dict()
+
+
+def kvpress_windows() -> dict[str, int]:
+    """The baselines' published observation windows, as the plugin's scorers carry them (SnapKV 64 as kvpress's
+    SnapKVPress, kernel 5; TOVA 1: the last token's attention, as kvpress's TOVAPress)."""
+    from rcstat_vllm.scoring.scorers import SnapKVScorer, TOVAScorer
+
+    return {"snapkv": SnapKVScorer.default_window_size, "tova": TOVAScorer.default_window_size}
+
+
+def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
+                      c_values=(1.0,)) -> list[Setting]:
+    """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
+    RC at each budget in ``rc_ratios`` with its defaults otherwise; RC with the paper's scoring (per-layer budget,
+    window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
+    SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
+    window (both with a per-layer budget, as kvpress compresses). Windows and defaults are read from the plugin,
+    so the settings follow its defaults."""
+    defaults = plugin_defaults()
+    rc_window = defaults["window"]
+    published = kvpress_windows()
+    settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
+    settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]
+    settings += [Setting(f"rc_paper_r{r:g}", "rc_paper", {**PAPER_RC, "target_ratio": float(r)}) for r in paper_ratios]
+    settings += [Setting(rc_label(c), "rc", {**PAPER_RC, "c": float(c)}) for c in c_values]
+    for method in ("snapkv", "tova"):
+        for family, window in ((method, published[method]), (f"{method}_rc_window", rc_window)):
+            settings += [Setting(f"{method}_w{window}_r{r:g}", family,
+                                 {"method": method, "target_ratio": float(r), "window": window,
+                                  "budget_scope": "layer"})
+                         for r in baseline_ratios]
     return settings
 
 

@@ -24,7 +24,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
          "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
-         "random": ("tab:gray", "x")}
+         "random": ("tab:gray", "x"), "default": ("tab:orange", "*"), "rc_paper": ("tab:pink", "s"),
+         "snapkv_rc_window": ("tab:cyan", "^"), "tova_rc_window": ("tab:olive", "v")}
 HEADLINE = ("rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
 
 
@@ -129,19 +130,60 @@ def quality_table(q: dict) -> list[str]:
     return lines
 
 
+def describe(entry: dict) -> str:
+    """A setting in words from the config its requests ran with (so a default row says what the default is)."""
+    c = entry.get("resolved")
+    if entry.get("family") == "full" or not c:
+        return "full cache" if entry.get("family") == "full" else ""
+    if c["method"] == "none":
+        return "none"
+    mode = (f"budget {c['target_ratio']:g} ({'model-wide' if c['budget_scope'] == 'model' else 'per layer'})"
+            if c.get("target_ratio") is not None else f"threshold c = {c['c']:g}")
+    parts = [c["method"].replace("snapkv", "SnapKV").replace("tova", "TOVA").replace("rc", "RC"), mode,
+             f"window {c['window']}"]
+    if c["method"] == "rc":
+        parts.append(f"smoothing {c['smoothing']}")
+    text = ", ".join(parts)
+    return f"bare flag: {text}" if entry.get("family") == "default" else text
+
+
+def _hits(e: dict, task: str) -> str:
+    return f"{e[task + '_hits']}/{e[task + '_values']}" if e.get(task + "_values") else "-"
+
+
 def accuracy_table(a: dict) -> list[str]:
     s = a["summary"]
-    tasks = sorted({t for e in s.values() for t in e["by_task"]})
-    lines = ["**Task accuracy through vLLM with the plugin** (greedy; needle/vt: share of expected strings "
-             "found, summ: ROUGE-L F1 against the full-cache output; `benchmarks/results/accuracy_cpu.json`):", "",
-             "| setting | ratio | " + " | ".join(tasks) + " | = full cache |", "|---|---|" + "---|" * (len(tasks) + 1)]
+    samples = a.get("samples", [])
+    count = {t: sum(1 for x in samples if x.get("task") == t) for t in ("niah_single", "niah_multi", "vt", "summ")}
+    if not any("needle_hits" in e for e in s.values()):  # an older run: score columns only
+        tasks = sorted({t for e in s.values() for t in e["by_task"]})
+        lines = ["**Task accuracy through vLLM with the plugin** (greedy; `benchmarks/results/accuracy_cpu.json`):", "",
+                 "| setting | ratio | " + " | ".join(tasks) + " | = full cache |",
+                 "|---|---|" + "---|" * (len(tasks) + 1)]
+        for label, e in s.items():
+            cells = [_f(e["by_task"].get(t, {}).get("score")) for t in tasks]
+            lines.append(f"| {label} | {_f(e['ratio'])} | " + " | ".join(cells) + f" | {_f(e['same_as_full'], 2)} |")
+        return lines
+    lines = [f"**Task accuracy through vLLM with the plugin** (greedy, one engine, every setting side by side; "
+             f"{count['niah_single']} single-needle and {count['niah_multi']} three-needle prompts, "
+             f"{count['vt']} variable-tracking, {count['summ']} summaries; needles: values found; *of full*: share "
+             f"of the values the full cache found that the setting found too; vt: share of variables named; summ: "
+             f"ROUGE-L F1 against the full-cache output; *= full*: outputs token-identical to the full cache; "
+             f"`benchmarks/results/accuracy_cpu.json`):", "",
+             "| setting | what | evicted | single needle | multi needle | of full | vt | summ | = full |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, e in s.items():
-        cells = [_f(e["by_task"].get(t, {}).get("score")) for t in tasks]
-        lines.append(f"| {label} | {_f(e['ratio'])} | " + " | ".join(cells) + f" | {_f(e['same_as_full'], 2)} |")
+        task = lambda t: _f(e["by_task"].get(t, {}).get("score"))  # noqa: E731
+        what = describe(e) + (f" (same run as `{e['same_run_as']}`)" if e.get("same_run_as") else "")
+        lines.append(f"| {label} | {what} | {_f(e['ratio'])} | {_hits(e, 'niah_single')} | {_hits(e, 'niah_multi')} "
+                     f"| {_f(e.get('needle_kept_of_full'), 2)} | {task('vt')} | {task('summ')} "
+                     f"| {_f(e['same_as_full'], 2)} |")
     fid = a.get("fidelity", {}).get("by_setting")
     if fid:
         rates = ", ".join(f"{k} {v['exact_match_rate']:.2f}" for k, v in fid.items())
-        lines += ["", f"Fidelity, vLLM vs the transformers masked reference (exact greedy match rate): {rates}."]
+        n = max(v["n"] for v in fid.values())
+        lines += ["", f"Fidelity, vLLM vs the transformers masked reference ({n} prompts, exact greedy match rate): "
+                      f"{rates}."]
     return lines
 
 
@@ -180,9 +222,30 @@ def overhead_line(o: dict) -> list[str]:
             f"vanilla {rounds('vanilla')}, plugin {rounds('none')}; median ratio {ratio:.2f}."]
 
 
+def prefill_line(p: dict) -> list[str]:
+    """The prefill-only study (throughput.py --prefill-study): each run's prompt tokens/s against vanilla's in the
+    same round."""
+    runs = p.get("prefill", {})
+    if "vanilla" not in runs:
+        return []
+    w = p["workload"]
+    cells = []
+    for name, e in runs.items():
+        if name == "vanilla":
+            continue
+        rounds = ", ".join(f"{x:.2f}" for x in e.get("vs_vanilla_by_round", []))
+        cells.append(f"{name} {rounds} (median {_f(e.get('median_vs_vanilla'), 2)})")
+    speeds = ", ".join(f"{x:.0f}" for x in runs["vanilla"]["rounds_prompt_tok_per_s"])
+    return [f"**Prefill only** ({w['requests']} prompts of {w['max_len']} tokens, {w['max_tokens']} output token, "
+            f"KV pool of {w['kv_tokens']} tokens (never limiting), {p.get('repeat', 1)} interleaved rounds; "
+            f"`benchmarks/results/throughput_prefill_cpu.json`): vanilla {speeds} prompt tokens/s; prompt tokens/s "
+            f"/ vanilla's in the same round: " + "; ".join(cells) + "."]
+
+
 def build_table() -> list[str]:
     parts = []
     overhead = load("plugin_overhead_cpu.json")
+    prefill = load("throughput_prefill_cpu.json")
     for name, make in (("quality_cpu.json", quality_table), ("accuracy_cpu.json", accuracy_table),
                        ("throughput_cpu.json", throughput_table)):
         data = load(name)
@@ -190,6 +253,8 @@ def build_table() -> list[str]:
             parts += make(data) + [""]
     if overhead is not None:
         parts += overhead_line(overhead) + [""]
+    if prefill is not None:
+        parts += prefill_line(prefill) + [""]
     images = [p.name for p in sorted(RESULTS.glob("*.png"))]
     if images:
         parts.append("Plots: " + ", ".join(f"[{n}](benchmarks/results/{n})" for n in images) + ".")

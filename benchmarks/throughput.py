@@ -8,7 +8,7 @@ to reuse), block size 32 everywhere, unless ``--prefix-caching-study``.
 
 Runs, each its own subprocess and engine, one after another:
   vanilla            VLLM_PLUGINS=__none__ (the plugin is not loaded at all)
-  none               the plugin on with method none (no eviction; keeps vLLM's AMX ISA)
+  none               the plugin on with method none (no eviction; the plugin's attention backend)
   rc_c0.5/1/1.5      RC threshold mode
   rc_budget_r0.5     RC budget mode (every layer evicts the same share: little fragmentation)
   snapkv/tova@rc_c1  SnapKV and TOVA in budget mode, each request at the ratio RC (c=1) achieved on it
@@ -23,6 +23,12 @@ The plugin's compression results give the achieved ratio and blocks freed per re
 ``--prefix-caching-study``: every prompt starts with the same ``--shared-prefix`` tokens (1024 by default; a
 shared document or system prompt), and the runs are vanilla and the plugin's bare flag, each with vLLM's prefix
 caching on (its default) and off: ``vanilla+pc``, ``vanilla``, ``default+pc``, ``default``.
+
+``--prefill-study`` (writes ``throughput_prefill_cpu.json``): prefill alone, side by side. 16 distinct prompts of
+2000 tokens, 1 output token each, a KV pool that holds all of them at once (it never limits), prefix caching off,
+two interleaved rounds (``--repeat``) of: ``vanilla`` (plugin not loaded), ``none`` (plugin, method none),
+``default`` (the bare flag) and ``rc_layer_r0.5`` (RC at a 0.5 per-layer budget, defaults otherwise). Reported:
+prompt tokens/s per run and round, each run's ratio to vanilla's in the same round, and the median over rounds.
 
 Prefill overhead: in the vanilla run and in the rc_c1 run, batches of ``--overhead-prompts`` prompts with
 one output token (prefill only) are timed; in the rc_c1 engine the same prompts run round-robin with
@@ -62,6 +68,49 @@ PRESETS = {
     "default": dict(requests=16, min_len=1536, max_len=2048, max_tokens=256, kv_tokens=8192, overhead_prompts=2,
                     overhead_rounds=3, c_values=(0.5, 1.0, 1.5), budget_ratios=(0.5,)),
 }
+#: --prefill-study: prompt lengths fixed, one output token, a pool for every request at once (kv_tokens = 0:
+#: sized from the workload by prefill_workload), rounds = the default --repeat.
+PREFILL_PRESETS = {
+    "quick": dict(requests=4, min_len=1000, max_len=1000, max_tokens=1, kv_tokens=0, rounds=2),
+    "default": dict(requests=16, min_len=2000, max_len=2000, max_tokens=1, kv_tokens=0, rounds=2),
+}
+#: --prefill-study runs: name, extra environment, the rcstat flag (None = flag absent).
+PREFILL_RUNS = (
+    ("vanilla", {"VLLM_PLUGINS": "__none__"}, None),
+    ("none", {}, {"method": "none"}),
+    ("default", {}, {}),
+    ("rc_layer_r0.5", {}, {"method": "rc", "target_ratio": 0.5, "budget_scope": "layer"}),
+)
+
+
+def prefill_workload(cfg: dict) -> dict:
+    """The prefill study's workload with its KV pool: every request's prompt and output tokens at once, rounded up
+    to whole blocks per request, plus one request's worth of slack, so the pool never limits the batch."""
+    per_request = -(-(cfg["max_len"] + cfg["max_tokens"]) // BLOCK_SIZE) * BLOCK_SIZE
+    return {**cfg, "kv_tokens": cfg["kv_tokens"] or (cfg["requests"] + 1) * per_request}
+
+
+def prefill_plan(runs=None) -> list[tuple[str, dict, dict]]:
+    """(name, env, extra spec) of the prefill study's runs (``runs``: only these names), no overhead batches."""
+    return [(name, dict(env), {"rcstat": None if rcstat is None else dict(rcstat), "prefix_caching": False})
+            for name, env, rcstat in PREFILL_RUNS if not runs or name in runs]
+
+
+def prefill_summary(repeats: dict[str, list[dict]]) -> dict:
+    """Per run: prompt tokens/s per round, the ratio to vanilla's in the same round, and their medians. A run's
+    rounds are paired with vanilla's by position (rounds interleave every run, so round k ran at the same time)."""
+    vanilla = [r["prompt_tok_per_s"] for r in repeats.get("vanilla", [])]
+    out = {}
+    for name, rounds in repeats.items():
+        speeds = [r["prompt_tok_per_s"] for r in rounds]
+        entry = {"rounds_prompt_tok_per_s": speeds, "median_prompt_tok_per_s": statistics.median(speeds),
+                 "mean_ratio": statistics.fmean(r.get("mean_ratio", 0.0) for r in rounds)}
+        paired = [s / v for s, v in zip(speeds, vanilla)]
+        if paired:
+            entry["vs_vanilla_by_round"] = paired
+            entry["median_vs_vanilla"] = statistics.median(paired)
+        out[name] = entry
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- workload
@@ -193,6 +242,7 @@ def worker(spec: dict) -> dict:
         "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
         "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
         "wall_s": wall, "output_tok_per_s": out_tokens / wall, "requests_per_s": len(prompts) / wall,
+        "prompt_tok_per_s": sum(map(len, prompts)) / wall,
         "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / wall,
         **sampler.summary(t_start, num_blocks),
     })
@@ -254,11 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--c", type=float, nargs="*", default=None, help="RC threshold runs")
     parser.add_argument("--matched-c", type=float, default=1.0, help="SnapKV/TOVA run at this RC run's ratios")
     parser.add_argument("--runs", nargs="*", default=None, help="only these runs (names as in the docstring)")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved; median reported")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="rounds of the whole plan, interleaved; median reported (default 1; --prefill-study 2)")
     parser.add_argument("--no-prefill-overhead", action="store_true", help="skip the prefill-overhead batches")
     parser.add_argument("--prefix-caching-study", action="store_true",
                         help="shared-prefix workload; vanilla and the bare flag, prefix caching on and off")
     parser.add_argument("--shared-prefix", type=int, default=None, help="tokens every prompt starts with")
+    parser.add_argument("--prefill-study", action="store_true",
+                        help="prefill only (1 output token, pool not limiting): vanilla, method none, the bare flag, "
+                             "RC 0.5 per layer, interleaved rounds; writes benchmarks/results/throughput_prefill_cpu.json")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -267,12 +321,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     preset = "quick" if args.quick else "default"
-    cfg = dict(PRESETS[preset])
+    cfg = dict(PREFILL_PRESETS[preset] if args.prefill_study else PRESETS[preset])
+    if args.repeat is None:
+        args.repeat = cfg.pop("rounds", 1)
+    cfg.pop("rounds", None)
     for key in ("requests", "min_len", "max_len", "max_tokens", "kv_tokens"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.c is not None:
         cfg["c_values"] = tuple(args.c)
+    if args.prefill_study:
+        cfg = prefill_workload(cfg)
     from rcstat_vllm.model import default_model_dir
 
     model_dir = str(args.model or default_model_dir())
@@ -285,22 +344,24 @@ def main(argv: list[str] | None = None) -> int:
     overhead_methods = {"none": {"method": "none"}, "rc": {"method": "rc", "c": 1.0},
                         "snapkv": {"method": "snapkv", "target_ratio": 0.8},
                         "tova": {"method": "tova", "target_ratio": 0.8}}
-    ov = dict(prompts=cfg["overhead_prompts"], rounds=cfg["overhead_rounds"])
+    ov = dict(prompts=cfg.get("overhead_prompts", 0), rounds=cfg.get("overhead_rounds", 0))
     rc_name = lambda c: f"rc_c{c:g}"  # noqa: E731
     plan = [
         ("vanilla", {"VLLM_PLUGINS": "__none__"}, dict(rcstat=None, overhead={**ov, "methods": {"vanilla": None}})),
         ("none", {}, dict(rcstat={"method": "none"})),
     ]
-    for c in cfg["c_values"]:
+    for c in cfg.get("c_values", ()):
         extra = {"overhead": {**ov, "methods": overhead_methods}} if c == args.matched_c else {}
         plan.append((rc_name(c), {}, dict(rcstat={"method": "rc", "c": c}, **extra)))
-    matched_source = rc_name(args.matched_c) if args.matched_c in cfg["c_values"] else None
-    for r in cfg["budget_ratios"]:
+    matched_source = rc_name(args.matched_c) if args.matched_c in cfg.get("c_values", ()) else None
+    for r in cfg.get("budget_ratios", ()):
         plan.append((f"rc_budget_r{r:g}", {}, dict(rcstat={"method": "rc", "target_ratio": r})))
     if matched_source:
         plan += [(f"snapkv@{matched_source}", {}, dict(rcstat={"method": "snapkv", "target_ratio": 0.5})),
                  (f"tova@{matched_source}", {}, dict(rcstat={"method": "tova", "target_ratio": 0.5}))]
-    if args.prefix_caching_study:
+    if args.prefill_study:
+        plan = prefill_plan()
+    elif args.prefix_caching_study:
         base["shared_prefix"] = 1024 if args.shared_prefix is None else args.shared_prefix
         plan = [(f"{name}{'+pc' if pc else ''}", env, dict(rcstat=rcstat, prefix_caching=pc))
                 for name, env, rcstat in (("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}))
@@ -355,10 +416,22 @@ def main(argv: list[str] | None = None) -> int:
                                                                             + cfg["max_tokens"])},
               "metrics_source": "LLM.get_metrics() gauges after every engine step (in-process engine core)",
               "runs": results, "wall_s": round(time.time() - t_start, 1), "load_avg": [load_start, load_avg()]}
+    if args.prefill_study:
+        report["study"] = "prefill"
+        report["prefill"] = prefill_summary(repeats)
     report["environment"] = environment()
-    out = Path(args.json) if args.json else RESULTS_DIR / ("throughput_cpu_quick.json" if args.quick else "throughput_cpu.json")
-    write_report(report, out, print_table)
+    name = "throughput_prefill_cpu" if args.prefill_study else "throughput_cpu"
+    out = Path(args.json) if args.json else RESULTS_DIR / (f"{name}_quick.json" if args.quick else f"{name}.json")
+    write_report(report, out, print_prefill_table if args.prefill_study else print_table)
     return 0
+
+
+def print_prefill_table(report: dict) -> None:
+    print(f"{'run':16s} {'ratio':>6s} {'prompt tok/s per round':>28s} {'x vanilla per round':>22s} {'median x':>8s}")
+    for name, e in report["prefill"].items():
+        speeds = " ".join(f"{x:.0f}" for x in e["rounds_prompt_tok_per_s"])
+        ratios = " ".join(f"{x:.3f}" for x in e.get("vs_vanilla_by_round", []))
+        print(f"{name:16s} {e['mean_ratio']:6.3f} {speeds:>28s} {ratios:>22s} {e.get('median_vs_vanilla', float('nan')):8.3f}")
 
 
 def print_table(report: dict) -> None:

@@ -154,3 +154,177 @@ def test_report_writes_plots_and_replaces_only_the_marked_readme_block(tmp_path,
     assert "| rc_c1 | 0.800 | 0.300 | - | 0.370 | - |" in block  # matched SnapKV at RC's ratio
     assert (results / "ratio_vs_value_error.png").stat().st_size > 0
     assert report.curves(summary, "ver")["snapkv"] == [(0.5, 0.22)]  # matched entries are not on the curve
+
+
+# ----------------------------------------------------------------------------------------------- accuracy settings
+
+
+def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_published_windows():
+    import accuracy
+
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.scoring.scorers import SnapKVScorer, TOVAScorer
+
+    defaults = RCStatConfig()
+    settings = methods.accuracy_settings()
+    by_label = {s.label: s for s in settings}
+    # The bare flag overrides nothing, so its requests run with whatever RCStatConfig() says.
+    assert by_label["default"].rcstat == {}
+    assert accuracy.resolved_config(by_label["default"]) == defaults.to_dict()
+    assert by_label["full"].rcstat == {"method": "none"}
+    for r in (0.5, 0.7, 0.8):  # RC at each budget, its defaults otherwise
+        resolved = accuracy.resolved_config(by_label[f"rc_r{r:g}"])
+        assert resolved == {**defaults.to_dict(), "method": "rc", "target_ratio": r}
+    paper = accuracy.resolved_config(by_label["rc_paper_r0.5"])
+    assert (paper["window"], paper["smoothing"], paper["budget_scope"], paper["target_ratio"]) == (8, 1, "layer", 0.5)
+    assert accuracy.resolved_config(by_label["rc_c1"])["target_ratio"] is None  # threshold mode
+    # SnapKV and TOVA at kvpress's windows and at RC's default window, at both ratios, per-layer budgets.
+    for method, published in (("snapkv", SnapKVScorer.default_window_size), ("tova", TOVAScorer.default_window_size)):
+        for window in (published, defaults.window):
+            for r in (0.5, 0.8):
+                resolved = accuracy.resolved_config(by_label[f"{method}_w{window}_r{r:g}"])
+                assert (resolved["method"], resolved["window"], resolved["target_ratio"], resolved["budget_scope"]) == (
+                    method, window, r, "layer")
+    assert SnapKVScorer.default_window_size == 64 and SnapKVScorer().kernel_size == 5
+    # Settings with the same resolved config run once: exactly those equal to an earlier one.
+    same = accuracy.run_plan(settings)
+    resolved = {s.label: accuracy.resolved_config(s) for s in settings}
+    for label, source in same.items():
+        assert resolved[label] == resolved[source]
+        assert [s.label for s in settings].index(source) < [s.label for s in settings].index(label)
+    unique = [s.label for s in settings if s.label not in same]
+    assert len({repr(sorted(resolved[k].items())) for k in unique}) == len(unique)
+    if defaults.target_ratio == 0.5 and defaults.method == "rc":
+        assert same == {"rc_r0.5": "default"}
+
+
+def test_snapkv_scores_with_the_requests_window_only_inside_the_benchmarks_replacement():
+    import accuracy
+
+    from rcstat_vllm import compression
+    from rcstat_vllm.config import RCStatConfig
+
+    snapkv32 = RCStatConfig(method="snapkv", window=32, target_ratio=0.5)
+    original = compression.scorer_options
+    # The plugin's own baselines keep their published windows whatever the config's window.
+    assert compression.RequestCompressor  # the class that builds scorers through compression.scorer_options
+    assert compression.scorer_options(snapkv32) == {}
+    with accuracy.BaselineWindows() as windows:
+        assert compression.scorer_options(snapkv32) == {"window_size": 32}
+        scorer = compression.get_scorer("snapkv", **compression.scorer_options(snapkv32))
+        assert scorer.window_size == 32 and scorer.kernel_size == 5
+        rc = RCStatConfig(window=16, smoothing=3)
+        assert compression.scorer_options(rc) == original(rc)  # other methods unchanged
+        assert compression.scorer_options(RCStatConfig(method="tova", window=32)) == {}
+        assert windows.calls == 2
+    assert compression.scorer_options is original
+
+
+def _record(sample_id, task, setting, found, ratio=0.5):
+    return {"sample_id": sample_id, "task": task, "setting": setting, "family": setting, "found": found,
+            "score": sum(found) / len(found), "ratio": ratio, "skipped_reason": None, "same_as_full": False}
+
+
+def test_needle_counts_count_values_and_the_full_caches_hits_kept():
+    import accuracy
+
+    records = [
+        _record("s1", "niah_single", "full", [True], 0.0), _record("s2", "niah_single", "full", [False], 0.0),
+        _record("m1", "niah_multi", "full", [True, True, False], 0.0),
+        _record("s1", "niah_single", "x", [False]), _record("s2", "niah_single", "x", [True]),
+        _record("m1", "niah_multi", "x", [True, False, True]),
+    ]
+    settings = [methods.Setting("full", "full", {"method": "none"}), methods.Setting("x", "x", {"method": "tova"})]
+    summary = accuracy.summarize(records, settings)
+    full, x = summary["full"], summary["x"]
+    assert (full["needle_hits"], full["needle_values"], full["full_hits"]) == (3, 5, 3)
+    assert full["needle_kept_of_full"] == 1.0
+    assert (x["niah_single_hits"], x["niah_single_values"], x["niah_multi_hits"], x["niah_multi_values"]) == (1, 2, 2, 3)
+    # x finds 3 values like the full cache, but only one of the full cache's three (m1's first).
+    assert x["needle_hits_vs_full"] == 1.0
+    assert x["needle_kept_of_full"] == pytest.approx(1 / 3)
+    assert x["by_task"]["niah_multi"]["score"] == pytest.approx(2 / 3)
+
+
+def test_records_of_a_setting_run_once_are_reported_under_both_labels():
+    import accuracy
+
+    settings = [methods.Setting("default", "default", {}),
+                methods.Setting("rc_r0.5", "rc_budget", {"method": "rc", "target_ratio": 0.5})]
+    records = [_record("s1", "niah_single", "default", [True])]
+    copies = accuracy.copy_records(records, {"rc_r0.5": "default"}, settings)
+    assert len(copies) == 1
+    assert copies[0]["setting"] == "rc_r0.5" and copies[0]["same_run_as"] == "default"
+    assert copies[0]["family"] == "rc_budget" and copies[0]["found"] == [True]
+    assert records[0]["setting"] == "default"  # the original is untouched
+
+
+def test_accuracy_table_describes_settings_from_their_resolved_config(tmp_path, monkeypatch):
+    import report
+
+    defaults = methods.plugin_defaults()
+    base = {"matched_to": None, "same_as_full": 0.5, "by_task": {"summ": {"score": 0.4}},
+            "niah_single_hits": 7, "niah_single_values": 8, "niah_multi_hits": 2, "niah_multi_values": 3,
+            "needle_hits": 9, "needle_kept_of_full": 0.9}
+    summary = {"full": {**base, "family": "full", "ratio": 0.0, "resolved": {**defaults, "method": "none"}},
+               "default": {**base, "family": "default", "ratio": 0.5, "resolved": defaults},
+               "snapkv_w64_r0.8": {**base, "family": "snapkv", "ratio": 0.8, "same_run_as": None,
+                                   "resolved": {**defaults, "method": "snapkv", "window": 64, "target_ratio": 0.8,
+                                                "budget_scope": "layer"}}}
+    lines = report.accuracy_table({"summary": summary, "samples": [{"task": "niah_single"}] * 8})
+    text = "\n".join(lines)
+    assert "8 single-needle and 0 three-needle prompts" in text
+    default_row = next(line for line in lines if line.startswith("| default |"))
+    assert f"window {defaults['window']}" in default_row and "bare flag" in default_row
+    assert "| 0.500 | 7/8 | 2/3 | 0.90 |" in default_row
+    snap = next(line for line in lines if line.startswith("| snapkv_w64_r0.8 |"))
+    assert "SnapKV, budget 0.8 (per layer), window 64 |" in snap and "smoothing" not in snap
+
+
+# ----------------------------------------------------------------------------------------------- prefill study
+
+
+def test_prefill_study_plan_sizes_the_pool_for_every_request_and_pairs_rounds_with_vanilla():
+    import throughput
+
+    cfg = throughput.prefill_workload(dict(throughput.PREFILL_PRESETS["default"]))
+    assert (cfg["requests"], cfg["min_len"], cfg["max_len"], cfg["max_tokens"]) == (16, 2000, 2000, 1)
+    assert cfg["kv_tokens"] >= cfg["requests"] * (cfg["max_len"] + cfg["max_tokens"])
+    assert cfg["kv_tokens"] % throughput.BLOCK_SIZE == 0
+    assert throughput.PREFILL_PRESETS["default"]["rounds"] == 2
+
+    plan = throughput.prefill_plan()
+    names = [name for name, _, _ in plan]
+    assert names == ["vanilla", "none", "default", "rc_layer_r0.5"]
+    env = {name: e for name, e, _ in plan}
+    spec = {name: extra for name, _, extra in plan}
+    assert env["vanilla"] == {"VLLM_PLUGINS": "__none__"} and spec["vanilla"]["rcstat"] is None
+    assert spec["none"]["rcstat"] == {"method": "none"}
+    assert spec["default"]["rcstat"] == {}  # the bare flag
+    assert spec["rc_layer_r0.5"]["rcstat"]["budget_scope"] == "layer"
+    assert all(not extra["prefix_caching"] and "overhead" not in extra for extra in spec.values())
+    assert [n for n, _, _ in throughput.prefill_plan(["vanilla", "default"])] == ["vanilla", "default"]
+
+    repeats = {"vanilla": [{"prompt_tok_per_s": 1000.0}, {"prompt_tok_per_s": 800.0}],
+               "none": [{"prompt_tok_per_s": 970.0}, {"prompt_tok_per_s": 768.0}],
+               "default": [{"prompt_tok_per_s": 900.0, "mean_ratio": 0.5}, {"prompt_tok_per_s": 840.0, "mean_ratio": 0.5}]}
+    out = throughput.prefill_summary(repeats)
+    assert out["vanilla"]["vs_vanilla_by_round"] == [1.0, 1.0]
+    assert out["none"]["vs_vanilla_by_round"] == pytest.approx([0.97, 0.96])
+    assert out["none"]["median_vs_vanilla"] == pytest.approx(0.965)
+    # Round 2 of default is compared with round 2 of vanilla (800), not with vanilla's median.
+    assert out["default"]["vs_vanilla_by_round"] == pytest.approx([0.9, 1.05])
+    assert out["default"]["median_prompt_tok_per_s"] == pytest.approx(870.0)
+    assert out["default"]["mean_ratio"] == 0.5
+    assert "vs_vanilla_by_round" not in throughput.prefill_summary({"none": repeats["none"]})["none"]
+
+
+def test_prefill_line_reports_ratios_per_round():
+    import report
+
+    p = {"workload": {"requests": 16, "max_len": 2000, "max_tokens": 1, "kv_tokens": 34816}, "repeat": 2,
+         "prefill": {"vanilla": {"rounds_prompt_tok_per_s": [1000.0, 800.0], "vs_vanilla_by_round": [1.0, 1.0]},
+                     "none": {"vs_vanilla_by_round": [0.97, 0.95], "median_vs_vanilla": 0.96}}}
+    line = report.prefill_line(p)[0]
+    assert "16 prompts of 2000 tokens" in line and "vanilla 1000, 800 prompt tokens/s" in line
+    assert "none 0.97, 0.95 (median 0.96)" in line
