@@ -307,7 +307,8 @@ def test_prefill_study_plan_sizes_the_pool_for_every_request_and_pairs_rounds_wi
 
     repeats = {"vanilla": [{"prompt_tok_per_s": 1000.0}, {"prompt_tok_per_s": 800.0}],
                "none": [{"prompt_tok_per_s": 970.0}, {"prompt_tok_per_s": 768.0}],
-               "default": [{"prompt_tok_per_s": 900.0, "mean_ratio": 0.5}, {"prompt_tok_per_s": 840.0, "mean_ratio": 0.5}]}
+               "default": [{"prompt_tok_per_s": 900.0, "mean_ratio": 0.5, "skipped": ["finished", "finished"]},
+                           {"prompt_tok_per_s": 840.0, "mean_ratio": 0.5, "skipped": ["finished"]}]}
     out = throughput.prefill_summary(repeats)
     assert out["vanilla"]["vs_vanilla_by_round"] == [1.0, 1.0]
     assert out["none"]["vs_vanilla_by_round"] == pytest.approx([0.97, 0.96])
@@ -316,6 +317,7 @@ def test_prefill_study_plan_sizes_the_pool_for_every_request_and_pairs_rounds_wi
     assert out["default"]["vs_vanilla_by_round"] == pytest.approx([0.9, 1.05])
     assert out["default"]["median_prompt_tok_per_s"] == pytest.approx(870.0)
     assert out["default"]["mean_ratio"] == 0.5
+    assert out["default"]["not_compacted"] == {"finished": 3} and out["none"]["not_compacted"] == {}
     assert "vs_vanilla_by_round" not in throughput.prefill_summary({"none": repeats["none"]})["none"]
 
 
