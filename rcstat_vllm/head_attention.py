@@ -8,18 +8,25 @@ simply uses the identity pages ``row[j] * H + h``. No new attention kernel is ne
 :func:`make_head_plan` does all per-step work once for every layer (index maps, page tables, lengths,
 write slots); :func:`add_cpu_scheduler_metadata` adds the CPU kernel's work split. The per-layer calls only
 index into it. The CUDA backend runs the same plan through FlashAttention (``rcstat_vllm/backend_cuda.py``).
+
+The plan is built without reading the device back and without a Python loop over rows building tensors: the
+host packs what it knows (query offsets, lengths, compressed rows' slots and positions) into one copy, and the
+tables are assembled on the device, identity pages from vLLM's block table and compressed rows' pages from the
+worker's resident tables (:mod:`rcstat_vllm.page_tables`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 
-from rcstat_vllm.head_pages import CompactedRequest, cdiv
-from rcstat_vllm.page_space import PageSpace, identity_pages
+from rcstat_vllm.head_pages import CompactedRequest
+from rcstat_vllm.page_space import PageSpace
+from rcstat_vllm.page_tables import HeadPageTables, to_device
 
 
 @dataclass
@@ -52,62 +59,171 @@ def make_head_plan(
     """Plan one step: rows in ``compressed`` read and write their own head pages, the others the identity.
 
     Page ids are those of ``space``: with pooled pages every layer reads the all-layers view, so layer l's
-    identity pages are offset by its base page.
+    identity pages are offset by its base page. The compressed requests' tables are read where they live, in the
+    worker's :class:`~rcstat_vllm.page_tables.HeadPageTables` on the cache's device (committed here first): the
+    host sends only per-row numbers, in one copy, and reads nothing back.
     """
-    num_layers, num_heads, block_size = space.num_layers, space.num_heads, space.block_size
-    num_reqs = len(seq_lens)
-    num_tokens = query_start[-1]
+    resident = resident_tables(compressed)
+    if resident is not None:
+        resident.commit()
+    host = HostStepNumbers.of(query_start, seq_lens, compressed, resident, space)
     device = block_table.device
-    query_lens = [query_start[r + 1] - query_start[r] for r in range(num_reqs)]
-
-    token_index, head_index, starts = [], [], [0]
-    for row in range(num_reqs):
-        tokens = torch.arange(query_start[row], query_start[row + 1], device=device)
-        for head in range(num_heads):
-            token_index.append(tokens)
-            head_index.append(torch.full_like(tokens, head))
-            starts.append(starts[-1] + query_lens[row])
-
-    width = max(
-        [cdiv(seq_lens[r], block_size) for r in range(num_reqs) if r not in compressed]
-        + [state.tables.shape[2] for state in compressed.values()]
-        + [1]
-    )
-    tables = torch.zeros((num_layers, num_reqs, num_heads, width), dtype=torch.int64, device=device)
-    # Lengths are assembled on the host (from host-side numbers) and copied once: no device sync for the maxima.
-    lengths = torch.zeros((num_layers, num_reqs, num_heads), dtype=torch.int64)
-    # Uncompressed rows: vLLM's slot s = block * N + offset becomes (base_l + block * H + h) * N + offset.
-    slots = slot_mapping[:num_tokens].to(torch.int64)
-    heads = torch.arange(num_heads, device=device)
-    local = ((slots // block_size).unsqueeze(1) * num_heads + heads) * block_size + (slots % block_size).unsqueeze(1)
-    bases = torch.tensor(space.layer_base, dtype=torch.int64, device=device)
-    head_slots = torch.where(slots.view(1, -1, 1) < 0, -1, local + (bases * block_size).view(-1, 1, 1))  # [L, T, H]
-    for row in range(num_reqs):
-        state = compressed.get(row)
-        if state is None:
-            n_blocks = cdiv(seq_lens[row], block_size)
-            tables[:, row, :, :n_blocks] = identity_pages(block_table[row, :n_blocks], num_heads) + bases.view(-1, 1, 1)
-            lengths[:, row] = seq_lens[row]
-            continue
-        tables[:, row, :, : state.tables.shape[2]] = state.tables.clamp(min=0)
-        lengths[:, row] = state.lengths(seq_lens[row])
-        start, end = query_start[row], query_start[row + 1]
-        # The request's bookkeeping lives on the host (see CompactedRequest); its slots are copied over.
-        positions = torch.arange(seq_lens[row] - query_lens[row], seq_lens[row])
-        head_slots[:, start:end] = state.slots(positions)
-    lengths = lengths.reshape(num_layers, -1)
-    seq_lens_hs = lengths.to(device=device, dtype=torch.int32)
+    numbers = host.on_device(device)
+    token_index, head_index, query_start_loc = head_sequence_queries(numbers, space.num_heads, host.num_tokens)
+    tables = identity_tables(numbers, block_table, space, host.width)
+    lengths = numbers["seq_lens"].view(1, -1, 1).expand(space.num_layers, -1, space.num_heads).clone()
+    slots = identity_slots(slot_mapping[: host.num_tokens], numbers["layer_base"], space)
+    if resident is not None:
+        add_compressed_rows(numbers, resident, tables, lengths, slots, space.block_size)
+    num_layers = space.num_layers
     return HeadSequencePlan(
-        token_index=torch.cat(token_index) if token_index else torch.zeros(0, dtype=torch.int64),
-        head_index=torch.cat(head_index) if head_index else torch.zeros(0, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        block_tables=tables.reshape(num_layers, num_reqs * num_heads, width).to(torch.int32),
-        seq_lens=seq_lens_hs,
-        slots=head_slots.reshape(num_layers, -1),
-        num_heads=num_heads,
-        max_query_len=max(query_lens, default=0),
-        max_seq_lens=lengths.amax(dim=1).tolist(),
+        token_index=token_index,
+        head_index=head_index,
+        query_start_loc=query_start_loc,
+        block_tables=tables.reshape(num_layers, -1, host.width).to(torch.int32),
+        seq_lens=lengths.reshape(num_layers, -1).to(torch.int32),
+        slots=slots.reshape(num_layers, -1),
+        num_heads=space.num_heads,
+        max_query_len=host.max_query_len,
+        max_seq_lens=host.max_seq_lens,
     )
+
+
+def resident_tables(compressed: dict[int, CompactedRequest]) -> HeadPageTables | None:
+    """The one :class:`HeadPageTables` holding every compressed row's page table (None without compressed rows)."""
+    owners = {id(state.resident): state.resident for state in compressed.values()}
+    if not owners:
+        return None
+    if len(owners) > 1 or None in owners.values():
+        raise ValueError("rcstat: the compressed requests of a plan must all be attached to one HeadPageTables")
+    return next(iter(owners.values()))
+
+
+@dataclass
+class HostStepNumbers:
+    """What the host knows of a step, without reading the device: per row its query offsets and length, per
+    compressed row and token its slot and position; and the plan's bounds (page-table width, longest sequences)."""
+
+    #: name -> 1-D int64 host array, in the order they are packed for the device
+    arrays: dict[str, np.ndarray]
+    num_tokens: int
+    width: int
+    max_query_len: int
+    max_seq_lens: list[int]
+
+    @classmethod
+    def of(cls, query_start, seq_lens, compressed, resident: HeadPageTables | None, space: PageSpace):
+        starts = np.asarray(query_start, dtype=np.int64)
+        lengths = np.asarray(seq_lens, dtype=np.int64)
+        query_lens = np.diff(starts)
+        rows = np.fromiter(sorted(compressed), dtype=np.int64, count=len(compressed))
+        row_slots = np.fromiter((compressed[r].slot for r in rows.tolist()), dtype=np.int64, count=rows.size)
+        plain = np.ones(lengths.size, dtype=bool)
+        plain[rows] = False
+        block_size = space.block_size
+        width = max(
+            int(((lengths[plain] + block_size - 1) // block_size).max(initial=1)),
+            max((state.width for state in compressed.values()), default=1),
+        )
+        # Compressed rows' tokens (batch index, position, slot): spans of consecutive tokens, one per row.
+        counts = query_lens[rows]
+        first_token = np.repeat(starts[rows] - (np.cumsum(counts) - counts), counts)
+        token_rows = np.arange(counts.sum(), dtype=np.int64) + first_token
+        first_position = np.repeat(lengths[rows] - counts - starts[rows], counts)
+        longest = np.full(space.num_layers, lengths[plain].max(initial=0), dtype=np.int64)
+        if rows.size:
+            longest_compressed = resident.longest_base[torch.from_numpy(row_slots)].numpy() + lengths[rows, None]
+            longest = np.maximum(longest, longest_compressed.max(axis=0))
+        arrays = {
+            "query_start": starts,
+            "seq_lens": lengths,
+            "layer_base": np.asarray(space.layer_base, dtype=np.int64),
+            "compressed_rows": rows,
+            "compressed_slots": row_slots,
+            "compressed_tokens": token_rows,
+            "compressed_token_slots": np.repeat(row_slots, counts),
+            "compressed_positions": token_rows + first_position,
+        }
+        return cls(arrays, int(starts[-1]), width, int(query_lens.max(initial=0)), longest.tolist())
+
+    def on_device(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The arrays on ``device``, in one copy."""
+        packed = torch.from_numpy(np.concatenate(list(self.arrays.values())))
+        pieces = to_device(packed, device).split([a.size for a in self.arrays.values()])
+        return dict(zip(self.arrays, pieces))
+
+
+def head_sequence_queries(numbers, num_heads: int, num_tokens: int):
+    """Every (row, head)'s queries, rows in order and heads within a row: the token and head index of each query
+    row ``[T*H]`` and the head sequences' query offsets ``[R*H + 1]`` (int32)."""
+    starts = numbers["query_start"]
+    device = starts.device
+    num_sequences = (starts.numel() - 1) * num_heads
+    sequence_lens = (starts[1:] - starts[:-1]).repeat_interleave(num_heads, output_size=num_sequences)
+    query_start_loc = torch.zeros(num_sequences + 1, dtype=torch.int64, device=device)
+    torch.cumsum(sequence_lens, 0, out=query_start_loc[1:])
+    total = num_tokens * num_heads
+    sequence = torch.arange(num_sequences, device=device).repeat_interleave(sequence_lens, output_size=total)
+    within = torch.arange(total, device=device) - query_start_loc[sequence]
+    token_index = starts[sequence // num_heads] + within
+    return token_index, sequence % num_heads, query_start_loc.to(torch.int32)
+
+
+def identity_tables(numbers, block_table: torch.Tensor, space: PageSpace, width: int) -> torch.Tensor:
+    """``[L, R, H, width]`` int64: every row's identity pages (``base_l + row[j] * H + h``) over its blocks, 0 past
+    them, from vLLM's block table in one op (compressed rows are overwritten by :func:`add_compressed_rows`)."""
+    seq_lens = numbers["seq_lens"]
+    num_reqs, num_heads, block_size = seq_lens.numel(), space.num_heads, space.block_size
+    blocks = block_table[:num_reqs, :width].to(torch.int64)
+    if blocks.shape[1] < width:
+        blocks = torch.nn.functional.pad(blocks, (0, width - blocks.shape[1]))
+    heads = torch.arange(num_heads, device=blocks.device).view(1, 1, -1, 1)
+    pages = blocks.view(1, num_reqs, 1, width) * num_heads + heads + numbers["layer_base"].view(-1, 1, 1, 1)
+    in_row = torch.arange(width, device=blocks.device) < ((seq_lens + block_size - 1) // block_size).unsqueeze(1)
+    return torch.where(in_row.view(1, num_reqs, 1, width), pages, 0)
+
+
+def identity_slots(slot_mapping: torch.Tensor, layer_base: torch.Tensor, space: PageSpace) -> torch.Tensor:
+    """``[L, T, H]`` head-page slots of uncompressed rows' tokens: vLLM's slot ``s = block * N + offset`` becomes
+    ``(base_l + block * H + h) * N + offset``; padding (-1) stays -1."""
+    num_heads, block_size = space.num_heads, space.block_size
+    slots = slot_mapping.to(torch.int64)
+    heads = torch.arange(num_heads, device=slots.device)
+    local = ((slots // block_size).unsqueeze(1) * num_heads + heads) * block_size + (slots % block_size).unsqueeze(1)
+    return torch.where(slots.view(1, -1, 1) < 0, -1, local + (layer_base * block_size).view(-1, 1, 1))
+
+
+def add_compressed_rows(numbers, resident: HeadPageTables, tables, lengths, slots, block_size: int) -> None:
+    """Overwrite the compressed rows' page tables ``[L, R, H, width]``, lengths ``[L, R, H]`` and write slots
+    ``[L, T, H]`` with theirs, gathered on the device from the resident tables by slot."""
+    rows, row_slots = numbers["compressed_rows"], numbers["compressed_slots"]
+    base = resident.length_base.on_device
+    tables[:, rows] = resident_page_tables(resident.pages.on_device, row_slots, tables.shape[3]).transpose(0, 1)
+    lengths[:, rows] = (base[row_slots].to(torch.int64) + numbers["seq_lens"][rows].view(-1, 1, 1)).transpose(0, 1)
+    token_slots = compressed_write_slots(
+        resident, numbers["compressed_token_slots"], numbers["compressed_positions"], block_size
+    )
+    slots[:, numbers["compressed_tokens"]] = token_slots.transpose(0, 1)
+
+
+def resident_page_tables(pages: torch.Tensor, row_slots: torch.Tensor, width: int) -> torch.Tensor:
+    """``[Rc, L, H, width]`` int64: the slots' page tables cut or zero-padded to the plan's width (no page: 0, a page
+    the kernels may name but never read past a head's length)."""
+    gathered = torch.zeros((row_slots.numel(), *pages.shape[1:3], width), dtype=torch.int64, device=pages.device)
+    shared = min(width, pages.shape[3])
+    gathered[..., :shared] = pages[row_slots, :, :, :shared].clamp(min=0)
+    return gathered
+
+
+def compressed_write_slots(resident: HeadPageTables, token_slots, positions, block_size: int) -> torch.Tensor:
+    """``[Tc, L, H]`` head-page slots of compressed rows' tokens: the token at position p of a head with length base
+    b is entry ``b + p`` of its page list."""
+    pages, base = resident.pages.on_device, resident.length_base.on_device
+    index = base[token_slots].to(torch.int64) + positions.view(-1, 1, 1)
+    layers = torch.arange(base.shape[1], device=index.device).view(1, -1, 1)
+    heads = torch.arange(base.shape[2], device=index.device).view(1, 1, -1)
+    token_pages = pages[token_slots.view(-1, 1, 1), layers, heads, index // block_size].to(torch.int64)
+    return token_pages * block_size + index % block_size
 
 
 def add_cpu_scheduler_metadata(plan: HeadSequencePlan, *, group: int, head_dim: int, dtype: torch.dtype, isa: str):

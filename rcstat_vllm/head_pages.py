@@ -16,12 +16,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from rcstat_vllm.page_space import PageSpace, cdiv, identity_pages
+
+if TYPE_CHECKING:
+    from rcstat_vllm.page_tables import HeadPageTables
 
 
 def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -183,7 +187,7 @@ def assign_pages(kept: Tensor, dest_blocks: Tensor, space: PageSpace) -> tuple[T
     num_layers, num_heads = kept.shape
     pages_per_head = (kept.to(torch.int64) + space.block_size - 1) // space.block_size
     # Host-side tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the accelerator;
-    # make_head_plan copies what a step needs to the cache's device.
+    # the worker's HeadPageTables (rcstat_vllm.page_tables) commits them to the cache's device once, then appends.
     tables = torch.full((num_layers, num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64)
     slot = torch.arange(tables.shape[2]).unsqueeze(0)
     unused = []
@@ -301,8 +305,11 @@ def stack_tables(tables: list[Tensor]) -> Tensor:
 class CompactedRequest:
     """Worker-side state of one compressed request: every (layer, head)'s page list and length.
 
-    Its tensors live on the host whatever the cache's device: they are read with ``tolist()`` every step,
-    which would otherwise synchronise with the GPU.
+    Everything here lives on the host whatever the cache's device, and ``reserve`` reads nothing from the device, so
+    the bookkeeping of a decode step never waits on the GPU. Once the worker attaches the request to its
+    :class:`~rcstat_vllm.page_tables.HeadPageTables` (:meth:`move_tables_to`), the page table lives there, in a slot of
+    the host mirror that is committed to the device incrementally; before that (a compaction outside a worker) the
+    request holds it itself.
 
     A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
     compaction is appended to every head. The request holds ``keep_blocks`` blocks given by the scheduler for its
@@ -319,8 +326,8 @@ class CompactedRequest:
     space: PageSpace
     #: [L, H] kept prompt tokens per (layer, head)
     kept: Tensor
-    #: [L, H, P] int64 page table per (layer, head), -1 = no page; grows along P as heads need pages
-    tables: Tensor
+    #: [L, H, P] int64 page table while no HeadPageTables holds it (-1 = no page), else None
+    own_tables: Tensor | None
     #: per pool of ``space``, its unused pages (handed out from the left)
     pools: list[deque]
     keep_blocks: int = 0
@@ -328,6 +335,13 @@ class CompactedRequest:
     absorbed_blocks: int = 0
     #: [L, H] pages each (layer, head) holds
     page_counts: Tensor | None = None
+    #: pages of the head holding the most (the width of its page table)
+    width: int = 0
+    #: tokens after compaction every head has room for in the pages it holds (``reserve``'s fast path)
+    room: int = 0
+    #: the worker's resident tables holding the page table, and the request's slot there (None, -1: own_tables)
+    resident: "HeadPageTables | None" = None
+    slot: int = -1
 
     @classmethod
     def from_compaction(
@@ -335,20 +349,32 @@ class CompactedRequest:
     ) -> "CompactedRequest":
         """The state after :func:`compact_request` moved ``num_tokens`` tokens' kept entries into ``keep_blocks``
         blocks: vLLM's row positions of the prompt blocks are absorbed (the scheduler gave them back)."""
-        return cls(
+        state = cls(
             num_compacted_tokens=num_tokens,
             space=space,
             kept=kept,
-            tables=tables,
+            own_tables=tables,
             pools=[deque(pages.tolist()) for pages in unused],
             keep_blocks=keep_blocks,
             absorbed_blocks=cdiv(num_tokens, space.block_size),
-            page_counts=(tables >= 0).sum(dim=2),
         )
+        state._count_pages((tables >= 0).sum(dim=2))
+        return state
+
+    @property
+    def tables(self) -> Tensor:
+        """``[L, H, width]`` int64 page table (-1 = no page): the request's own, or a copy of its resident slot."""
+        if self.resident is None:
+            return self.own_tables
+        return self.resident.slot_pages(self.slot, self.width).to(torch.int64)
+
+    def move_tables_to(self, resident: "HeadPageTables", slot: int) -> None:
+        """From now on the page table lives in ``resident`` (which has just written it to ``slot``)."""
+        self.resident, self.slot, self.own_tables = resident, slot, None
 
     @property
     def num_layers(self) -> int:
-        return self.tables.shape[0]
+        return self.kept.shape[0]
 
     @property
     def block_size(self) -> int:
@@ -363,32 +389,61 @@ class CompactedRequest:
         """Prompt blocks the request holds after compaction (later blocks come from vLLM as it grows)."""
         return self.keep_blocks
 
-    def reserve(self, num_tokens: int, block_row: Tensor) -> None:
-        """Make sure every head has pages for ``num_tokens`` logical tokens (the length after this step)."""
-        n_row = cdiv(num_tokens, self.block_size)
-        if n_row > self.absorbed_blocks:
-            fresh = block_row[self.absorbed_blocks : n_row].cpu()
-            for pool_index, pool in enumerate(self.pools):
-                pool.extend(self.space.pool_pages(pool_index, fresh).tolist())
-            self.absorbed_blocks = n_row
+    def blocks_to_absorb(self, num_tokens: int) -> range:
+        """Positions of vLLM's block row that :meth:`reserve` for ``num_tokens`` turns into pool pages (often none)."""
+        return range(self.absorbed_blocks, max(self.absorbed_blocks, cdiv(num_tokens, self.block_size)))
+
+    def reserve(self, num_tokens: int, block_ids=None) -> None:
+        """Make sure every head has pages for ``num_tokens`` logical tokens (the length after this step).
+
+        Args:
+            block_ids: the request's vLLM block ids on the host (a numpy array, list or CPU tensor: at least the
+                positions :meth:`blocks_to_absorb` names); may be None when it names none. Device tensors are
+                refused: reading them would synchronise with the GPU (the worker decides when that is acceptable).
+        """
+        fresh_positions = self.blocks_to_absorb(num_tokens)
+        if fresh_positions:
+            self._absorb(_host_ids(block_ids, fresh_positions))
+        if num_tokens - self.num_compacted_tokens <= self.room:
+            return  # the common case: every head still has room in its last page
         needed = (self.lengths(num_tokens) + self.block_size - 1) // self.block_size
-        short = needed > self.page_counts
-        if not bool(short.any()):  # the common case: every head still has room in its last page
-            return
-        width = int(needed.max())
-        if width > self.tables.shape[2]:
-            grown = torch.full(
-                (self.num_layers, self.num_heads, width), -1, dtype=self.tables.dtype, device=self.tables.device
-            )
-            grown[:, :, : self.tables.shape[2]] = self.tables
-            self.tables = grown
-        for layer, head in torch.nonzero(short).tolist():
+        layers, heads = torch.nonzero(needed > self.page_counts, as_tuple=True)
+        have = self.page_counts[layers, heads]
+        counts = needed[layers, heads] - have
+        pages = []
+        for layer, count in zip(layers.tolist(), counts.tolist()):  # pools hand pages out in (layer, head) order
             pool = self.pools[self.space.pool_of(layer)]
-            for slot in range(int(self.page_counts[layer, head]), int(needed[layer, head])):
-                if not pool:
-                    raise RuntimeError("rcstat: head-page pool exhausted (block accounting bug)")
-                self.tables[layer, head, slot] = pool.popleft()
-            self.page_counts[layer, head] = needed[layer, head]
+            if len(pool) < count:
+                raise RuntimeError("rcstat: head-page pool exhausted (block accounting bug)")
+            pages.extend(pool.popleft() for _ in range(count))
+        self._write_pages(
+            layers.repeat_interleave(counts), heads.repeat_interleave(counts), ranges(have, counts), torch.tensor(pages)
+        )
+        self._count_pages(torch.maximum(self.page_counts, needed))
+
+    def _absorb(self, fresh: Tensor) -> None:
+        """vLLM's newly appended blocks bring their pages into the pools."""
+        for pool_index, pool in enumerate(self.pools):
+            pool.extend(self.space.pool_pages(pool_index, fresh).tolist())
+        self.absorbed_blocks += fresh.numel()
+
+    def _write_pages(self, layers: Tensor, heads: Tensor, columns: Tensor, pages: Tensor) -> None:
+        """Record pages the (layer, head)s took, at these columns of their page lists."""
+        if self.resident is not None:
+            self.resident.append_pages(self.slot, layers, heads, columns, pages)
+            return
+        width = int(columns.max()) + 1
+        if width > self.own_tables.shape[2]:
+            grown = torch.full((self.num_layers, self.num_heads, width), -1, dtype=self.own_tables.dtype)
+            grown[:, :, : self.own_tables.shape[2]] = self.own_tables
+            self.own_tables = grown
+        self.own_tables[layers, heads, columns] = pages
+
+    def _count_pages(self, page_counts: Tensor) -> None:
+        """New page counts, and what follows from them on the host: the table's width and every head's room."""
+        self.page_counts = page_counts
+        self.width = int(page_counts.max())
+        self.room = int((page_counts * self.block_size - self.kept).min())
 
     def lengths(self, num_tokens: int) -> Tensor:
         """[L, H] tokens each (layer, head) attends over when the request holds ``num_tokens`` tokens."""
@@ -399,3 +454,22 @@ class CompactedRequest:
         index = self.kept.unsqueeze(1) + (positions.view(1, -1, 1) - self.num_compacted_tokens)
         pages = torch.gather(self.tables, 2, (index // self.block_size).transpose(1, 2)).transpose(1, 2)
         return pages * self.block_size + index % self.block_size
+
+
+def ranges(starts: Tensor, counts: Tensor) -> Tensor:
+    """``cat([arange(s, s + c) for s, c in zip(starts, counts)])`` without a Python loop."""
+    total = int(counts.sum())
+    offsets = torch.cumsum(counts, 0) - counts
+    return torch.arange(total) + torch.repeat_interleave(starts - offsets, counts, output_size=total)
+
+
+def _host_ids(block_ids, positions: range) -> Tensor:
+    """int64 CPU tensor of ``block_ids[positions]``; refuses device tensors (no hidden synchronisation)."""
+    if block_ids is None:
+        raise ValueError(f"rcstat: block row positions {positions.start}..{positions.stop - 1} are needed on the host")
+    if isinstance(block_ids, Tensor) and block_ids.device.type != "cpu":
+        raise ValueError("rcstat: reserve takes host block ids; reading a device block table would synchronise")
+    ids = torch.from_numpy(np.array(block_ids[positions.start : positions.stop], dtype=np.int64))  # a copy
+    if ids.numel() != len(positions):
+        raise ValueError(f"rcstat: block row has {positions.start + ids.numel()} entries, {positions.stop} needed")
+    return ids

@@ -5,7 +5,8 @@ step lives here, one object per worker (per model runner):
 
 - the page space (:mod:`rcstat_vllm.page_space`): head pages pooled across all layers, or per layer, decided
   once when the KV cache is bound (:meth:`WorkerCompression.bind_kv_caches`);
-- the compressed requests' page tables (:class:`CompactedRequest`), requests being scored in this step's
+- the compressed requests' page bookkeeping (:class:`CompactedRequest`) and their page tables, resident on the
+  cache's device (:class:`~rcstat_vllm.page_tables.HeadPageTables`), requests being scored in this step's
   forward, requests waiting for the blocks their kept KV is copied into, queries saved from earlier prefill
   chunks, the tensor-parallel agreement, reports and results.
 
@@ -41,6 +42,7 @@ from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan
 from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
 from rcstat_vllm.log import logger
 from rcstat_vllm.page_space import PageSpace, pooled_space_or_reason
+from rcstat_vllm.page_tables import HeadPageTables
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import Compaction, StepInfo
 
@@ -95,6 +97,11 @@ class WorkerCompression:
             self.block_agreement_group = tensor_parallel_cpu_group()
         self._step: StepInfo | None = None
         self._states: dict[str, CompactedRequest] = {}
+        #: the compressed requests' page tables on the cache's device (created at the first compaction)
+        self.page_tables: HeadPageTables | None = None
+        #: reads of a row of the device block table because the step info carried no host block ids (see
+        #: :meth:`_host_block_ids`; on CUDA each one synchronises)
+        self.device_block_row_reads = 0
         #: requests whose last prefill chunk runs in this step's forward, scored layer by layer
         self._scoring: dict[str, RequestCompressor] = {}
         #: selected in this step's forward, with the blocks this rank needs (agreed across TP ranks next)
@@ -175,7 +182,9 @@ class WorkerCompression:
         for compaction in info.compactions:
             self._run_compaction(compaction)
         for req_id in info.dropped_req_ids:
-            self._states.pop(req_id, None)
+            state = self._states.pop(req_id, None)
+            if state is not None:
+                self.page_tables.release(state)
             self._saved_queries.pop(req_id, None)
             self._cached_tokens.pop(req_id, None)
             compressor = self._awaiting_blocks.pop(req_id, None)
@@ -194,8 +203,17 @@ class WorkerCompression:
             self._record(compressor.report(compaction.cancelled_reason))
             return
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
-        self._states[compaction.req_id] = compressor.compact(self._layer_caches, dest, self.space, self.layout)
+        state = compressor.compact(self._layer_caches, dest, self.space, self.layout)
+        self._resident_tables().attach(state)
+        self._states[compaction.req_id] = state
         self._record(compressor.report())
+
+    def _resident_tables(self) -> HeadPageTables:
+        """The compressed requests' page tables, on the device the KV cache is on."""
+        if self.page_tables is None:
+            device = next(cache.device for cache in self._layer_caches if cache is not None)
+            self.page_tables = HeadPageTables(self.num_layers, self.num_heads, device)
+        return self.page_tables
 
     def pop_reports(self) -> list[CompressionReport]:
         """What the scheduler learns from this step: compression plans (blocks to allocate) and skipped requests."""
@@ -289,7 +307,8 @@ class WorkerCompression:
         for row, request in enumerate(step.requests):
             state = self._states.get(request.req_id)
             if state is not None:
-                state.reserve(request.num_tokens_after_step, block_table[row])
+                block_ids = self._host_block_ids(step, request, state, block_table, row)
+                state.reserve(request.num_tokens_after_step, block_ids)
                 plan.compressed[row] = state
             elif request.finishes_prefill:
                 saved = self._saved_queries.get(request.req_id)
@@ -320,6 +339,24 @@ class WorkerCompression:
                 query_start, plan.seq_lens, block_table, common_attn_metadata.slot_mapping, plan.compressed, self.space
             )
         return plan
+
+    def _host_block_ids(self, step: StepInfo, request, state: CompactedRequest, block_table: torch.Tensor, row: int):
+        """The request's vLLM block ids on the host, for the blocks ``reserve`` turns into head pages.
+
+        The runner hook carries them from vLLM's host block table (``patches/model_runner.step_info``): nothing is
+        read from the device. Where it does not (a step info built without them, several KV-cache groups, vLLM
+        splitting its blocks into smaller kernel blocks than the ids name), the device row is read instead, only in
+        steps where the request grows into a new vLLM block: on CUDA that read synchronises (counted in
+        ``device_block_row_reads``).
+        """
+        if request.block_ids is not None and step.block_size == self.block_size:
+            return request.block_ids
+        if not state.blocks_to_absorb(request.num_tokens_after_step):
+            return None
+        if self.device_block_row_reads == 0:
+            logger.info("rcstat: no host block ids in the step info: reading the device block table as requests grow")
+        self.device_block_row_reads += 1
+        return block_table[row].cpu()
 
     # ---- inside the forward (the impls) ----
 

@@ -24,6 +24,7 @@ from rcstat_vllm.head_pages import (  # noqa: E402
     read_kv,
 )
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
+from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.patches.cpu_kv_layout import layout_matches  # noqa: E402
 
 ISA = "vec"
@@ -145,6 +146,9 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
         states[i] = compact_request([kv], rows[i], [mask], fresh[:needed], space)
         fresh = fresh[needed:]
 
+    resident = HeadPageTables(1, HEADS, kv.device)  # the worker's tables (WorkerCompression attaches at compaction)
+    for state in states.values():
+        resident.attach(state)
     history = {i: ([], []) for i in range(3)}
     for step in range(40):  # crosses page boundaries for every head
         seq_lens = [n + step + 1 for n in lengths]

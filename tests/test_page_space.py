@@ -14,6 +14,7 @@ from rcstat_vllm.head_attention import (  # noqa: E402
 )
 from rcstat_vllm.head_pages import blocks_needed, compact_request, gather_prompt, head_page_caches, read_kv  # noqa: E402
 from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason  # noqa: E402
+from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.scoring import select_budget, select_budget_across_layers  # noqa: E402
 
 ISA = "vec"
@@ -129,6 +130,7 @@ def test_pooled_decode_equals_dense_reference_with_page_growth(dtype, atol):
     state = compact_request(caches, rows[0], masks, blocks[15 : 15 + keep_blocks], space)
     assert state.keep_blocks < cdiv(lengths[0], BLOCK)
 
+    HeadPageTables(LAYERS, HEADS, backing.device).attach(state)  # as the worker does at compaction
     history = [[([], []) for _ in range(LAYERS)] for _ in lengths]
     key_pages, value_pages = head_page_caches(space.all_layers)
     for step in range(40):

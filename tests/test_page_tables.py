@@ -1,0 +1,321 @@
+"""Resident head-page tables (rcstat_vllm.page_tables) and the vectorised step plan built from them.
+
+The plan must equal a straightforward per-row plan (the implementation it replaced, kept here as the reference)
+over steps mixing compressed and uncompressed rows, prefill chunks, decode growth across page and block
+boundaries, both page spaces, and requests finishing while others take over their slots; the device tables must
+equal their host mirror after every commit, and a step that changes nothing must copy nothing.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan  # noqa: E402
+from rcstat_vllm.head_pages import CompactedRequest, assign_pages, blocks_needed, cdiv  # noqa: E402
+from rcstat_vllm.page_space import PageSpace, identity_pages  # noqa: E402
+from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
+from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
+
+LAYERS, HEADS, BLOCK, NUM_BLOCKS = 2, 2, 16, 400
+
+
+def reference_plan(query_start, seq_lens, block_table, slot_mapping, compressed, space) -> HeadSequencePlan:
+    """The per-row plan ``make_head_plan`` replaced: a Python loop over rows, each compressed request's host table
+    copied into a fresh ``[L, R, H, width]`` tensor, its write slots computed on the host row by row."""
+    num_layers, num_heads, block_size = space.num_layers, space.num_heads, space.block_size
+    num_reqs = len(seq_lens)
+    num_tokens = query_start[-1]
+    query_lens = [query_start[r + 1] - query_start[r] for r in range(num_reqs)]
+    token_index, head_index, starts = [], [], [0]
+    for row in range(num_reqs):
+        tokens = torch.arange(query_start[row], query_start[row + 1])
+        for head in range(num_heads):
+            token_index.append(tokens)
+            head_index.append(torch.full_like(tokens, head))
+            starts.append(starts[-1] + query_lens[row])
+    width = max(
+        [cdiv(seq_lens[r], block_size) for r in range(num_reqs) if r not in compressed]
+        + [state.tables.shape[2] for state in compressed.values()]
+        + [1]
+    )
+    tables = torch.zeros((num_layers, num_reqs, num_heads, width), dtype=torch.int64)
+    lengths = torch.zeros((num_layers, num_reqs, num_heads), dtype=torch.int64)
+    slots = slot_mapping[:num_tokens].to(torch.int64)
+    heads = torch.arange(num_heads)
+    local = ((slots // block_size).unsqueeze(1) * num_heads + heads) * block_size + (slots % block_size).unsqueeze(1)
+    bases = torch.tensor(space.layer_base, dtype=torch.int64)
+    head_slots = torch.where(slots.view(1, -1, 1) < 0, -1, local + (bases * block_size).view(-1, 1, 1))
+    for row in range(num_reqs):
+        state = compressed.get(row)
+        if state is None:
+            n_blocks = cdiv(seq_lens[row], block_size)
+            tables[:, row, :, :n_blocks] = identity_pages(block_table[row, :n_blocks], num_heads) + bases.view(-1, 1, 1)
+            lengths[:, row] = seq_lens[row]
+            continue
+        tables[:, row, :, : state.tables.shape[2]] = state.tables.clamp(min=0)
+        lengths[:, row] = state.lengths(seq_lens[row])
+        start, end = query_start[row], query_start[row + 1]
+        positions = torch.arange(seq_lens[row] - query_lens[row], seq_lens[row])
+        head_slots[:, start:end] = state.slots(positions)
+    lengths = lengths.reshape(num_layers, -1)
+    return HeadSequencePlan(
+        token_index=torch.cat(token_index),
+        head_index=torch.cat(head_index),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        block_tables=tables.reshape(num_layers, num_reqs * num_heads, width).to(torch.int32),
+        seq_lens=lengths.to(torch.int32),
+        slots=head_slots.reshape(num_layers, -1),
+        num_heads=num_heads,
+        max_query_len=max(query_lens, default=0),
+        max_seq_lens=lengths.amax(dim=1).tolist(),
+    )
+
+
+def assert_plans_equal(got: HeadSequencePlan, expected: HeadSequencePlan) -> None:
+    for name in ("token_index", "head_index", "query_start_loc", "block_tables", "seq_lens", "slots"):
+        a, b = getattr(got, name), getattr(expected, name)
+        assert a.dtype == b.dtype, name
+        assert torch.equal(a, b), name
+    assert (got.num_heads, got.max_query_len, got.max_seq_lens) == (
+        expected.num_heads, expected.max_query_len, expected.max_seq_lens,
+    )
+
+
+def assert_device_equals_mirror(resident: HeadPageTables) -> None:
+    for mirrored in (resident.pages, resident.length_base):
+        assert not mirrored.dirty
+        assert torch.equal(mirrored.on_device, mirrored.host)
+
+
+def _space(pooled: bool) -> PageSpace:
+    if not pooled:
+        return PageSpace.per_layer(LAYERS, HEADS, BLOCK)
+    all_layers = torch.zeros(LAYERS * NUM_BLOCKS, HEADS, BLOCK, 2)
+    return PageSpace.pooled(all_layers, [layer * NUM_BLOCKS * HEADS for layer in range(LAYERS)], HEADS, BLOCK)
+
+
+class Engine:
+    """Just enough of vLLM and the scheduler to drive the page bookkeeping: block rows that grow as requests do,
+    compactions into fresh blocks (no KV is copied: the plan only needs the tables)."""
+
+    def __init__(self, space: PageSpace, generator: torch.Generator):
+        self.space, self.g = space, generator
+        self.free = [int(b) for b in torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1]
+        self.rows: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}
+        self.states: dict[str, CompactedRequest] = {}
+        self.resident = HeadPageTables(LAYERS, HEADS, "cpu", slots=2, width=2)  # small: growth is exercised
+
+    def add(self, req_id: str, num_tokens: int) -> None:
+        self.rows[req_id], self.lengths[req_id] = [], 0
+        self.grow(req_id, num_tokens)
+
+    def grow(self, req_id: str, num_tokens: int) -> None:
+        self.lengths[req_id] += num_tokens
+        row = self.rows[req_id]
+        while len(row) * BLOCK < self.lengths[req_id]:
+            row.append(self.free.pop())
+
+    def compact(self, req_id: str, keep_fraction: float) -> None:
+        """Select random kept tokens (every head its own count), give the prompt blocks back, take fresh ones."""
+        n = self.lengths[req_id]
+        kept = ((torch.rand(LAYERS, HEADS, generator=self.g) * keep_fraction * n).long() + 8).clamp(max=n)
+        keep_blocks = blocks_needed(kept, n, self.space)
+        self.free.extend(self.rows[req_id])
+        dest = torch.tensor([self.free.pop(0) for _ in range(keep_blocks)])
+        tables, unused = assign_pages(kept, dest, self.space)
+        state = CompactedRequest.from_compaction(n, self.space, kept, tables, unused, keep_blocks)
+        self.resident.attach(state)
+        self.states[req_id] = state
+        # vLLM's row keeps its length; later positions get new blocks (the compacted prompt's are never read).
+        self.rows[req_id] = list(dest.tolist()) + [0] * (cdiv(n, BLOCK) - keep_blocks)
+
+    def finish(self, req_id: str) -> None:
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            self.resident.release(state)
+        del self.rows[req_id], self.lengths[req_id]
+
+    def step(self, scheduled: dict[str, int]) -> tuple[tuple, HeadSequencePlan]:
+        """Grow every scheduled request, reserve the compressed ones' pages (host block ids, as the runner gives
+        them), and plan the step both ways."""
+        order = list(scheduled)
+        for req_id in order:
+            self.grow(req_id, scheduled[req_id])
+        compressed = {}
+        for row, req_id in enumerate(order):
+            state = self.states.get(req_id)
+            if state is not None:
+                state.reserve(self.lengths[req_id], np.asarray(self.rows[req_id], dtype=np.int32))
+                compressed[row] = state
+        query_start = [0]
+        for req_id in order:
+            query_start.append(query_start[-1] + scheduled[req_id])
+        seq_lens = [self.lengths[r] for r in order]
+        width = max(len(self.rows[r]) for r in order) + 3  # vLLM's table is wider than any row
+        block_table = torch.zeros(len(order), width, dtype=torch.int32)
+        for i, req_id in enumerate(order):
+            block_table[i, : len(self.rows[req_id])] = torch.tensor(self.rows[req_id], dtype=torch.int32)
+        positions = torch.cat([torch.arange(self.lengths[r] - scheduled[r], self.lengths[r]) for r in order])
+        rows = torch.repeat_interleave(torch.arange(len(order)), torch.tensor([scheduled[r] for r in order]))
+        slot_mapping = (block_table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK)
+        slot_mapping = torch.cat([slot_mapping, torch.full((3,), -1)])  # padded like vLLM's persistent buffer
+        args = (query_start, seq_lens, block_table, slot_mapping, compressed, self.space)
+        return args, reference_plan(*args)
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
+def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(pooled):
+    g = torch.Generator().manual_seed(5)
+    engine = Engine(_space(pooled), g)
+    for req_id, n in (("a", 150), ("b", 90), ("d", 70), ("f", 60)):
+        engine.add(req_id, n)
+        engine.compact(req_id, {"a": 0.5, "b": 0.1, "d": 0.9, "f": 0.3}[req_id])
+    engine.add("c", 0)  # uncompressed, prefilled in chunks of 20 next to the compressed decodes
+    copies_per_step, attached_slots = [], {"d": engine.states["d"].slot}
+    for step in range(40):
+        if step == 12:
+            engine.add("e", 0)
+        if step == 13:
+            engine.finish("d")  # finished: its slot is free again
+            engine.compact("e", 0.4)  # takes the slot "d" left
+            assert engine.states["e"].slot == attached_slots["d"]
+        scheduled = {"a": 1, "b": 1, "f": 2}  # "f" verifies 2 tokens a step (speculative decoding)
+        if "d" in engine.states:
+            scheduled["d"] = 1
+        scheduled["c"] = 20 if engine.lengths["c"] < 100 else 1
+        if "e" in engine.lengths:
+            scheduled["e"] = 120 if step == 12 else 1  # its prefill (uncompressed), then compressed decode
+        items = list(scheduled.items())
+        order = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]  # vLLM reorders its batch
+        args, expected = engine.step(dict(order))
+        dirty = engine.resident.pages.dirty + engine.resident.length_base.dirty
+        before = engine.resident.copies
+        plan = make_head_plan(*args)
+        assert engine.resident.copies - before == dirty  # one copy per tensor that changed, none otherwise
+        copies_per_step.append(dirty)
+        assert_device_equals_mirror(engine.resident)
+        assert_plans_equal(plan, expected)
+    # The run grew the tables (slots and width), took pages in some steps and none in others.
+    assert engine.resident.pages.shape[0] >= 4 and engine.resident.width > 2
+    assert 0 in copies_per_step and any(copies_per_step)
+
+
+def test_a_decode_step_copies_once_when_a_head_takes_a_page_and_nothing_otherwise():
+    engine = Engine(_space(pooled=False), torch.Generator().manual_seed(6))
+    engine.add("a", 64)
+    engine.compact("a", 0.5)
+    state = engine.states["a"]
+    args, expected = engine.step({"a": 1})
+    assert_plans_equal(make_head_plan(*args), expected)  # commits the compaction (pages and length bases)
+    took_pages = []
+    for _ in range(40):
+        room = state.room
+        args, expected = engine.step({"a": 1})
+        took_pages.append(engine.lengths["a"] - state.num_compacted_tokens > room)
+        copies = engine.resident.copies
+        assert_plans_equal(make_head_plan(*args), expected)
+        assert engine.resident.copies - copies == took_pages[-1]
+        make_head_plan(*args)  # planning the same step again: nothing new to copy
+        assert engine.resident.copies - copies == took_pages[-1]
+    assert any(took_pages) and not all(took_pages)
+
+
+def test_reserve_takes_host_block_ids_and_refuses_device_tensors():
+    engine = Engine(_space(pooled=False), torch.Generator().manual_seed(7))
+    engine.add("a", 64)
+    engine.compact("a", 0.5)
+    state = engine.states["a"]
+    assert not state.blocks_to_absorb(64)
+    state.reserve(64)  # no new vLLM block: no ids needed
+    engine.grow("a", 1)
+    with pytest.raises(ValueError, match="on the host"):
+        state.reserve(65)
+    with pytest.raises(ValueError, match="would synchronise"):
+        state.reserve(65, torch.zeros(8, dtype=torch.int32, device="meta"))
+    pool_before, pages_before = len(state.pools[0]), int(state.page_counts[0].sum())
+    state.reserve(65, np.asarray(engine.rows["a"], dtype=np.int32))
+    taken = int(state.page_counts[0].sum()) - pages_before
+    assert state.absorbed_blocks == 5 and len(state.pools[0]) == pool_before + HEADS - taken
+
+
+def _worker_with(seed: int, space: PageSpace):
+    """A worker with one compressed request ("a"), set up as a compaction leaves it."""
+    from rcstat_vllm.head_pages import CPU_VEC
+    from rcstat_vllm.worker import WorkerCompression
+
+    vllm_config = SimpleNamespace(
+        additional_config={"rcstat": {"method": "rc"}},
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        kv_transfer_config=None,
+    )
+    worker = WorkerCompression(vllm_config)
+    worker.attach_layers([f"l{i}" for i in range(LAYERS)], num_kv_heads=HEADS, block_size=BLOCK, layout=CPU_VEC)
+    engine = Engine(space, torch.Generator().manual_seed(seed))
+    engine.resident = worker.page_tables = HeadPageTables(LAYERS, HEADS, "cpu")
+    engine.add("a", 64)
+    engine.compact("a", 0.5)
+    worker._states["a"] = engine.states["a"]
+    return worker, engine
+
+
+@pytest.mark.parametrize("host_ids", [True, False], ids=["host-block-ids", "no-host-block-ids"])
+def test_worker_grows_from_the_step_infos_host_block_ids_and_reads_the_device_table_only_without_them(host_ids):
+    worker, engine = _worker_with(8, _space(pooled=False))
+    for _ in range(20):  # crosses into vLLM's next block (position 64)
+        engine.grow("a", 1)
+        n = engine.lengths["a"]
+        row = np.asarray(engine.rows["a"], dtype=np.int32)
+        request = BatchRequest("a", 64, n - 1, 1, block_ids=row if host_ids else None)
+        worker.begin_step(StepInfo(requests=[request], block_size=BLOCK if host_ids else None))
+        block_table = torch.tensor(row).view(1, -1)
+        position = torch.tensor([n - 1])
+        common = SimpleNamespace(
+            num_reqs=1, block_table_tensor=block_table, query_start_loc_cpu=torch.tensor([0, 1]),
+            slot_mapping=block_table[0, position // BLOCK].long() * BLOCK + position % BLOCK,
+        )
+        plan = worker.plan_step(common)
+        expected = reference_plan([0, 1], [n], block_table, common.slot_mapping, {0: worker._states["a"]}, worker.space)
+        assert_plans_equal(plan.head_plan, expected)
+    state = worker._states["a"]
+    assert state.absorbed_blocks == 6
+    # Without host ids: one device read per vLLM block reached (positions 64 and 80), none in the other steps.
+    assert worker.device_block_row_reads == (0 if host_ids else 2)
+    worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}))
+    assert not worker._states and state.resident is None  # its slot is free for the next compaction
+
+
+def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    from rcstat_vllm.patches.model_runner import step_info
+
+    tables = MultiGroupBlockTable(
+        max_num_reqs=4, max_num_batched_tokens=64, pin_memory=False, device=torch.device("cpu"),
+        block_sizes=[BLOCK], max_num_blocks=[8],
+    )
+    tables.add_row(([5, 6, 7],), 0)
+    tables.add_row(([9],), 1)
+    tables.append_row(([10],), 1)
+    tables.swap_row(0, 1)  # vLLM reorders rows together with its request ids
+    batch = SimpleNamespace(
+        block_table=tables, req_ids=["y", "x"], num_reqs=2, num_prompt_tokens=np.array([20, 40]),
+        num_computed_tokens_cpu=np.array([19, 40]),
+    )
+    runner = SimpleNamespace(input_batch=batch, requests={})
+    scheduler_output = SimpleNamespace(
+        num_scheduled_tokens={"x": 1, "y": 1}, finished_req_ids=set(), preempted_req_ids=None,
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),
+    )
+    info = step_info(runner, scheduler_output)
+    assert info.block_size == BLOCK
+    assert [r.block_ids.tolist() for r in info.requests] == [[9, 10], [5, 6, 7]]
+    assert not info.requests[0].block_ids.flags.writeable
