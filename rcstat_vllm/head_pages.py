@@ -61,6 +61,11 @@ class CacheLayout:
     def write(self, kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor) -> None:
         raise NotImplementedError
 
+    def unsupported_reason(self, kv_cache: Tensor) -> str | None:
+        """Why the backend's attention kernels cannot run head-as-sequence over this cache tensor (checked once when
+        the caches are bound: the engine then runs uncompressed, never failing mid-forward), or None."""
+        return None
+
     #: Whether the prompt is scored by the Triton paged kernels (:mod:`rcstat_vllm.kernels`) when the cache is on
     #: a CUDA device; layouts without them score in torch (see ``compression.triton_scoring``).
     paged_kernels = False
@@ -109,6 +114,13 @@ class FlashLayout(CacheLayout):
     def key_value_caches(self, kv_cache):
         return kv_cache.split(kv_cache.shape[-1] // 2, dim=-1)  # each row: key then value
 
+    def unsupported_reason(self, kv_cache):
+        try:
+            flash_head_page_caches(kv_cache)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def shape(self, kv_cache):
         num_blocks, num_heads, block_size, _ = kv_cache.shape
         return num_blocks, num_heads, block_size
@@ -150,6 +162,8 @@ def flash_head_page_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(
             f"KV cache strides {kv_cache.stride()} are not head-major (vLLM layout LBHNC): head pages need it"
         )
+    if kv_cache.stride(3) != 1:
+        raise ValueError(f"KV cache strides {kv_cache.stride()}: FlashAttention needs each head's row contiguous")
     pages = kv_cache.as_strided(
         (num_blocks * num_heads, block_size, 1, two_d),
         (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(2), kv_cache.stride(3)),

@@ -150,6 +150,11 @@ class WorkerCompression:
         which at start-up."""
         if not self.layer_names:
             return
+        for name in self.layer_names:
+            unusable = None if name not in caches else self.layout.unsupported_reason(caches[name])
+            if unusable is not None:
+                self.disable(f"layer {name}'s KV cache: {unusable}")
+                return
         space, reason = None, engine_not_pooled_reason(self.vllm_config, self.block_size)
         if reason is None:
             missing = [name for name in self.layer_names if name not in caches]

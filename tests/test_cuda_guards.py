@@ -83,3 +83,30 @@ def test_builder_disables_compression_with_the_reason(fa_version, monkeypatch):
     spec = SimpleNamespace(num_kv_heads=2, **vars(_spec(head_size=256)))
     backend_cuda.RCStatFlashMetadataBuilder(spec, ["attn"], _config(), "cuda")
     assert len(disabled) == 1 and "FlashAttention version 4" in disabled[0]
+
+
+def test_cache_tensors_without_a_head_page_view_disable_compression_when_bound():
+    """The stride assumptions of the head-page view are checked when the caches are bound (start-up)."""
+    import torch
+
+    from rcstat_vllm.head_pages import FLASH
+    from rcstat_vllm.worker import WorkerCompression
+
+    def worker(cache):
+        config = SimpleNamespace(
+            additional_config={"rcstat": {}},
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            compilation_config=SimpleNamespace(static_forward_context={}),
+            cache_config=SimpleNamespace(block_size=16),
+            kv_transfer_config=None,
+        )
+        owner = WorkerCompression(config)
+        owner.attach_layers(["attn"], num_kv_heads=2, block_size=16, layout=FLASH)
+        owner.bind_kv_caches({"attn": cache})
+        return owner
+
+    assert worker(torch.zeros(4, 2, 16, 64)).disabled_reason is None  # head-major blocks (LBHNC)
+    token_major = torch.zeros(4, 16, 2, 64).transpose(1, 2)  # LBNHC: a block's heads interleaved per token
+    assert "not head-major" in worker(token_major).disabled_reason
+    channel_split = torch.zeros(4, 2, 64, 16).transpose(2, 3)  # each row's channels strided
+    assert "row contiguous" in worker(channel_split).disabled_reason
