@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm.config.vllm as vllm_config_module  # noqa: E402
+from vllm import envs  # noqa: E402
 from vllm.config.vllm import VllmConfig  # noqa: E402
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner as CPUModelRunnerV1  # noqa: E402
@@ -30,10 +31,16 @@ plugin.register()
 FLAG = {"rcstat": {}}
 
 
+def _set_v2_env(monkeypatch, value: bool | None) -> None:
+    """``VLLM_USE_V2_MODEL_RUNNER`` as vLLM reads it. Set on ``vllm.envs`` itself: once an engine has started in this
+    process vLLM caches its environment reads, so changing os.environ would not be seen."""
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", value, raising=False)
+
+
 @pytest.fixture
 def v2_by_default(monkeypatch):
     """vLLM's default choice as on a CUDA machine: Triton present, no unsupported feature, no env override."""
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    _set_v2_env(monkeypatch, None)
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
     monkeypatch.setattr(VllmConfig, "_get_v2_model_runner_unsupported_features", lambda self: [])
 
@@ -47,7 +54,7 @@ def test_with_the_flag_v1_is_chosen(v2_by_default):
 
 
 def test_explicit_v2_request_fails_at_start_up_naming_the_variable(v2_by_default, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    _set_v2_env(monkeypatch, True)
     assert VllmConfig().use_v2_model_runner is True  # without the flag: vLLM's own answer
     # The platform's config hook asks while vLLM builds the config: the engine never starts.
     with pytest.raises(UnhookedRunnerError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
@@ -62,7 +69,7 @@ def test_feature_that_needs_v2_fails_at_start_up(v2_by_default):
 
 
 def test_explicit_v1_request_is_kept(monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    _set_v2_env(monkeypatch, False)
     assert VllmConfig(additional_config=FLAG).use_v2_model_runner is False
 
 
