@@ -71,6 +71,19 @@ ACCURACY_PRESETS = {
 BUDGET_SCOPE_PRESET = dict(base="default", tasks=["niah_single", "niah_multi"], niah_lengths=[1024, 2048, 4096],
                            niah_depths=[0.05, 0.25, 0.4, 0.6, 0.75, 0.95], niah_multi_lengths=[1024, 2048],
                            niah_multi_depths=[0.1, 0.5, 0.9])
+
+
+def study_preset(summaries: int = 0) -> dict:
+    """build_suite arguments of the studies: BUDGET_SCOPE_PRESET's needles, plus ``summaries`` essay summaries
+    (as the main run's, 1024 tokens) when asked. The summarised essays are kept out of the haystacks, so the
+    needle prompts differ from a needles-only run with the same seed."""
+    ap = dict(BUDGET_SCOPE_PRESET)
+    if summaries > 0:
+        ap["tasks"] = [*ap["tasks"], "summ"]
+        ap.update(summ=summaries, summ_tokens=ACCURACY_PRESETS["default"]["summ_tokens"])
+    return ap
+
+
 #: methods.accuracy_settings arguments per preset.
 SETTINGS_PRESETS = {
     "quick": dict(rc_ratios=(0.8,), baseline_ratios=(0.5,), paper_ratios=(0.5,), c_values=()),
@@ -375,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     load_start = load_avg()
     tokenizer = data.load_tokenizer(model_dir)
-    ap = dict(BUDGET_SCOPE_PRESET if args.budget_scope_study or args.cliff_ablation else ACCURACY_PRESETS[preset])
+    ap = study_preset(args.summaries) if args.budget_scope_study or args.cliff_ablation else dict(ACCURACY_PRESETS[preset])
     samples = data.build_suite(tokenizer, ap.pop("base"), args.seed, **ap)
     by_id = {s.sample_id: s for s in samples}
     max_len = max(s.num_tokens + s.max_new_tokens for s in samples)

@@ -148,6 +148,10 @@ CLIFF_VARIANTS = {
     "rc_model_w16_s5": {"window": 16, "budget_scope": "model", "smoothing": 5},
     "rc_model_w32_s3": {"window": 32, "budget_scope": "model", "smoothing": 3},
     "rc_model_w32_s5": {"window": 32, "budget_scope": "model", "smoothing": 5},
+    # The bare flag's three changes one at a time (README, "Defaults"): rc_model_w32_s3 is the default,
+    # rc_model_w32 drops the smoothing, these two drop the window and the model-wide budget.
+    "rc_model_w8_s3": {"window": 8, "budget_scope": "model", "smoothing": 3},
+    "rc_layer_w32_s3": {"window": 32, "budget_scope": "layer", "smoothing": 3},
 }
 
 
@@ -169,6 +173,9 @@ def add_cliff_arguments(parser, output_name: str) -> None:
     parser.add_argument("--cliff-ablation", action="store_true",
                         help="RC variants (window, model-wide budget, smoothing) and baselines at --ratios "
                              f"(default 0.5 0.8); writes benchmarks/results/{output_name}")
+    parser.add_argument("--summaries", type=int, default=0,
+                        help="--cliff-ablation / --budget-scope-study: also this many essay summaries (1024 tokens, "
+                             "scored by ROUGE-L vs the full cache's output)")
 
 
 def cliff_settings_from_args(args) -> list[Setting]:

@@ -330,3 +330,46 @@ def test_prefill_line_reports_ratios_per_round():
     line = report.prefill_line(p)[0]
     assert "16 prompts of 2000 tokens" in line and "vanilla 1000, 800 prompt tokens/s" in line
     assert "none 0.97, 0.95 (median 0.96)" in line
+
+
+def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_changes():
+    import argparse
+
+    import accuracy
+
+    from rcstat_vllm.config import RCStatConfig
+
+    parser = argparse.ArgumentParser()
+    methods.add_cliff_arguments(parser, "x.json")
+    parser.add_argument("--ratios", type=float, nargs="*", default=None)
+    args = parser.parse_args(["--cliff-ablation", "--summaries", "4", "--variants", "rc_model_w32_s3",
+                              "rc_model_w8_s3", "rc_layer_w32_s3"])
+    assert args.summaries == 4
+    # Needles only by default; --summaries adds the main run's 1024-token summaries to the same needle plan.
+    assert accuracy.study_preset(0) == accuracy.BUDGET_SCOPE_PRESET
+    ap = accuracy.study_preset(args.summaries)
+    assert ap["tasks"] == ["niah_single", "niah_multi", "summ"]
+    assert (ap["summ"], ap["summ_tokens"]) == (4, accuracy.ACCURACY_PRESETS["default"]["summ_tokens"])
+    assert accuracy.BUDGET_SCOPE_PRESET["tasks"] == ["niah_single", "niah_multi"]  # the preset is not changed
+    settings = methods.cliff_settings_from_args(args)
+    assert [s.label for s in settings] == ["full"] + [f"{v}_r{r}" for r in ("0.5", "0.8") for v in args.variants]
+    resolved = {s.label: accuracy.resolved_config(s) for s in settings}
+    defaults = RCStatConfig().to_dict()
+    key = lambda c: (c["window"], c["budget_scope"], c["smoothing"])  # noqa: E731
+    assert key(resolved["rc_model_w8_s3_r0.5"]) == (8, "model", 3)
+    assert key(resolved["rc_layer_w32_s3_r0.5"]) == (32, "layer", 3)
+    if key(defaults) == (32, "model", 3) and defaults["method"] == "rc":
+        # The ablation's rc_model_w32_s3 at the default's ratio is the bare flag's config exactly.
+        assert resolved[f"rc_model_w32_s3_r{defaults['target_ratio']:g}"] == defaults
+
+
+def test_study_preset_with_summaries_builds_summaries_scored_against_the_full_cache(tokenizer):
+    import accuracy
+    import data
+
+    ap = accuracy.study_preset(2)
+    ap.update(niah_lengths=[512], niah_depths=[0.5], niah_multi_lengths=[512], niah_multi_depths=[0.5],
+              summ_tokens=512)
+    samples = data.build_suite(tokenizer, ap.pop("base"), seed=3, progress=False, **ap)
+    assert [s.task for s in samples] == ["niah_single", "niah_multi", "summ", "summ"]
+    assert all(not s.answers for s in samples if s.task == "summ")
