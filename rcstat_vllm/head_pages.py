@@ -483,7 +483,11 @@ def _host_ids(block_ids, positions: range) -> Tensor:
         raise ValueError(f"rcstat: block row positions {positions.start}..{positions.stop - 1} are needed on the host")
     if isinstance(block_ids, Tensor) and block_ids.device.type != "cpu":
         raise ValueError("rcstat: reserve takes host block ids; reading a device block table would synchronise")
-    ids = torch.from_numpy(np.array(block_ids[positions.start : positions.stop], dtype=np.int64))  # a copy
+    window = block_ids[positions.start : positions.stop]
+    if isinstance(window, Tensor):
+        ids = window.to(torch.int64, copy=True)
+    else:  # vLLM's host block table row (numpy) or a list
+        ids = torch.from_numpy(np.array(window, dtype=np.int64))  # a copy
     if ids.numel() != len(positions):
         raise ValueError(f"rcstat: block row has {positions.start + ids.numel()} entries, {positions.stop} needed")
     return ids
