@@ -16,11 +16,9 @@ in threshold mode at c = 1; SnapKV and TOVA at 0.5 and 0.8, each at kvpress's pu
 kernel 5; TOVA the last token) and at RC's default window. Settings that resolve to the same config as an
 earlier one (RC at 0.5 is the default) are run once and reported under both labels (``same_run_as``).
 
-SnapKV at a window other than 64 is not something the plugin serves: its baselines score with their published
-windows (``rcstat_vllm.compression.scorer_options``). The engine runs in this process, so the benchmark
-makes SnapKV's scorer take the request's ``window`` (``baseline_windows_from_config``) and checks that the
-replaced function was the one the worker called. TOVA's score is the last token's attention whatever the
-window; at RC's window it keeps RC's 32 most recent tokens as well (kvpress's TOVA keeps only the last one).
+SnapKV's rows name their observation window (``observation_window``: 64 is kvpress's, 32 RC's). TOVA's score is
+the last token's attention whatever the window; at RC's window it keeps RC's 32 most recent tokens as well
+(kvpress's TOVA keeps only the last one).
 
 Needles are counted per value: single-needle prompts have one, multi-needle prompts three; ``needle_hits``
 is the number of values found, ``needle_kept_of_full`` the share of the values the full cache found that the
@@ -127,35 +125,6 @@ def run_plan(settings: list[methods.Setting]) -> dict[str, str]:
         else:
             seen[key] = s.label
     return same
-
-
-class BaselineWindows:
-    """Makes SnapKV score with the request's ``window`` (the plugin's baselines keep their published windows),
-    by replacing ``rcstat_vllm.compression.scorer_options`` in this process; ``calls`` counts the requests it
-    served, so a run can check that the worker really used it (the engine must run in-process)."""
-
-    METHODS = ("snapkv",)
-
-    def __init__(self):
-        from rcstat_vllm import compression
-
-        self.module = compression
-        self.original = compression.scorer_options
-        self.calls = 0
-
-    def options(self, config) -> dict:
-        if config.method in self.METHODS:
-            self.calls += 1
-            return {"window_size": config.window}
-        return self.original(config)
-
-    def __enter__(self):
-        self.module.scorer_options = self.options
-        return self
-
-    def __exit__(self, *exc):
-        self.module.scorer_options = self.original
-        return False
 
 
 def run_wave(llm, jobs: list[tuple], desc: str) -> tuple[list[dict], float]:
@@ -405,21 +374,11 @@ def main(argv: list[str] | None = None) -> int:
                                  for s in settings],
                     "samples": [s.to_dict() for s in samples]}
     t0 = time.perf_counter()
-    # The main run's SnapKV rows name their window; the studies' SnapKV rows mean kvpress's (the plugin's own).
-    windows = BaselineWindows()
-    if not (args.cliff_ablation or args.budget_scope_study):
-        windows.__enter__()
     llm = LLM(**engine_kwargs(model_dir, max_model_len, int(args.kv_cache_gib * (1 << 30))))
     report["engine_start_s"] = round(time.perf_counter() - t0, 1)
     first = [(s, st, methods.resolve(st, {})) for st in settings if st.matched_to is None and st.label not in same
              for s in samples]
     records, wall1 = run_wave(llm, first, "vLLM wave 1 (fixed settings)")
-    snapkv_jobs = sum(1 for _, st, _ in first if st.rcstat.get("method") in BaselineWindows.METHODS
-                      and windows.module.scorer_options == windows.options)
-    report["baseline_window_calls"] = {"snapkv_requests": snapkv_jobs, "scorer_options_calls": windows.calls}
-    if snapkv_jobs and windows.calls == 0:
-        raise RuntimeError("SnapKV requests ran without the benchmark's scorer windows: the engine's worker is "
-                           "not in this process (VLLM_ENABLE_V1_MULTIPROCESSING must be 0)")
     matched = [st for st in settings if st.matched_to is not None]
     wall2 = 0.0
     if matched:

@@ -99,8 +99,10 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     RC at each budget in ``rc_ratios`` with its defaults otherwise; RC with the paper's scoring (per-layer budget,
     window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
-    window (both with a per-layer budget, as kvpress compresses). Windows and defaults are read from the plugin,
+    window (SnapKV observing that many queries; both with a per-layer budget, as kvpress compresses). Windows and defaults are read from the plugin,
     so the settings follow its defaults."""
+    from rcstat_vllm.config import OBSERVING_METHODS
+
     defaults = plugin_defaults()
     rc_window = defaults["window"]
     published = kvpress_windows()
@@ -110,8 +112,9 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     settings += [Setting(rc_label(c), "rc", {**PAPER_RC, "c": float(c)}) for c in c_values]
     for method in ("snapkv", "tova"):
         for family, window in ((method, published[method]), (f"{method}_rc_window", rc_window)):
+            observed = {"observation_window": window} if method in OBSERVING_METHODS else {}
             settings += [Setting(f"{method}_w{window}_r{r:g}", family,
-                                 {"method": method, "target_ratio": float(r), "window": window,
+                                 {"method": method, "target_ratio": float(r), "window": window, **observed,
                                   "budget_scope": "layer"})
                          for r in baseline_ratios]
     return settings
@@ -152,6 +155,9 @@ CLIFF_VARIANTS = {
     # rc_model_w32 drops the smoothing, these two drop the window and the model-wide budget.
     "rc_model_w8_s3": {"window": 8, "budget_scope": "model", "smoothing": 3},
     "rc_layer_w32_s3": {"window": 32, "budget_scope": "layer", "smoothing": 3},
+    # Between the two scopes: each layer keeps at least this share of its equal part of the budget.
+    "rc_model_w32_s3_f0.25": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.25},
+    "rc_model_w32_s3_f0.5": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.5},
 }
 
 

@@ -58,19 +58,30 @@ def request_config(request: BatchRequest, server: RCStatConfig) -> tuple[RCStatC
         return server, f"invalid override: {exc}"
 
 
-def window_queries(config: RCStatConfig) -> int:
-    """How many trailing prompt queries scoring needs: the method's own window and the kept window."""
+def observed_queries(config: RCStatConfig) -> int:
+    """How many trailing prompt queries the scorer reads: ``observation_window`` when set, else RC's ``window``
+    (the paper's observation window is the kept window) or the baseline's published window."""
+    if config.observation_window is not None:
+        return config.observation_window
     if config.method == "rc":
         return config.window
-    return max(SCORERS[config.method].default_window_size, config.window)
+    return SCORERS[config.method].default_window_size
+
+
+def window_queries(config: RCStatConfig) -> int:
+    """How many trailing prompt queries a compressed request keeps until scoring: the observed ones, and at
+    least the kept window (so a short prompt's saved queries cover it)."""
+    return max(observed_queries(config), config.window)
 
 
 def scorer_options(config: RCStatConfig) -> dict:
-    """The scorer's constructor options: RC's observation window and smoothing are the config's; the baselines
-    keep their published defaults."""
-    if config.method != "rc":
-        return {}
-    return {"window_size": window_queries(config), "smoothing": config.smoothing}
+    """The scorer's constructor options: the observed queries (:func:`observed_queries`) and RC's smoothing;
+    everything else at the method's published defaults."""
+    if config.method == "rc":
+        return {"window_size": observed_queries(config), "smoothing": config.smoothing}
+    if config.observation_window is not None:
+        return {"window_size": config.observation_window}
+    return {}
 
 
 def max_cached_prompt_tokens(num_tokens: int, extra_args, server: RCStatConfig, block_size: int) -> int | None:
@@ -142,7 +153,12 @@ def select_keep_masks(scores: list[torch.Tensor], config: RCStatConfig, comparab
     mode, per layer or across the whole model (``config.budget_scope``)."""
     if config.budget_mode and config.budget_scope == "model":
         return select_budget_across_layers(
-            scores, config.window, config.target_ratio, config.sink_tokens, comparable or MODEL_BUDGET_COMPARABLE
+            scores,
+            config.window,
+            config.target_ratio,
+            config.sink_tokens,
+            comparable or MODEL_BUDGET_COMPARABLE,
+            layer_floor=config.layer_floor,
         )
     if config.budget_mode:
         return [select_budget(s, config.window, config.target_ratio, config.sink_tokens).mask for s in scores]

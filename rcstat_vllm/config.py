@@ -21,6 +21,9 @@ CONFIG_KEY = "rcstat"
 #: Scoring methods. ``none`` is the off switch: the plugin's backend runs but evicts nothing.
 METHODS = ("rc", "snapkv", "tova", "knorm", "streaming", "random", "none")
 
+#: Methods that score the prompt with the attention of its trailing queries (an observation window).
+OBSERVING_METHODS = ("rc", "snapkv")
+
 #: Where a budget (``target_ratio``) applies: to each layer alone, or to the whole model at once.
 BUDGET_SCOPES = ("layer", "model")
 
@@ -42,8 +45,11 @@ class RCStatConfig:
         c: threshold multiplier of Eq. 9 (RCStat): a head evicts token i when its score is at most
             ``c`` times the mean score of the head's non-window tokens. Used when ``target_ratio`` is None;
             giving ``c`` without ``target_ratio`` (server flag or request override) selects threshold mode.
-        window: observation window, the last ``window`` prompt tokens whose queries score the prompt.
-            Always kept.
+        window: the last ``window`` prompt tokens are always kept; for RC (as in the paper) they are also the
+            observation window whose queries score the prompt.
+        observation_window: RC and SnapKV: how many trailing prompt queries score the prompt, when it should
+            differ from the method's own: None = RC's ``window``, SnapKV's 64 (kvpress's SnapKVPress). Other
+            methods observe no window (TOVA is defined by the last token's attention): setting it is an error.
         target_ratio: budget mode: evict this fraction of the prompt KV entries (of each layer or of the whole
             model, ``budget_scope``; heads keep different counts). None = threshold mode.
         sink_tokens: the first ``sink_tokens`` prompt tokens are always kept.
@@ -51,6 +57,9 @@ class RCStatConfig:
         budget_scope: budget mode only: ``layer`` evicts ``target_ratio`` of every layer; ``model`` evicts it
             from the model as a whole (top entries across all layers and heads, scores made comparable across
             layers), so layers keep different shares.
+        layer_floor: model-wide budget only: each layer first keeps its own top ``layer_floor`` share of its
+            equal part of the budget (``layer_floor * (1 - target_ratio)`` of its entries); the rest of the budget
+            is given out across layers. 0 = purely model-wide, 1 = the same as ``budget_scope: layer``.
         smoothing: RC only: each score is averaged over this many neighbouring tokens (an odd window centred on
             the token, as SnapKV pools its scores) before selection, so a fact's span is kept or evicted whole;
             1 = no smoothing.
@@ -61,10 +70,12 @@ class RCStatConfig:
     # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of half the prompt KV, scored by
     # RC with a 32-token window (the question, not only the chat template's tail) and 3-token smoothing.
     window: int = 32
+    observation_window: int | None = None
     target_ratio: float | None = 0.5
     sink_tokens: int = 0
     min_prompt_len: int = 64
     budget_scope: str = "model"
+    layer_floor: float = 0.0
     smoothing: int = 3
 
     def __post_init__(self) -> None:
@@ -74,6 +85,12 @@ class RCStatConfig:
             raise ConfigError("c", self.c, "a finite number >= 0")
         if not _is_int(self.window) or self.window < 1:
             raise ConfigError("window", self.window, "an integer >= 1")
+        if self.observation_window is not None:
+            if not _is_int(self.observation_window) or self.observation_window < 1:
+                raise ConfigError("observation_window", self.observation_window, "null or an integer >= 1")
+            if self.method not in OBSERVING_METHODS and self.method != "none":
+                raise ConfigError("observation_window", self.observation_window,
+                                  f"null for method {self.method!r} (only {' and '.join(OBSERVING_METHODS)} observe a window)")
         if self.target_ratio is not None and (
             not _is_number(self.target_ratio) or not 0 <= self.target_ratio < 1
         ):
@@ -84,6 +101,8 @@ class RCStatConfig:
             raise ConfigError("min_prompt_len", self.min_prompt_len, "an integer >= 1")
         if not _is_int(self.smoothing) or self.smoothing < 1 or self.smoothing % 2 == 0:
             raise ConfigError("smoothing", self.smoothing, "an odd integer >= 1")
+        if not _is_number(self.layer_floor) or not 0 <= self.layer_floor <= 1:
+            raise ConfigError("layer_floor", self.layer_floor, "a number in [0, 1]")
         if self.budget_scope not in BUDGET_SCOPES:
             raise ConfigError("budget_scope", self.budget_scope, " | ".join(BUDGET_SCOPES))
 

@@ -198,26 +198,21 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
         assert same == {"rc_r0.5": "default"}
 
 
-def test_snapkv_scores_with_the_requests_window_only_inside_the_benchmarks_replacement():
-    import accuracy
+def test_baseline_rows_at_rcs_window_observe_that_many_queries():
+    import methods
 
     from rcstat_vllm import compression
     from rcstat_vllm.config import RCStatConfig
 
-    snapkv32 = RCStatConfig(method="snapkv", window=32, target_ratio=0.5)
-    original = compression.scorer_options
-    # The plugin's own baselines keep their published windows whatever the config's window.
-    assert compression.RequestCompressor  # the class that builds scorers through compression.scorer_options
-    assert compression.scorer_options(snapkv32) == {}
-    with accuracy.BaselineWindows() as windows:
-        assert compression.scorer_options(snapkv32) == {"window_size": 32}
-        scorer = compression.get_scorer("snapkv", **compression.scorer_options(snapkv32))
-        assert scorer.window_size == 32 and scorer.kernel_size == 5
-        rc = RCStatConfig(window=16, smoothing=3)
-        assert compression.scorer_options(rc) == original(rc)  # other methods unchanged
-        assert compression.scorer_options(RCStatConfig(method="tova", window=32)) == {}
-        assert windows.calls == 2
-    assert compression.scorer_options is original
+    settings = {s.label: s for s in methods.accuracy_settings()}
+    snapkv32 = RCStatConfig.from_dict(settings["snapkv_w32_r0.5"].rcstat)
+    assert (snapkv32.window, snapkv32.observation_window) == (32, 32)
+    scorer = compression.get_scorer("snapkv", **compression.scorer_options(snapkv32))
+    assert scorer.window_size == 32 and scorer.kernel_size == 5
+    snapkv64 = RCStatConfig.from_dict(settings["snapkv_w64_r0.5"].rcstat)
+    assert compression.get_scorer("snapkv", **compression.scorer_options(snapkv64)).window_size == 64
+    # TOVA's rows only keep RC's window: its score is the last token's attention.
+    assert RCStatConfig.from_dict(settings["tova_w32_r0.5"].rcstat).observation_window is None
 
 
 def _record(sample_id, task, setting, found, ratio=0.5):

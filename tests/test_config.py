@@ -38,6 +38,13 @@ BAD_FIELDS = [
     ({"min_prompt_len": 0}, "min_prompt_len"),
     ({"budget_scope": "global"}, "budget_scope"),
     ({"smoothing": 4}, "smoothing"),
+    ({"layer_floor": 1.5}, "layer_floor"),
+    ({"observation_window": 0}, "observation_window"),
+    ({"observation_window": 8.0}, "observation_window"),
+    ({"method": "tova", "observation_window": 8}, "observation_window"),
+    ({"method": "knorm", "observation_window": 8}, "observation_window"),
+    ({"layer_floor": -0.1}, "layer_floor"),
+    ({"layer_floor": "0.5"}, "layer_floor"),
     ({"smoothing": 0}, "smoothing"),
     ({"budget_scope": None}, "budget_scope"),
     ({"budget": 0.5}, "budget"),  # unknown key
@@ -102,7 +109,8 @@ def test_every_method_is_accepted(method):
 
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
-              "min_prompt_len": 1, "budget_scope": "model", "smoothing": 3}
+              "min_prompt_len": 1, "budget_scope": "model", "layer_floor": 0.25, "smoothing": 3,
+              "observation_window": None}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode
@@ -150,3 +158,21 @@ def test_request_overrides():
     assert request_overrides({}) is None
     assert request_overrides({"other": 1}) is None
     assert request_overrides({CONFIG_KEY: {"c": 2}}) == {"c": 2}
+
+
+def test_observation_window_sets_what_rc_and_snapkv_observe_and_nothing_else():
+    from rcstat_vllm.compression import scorer_options, window_queries
+    from rcstat_vllm.scoring import get_scorer
+
+    def observed(**values):
+        config = RCStatConfig.from_dict(values)
+        return get_scorer(config.method, **scorer_options(config)).window_size, window_queries(config)
+
+    assert observed() == (32, 32)  # RC: the kept window is the observation window (the paper)
+    assert observed(window=32, observation_window=8) == (8, 32)  # 8 queries score; 32 tokens kept
+    assert observed(window=8, observation_window=48) == (48, 48)
+    assert observed(method="snapkv") == (64, 64)  # kvpress's window
+    assert observed(method="snapkv", observation_window=32) == (32, 32)
+    assert observed(method="snapkv", window=4, observation_window=16) == (16, 16)
+    assert observed(method="tova") == (1, 32)
+    assert get_scorer("snapkv", **scorer_options(RCStatConfig(method="snapkv", observation_window=32))).kernel_size == 5

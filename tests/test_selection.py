@@ -201,3 +201,36 @@ def test_depthkv_allocation_keeps_layer_zero_meets_the_mean_and_caps_each_layer(
     assert bool(masks[0].all())  # layer 0 keeps everything
     evicted = sum(int((~m).sum()) for m in masks)
     assert abs(evicted / (12 * 2 * 300) - 0.5) < 0.01
+
+
+def test_layer_floor_interpolates_between_model_wide_and_per_layer_budgets():
+    from rcstat_vllm.scoring.selection import layer_floor_ratio, select_budget_across_layers
+
+    g = torch.Generator().manual_seed(11)
+    heads, n, window, ratio = 2, 240, 8, 0.6
+    # Layer 0's mass sits on 6 tokens: relative to its layer mean few entries stand out, so a purely model-wide
+    # budget starves it; layers 1-2 are spread.
+    peaked = torch.zeros(heads, n)
+    peaked[:, torch.randperm(n - window, generator=g)[:6]] = 50.0
+    scores = [peaked, torch.rand(heads, n, generator=g) + 0.5, torch.rand(heads, n, generator=g) + 0.5]
+    total_keep = len(scores) * heads * n - math.floor(ratio * len(scores) * heads * n + 0.5)
+
+    def kept(floor):
+        masks = select_budget_across_layers(scores, window, ratio, layer_floor=floor)
+        assert sum(int(m.sum()) for m in masks) == total_keep  # the budget is the same at every floor
+        assert all(bool(m[:, -window:].all()) for m in masks)
+        return masks
+
+    model_wide = kept(0.0)
+    assert torch.equal(torch.stack(model_wide), torch.stack(select_budget_across_layers(scores, window, ratio)))
+    per_layer = kept(1.0)  # the floor takes the whole budget: exactly the per-layer selection
+    for m, s in zip(per_layer, scores):
+        assert torch.equal(m, select_budget(s, window, ratio).mask)
+    half = kept(0.5)
+    floor_keep = heads * n - math.floor(layer_floor_ratio(ratio, 0.5) * heads * n + 0.5)
+    assert int(model_wide[0].sum()) < floor_keep  # without a floor the peaked layer is starved ...
+    assert int(half[0].sum()) >= floor_keep  # ... with one it keeps at least its floor
+    # ... and the floor entries are the layer's own top entries.
+    assert bool(half[0][select_budget(scores[0], window, layer_floor_ratio(ratio, 0.5)).mask].all())
+    with pytest.raises(ValueError, match="layer_floor"):
+        select_budget_across_layers(scores, window, ratio, layer_floor=1.5)

@@ -26,6 +26,7 @@ from .selection import (
     budget_keep_count,
     select_budget,
     select_budget_across_layers,
+    layer_floor_ratio,
     select_threshold,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "budget_keep_count",
     "select_budget",
     "select_budget_across_layers",
+    "layer_floor_ratio",
     "LAYER_COMPARABLE_SCORES",
     "select_threshold",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "select_budget_across_layers",
     "budget_keep_count",
     "forced_keep_mask",
+    "layer_floor_ratio",
     "LAYER_COMPARABLE_SCORES",
 ]
 
@@ -243,8 +244,21 @@ def _top_share(scores: Tensor, window: int, keep_fraction: float) -> Tensor:
     return torch.where(total > 0, top / total, torch.ones_like(total))
 
 
+def layer_floor_ratio(ratio: float, layer_floor: float) -> float:
+    """The per-layer eviction ratio whose kept entries are ``layer_floor`` of a layer's equal share of a budget
+    that evicts ``ratio``: the layer keeps ``layer_floor * (1 - ratio)`` of its entries."""
+    if not 0 <= layer_floor <= 1:
+        raise ValueError(f"layer_floor must be in [0, 1], got {layer_floor}")
+    return 1 - layer_floor * (1 - ratio)
+
+
 def select_budget_across_layers(
-    scores: list[Tensor], window: int, ratio: float, sink_tokens: int = 0, comparable: str = "layer_mean"
+    scores: list[Tensor],
+    window: int,
+    ratio: float,
+    sink_tokens: int = 0,
+    comparable: str = "layer_mean",
+    layer_floor: float = 0.0,
 ) -> list[Tensor]:
     """Keep the model's top entries across all layers and heads so that a fraction ``ratio`` is evicted.
 
@@ -254,19 +268,31 @@ def select_budget_across_layers(
     comparable scores wherever they are. Layers therefore keep different shares. ``depthkv`` instead gives each
     layer its own ratio (:func:`depthkv_layer_ratios`) and selects per layer.
 
+    ``layer_floor`` reserves part of the budget per layer: each layer first keeps its own top
+    ``layer_floor * (1 - ratio)`` entries (:func:`select_budget` at :func:`layer_floor_ratio`, as a per-layer
+    budget would), and only the rest of the model's budget is given out across layers. 0 = a purely model-wide
+    budget, 1 = exactly the per-layer budget (nothing is left to give out); in between, no layer can be starved
+    below the floor while layers that need more still get it. The total kept is the same for every floor.
+
     Returns:
         per layer, the ``[Hkv, n]`` keep mask.
     """
     if comparable not in LAYER_COMPARABLE_SCORES:
         raise ValueError(f"comparable must be one of {sorted(LAYER_COMPARABLE_SCORES)}, got {comparable!r}")
-    if comparable == "depthkv":
+    floor_ratio = layer_floor_ratio(ratio, layer_floor)
+    if comparable == "depthkv":  # its own per-layer allocation: no floor on top
         ratios = depthkv_layer_ratios(scores, window, ratio)
         return [select_budget(s, window, r, sink_tokens).mask for s, r in zip(scores, ratios)]
     normalise = LAYER_COMPARABLE_SCORES[comparable]
-    # Non-finite scores stay non-finite (forced keeps) whatever the normalisation.
-    comparable_scores = torch.stack(
-        [torch.where(torch.isfinite(s), normalise(s, window), s.to(torch.float64)) for s in scores]
-    )
+    # Non-finite scores stay non-finite (forced keeps) whatever the normalisation; a layer's floor entries are
+    # made +inf, so the model-wide selection keeps them and gives out only the rest of the budget.
+    comparable_scores = []
+    for s in scores:
+        layer = torch.where(torch.isfinite(s), normalise(s, window), s.to(torch.float64))
+        if layer_floor > 0:
+            layer = layer.masked_fill(select_budget(s, window, floor_ratio, sink_tokens).mask, float("inf"))
+        comparable_scores.append(layer)
+    comparable_scores = torch.stack(comparable_scores)
     num_layers, num_heads, n = comparable_scores.shape
     keep = select_budget(comparable_scores.view(num_layers * num_heads, n), window, ratio, sink_tokens)
     return list(keep.mask.view(num_layers, num_heads, n).unbind(0))
