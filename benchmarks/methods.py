@@ -54,7 +54,7 @@ def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=
     """Full cache, the bare flag's default, RC at each c, and each budget family at each ratio; plus matched
     settings for matched_c. RC rows spell out the RCStat paper's own scoring (no smoothing, per-layer budgets)
     so that their labels keep their meaning whatever the plugin's defaults are."""
-    paper = {"smoothing": 1, "budget_scope": "layer"}
+    paper = {"smoothing": 1, "budget_scope": "layer", "sink_tokens": 0}
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
     settings += [Setting(rc_label(c), "rc", {"method": "rc", "c": float(c), "window": window, **paper})
                  for c in c_values]
@@ -75,7 +75,7 @@ def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=
 
 
 #: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (README, "Defaults").
-PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "budget_scope": "layer"}
+PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "budget_scope": "layer", "sink_tokens": 0}
 
 
 def plugin_defaults() -> dict:
@@ -99,7 +99,8 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     RC at each budget in ``rc_ratios`` with its defaults otherwise; RC with the paper's scoring (per-layer budget,
     window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
-    window (SnapKV observing that many queries; both with a per-layer budget, as kvpress compresses). Windows and defaults are read from the plugin,
+    window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
+    compresses). Windows and defaults are read from the plugin,
     so the settings follow its defaults."""
     from rcstat_vllm.config import OBSERVING_METHODS
 
@@ -111,11 +112,13 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     settings += [Setting(f"rc_paper_r{r:g}", "rc_paper", {**PAPER_RC, "target_ratio": float(r)}) for r in paper_ratios]
     settings += [Setting(rc_label(c), "rc", {**PAPER_RC, "c": float(c)}) for c in c_values]
     for method in ("snapkv", "tova"):
-        for family, window in ((method, published[method]), (f"{method}_rc_window", rc_window)):
+        # kvpress's presses keep no sink tokens; at RC's window they also keep RC's sinks.
+        for family, window, sinks in ((method, published[method], 0),
+                                      (f"{method}_rc_window", rc_window, defaults["sink_tokens"])):
             observed = {"observation_window": window} if method in OBSERVING_METHODS else {}
             settings += [Setting(f"{method}_w{window}_r{r:g}", family,
                                  {"method": method, "target_ratio": float(r), "window": window, **observed,
-                                  "budget_scope": "layer"})
+                                  "sink_tokens": sinks, "budget_scope": "layer"})
                          for r in baseline_ratios]
     return settings
 
@@ -144,20 +147,29 @@ def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_me
 #: RC variants of the high-compression ablation (README, "Moving the 0.8 cliff"): label -> settings on top of
 #: {"method": "rc", "target_ratio": r}.
 CLIFF_VARIANTS = {
-    "rc_layer_w8": {"window": 8, "budget_scope": "layer", "smoothing": 1},
-    "rc_model_w8": {"window": 8, "budget_scope": "model", "smoothing": 1},
-    "rc_model_w16": {"window": 16, "budget_scope": "model", "smoothing": 1},
-    "rc_model_w32": {"window": 32, "budget_scope": "model", "smoothing": 1},
-    "rc_model_w16_s5": {"window": 16, "budget_scope": "model", "smoothing": 5},
-    "rc_model_w32_s3": {"window": 32, "budget_scope": "model", "smoothing": 3},
-    "rc_model_w32_s5": {"window": 32, "budget_scope": "model", "smoothing": 5},
+    "rc_layer_w8": {"window": 8, "budget_scope": "layer", "smoothing": 1, "sink_tokens": 0},
+    "rc_model_w8": {"window": 8, "budget_scope": "model", "smoothing": 1, "sink_tokens": 0},
+    "rc_model_w16": {"window": 16, "budget_scope": "model", "smoothing": 1, "sink_tokens": 0},
+    "rc_model_w32": {"window": 32, "budget_scope": "model", "smoothing": 1, "sink_tokens": 0},
+    "rc_model_w16_s5": {"window": 16, "budget_scope": "model", "smoothing": 5, "sink_tokens": 0},
+    "rc_model_w32_s3": {"window": 32, "budget_scope": "model", "smoothing": 3, "sink_tokens": 0},
+    "rc_model_w32_s5": {"window": 32, "budget_scope": "model", "smoothing": 5, "sink_tokens": 0},
     # The bare flag's three changes one at a time (README, "Defaults"): rc_model_w32_s3 is the default,
     # rc_model_w32 drops the smoothing, these two drop the window and the model-wide budget.
-    "rc_model_w8_s3": {"window": 8, "budget_scope": "model", "smoothing": 3},
-    "rc_layer_w32_s3": {"window": 32, "budget_scope": "layer", "smoothing": 3},
+    "rc_model_w8_s3": {"window": 8, "budget_scope": "model", "smoothing": 3, "sink_tokens": 0},
+    "rc_layer_w32_s3": {"window": 32, "budget_scope": "layer", "smoothing": 3, "sink_tokens": 0},
     # Between the two scopes: each layer keeps at least this share of its equal part of the budget.
-    "rc_model_w32_s3_f0.25": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.25},
-    "rc_model_w32_s3_f0.5": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.5},
+    "rc_model_w32_s3_f0.25": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.25,
+                              "sink_tokens": 0},
+    "rc_model_w32_s3_f0.5": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.5,
+                             "sink_tokens": 0},
+    # Attention sinks (StreamingLLM): the first tokens kept by every head.
+    "rc_model_w32_s3_k1": {"window": 32, "budget_scope": "model", "smoothing": 3, "sink_tokens": 1},
+    "rc_model_w32_s3_k4": {"window": 32, "budget_scope": "model", "smoothing": 3, "sink_tokens": 4},
+    # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
+    "rc_model_w32_o8_s3_k4": {"window": 32, "observation_window": 8, "budget_scope": "model", "smoothing": 3,
+                              "sink_tokens": 4},
+    "rc_layer_w8_k4": {"window": 8, "budget_scope": "layer", "smoothing": 1, "sink_tokens": 4},
 }
 
 
@@ -169,13 +181,18 @@ def cliff_ablation_settings(ratios=(0.5, 0.8), variants=None, baselines=("tova",
         chosen = {k: v for k, v in CLIFF_VARIANTS.items() if variants is None or k in variants}
         for label, extra in chosen.items():
             settings.append(Setting(f"{label}_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r), **extra}))
-        settings += [Setting(f"{b}_r{r:g}", b, {"method": b, "target_ratio": float(r)}) for b in baselines]
+        # The baselines' published scoring windows; the kept window is RC's 32 and, as in kvpress, no sinks.
+        settings += [Setting(f"{b}_r{r:g}", b, {"method": b, "target_ratio": float(r), "window": 32, "sink_tokens": 0,
+                                                 "budget_scope": "layer"})
+                     for b in baselines]
     return settings
 
 
 def add_cliff_arguments(parser, output_name: str) -> None:
     """``--cliff-ablation`` and ``--variants``, as accuracy.py and quality.py take them."""
     parser.add_argument("--variants", nargs="*", default=None, help="--cliff-ablation: only these RC variants")
+    parser.add_argument("--with-baselines", action="store_true",
+                        help="--cliff-ablation with --variants: also TOVA and SnapKV at their published windows")
     parser.add_argument("--cliff-ablation", action="store_true",
                         help="RC variants (window, model-wide budget, smoothing) and baselines at --ratios "
                              f"(default 0.5 0.8); writes benchmarks/results/{output_name}")
@@ -185,6 +202,6 @@ def add_cliff_arguments(parser, output_name: str) -> None:
 
 
 def cliff_settings_from_args(args) -> list[Setting]:
-    """The ablation's settings for parsed ``add_cliff_arguments`` (baselines only when every variant runs)."""
-    return cliff_ablation_settings(ratios=tuple(args.ratios or (0.5, 0.8)), variants=args.variants,
-                                   baselines=("tova", "snapkv") if args.variants is None else ())
+    """The ablation's settings for parsed ``add_cliff_arguments`` (baselines when every variant runs, or asked)."""
+    baselines = ("tova", "snapkv") if args.variants is None or args.with_baselines else ()
+    return cliff_ablation_settings(ratios=tuple(args.ratios or (0.5, 0.8)), variants=args.variants, baselines=baselines)

@@ -141,8 +141,14 @@ def describe(entry: dict) -> str:
             if c.get("target_ratio") is not None else f"threshold c = {c['c']:g}")
     parts = [c["method"].replace("snapkv", "SnapKV").replace("tova", "TOVA").replace("rc", "RC"), mode,
              f"window {c['window']}"]
+    if c.get("observation_window") is not None:
+        parts.append(f"{c['observation_window']} queries observed")
     if c["method"] == "rc":
         parts.append(f"smoothing {c['smoothing']}")
+    if c.get("sink_tokens"):
+        parts.append(f"{c['sink_tokens']} sink tokens")
+    if c.get("target_ratio") is not None and c.get("budget_scope") == "model" and c.get("layer_floor"):
+        parts.append(f"layer floor {c['layer_floor']:g}")
     text = ", ".join(parts)
     return f"bare flag: {text}" if entry.get("family") == "default" else text
 

@@ -67,12 +67,13 @@ class RCStatConfig:
 
     method: str = "rc"
     c: float = 1.0
-    # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of half the prompt KV, scored by
-    # RC with a 32-token window (the question, not only the chat template's tail) and 3-token smoothing.
+    # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of 40% of the prompt KV, scored by
+    # RC with a 32-token window (the question, not only the chat template's tail) and 3-token smoothing, with the
+    # first 4 tokens (attention sinks) kept by every head.
     window: int = 32
     observation_window: int | None = None
-    target_ratio: float | None = 0.5
-    sink_tokens: int = 0
+    target_ratio: float | None = 0.4
+    sink_tokens: int = 4
     min_prompt_len: int = 64
     budget_scope: str = "model"
     layer_floor: float = 0.0

@@ -176,15 +176,17 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
         resolved = accuracy.resolved_config(by_label[f"rc_r{r:g}"])
         assert resolved == {**defaults.to_dict(), "method": "rc", "target_ratio": r}
     paper = accuracy.resolved_config(by_label["rc_paper_r0.5"])
-    assert (paper["window"], paper["smoothing"], paper["budget_scope"], paper["target_ratio"]) == (8, 1, "layer", 0.5)
+    assert (paper["window"], paper["smoothing"], paper["budget_scope"], paper["target_ratio"], paper["sink_tokens"]) == (
+        8, 1, "layer", 0.5, 0)
     assert accuracy.resolved_config(by_label["rc_c1"])["target_ratio"] is None  # threshold mode
-    # SnapKV and TOVA at kvpress's windows and at RC's default window, at both ratios, per-layer budgets.
+    # SnapKV and TOVA at kvpress's windows (no sinks) and at RC's default window and sinks, at both ratios, per-layer
+    # budgets.
     for method, published in (("snapkv", SnapKVScorer.default_window_size), ("tova", TOVAScorer.default_window_size)):
-        for window in (published, defaults.window):
+        for window, sinks in ((published, 0), (defaults.window, defaults.sink_tokens)):
             for r in (0.5, 0.8):
                 resolved = accuracy.resolved_config(by_label[f"{method}_w{window}_r{r:g}"])
-                assert (resolved["method"], resolved["window"], resolved["target_ratio"], resolved["budget_scope"]) == (
-                    method, window, r, "layer")
+                assert (resolved["method"], resolved["window"], resolved["target_ratio"], resolved["budget_scope"],
+                        resolved["sink_tokens"]) == (method, window, r, "layer", sinks)
     assert SnapKVScorer.default_window_size == 64 and SnapKVScorer().kernel_size == 5
     # Settings with the same resolved config run once: exactly those equal to an earlier one.
     same = accuracy.run_plan(settings)

@@ -87,9 +87,10 @@ def test_config_error_is_a_value_error():
 def test_defaults():
     config = RCStatConfig.from_dict({})
     assert config == RCStatConfig()
-    # The measured default (README, "Defaults"): RC, a model-wide budget of half the prompt KV.
+    # The measured default (README, "Defaults"): RC, a model-wide budget of 40% of the prompt KV, 4 sink tokens.
     assert config.method == "rc" and config.enabled and config.budget_mode
-    assert (config.target_ratio, config.budget_scope, config.window, config.smoothing) == (0.5, "model", 32, 3)
+    assert (config.target_ratio, config.budget_scope, config.window, config.smoothing) == (0.4, "model", 32, 3)
+    assert (config.sink_tokens, config.layer_floor, config.observation_window) == (4, 0.0, None)
 
 
 def test_giving_c_selects_threshold_mode_unless_a_ratio_is_given_too():
