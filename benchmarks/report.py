@@ -157,6 +157,15 @@ def _hits(e: dict, task: str) -> str:
     return f"{e[task + '_hits']}/{e[task + '_values']}" if e.get(task + "_values") else "-"
 
 
+def _of_full(e: dict) -> str:
+    """The share of the full cache's needle values a setting found too, with the count (a rounded share can read
+    as a target met when it is not)."""
+    share, full = e.get("needle_kept_of_full"), e.get("full_hits")
+    if share is None or not full:
+        return _f(share, 2)
+    return f"{round(share * full)}/{full} ({100 * share:.1f}%)"
+
+
 def accuracy_table(a: dict) -> list[str]:
     s = a["summary"]
     samples = a.get("samples", [])
@@ -182,7 +191,7 @@ def accuracy_table(a: dict) -> list[str]:
         task = lambda t: _f(e["by_task"].get(t, {}).get("score"))  # noqa: E731
         what = describe(e) + (f" (same run as `{e['same_run_as']}`)" if e.get("same_run_as") else "")
         lines.append(f"| {label} | {what} | {_f(e['ratio'])} | {_hits(e, 'niah_single')} | {_hits(e, 'niah_multi')} "
-                     f"| {_f(e.get('needle_kept_of_full'), 2)} | {task('vt')} | {task('summ')} "
+                     f"| {_of_full(e)} | {task('vt')} | {task('summ')} "
                      f"| {_f(e['same_as_full'], 2)} |")
     fid = a.get("fidelity", {}).get("by_setting")
     if fid:

@@ -262,20 +262,21 @@ def test_accuracy_table_describes_settings_from_their_resolved_config(tmp_path, 
     defaults = methods.plugin_defaults()
     base = {"matched_to": None, "same_as_full": 0.5, "by_task": {"summ": {"score": 0.4}},
             "niah_single_hits": 7, "niah_single_values": 8, "niah_multi_hits": 2, "niah_multi_values": 3,
-            "needle_hits": 9, "needle_kept_of_full": 0.9}
+            "needle_hits": 9, "needle_kept_of_full": 0.9, "full_hits": 10}
     summary = {"full": {**base, "family": "full", "ratio": 0.0, "resolved": {**defaults, "method": "none"}},
                "default": {**base, "family": "default", "ratio": 0.5, "resolved": defaults},
                "snapkv_w64_r0.8": {**base, "family": "snapkv", "ratio": 0.8, "same_run_as": None,
                                    "resolved": {**defaults, "method": "snapkv", "window": 64, "target_ratio": 0.8,
-                                                "budget_scope": "layer"}}}
+                                                "budget_scope": "layer", "sink_tokens": 0}}}
     lines = report.accuracy_table({"summary": summary, "samples": [{"task": "niah_single"}] * 8})
     text = "\n".join(lines)
     assert "8 single-needle and 0 three-needle prompts" in text
     default_row = next(line for line in lines if line.startswith("| default |"))
     assert f"window {defaults['window']}" in default_row and "bare flag" in default_row
-    assert "| 0.500 | 7/8 | 2/3 | 0.90 |" in default_row
+    assert "| 0.500 | 7/8 | 2/3 | 9/10 (90.0%) |" in default_row
     snap = next(line for line in lines if line.startswith("| snapkv_w64_r0.8 |"))
-    assert "SnapKV, budget 0.8 (per layer), window 64 |" in snap and "smoothing" not in snap
+    assert "SnapKV, budget 0.8 (per layer), window 64 |" in snap and "smoothing" not in snap and "sink" not in snap
+    assert f"{defaults['sink_tokens']} sink tokens" in default_row
 
 
 # ----------------------------------------------------------------------------------------------- prefill study
@@ -355,9 +356,18 @@ def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_chan
     key = lambda c: (c["window"], c["budget_scope"], c["smoothing"])  # noqa: E731
     assert key(resolved["rc_model_w8_s3_r0.5"]) == (8, "model", 3)
     assert key(resolved["rc_layer_w32_s3_r0.5"]) == (32, "layer", 3)
-    if key(defaults) == (32, "model", 3) and defaults["method"] == "rc":
-        # The ablation's rc_model_w32_s3 at the default's ratio is the bare flag's config exactly.
-        assert resolved[f"rc_model_w32_s3_r{defaults['target_ratio']:g}"] == defaults
+    # Old labels keep their meaning (no sinks); the sink variant at the default's ratio is the bare flag exactly.
+    assert resolved["rc_model_w32_s3_r0.5"]["sink_tokens"] == 0
+    if key(defaults) == (32, "model", 3) and defaults["method"] == "rc" and defaults["sink_tokens"] == 4:
+        at_default = methods.cliff_ablation_settings(ratios=(defaults["target_ratio"],), variants=["rc_model_w32_s3_k4"],
+                                                     baselines=())
+        assert accuracy.resolved_config(at_default[1]) == defaults
+    # Baselines come with --with-baselines, at their published scoring windows without sinks.
+    args = parser.parse_args(["--cliff-ablation", "--variants", "rc_model_w32_s3", "--with-baselines"])
+    baselines = {s.label: accuracy.resolved_config(s) for s in methods.cliff_settings_from_args(args)
+                 if s.family in ("tova", "snapkv")}
+    assert sorted(baselines) == ["snapkv_r0.5", "snapkv_r0.8", "tova_r0.5", "tova_r0.8"]
+    assert all(c["sink_tokens"] == 0 and c["observation_window"] is None for c in baselines.values())
 
 
 def test_study_preset_with_summaries_builds_summaries_scored_against_the_full_cache(tokenizer):

@@ -54,8 +54,9 @@ def test_a_request_sharing_a_long_prefix_is_served_from_cache_and_both_are_compr
     prefix = plugin.token_ids(1536, offset=3)
     first = {"prompt_token_ids": prefix + plugin.token_ids(1000, offset=40)}
     second = {"prompt_token_ids": prefix + plugin.token_ids(1000, offset=77)}
-    run_first = plugin.run([("shared-1", first, greedy(16))])
-    run_second = plugin.run([("shared-2", second, greedy(16))])
+    half = dict(target_ratio=0.5, sink_tokens=0)  # pinned: the bounds below are for evicting half
+    run_first = plugin.run([("shared-1", first, greedy(16, **half))])
+    run_second = plugin.run([("shared-2", second, greedy(16, **half))])
     results = [plugin.result("shared-1"), plugin.result("shared-2")]
     print(
         f"\n[prefix cache] cached prompt tokens {run_first.cached_tokens['shared-1']} then "
