@@ -9,8 +9,9 @@ to reuse), block size 32 everywhere, unless ``--prefix-caching-study``.
 Runs, each its own subprocess and engine, one after another:
   vanilla            VLLM_PLUGINS=__none__ (the plugin is not loaded at all)
   none               the plugin on with method none (no eviction; the plugin's attention backend)
+  default            the bare flag ({"rcstat": {}}: the plugin's defaults)
   rc_c0.5/1/1.5      RC threshold mode
-  rc_budget_r0.5     RC budget mode (every layer evicts the same share: little fragmentation)
+  rc_budget_r0.5     RC budget mode at 0.5, the plugin's defaults otherwise
   snapkv/tova@rc_c1  SnapKV and TOVA in budget mode, each request at the ratio RC (c=1) achieved on it
 
 Per run: output tokens/s and requests/s over the workload's wall time, peak and time-weighted mean of
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [
         ("vanilla", {"VLLM_PLUGINS": "__none__"}, dict(rcstat=None, overhead={**ov, "methods": {"vanilla": None}})),
         ("none", {}, dict(rcstat={"method": "none"})),
+        ("default", {}, dict(rcstat={})),  # the bare flag, whatever RCStatConfig() says
     ]
     for c in cfg.get("c_values", ()):
         extra = {"overhead": {**ov, "methods": overhead_methods}} if c == args.matched_c else {}
