@@ -90,8 +90,9 @@ class RCStatConfig:
             if not _is_int(self.observation_window) or self.observation_window < 1:
                 raise ConfigError("observation_window", self.observation_window, "null or an integer >= 1")
             if self.method not in OBSERVING_METHODS and self.method != "none":
+                observers = " and ".join(OBSERVING_METHODS)
                 raise ConfigError("observation_window", self.observation_window,
-                                  f"null for method {self.method!r} (only {' and '.join(OBSERVING_METHODS)} observe a window)")
+                                  f"null for method {self.method!r} (only {observers} observe a window)")
         if self.target_ratio is not None and (
             not _is_number(self.target_ratio) or not 0 <= self.target_ratio < 1
         ):
