@@ -380,3 +380,19 @@ def test_study_preset_with_summaries_builds_summaries_scored_against_the_full_ca
     samples = data.build_suite(tokenizer, ap.pop("base"), seed=3, progress=False, **ap)
     assert [s.task for s in samples] == ["niah_single", "niah_multi", "summ", "summ"]
     assert all(not s.answers for s in samples if s.task == "summ")
+
+
+def test_planted_facts_prompts_hold_their_fact_once_at_their_depth(tokenizer):
+    import planted_facts
+
+    prompts = planted_facts.build_prompts(tokenizer, seed=7)
+    assert len(prompts) == 30 and len({pid for pid, _, _ in prompts}) == 30
+    assert prompts == planted_facts.build_prompts(tokenizer, seed=7)  # deterministic per seed
+    for pid, ids, answer in prompts:
+        length, depth = int(pid.split("-")[0]), float(pid.split("-")[1])
+        text = tokenizer.decode(ids)
+        assert text.count(answer) == 1 and "Operations memo:" in text
+        assert length <= len(ids) <= length + 1200  # whole docstrings, so a little over the target
+        # The fact sits near its requested depth within the documentation.
+        position = text.index("Operations memo:") / len(text)
+        assert abs(position - depth) < 0.25  # docstrings are long: the nearest boundary can be far
