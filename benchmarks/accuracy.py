@@ -14,7 +14,7 @@ and the request overrides nothing, so the row follows the plugin's defaults); RC
 with its defaults otherwise; RC with the paper's scoring (per-layer budget, window 8, no smoothing) at 0.5 and
 in threshold mode at c = 1; SnapKV and TOVA at 0.5 and 0.8, each at kvpress's published window (SnapKV 64,
 kernel 5; TOVA the last token) and at RC's default window. Settings that resolve to the same config as an
-earlier one (RC at 0.5 is the default) are run once and reported under both labels (``same_run_as``).
+earlier one (e.g. RC at the default's own ratio) are run once and reported under both labels (``same_run_as``).
 
 SnapKV's rows name their observation window (``observation_window``: 64 is kvpress's, 32 RC's). TOVA's score is
 the last token's attention whatever the window; at RC's window it keeps RC's 32 most recent tokens as well

@@ -93,6 +93,16 @@ def kvpress_windows() -> dict[str, int]:
     return {"snapkv": SnapKVScorer.default_window_size, "tova": TOVAScorer.default_window_size}
 
 
+def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:
+    """A baseline's override: a per-layer budget (as kvpress compresses), the last ``window`` tokens kept and, for
+    a method that observes a window (SnapKV), that many queries observed."""
+    from rcstat_vllm.config import OBSERVING_METHODS
+
+    observed = {"observation_window": window} if method in OBSERVING_METHODS else {}
+    return {"method": method, "target_ratio": float(ratio), "window": window, **observed, "sink_tokens": sinks,
+            "budget_scope": "layer"}
+
+
 def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
                       c_values=(1.0,)) -> list[Setting]:
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
@@ -102,8 +112,6 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
     compresses). Windows and defaults are read from the plugin,
     so the settings follow its defaults."""
-    from rcstat_vllm.config import OBSERVING_METHODS
-
     defaults = plugin_defaults()
     rc_window = defaults["window"]
     published = kvpress_windows()
@@ -115,10 +123,7 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
         # kvpress's presses keep no sink tokens; at RC's window they also keep RC's sinks.
         for family, window, sinks in ((method, published[method], 0),
                                       (f"{method}_rc_window", rc_window, defaults["sink_tokens"])):
-            observed = {"observation_window": window} if method in OBSERVING_METHODS else {}
-            settings += [Setting(f"{method}_w{window}_r{r:g}", family,
-                                 {"method": method, "target_ratio": float(r), "window": window, **observed,
-                                  "sink_tokens": sinks, "budget_scope": "layer"})
+            settings += [Setting(f"{method}_w{window}_r{r:g}", family, baseline(method, r, window, sinks))
                          for r in baseline_ratios]
     return settings
 
@@ -144,32 +149,34 @@ def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_me
     return settings
 
 
+def _rc_variant(window: int, scope: str, smoothing: int, sinks: int = 0, **extra) -> dict:
+    """An RC variant's settings, every field the defaults have changed spelled out so a label keeps its meaning."""
+    return {"window": window, "budget_scope": scope, "smoothing": smoothing, "sink_tokens": sinks, **extra}
+
+
 #: RC variants of the high-compression ablation (README, "Moving the 0.8 cliff"): label -> settings on top of
 #: {"method": "rc", "target_ratio": r}.
 CLIFF_VARIANTS = {
-    "rc_layer_w8": {"window": 8, "budget_scope": "layer", "smoothing": 1, "sink_tokens": 0},
-    "rc_model_w8": {"window": 8, "budget_scope": "model", "smoothing": 1, "sink_tokens": 0},
-    "rc_model_w16": {"window": 16, "budget_scope": "model", "smoothing": 1, "sink_tokens": 0},
-    "rc_model_w32": {"window": 32, "budget_scope": "model", "smoothing": 1, "sink_tokens": 0},
-    "rc_model_w16_s5": {"window": 16, "budget_scope": "model", "smoothing": 5, "sink_tokens": 0},
-    "rc_model_w32_s3": {"window": 32, "budget_scope": "model", "smoothing": 3, "sink_tokens": 0},
-    "rc_model_w32_s5": {"window": 32, "budget_scope": "model", "smoothing": 5, "sink_tokens": 0},
-    # The bare flag's three changes one at a time (README, "Defaults"): rc_model_w32_s3 is the default,
+    "rc_layer_w8": _rc_variant(8, "layer", 1),
+    "rc_model_w8": _rc_variant(8, "model", 1),
+    "rc_model_w16": _rc_variant(16, "model", 1),
+    "rc_model_w32": _rc_variant(32, "model", 1),
+    "rc_model_w16_s5": _rc_variant(16, "model", 5),
+    "rc_model_w32_s3": _rc_variant(32, "model", 3),
+    "rc_model_w32_s5": _rc_variant(32, "model", 5),
+    # The 0.5 default's three changes one at a time (README, "Defaults"): rc_model_w32_s3 was that default,
     # rc_model_w32 drops the smoothing, these two drop the window and the model-wide budget.
-    "rc_model_w8_s3": {"window": 8, "budget_scope": "model", "smoothing": 3, "sink_tokens": 0},
-    "rc_layer_w32_s3": {"window": 32, "budget_scope": "layer", "smoothing": 3, "sink_tokens": 0},
+    "rc_model_w8_s3": _rc_variant(8, "model", 3),
+    "rc_layer_w32_s3": _rc_variant(32, "layer", 3),
     # Between the two scopes: each layer keeps at least this share of its equal part of the budget.
-    "rc_model_w32_s3_f0.25": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.25,
-                              "sink_tokens": 0},
-    "rc_model_w32_s3_f0.5": {"window": 32, "budget_scope": "model", "smoothing": 3, "layer_floor": 0.5,
-                             "sink_tokens": 0},
-    # Attention sinks (StreamingLLM): the first tokens kept by every head.
-    "rc_model_w32_s3_k1": {"window": 32, "budget_scope": "model", "smoothing": 3, "sink_tokens": 1},
-    "rc_model_w32_s3_k4": {"window": 32, "budget_scope": "model", "smoothing": 3, "sink_tokens": 4},
+    "rc_model_w32_s3_f0.25": _rc_variant(32, "model", 3, layer_floor=0.25),
+    "rc_model_w32_s3_f0.5": _rc_variant(32, "model", 3, layer_floor=0.5),
+    # Attention sinks (StreamingLLM): the first tokens kept by every head; k4 is the current default's settings.
+    "rc_model_w32_s3_k1": _rc_variant(32, "model", 3, sinks=1),
+    "rc_model_w32_s3_k4": _rc_variant(32, "model", 3, sinks=4),
     # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
-    "rc_model_w32_o8_s3_k4": {"window": 32, "observation_window": 8, "budget_scope": "model", "smoothing": 3,
-                              "sink_tokens": 4},
-    "rc_layer_w8_k4": {"window": 8, "budget_scope": "layer", "smoothing": 1, "sink_tokens": 4},
+    "rc_model_w32_o8_s3_k4": _rc_variant(32, "model", 3, sinks=4, observation_window=8),
+    "rc_layer_w8_k4": _rc_variant(8, "layer", 1, sinks=4),
 }
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
+import methods  # noqa: E402
 from accuracy import engine_kwargs  # noqa: E402
 from common import environment, load_avg, write_report  # noqa: E402
 
@@ -42,9 +43,9 @@ SETTINGS = {
     "default": {},
     "rc_r0.5": {"target_ratio": 0.5},
     "rc_r0.8": {"target_ratio": 0.8},
-    "rc_paper_r0.5": {"target_ratio": 0.5, "window": 8, "smoothing": 1, "budget_scope": "layer", "sink_tokens": 0},
-    "tova_r0.5": {"method": "tova", "target_ratio": 0.5, "window": 1, "sink_tokens": 0, "budget_scope": "layer"},
-    "snapkv_r0.5": {"method": "snapkv", "target_ratio": 0.5, "window": 64, "sink_tokens": 0, "budget_scope": "layer"},
+    "rc_paper_r0.5": {**methods.PAPER_RC, "target_ratio": 0.5},
+    "tova_r0.5": methods.baseline("tova", 0.5, window=1),
+    "snapkv_r0.5": methods.baseline("snapkv", 0.5, window=64),
 }
 
 
