@@ -96,13 +96,15 @@ FIDELITY = {
 
 
 def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int) -> dict:
-    return dict(model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
+    from rcstat_vllm.model import with_embedded_dtype
+
+    return with_embedded_dtype(dict(model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_bytes, seed=0,
                 # Every prompt runs under every setting: with prefix caching a repeat would be served its prompt
                 # from the cache, and the plugin compresses only the tokens a request computes.
                 enable_prefix_caching=False,
                 # The bare flag: the "default" setting's requests override nothing, the others what they set.
-                additional_config={"rcstat": {}})
+                additional_config={"rcstat": {}}))
 
 
 def resolved_config(setting: methods.Setting) -> dict:
@@ -321,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="SnapKV and TOVA budgets, each at kvpress's window and RC's (default 0.5 0.8)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--fidelity-samples", type=int, default=None)
-    parser.add_argument("--fidelity-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--fidelity-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the transformers reference's dtype (default: the engine's: float32 on CPUs without bf16)")
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--budget-scope-study", action="store_true",
                         help="needles only: RC budget per layer vs model-wide (the plugin's own comparison of layers) "
@@ -406,8 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             fid["samples"] = args.fidelity_samples
         try:
             t0 = time.perf_counter()
+            from rcstat_vllm.model import embedded_model_dtype
+
+            dtype = args.fidelity_dtype or embedded_model_dtype() or "bfloat16"
             report["fidelity"] = fidelity_check(records, samples, settings, fid["settings"], fid["samples"],
-                                                args.fidelity_dtype, model_dir)
+                                                dtype, model_dir)
             report["fidelity"]["seconds"] = round(time.perf_counter() - t0, 1)
         except Exception:  # noqa: BLE001 - keep the vLLM results even if the reference fails
             report["fidelity"] = {"error": traceback.format_exc()}

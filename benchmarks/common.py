@@ -30,6 +30,16 @@ def environment(**extra) -> dict:
     except OSError:
         pass
     env = {"device": "cpu", "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        from rcstat_vllm.model import embedded_model_dtype
+
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        # The dtype the benchmark engines ran the embedded model in (None: the model's own bf16).
+        env["engine_dtype"] = embedded_model_dtype() or "bfloat16"
+    except Exception:  # noqa: BLE001 - recorded where available
+        pass
     for name in ("torch", "transformers", "vllm"):
         try:
             env[name] = importlib.import_module(name).__version__

@@ -219,6 +219,9 @@ def worker(spec: dict) -> dict:
                   disable_log_stats=False, seed=0)
     if spec.get("rcstat") is not None:
         kwargs["additional_config"] = {"rcstat": spec["rcstat"]}
+    from rcstat_vllm.model import with_embedded_dtype
+
+    kwargs = with_embedded_dtype(kwargs)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     result = {"name": spec["name"], "engine_start_s": time.perf_counter() - t0}

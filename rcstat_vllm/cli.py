@@ -77,11 +77,33 @@ def serve_main(vllm_args: list[str]) -> int:
             from rcstat_vllm.model import fetch_model
 
             vllm_args = [str(fetch_model()), *vllm_args]
+    vllm_args = _embedded_model_dtype_args(vllm_args)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *vllm_args]
     vllm_main()
     return 0
+
+
+def _embedded_model_dtype_args(vllm_args: list[str]) -> list[str]:
+    """``--dtype float32`` appended when serving the embedded model on a CPU without native bf16 (see
+    ``model.embedded_model_dtype``) and the command line names no ``--dtype`` of its own."""
+    from pathlib import Path
+
+    from rcstat_vllm.model import default_model_dir, embedded_model_dtype
+
+    if not vllm_args or vllm_args[0].startswith("-"):
+        return vllm_args
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in vllm_args):
+        return vllm_args
+    if Path(vllm_args[0]).expanduser().resolve() != default_model_dir().resolve():
+        return vllm_args
+    dtype = embedded_model_dtype()
+    if not dtype:
+        return vllm_args
+    print(f"rcstat-vllm serve: this CPU has no native bf16: serving the embedded model with --dtype {dtype} "
+          "(give --dtype to choose)", file=sys.stderr, flush=True)
+    return [*vllm_args, "--dtype", dtype]
 
 
 def _prometheus_multiprocess() -> None:

