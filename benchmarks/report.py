@@ -1,10 +1,12 @@
-"""Plots and README.md's results table, generated from the benchmarks' JSON in benchmarks/results/.
+"""Plots and the generated results block of docs/benchmarks.md, from the benchmarks' JSON in benchmarks/results/.
 
-    python benchmarks/report.py                 # PNGs into benchmarks/results/, table into README.md
-    python benchmarks/report.py --no-readme     # PNGs only; the table is printed
+    python benchmarks/report.py                 # PNGs into benchmarks/results/, block into docs/benchmarks.md
+    python benchmarks/report.py --no-write      # PNGs only; the block is printed (--no-readme: the old name)
 
-Each part is drawn from whichever JSON exists (quality_cpu.json, accuracy_cpu.json, throughput_cpu.json,
-scoring_cpu.json, attribution_cpu.json); the table says which file and run every number comes from.
+The block replaces what lies between the ``<!-- results:start -->`` and ``<!-- results:end -->`` markers of
+:data:`RESULTS_DOC`, the one file that holds them; links in it are relative to that file. Each part is drawn
+from whichever JSON exists (quality_cpu.json, accuracy_cpu.json, throughput_cpu.json, plugin_overhead_cpu.json,
+throughput_prefill_cpu.json); the block says which file and run every number comes from.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from methods import FAMILY_LABELS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-README = Path(__file__).resolve().parents[1] / "README.md"
+#: The document whose marked block this script writes (the README links to it).
+RESULTS_DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
          "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
@@ -272,23 +276,25 @@ def build_table() -> list[str]:
         parts += prefill_line(prefill) + [""]
     images = [p.name for p in sorted(RESULTS.glob("*.png"))]
     if images:
-        parts.append("Plots: " + ", ".join(f"[{n}](benchmarks/results/{n})" for n in images) + ".")
+        folder = Path(os.path.relpath(RESULTS, RESULTS_DOC.parent)).as_posix()  # links relative to the document
+        parts.append("Plots: " + ", ".join(f"[{n}]({folder}/{n})" for n in images) + ".")
     return parts
 
 
-def write_readme(lines: list[str]) -> None:
-    text = README.read_text()
+def write_results_doc(lines: list[str]) -> None:
+    text = RESULTS_DOC.read_text()
     block = "\n".join([START, *lines, END])
     if START in text and END in text:
         text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
-    README.write_text(text)
+    RESULTS_DOC.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--no-write", "--no-readme", dest="no_write", action="store_true",
+                        help=f"print the block instead of writing it into {RESULTS_DOC.name}")
     args = parser.parse_args(argv)
     q, a, t = load("quality_cpu.json"), load("accuracy_cpu.json"), load("throughput_cpu.json")
     if q:
@@ -302,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     if t:
         plot_throughput(t, RESULTS / "ratio_vs_throughput.png")
     lines = build_table()
-    if args.no_readme:
+    if args.no_write:
         print("\n".join(lines))
     else:
-        write_readme(lines)
-        print(f"wrote {README} results table and {len(list(RESULTS.glob('*.png')))} plots", file=sys.stderr)
+        write_results_doc(lines)
+        print(f"wrote the results block of {RESULTS_DOC} and {len(list(RESULTS.glob('*.png')))} plots", file=sys.stderr)
     return 0
 
 

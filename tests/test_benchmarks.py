@@ -128,7 +128,7 @@ def test_masked_decode_matches_plain_eager_attention(tiny_reference):
     assert expected[:-1].argmax(-1).tolist() == generated[1:]
 
 
-def test_report_writes_plots_and_replaces_only_the_marked_readme_block(tmp_path, monkeypatch):
+def test_report_writes_plots_and_replaces_only_the_marked_block(tmp_path, monkeypatch):
     import report
 
     results = tmp_path / "results"
@@ -141,19 +141,33 @@ def test_report_writes_plots_and_replaces_only_the_marked_readme_block(tmp_path,
         "snapkv@rc_c1": {"family": "snapkv", "matched_to": "rc_c1", "ratio": 0.8, "ver": 0.37},
     }
     (results / "quality_cpu.json").write_text(__import__("json").dumps({"summary": summary, "samples": [1, 2]}))
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nkept above\n\n{report.START}\nold table\n{report.END}\n\nkept below\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    doc = docs / "benchmarks.md"
+    doc.write_text(f"# title\n\nkept above\n\n{report.START}\nold table\n{report.END}\n\nkept below\n")
     monkeypatch.setattr(report, "RESULTS", results)
-    monkeypatch.setattr(report, "README", readme)
+    monkeypatch.setattr(report, "RESULTS_DOC", doc)
 
     assert report.main([]) == 0
-    text = readme.read_text()
+    text = doc.read_text()
     assert "old table" not in text and "kept above" in text and "kept below" in text
     block = text[text.index(report.START): text.index(report.END)]
     assert "| 0.5 | 0.080 | 0.220 |" in block  # RC budget and SnapKV at ratio 0.5
     assert "| rc_c1 | 0.800 | 0.300 | - | 0.370 | - |" in block  # matched SnapKV at RC's ratio
+    assert "](../results/ratio_vs_value_error.png)" in block  # plot links relative to the document
     assert (results / "ratio_vs_value_error.png").stat().st_size > 0
     assert report.curves(summary, "ver")["snapkv"] == [(0.5, 0.22)]  # matched entries are not on the curve
+
+
+def test_generated_results_live_in_one_document():
+    """The block report.py writes is in docs/benchmarks.md, and its markers are in no other Markdown file."""
+    import report
+
+    root = Path(__file__).resolve().parents[1]
+    assert report.RESULTS_DOC == root / "docs" / "benchmarks.md"
+    holders = [p.relative_to(root).as_posix() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+               if report.START in p.read_text() or report.END in p.read_text()]
+    assert holders == ["docs/benchmarks.md"]
 
 
 # ----------------------------------------------------------------------------------------------- accuracy settings
