@@ -97,11 +97,21 @@ def embedded_model_dtype() -> str | None:
 
 
 def with_embedded_dtype(engine_kwargs: dict) -> dict:
-    """``engine_kwargs`` plus ``dtype`` from :func:`embedded_model_dtype`, unless it has a ``dtype`` already."""
+    """``engine_kwargs`` plus ``dtype`` from :func:`embedded_model_dtype`, unless it has a ``dtype`` already.
+
+    The project sizes its engines' KV pools in bytes for bf16 (``kv_cache_memory_bytes``); in float32 every entry
+    takes twice the bytes, so the budget is doubled with it: the pool holds the same number of tokens, and what a
+    test or benchmark means by "a pool that holds N requests" stays true.
+    """
     if "dtype" in engine_kwargs:
         return engine_kwargs
     dtype = embedded_model_dtype()
-    return {**engine_kwargs, "dtype": dtype} if dtype else engine_kwargs
+    if dtype is None:
+        return engine_kwargs
+    kwargs = {**engine_kwargs, "dtype": dtype}
+    if kwargs.get("kv_cache_memory_bytes"):
+        kwargs["kv_cache_memory_bytes"] = 2 * int(kwargs["kv_cache_memory_bytes"])
+    return kwargs
 
 
 def _gguf_path() -> Path | None:

@@ -58,6 +58,17 @@ def test_engine_kwargs_gain_a_dtype_only_when_none_was_given(cpu):
     assert model.with_embedded_dtype({"model": "m"}) == {"model": "m"}
 
 
+def test_a_kv_pool_sized_in_bytes_keeps_its_tokens_in_float32(cpu):
+    """Pools are sized in bytes for bf16: in float32 the budget doubles, so the pool holds the same tokens."""
+    cpu("AVX2")
+    assert model.with_embedded_dtype({"kv_cache_memory_bytes": 100 << 20}) == {
+        "kv_cache_memory_bytes": 200 << 20, "dtype": "float32"}
+    assert model.with_embedded_dtype({"kv_cache_memory_bytes": 100 << 20, "dtype": "bfloat16"}) == {
+        "kv_cache_memory_bytes": 100 << 20, "dtype": "bfloat16"}
+    cpu("AVX512", avx512_bf16=True)
+    assert model.with_embedded_dtype({"kv_cache_memory_bytes": 100 << 20}) == {"kv_cache_memory_bytes": 100 << 20}
+
+
 def test_demo_and_benchmark_engines_use_it(cpu):
     from rcstat_vllm.demo import engine_kwargs
 
