@@ -18,6 +18,8 @@ pytestmark = pytest.mark.vllm
 
 BLOCK = 32
 CHUNK = 512
+#: the soak's requests (200 before the suite had to fit an AVX2-only 2-core CPU; the checks scale with it)
+SOAK_REQUESTS = 100
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,7 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
     assert grow.preemptions > 0, "the pool was meant to be small enough to force preemption"
     assert driver.free_blocks() == driver.initial_free
 
-    # Phase 2: 200 requests of mixed lengths and settings, compressed or not, some aborted mid-flight.
+    # Phase 2: 100 requests of mixed lengths and settings, compressed or not, some aborted mid-flight.
     rng = random.Random(0)
     settings = [
         {},
@@ -160,7 +162,7 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
         {"method": "none"},
     ]
     requests, aborts = [], {}
-    for i in range(200):
+    for i in range(SOAK_REQUESTS):
         length = rng.choice([rng.randint(20, 100)] * 6 + [rng.randint(100, 500)] * 3 + [rng.randint(700, 1000)])
         params = greedy(rng.randint(2, 12), **rng.choice(settings))
         request_id = f"soak-{i}"
@@ -175,18 +177,19 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
     driver.run([("flush", driver.prompt(8), greedy(1))])
     assert driver.compression.idle
     compressed = [r for r in driver.compression.compression_results().values() if r["req_id"].startswith("soak")]
-    assert sum(r["blocks_freed"] > 0 for r in compressed) > 10
+    assert sum(r["blocks_freed"] > 0 for r in compressed) > SOAK_REQUESTS // 20
 
 
 def test_compressed_requests_preempted_by_decode_growth_are_recomputed_and_leak_nothing(driver):
     """Compressed requests fill the pool, then their decode growth forces vLLM to preempt some of them
     (recompute): each preempted request is prefilled and compressed again, and nothing leaks."""
     compressed_before = driver.stats.requests_compressed
+    # 10 requests keeping ~360 tokens each and growing by 192 need ~180 blocks of 32: the pool holds ~142.
     requests = [
-        (f"grow-rc-{i}", driver.prompt(900, offset=7 * i), greedy(256, target_ratio=0.6)) for i in range(14)
+        (f"grow-rc-{i}", driver.prompt(900, offset=7 * i), greedy(192, target_ratio=0.6)) for i in range(10)
     ]
     run = driver.run(requests)
-    assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 256 for r in requests}
+    assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 192 for r in requests}
     assert run.preemptions > 0, "decode growth was meant to exceed the pool"
     compressed = driver.stats.requests_compressed - compressed_before
     print(f"\n[preemption] {len(requests)} compressed requests, {run.preemptions} preemptions, {compressed} compressions")

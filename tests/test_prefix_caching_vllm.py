@@ -16,6 +16,8 @@ from vllm import SamplingParams  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 BLOCK = 32
+#: the soak's requests (200 before the suite had to fit an AVX2-only 2-core CPU; the checks scale with it)
+SOAK_REQUESTS = 100
 ENGINE = dict(block_size=BLOCK, max_model_len=3072, max_num_batched_tokens=512, kv_cache_memory_bytes=100 << 20)
 
 
@@ -109,7 +111,7 @@ def test_a_cache_hit_stops_before_the_observation_window(engines):
 
 
 def test_soak_with_shared_prefixes_and_aborts(engines):
-    """200 requests over 4 shared prefixes, mixed methods (method none among them), 10% aborted mid-flight: no
+    """100 requests over 4 shared prefixes, mixed methods (method none among them), 10% aborted mid-flight: no
     block leaks, no compacted block is ever a cache hit (the scheduler hook raises if one is), and method-none
     requests decode exactly as on vanilla vLLM (same workload, same pool)."""
     vanilla, plugin = engines
@@ -118,7 +120,7 @@ def test_soak_with_shared_prefixes_and_aborts(engines):
     settings = [{}, {"c": 1.0}, {"target_ratio": 0.7}, {"method": "snapkv", "target_ratio": 0.5},
                 {"method": "tova", "target_ratio": 0.5}, {"method": "none"}, {"method": "none"}]
     requests, aborts = [], {}
-    for i in range(200):
+    for i in range(SOAK_REQUESTS):
         prompt = rng.choice(prefixes) + plugin.token_ids(rng.randint(8, 160), rng.randint(0, 500))
         request_id = f"soak-pc-{i}"
         requests.append((request_id, {"prompt_token_ids": prompt}, greedy(rng.randint(2, 12), **rng.choice(settings))))
@@ -132,7 +134,7 @@ def test_soak_with_shared_prefixes_and_aborts(engines):
         assert driver.free_blocks() == driver.initial_free
     run = runs["plugin"]
     assert set(run.outputs) >= {r[0] for r in requests} - set(aborts)
-    assert sum(run.cached_tokens.values()) > 100 * BLOCK  # the prefixes were shared
+    assert sum(run.cached_tokens.values()) > SOAK_REQUESTS // 2 * BLOCK  # the prefixes were shared
     plugin.run([("flush-pc", plugin.prompt(8), greedy(1))])  # delivers the last finished ids to the worker
     assert plugin.compression.idle
     state = _compacted_blocks(plugin)
@@ -141,10 +143,10 @@ def test_soak_with_shared_prefixes_and_aborts(engines):
     compressed = [r for k, r in results.items() if k.startswith("soak-pc") and r["skipped_reason"] is None]
     print(f"\n[prefix soak] {len(compressed)} compressed, {sum(r['num_cached_tokens'] > 0 for r in compressed)} of "
           f"them with cached prompt tokens; {sum(run.cached_tokens.values())} cached prompt tokens in all")
-    assert len(compressed) > 50 and sum(r["num_cached_tokens"] > 0 for r in compressed) > 20
+    assert len(compressed) > SOAK_REQUESTS // 4 and sum(r["num_cached_tokens"] > 0 for r in compressed) > SOAK_REQUESTS // 10
     none_requests = [rid for rid, _, params in requests
                      if params.extra_args and params.extra_args["rcstat"].get("method") == "none" and rid not in aborts]
-    assert len(none_requests) > 30
+    assert len(none_requests) > SOAK_REQUESTS * 3 // 20
     assert {rid: run.outputs[rid] for rid in none_requests} == {rid: runs["vanilla"].outputs[rid] for rid in none_requests}
 
 
