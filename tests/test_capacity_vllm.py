@@ -17,7 +17,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from rcstat_vllm.head_pages import cdiv  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
 BLOCK = 32
 PROMPT = 960

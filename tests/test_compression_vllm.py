@@ -134,6 +134,7 @@ def test_model_wide_budget_hits_the_target_ratio_over_the_model_with_uneven_laye
     assert max(per_layer) > 1.5 * min(per_layer)  # layers keep different shares
 
 
+@pytest.mark.long
 def test_no_block_leaks_through_aborts_and_preemptions(driver):
     # Phase 1: let the scheduler admit prefills by their first chunk only (vLLM's over-admission mode):
     # 7 uncompressed requests of 29 blocks each then exceed the pool mid-prefill and the scheduler must
@@ -180,6 +181,7 @@ def test_no_block_leaks_through_aborts_and_preemptions(driver):
     assert sum(r["blocks_freed"] > 0 for r in compressed) > SOAK_REQUESTS // 20
 
 
+@pytest.mark.long
 def test_compressed_requests_preempted_by_decode_growth_are_recomputed_and_leak_nothing(driver):
     """Compressed requests fill the pool, then their decode growth forces vLLM to preempt some of them
     (recompute): each preempted request is prefilled and compressed again, and nothing leaks."""

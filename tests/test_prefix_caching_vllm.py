@@ -110,6 +110,7 @@ def test_a_cache_hit_stops_before_the_observation_window(engines):
     assert sum(map(sum, result["kept"])) == 30 * 3 * (1200 - 16)
 
 
+@pytest.mark.long
 def test_soak_with_shared_prefixes_and_aborts(engines):
     """100 requests over 4 shared prefixes, mixed methods (method none among them), 10% aborted mid-flight: no
     block leaks, no compacted block is ever a cache hit (the scheduler hook raises if one is), and method-none
@@ -150,6 +151,7 @@ def test_soak_with_shared_prefixes_and_aborts(engines):
     assert {rid: run.outputs[rid] for rid in none_requests} == {rid: runs["vanilla"].outputs[rid] for rid in none_requests}
 
 
+@pytest.mark.long
 def test_compressed_requests_sharing_a_prefix_survive_preemption(engines):
     """Twelve compressed requests share a 640-token prefix; their decode growth exceeds the pool, so vLLM preempts
     some (their fresh blocks go back, the shared prefix blocks stay cached) and recomputes them, hitting the

@@ -18,7 +18,7 @@ from engine_driver import FAST_START, TEXT  # noqa: E402
 from rcstat_vllm.api import compression_results  # noqa: E402
 from rcstat_vllm.model import default_model_dir, with_embedded_dtype  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
 BLOCK, RANKS = 32, 3
 PROMPT_LENGTHS = [700, 450, 900, 520]
