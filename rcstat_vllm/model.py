@@ -96,6 +96,39 @@ def embedded_model_dtype() -> str | None:
     return "float32"
 
 
+def cpu_check(size: int = 512, repeats: int = 3) -> dict:
+    """What decides the embedded model's dtype here, measured: torch's CPU capability, the bf16 instructions, and
+    one thread's float32 and bf16 matmul speed (GFLOP/s, best of ``repeats``). Shows whether an imitation of a
+    slower CPU (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``) really makes bf16 slow."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    speed = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+            a @ b  # warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - start)
+            speed[str(dtype).removeprefix("torch.")] = round(2 * size**3 / best / 1e9, 2)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+        "amx": torch.cpu._is_amx_tile_supported(),
+        "bf16_native": cpu_bf16_is_native(),
+        "matmul_gflops_1_thread": speed,
+        "engine_dtype": embedded_model_dtype() or "the model's own (bfloat16)",
+    }
+
+
 def with_embedded_dtype(engine_kwargs: dict) -> dict:
     """``engine_kwargs`` plus ``dtype`` from :func:`embedded_model_dtype`, unless it has a ``dtype`` already.
 

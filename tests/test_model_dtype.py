@@ -91,3 +91,12 @@ def test_serve_adds_float32_for_the_embedded_model_only_without_a_dtype(cpu, mon
     assert cli._embedded_model_dtype_args([other]) == [other]
     cpu("AVX512", avx512_bf16=True)
     assert cli._embedded_model_dtype_args([str(embedded)]) == [str(embedded)]
+
+
+def test_cpu_check_reports_what_decides_the_dtype(cpu):
+    cpu("AVX2")
+    report = model.cpu_check(size=16, repeats=1)
+    assert report["cpu_capability"] == "AVX2" and report["bf16_native"] is False
+    assert report["engine_dtype"] == "float32"
+    assert set(report["matmul_gflops_1_thread"]) == {"float32", "bfloat16"}
+    assert all(v > 0 for v in report["matmul_gflops_1_thread"].values())
