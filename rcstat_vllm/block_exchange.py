@@ -1,0 +1,187 @@
+"""Scheduler side of compaction: give a compressed request fresh blocks for its kept KV, return its prompt blocks
+to the pool, and keep compacted blocks out of the prefix cache.
+
+Written against :class:`BlockPool`, the few members of vLLM's ``BlockPool`` it uses, and a request's block list
+(``req_to_blocks[req_id]`` of its KV cache manager), so it runs without an engine (``tests/test_block_exchange.py``);
+the scheduler hooks in ``patches/scheduler.py`` hand it vLLM's objects.
+
+The exchange (copy on compact; the worker side is ``rcstat_vllm/worker.py``):
+
+1. The step that runs a request's last prefill chunk reports a plan: ``keep_blocks`` blocks hold the kept KV.
+2. Here, after vLLM processed that step's output (so only requests still running): the request's prefix-cache
+   hits stay in its block list as they are (shared: compressing them privately would hold the prefix once per
+   request instead of once for all); allocate fresh blocks for the rest of ``keep_blocks``, free the prompt blocks
+   the request computed and put the fresh ones in their place, followed by null blocks (as vLLM's sliding-window
+   manager does: the list keeps its length, so later allocation by position is unchanged). Freed blocks that are
+   prefix-cache entries stay cached (evictable), and blocks other requests hit keep their other references:
+   nothing compaction writes was ever a cache entry or another request's block.
+3. The next scheduler output carries the block ids (``RCStatSchedulerOutput``); the worker copies the kept
+   entries there before that step's forward, so before any other request can write a freed prompt block.
+
+Invariants, enforced here: a compacted request's blocks are never cached (:meth:`EngineCompaction.may_cache`), a
+prefix-cache hit never returns a compacted block (:meth:`EngineCompaction.check_hit`, on every lookup), and every
+block returns to the pool with its request (vLLM frees the request's list, which now holds the fresh blocks).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, MutableSequence, Protocol
+
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.log import logger
+from rcstat_vllm.metrics import CompressionStats
+from rcstat_vllm.reports import CompressionReport
+from rcstat_vllm.step import Compaction
+
+
+class Block(Protocol):
+    """What the exchange reads of vLLM's ``KVCacheBlock``."""
+
+    block_id: int
+    ref_cnt: int
+    is_null: bool
+
+
+class BlockPool(Protocol):
+    """What the exchange uses of vLLM's ``BlockPool`` (contracts in ``patches/scheduler.py``)."""
+
+    null_block: Block
+
+    def get_new_blocks(self, num_blocks: int) -> list: ...
+
+    def free_blocks(self, ordered_blocks: Iterable) -> None: ...
+
+    def get_num_free_blocks(self) -> int: ...
+
+
+def swap_in_fresh_blocks(
+    pool: BlockPool, blocks: MutableSequence[Block], report: CompressionReport
+) -> tuple[Compaction, int]:
+    """Give the request fresh blocks in place of the prompt blocks it computed (its prefix-cache hits stay, shared);
+    ``blocks`` is the request's block list, rewritten in place. Returns the compaction to send and the change in
+    free blocks. Fresh blocks are taken before the prompt blocks are freed when the pool has room (then no block is
+    both a copy's source and its destination); otherwise after (the worker then reads every kept entry before
+    writing). Refused (request left uncompressed) when even that is short, which needs prompt blocks shared with
+    running requests."""
+    shared, end = report.shared_blocks, report.prompt_blocks
+    computed = blocks[shared:end]  # the blocks this request computed (its prefix-cache hits stay as they are)
+    num_fresh = report.keep_blocks - shared
+    before = pool.get_num_free_blocks()
+    released = sum(1 for block in computed if not block.is_null and block.ref_cnt == 1)
+    if num_fresh > before + released:
+        return Compaction(report.req_id, cancelled_reason="no free blocks to copy the kept KV into"), 0
+    fresh = pool.get_new_blocks(num_fresh) if num_fresh <= before else None
+    pool.free_blocks(reversed(computed))  # tail first: evicted first, as vLLM frees a request
+    if fresh is None:
+        fresh = pool.get_new_blocks(num_fresh)
+    blocks[shared:end] = fresh + [pool.null_block] * (end - shared - num_fresh)
+    return Compaction(report.req_id, tuple(block.block_id for block in fresh)), pool.get_num_free_blocks() - before
+
+
+@dataclass
+class EngineCompaction:
+    """Scheduler-side state of one engine (keyed by its block pool, which the scheduler and the KV cache managers
+    share): what it logs and exports, the compacted requests' blocks, the compactions to send."""
+
+    #: the server's flag (set by the first schedule)
+    config: RCStatConfig | None = None
+    stats: CompressionStats = field(default_factory=CompressionStats)
+    #: request id -> the blocks its kept KV was copied into (never prefix-cacheable)
+    compacted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    compacted_blocks: set[int] = field(default_factory=set)
+    outgoing: list[Compaction] = field(default_factory=list)
+
+    def forget(self, req_id: str) -> None:
+        """The request's blocks go back to the pool (vLLM frees them)."""
+        self.compacted_blocks.difference_update(self.compacted.pop(req_id, ()))
+
+    def apply_reports(
+        self,
+        pool: BlockPool,
+        reports: Iterable[CompressionReport],
+        running_blocks: Callable[[str], MutableSequence[Block] | None],
+    ) -> None:
+        """Apply one step's reports: swap fresh blocks into each running request's block list
+        (``running_blocks(req_id)``, None when the request finished with this step: vLLM freed its blocks and the
+        worker drops the plan), queue the compactions to send, count and log."""
+        for report in reports:
+            freed = 0
+            if report.skipped_reason is None:
+                blocks = running_blocks(report.req_id)
+                if blocks is None:
+                    continue
+                compaction, freed = swap_in_fresh_blocks(pool, blocks, report)
+                self.outgoing.append(compaction)
+                if compaction.cancelled_reason is None:
+                    self.compacted[report.req_id] = compaction.block_ids
+                    self.compacted_blocks.update(compaction.block_ids)
+                else:
+                    report = CompressionReport(
+                        report.req_id, report.num_prompt_tokens, report.method, report.prompt_blocks,
+                        skipped_reason=compaction.cancelled_reason, block_size=report.block_size,
+                    )
+            self.stats.observe(report, freed)
+            logger.debug(
+                "rcstat: request %s: compression ratio %.3f, global eviction ratio %.3f, %d blocks freed "
+                "(predicted %d), %d prompt tokens from the prefix cache, %d free now",
+                report.req_id,
+                report.compression_ratio,
+                report.global_eviction_ratio,
+                freed,
+                report.blocks_freed,
+                report.num_cached_tokens,
+                pool.get_num_free_blocks(),
+            )
+        self.stats.maybe_log(pool.get_num_free_blocks())
+
+    def take_outgoing(self, is_running: Callable[[str], bool]) -> list[Compaction]:
+        """The compactions for the next scheduler output, emptied; a request preempted by this very schedule gave
+        its fresh blocks back, so its copy must not run (``is_running`` False)."""
+        compactions = [c for c in self.outgoing if is_running(c.req_id)]
+        self.outgoing.clear()
+        return compactions
+
+    def may_cache(self, req_id: str) -> bool:
+        """Whether the request's blocks may become prefix-cache entries: never once compacted (its blocks hold head
+        pages, not the tokens their position's hash names)."""
+        return req_id not in self.compacted
+
+    def prefix_hit_limit(self, num_hit: int, num_tokens: int, extra_args, block_size: int) -> int | None:
+        """The tokens a prefix-cache hit of ``num_hit`` may keep, when fewer (else None): a hit stops before the
+        observation window of a request that will be compressed (whose queries exist only if computed)."""
+        if not num_hit or self.config is None:
+            return None
+        # Imported here: the scheduler needs the scorer stack only when a prefix-cache hit meets the flag.
+        from rcstat_vllm.compression import max_cached_prompt_tokens
+
+        limit = max_cached_prompt_tokens(num_tokens, extra_args, self.config, block_size)
+        return limit if limit is not None and num_hit > limit else None
+
+    def check_hit(self, req_id: str, hit_block_ids: Iterable[int]) -> None:
+        """Raise when a prefix-cache hit returned a compacted block (its KV is another request's head pages)."""
+        if not self.compacted_blocks:
+            return
+        hits = set(hit_block_ids) & self.compacted_blocks
+        if hits:
+            raise RuntimeError(
+                f"rcstat: a prefix-cache hit of request {req_id} returned compacted blocks "
+                f"{sorted(hits)}: their KV is another request's head pages"
+            )
+
+
+_ENGINES: "weakref.WeakKeyDictionary[object, EngineCompaction]" = weakref.WeakKeyDictionary()
+
+
+def engine_compaction(block_pool) -> EngineCompaction:
+    """The engine's state, created on first use (one engine per block pool)."""
+    state = _ENGINES.get(block_pool)
+    if state is None:
+        state = _ENGINES[block_pool] = EngineCompaction()
+    return state
+
+
+def existing_engine_compaction(block_pool) -> EngineCompaction | None:
+    """The engine's state if it was created (None: an engine without the flag, or before its first schedule)."""
+    return _ENGINES.get(block_pool)

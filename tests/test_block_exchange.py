@@ -1,0 +1,224 @@
+"""The scheduler side of compaction (rcstat_vllm/block_exchange.py) against a fake block pool: no engine."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import pytest
+
+from rcstat_vllm.block_exchange import (
+    BlockPool,
+    EngineCompaction,
+    engine_compaction,
+    existing_engine_compaction,
+    swap_in_fresh_blocks,
+)
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.reports import CompressionReport
+
+BLOCK = 16
+
+
+@dataclass(eq=False)
+class FakeBlock:
+    block_id: int
+    ref_cnt: int = 0
+    is_null: bool = False
+
+
+class FakePool:
+    """vLLM's BlockPool as the exchange sees it: a free queue, reference counts, a null block (id 0)."""
+
+    def __init__(self, num_blocks: int):
+        self.blocks = [FakeBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free = deque(self.blocks[1:])
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def get_new_blocks(self, num_blocks: int) -> list[FakeBlock]:
+        if num_blocks > len(self.free):
+            raise ValueError(f"cannot get {num_blocks} free blocks from the pool")
+        taken = [self.free.popleft() for _ in range(num_blocks)]
+        for block in taken:
+            block.ref_cnt += 1
+        self.calls.append(("get", tuple(b.block_id for b in taken)))
+        return taken
+
+    def free_blocks(self, ordered_blocks) -> None:
+        ordered = list(ordered_blocks)
+        for block in ordered:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free.append(block)
+        self.calls.append(("free", tuple(b.block_id for b in ordered)))
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free)
+
+
+def test_fake_pool_satisfies_the_protocol():
+    pool: BlockPool = FakePool(4)  # noqa: F841 - a static check: the protocol names only what the exchange uses
+
+
+def allocate(pool: FakePool, num_blocks: int) -> list[FakeBlock]:
+    """A request's block list after its prefill (as vLLM's manager allocates it)."""
+    return pool.get_new_blocks(num_blocks)
+
+
+def report(keep_blocks: int, prompt_tokens: int, cached_tokens: int = 0, req_id: str = "r") -> CompressionReport:
+    return CompressionReport(
+        req_id, prompt_tokens, "rc", keep_blocks, block_size=BLOCK, num_cached_tokens=cached_tokens
+    )
+
+
+def test_fresh_blocks_taken_before_freeing_when_the_pool_has_room():
+    pool = FakePool(20)
+    blocks = allocate(pool, 6)
+    prompt_ids = [b.block_id for b in blocks]
+    pool.calls.clear()
+    compaction, freed = swap_in_fresh_blocks(pool, blocks, report(2, 6 * BLOCK))
+    assert compaction.cancelled_reason is None
+    assert [kind for kind, _ in pool.calls] == ["get", "free"]
+    assert not set(compaction.block_ids) & set(prompt_ids)  # no block is both a copy's source and destination
+    assert freed == 4
+
+
+def test_fresh_blocks_taken_after_freeing_when_the_pool_is_short():
+    pool = FakePool(7)
+    blocks = allocate(pool, 6)
+    assert pool.get_num_free_blocks() == 0
+    pool.calls.clear()
+    compaction, freed = swap_in_fresh_blocks(pool, blocks, report(2, 6 * BLOCK))
+    assert compaction.cancelled_reason is None
+    assert [kind for kind, _ in pool.calls] == ["free", "get"]
+    assert len(compaction.block_ids) == 2
+    assert freed == 4
+
+
+def test_prompt_blocks_freed_tail_first():
+    pool = FakePool(20)
+    blocks = allocate(pool, 4)
+    ids = [b.block_id for b in blocks]
+    pool.calls.clear()
+    swap_in_fresh_blocks(pool, blocks, report(1, 4 * BLOCK))
+    assert pool.calls[1] == ("free", tuple(reversed(ids)))
+
+
+def test_refused_when_even_freeing_first_is_short():
+    """Prompt blocks shared with running requests free nothing: the request stays uncompressed, untouched."""
+    pool = FakePool(5)
+    blocks = allocate(pool, 4)
+    for block in blocks:
+        block.ref_cnt += 1  # another running request holds them too
+    before = list(blocks)
+    pool.calls.clear()
+    compaction, freed = swap_in_fresh_blocks(pool, blocks, report(2, 4 * BLOCK))
+    assert compaction.cancelled_reason == "no free blocks to copy the kept KV into"
+    assert compaction.block_ids == ()
+    assert freed == 0
+    assert blocks == before and pool.calls == []
+
+
+def test_prefix_cache_hits_stay_shared():
+    pool = FakePool(20)
+    blocks = allocate(pool, 6)
+    hits = blocks[:2]
+    compaction, freed = swap_in_fresh_blocks(pool, blocks, report(3, 6 * BLOCK, cached_tokens=2 * BLOCK))
+    assert blocks[:2] == hits  # the same objects, not copies
+    assert all(b.ref_cnt == 1 for b in hits)
+    assert len(compaction.block_ids) == 1  # keep_blocks counts the hits
+    assert [b.block_id for b in blocks[2:3]] == list(compaction.block_ids)
+    assert freed == 3
+
+
+def test_null_blocks_pad_the_list_to_its_length():
+    pool = FakePool(20)
+    blocks = allocate(pool, 5)
+    decode_block = pool.get_new_blocks(1)[0]
+    blocks.append(decode_block)  # a block past the prompt (decode) is kept
+    compaction, _ = swap_in_fresh_blocks(pool, blocks, report(2, 5 * BLOCK))
+    assert len(blocks) == 6
+    assert [b.block_id for b in blocks[:2]] == list(compaction.block_ids)
+    assert all(b is pool.null_block for b in blocks[2:5])
+    assert blocks[5] is decode_block
+
+
+def test_free_count_change_counts_only_blocks_no_one_else_holds():
+    pool = FakePool(20)
+    blocks = allocate(pool, 4)
+    blocks[3].ref_cnt += 1  # shared with another running request
+    before = pool.get_num_free_blocks()
+    _, freed = swap_in_fresh_blocks(pool, blocks, report(1, 4 * BLOCK))
+    assert freed == pool.get_num_free_blocks() - before == 2
+
+
+def test_apply_reports_swaps_records_and_counts():
+    pool = FakePool(20)
+    lists = {"a": allocate(pool, 4), "b": allocate(pool, 4)}
+    state = EngineCompaction()
+    skipped = CompressionReport("c", 4 * BLOCK, "rc", 4, skipped_reason="method none", block_size=BLOCK)
+    finished = report(1, 4 * BLOCK, req_id="gone")
+    state.apply_reports(pool, [report(2, 4 * BLOCK, req_id="a"), skipped, finished], lists.get)
+    assert [c.req_id for c in state.outgoing] == ["a"]
+    assert state.compacted == {"a": state.outgoing[0].block_ids}
+    assert state.compacted_blocks == set(state.outgoing[0].block_ids)
+    assert state.stats.requests_compressed == 1 and state.stats.requests_skipped == 1
+    assert state.stats.blocks_freed == 2
+
+
+def test_apply_reports_counts_a_refusal_as_skipped():
+    pool = FakePool(5)
+    blocks = allocate(pool, 4)
+    for block in blocks:
+        block.ref_cnt += 1
+    state = EngineCompaction()
+    state.apply_reports(pool, [report(2, 4 * BLOCK, req_id="a")], {"a": blocks}.get)
+    assert state.outgoing[0].cancelled_reason is not None
+    assert state.compacted == {} and state.stats.requests_skipped == 1
+
+
+def test_take_outgoing_drops_requests_no_longer_running():
+    pool = FakePool(20)
+    lists = {"a": allocate(pool, 4), "b": allocate(pool, 4)}
+    state = EngineCompaction()
+    state.apply_reports(pool, [report(1, 4 * BLOCK, req_id="a"), report(1, 4 * BLOCK, req_id="b")], lists.get)
+    assert [c.req_id for c in state.take_outgoing(lambda req_id: req_id == "b")] == ["b"]
+    assert state.outgoing == []
+
+
+def test_compacted_blocks_are_never_cached_and_a_hit_on_one_raises():
+    pool = FakePool(20)
+    blocks = allocate(pool, 4)
+    state = EngineCompaction()
+    assert state.may_cache("a")
+    state.apply_reports(pool, [report(1, 4 * BLOCK, req_id="a")], {"a": blocks}.get)
+    assert not state.may_cache("a")
+    compacted = state.compacted["a"]
+    state.check_hit("x", [99])  # other blocks: fine
+    with pytest.raises(RuntimeError, match="compacted blocks"):
+        state.check_hit("x", [compacted[0]])
+    state.forget("a")  # vLLM freed the request
+    assert state.may_cache("a") and not state.compacted_blocks
+    state.check_hit("x", [compacted[0]])
+
+
+def test_prefix_hit_stops_before_the_observation_window():
+    state = EngineCompaction(config=RCStatConfig.from_dict({"method": "rc", "window": 8, "min_prompt_len": 1}))
+    # 100 prompt tokens, 8-token window: at most (100 - 8) // 16 * 16 = 80 tokens from the cache.
+    assert state.prefix_hit_limit(96, 100, None, BLOCK) == 80
+    assert state.prefix_hit_limit(80, 100, None, BLOCK) is None  # already short enough
+    assert state.prefix_hit_limit(0, 100, None, BLOCK) is None
+    assert state.prefix_hit_limit(96, 100, {"rcstat": {"method": "none"}}, BLOCK) is None  # runs uncompressed
+    assert EngineCompaction().prefix_hit_limit(96, 100, None, BLOCK) is None  # no flag
+
+
+def test_one_state_per_block_pool():
+    pool, other = FakePool(2), FakePool(2)
+    assert existing_engine_compaction(pool) is None
+    state = engine_compaction(pool)
+    assert engine_compaction(pool) is state and existing_engine_compaction(pool) is state
+    assert existing_engine_compaction(other) is None
