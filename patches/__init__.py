@@ -1,28 +1,32 @@
-"""Every touch of a private vLLM API, one module per concern, each with its ``CONTRACTS``.
+"""Every hook into vLLM, one module per concern, each with the ``CONTRACTS`` of the private APIs it touches;
+:func:`install_all` installs them all. What the package reads of vLLM's internals itself goes through
+:mod:`rcstat_vllm.vllm_internals`, whose contracts are checked here too.
 
 - ``platform``: validate the flag at start-up, choose the plugin's attention backend (CPU and CUDA).
 - ``attention_backends``: the vLLM backend classes the plugin's backends extend, and the kernels they call.
 - ``request_validation``: reject a bad per-request override (``vllm_xargs``) for that request only.
-- ``scheduler``: apply the worker's compaction reports, returning freed blocks to the ``BlockPool``.
+- ``scheduler``: hand the scheduler's objects to :mod:`rcstat_vllm.block_exchange` (fresh blocks in, prompt
+  blocks back to the ``BlockPool``, compacted blocks out of the prefix cache).
 - ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
 - ``runner_choice``: with the flag, workers build the V1 model runner (the hooked one); refuse to start otherwise.
-- ``cpu_kv_layout``: check the CPU kernels' in-page K/V layout that compaction reads and writes.
-- ``tensor_parallel``: the process group on which TP ranks agree how many blocks a compressed request keeps.
 - ``openai_chat``: add the attribution field to chat completions (API-server process, processor configured).
+
+Patches import the package; the package never imports ``patches`` (only ``rcstat_vllm/plugin.py``, the entry
+point, calls :func:`install_all`).
 """
 
 from __future__ import annotations
 
+from rcstat_vllm import vllm_internals
+
 from . import (
     attention_backends,
-    cpu_kv_layout,
     model_runner,
     openai_chat,
     platform,
     request_validation,
     runner_choice,
     scheduler,
-    tensor_parallel,
 )
 from ._contract import Contract, VLLMContractError
 
@@ -33,9 +37,8 @@ MODULES = (
     model_runner,
     runner_choice,
     attention_backends,
-    cpu_kv_layout,
     openai_chat,
-    tensor_parallel,
+    vllm_internals,
 )
 
 
@@ -52,11 +55,27 @@ def check_contracts() -> None:
 
 
 def install_all() -> None:
-    """Install the process-wide hooks (idempotent; each passes through unless the engine runs with the flag).
-    ``openai_chat`` is installed by the platform hook, only when the attribution processor is configured."""
+    """Install every hook, in every process vLLM starts (idempotent; each passes through unless the engine runs
+    with the flag)."""
     check_contracts()
-    for module in (platform, request_validation, scheduler, model_runner, runner_choice):
-        module.install()
+    from vllm.platforms import current_platform
+
+    # Start-up: validate the flag and choose the backend when the engine's config is built.
+    if current_platform.is_cpu():
+        platform.install_cpu()  # CpuPlatform.check_and_update_config, get_attn_backend_cls
+    elif current_platform.is_cuda():
+        platform.register_cuda_backend()  # vLLM's CUSTOM attention backend -> rcstat's FlashAttention backend
+        platform.install_cuda()  # CudaPlatformBase.check_and_update_config
+    else:
+        platform.log_inert()
+    # The chat response field needs the engine's config (the attribution processor configured): installed by the
+    # config hook above, in the process that builds the config (the API server).
+    platform.install_at_configure(openai_chat.maybe_install)
+    request_validation.install()  # InputProcessor._validate_params
+    scheduler.install()  # Scheduler.update_from_output, schedule; the KV cache managers' prefix-cache methods
+    model_runner.install()  # GPUModelRunner.initialize_kv_cache, _prepare_inputs, execute_model, sample_tokens
+    runner_choice.install_runner_property()  # VllmConfig.use_v2_model_runner (a property, replaced)
+    runner_choice.install()  # Worker.init_device, CPUWorker.init_device
 
 
 __all__ = ["Contract", "VLLMContractError", "all_contracts", "check_contracts", "install_all"]

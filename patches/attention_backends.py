@@ -27,7 +27,6 @@ CONTRACTS = (
     Contract(f"{_CPU}:CPUAttentionBackendImpl.do_kv_cache_update", _KV_UPDATE, platform="cpu"),
     Contract(f"{_CPU}:CPUAttentionMetadataBuilder.__init__", _BUILDER_INIT, platform="cpu"),
     Contract(f"{_CPU}:CPUAttentionMetadataBuilder.build", _BUILD, platform="cpu"),
-    Contract(f"{_CPU}:CPUAttentionMetadataBuilder._set_isa_to_layers", ("self", "layer_names"), platform="cpu"),
     # CUDA backend (FlashAttention)
     Contract(f"{_FLASH}:FlashAttentionImpl.forward", _LAYER_FORWARD + ("output_scale", "output_block_scale")),
     Contract(f"{_FLASH}:FlashAttentionImpl.do_kv_cache_update", _KV_UPDATE),

@@ -22,6 +22,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import BatchRequest, StepInfo
+from rcstat_vllm.vllm_internals import forward_context
 from rcstat_vllm.worker import start_worker_compression, worker_compression_of
 
 from ._contract import Contract, wrap_method
@@ -55,7 +56,7 @@ class RCStatModelRunnerOutput(ModelRunnerOutput):
 def kv_cache_tensors(runner) -> dict:
     """Layer name -> the layer's KV cache tensor, as vLLM bound it to the attention layers."""
     caches = {}
-    for name, layer in runner.compilation_config.static_forward_context.items():
+    for name, layer in forward_context(runner.compilation_config).items():
         kv_cache = getattr(layer, "kv_cache", None)
         if isinstance(kv_cache, (list, tuple)):  # one per virtual engine in some versions
             kv_cache = kv_cache[0] if kv_cache else None

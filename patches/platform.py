@@ -60,9 +60,19 @@ def _configure_engine(vllm_config, config) -> None:
         )
     logger.info("rcstat: KV compression enabled with %s", config.to_dict())
     # The front end builds the config too: there the chat endpoint learns to return attribution.
-    from rcstat_vllm.attribution.server import maybe_install
+    for installer in _AT_CONFIGURE:
+        installer(vllm_config)
 
-    maybe_install(vllm_config)
+
+#: hooks that need the engine's config (``install_all`` names them): run by the config hook, with the flag, in the
+#: process that builds the config
+_AT_CONFIGURE: list = []
+
+
+def install_at_configure(installer) -> None:
+    """Run ``installer(vllm_config)`` whenever an engine with the flag is configured in this process (idempotent)."""
+    if installer not in _AT_CONFIGURE:
+        _AT_CONFIGURE.append(installer)
 
 
 def select_cuda_backend(attention_config) -> bool:
@@ -137,15 +147,23 @@ def register_cuda_backend() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND_PATH)
 
 
-def install() -> None:
+def install_cpu() -> None:
     from vllm.platforms import current_platform
 
     platform_cls = type(current_platform)
-    if current_platform.is_cpu():
-        wrap_method(platform_cls, "check_and_update_config", _check_and_update_config)
-        wrap_method(platform_cls, "get_attn_backend_cls", _get_attn_backend_cls)
-    elif current_platform.is_cuda():
-        register_cuda_backend()
-        wrap_method(platform_cls, "check_and_update_config", _check_and_update_config_selecting_backend)
-    else:
-        logger.info("rcstat: no KV-compression backend for platform %s; the plugin stays inert", platform_cls.__name__)
+    wrap_method(platform_cls, "check_and_update_config", _check_and_update_config)
+    wrap_method(platform_cls, "get_attn_backend_cls", _get_attn_backend_cls)
+
+
+def install_cuda() -> None:
+    from vllm.platforms import current_platform
+
+    wrap_method(type(current_platform), "check_and_update_config", _check_and_update_config_selecting_backend)
+
+
+def log_inert() -> None:
+    from vllm.platforms import current_platform
+
+    logger.info(
+        "rcstat: no KV-compression backend for platform %s; the plugin stays inert", type(current_platform).__name__
+    )

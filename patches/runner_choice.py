@@ -113,14 +113,20 @@ def _init_device(original):
     return wrapper
 
 
-def install() -> None:
+def install_runner_property() -> None:
+    """Replace the ``VllmConfig.use_v2_model_runner`` property (a property, not a method: ``wrap_method`` does not
+    apply), once."""
     from vllm.config.vllm import VllmConfig
-    from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu_worker import Worker
 
     prop = VllmConfig.__dict__["use_v2_model_runner"]
     if not getattr(prop.fget, _MARK, False):
         VllmConfig.use_v2_model_runner = property(_use_v2_model_runner(prop.fget), doc=prop.__doc__)
+
+
+def install() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import Worker
+
     wrap_method(Worker, "init_device", _init_device)
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_worker import CPUWorker

@@ -27,10 +27,11 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from rcstat_vllm.cpu_kv_layout import layout_matches
 from rcstat_vllm.head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
 from rcstat_vllm.head_pages import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
-from rcstat_vllm.patches.cpu_kv_layout import layout_matches
+from rcstat_vllm.vllm_internals import kv_scales_float, set_cpu_layers_isa
 from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
 
 
@@ -62,7 +63,7 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             # AMX prepacks KV blocks; head pages need plain rows. The vec kernels read plain rows on any
             # x86 CPU. With method "none" server-wide, vLLM's own choice stays (bit-identical to vanilla).
             self.isa = "vec"
-            self._set_isa_to_layers(layer_names)
+            set_cpu_layers_isa(self, layer_names)
             logger.info("rcstat: using the 'vec' CPU attention kernels (AMX prepacked blocks cannot be compacted)")
         if not layout_matches(self.isa, kv_cache_spec.dtype, self.block_size, self.head_dim):
             self.rcstat.disable(f"KV cache layout of ISA {self.isa!r} is not the one head pages expect")
@@ -100,9 +101,8 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         else:
             key_pages, value_pages = head_page_caches(owner.page_cache(layer_index, kv_cache))
-            scales = dict(
-                k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype
-            )
+            k_scale, v_scale = kv_scales_float(layer)
+            scales = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
             if key is not None and value is not None:
                 write_head_sequence_kv(
                     key[:num_tokens], value[:num_tokens], key_pages, value_pages, head_plan, layer_index,

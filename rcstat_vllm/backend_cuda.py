@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.head_pages import FLASH
+from rcstat_vllm.vllm_internals import kv_scales
 from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
 
 #: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
@@ -144,7 +145,7 @@ class FlashAttentionHeadPageKernels(HeadPageKernels):
         from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
 
         reshape_and_cache_flash(
-            keys, values, key_pages, value_pages, slots, self.impl.kv_cache_dtype, layer._k_scale, layer._v_scale
+            keys, values, key_pages, value_pages, slots, self.impl.kv_cache_dtype, *kv_scales(layer)
         )
 
     def attend(self, queries, key_pages, value_pages, out, plan, layer_index, *, scale, softcap, layer):

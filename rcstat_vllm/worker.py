@@ -36,6 +36,7 @@ from typing import Mapping
 import torch
 
 from rcstat_vllm.attribution.capture import attribution_capture
+from rcstat_vllm.capabilities import engine_not_pooled_reason, unsupported_layer_reason
 from rcstat_vllm.compression import RequestCompressor, plan_compression, request_config, window_queries
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan
@@ -92,7 +93,7 @@ class WorkerCompression:
         #: keeps the max over ranks of the blocks its heads need (None: a single rank)
         self.block_agreement_group = None
         if vllm_config.parallel_config.tensor_parallel_size > 1 and self.disabled_reason is None:
-            from rcstat_vllm.patches.tensor_parallel import tensor_parallel_cpu_group
+            from rcstat_vllm.vllm_internals import tensor_parallel_cpu_group
 
             self.block_agreement_group = tensor_parallel_cpu_group()
         self._step: StepInfo | None = None
@@ -433,40 +434,6 @@ def worker_compression(vllm_config) -> WorkerCompression:
 def worker_compression_of(vllm_config) -> WorkerCompression | None:
     """The owner of the runner with this config, if there is one (runner hooks, the Python API)."""
     return _current if _current is not None and _current.vllm_config is vllm_config else None
-
-
-def unsupported_layer_reason(vllm_config, layer_names) -> str | None:
-    """Attention features head-as-sequence does not reproduce (it passes no ALiBi slopes, sinks or window to
-    the kernels), found on the layers' vLLM impls; None when there are none."""
-    context = vllm_config.compilation_config.static_forward_context
-    for name in layer_names:
-        impl = getattr(context.get(name), "impl", None)
-        if impl is None:
-            continue
-        if getattr(impl, "alibi_slopes", None) is not None:
-            return "ALiBi attention layers are not supported"
-        if getattr(impl, "sinks", None) is not None:
-            return "attention sinks are not supported"
-        if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
-            return "sliding-window attention layers are not supported"
-    return None
-
-
-def engine_not_pooled_reason(vllm_config, kernel_block_size: int) -> str | None:
-    """Engine features under which a request's blocks are not simply L * H head pages it alone owns."""
-    if vllm_config.cache_config.block_size != kernel_block_size:
-        return (
-            f"vLLM splits each {vllm_config.cache_config.block_size}-token block into kernel blocks of "
-            f"{kernel_block_size} tokens"
-        )
-    if vllm_config.kv_transfer_config is not None:
-        return "a KV connector moves blocks between engines"
-    if getattr(vllm_config.cache_config, "kv_offloading_size", None):
-        return "KV offloading copies blocks to another tier"
-    context = vllm_config.compilation_config.static_forward_context
-    if any(getattr(layer, "kv_sharing_target_layer_name", None) for layer in context.values()):
-        return "some layers share another layer's KV cache"
-    return None
 
 
 def max_over_ranks(values: list[int], group) -> list[int]:

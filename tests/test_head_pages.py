@@ -25,7 +25,7 @@ from rcstat_vllm.head_pages import (  # noqa: E402
 )
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
-from rcstat_vllm.patches.cpu_kv_layout import layout_matches  # noqa: E402
+from rcstat_vllm.cpu_kv_layout import layout_matches  # noqa: E402
 
 ISA = "vec"
 BLOCK, HEADS, GROUP, DIM = 32, 3, 3, 64

@@ -29,7 +29,7 @@ touching anything).
 
 The server needs: the rcstat backend (``--additional-config '{"rcstat": {"method": "none"}}'`` or any
 method), ``--logits-processors rcstat_vllm.attribution.processor:RCStatAttributionProcessor``, and
-:func:`install` called in the API-server process: :func:`maybe_install` (from the platform's
+the chat hooks installed in the API-server process: ``patches/openai_chat.py`` (``maybe_install``, from the platform's
 ``check_and_update_config`` hook, which runs in the front-end process) does it when the processor is configured.
 """
 
@@ -46,8 +46,7 @@ from rcstat_vllm.attribution.vllm_api import WORKER_METHOD
 from rcstat_vllm.config import ConfigError
 from rcstat_vllm.log import logger
 
-__all__ = ["install", "maybe_install", "processor_configured", "RESPONSE_FIELD", "attribution_payload",
-           "trace_id", "wrap_full_generator", "wrap_stream_generator"]
+__all__ = ["RESPONSE_FIELD", "attribution_payload", "trace_id", "wrap_full_generator", "wrap_stream_generator"]
 
 RESPONSE_FIELD = "rcstat_attribution"
 
@@ -220,37 +219,3 @@ def wrap_stream_generator(original):
             yield item
 
     return chat_completion_stream_generator
-
-
-def install() -> bool:
-    """Wrap the chat completion handler of this process (idempotent). False when vLLM's API differs."""
-    from rcstat_vllm.patches import openai_chat
-    from rcstat_vllm.patches._contract import VLLMContractError
-
-    try:
-        for contract in openai_chat.CONTRACTS:
-            contract.check()
-    except VLLMContractError as exc:
-        logger.warning("rcstat: attribution response field unavailable (%s)", exc)
-        return False
-    openai_chat.install()
-    return True
-
-
-def processor_configured(vllm_config) -> bool:
-    """Whether the engine was started with the attribution logits processor (class or its import path)."""
-    from rcstat_vllm.attribution.processor import PROCESSOR_PATH
-
-    model_config = getattr(vllm_config, "model_config", None)
-    for entry in getattr(model_config, "logits_processors", None) or ():
-        if isinstance(entry, str):
-            if entry.replace(":", ".") == PROCESSOR_PATH.replace(":", "."):
-                return True
-        elif getattr(entry, "__name__", "") == "RCStatAttributionProcessor":
-            return True
-    return False
-
-
-def maybe_install(vllm_config) -> bool:
-    """:func:`install` when the engine uses the attribution processor (call it in the front-end process)."""
-    return install() if processor_configured(vllm_config) else False

@@ -3,7 +3,8 @@
 ``ops.cpu_attn_reshape_and_cache`` decides how a block stores K and V; that layout is private and differs
 by ISA (AMX prepacks). :func:`layout_matches` writes known vectors through vLLM's own op and reads them back
 through :mod:`rcstat_vllm.head_pages`: compression is enabled only when they agree, so a vLLM that changes
-the layout turns compression off with a logged reason instead of corrupting caches.
+the layout turns compression off with a logged reason instead of corrupting caches. The ops' contracts are in
+:mod:`rcstat_vllm.vllm_internals`.
 """
 
 from __future__ import annotations
@@ -12,31 +13,12 @@ import functools
 
 import torch
 
-from ._contract import Contract
-
-CONTRACTS = (
-    Contract(
-        "vllm._custom_ops:cpu_attn_reshape_and_cache",
-        ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
-        platform="cpu",
-    ),
-    Contract(
-        "vllm._custom_ops:cpu_attention_with_kv_cache",
-        ("query", "key_cache", "value_cache", "output", "query_start_loc", "seq_lens", "scale"),
-        platform="cpu",
-    ),
-    Contract(
-        "vllm._custom_ops:cpu_attn_get_scheduler_metadata", ("num_reqs", "num_heads", "num_kv_heads"), platform="cpu"
-    ),
-)
-
 
 @functools.lru_cache(maxsize=None)
 def layout_matches(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     """True when vLLM's cache writes land where head_pages.read_kv expects them."""
-    from vllm import _custom_ops as ops
-
     from rcstat_vllm.head_pages import head_page_caches, read_kv
+    from rcstat_vllm.vllm_internals import custom_ops as ops
 
     num_blocks, num_heads = 2, 2
     kv_cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_dim, dtype=dtype)

@@ -1,0 +1,40 @@
+"""What the plugin's head pages cannot serve, found on the engine's config and its attention layers; each answer is
+a reason (logged, compression turned off) or None."""
+
+from __future__ import annotations
+
+from rcstat_vllm.vllm_internals import forward_context, impl_sinks, kv_offloading_size, shares_kv_cache
+
+
+def unsupported_layer_reason(vllm_config, layer_names) -> str | None:
+    """Attention features head-as-sequence does not reproduce (it passes no ALiBi slopes, sinks or window to
+    the kernels), found on the layers' vLLM impls; None when there are none."""
+    context = forward_context(vllm_config.compilation_config)
+    for name in layer_names:
+        impl = getattr(context.get(name), "impl", None)
+        if impl is None:
+            continue
+        if getattr(impl, "alibi_slopes", None) is not None:
+            return "ALiBi attention layers are not supported"
+        if impl_sinks(impl) is not None:
+            return "attention sinks are not supported"
+        if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+            return "sliding-window attention layers are not supported"
+    return None
+
+
+def engine_not_pooled_reason(vllm_config, kernel_block_size: int) -> str | None:
+    """Engine features under which a request's blocks are not simply L * H head pages it alone owns."""
+    if vllm_config.cache_config.block_size != kernel_block_size:
+        return (
+            f"vLLM splits each {vllm_config.cache_config.block_size}-token block into kernel blocks of "
+            f"{kernel_block_size} tokens"
+        )
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector moves blocks between engines"
+    if kv_offloading_size(vllm_config.cache_config):
+        return "KV offloading copies blocks to another tier"
+    context = forward_context(vllm_config.compilation_config)
+    if any(shares_kv_cache(layer) for layer in context.values()):
+        return "some layers share another layer's KV cache"
+    return None
