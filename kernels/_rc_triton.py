@@ -16,6 +16,7 @@ def rc_scores_paged_kernel(
     num_scored, m, norm,
     G: tl.constexpr, W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,  # ceil(log2(m + 1)): halvings of the binary search over the m sorted values
 ):
     """One program: BLOCK_N tokens of one KV head. The key tile is loaded once; the G*W query rows are
     processed ROW_BLOCK at a time (bounded registers for large G*W); logits never leave registers."""
@@ -40,10 +41,14 @@ def rc_scores_paged_kernel(
 
         # count[r, t] = #{y in Y of query head(r) : y < x[r, t]}; Y is sorted, so its prefix sum at `count`
         # is the sum of exactly those y, and sum_y max(x - y, 0) = count * x - prefix[count].
+        # Branchless binary search (m = w(w+1)/2 = 528 at w = 32: 10 gathers instead of 528 compares): `count`
+        # is the largest c with y[c - 1] < x, found one bit at a time from the highest.
         count = tl.zeros([ROW_BLOCK, BLOCK_N], dtype=tl.int32)
-        for k in range(0, m):
-            y = tl.load(y_sorted_ptr + q_head * m + k, mask=rows_valid, other=float("inf"))
-            count += (y[:, None] < x).to(tl.int32)
+        for bit in tl.static_range(SEARCH_STEPS):
+            probe = count + (1 << (SEARCH_STEPS - 1 - bit))
+            probe_ok = rows_valid[:, None] & (probe <= m)
+            y = tl.load(y_sorted_ptr + q_head[:, None] * m + probe - 1, mask=probe_ok, other=float("inf"))
+            count = tl.where(y < x, probe, count)
         below = tl.load(prefix_ptr + q_head[:, None] * (m + 1) + count, mask=rows_valid[:, None], other=0.0)
         gaps = tl.maximum(count.to(tl.float32) * x - below, 0.0)
         scores += tl.sum(tl.where(rows_valid[:, None], gaps, 0.0), axis=0)

@@ -8,9 +8,9 @@ The kernel never materialises the [G*w, n] cross-logit matrix in global memory. 
 torch first: the window's w keys are gathered, its w(w+1)/2 causal self logits per query head are sorted
 and prefix-summed (:func:`rcstat_vllm.scoring.rc.window_self_logits`). Then each program takes BLOCK_N
 tokens of one KV head, gathers their keys through the block table, computes the G*w logits per token in
-registers (one ``tl.dot``), counts per logit how many sorted self logits lie below it (a loop over the
-m = w(w+1)/2 values: m compares per logit, cheaper than the d multiply-adds of the logit itself at w = 8)
-and reads the prefix sum at that count. Reads of the key cache: each key once.
+registers (one ``tl.dot``), counts per logit how many sorted self logits lie below it (a binary search over
+the m = w(w+1)/2 sorted values: ceil(log2(m + 1)) gathers per logit, 10 at the default w = 32 where a linear
+scan took 528 compares) and reads the prefix sum at that count. Reads of the key cache: each key once.
 """
 
 from __future__ import annotations
@@ -86,5 +86,6 @@ def rc_scores_paged(
         num_scored, m, 1.0 / (w * m * group),
         G=group, W=w, **row_blocking(group * w), D=head_dim, D_PAD=next_power_of_2(head_dim),
         BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
+        SEARCH_STEPS=max(1, m.bit_length()),  # 2**steps > m: every count 0..m is reachable
     )
     return out

@@ -72,6 +72,23 @@ def test_rc_kernel_matches_reference(window, group, num_tokens, block_size):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 2, 8, 32])
+def test_rc_kernel_binary_search_counts_ties_like_the_reference(window):
+    """Small integer keys and queries make exact logits: many equal to self logits, others below or above all of
+    them, so the kernel's binary search over the sorted self logits is checked at every boundary (0 and all m
+    counted; a tie adds x - y = 0 either way), exactly (integers are exact in float32)."""
+    num_kv_heads, group, head_dim, block_size = 2, 3, 16, 16
+    num_tokens = window + 40
+    gen = torch.Generator().manual_seed(window)
+    blocks = -(-num_tokens // block_size)
+    key_cache = torch.randint(-2, 3, (blocks, num_kv_heads, block_size, head_dim), generator=gen).float()
+    block_table = torch.arange(blocks, dtype=torch.int32).flip(0)
+    q_window = torch.randint(-1, 2, (num_kv_heads * group, window, head_dim), generator=gen).float()
+    got = rc_scores_paged(q_window, key_cache, block_table, num_tokens, block_n=16)
+    want = rc_scores_paged_reference(q_window, key_cache, block_table, num_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_rc_reference_equals_scorer_on_gathered_keys():
     # Ties the paged path to the scorer the engine uses (exact, float64): same grouping, mean, and order.
     key_cache, block_table, gen = paged_request(2, 8, 21, 4, seed=3, dtype=torch.float64)
