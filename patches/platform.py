@@ -40,8 +40,8 @@ CONTRACTS = (
 def _configure_engine(vllm_config, config) -> None:
     """What the flag changes in vLLM's config, on every platform."""
     # Prefix caching stays as the user set it: compaction copies kept KV into fresh blocks and never caches them
-    # (patches/scheduler.py). The copy runs before the forward of the step after the scheduler freed the prompt
-    # blocks; with asynchronous scheduling another step could be scheduled (and write them) before it.
+    # (rcstat_vllm/block_exchange.py). The copy runs before the forward of the step after the scheduler freed the
+    # prompt blocks; with asynchronous scheduling another step could be scheduled (and write them) before it.
     from .runner_choice import check_runner_choice
 
     check_runner_choice(vllm_config)

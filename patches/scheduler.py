@@ -76,29 +76,32 @@ def request_blocks(kv_cache_manager, req_id: str) -> list:
     return holders[0].req_to_blocks[req_id]
 
 
-def _update_from_output(original):
+def is_running(scheduler, req_id: str) -> bool:
     from vllm.v1.request import RequestStatus
 
+    request = scheduler.requests.get(req_id)
+    return request is not None and request.status == RequestStatus.RUNNING
+
+
+def running_request_blocks(scheduler, req_id: str) -> list | None:
+    """The block list of a request still running, None when it finished (vLLM freed its blocks)."""
+    return request_blocks(scheduler.kv_cache_manager, req_id) if is_running(scheduler, req_id) else None
+
+
+def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
-        reports = model_runner_output.rcstat_reports if isinstance(model_runner_output, RCStatModelRunnerOutput) else None
-        if reports:
-            def running_blocks(req_id):
-                request = self.requests.get(req_id)
-                if request is None or request.status != RequestStatus.RUNNING:
-                    return None
-                return request_blocks(self.kv_cache_manager, req_id)
-
+        if isinstance(model_runner_output, RCStatModelRunnerOutput) and model_runner_output.rcstat_reports:
             pool = self.kv_cache_manager.block_pool
-            engine_compaction(pool).apply_reports(pool, reports, running_blocks)
+            engine_compaction(pool).apply_reports(
+                pool, model_runner_output.rcstat_reports, lambda req_id: running_request_blocks(self, req_id)
+            )
         return result
 
     return wrapper
 
 
 def _schedule(original):
-    from vllm.v1.request import RequestStatus
-
     def wrapper(self, *args, **kwargs):
         state = existing_engine_compaction(self.kv_cache_manager.block_pool)
         if state is None or state.config is None:
@@ -110,10 +113,7 @@ def _schedule(original):
         output = original(self, *args, **kwargs)
         if not state.outgoing:
             return output
-        compactions = state.take_outgoing(
-            lambda req_id: (request := self.requests.get(req_id)) is not None
-            and request.status == RequestStatus.RUNNING
-        )
+        compactions = state.take_outgoing(lambda req_id: is_running(self, req_id))
         if not compactions:
             return output
         return RCStatSchedulerOutput(**{f.name: getattr(output, f.name) for f in fields(output)},

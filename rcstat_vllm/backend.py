@@ -10,7 +10,7 @@ Per step:
   (see :mod:`rcstat_vllm.head_pages`), through vLLM's own CPU attention and cache-write kernels;
 - after each layer's attention, requests finishing their prefill are scored; after the last layer's they are
   selected and compacted in all layers at once; after the forward the worker decides how many blocks each
-  request keeps and reports it to the scheduler (patches/scheduler.py frees the rest).
+  request keeps and reports it to the scheduler (rcstat_vllm/block_exchange.py frees the rest).
 
 The planning and compaction are shared with the CUDA backend (:mod:`rcstat_vllm.worker`); only the kernels
 and the cache layout differ.

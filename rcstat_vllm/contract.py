@@ -87,9 +87,10 @@ def _declares(cls: Any, name: str) -> bool:
         return True
     assigned = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)")
     for klass in getattr(cls, "__mro__", ()):
-        if name in vars(klass).get("__annotations__", {}) or name in (getattr(klass, "__dataclass_fields__", None) or {}):
+        declared = vars(klass)
+        if name in declared.get("__annotations__", {}) or name in (declared.get("__dataclass_fields__") or {}):
             return True
-        if name in (vars(klass).get("model_fields") or {}):
+        if name in (declared.get("model_fields") or {}):
             return True
         if not klass.__module__.startswith("vllm"):
             continue

@@ -32,7 +32,7 @@ def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     """Views of a CPU cache as head pages: keys ``[num_pages, D, N]`` and values ``[num_pages, N, D]``.
 
     vLLM's CPU kernels (ISAs ``vec``/``vec16``) store a page's keys transposed, channel-major (``[D, N]``),
-    and its values token-major (``[N, D]``); ``patches/cpu_kv_layout.py`` checks this on the installed
+    and its values token-major (``[N, D]``); ``rcstat_vllm/cpu_kv_layout.py`` checks this on the installed
     vLLM before compression is enabled.
     """
     num_blocks, num_heads, block_size, two_d = kv_cache.shape
