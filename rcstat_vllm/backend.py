@@ -90,15 +90,14 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
             raise TypeError(f"rcstat backend got {type(attn_metadata).__name__} metadata")
         plan = attn_metadata.rcstat
         owner = plan.owner
-        layer_index = owner.layer_index[layer.layer_name]
+        layer_index = owner.tracked_layer(layer.layer_name)
+        if layer_index is None:  # not a layer the plugin compresses (a drafter's): vLLM's path, nothing recorded
+            return self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         record_attribution(plan, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
         head_plan = plan.head_plan
-        if head_plan is None:
-            # No compressed request in the batch: vLLM's own path, unchanged.
-            if key is not None and value is not None:
-                super().do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
-            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if head_plan is None:  # no compressed request in the batch: vLLM's own path, unchanged
+            self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         else:
             key_pages, value_pages = head_page_caches(owner.page_cache(layer_index, kv_cache))
             k_scale, v_scale = kv_scales_float(layer)
@@ -114,3 +113,9 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
             )
         owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
         return output
+
+    def _vllm_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        """vLLM's CPU attention, unchanged: the KV write (this backend includes it in forward), then attention."""
+        if key is not None and value is not None:
+            super().do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)

@@ -185,11 +185,13 @@ class RCStatFlashImpl(FlashAttentionImpl):
             )
         plan = attn_metadata.rcstat
         owner = plan.owner
-        layer_index = owner.layer_index[layer.layer_name]
-        record_attribution(plan, layer_index, query, key)
+        layer_index = owner.tracked_layer(layer.layer_name)
+        if layer_index is not None:
+            record_attribution(plan, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
-        if plan.head_plan is None:
-            # No compressed request in the batch: vLLM's own path, unchanged.
+        if layer_index is None or plan.head_plan is None:
+            # A layer the plugin does not compress (a drafter's), or no compressed request in the batch: vLLM's
+            # own path, unchanged.
             if key is not None and value is not None:
                 self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
@@ -207,5 +209,6 @@ class RCStatFlashImpl(FlashAttentionImpl):
                 softcap=self.logits_soft_cap,
                 layer=layer,
             )
-        owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
+        if layer_index is not None:
+            owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
         return output

@@ -6,6 +6,23 @@ from __future__ import annotations
 from rcstat_vllm.vllm_internals import forward_context, impl_sinks, kv_offloading_size, shares_kv_cache
 
 
+def engine_unsupported_reason(vllm_config) -> str | None:
+    """Engine features under which the plugin compresses nothing (the engine still serves, uncompressed)."""
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        # Stages hold different layers but share one block table, and run different steps at a time:
+        # an agreement per step would pair different batches.
+        return "pipeline parallelism: stages cannot agree on the blocks a request keeps"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        # EAGLE/MTP/draft-model layers keep their KV in the same blocks as the target's: compaction would free
+        # the drafter's prompt KV under it (head pages hold only the target's layers).
+        return "speculative decoding: the drafter's KV lives in the blocks compaction would free"
+    if getattr(parallel, "use_ubatching", False):
+        # Metadata is built per micro-batch: a step's plan would see part of the batch the worker was handed.
+        return "micro-batching (DBO / ubatching): each micro-batch plans only part of the step"
+    return None
+
+
 def unsupported_layer_reason(vllm_config, layer_names) -> str | None:
     """Attention features head-as-sequence does not reproduce (it passes no ALiBi slopes, sinks or window to
     the kernels), found on the layers' vLLM impls; None when there are none."""

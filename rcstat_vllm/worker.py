@@ -36,7 +36,7 @@ from typing import Mapping
 import torch
 
 from rcstat_vllm.attribution.capture import attribution_capture
-from rcstat_vllm.capabilities import engine_not_pooled_reason, unsupported_layer_reason
+from rcstat_vllm.capabilities import engine_not_pooled_reason, engine_unsupported_reason, unsupported_layer_reason
 from rcstat_vllm.compression import RequestCompressor, plan_compression, request_config, window_queries
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan
@@ -83,12 +83,9 @@ class WorkerCompression:
         self.layout: CacheLayout | None = None
         self.space: PageSpace | None = None
         self.disabled_reason: str | None = None
+        disabled_reason = disabled_reason or engine_unsupported_reason(vllm_config)
         if disabled_reason is not None:
             self.disable(disabled_reason)
-        elif getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
-            # Stages hold different layers but share one block table, and run different steps at a time:
-            # an agreement per step would pair different batches.
-            self.disable("pipeline parallelism: stages cannot agree on the blocks a request keeps")
         #: tensor-parallel ranks hold different KV heads but share the scheduler's block table: every request
         #: keeps the max over ranks of the blocks its heads need (None: a single rank)
         self.block_agreement_group = None
@@ -127,6 +124,11 @@ class WorkerCompression:
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
+
+    def tracked_layer(self, layer_name: str) -> int | None:
+        """The layer's index among those this owner compresses; None for a layer it does not track (a drafter's
+        layers under speculative decoding, a second KV-cache group): the impls run vLLM's own path for it."""
+        return self.layer_index.get(layer_name)
 
     # ---- set-up (builders' constructors, then the runner hook once the KV cache exists) ----
 

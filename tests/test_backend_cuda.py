@@ -310,3 +310,42 @@ def test_cuda_selection_registers_the_custom_backend_and_respects_an_explicit_ch
     assert select_cuda_backend(SimpleNamespace(backend=AttentionBackendEnum.CUSTOM))
     chosen = SimpleNamespace(backend=AttentionBackendEnum.FLASHINFER)
     assert not select_cuda_backend(chosen) and chosen.backend is AttentionBackendEnum.FLASHINFER
+
+
+def test_a_drafters_layers_run_vllms_path_and_speculative_decoding_turns_compression_off(monkeypatch):
+    """Speculative decoding: EAGLE/MTP drafters build a second attention group on the same backend. The engine runs
+    uncompressed with the reason named at start-up, and a layer the owner does not track runs vLLM's own attention
+    (here its torch reference) instead of failing on a missing layer index."""
+    monkeypatch.setattr(FlashAttentionImpl, "do_kv_cache_update", _reference_kv_update)
+    monkeypatch.setattr(FlashAttentionImpl, "forward", _reference_forward)
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    caches = _layer_caches(8, pooled=True)
+    planner = _worker({"method": "rc"}, layer_names, dict(zip(layer_names, caches)))
+    planner.vllm_config.speculative_config = SimpleNamespace(method="eagle")
+    assert "speculative decoding" in WorkerCompression(planner.vllm_config).disabled_reason
+    drafter = ["drafter.layers.0.self_attn.attn"]
+    planner.attach_layers(drafter, num_kv_heads=HEADS, block_size=BLOCK, layout=FLASH)
+    assert planner.disabled_reason is not None and planner.tracked_layer(drafter[0]) is None
+
+    impl = RCStatFlashImpl(
+        num_heads=HEADS * GROUP, head_size=DIM, scale=SCALE, num_kv_heads=HEADS, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="auto",
+    )
+    block_table = torch.tensor([[1, 2]], dtype=torch.int32)
+    slot_mapping = torch.arange(BLOCK, BLOCK + 20)
+    planner.begin_step(StepInfo(requests=[BatchRequest("draft-req", 20, 0, 20)]))
+    common = SimpleNamespace(num_reqs=1, block_table_tensor=block_table, query_start_loc_cpu=torch.tensor([0, 20]),
+                             slot_mapping=slot_mapping)
+    metadata = RCStatFlashMetadata(
+        num_actual_tokens=20, max_query_len=20, query_start_loc=torch.tensor([0, 20]), max_seq_len=20,
+        seq_lens=torch.tensor([20]), block_table=block_table, slot_mapping=slot_mapping, rcstat=planner.plan_step(common),
+    )
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(20, HEADS * GROUP, DIM, generator=g)
+    key, value = torch.randn(20, HEADS, DIM, generator=g), torch.randn(20, HEADS, DIM, generator=g)
+    drafter_cache = torch.zeros(8, HEADS, BLOCK, 2 * DIM)
+    output = torch.zeros_like(query)
+    impl.forward(SimpleNamespace(layer_name=drafter[0]), query, key, value, drafter_cache, metadata, output)
+    expected = _reference_forward(None, None, query, key, value, drafter_cache, metadata, torch.zeros_like(query))
+    torch.testing.assert_close(output, expected)
+    assert not output.eq(0).all()

@@ -118,3 +118,22 @@ def test_a_prefix_cache_hit_stops_before_the_observation_window_of_requests_that
     assert max_cached_prompt_tokens(1200, {"rcstat": {"method": "none"}}, server, 32) is None
     assert max_cached_prompt_tokens(40, None, server, 32) is None  # shorter than min_prompt_len
     assert max_cached_prompt_tokens(1200, {"rcstat": {"method": "bogus"}}, server, 32) is None
+
+
+@pytest.mark.parametrize(
+    "feature,words",
+    [
+        (dict(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)), "pipeline parallelism"),
+        (dict(parallel_config=SimpleNamespace(tensor_parallel_size=1, use_ubatching=True)), "micro-batching"),
+        (dict(speculative_config=SimpleNamespace(method="eagle")), "speculative decoding"),
+    ],
+    ids=["pipeline-parallel", "dbo", "speculative-decoding"],
+)
+def test_engine_features_the_plugin_cannot_serve_run_uncompressed_naming_why(feature, words, caplog):
+    config = _config({"method": "rc"})
+    for name, value in feature.items():
+        setattr(config, name, value)
+    owner = start_worker_compression(config)
+    assert owner is not None and words in owner.disabled_reason
+    assert words in caplog.text
+    assert WorkerCompression(_config({"method": "rc"})).disabled_reason is None
