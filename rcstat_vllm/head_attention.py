@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm import _custom_ops as ops
 from vllm import envs
 
 from rcstat_vllm.head_pages import CompactedRequest
 from rcstat_vllm.page_space import PageSpace
 from rcstat_vllm.page_tables import HeadPageTables, to_device
+from rcstat_vllm.vllm_internals import custom_ops as ops
 
 
 @dataclass
