@@ -5,9 +5,10 @@ Per step:
   which requests finish their prefill now (to be compressed after this step's attention) and which are
   already compressed (their heads read and write their own head pages);
 - a batch without compressed requests runs exactly vLLM's CPU path;
-- a batch with compressed requests runs *head-as-sequence*: every (request, KV head) becomes its own
-  sequence with one KV head and its G query heads, over the head-page view of the cache
-  (see :mod:`rcstat_vllm.head_pages`), through vLLM's own CPU attention and cache-write kernels;
+- a batch with compressed requests runs in two parts: its other rows as a sub-batch through vLLM's CPU path
+  (metadata built by vLLM's builder for those rows), and the compressed rows *head-as-sequence*: every
+  (request, KV head) becomes its own sequence with one KV head and its G query heads, over the head-page view
+  of the cache (see :mod:`rcstat_vllm.head_pages`), through vLLM's own CPU attention and cache-write kernels;
 - after each layer's attention, requests finishing their prefill are scored; after the last layer's they are
   selected and compacted in all layers at once; after the forward the worker decides how many blocks each
   request keeps and reports it to the scheduler (rcstat_vllm/block_exchange.py frees the rest).
@@ -71,6 +72,8 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         plan = self.rcstat.plan_step(common_attn_metadata)
+        if plan.plain is not None:
+            plan.plain.metadata = super().build(0, plan.plain.metadata, fast_build)
         if plan.head_plan is not None:
             add_cpu_scheduler_metadata(
                 plan.head_plan,
@@ -99,6 +102,8 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
         if head_plan is None:  # no compressed request in the batch: vLLM's own path, unchanged
             self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         else:
+            if plan.plain is not None:
+                self._vllm_forward_rows(layer, query, key, value, kv_cache, plan.plain, output)
             key_pages, value_pages = head_page_caches(owner.page_cache(layer_index, kv_cache))
             k_scale, v_scale = kv_scales_float(layer)
             scales = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
@@ -113,6 +118,16 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
             )
         owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
         return output
+
+    def _vllm_forward_rows(self, layer, query, key, value, kv_cache, rows, output):
+        """vLLM's CPU path over the uncompressed rows of a batch that holds compressed ones."""
+        tokens = rows.token_index
+        rows_output = output.new_empty((tokens.numel(), *output.shape[1:]))
+        self._vllm_forward(
+            layer, query[tokens], None if key is None else key[tokens], None if value is None else value[tokens],
+            kv_cache, rows.metadata, rows_output,
+        )
+        output[tokens] = rows_output
 
     def _vllm_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         """vLLM's CPU attention, unchanged: the KV write (this backend includes it in forward), then attention."""

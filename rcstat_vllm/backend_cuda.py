@@ -8,9 +8,11 @@ scoring, compaction, page bookkeeping, reports) except the kernels:
   head page and ``[num_blocks * H, N, 1, D]`` is a view FlashAttention's paged kernels accept
   (:func:`rcstat_vllm.head_pages.flash_head_page_caches`);
 - a batch without compressed requests runs FlashAttention exactly as vLLM does;
-- a batch with compressed requests runs head-as-sequence (:mod:`rcstat_vllm.head_attention_flash`): vLLM's
-  ``reshape_and_cache_flash`` writes each (token, KV head) into its head page and ``flash_attn_varlen_func``
-  attends with every (request, KV head) as a sequence of one KV head and its G query heads.
+- a batch with compressed requests runs its other rows as a sub-batch through vLLM's FlashAttention path
+  (metadata built by vLLM's builder for those rows), and the compressed rows head-as-sequence
+  (:mod:`rcstat_vllm.head_attention_flash`): vLLM's ``reshape_and_cache_flash`` writes each (token, KV head) into
+  its head page and ``flash_attn_varlen_func`` attends with every (request, KV head) as a sequence of one KV head
+  and its G query heads.
 
 Verified on CPU tensors against torch references (tests/test_backend_cuda.py); vLLM's CUDA build cannot run on
 the machines this was written on, so nothing here has run inside a CUDA vLLM (see README, "CUDA").
@@ -84,6 +86,8 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         plan = self.rcstat.plan_step(common_attn_metadata)
+        if plan.plain is not None:
+            plan.plain.metadata = super().build(0, plan.plain.metadata, fast_build)
         return RCStatFlashMetadata(**vars(base), rcstat=plan)
 
 
@@ -196,6 +200,8 @@ class RCStatFlashImpl(FlashAttentionImpl):
                 self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         else:
+            if plan.plain is not None:
+                self._vllm_forward_rows(layer, query, key, value, kv_cache, plan.plain, output)
             flash_head_sequence_forward(
                 self.head_page_kernels,
                 query[:num_tokens],
@@ -212,3 +218,15 @@ class RCStatFlashImpl(FlashAttentionImpl):
         if layer_index is not None:
             owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
         return output
+
+    def _vllm_forward_rows(self, layer, query, key, value, kv_cache, rows, output):
+        """vLLM's FlashAttention path over the uncompressed rows of a batch that holds compressed ones."""
+        tokens = rows.token_index
+        rows_query = query[tokens]
+        rows_key = None if key is None else key[tokens]
+        rows_value = None if value is None else value[tokens]
+        rows_output = output.new_empty((tokens.numel(), *output.shape[1:]))
+        if rows_key is not None and rows_value is not None:
+            self.do_kv_cache_update(layer, rows_key, rows_value, kv_cache, rows.metadata.slot_mapping)
+        super().forward(layer, rows_query, rows_key, rows_value, kv_cache, rows.metadata, rows_output)
+        output[tokens] = rows_output

@@ -1,23 +1,33 @@
 """Head-as-sequence attention: the plan shared by both backends, and its run on vLLM-CPU's kernels.
 
-Each (request, KV head) is presented to vLLM's paged CPU attention as a sequence of its own, with one KV
-head, its G query heads, its own page table (head pages, see :mod:`rcstat_vllm.head_pages`) and its own
-length. Compressed and uncompressed requests mix freely in one batch: an uncompressed request's head h
-simply uses the identity pages ``row[j] * H + h``. No new attention kernel is needed.
+A batch mixing compressed and uncompressed requests runs in two parts. The uncompressed rows are a sub-batch
+vLLM's own backend runs unchanged (:func:`plain_rows`: their tokens and a ``CommonAttentionMetadata`` of their
+rows, from which the backend's own builder makes its metadata). The compressed rows run *head-as-sequence*: each
+(request, KV head) is a sequence of its own with one KV head, its G query heads, its own page table (head pages,
+see :mod:`rcstat_vllm.head_pages`) and its own length, through vLLM's paged attention kernels. No new attention
+kernel is needed.
 
-:func:`make_head_plan` does all per-step work once for every layer (index maps, page tables, lengths,
-write slots); :func:`add_cpu_scheduler_metadata` adds the CPU kernel's work split. The per-layer calls only
-index into it. The CUDA backend runs the same plan through FlashAttention (``rcstat_vllm/backend_cuda.py``).
+The head sequences are the slots of the worker's resident page tables (:mod:`rcstat_vllm.page_tables`), in
+(slot, head) order: sequence ``s * H + h`` reads row ``s * H + h`` of layer l's table ``[S * H, P]``, which *is*
+the resident tensor, viewed, not copied. A slot whose request is not in this batch (or a free slot) is a sequence
+of no queries and length 0: the kernels skip it. So a step's plan holds only per-slot numbers (lengths
+``[L, S * H]``) and per-token numbers of the compressed rows (their query rows and write slots): its memory and
+time follow the compressed rows' tokens and the slots, never batch x layers x heads x widest row.
 
-The plan is built without reading the device back and without a Python loop over rows building tensors: the
-host packs what it knows (query offsets, lengths, compressed rows' slots and positions) into one copy, and the
-tables are assembled on the device, identity pages from vLLM's block table and compressed rows' pages from the
-worker's resident tables (:mod:`rcstat_vllm.page_tables`).
+:func:`make_head_plan` does all per-step work once for every layer; :func:`add_cpu_scheduler_metadata` adds the
+CPU kernel's work split. The per-layer calls only index into it. The CUDA backend runs the same plan through
+FlashAttention (``rcstat_vllm/backend_cuda.py``). The host packs what it knows (query counts, lengths, slots,
+positions) into one copy; nothing is read back from the device.
+
+Step-plan memory, per step (``S`` resident slots, ``Tc`` compressed rows' tokens, ``L`` layers, ``H`` KV heads):
+``4 * L * S * H`` bytes of lengths, ``8 * L * Tc * H`` of write slots, ``16 * Tc * H`` of query indices, plus the
+plain rows' sub-batch (their rows of vLLM's block table, cut to the longest plain row). At Llama-3.1-8B shapes
+(32 layers, 8 KV heads) and 256 decoding requests, half compressed: under 5 MB (``benchmarks/planner.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -31,14 +41,18 @@ from rcstat_vllm.vllm_internals import custom_ops as ops
 
 @dataclass
 class HeadSequencePlan:
-    #: [T*H] token and KV-head index of each head-sequence query row
+    """One step's head-as-sequence attention of the compressed rows; sequences are the resident slots' heads."""
+
+    #: [Tc*H] batch token and KV-head index of each head-sequence query row, in sequence order
     token_index: torch.Tensor
     head_index: torch.Tensor
-    #: [R*H + 1] int32 query offsets of the head sequences
+    #: [S*H + 1] int32 query offsets of the head sequences (slots not in the batch: no queries)
     query_start_loc: torch.Tensor
-    #: [L, R*H, P] int32 page tables, [L, R*H] int32 lengths, [L, T*H] int64 write slots (-1 = padding)
+    #: [L, S*H, P] int32 page tables (a view of the resident tables), [L, S*H] int32 lengths (0: not in the batch)
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    #: [Tc] batch index of the compressed rows' tokens; [L, Tc*H] int64 their (token, head) write slots
+    write_tokens: torch.Tensor
     slots: torch.Tensor
     num_heads: int
     #: longest query of a head sequence; per layer, longest head sequence (FlashAttention's bounds)
@@ -48,103 +62,114 @@ class HeadSequencePlan:
     scheduler_metadata: list[torch.Tensor] | None = None
 
 
+@dataclass
+class PlainRows:
+    """The batch's uncompressed rows, as a sub-batch for vLLM's own kernels."""
+
+    #: [Tp] their tokens' batch indices (on the device)
+    token_index: torch.Tensor
+    #: vLLM's CommonAttentionMetadata of these rows; the backend replaces it by its own metadata built from it
+    metadata: object
+
+
 def make_head_plan(
     query_start: list[int],
     seq_lens: list[int],
-    block_table: torch.Tensor,
-    slot_mapping: torch.Tensor,
     compressed: dict[int, CompactedRequest],
     space: PageSpace,
+    device: torch.device,
 ) -> HeadSequencePlan:
-    """Plan one step: rows in ``compressed`` read and write their own head pages, the others the identity.
+    """Plan one step of the compressed rows (``compressed``: batch row -> its state, not empty).
 
-    Page ids are those of ``space``: with pooled pages every layer reads the all-layers view, so layer l's
-    identity pages are offset by its base page. The compressed requests' tables are read where they live, in the
-    worker's :class:`~rcstat_vllm.page_tables.HeadPageTables` on the cache's device (committed here first): the
-    host sends only per-row numbers, in one copy, and reads nothing back.
+    Their page tables are read where they live, in the worker's :class:`~rcstat_vllm.page_tables.HeadPageTables`
+    on the cache's device (committed here first): the host sends only per-slot and per-token numbers, in one copy.
     """
     resident = resident_tables(compressed)
-    if resident is not None:
-        resident.commit()
+    resident.commit()
     host = HostStepNumbers.of(query_start, seq_lens, compressed, resident, space)
-    device = block_table.device
     numbers = host.on_device(device)
-    token_index, head_index, query_start_loc = head_sequence_queries(numbers, space.num_heads, host.num_tokens)
-    tables = identity_tables(numbers, block_table, space, host.width)
-    lengths = numbers["seq_lens"].view(1, -1, 1).expand(space.num_layers, -1, space.num_heads).clone()
-    slots = identity_slots(slot_mapping[: host.num_tokens], numbers["layer_base"], space)
-    if resident is not None:
-        add_compressed_rows(numbers, resident, tables, lengths, slots, space.block_size)
-    num_layers = space.num_layers
+    num_layers, num_heads = space.num_layers, space.num_heads
+    present = numbers["slot_lengths"] > 0
+    lengths = torch.where(
+        present.view(1, -1, 1), resident.length_base.on_device + numbers["slot_lengths"].view(1, -1, 1).int(), 0
+    )
     return HeadSequencePlan(
-        token_index=token_index,
-        head_index=head_index,
-        query_start_loc=query_start_loc,
-        block_tables=tables.reshape(num_layers, -1, host.width).to(torch.int32),
-        seq_lens=lengths.reshape(num_layers, -1).to(torch.int32),
-        slots=slots.reshape(num_layers, -1),
-        num_heads=space.num_heads,
+        token_index=numbers["query_tokens"],
+        head_index=numbers["query_heads"],
+        query_start_loc=numbers["query_start_loc"].to(torch.int32),
+        block_tables=resident.pages.on_device.view(num_layers, -1, resident.width),
+        seq_lens=lengths.view(num_layers, -1).to(torch.int32),
+        write_tokens=numbers["write_tokens"],
+        slots=compressed_write_slots(
+            resident, numbers["write_token_slots"], numbers["write_positions"], space.block_size
+        ).view(num_layers, -1),
+        num_heads=num_heads,
         max_query_len=host.max_query_len,
         max_seq_lens=host.max_seq_lens,
     )
 
 
-def resident_tables(compressed: dict[int, CompactedRequest]) -> HeadPageTables | None:
-    """The one :class:`HeadPageTables` holding every compressed row's page table (None without compressed rows)."""
+def resident_tables(compressed: dict[int, CompactedRequest]) -> HeadPageTables:
+    """The one :class:`HeadPageTables` holding every compressed row's page table."""
     owners = {id(state.resident): state.resident for state in compressed.values()}
-    if not owners:
-        return None
-    if len(owners) > 1 or None in owners.values():
+    if len(owners) != 1 or None in owners.values():
         raise ValueError("rcstat: the compressed requests of a plan must all be attached to one HeadPageTables")
     return next(iter(owners.values()))
 
 
 @dataclass
 class HostStepNumbers:
-    """What the host knows of a step, without reading the device: per row its query offsets and length, per
-    compressed row and token its slot and position; and the plan's bounds (page-table width, longest sequences)."""
+    """What the host knows of a step's compressed rows, without reading the device: per slot its query count and
+    length, per query row of a head sequence its token and head, per token its write slot and position; and the
+    plan's bounds."""
 
     #: name -> 1-D int64 host array, in the order they are packed for the device
     arrays: dict[str, np.ndarray]
-    num_tokens: int
-    width: int
     max_query_len: int
     max_seq_lens: list[int]
 
     @classmethod
-    def of(cls, query_start, seq_lens, compressed, resident: HeadPageTables | None, space: PageSpace):
+    def of(cls, query_start, seq_lens, compressed, resident: HeadPageTables, space: PageSpace):
         starts = np.asarray(query_start, dtype=np.int64)
         lengths = np.asarray(seq_lens, dtype=np.int64)
-        query_lens = np.diff(starts)
+        num_heads, num_slots = space.num_heads, resident.num_slots
         rows = np.fromiter(sorted(compressed), dtype=np.int64, count=len(compressed))
         row_slots = np.fromiter((compressed[r].slot for r in rows.tolist()), dtype=np.int64, count=rows.size)
-        plain = np.ones(lengths.size, dtype=bool)
-        plain[rows] = False
-        block_size = space.block_size
-        width = max(
-            int(((lengths[plain] + block_size - 1) // block_size).max(initial=1)),
-            max((state.width for state in compressed.values()), default=1),
+        counts = starts[rows + 1] - starts[rows]
+        # Per slot: this step's queries and tokens after the step (0 for slots whose request is not in the batch).
+        slot_queries = np.zeros(num_slots, dtype=np.int64)
+        slot_queries[row_slots] = counts
+        slot_lengths = np.zeros(num_slots, dtype=np.int64)
+        slot_lengths[row_slots] = lengths[rows]
+        query_start_loc = np.zeros(num_slots * num_heads + 1, dtype=np.int64)
+        np.cumsum(np.repeat(slot_queries, num_heads), out=query_start_loc[1:])
+        # Query rows in sequence order: slots ascending, then heads, then the row's tokens.
+        by_slot = np.argsort(row_slots, kind="stable")
+        sequence_counts = np.repeat(counts[by_slot], num_heads)
+        sequence_first = np.repeat(starts[rows[by_slot]], num_heads)
+        within = np.arange(sequence_counts.sum(), dtype=np.int64) - np.repeat(
+            np.cumsum(sequence_counts) - sequence_counts, sequence_counts
         )
-        # Compressed rows' tokens (batch index, position, slot): spans of consecutive tokens, one per row.
-        counts = query_lens[rows]
-        first_token = np.repeat(starts[rows] - (np.cumsum(counts) - counts), counts)
-        token_rows = np.arange(counts.sum(), dtype=np.int64) + first_token
+        query_tokens = np.repeat(sequence_first, sequence_counts) + within
+        query_heads = np.repeat(np.tile(np.arange(num_heads, dtype=np.int64), rows.size), sequence_counts)
+        # Tokens to write, in batch order (batch index, resident slot, position).
+        write_tokens = np.repeat(starts[rows], counts) + np.arange(counts.sum(), dtype=np.int64) - np.repeat(
+            np.cumsum(counts) - counts, counts
+        )
         first_position = np.repeat(lengths[rows] - counts - starts[rows], counts)
-        longest = np.full(space.num_layers, lengths[plain].max(initial=0), dtype=np.int64)
+        longest = np.zeros(space.num_layers, dtype=np.int64)
         if rows.size:
-            longest_compressed = resident.longest_base[torch.from_numpy(row_slots)].numpy() + lengths[rows, None]
-            longest = np.maximum(longest, longest_compressed.max(axis=0))
+            longest = (resident.longest_base[torch.from_numpy(row_slots)].numpy() + lengths[rows, None]).max(axis=0)
         arrays = {
-            "query_start": starts,
-            "seq_lens": lengths,
-            "layer_base": np.asarray(space.layer_base, dtype=np.int64),
-            "compressed_rows": rows,
-            "compressed_slots": row_slots,
-            "compressed_tokens": token_rows,
-            "compressed_token_slots": np.repeat(row_slots, counts),
-            "compressed_positions": token_rows + first_position,
+            "slot_lengths": slot_lengths,
+            "query_start_loc": query_start_loc,
+            "query_tokens": query_tokens,
+            "query_heads": query_heads,
+            "write_tokens": write_tokens,
+            "write_token_slots": np.repeat(row_slots, counts),
+            "write_positions": write_tokens + first_position,
         }
-        return cls(arrays, int(starts[-1]), width, int(query_lens.max(initial=0)), longest.tolist())
+        return cls(arrays, int(counts.max(initial=0)), longest.tolist())
 
     def on_device(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The arrays on ``device``, in one copy."""
@@ -153,77 +178,73 @@ class HostStepNumbers:
         return dict(zip(self.arrays, pieces))
 
 
-def head_sequence_queries(numbers, num_heads: int, num_tokens: int):
-    """Every (row, head)'s queries, rows in order and heads within a row: the token and head index of each query
-    row ``[T*H]`` and the head sequences' query offsets ``[R*H + 1]`` (int32)."""
-    starts = numbers["query_start"]
-    device = starts.device
-    num_sequences = (starts.numel() - 1) * num_heads
-    sequence_lens = (starts[1:] - starts[:-1]).repeat_interleave(num_heads, output_size=num_sequences)
-    query_start_loc = torch.zeros(num_sequences + 1, dtype=torch.int64, device=device)
-    torch.cumsum(sequence_lens, 0, out=query_start_loc[1:])
-    total = num_tokens * num_heads
-    sequence = torch.arange(num_sequences, device=device).repeat_interleave(sequence_lens, output_size=total)
-    within = torch.arange(total, device=device) - query_start_loc[sequence]
-    token_index = starts[sequence // num_heads] + within
-    return token_index, sequence % num_heads, query_start_loc.to(torch.int32)
-
-
-def identity_tables(numbers, block_table: torch.Tensor, space: PageSpace, width: int) -> torch.Tensor:
-    """``[L, R, H, width]`` int64: every row's identity pages (``base_l + row[j] * H + h``) over its blocks, 0 past
-    them, from vLLM's block table in one op (compressed rows are overwritten by :func:`add_compressed_rows`)."""
-    seq_lens = numbers["seq_lens"]
-    num_reqs, num_heads, block_size = seq_lens.numel(), space.num_heads, space.block_size
-    blocks = block_table[:num_reqs, :width].to(torch.int64)
-    if blocks.shape[1] < width:
-        blocks = torch.nn.functional.pad(blocks, (0, width - blocks.shape[1]))
-    heads = torch.arange(num_heads, device=blocks.device).view(1, 1, -1, 1)
-    pages = blocks.view(1, num_reqs, 1, width) * num_heads + heads + numbers["layer_base"].view(-1, 1, 1, 1)
-    in_row = torch.arange(width, device=blocks.device) < ((seq_lens + block_size - 1) // block_size).unsqueeze(1)
-    return torch.where(in_row.view(1, num_reqs, 1, width), pages, 0)
-
-
-def identity_slots(slot_mapping: torch.Tensor, layer_base: torch.Tensor, space: PageSpace) -> torch.Tensor:
-    """``[L, T, H]`` head-page slots of uncompressed rows' tokens: vLLM's slot ``s = block * N + offset`` becomes
-    ``(base_l + block * H + h) * N + offset``; padding (-1) stays -1."""
-    num_heads, block_size = space.num_heads, space.block_size
-    slots = slot_mapping.to(torch.int64)
-    heads = torch.arange(num_heads, device=slots.device)
-    local = ((slots // block_size).unsqueeze(1) * num_heads + heads) * block_size + (slots % block_size).unsqueeze(1)
-    return torch.where(slots.view(1, -1, 1) < 0, -1, local + (layer_base * block_size).view(-1, 1, 1))
-
-
-def add_compressed_rows(numbers, resident: HeadPageTables, tables, lengths, slots, block_size: int) -> None:
-    """Overwrite the compressed rows' page tables ``[L, R, H, width]``, lengths ``[L, R, H]`` and write slots
-    ``[L, T, H]`` with theirs, gathered on the device from the resident tables by slot."""
-    rows, row_slots = numbers["compressed_rows"], numbers["compressed_slots"]
-    base = resident.length_base.on_device
-    tables[:, rows] = resident_page_tables(resident.pages.on_device, row_slots, tables.shape[3]).transpose(0, 1)
-    lengths[:, rows] = (base[row_slots].to(torch.int64) + numbers["seq_lens"][rows].view(-1, 1, 1)).transpose(0, 1)
-    token_slots = compressed_write_slots(
-        resident, numbers["compressed_token_slots"], numbers["compressed_positions"], block_size
-    )
-    slots[:, numbers["compressed_tokens"]] = token_slots.transpose(0, 1)
-
-
-def resident_page_tables(pages: torch.Tensor, row_slots: torch.Tensor, width: int) -> torch.Tensor:
-    """``[Rc, L, H, width]`` int64: the slots' page tables cut or zero-padded to the plan's width (no page: 0, a page
-    the kernels may name but never read past a head's length)."""
-    gathered = torch.zeros((row_slots.numel(), *pages.shape[1:3], width), dtype=torch.int64, device=pages.device)
-    shared = min(width, pages.shape[3])
-    gathered[..., :shared] = pages[row_slots, :, :, :shared].clamp(min=0)
-    return gathered
-
-
 def compressed_write_slots(resident: HeadPageTables, token_slots, positions, block_size: int) -> torch.Tensor:
-    """``[Tc, L, H]`` head-page slots of compressed rows' tokens: the token at position p of a head with length base
-    b is entry ``b + p`` of its page list."""
-    pages, base = resident.pages.on_device, resident.length_base.on_device
-    index = base[token_slots].to(torch.int64) + positions.view(-1, 1, 1)
-    layers = torch.arange(base.shape[1], device=index.device).view(1, -1, 1)
-    heads = torch.arange(base.shape[2], device=index.device).view(1, 1, -1)
-    token_pages = pages[token_slots.view(-1, 1, 1), layers, heads, index // block_size].to(torch.int64)
-    return token_pages * block_size + index % block_size
+    """``[L, Tc, H]`` head-page slots of compressed rows' tokens: the token at position p of a head with length base
+    b is entry ``b + p`` of its page list (gathered with one flat index: ``[L, S, H, P]`` is contiguous)."""
+    pages, base = resident.pages.on_device, resident.length_base.on_device  # [L, S, H, P], [L, S, H]
+    num_layers, num_slots, num_heads, width = pages.shape
+    device = base.device
+    index = base.index_select(1, token_slots).to(torch.int64) + positions.view(1, -1, 1)  # [L, Tc, H]
+    layers = torch.arange(num_layers, device=device).view(-1, 1, 1)
+    heads = torch.arange(num_heads, device=device).view(1, 1, -1)
+    sequence = (layers * num_slots + token_slots.view(1, -1, 1)) * num_heads + heads
+    page_index = torch.div(index, block_size, rounding_mode="floor")
+    token_pages = pages.view(-1).take(sequence * width + page_index).to(torch.int64)
+    return token_pages * block_size + (index - page_index * block_size)
+
+
+#: ``CommonAttentionMetadata`` fields of features the plugin turns off or never meets on the rows it splits (decode
+#: context parallelism, encoder / cross attention, fast prefill under KV sharing, chunked local attention): the
+#: plain rows' metadata leaves them unset
+UNSPLIT_FIELDS = (
+    "logits_indices_padded", "num_logits_indices", "max_logits_per_req", "encoder_seq_lens", "encoder_seq_lens_cpu",
+    "dcp_local_seq_lens", "dcp_local_seq_lens_cpu_upper_bound", "rswa_prefix_lens",
+)
+
+
+def plain_rows(common_attn_metadata, compressed_rows, query_start: list[int], seq_lens: list[int], block_size: int):
+    """The uncompressed rows of a batch holding compressed ones, as vLLM's ``CommonAttentionMetadata`` of their own
+    (their rows of the block table cut to the longest of them, their slots, offsets and lengths); None if every row
+    is compressed. vLLM's own builder turns it into its metadata, and its impl runs them unchanged."""
+    rows = [row for row in range(len(seq_lens)) if row not in compressed_rows]
+    if not rows:
+        return None
+    common = common_attn_metadata
+    device = common.block_table_tensor.device
+    starts = np.asarray(query_start, dtype=np.int64)
+    row_array = np.asarray(rows, dtype=np.int64)
+    counts = starts[row_array + 1] - starts[row_array]
+    tokens = np.repeat(starts[row_array] - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
+    lengths = np.asarray([seq_lens[r] for r in rows], dtype=np.int32)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    width = min(common.block_table_tensor.shape[1], -(-int(lengths.max()) // block_size))
+    packed = to_device(torch.from_numpy(np.concatenate([tokens, row_array])), device)
+    token_index, row_index = packed.split([tokens.size, len(rows)])
+    offsets_cpu, lengths_cpu = torch.from_numpy(offsets), torch.from_numpy(lengths)
+    split = dict(
+        query_start_loc=to_device(offsets_cpu, device),
+        query_start_loc_cpu=offsets_cpu,
+        seq_lens=to_device(lengths_cpu, device),
+        num_reqs=len(rows),
+        num_actual_tokens=int(tokens.size),
+        max_query_len=int(counts.max()),
+        max_seq_len=int(lengths.max()),
+        block_table_tensor=common.block_table_tensor.index_select(0, row_index)[:, :width],
+        slot_mapping=common.slot_mapping.index_select(0, token_index),
+        seq_lens_cpu_upper_bound=lengths_cpu,
+    )
+    if getattr(common, "positions", None) is not None:
+        split["positions"] = common.positions.index_select(0, token_index)
+    if getattr(common, "is_prefilling", None) is not None:
+        split["is_prefilling"] = common.is_prefilling.index_select(0, row_index)
+    if getattr(common, "req_idx", None) is not None:
+        split["req_idx"] = common.req_idx[row_array]
+    if getattr(common, "mm_req_doc_ranges", None) is not None:
+        new_row = {row: i for i, row in enumerate(rows)}
+        split["mm_req_doc_ranges"] = {new_row[r]: v for r, v in common.mm_req_doc_ranges.items() if r in new_row}
+    split.update({name: None for name in UNSPLIT_FIELDS if hasattr(common, name)})
+    return PlainRows(token_index, replace(common, **split))
 
 
 def add_cpu_scheduler_metadata(plan: HeadSequencePlan, *, group: int, head_dim: int, dtype: torch.dtype, isa: str):
@@ -247,11 +268,13 @@ def add_cpu_scheduler_metadata(plan: HeadSequencePlan, *, group: int, head_dim: 
 
 
 def write_head_sequence_kv(key, value, key_pages, value_pages, plan: HeadSequencePlan, layer: int, isa: str, **scales):
-    """Write this step's K/V ``[T, H, D]`` of one layer into the head pages."""
-    num_tokens, num_heads, head_dim = key.shape
+    """Write the compressed rows' K/V of this step (from ``[T, H, D]``, all the batch's tokens) into their head
+    pages."""
+    keys, values = key[plan.write_tokens], value[plan.write_tokens]
+    num_tokens, num_heads, head_dim = keys.shape
     ops.cpu_attn_reshape_and_cache(
-        key.reshape(num_tokens * num_heads, 1, head_dim),
-        value.reshape(num_tokens * num_heads, 1, -1),
+        keys.reshape(num_tokens * num_heads, 1, head_dim),
+        values.reshape(num_tokens * num_heads, 1, -1),
         key_pages,
         value_pages,
         plan.slots[layer],
@@ -264,15 +287,15 @@ def head_sequence_attention(
     query, key_pages, value_pages, output, plan: HeadSequencePlan, layer: int, *, scale, isa,
     softcap=0.0, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
 ):
-    """Causal paged attention of one layer with each (request, KV head) as its own sequence.
+    """Causal paged attention of one layer's compressed rows, each (request, KV head) as its own sequence.
 
     Args:
-        query: [T, H*G, D]; output: [T, H*G, D] written in place.
+        query: [T, H*G, D]; output: [T, H*G, D], the compressed rows' tokens written in place.
         key_pages, value_pages: head-page caches [num_blocks * H, 1, N, D] (``head_page_caches``).
     """
     num_tokens, num_query_heads, head_dim = query.shape
     by_head = (num_tokens, plan.num_heads, num_query_heads // plan.num_heads, head_dim)
-    head_queries = query.view(by_head)[plan.token_index, plan.head_index]  # [T*H, G, D]
+    head_queries = query.view(by_head)[plan.token_index, plan.head_index]  # [Tc*H, G, D]
     head_output = torch.empty_like(head_queries)
     ops.cpu_attention_with_kv_cache(
         query=head_queries,

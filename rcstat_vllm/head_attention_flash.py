@@ -1,7 +1,7 @@
 """Head-as-sequence attention in vLLM's GPU cache layout (the CUDA backend's path), with torch reference kernels.
 
-The plan is the CPU path's (:func:`rcstat_vllm.head_attention.make_head_plan`): every (request, KV head) is a
-sequence of its own with one KV head, its G query heads, its page table and its length. On the GPU the pages
+The plan is the CPU path's (:func:`rcstat_vllm.head_attention.make_head_plan`): every compressed (request, KV head)
+is a sequence of its own with one KV head, its G query heads, its page table and its length. On the GPU the pages
 are FlashAttention's paged cache shape, ``[num_blocks * H, N, 1, D]`` (:func:`flash_head_page_caches`, a view
 of head-major blocks), so vLLM's own cache-write and varlen attention kernels run it unchanged
 (``rcstat_vllm/backend_cuda.py`` binds them). :class:`TorchHeadPageKernels` is the same contract in plain
@@ -78,10 +78,11 @@ def flash_head_sequence_forward(
     softcap: float = 0.0,
     layer=None,
 ) -> None:
-    """Write this step's K/V into head pages and attend head-as-sequence, for one layer.
+    """Write the compressed rows' K/V of this step into head pages and attend head-as-sequence, for one layer.
 
     Args:
-        query, output: ``[T, H*G, D]`` (the step's actual tokens); key, value: ``[T, H, D]`` or None (no write).
+        query, output: ``[T, H*G, D]`` (the step's actual tokens; the compressed rows' tokens of ``output`` are
+            written); key, value: ``[T, H, D]`` or None (no write).
         kv_cache: the cache the plan's page ids index (the layer's, or all layers' when pages are pooled),
             logical ``[num_blocks, H, N, 2D]`` in head-major blocks (LBHNC).
     """
@@ -89,9 +90,11 @@ def flash_head_sequence_forward(
     num_tokens, num_query_heads, head_dim = query.shape
     num_heads = plan.num_heads
     if key is not None and value is not None:
+        keys, values = key[plan.write_tokens], value[plan.write_tokens]
+        num_written = keys.shape[0]
         kernels.write(
-            key[:num_tokens].reshape(num_tokens * num_heads, 1, head_dim),
-            value[:num_tokens].reshape(num_tokens * num_heads, 1, -1),
+            keys.reshape(num_written * num_heads, 1, head_dim),
+            values.reshape(num_written * num_heads, 1, -1),
             key_pages,
             value_pages,
             plan.slots[layer_index],

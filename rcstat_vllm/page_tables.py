@@ -8,11 +8,18 @@ instead one :class:`HeadPageTables` per worker keeps them on the device, like vL
 - each compressed request has a *slot* (reused when requests finish), holding its page ids ``[L, H, P]`` (-1: no
   page) and its *length base* ``kept[l, h] - num_compacted_tokens`` ``[L, H]``: with ``n`` tokens a head attends
   over ``base + n`` tokens, and the token at position ``p`` is entry ``base + p`` of its page list;
+- the tensors are layer-major, ``[L, S, H, P]``: layer l's ``[S * H, P]`` is a page table the attention kernels
+  take as it is, one row per (slot, head) head sequence (:mod:`rcstat_vllm.head_attention`); the device copy holds
+  0 where the host holds -1 (a page the kernels may name but never read past a head's length);
 - writes (a compaction filling a slot, a head taking a page when it grows into a new one) land in the host mirror at
   once and are queued; :meth:`HeadPageTables.commit` ships the step's queued entries in one copy per tensor that
   changed and scatters them on the device (nothing when nothing changed);
-- the step plan (:func:`rcstat_vllm.head_attention.make_head_plan`) gathers compressed rows from the device tensors by
-  slot; nothing is read back from the device.
+- the step plan (:func:`rcstat_vllm.head_attention.make_head_plan`) reads the device tensors as they are;
+  nothing is read back from the device.
+
+Memory: ``4 * L * S * H * P`` bytes on the host and as much on the device, ``S`` the slots (twice the most
+compressed requests held at once, at most) and ``P`` the widest page list any of them held (doubling): Llama-3.1-8B
+(32 layers, 8 KV heads, block 16), 256 slots of 32k-token pages lists: 2 x 256 MiB. Neither grows per step.
 
 The host mirror is what the page bookkeeping (:class:`rcstat_vllm.head_pages.CompactedRequest`) reads and writes; it
 never waits on the device.
@@ -51,11 +58,13 @@ class MirroredTensor:
     twice in a step ships its last value, once).
     """
 
-    def __init__(self, shape: Sequence[int], device: torch.device, fill: int):
+    def __init__(self, shape: Sequence[int], device: torch.device, fill: int, device_floor: int | None = None):
         self.device = torch.device(device)
         self.fill = fill
+        #: the device copy holds ``max(host, device_floor)`` (None: the host's values)
+        self.device_floor = device_floor
         self.host = torch.full(tuple(shape), fill, dtype=torch.int32)
-        self.on_device = to_device(self.host.clone(), self.device)
+        self.on_device = to_device(self._for_device(self.host.clone()), self.device)
         self._written: list[Tensor] = []
         self._whole = False
         #: host-to-device copies made by :meth:`commit` (tests check that steps without changes make none)
@@ -64,6 +73,9 @@ class MirroredTensor:
     @property
     def shape(self) -> torch.Size:
         return self.host.shape
+
+    def _for_device(self, values: Tensor) -> Tensor:
+        return values if self.device_floor is None else values.clamp_(min=self.device_floor)
 
     def write(self, coordinates: Sequence[Tensor], values: Tensor) -> None:
         """Set ``host[coordinates] = values`` (one broadcastable int64 index tensor per dimension) and queue it."""
@@ -87,10 +99,11 @@ class MirroredTensor:
     def commit(self) -> None:
         """Bring the device copy up to date: the queued positions in one copy, or the whole tensor after a growth."""
         if self._whole:
-            self.on_device = to_device(self.host.clone(), self.device)  # a copy: later host writes wait for a commit
+            # a copy: later host writes wait for a commit
+            self.on_device = to_device(self._for_device(self.host.clone()), self.device)
         elif self._written:
             positions = torch.unique(torch.cat(self._written))
-            values = self.host.view(-1)[positions].to(torch.int64)
+            values = self._for_device(self.host.view(-1)[positions].to(torch.int64))
             packed = to_device(torch.stack([positions, values]), self.device)
             self.on_device.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
         else:
@@ -103,20 +116,24 @@ class HeadPageTables:
     """The page tables of one worker's compressed requests: a slot each, on the host and on the cache's device.
 
     Attributes:
-        pages: ``[S, L, H, P]`` page ids of each slot's (layer, head)s, -1 where a head has no page.
-        length_base: ``[S, L, H]`` ``kept - num_compacted_tokens`` of each slot's (layer, head)s.
+        pages: ``[L, S, H, P]`` page ids of each slot's (layer, head)s, -1 where a head has no page (0 on the device).
+        length_base: ``[L, S, H]`` ``kept - num_compacted_tokens`` of each slot's (layer, head)s.
         longest_base: host ``[S, L]``, per layer the largest length base (the plan's longest sequence, on the host).
     """
 
     def __init__(self, num_layers: int, num_heads: int, device: torch.device | str, *, slots: int = 4, width: int = 4):
         self.device = torch.device(device)
-        self.pages = MirroredTensor((slots, num_layers, num_heads, width), self.device, fill=-1)
-        self.length_base = MirroredTensor((slots, num_layers, num_heads), self.device, fill=0)
+        self.pages = MirroredTensor((num_layers, slots, num_heads, width), self.device, fill=-1, device_floor=0)
+        self.length_base = MirroredTensor((num_layers, slots, num_heads), self.device, fill=0)
         self.longest_base = torch.zeros(slots, num_layers, dtype=torch.int64)
         self._free_slots = list(range(slots - 1, -1, -1))
 
     @property
     def num_layers(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def num_slots(self) -> int:
         return self.pages.shape[1]
 
     @property
@@ -141,9 +158,9 @@ class HeadPageTables:
         columns = torch.arange(self.width).view(1, 1, -1)
         padded = torch.full((self.num_layers, self.num_heads, self.width), -1, dtype=torch.int64)
         padded[:, :, : table.shape[2]] = table
-        self.pages.write((torch.tensor(slot), layers.unsqueeze(2), heads.unsqueeze(2), columns), padded)
+        self.pages.write((layers.unsqueeze(2), torch.tensor(slot), heads.unsqueeze(2), columns), padded)
         base = state.kept - state.num_compacted_tokens
-        self.length_base.write((torch.tensor(slot), layers, heads), base)
+        self.length_base.write((layers, torch.tensor(slot), heads), base)
         self.longest_base[slot] = base.amax(dim=1)
         state.move_tables_to(self, slot)
 
@@ -157,11 +174,11 @@ class HeadPageTables:
         """Pages that (layer, head)s of ``slot`` took at these columns of their page lists (1-D, equal lengths)."""
         if columns.numel():
             self._ensure_width(int(columns.max()) + 1)
-        self.pages.write((torch.full_like(layers, slot), layers, heads, columns), page_ids)
+        self.pages.write((layers, torch.full_like(layers, slot), heads, columns), page_ids)
 
     def slot_pages(self, slot: int, width: int) -> Tensor:
         """Host view ``[L, H, width]`` of a slot's page ids."""
-        return self.pages.host[slot, :, :, :width]
+        return self.pages.host[:, slot, :, :width]
 
     def commit(self) -> None:
         """Ship this step's changes to the device (one copy per tensor that changed, none otherwise)."""
@@ -170,9 +187,9 @@ class HeadPageTables:
 
     def _take_slot(self) -> int:
         if not self._free_slots:
-            used = self.pages.shape[0]
-            self.pages.grow((2 * used, *self.pages.shape[1:]))
-            self.length_base.grow((2 * used, *self.length_base.shape[1:]))
+            used = self.num_slots
+            self.pages.grow((self.num_layers, 2 * used, *self.pages.shape[2:]))
+            self.length_base.grow((self.num_layers, 2 * used, self.num_heads))
             longest = torch.zeros(2 * used, self.num_layers, dtype=torch.int64)
             longest[:used] = self.longest_base
             self.longest_base = longest

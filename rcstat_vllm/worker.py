@@ -39,7 +39,7 @@ from rcstat_vllm.attribution.capture import attribution_capture
 from rcstat_vllm.capabilities import engine_not_pooled_reason, engine_unsupported_reason, unsupported_layer_reason
 from rcstat_vllm.compression import RequestCompressor, plan_compression, request_config, window_queries
 from rcstat_vllm.config import RCStatConfig, server_config
-from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan
+from rcstat_vllm.head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
 from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
 from rcstat_vllm.log import logger
 from rcstat_vllm.page_space import PageSpace, pooled_space_or_reason
@@ -58,8 +58,10 @@ class StepCompression:
     owner: "WorkerCompression"
     #: batch row -> state of the requests already compressed (their heads read and write head pages)
     compressed: dict[int, CompactedRequest] = field(default_factory=dict)
-    #: the head-as-sequence plan when ``compressed`` is not empty, else None (vLLM's own path)
+    #: the compressed rows' head-as-sequence plan when ``compressed`` is not empty, else None (vLLM's own path)
     head_plan: HeadSequencePlan | None = None
+    #: the other rows as a sub-batch for vLLM's own kernels, when the batch holds compressed rows and others
+    plain: PlainRows | None = None
     #: (batch row, CompressionDecision) of requests compressed after this step's attention
     to_compress: list = field(default_factory=list)
     #: (request id, query start, query end, how many) of non-final prefill chunks whose queries are kept
@@ -343,9 +345,8 @@ class WorkerCompression:
                     span = (query_start[row], query_start[row + 1], window_queries(config))
                     plan.to_save.append((request.req_id, *span))
         if plan.compressed:
-            plan.head_plan = make_head_plan(
-                query_start, plan.seq_lens, block_table, common_attn_metadata.slot_mapping, plan.compressed, self.space
-            )
+            plan.head_plan = make_head_plan(query_start, plan.seq_lens, plan.compressed, self.space, block_table.device)
+            plan.plain = plain_rows(common_attn_metadata, plan.compressed, query_start, plan.seq_lens, self.block_size)
         return plan
 
     def _host_block_ids(self, step: StepInfo, request, state: CompactedRequest, block_table: torch.Tensor, row: int):

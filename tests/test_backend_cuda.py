@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl  # noqa: E402
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -28,10 +29,8 @@ from rcstat_vllm.backend_cuda import (  # noqa: E402
     RCStatFlashMetadataBuilder,
     unsupported_reason,
 )
-from rcstat_vllm.head_attention import make_head_plan  # noqa: E402
-from rcstat_vllm.head_attention_flash import TorchHeadPageKernels, flash_head_sequence_forward  # noqa: E402
-from rcstat_vllm.head_pages import FLASH, cdiv, flash_head_page_caches, identity_pages  # noqa: E402
-from rcstat_vllm.page_space import PageSpace  # noqa: E402
+from rcstat_vllm.head_attention_flash import TorchHeadPageKernels  # noqa: E402
+from rcstat_vllm.head_pages import FLASH, cdiv, flash_head_page_caches  # noqa: E402
 from rcstat_vllm.step import BatchRequest, Compaction, StepInfo  # noqa: E402
 from rcstat_vllm.worker import WorkerCompression, unsupported_layer_reason  # noqa: E402
 
@@ -68,6 +67,14 @@ def _reference_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
             out = _dense(q, rows[:, h, :DIM], rows[:, h, DIM:])
             output[starts[r] : starts[r + 1], h * GROUP : (h + 1) * GROUP] = out.to(output.dtype)
     return output
+
+
+def _built(common: CommonAttentionMetadata):
+    """What FlashAttention's builder makes of a CommonAttentionMetadata, for the fields the reference reads."""
+    return SimpleNamespace(
+        num_actual_tokens=common.num_actual_tokens, query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
+        block_table=common.block_table_tensor, slot_mapping=common.slot_mapping,
+    )
 
 
 def _worker(rcstat: dict, layer_names, caches: dict) -> WorkerCompression:
@@ -149,11 +156,15 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
         positions = torch.cat([torch.arange(c, c + s) for c, s in zip(computed, scheduled)])
         rows = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(scheduled))
         slot_mapping = block_table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK
-        common = SimpleNamespace(
-            num_reqs=len(scheduled), block_table_tensor=block_table, query_start_loc_cpu=torch.tensor(starts),
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32), query_start_loc_cpu=torch.tensor(starts),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(scheduled), num_actual_tokens=starts[-1],
+            max_query_len=max(scheduled), max_seq_len=max(seq_lens), block_table_tensor=block_table,
             slot_mapping=slot_mapping,
         )
         plan = planner.plan_step(common)  # as RCStatFlashMetadataBuilder.build does (head plan included)
+        if plan.plain is not None:  # the builder builds vLLM's metadata for the uncompressed rows
+            plan.plain.metadata = _built(plan.plain.metadata)
         metadata = RCStatFlashMetadata(
             num_actual_tokens=starts[-1], max_query_len=max(scheduled), query_start_loc=torch.tensor(starts),
             max_seq_len=max(seq_lens), seq_lens=torch.tensor(seq_lens), block_table=block_table,
@@ -216,30 +227,6 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
                     expected = _dense(q, keys[kept, h], values[kept, h])
                     got = output[starts[i] : starts[i + 1], h * GROUP : (h + 1) * GROUP]
                     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_head_as_sequence_prefill_next_to_compressed_decode_equals_causal_attention():
-    """A multi-token prefill chunk of an uncompressed request runs head-as-sequence (identity pages) with
-    causal masking in the same batch as compressed decode rows."""
-    g = torch.Generator().manual_seed(1)
-    kv = torch.randn(30, HEADS, BLOCK, 2 * DIM, generator=g)
-    row = torch.arange(3, 3 + 6, dtype=torch.int32).view(1, -1)
-    computed, chunk = 40, 25  # the chunk's queries see the 40 cached tokens and causally each other
-    starts, seq_lens = [0, chunk], [computed + chunk]
-    positions = torch.arange(computed, computed + chunk)
-    slot_mapping = row[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
-    plan = make_head_plan(starts, seq_lens, row, slot_mapping, {}, PageSpace.per_layer(1, HEADS, BLOCK))
-    query = torch.randn(chunk, HEADS * GROUP, DIM, generator=g)
-    key, value = torch.randn(chunk, HEADS, DIM, generator=g), torch.randn(chunk, HEADS, DIM, generator=g)
-    output = torch.zeros_like(query)
-    flash_head_sequence_forward(TorchHeadPageKernels(), query, key, value, kv, output, plan, 0, scale=SCALE)
-    tokens = torch.arange(computed + chunk)
-    pages = identity_pages(row[0], HEADS)[:, tokens // BLOCK]
-    all_k, all_v = FLASH.read(kv, pages, (tokens % BLOCK).expand_as(pages))  # [H, n, D]
-    torch.testing.assert_close(all_k[:, computed:], key.transpose(0, 1))  # the chunk's K landed in its slots
-    for h in range(HEADS):
-        expected = _dense(query[:, h * GROUP : (h + 1) * GROUP], all_k[h], all_v[h])
-        torch.testing.assert_close(output[:, h * GROUP : (h + 1) * GROUP], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_head_page_view_is_the_flash_layout_and_needs_head_major_blocks():

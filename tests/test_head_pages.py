@@ -116,7 +116,8 @@ def test_blocks_needed_cover_the_largest_layer_and_the_tokens_until_the_next_blo
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
     """Several requests of different lengths, GQA, heads keeping very different counts (down to the
-    window only), one uncompressed request in the same batch, several decode steps with page growth."""
+    window only), several decode steps with page growth; an uncompressed request in the same batch is left to
+    vLLM's kernels (its output and cache untouched by head-as-sequence)."""
     g = torch.Generator().manual_seed(3)
     num_blocks = 120
     kv = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype)
@@ -155,27 +156,23 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
         query_start = list(range(len(lengths) + 1))
         for i, state in states.items():
             state.reserve(seq_lens[i], block_table[i])
-        positions = [s - 1 for s in seq_lens]
-        # vLLM's slot mapping (used for the uncompressed request only).
-        slot_mapping = torch.tensor(
-            [int(block_table[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate(positions)]
-        )
-        plan = make_head_plan(
-            query_start, seq_lens, block_table, slot_mapping, states, PageSpace.per_layer(1, HEADS, BLOCK)
-        )
+        plan = make_head_plan(query_start, seq_lens, states, PageSpace.per_layer(1, HEADS, BLOCK), kv.device)
         add_cpu_scheduler_metadata(plan, group=GROUP, head_dim=DIM, dtype=dtype, isa=ISA)
         new_k = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
         new_v = torch.randn(len(lengths), HEADS, DIM, generator=g).to(dtype)
+        untouched = kv[rows[2].long()].clone()
         write_head_sequence_kv(new_k, new_v, *head_page_caches(kv), plan, 0, ISA)
-        for i in range(len(lengths)):
+        assert torch.equal(kv[rows[2].long()], untouched)  # the uncompressed row's blocks are vLLM's to write
+        for i in states:
             history[i][0].append(new_k[i])
             history[i][1].append(new_v[i])
 
         query = torch.randn(len(lengths), HEADS * GROUP, DIM, generator=g).to(dtype)
         output = torch.zeros_like(query)
         head_sequence_attention(query, *head_page_caches(kv), output, plan, 0, scale=SCALE, isa=ISA)
+        assert not output[2].any()  # the uncompressed row: vLLM's kernels fill it
 
-        for i in range(len(lengths)):
+        for i in states:
             keys, values = prompts[i]
             gen_k, gen_v = torch.stack(history[i][0], 1), torch.stack(history[i][1], 1)
             for h in range(HEADS):

@@ -18,70 +18,63 @@ pytest.importorskip("vllm")
 
 from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan  # noqa: E402
 from rcstat_vllm.head_pages import CompactedRequest, assign_pages, blocks_needed, cdiv  # noqa: E402
-from rcstat_vllm.page_space import PageSpace, identity_pages  # noqa: E402
+from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
 
 LAYERS, HEADS, BLOCK, NUM_BLOCKS = 2, 2, 16, 400
 
 
-def reference_plan(query_start, seq_lens, block_table, slot_mapping, compressed, space) -> HeadSequencePlan:
-    """The per-row plan ``make_head_plan`` replaced: a Python loop over rows, each compressed request's host table
-    copied into a fresh ``[L, R, H, width]`` tensor, its write slots computed on the host row by row."""
-    num_layers, num_heads, block_size = space.num_layers, space.num_heads, space.block_size
-    num_reqs = len(seq_lens)
-    num_tokens = query_start[-1]
-    query_lens = [query_start[r + 1] - query_start[r] for r in range(num_reqs)]
+def reference_plan(query_start, seq_lens, compressed, space, resident) -> HeadSequencePlan:
+    """The plan by a Python loop: one head sequence per (resident slot, head), the slots of rows in the batch with
+    their queries and lengths (each compressed request's host table), the others empty; write slots row by row."""
+    num_layers, num_heads = space.num_layers, space.num_heads
+    by_slot = {state.slot: row for row, state in compressed.items()}
     token_index, head_index, starts = [], [], [0]
-    for row in range(num_reqs):
-        tokens = torch.arange(query_start[row], query_start[row + 1])
+    lengths = torch.zeros((num_layers, resident.num_slots, num_heads), dtype=torch.int64)
+    tables = torch.zeros((num_layers, resident.num_slots, num_heads, resident.width), dtype=torch.int32)
+    for slot in range(resident.num_slots):
+        row = by_slot.get(slot)
         for head in range(num_heads):
+            tokens = torch.arange(0) if row is None else torch.arange(query_start[row], query_start[row + 1])
             token_index.append(tokens)
             head_index.append(torch.full_like(tokens, head))
-            starts.append(starts[-1] + query_lens[row])
-    width = max(
-        [cdiv(seq_lens[r], block_size) for r in range(num_reqs) if r not in compressed]
-        + [state.tables.shape[2] for state in compressed.values()]
-        + [1]
-    )
-    tables = torch.zeros((num_layers, num_reqs, num_heads, width), dtype=torch.int64)
-    lengths = torch.zeros((num_layers, num_reqs, num_heads), dtype=torch.int64)
-    slots = slot_mapping[:num_tokens].to(torch.int64)
-    heads = torch.arange(num_heads)
-    local = ((slots // block_size).unsqueeze(1) * num_heads + heads) * block_size + (slots % block_size).unsqueeze(1)
-    bases = torch.tensor(space.layer_base, dtype=torch.int64)
-    head_slots = torch.where(slots.view(1, -1, 1) < 0, -1, local + (bases * block_size).view(-1, 1, 1))
-    for row in range(num_reqs):
-        state = compressed.get(row)
-        if state is None:
-            n_blocks = cdiv(seq_lens[row], block_size)
-            tables[:, row, :, :n_blocks] = identity_pages(block_table[row, :n_blocks], num_heads) + bases.view(-1, 1, 1)
-            lengths[:, row] = seq_lens[row]
-            continue
-        tables[:, row, :, : state.tables.shape[2]] = state.tables.clamp(min=0)
-        lengths[:, row] = state.lengths(seq_lens[row])
+            starts.append(starts[-1] + tokens.numel())
+        if row is not None:
+            state = compressed[row]
+            lengths[:, slot] = state.lengths(seq_lens[row])
+            tables[:, slot, :, : state.tables.shape[2]] = state.tables.clamp(min=0)
+    write_tokens, write_slots = [], []
+    for row in sorted(compressed):
         start, end = query_start[row], query_start[row + 1]
-        positions = torch.arange(seq_lens[row] - query_lens[row], seq_lens[row])
-        head_slots[:, start:end] = state.slots(positions)
-    lengths = lengths.reshape(num_layers, -1)
+        positions = torch.arange(seq_lens[row] - (end - start), seq_lens[row])
+        write_tokens.append(torch.arange(start, end))
+        write_slots.append(compressed[row].slots(positions))  # [L, q, H]
     return HeadSequencePlan(
         token_index=torch.cat(token_index),
         head_index=torch.cat(head_index),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        block_tables=tables.reshape(num_layers, num_reqs * num_heads, width).to(torch.int32),
-        seq_lens=lengths.to(torch.int32),
-        slots=head_slots.reshape(num_layers, -1),
+        block_tables=tables.view(num_layers, -1, resident.width),
+        seq_lens=lengths.view(num_layers, -1).to(torch.int32),
+        write_tokens=torch.cat(write_tokens),
+        slots=torch.cat(write_slots, dim=1).reshape(num_layers, -1),
         num_heads=num_heads,
-        max_query_len=max(query_lens, default=0),
-        max_seq_lens=lengths.amax(dim=1).tolist(),
+        max_query_len=max((query_start[r + 1] - query_start[r] for r in compressed), default=0),
+        max_seq_lens=lengths.view(num_layers, -1).amax(dim=1).tolist(),
     )
 
 
 def assert_plans_equal(got: HeadSequencePlan, expected: HeadSequencePlan) -> None:
-    for name in ("token_index", "head_index", "query_start_loc", "block_tables", "seq_lens", "slots"):
+    for name in ("token_index", "head_index", "query_start_loc", "seq_lens", "write_tokens", "slots"):
         a, b = getattr(got, name), getattr(expected, name)
         assert a.dtype == b.dtype, name
         assert torch.equal(a, b), name
+    # Page tables: every page a head sequence reads (the columns up to its length) is the reference's.
+    assert got.block_tables.dtype == torch.int32 and got.block_tables.shape == expected.block_tables.shape
+    read = torch.arange(got.block_tables.shape[2]).view(1, 1, -1) < (
+        (expected.seq_lens.long() + BLOCK - 1) // BLOCK
+    ).unsqueeze(-1)
+    assert torch.equal(got.block_tables[read], expected.block_tables[read])
     assert (got.num_heads, got.max_query_len, got.max_seq_lens) == (
         expected.num_heads, expected.max_query_len, expected.max_seq_lens,
     )
@@ -90,7 +83,8 @@ def assert_plans_equal(got: HeadSequencePlan, expected: HeadSequencePlan) -> Non
 def assert_device_equals_mirror(resident: HeadPageTables) -> None:
     for mirrored in (resident.pages, resident.length_base):
         assert not mirrored.dirty
-        assert torch.equal(mirrored.on_device, mirrored.host)
+        floor = mirrored.device_floor
+        assert torch.equal(mirrored.on_device, mirrored.host if floor is None else mirrored.host.clamp(min=floor))
 
 
 def _space(pooled: bool) -> PageSpace:
@@ -166,8 +160,8 @@ class Engine:
         rows = torch.repeat_interleave(torch.arange(len(order)), torch.tensor([scheduled[r] for r in order]))
         slot_mapping = (block_table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK)
         slot_mapping = torch.cat([slot_mapping, torch.full((3,), -1)])  # padded like vLLM's persistent buffer
-        args = (query_start, seq_lens, block_table, slot_mapping, compressed, self.space)
-        return args, reference_plan(*args)
+        args = (query_start, seq_lens, compressed, self.space, torch.device("cpu"))
+        return args, reference_plan(query_start, seq_lens, compressed, self.space, self.resident)
 
 
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
@@ -203,7 +197,7 @@ def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(po
         assert_device_equals_mirror(engine.resident)
         assert_plans_equal(plan, expected)
     # The run grew the tables (slots and width), took pages in some steps and none in others.
-    assert engine.resident.pages.shape[0] >= 4 and engine.resident.width > 2
+    assert engine.resident.num_slots >= 4 and engine.resident.width > 2
     assert 0 in copies_per_step and any(copies_per_step)
 
 
@@ -283,7 +277,7 @@ def test_worker_grows_from_the_step_infos_host_block_ids_and_reads_the_device_ta
             slot_mapping=block_table[0, position // BLOCK].long() * BLOCK + position % BLOCK,
         )
         plan = worker.plan_step(common)
-        expected = reference_plan([0, 1], [n], block_table, common.slot_mapping, {0: worker._states["a"]}, worker.space)
+        expected = reference_plan([0, 1], [n], {0: worker._states["a"]}, worker.space, worker.page_tables)
         assert_plans_equal(plan.head_plan, expected)
     state = worker._states["a"]
     assert state.absorbed_blocks == 6
@@ -319,3 +313,32 @@ def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
     assert info.block_size == BLOCK
     assert [r.block_ids.tolist() for r in info.requests] == [[9, 10], [5, 6, 7]]
     assert not info.requests[0].block_ids.flags.writeable
+
+
+def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
+    """The uncompressed rows of a batch with compressed ones become a batch of their own for vLLM's builder: their
+    tokens, offsets, lengths, block-table rows (cut to the longest of them) and slots, nothing of the other rows."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from rcstat_vllm.head_attention import plain_rows
+
+    starts, seq_lens = [0, 1, 21, 22, 25], [70, 40, 90, 30]  # rows 0 and 2 compressed (decode), 1 and 3 not
+    block_table = torch.randint(1, 100, (4, 10), dtype=torch.int32)
+    slot_mapping = torch.cat([torch.randint(0, 1600, (25,)), torch.full((3,), -1)])  # padded, as vLLM's buffer
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), query_start_loc_cpu=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=4, num_actual_tokens=25, max_query_len=20,
+        max_seq_len=90, block_table_tensor=block_table, slot_mapping=slot_mapping,
+        positions=torch.arange(28), is_prefilling=torch.tensor([False, True, False, True]),
+    )
+    plain = plain_rows(common, {0: "a", 2: "b"}, starts, seq_lens, BLOCK)
+    tokens = list(range(1, 21)) + [22, 23, 24]
+    assert plain.token_index.tolist() == tokens
+    rows = plain.metadata
+    assert rows.query_start_loc.tolist() == rows.query_start_loc_cpu.tolist() == [0, 20, 23]
+    assert rows.seq_lens.tolist() == [40, 30] and rows.seq_lens_cpu_upper_bound.tolist() == [40, 30]
+    assert (rows.num_reqs, rows.num_actual_tokens, rows.max_query_len, rows.max_seq_len) == (2, 23, 20, 40)
+    assert torch.equal(rows.block_table_tensor, block_table[[1, 3], : cdiv(40, BLOCK)])
+    assert torch.equal(rows.slot_mapping, slot_mapping[tokens])
+    assert rows.positions.tolist() == tokens and rows.is_prefilling.tolist() == [True, True]
+    assert plain_rows(common, {0: "a", 1: "b", 2: "c", 3: "d"}, starts, seq_lens, BLOCK) is None
