@@ -137,6 +137,27 @@ def triton_scoring(layout: CacheLayout, kv_cache: torch.Tensor) -> bool:
     return layout.paged_kernels and triton_device(kv_cache)
 
 
+def warm_up_scoring(config: RCStatConfig, layout: CacheLayout, kv_cache: torch.Tensor, num_query_heads: int) -> bool:
+    """Compile the server's scoring kernel before the first request: Triton compiles a kernel at its first launch
+    for each set of compile-time sizes (query heads per KV head, window, head size, page size, dtype), a
+    multi-second stall in a live server. Scores a prompt of two windows read from block 0 of ``kv_cache`` (the
+    result is discarded; nothing is written). True when a kernel ran (the server's method has one and the cache is
+    on a device it runs on)."""
+    if not config.enabled or not triton_scoring(layout, kv_cache):
+        return False
+    scorer = get_scorer(config.method, **scorer_options(config))
+    keys, values = layout.key_value_caches(kv_cache)
+    width = window_queries(config)  # what score_layer hands the scorer for a prompt longer than the window
+    num_tokens = 2 * width
+    block_row = torch.zeros(cdiv(num_tokens, keys.shape[2]), dtype=torch.int32, device=keys.device)
+    prompt = PagedPrompt(keys, values, block_row, num_tokens)
+    if not scorer.scores_in_triton(prompt, True):
+        return False
+    queries = torch.zeros(num_query_heads, width, keys.shape[3], dtype=keys.dtype, device=keys.device)
+    scorer.score_paged(queries, prompt, 1.0, use_triton=True)
+    return True
+
+
 def host_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """CPU copies of small device tensors in one transfer (one synchronisation instead of one per tensor)."""
     flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()

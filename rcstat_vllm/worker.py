@@ -37,7 +37,14 @@ import torch
 
 from rcstat_vllm.attribution.capture import attribution_capture
 from rcstat_vllm.capabilities import engine_not_pooled_reason, engine_unsupported_reason, unsupported_layer_reason
-from rcstat_vllm.compression import RequestCompressor, plan_compression, request_config, window_queries
+from rcstat_vllm.compression import (
+    RequestCompressor,
+    plan_compression,
+    request_config,
+    triton_scoring,
+    warm_up_scoring,
+    window_queries,
+)
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
 from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
@@ -168,6 +175,7 @@ class WorkerCompression:
             else:
                 layer_caches = [caches[name] for name in self.layer_names]
                 space, reason = pooled_space_or_reason(layer_caches, self.num_heads, self.block_size)
+        self._warm_up_scoring(caches[self.layer_names[0]] if self.layer_names[0] in caches else None)
         if space is not None:
             self.space = space
             logger.info(
@@ -181,6 +189,19 @@ class WorkerCompression:
                 "rcstat: head pages per layer, not pooled across layers (%s): the layer keeping the most sets "
                 "the blocks a request holds",
                 reason,
+            )
+
+    def _warm_up_scoring(self, cache: torch.Tensor | None) -> None:
+        """Compile the server's scoring kernel now (on a GPU), not at the first compressed request."""
+        if cache is None or self.disabled_reason is not None or not triton_scoring(self.layout, cache):
+            return
+        num_query_heads = self.vllm_config.model_config.get_num_attention_heads(self.vllm_config.parallel_config)
+        if warm_up_scoring(self.config, self.layout, cache, num_query_heads):
+            logger.info(
+                "rcstat: %s scoring kernel compiled at start-up (window %d); a request overriding the method or "
+                "window compiles its own at first use",
+                self.config.method,
+                window_queries(self.config),
             )
 
     # ---- step protocol (patches/model_runner.py) ----

@@ -242,3 +242,42 @@ def test_scoring_and_selection_never_wait_for_the_device(config):
         request.score_layer(layer, query, kv_cache, SCALE, FLASH)
     masks = select_keep_masks(request.scores, config)
     assert [m.shape for m in masks] == [(KV_HEADS, num_tokens)] * layers and masks[0].device.type == "meta"
+
+
+def test_start_up_warm_up_launches_the_servers_scoring_kernel_once_and_only_where_it_runs(monkeypatch, spy_kernels):
+    """The worker compiles the server's scoring kernel when the caches are bound (a GPU would otherwise stall on its
+    first compressed request): one launch of RC's (or SnapKV's) kernel with the server's window, none for methods
+    without a kernel, none on vLLM-CPU's layout, none when the engine runs uncompressed."""
+    from rcstat_vllm.compression import warm_up_scoring
+
+    kv_cache, _, _ = flash_request(40, group=3, seed=0)
+    assert not warm_up_scoring(RCStatConfig(window=8), FLASH, kv_cache, 9)  # CPU tensors: Triton does not run there
+    fake_cuda(monkeypatch)
+    assert not warm_up_scoring(RCStatConfig(window=8), CPU_VEC, kv_cache, 9)
+    assert not warm_up_scoring(RCStatConfig(method="tova"), FLASH, kv_cache, 9)
+    assert not warm_up_scoring(RCStatConfig(method="none"), FLASH, kv_cache, 9)
+    assert spy_kernels == {"rc": 0, "snapkv": 0}
+    assert warm_up_scoring(RCStatConfig(window=8), FLASH, kv_cache, 9)
+    assert warm_up_scoring(RCStatConfig(method="snapkv", observation_window=8), FLASH, kv_cache, 9)
+    assert spy_kernels == {"rc": 1, "snapkv": 1}
+
+
+def test_worker_warms_the_kernel_up_when_the_caches_are_bound(monkeypatch, spy_kernels):
+    from types import SimpleNamespace
+
+    from rcstat_vllm.worker import WorkerCompression
+
+    fake_cuda(monkeypatch)
+    vllm_config = SimpleNamespace(
+        additional_config={"rcstat": {"method": "rc", "window": 8}},
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        kv_transfer_config=None,
+        model_config=SimpleNamespace(get_num_attention_heads=lambda parallel: 3 * KV_HEADS),
+    )
+    worker = WorkerCompression(vllm_config)
+    worker.attach_layers(["l0"], num_kv_heads=KV_HEADS, block_size=BLOCK, layout=FLASH)
+    kv_cache, _, _ = flash_request(40, group=3, seed=0)
+    worker.bind_kv_caches({"l0": kv_cache})
+    assert spy_kernels["rc"] == 1
