@@ -7,7 +7,6 @@ rank must hold that same count, and every block must be back in the pool at the 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
