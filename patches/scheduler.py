@@ -2,7 +2,8 @@
 (:mod:`rcstat_vllm.block_exchange`, where the state, the block swap and the prefix-cache invariants live).
 
 - ``Scheduler.update_from_output``: apply the worker's compaction reports (fresh blocks in, prompt blocks out).
-- ``Scheduler.schedule``: send the compactions in the next scheduler output (:class:`RCStatSchedulerOutput`).
+- ``Scheduler.schedule``: under lazy eviction, first compact parked requests if the blocks it is about to want exceed
+  the free ones; then send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`).
 - ``FullAttentionManager.cache_blocks``: a compacted request's blocks never become prefix-cache entries.
 - ``SingleTypeKVCacheManager.pop_blocks_for_free``: forget a request's compacted blocks when vLLM frees them.
 - ``KVCacheManager.get_computed_blocks``: clip a hit before the observation window; no hit returns a compacted block.
@@ -28,8 +29,14 @@ CONTRACTS = (
         ("self", "scheduler_output", "model_runner_output"),
     ),
     Contract("vllm.v1.core.sched.scheduler:Scheduler.schedule", ("self",)),
-    Contract("vllm.v1.core.sched.scheduler:Scheduler", attrs=("requests", "kv_cache_manager", "vllm_config")),
-    Contract("vllm.v1.request:Request", attrs=("request_id", "status", "num_tokens", "sampling_params")),
+    Contract(
+        "vllm.v1.core.sched.scheduler:Scheduler", attrs=("requests", "kv_cache_manager", "vllm_config", "running", "waiting")
+    ),
+    Contract("vllm.v1.core.sched.request_queue:RequestQueue.peek_request", ("self",)),
+    Contract(
+        "vllm.v1.request:Request",
+        attrs=("request_id", "status", "num_tokens", "num_computed_tokens", "sampling_params"),
+    ),
     Contract("vllm.v1.core.sched.output:SchedulerOutput"),
     Contract("vllm.v1.request:RequestStatus.RUNNING"),
     Contract(
@@ -88,6 +95,30 @@ def running_request_blocks(scheduler, req_id: str) -> list | None:
     return request_blocks(scheduler.kv_cache_manager, req_id) if is_running(scheduler, req_id) else None
 
 
+def running_request_tokens(scheduler, req_id: str) -> tuple[list, int] | None:
+    """A running request's block list and the tokens in its cache (lazy eviction compacts them); None otherwise."""
+    if not is_running(scheduler, req_id):
+        return None
+    return request_blocks(scheduler.kv_cache_manager, req_id), scheduler.requests[req_id].num_computed_tokens
+
+
+def blocks_wanted(scheduler) -> tuple[int, str]:
+    """The blocks the coming schedule is about to take (an upper bound), and what wants them: each running request's
+    blocks up to its next token (the rest of its prompt for a prefill in chunks), and the first waiting request's
+    whole prompt (its prefix-cache hits not counted)."""
+    manager = scheduler.kv_cache_manager
+    block_size = manager.coordinator.single_type_managers[0].block_size
+    growth = 0
+    for request in scheduler.running:
+        held = len(request_blocks(manager, request.request_id))
+        growth += max(0, -(-request.num_tokens // block_size) - held)
+    waiting = 0
+    if len(scheduler.waiting):
+        waiting = -(-scheduler.waiting.peek_request().num_tokens // block_size)
+    reason = f"{growth} blocks for running requests' growth and {waiting} for the first waiting request"
+    return growth + waiting, reason
+
+
 def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
@@ -110,6 +141,15 @@ def _schedule(original):
                 return original(self, *args, **kwargs)
             state = engine_compaction(self.kv_cache_manager.block_pool)
             state.config = config
+        if state.pending:
+            wanted, reason = blocks_wanted(self)
+            pool = self.kv_cache_manager.block_pool
+            if wanted > pool.get_num_free_blocks():
+                free = pool.get_num_free_blocks()
+                state.relieve_pressure(
+                    pool, wanted, lambda req_id: running_request_tokens(self, req_id),
+                    f"{wanted} blocks wanted, {free} free ({reason})",
+                )
         output = original(self, *args, **kwargs)
         if not state.outgoing:
             return output

@@ -18,6 +18,13 @@ The exchange (copy on compact; the worker side is ``rcstat_vllm/worker.py``):
 3. The next scheduler output carries the block ids (``RCStatSchedulerOutput``); the worker copies the kept
    entries there before that step's forward, so before any other request can write a freed prompt block.
 
+Lazy eviction (``eviction: lazy``): step 2 waits. The plan is parked (:attr:`EngineCompaction.pending`) while the
+request decodes over its full cache; before each schedule, when the blocks the scheduler is about to want exceed
+the free ones (:meth:`EngineCompaction.relieve_pressure`), parked requests are compacted, those freeing most first,
+until the shortfall is covered. The tokens generated meanwhile are kept whole: a request compacted at ``t`` tokens
+needs ``cdiv(t, N) - cdiv(n, N)`` more blocks than its plan at ``n`` prompt tokens said (every head keeps them,
+so each head's page count grows by exactly that), and frees as many blocks as the plan did.
+
 Invariants, enforced here: a compacted request's blocks are never cached (:meth:`EngineCompaction.may_cache`), a
 prefix-cache hit never returns a compacted block (:meth:`EngineCompaction.check_hit`, on every lookup), and every
 block returns to the pool with its request (vLLM frees the request's list, which now holds the fresh blocks).
@@ -57,17 +64,23 @@ class BlockPool(Protocol):
 
 
 def swap_in_fresh_blocks(
-    pool: BlockPool, blocks: MutableSequence[Block], report: CompressionReport
+    pool: BlockPool, blocks: MutableSequence[Block], report: CompressionReport, num_tokens: int = 0,
+    reason: str | None = None,
 ) -> tuple[Compaction, int]:
-    """Give the request fresh blocks in place of the prompt blocks it computed (its prefix-cache hits stay, shared);
+    """Give the request fresh blocks in place of the blocks it computed (its prefix-cache hits stay, shared);
     ``blocks`` is the request's block list, rewritten in place. Returns the compaction to send and the change in
-    free blocks. Fresh blocks are taken before the prompt blocks are freed when the pool has room (then no block is
-    both a copy's source and its destination); otherwise after (the worker then reads every kept entry before
+    free blocks. Fresh blocks are taken before the computed blocks are freed when the pool has room (then no block
+    is both a copy's source and its destination); otherwise after (the worker then reads every kept entry before
     writing). Refused (request left uncompressed) when even that is short, which needs prompt blocks shared with
-    running requests."""
-    shared, end = report.shared_blocks, report.prompt_blocks
+    running requests.
+
+    ``num_tokens`` (lazy eviction): the tokens in the cache now, more than the prompt's when the request decoded
+    before being compacted; its blocks up to them are replaced, the generated tokens kept whole."""
+    shared, prompt_end = report.shared_blocks, report.prompt_blocks
+    end = max(prompt_end, -(-num_tokens // report.block_size)) if report.block_size else prompt_end
     computed = blocks[shared:end]  # the blocks this request computed (its prefix-cache hits stay as they are)
-    num_fresh = report.keep_blocks - shared
+    tail = tuple(block.block_id for block in blocks[prompt_end:end])
+    num_fresh = report.keep_blocks + (end - prompt_end) - shared
     before = pool.get_num_free_blocks()
     released = sum(1 for block in computed if not block.is_null and block.ref_cnt == 1)
     if num_fresh > before + released:
@@ -77,7 +90,11 @@ def swap_in_fresh_blocks(
     if fresh is None:
         fresh = pool.get_new_blocks(num_fresh)
     blocks[shared:end] = fresh + [pool.null_block] * (end - shared - num_fresh)
-    return Compaction(report.req_id, tuple(block.block_id for block in fresh)), pool.get_num_free_blocks() - before
+    compaction = Compaction(
+        report.req_id, tuple(block.block_id for block in fresh), num_tokens=num_tokens if tail else 0,
+        tail_block_ids=tail, reason=reason,
+    )
+    return compaction, pool.get_num_free_blocks() - before
 
 
 @dataclass
@@ -92,10 +109,13 @@ class EngineCompaction:
     compacted: dict[str, tuple[int, ...]] = field(default_factory=dict)
     compacted_blocks: set[int] = field(default_factory=set)
     outgoing: list[Compaction] = field(default_factory=list)
+    #: lazy eviction: request id -> its plan, parked until the scheduler needs blocks
+    pending: dict[str, CompressionReport] = field(default_factory=dict)
 
     def forget(self, req_id: str) -> None:
         """The request's blocks go back to the pool (vLLM frees them)."""
         self.compacted_blocks.difference_update(self.compacted.pop(req_id, ()))
+        self.pending.pop(req_id, None)
 
     def apply_reports(
         self,
@@ -107,34 +127,68 @@ class EngineCompaction:
         (``running_blocks(req_id)``, None when the request finished with this step: vLLM freed its blocks and the
         worker drops the plan), queue the compactions to send, count and log."""
         for report in reports:
-            freed = 0
             if report.skipped_reason is None:
                 blocks = running_blocks(report.req_id)
                 if blocks is None:
                     continue
-                compaction, freed = swap_in_fresh_blocks(pool, blocks, report)
-                self.outgoing.append(compaction)
-                if compaction.cancelled_reason is None:
-                    self.compacted[report.req_id] = compaction.block_ids
-                    self.compacted_blocks.update(compaction.block_ids)
-                else:
-                    report = CompressionReport(
-                        report.req_id, report.num_prompt_tokens, report.method, report.prompt_blocks,
-                        skipped_reason=compaction.cancelled_reason, block_size=report.block_size,
-                    )
-            self.stats.observe(report, freed)
-            logger.debug(
-                "rcstat: request %s: compression ratio %.3f, global eviction ratio %.3f, %d blocks freed "
-                "(predicted %d), %d prompt tokens from the prefix cache, %d free now",
-                report.req_id,
-                report.compression_ratio,
-                report.global_eviction_ratio,
-                freed,
-                report.blocks_freed,
-                report.num_cached_tokens,
-                pool.get_num_free_blocks(),
-            )
+                if report.lazy:
+                    self.pending[report.req_id] = report
+                    continue
+                self._compact(pool, report, blocks)
+            else:
+                self.stats.observe(report, 0)
         self.stats.maybe_log(pool.get_num_free_blocks())
+
+    def relieve_pressure(
+        self,
+        pool: BlockPool,
+        blocks_wanted: int,
+        running: Callable[[str], tuple[MutableSequence[Block], int] | None],
+        reason: str,
+    ) -> int:
+        """Lazy eviction, before a schedule: when the scheduler is about to want more blocks than are free, compact
+        parked requests (``running(req_id)``: their block list and tokens in the cache, None when not running), the
+        ones freeing most blocks first, until the shortfall is covered or none is left. Returns the blocks freed."""
+        short = blocks_wanted - pool.get_num_free_blocks()
+        gained = 0
+        for req_id in sorted(self.pending, key=lambda r: -self.pending[r].blocks_freed):
+            if short <= gained:
+                break
+            view = running(req_id)
+            if view is None:  # waiting (preempted): vLLM frees its blocks; forget() drops the plan
+                continue
+            blocks, num_tokens = view
+            gained += self._compact(pool, self.pending.pop(req_id), blocks, num_tokens, reason)
+        if gained:
+            self.stats.maybe_log(pool.get_num_free_blocks())
+        return gained
+
+    def _compact(self, pool: BlockPool, report: CompressionReport, blocks, num_tokens: int = 0, reason=None) -> int:
+        """Swap fresh blocks into the request's list, queue the copy, count and log; the blocks freed."""
+        compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason)
+        self.outgoing.append(compaction)
+        if compaction.cancelled_reason is None:
+            self.compacted[report.req_id] = compaction.block_ids
+            self.compacted_blocks.update(compaction.block_ids)
+        else:
+            report = CompressionReport(
+                report.req_id, report.num_prompt_tokens, report.method, report.prompt_blocks,
+                skipped_reason=compaction.cancelled_reason, block_size=report.block_size,
+            )
+        self.stats.observe(report, freed)
+        logger.debug(
+            "rcstat: request %s: compression ratio %.3f, global eviction ratio %.3f, %d blocks freed "
+            "(predicted %d), %d prompt tokens from the prefix cache, %d free now%s",
+            report.req_id,
+            report.compression_ratio,
+            report.global_eviction_ratio,
+            freed,
+            report.blocks_freed,
+            report.num_cached_tokens,
+            pool.get_num_free_blocks(),
+            f" (lazy: {reason}, at {num_tokens} tokens)" if reason else "",
+        )
+        return freed
 
     def take_outgoing(self, is_running: Callable[[str], bool]) -> list[Compaction]:
         """The compactions for the next scheduler output, emptied; a request preempted by this very schedule gave

@@ -269,12 +269,35 @@ class RequestCompressor:
         return blocks_needed(self.kept, self.decision.num_tokens, space, self.shared_blocks)
 
     def compact(
-        self, caches: list[torch.Tensor], dest_blocks: torch.Tensor, space: PageSpace, layout: CacheLayout
+        self,
+        caches: list[torch.Tensor],
+        dest_blocks: torch.Tensor,
+        space: PageSpace,
+        layout: CacheLayout,
+        num_tokens: int = 0,
+        tail_block_ids: tuple[int, ...] = (),
     ) -> CompactedRequest:
-        """Copy the kept entries into ``dest_blocks`` (the scheduler's fresh blocks: ``keep_blocks`` less the shared)."""
-        if dest_blocks.numel() != self.keep_blocks - self.shared_blocks:
-            raise ValueError(f"rcstat: {dest_blocks.numel()} fresh blocks allocated, {self.keep_blocks} needed in all")
-        state = compact_request(caches, self.block_row, self.masks, dest_blocks, space, layout, self.shared_blocks)
+        """Copy the kept entries into ``dest_blocks`` (the scheduler's fresh blocks: ``keep_blocks`` less the shared).
+
+        Lazy eviction compacts later, at ``num_tokens`` tokens: the tokens generated after the prompt are kept by
+        every head (they were never scored), read from the prompt's last block and ``tail_block_ids``; each head's
+        pages grow by the blocks they span, and so does the allocation."""
+        n = self.decision.num_tokens
+        masks, source_row = self.masks, self.block_row
+        extra_blocks = 0
+        if num_tokens > n:
+            generated = num_tokens - n
+            masks = [torch.cat([mask, mask.new_ones(mask.shape[0], generated)], dim=1) for mask in masks]
+            prompt_blocks = cdiv(n, self.block_size)
+            tail = torch.tensor(tail_block_ids, dtype=source_row.dtype, device=source_row.device)
+            source_row = torch.cat([source_row[:prompt_blocks], tail])
+            extra_blocks = cdiv(num_tokens, self.block_size) - prompt_blocks
+            if len(tail_block_ids) != extra_blocks:
+                raise ValueError(f"rcstat: {len(tail_block_ids)} tail blocks sent for {generated} generated tokens")
+        needed = self.keep_blocks + extra_blocks - self.shared_blocks
+        if dest_blocks.numel() != needed:
+            raise ValueError(f"rcstat: {dest_blocks.numel()} fresh blocks allocated, {needed} needed")
+        state = compact_request(caches, source_row, masks, dest_blocks, space, layout, self.shared_blocks)
         self.masks = None
         return state
 
@@ -303,4 +326,5 @@ class RequestCompressor:
             layer_global_eviction=(~self.visible).float().mean(dim=1).tolist(),
             global_eviction_ratio=float((~self.visible.any(dim=0)).float().mean()),
             num_cached_tokens=self.num_cached_tokens,
+            lazy=self.config.eviction == "lazy",
         )

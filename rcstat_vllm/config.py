@@ -25,6 +25,7 @@ METHODS = ("rc", "snapkv", "tova", "knorm", "streaming", "random", "none")
 OBSERVING_METHODS = ("rc", "snapkv")
 
 #: Where a budget (``target_ratio``) applies: to each layer alone, or to the whole model at once.
+EVICTION_MODES = ("eager", "lazy")
 BUDGET_SCOPES = ("layer", "model")
 
 
@@ -63,6 +64,10 @@ class RCStatConfig:
         smoothing: RC only: each score is averaged over this many neighbouring tokens (an odd window centred on
             the token, as SnapKV pools its scores) before selection, so a fact's span is kept or evicted whole;
             1 = no smoothing.
+        eviction: when the selected entries are compacted and the freed blocks returned: ``eager`` right after the
+            prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
+            waiting request that does not fit, a running one that would be preempted), the requests freeing most
+            first. Under ``lazy`` a request that never meets pressure decodes over its full cache.
     """
 
     method: str = "rc"
@@ -78,6 +83,7 @@ class RCStatConfig:
     budget_scope: str = "model"
     layer_floor: float = 0.0
     smoothing: int = 3
+    eviction: str = "eager"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -107,6 +113,8 @@ class RCStatConfig:
             raise ConfigError("layer_floor", self.layer_floor, "a number in [0, 1]")
         if self.budget_scope not in BUDGET_SCOPES:
             raise ConfigError("budget_scope", self.budget_scope, " | ".join(BUDGET_SCOPES))
+        if self.eviction not in EVICTION_MODES:
+            raise ConfigError("eviction", self.eviction, " | ".join(EVICTION_MODES))
 
     @property
     def enabled(self) -> bool:

@@ -31,6 +31,12 @@ class CompressionReport:
     layer_global_eviction: list[float] = field(default_factory=list)
     #: prompt tokens served from vLLM's prefix cache (shared with earlier requests, not recomputed)
     num_cached_tokens: int = 0
+    #: lazy eviction: the scheduler compacts the request only when it needs the blocks
+    lazy: bool = False
+    #: tokens in the cache when the kept KV was compacted (0: right after the prefill, or not compacted)
+    compacted_at_tokens: int = 0
+    #: why the request was compacted then (lazy eviction's memory pressure), None for eager compaction
+    compaction_reason: str | None = None
 
     @property
     def prompt_blocks(self) -> int:
@@ -90,6 +96,9 @@ class CompressionReport:
             "global_eviction_ratio": self.global_eviction_ratio,
             "layer_global_eviction": self.layer_global_eviction,
             "num_cached_tokens": self.num_cached_tokens,
+            "lazy": self.lazy,
+            "compacted_at_tokens": self.compacted_at_tokens,
+            "compaction_reason": self.compaction_reason,
         }
 
     @classmethod

@@ -39,6 +39,13 @@ class Compaction:
     req_id: str
     block_ids: tuple[int, ...] = ()
     cancelled_reason: str | None = None
+    #: tokens whose KV is compacted: 0 = the prompt's (compacted right after its prefill); more under lazy eviction,
+    #: the generated tokens since being kept whole
+    num_tokens: int = 0
+    #: under lazy eviction, the request's blocks after its prompt's, up to ``num_tokens`` (the copy's sources there)
+    tail_block_ids: tuple[int, ...] = ()
+    #: why it was compacted now (lazy eviction: the memory pressure that called for it)
+    reason: str | None = None
 
 
 @dataclass

@@ -220,7 +220,11 @@ class WorkerCompression:
             self._cached_tokens.pop(req_id, None)
             compressor = self._awaiting_blocks.pop(req_id, None)
             if compressor is not None:
-                self._record(compressor.report("finished or preempted before its KV was compacted"))
+                lazy = compressor.config.eviction == "lazy"
+                self._record(compressor.report(
+                    "lazy eviction: memory was not short while it ran, its full KV was kept" if lazy
+                    else "finished or preempted before its KV was compacted"
+                ))
         for request in info.requests:
             if request.num_computed_tokens < request.num_prompt_tokens and request.req_id not in self._states:
                 self._cached_tokens.setdefault(request.req_id, request.num_computed_tokens)
@@ -234,10 +238,15 @@ class WorkerCompression:
             self._record(compressor.report(compaction.cancelled_reason))
             return
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
-        state = compressor.compact(self._layer_caches, dest, self.space, self.layout)
+        state = compressor.compact(
+            self._layer_caches, dest, self.space, self.layout, compaction.num_tokens, compaction.tail_block_ids
+        )
         self._resident_tables().attach(state)
         self._states[compaction.req_id] = state
-        self._record(compressor.report())
+        report = compressor.report()
+        report.compacted_at_tokens = compaction.num_tokens or compressor.decision.num_tokens
+        report.compaction_reason = compaction.reason
+        self._record(report)
 
     def _resident_tables(self) -> HeadPageTables:
         """The compressed requests' page tables, on the device the KV cache is on."""

@@ -112,19 +112,24 @@ def _recover_keep_mask(prompt_keys, compacted_keys):
     return mask
 
 
+@pytest.mark.parametrize("lazy_steps", [0, 20], ids=["eager", "lazy-after-20-steps"])
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
-def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kept_tokens(monkeypatch, pooled):
+def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kept_tokens(monkeypatch, pooled, lazy_steps):
     """Step 1: a 150-token prompt (compressed, RC budget 0.5) and a 20-token prompt (below min_prompt_len:
     uncompressed) prefill together. Then 20 decode steps in one batch (page growth included): every output
     equals dense attention over each head's kept prompt tokens plus the generated ones, and the short request
-    equals plain causal attention. With pages pooled across layers (one backing buffer) and per layer."""
+    equals plain causal attention. With pages pooled across layers (one backing buffer) and per layer. Lazy
+    eviction: the compressed request first decodes ``lazy_steps`` steps over its full cache, then is compacted with
+    those tokens kept by every head (read from the prompt's last block and the block after it)."""
     monkeypatch.setattr(FlashAttentionImpl, "do_kv_cache_update", _reference_kv_update)
     monkeypatch.setattr(FlashAttentionImpl, "forward", _reference_forward)
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     num_blocks = 40
     caches = _layer_caches(num_blocks, pooled)
+    eviction = "lazy" if lazy_steps else "eager"
     planner = _worker(
-        {"method": "rc", "target_ratio": 0.5, "min_prompt_len": 64}, layer_names, dict(zip(layer_names, caches))
+        {"method": "rc", "target_ratio": 0.5, "min_prompt_len": 64, "eviction": eviction}, layer_names,
+        dict(zip(layer_names, caches)),
     )
     assert planner.space.is_pooled == pooled
     impl = RCStatFlashImpl(
@@ -191,42 +196,62 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     assert compressed.skipped_reason is None
     assert abs(compressed.compression_ratio - 0.5) < 0.02
     assert compressed.blocks_freed > 0 and compressed.pooled_pages == pooled
-    # The scheduler's part: fresh blocks for the kept entries, copied there before the next step's forward.
-    fresh = tuple(range(30, 30 + compressed.keep_blocks))
-    planner.begin_step(StepInfo(requests=[], compactions=[Compaction("req0", fresh)]))
-    assert planner.results["req0"].keep_blocks == compressed.keep_blocks
+    assert compressed.lazy == bool(lazy_steps)
 
-    # Which tokens each (layer, head) kept, read back from its pages.
-    state = planner._states["req0"]
-    keep = []
-    for layer_index in range(LAYERS):
-        prompt_k = torch.cat(history[0][layer_index][0])  # [150, H, D]
-        per_head = []
-        for h in range(HEADS):
-            k_h = int(state.kept[layer_index, h])
-            tokens = torch.arange(k_h)
-            pages = state.tables[layer_index, h, tokens // BLOCK]
-            compacted, _ = FLASH.read(planner.page_cache(layer_index, caches[layer_index]), pages, tokens % BLOCK)
-            per_head.append(_recover_keep_mask(prompt_k[:, h], compacted))
-        keep.append(per_head)
-        assert [int(m.sum()) for m in per_head] == compressed.kept[layer_index]
-
-    lengths = list(prompt_lens)
-    for _ in range(20):
-        starts, outputs, _ = run_step(lengths, [1, 1])
-        lengths = [n + 1 for n in lengths]
+    def check_decode(starts, outputs, keep=None):
+        """Every output equals dense attention over each head's kept prompt tokens (all without ``keep``) and every
+        generated token."""
         for layer_index, (query, output) in enumerate(outputs):
             for i in range(2):
                 keys = torch.cat(history[i][layer_index][0])
                 values = torch.cat(history[i][layer_index][1])
                 for h in range(HEADS):
                     kept = torch.ones(lengths[i], dtype=torch.bool)
-                    if i == 0:
+                    if i == 0 and keep is not None:
                         kept[: prompt_lens[0]] = keep[layer_index][h]
                     q = query[starts[i] : starts[i + 1], h * GROUP : (h + 1) * GROUP]
                     expected = _dense(q, keys[kept, h], values[kept, h])
                     got = output[starts[i] : starts[i + 1], h * GROUP : (h + 1) * GROUP]
                     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    lengths = list(prompt_lens)
+    for _ in range(lazy_steps):  # lazy eviction: the scheduler has not needed the blocks yet
+        starts, outputs, _ = run_step(lengths, [1, 1])
+        lengths = [n + 1 for n in lengths]
+        assert not planner._states
+        check_decode(starts, outputs)
+    # The scheduler's part: fresh blocks for the kept entries, copied there before the next step's forward (under
+    # lazy eviction, for the generated tokens too: the blocks their positions span past the prompt's).
+    extra = cdiv(lengths[0], BLOCK) - cdiv(prompt_lens[0], BLOCK)
+    fresh = tuple(range(30, 30 + compressed.keep_blocks + extra))
+    tail = tuple(block_rows[0][cdiv(prompt_lens[0], BLOCK) : cdiv(lengths[0], BLOCK)].tolist())
+    compaction = Compaction("req0", fresh, num_tokens=lengths[0] if extra else 0, tail_block_ids=tail)
+    assert len(tail) == extra == (1 if lazy_steps else 0)
+    planner.begin_step(StepInfo(requests=[], compactions=[compaction]))
+    assert planner.results["req0"].keep_blocks == compressed.keep_blocks
+    assert planner.results["req0"].compacted_at_tokens == lengths[0]
+
+    # Which tokens each (layer, head) kept, read back from its pages.
+    state = planner._states["req0"]
+    keep = []
+    for layer_index in range(LAYERS):
+        prompt_k = torch.cat(history[0][layer_index][0])[: prompt_lens[0]]  # [150, H, D]
+        per_head = []
+        for h in range(HEADS):
+            k_h = int(state.kept[layer_index, h])
+            tokens = torch.arange(k_h)
+            pages = state.tables[layer_index, h, tokens // BLOCK]
+            compacted, _ = FLASH.read(planner.page_cache(layer_index, caches[layer_index]), pages, tokens % BLOCK)
+            generated = torch.cat(history[0][layer_index][0])[prompt_lens[0] :, h]  # kept whole, after the prompt's
+            assert torch.equal(compacted[k_h - lazy_steps :], generated)
+            per_head.append(_recover_keep_mask(prompt_k[:, h], compacted[: k_h - lazy_steps]))
+        keep.append(per_head)
+        assert [int(m.sum()) for m in per_head] == compressed.kept[layer_index]
+
+    for _ in range(20):
+        starts, outputs, _ = run_step(lengths, [1, 1])
+        lengths = [n + 1 for n in lengths]
+        check_decode(starts, outputs, keep)
 
 
 def test_head_page_view_is_the_flash_layout_and_needs_head_major_blocks():

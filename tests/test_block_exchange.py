@@ -222,3 +222,56 @@ def test_one_state_per_block_pool():
     state = engine_compaction(pool)
     assert engine_compaction(pool) is state and existing_engine_compaction(pool) is state
     assert existing_engine_compaction(other) is None
+
+
+def lazy_report(keep_blocks: int, prompt_tokens: int, req_id: str) -> CompressionReport:
+    return CompressionReport(req_id, prompt_tokens, "rc", keep_blocks, block_size=BLOCK, lazy=True)
+
+
+def test_lazy_plans_wait_until_the_scheduler_wants_more_blocks_than_are_free():
+    """Lazy eviction: a plan is parked, nothing is swapped; with no shortfall nothing happens; with one, the parked
+    requests freeing most go first, only as many as cover it, each with the tokens it holds now."""
+    pool = FakePool(40)
+    lists = {"small": allocate(pool, 4), "big": allocate(pool, 10), "mid": allocate(pool, 6)}
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    plans = [lazy_report(3, 64, "small"), lazy_report(2, 160, "big"), lazy_report(2, 96, "mid")]  # free 1, 8, 4
+    state.apply_reports(pool, plans, lambda req_id: lists[req_id])
+    assert set(state.pending) == {"small", "big", "mid"} and not state.outgoing
+    assert pool.get_num_free_blocks() == 19
+    tokens = {"small": 64, "big": 160, "mid": 96}
+    running = lambda req_id: (lists[req_id], tokens[req_id])  # noqa: E731
+
+    assert state.relieve_pressure(pool, 19, running, "no shortfall") == 0 and not state.outgoing
+    gained = state.relieve_pressure(pool, 22, running, "3 short")  # the biggest gain alone covers it
+    assert gained == 8 and [c.req_id for c in state.outgoing] == ["big"]
+    assert set(state.pending) == {"small", "mid"} and pool.get_num_free_blocks() == 27
+    assert state.outgoing[0].reason == "3 short" and state.outgoing[0].num_tokens == 0  # compacted at its prompt
+    gained = state.relieve_pressure(pool, 32, running, "5 short")  # mid (4) is not enough: small (1) too
+    assert gained == 5 and [c.req_id for c in state.outgoing[1:]] == ["mid", "small"] and not state.pending
+
+
+def test_a_lazy_compaction_after_decoding_keeps_the_generated_tokens_and_frees_what_the_plan_said():
+    """Compacted at 200 tokens, a 150-token prompt's plan (keep 4 of 10 blocks) needs cdiv(200, 16) - cdiv(150, 16)
+    = 3 more fresh blocks for the 50 generated tokens, which every head keeps; the copy reads them from the
+    prompt's last block and the 3 tail blocks, and the request still frees the plan's 6 blocks."""
+    pool = FakePool(40)
+    blocks = allocate(pool, 13)  # 200 tokens
+    tail = tuple(b.block_id for b in blocks[10:13])
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    state.apply_reports(pool, [lazy_report(4, 150, "r")], lambda req_id: blocks)
+    free = pool.get_num_free_blocks()
+    assert state.relieve_pressure(pool, free + 1, lambda req_id: (blocks, 200), "short") == 6
+    (compaction,) = state.outgoing
+    assert len(compaction.block_ids) == 7 and compaction.num_tokens == 200 and compaction.tail_block_ids == tail
+    assert len(blocks) == 13 and [b.block_id for b in blocks[:7]] == list(compaction.block_ids)
+    assert all(b.is_null for b in blocks[7:])
+
+
+def test_a_parked_request_that_is_not_running_is_skipped_and_forgotten_with_its_blocks():
+    pool = FakePool(20)
+    blocks = allocate(pool, 6)
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    state.apply_reports(pool, [lazy_report(2, 96, "r")], lambda req_id: blocks)
+    assert state.relieve_pressure(pool, 100, lambda req_id: None, "short") == 0 and state.pending
+    state.forget("r")  # vLLM freed its blocks (finished or preempted)
+    assert not state.pending

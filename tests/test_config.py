@@ -37,6 +37,8 @@ BAD_FIELDS = [
     ({"sink_tokens": 2.5}, "sink_tokens"),
     ({"min_prompt_len": 0}, "min_prompt_len"),
     ({"budget_scope": "global"}, "budget_scope"),
+    ({"eviction": "later"}, "eviction"),
+    ({"eviction": None}, "eviction"),
     ({"smoothing": 4}, "smoothing"),
     ({"layer_floor": 1.5}, "layer_floor"),
     ({"observation_window": 0}, "observation_window"),
@@ -111,7 +113,7 @@ def test_every_method_is_accepted(method):
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
               "min_prompt_len": 1, "budget_scope": "model", "layer_floor": 0.25, "smoothing": 3,
-              "observation_window": None}
+              "observation_window": None, "eviction": "lazy"}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode
