@@ -3,7 +3,9 @@
 - CPU: vLLM-CPU ignores ``--attention-backend`` (``CpuPlatform.get_attn_backend_cls`` always answers CPU_ATTN),
   so the backend is chosen by wrapping that classmethod.
 - CUDA: the plugin registers its backend as vLLM's ``CUSTOM`` attention backend and, when the flag is on and
-  no backend was asked for, sets ``attention_config.backend`` to it; vLLM's own selector then validates it.
+  no backend was asked for, sets ``attention_config.backend`` to it; vLLM's own selector then validates it. An
+  engine the plugin's backend cannot serve (``capabilities.cuda_backend_unsupported_reason``: MLA, float32, a GPU
+  below sm80, sinks, ...) keeps the backend unset, so vLLM chooses as without the plugin, and runs uncompressed.
 
 Both hooks pass straight through when the server was started without ``--additional-config '{"rcstat": ...}'``.
 """
@@ -11,6 +13,7 @@ Both hooks pass straight through when the server was started without ``--additio
 from __future__ import annotations
 
 from rcstat_vllm.api import EXTENSION_PATH
+from rcstat_vllm.capabilities import cuda_backend_unsupported_reason
 from rcstat_vllm.config import server_config
 from rcstat_vllm.log import logger
 
@@ -34,11 +37,13 @@ CONTRACTS = (
     Contract("vllm.v1.attention.backends.registry:_ATTN_OVERRIDES"),
     Contract("vllm.config.attention:AttentionConfig"),
     Contract("vllm.v1.attention.selector:_cached_get_attn_backend.cache_clear"),
+    Contract("vllm.platforms.interface:Platform.get_device_capability", ("cls", "device_id")),
 )
 
 
-def _configure_engine(vllm_config, config) -> None:
-    """What the flag changes in vLLM's config, on every platform."""
+def _configure_engine(vllm_config, config, compression_off: bool = False) -> None:
+    """What the flag changes in vLLM's config, on every platform (``compression_off``: the platform hook found the
+    plugin's backend cannot serve this engine and said why; the engine runs uncompressed)."""
     # Prefix caching stays as the user set it: compaction copies kept KV into fresh blocks and never caches them
     # (rcstat_vllm/block_exchange.py). The copy runs before the forward of the step after the scheduler freed the
     # prompt blocks; with asynchronous scheduling another step could be scheduled (and write them) before it.
@@ -58,7 +63,10 @@ def _configure_engine(vllm_config, config) -> None:
             "rcstat: worker_extension_cls is %s; rcstat_vllm.api results are unavailable",
             parallel.worker_extension_cls,
         )
-    logger.info("rcstat: KV compression enabled with %s", config.to_dict())
+    if compression_off:
+        logger.info("rcstat: plugin flag on with %s; KV compression is off (reason above)", config.to_dict())
+    else:
+        logger.info("rcstat: KV compression enabled with %s", config.to_dict())
     # The front end builds the config too: there the chat endpoint learns to return attribution.
     for installer in _AT_CONFIGURE:
         installer(vllm_config)
@@ -75,13 +83,21 @@ def install_at_configure(installer) -> None:
         _AT_CONFIGURE.append(installer)
 
 
-def select_cuda_backend(attention_config) -> bool:
-    """Point an unset ``attention_config.backend`` at the plugin's CUDA backend; False (logged) when the
-    user asked for another backend, which then runs without compression."""
+def select_cuda_backend(attention_config, unsupported_reason: str | None = None) -> bool:
+    """Point an unset ``attention_config.backend`` at the plugin's CUDA backend; False (logged once) when the
+    user asked for another backend, which then runs without compression, or when ``unsupported_reason`` says why
+    the plugin's backend cannot serve this engine: the backend then stays unset (vLLM chooses as it would without
+    the plugin) and requests run uncompressed."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     custom = AttentionBackendEnum.CUSTOM
     if attention_config.backend is None:
+        if unsupported_reason is not None:
+            logger.warning(
+                "rcstat: %s; KV compression is off, requests run uncompressed on the attention backend vLLM chooses",
+                unsupported_reason,
+            )
+            return False
         attention_config.backend = custom
         logger.info("rcstat: attention backend %s (FlashAttention with head pages)", CUDA_BACKEND_PATH)
         return True
@@ -105,12 +121,17 @@ def _check_and_update_config(original, *, select_backend: bool = False):
         from vllm.v1.attention.selector import _cached_get_attn_backend
 
         _cached_get_attn_backend.cache_clear()
+        compression_off = False
         if config is not None and select_backend:
             # Before vLLM's own checks, which size blocks and graphs for the chosen backend.
-            select_cuda_backend(vllm_config.attention_config)
+            attention_config = vllm_config.attention_config
+            reason = None
+            if attention_config.backend is None:  # an explicit choice stands, whatever it is
+                reason = cuda_backend_unsupported_reason(vllm_config, cls.get_device_capability())
+            compression_off = not select_cuda_backend(attention_config, reason)
         original(cls, vllm_config, *args, **kwargs)
         if config is not None:
-            _configure_engine(vllm_config, config)
+            _configure_engine(vllm_config, config, compression_off)
 
     return wrapper
 

@@ -15,6 +15,12 @@ from rcstat_vllm.contract import Contract
 _CPU = "vllm.v1.attention.backends.cpu_attn"
 _FLASH = "vllm.v1.attention.backends.flash_attn"
 _IMPL_FEATURES = ("alibi_slopes", "sinks", "sliding_window")
+#: ``AttentionBackend.validate_configuration``'s parameters, as vLLM's selector passes them (by keyword)
+_VALIDATE_PARAMS = (
+    "cls", "head_size", "dtype", "kv_cache_dtype", "block_size", "use_mla", "has_sink", "use_sparse", "use_mm_prefix",
+    "use_per_head_quant_scales", "device_capability", "attn_type", "has_sliding_window", "use_non_causal",
+    "use_batch_invariant", "use_kv_connector", "use_pcp", "use_adaptive_verification", "use_dcp", "use_rswa",
+)
 
 CONTRACTS = (
     # vLLM-CPU's attention kernels: head-as-sequence attention (rcstat_vllm/head_attention.py) and the layout probe
@@ -46,7 +52,25 @@ CONTRACTS = (
     ),
     Contract(f"{_CPU}:CPUAttentionBackendImpl", attrs=_IMPL_FEATURES, platform="cpu"),
     Contract(f"{_FLASH}:FlashAttentionImpl", attrs=_IMPL_FEATURES),
-    Contract("vllm.config.cache:CacheConfig", attrs=("kv_offloading_size",)),
+    Contract(
+        "vllm.config.cache:CacheConfig",
+        attrs=("kv_offloading_size", "cache_dtype", "block_size", "user_specified_block_size"),
+    ),
+    # whether vLLM's FlashAttention backend can serve the engine, asked before any layer exists
+    # (rcstat_vllm/capabilities.cuda_backend_unsupported_reason): its own check, with the selector's arguments
+    Contract("vllm.v1.attention.backend:AttentionBackend.validate_configuration", _VALIDATE_PARAMS),
+    Contract("vllm.v1.attention.backend:AttentionType.DECODER"),
+    Contract("vllm.platforms.interface:DeviceCapability"),
+    Contract(
+        "vllm.config.model:ModelConfig",
+        attrs=("dtype", "use_mla", "is_mm_prefix_lm", "rswa_window", "hf_text_config", "get_head_size"),
+    ),
+    Contract("vllm.config.attention:AttentionConfig", attrs=("use_non_causal",)),
+    Contract(
+        "vllm.config.parallel:ParallelConfig",
+        attrs=("prefill_context_parallel_size", "decode_context_parallel_size"),
+    ),
+    Contract("vllm.config.kv_transfer:KVTransferConfig", attrs=("is_kv_transfer_instance",)),
     # the process group on which TP ranks agree how many blocks a compressed request keeps (rcstat_vllm/worker.py)
     Contract("vllm.distributed.parallel_state:get_tp_group", ()),
     Contract("vllm.distributed.parallel_state:GroupCoordinator", attrs=("cpu_group",)),
@@ -96,6 +120,38 @@ def shares_kv_cache(layer) -> bool:
 def kv_offloading_size(cache_config) -> Any:
     """The KV offloading tier's size (None or 0 without offloading)."""
     return getattr(cache_config, "kv_offloading_size", None)
+
+
+def backend_invalid_reasons(backend, vllm_config, device_capability, *, has_sink: bool) -> list[str]:
+    """What vLLM's own check (``AttentionBackend.validate_configuration``) finds wrong with ``backend`` for this
+    engine's decoder layers, asked with the arguments vLLM's selector (``vllm.v1.attention.selector.get_attn_backend``)
+    builds from the config, before any layer exists: head size, dtype, KV-cache dtype, block size, MLA, sinks
+    (``has_sink``: the model code decides them per layer), compute capability... An empty list: vLLM would accept it.
+    """
+    import vllm.envs as envs
+    from vllm.v1.attention.backend import AttentionType
+
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    kv_transfer = vllm_config.kv_transfer_config
+    return backend.validate_configuration(
+        head_size=model.get_head_size(),
+        dtype=model.dtype,
+        kv_cache_dtype=cache.cache_dtype,
+        block_size=cache.block_size if cache.user_specified_block_size else None,
+        use_mla=model.use_mla,
+        has_sink=has_sink,
+        use_sparse=False,
+        use_mm_prefix=bool(model.is_mm_prefix_lm),
+        use_per_head_quant_scales=False,
+        device_capability=device_capability,
+        attn_type=AttentionType.DECODER,
+        use_non_causal=vllm_config.attention_config.use_non_causal,
+        use_batch_invariant=envs.VLLM_BATCH_INVARIANT,
+        use_kv_connector=kv_transfer is not None and kv_transfer.is_kv_transfer_instance,
+        use_pcp=parallel.prefill_context_parallel_size > 1,
+        use_dcp=parallel.decode_context_parallel_size > 1,
+        use_rswa=model.rswa_window is not None,
+    )
 
 
 def tensor_parallel_cpu_group():
