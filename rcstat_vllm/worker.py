@@ -29,6 +29,7 @@ Who calls what:
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -53,6 +54,7 @@ from rcstat_vllm.page_space import PageSpace, pooled_space_or_reason
 from rcstat_vllm.page_tables import HeadPageTables
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import Compaction, StepInfo
+from rcstat_vllm.vllm_internals import forward_context
 
 #: How many finished requests' results the worker keeps for the Python API.
 MAX_RESULTS = 100_000
@@ -124,11 +126,12 @@ class WorkerCompression:
         self._reports: list[CompressionReport] = []
         self.results: OrderedDict[str, CompressionReport] = OrderedDict()
 
-    def disable(self, reason: str) -> None:
-        """Run every request uncompressed (each logs ``reason`` in its report)."""
+    def disable(self, reason: str, *, warn: bool = True) -> None:
+        """Run every request uncompressed (each logs ``reason`` in its report); ``warn=False`` logs it as information
+        (a warning with the cause was logged at start-up already)."""
         if self.disabled_reason is None:
             self.disabled_reason = reason
-            logger.warning("rcstat: compression off for this engine: %s", reason)
+            logger.log(logging.WARNING if warn else logging.INFO, "rcstat: compression off for this engine: %s", reason)
 
     @property
     def num_layers(self) -> int:
@@ -161,6 +164,9 @@ class WorkerCompression:
         """Decide the page space from the layers' cache tensors (layer name -> ``[B, H, N, 2D]``), once, and say
         which at start-up."""
         if not self.layer_names:
+            # No builder of the plugin's backend: vLLM chose another for every layer (an explicit
+            # --attention-backend, or the platform hook found the plugin's cannot serve this engine and said why).
+            self.disable(f"vLLM's own attention backend serves every layer ({self._vllm_impls()})", warn=False)
             return
         for name in self.layer_names:
             unusable = None if name not in caches else self.layout.unsupported_reason(caches[name])
@@ -190,6 +196,12 @@ class WorkerCompression:
                 "the blocks a request holds",
                 reason,
             )
+
+    def _vllm_impls(self) -> str:
+        """The attention impl classes of the model's layers, by name."""
+        layers = forward_context(self.vllm_config.compilation_config).values()
+        names = sorted({type(layer.impl).__name__ for layer in layers if getattr(layer, "impl", None) is not None})
+        return ", ".join(names) or "no attention layer"
 
     def _warm_up_scoring(self, cache: torch.Tensor | None) -> None:
         """Compile the server's scoring kernel now (on a GPU), not at the first compressed request."""
@@ -228,7 +240,21 @@ class WorkerCompression:
         for request in info.requests:
             if request.num_computed_tokens < request.num_prompt_tokens and request.req_id not in self._states:
                 self._cached_tokens.setdefault(request.req_id, request.num_computed_tokens)
+        if not self.layer_names and self.disabled_reason is not None:
+            self._report_unserved(info)
         self._step = info
+
+    def _report_unserved(self, info: StepInfo) -> None:
+        """No layer runs the plugin's backend (no builder plans the steps): each request finishing its prefill is
+        reported uncompressed, with the reason, as the builder's plan would report it."""
+        block_size = self.vllm_config.cache_config.block_size
+        for request in info.requests:
+            if request.finishes_prefill:
+                decision = plan_compression(request, self.config, 0, 0, self.disabled_reason)
+                report = decision.skipped_report(0, 0, block_size)
+                report.num_cached_tokens = self._cached_tokens.pop(request.req_id, 0)
+                self._record(report)
+                self._reports.append(report)
 
     def _run_compaction(self, compaction: Compaction) -> None:
         compressor = self._awaiting_blocks.pop(compaction.req_id, None)

@@ -22,7 +22,9 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from rcstat_vllm.backend_cuda import RCStatFlashBackend  # noqa: E402
 from rcstat_vllm.capabilities import cuda_backend_unsupported_reason  # noqa: E402
 from rcstat_vllm.patches import platform  # noqa: E402
+from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
 from rcstat_vllm.vllm_internals import backend_invalid_reasons  # noqa: E402
+from rcstat_vllm.worker import start_worker_compression  # noqa: E402
 
 SM75, SM80, SM90 = DeviceCapability(7, 5), DeviceCapability(8, 0), DeviceCapability(9, 0)
 
@@ -154,3 +156,30 @@ def test_sinks_are_read_from_the_config_as_vllms_model_code_reads_them():
 def test_unknown_capability_still_answers_what_the_config_says():
     assert "MLA" in cuda_backend_unsupported_reason(_engine(use_mla=True, head_size=576), None)
     assert cuda_backend_unsupported_reason(_engine(), None) is None
+
+
+class TritonAttentionImpl:  # named as vLLM's: what the worker's reason names
+    pass
+
+
+def test_the_worker_of_a_fallen_back_engine_reports_every_request_uncompressed(caplog):
+    """No layer runs the plugin's backend, so no builder of it plans the steps: the worker says so (information, the
+    start-up warning was the platform's) and reports each request uncompressed, as the builder's plan would."""
+    context = {"model.layers.0.self_attn.attn": SimpleNamespace(impl=TritonAttentionImpl())}
+    config = _engine(use_mla=True, head_size=576, context=context)
+    owner = start_worker_compression(config)
+    owner.bind_kv_caches({})  # the runner hook, once vLLM bound its caches; no builder attached a layer
+    assert "vLLM's own attention backend serves every layer (TritonAttentionImpl)" in owner.disabled_reason
+    assert _rcstat_warnings(caplog) == []
+
+    owner.begin_step(StepInfo(requests=[BatchRequest("long", 300, 0, 256), BatchRequest("short", 40, 0, 40)]))
+    assert [r.req_id for r in owner.pop_reports()] == ["short"]  # "long" is still in prefill
+    owner.begin_step(StepInfo(requests=[BatchRequest("long", 300, 256, 44), BatchRequest("short", 40, 40, 1)]))
+    (report,) = owner.pop_reports()
+    assert report.req_id == "long" and report.skipped_reason == owner.disabled_reason
+    results = owner.compression_results()
+    assert set(results) == {"long", "short"}
+    for result in results.values():
+        assert result["skipped_reason"] == owner.disabled_reason
+        assert result["compression_ratio"] == 0.0 and result["blocks_freed"] == 0
+    assert results["long"]["keep_blocks"] == 300 // 16 + 1  # every prompt block kept
