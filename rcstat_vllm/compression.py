@@ -20,6 +20,7 @@ import torch
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
 from rcstat_vllm.head_pages import CacheLayout, CompactedRequest, blocks_needed, cdiv, compact_request
 from rcstat_vllm.kernels.rc_scoring import triton_available
+from rcstat_vllm.log import logger
 from rcstat_vllm.page_space import PageSpace
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_budget_across_layers, select_threshold
@@ -186,6 +187,27 @@ def select_keep_masks(scores: list[torch.Tensor], config: RCStatConfig, comparab
     return [select_threshold(s, config.window, config.c, config.sink_tokens).mask for s in scores]
 
 
+def deferred_keep_blocks(config: RCStatConfig, num_tokens: int, num_layers: int, space: PageSpace,
+                         shared_blocks: int = 0) -> int | None:
+    """Lazy eviction in budget mode over pooled pages: the most blocks a request's kept KV can need, known before
+    scoring, so its scoring can wait until the scheduler needs its blocks (a request that never meets pressure is
+    never scored). The budget fixes how many entries are kept (:func:`select_budget`: ``T - round(ratio * T)`` of the
+    ``T`` entries the request computed, or the window and sinks if more, give or take one per layer of rounding);
+    only their spread over the heads is unknown, and each head rounds up to whole pages at most once. None where
+    nothing bounds it before scoring: threshold mode, eager eviction, pages per layer."""
+    if config.eviction != "lazy" or not config.budget_mode or not space.is_pooled:
+        return None
+    block_size = space.block_size
+    heads = num_layers * space.num_heads
+    own = num_tokens - shared_blocks * block_size
+    total = heads * own
+    forced = heads * min(own, config.window + max(config.sink_tokens - shared_blocks * block_size, 0))
+    kept = min(max(total - round(config.target_ratio * total) + num_layers, forced), total)
+    # sum over heads of ceil((k + to_boundary) / N) <= (sum of k + heads * (to_boundary + N - 1)) / N
+    pages = (kept + heads * (-num_tokens % block_size + block_size - 1)) // block_size
+    return shared_blocks + min(cdiv(pages, heads), cdiv(num_tokens, block_size) - shared_blocks)
+
+
 class RequestCompressor:
     """Compresses one request: each layer is scored as it runs during the forward of the request's last prefill
     chunk (:meth:`score_layer`); once every layer is scored, :meth:`select` decides what each (layer, head) keeps
@@ -212,11 +234,59 @@ class RequestCompressor:
         #: prompt tokens served from the prefix cache (computed by an earlier request)
         self.num_cached_tokens = 0
         self.block_size, self.pooled_pages = 0, False
+        #: KV heads of this rank (known once selected or planned)
+        self.num_kv_heads = 0
         self.scorer = get_scorer(self.config.method, **scorer_options(self.config))
+        #: lazy eviction with scoring deferred to the compaction (:func:`deferred_keep_blocks`): per layer, the
+        #: observation window's queries and the attention scale, kept until then; None: scored during the prefill
+        self.windows: list[tuple[torch.Tensor, float] | None] | None = None
+
+    @property
+    def deferred(self) -> bool:
+        """Scored at compaction time, from the queries kept at prefill (lazy eviction)."""
+        return self.windows is not None
 
     @property
     def fully_scored(self) -> bool:
+        """Every layer seen by the prefill: scored, or its window kept for a deferred scoring."""
+        if self.windows is not None:
+            return all(window is not None for window in self.windows)
         return all(scores is not None for scores in self.scores)
+
+    def defer_scoring(self) -> None:
+        self.windows = [None] * len(self.scores)
+
+    def observe_layer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        layout: CacheLayout,
+        saved_queries: torch.Tensor | None = None,
+    ) -> None:
+        """During the prefill's last chunk: score the layer now, or (deferred) keep its window's queries."""
+        q_window = self.window_of(query, saved_queries)
+        if self.windows is not None:
+            self.windows[layer] = (q_window.clone(), scale)
+        else:
+            self.score_window(layer, q_window, kv_cache, scale, layout)
+
+    def window_of(self, query: torch.Tensor, saved_queries: torch.Tensor | None = None) -> torch.Tensor:
+        """The observation window's queries ``[Hq, w, D]`` of this request, from the step's ``[T, Hq, D]`` and the
+        trailing queries of earlier chunks."""
+        d = self.decision
+        queries = query[d.query_start : d.query_end]
+        if saved_queries is not None:
+            queries = torch.cat([saved_queries, queries])
+        width = min(window_queries(self.config), queries.shape[0])
+        return queries[-width:].transpose(0, 1)  # the model's dtype (the torch path casts to float32)
+
+    def score_deferred(self, caches: list[torch.Tensor], layout: CacheLayout) -> None:
+        """Score every layer from the kept windows (the prompt's keys are still in its blocks: not compacted yet)."""
+        for layer, (q_window, scale) in enumerate(self.windows):
+            self.score_window(layer, q_window, caches[layer], scale, layout)
+        self.windows = None
 
     def score_layer(
         self,
@@ -228,17 +298,16 @@ class RequestCompressor:
         saved_queries: torch.Tensor | None = None,
     ) -> None:
         """Score one layer's prompt tokens per KV head. ``query`` is the step's [T, Hq, D] (RoPE applied: vLLM
-        passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks.
+        passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks."""
+        self.score_window(layer, self.window_of(query, saved_queries), kv_cache, scale, layout)
+
+    def score_window(self, layer: int, q_window: torch.Tensor, kv_cache: torch.Tensor, scale: float, layout) -> None:
+        """Score one layer's prompt tokens per KV head from its window's queries ``[Hq, w, D]``.
 
         The prompt is read in place from the paged cache (no dense copy of every head's keys and values): by the
         Triton kernels when :func:`triton_scoring` allows and the method has one, else by gathering what the
         scorer reads. The scores stay on the cache's device (no host synchronisation)."""
         d = self.decision
-        queries = query[d.query_start : d.query_end]
-        if saved_queries is not None:
-            queries = torch.cat([saved_queries, queries])
-        width = min(window_queries(self.config), queries.shape[0])
-        q_window = queries[-width:].transpose(0, 1)  # [Hq, w, D], the model's dtype (the torch path casts to float32)
         keys, values = layout.key_value_caches(kv_cache)
         prompt = PagedPrompt(keys, values, self.block_row, d.num_tokens)
         use_triton = triton_scoring(layout, kv_cache)
@@ -261,6 +330,7 @@ class RequestCompressor:
         own = select_keep_masks([scores[:, shared:] for scores in self.scores], config)
         self.masks = [torch.nn.functional.pad(mask, (shared, 0), value=True) for mask in own]
         kept = torch.stack([mask.sum(dim=1) for mask in self.masks])  # [L, H]
+        self.num_kv_heads = kept.shape[1]
         visible = torch.stack([mask.any(dim=0) for mask in self.masks])  # [L, n]
         # Selection's one device-to-host transfer: the page bookkeeping (blocks_needed, the scheduler's plan, the
         # report) runs on the host; the masks stay on the device for the copy.
@@ -282,6 +352,8 @@ class RequestCompressor:
         Lazy eviction compacts later, at ``num_tokens`` tokens: the tokens generated after the prompt are kept by
         every head (they were never scored), read from the prompt's last block and ``tail_block_ids``; each head's
         pages grow by the blocks they span, and so does the allocation."""
+        if self.deferred:
+            self._score_and_select_within(caches, space, layout, self.keep_blocks)
         n = self.decision.num_tokens
         masks, source_row = self.masks, self.block_row
         extra_blocks = 0
@@ -301,8 +373,43 @@ class RequestCompressor:
         self.masks = None
         return state
 
+    def plan_deferred(self, space: PageSpace, keep_blocks: int) -> int:
+        """Deferred scoring: the plan is the budget's bound (:func:`deferred_keep_blocks`), nothing selected yet."""
+        self.block_size, self.pooled_pages = space.block_size, space.is_pooled
+        self.num_kv_heads = space.num_heads
+        return keep_blocks
+
+    def _score_and_select_within(self, caches, space: PageSpace, layout: CacheLayout, allocated: int) -> None:
+        """Deferred scoring at compaction time: score, select, and check the selection fits the blocks the scheduler
+        allocated from the bound. Only non-finite scores (forced keeps) can exceed it; then the budget tightens
+        until the kept entries fit, logged."""
+        self.score_deferred(caches, layout)
+        scores = list(self.scores)
+        needed = self.select(space)
+        while needed > allocated:
+            ratio = self.config.target_ratio
+            if ratio >= 0.99:
+                raise RuntimeError(f"rcstat: request {self.decision.req_id}: its forced keeps need {needed} blocks, "
+                                   f"{allocated} were allocated")
+            self.config = dataclasses.replace(self.config, target_ratio=min(0.99, ratio + 0.05))
+            logger.warning("rcstat: request %s: %d blocks needed, %d allocated: evicting %.2f instead",
+                           self.decision.req_id, needed, allocated, self.config.target_ratio)
+            self.scores = list(scores)
+            needed = self.select(space)
+
     def report(self, skipped_reason: str | None = None) -> CompressionReport:
         """The outcome (or the plan, before the copy); with ``skipped_reason`` the request stays uncompressed."""
+        if skipped_reason is None and self.kept is None:  # a deferred plan: the bound, nothing scored yet
+            return CompressionReport(
+                req_id=self.decision.req_id,
+                num_prompt_tokens=self.decision.num_tokens,
+                method=self.config.method,
+                keep_blocks=self.keep_blocks,
+                block_size=self.block_size,
+                pooled_pages=self.pooled_pages,
+                num_cached_tokens=self.num_cached_tokens,
+                lazy=True,
+            )
         if skipped_reason is not None:
             n = self.decision.num_tokens
             return CompressionReport(
@@ -310,7 +417,7 @@ class RequestCompressor:
                 num_prompt_tokens=n,
                 method=self.config.method,
                 keep_blocks=cdiv(n, self.block_size),
-                kept=[[n] * self.kept.shape[1] for _ in range(self.kept.shape[0])],
+                kept=[[n] * self.num_kv_heads for _ in range(len(self.scores))],
                 skipped_reason=skipped_reason,
                 block_size=self.block_size,
                 num_cached_tokens=self.num_cached_tokens,

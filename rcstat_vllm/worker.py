@@ -40,6 +40,7 @@ from rcstat_vllm.attribution.capture import attribution_capture
 from rcstat_vllm.capabilities import engine_not_pooled_reason, engine_unsupported_reason, unsupported_layer_reason
 from rcstat_vllm.compression import (
     RequestCompressor,
+    deferred_keep_blocks,
     plan_compression,
     request_config,
     triton_scoring,
@@ -455,15 +456,32 @@ class WorkerCompression:
                     decision, self.num_layers, block_table[row]
                 )
                 compressor.num_cached_tokens = self._cached_tokens.pop(decision.req_id, 0)
+                if self._deferred_bound(compressor) is not None:
+                    compressor.defer_scoring()
             saved = self._saved_queries.get(decision.req_id)
-            compressor.score_layer(
+            compressor.observe_layer(
                 layer_index, query, kv_cache, scale, self.layout, None if saved is None else saved[layer_index]
             )
         if all(compressor.fully_scored for compressor in self._scoring.values()):
             # Every layer is scored: select (the kept entries are copied once the scheduler gave their blocks).
+            # Deferred (lazy eviction): plan the budget's bound; scoring and selection wait for the compaction.
             for compressor in self._scoring.values():
-                self._selected.append((compressor, compressor.select(self.space)))
+                if compressor.deferred:
+                    needed = compressor.plan_deferred(self.space, self._deferred_bound(compressor))
+                else:
+                    needed = compressor.select(self.space)
+                self._selected.append((compressor, needed))
             self._scoring.clear()
+
+    def _deferred_bound(self, compressor: RequestCompressor) -> int | None:
+        """The blocks a lazily evicted request's kept KV needs at most, when it can be known before scoring (then
+        scoring waits for the compaction); None otherwise. Single-rank only: under tensor parallelism the ranks'
+        selections must agree in the step that selects."""
+        if self.block_agreement_group is not None:
+            return None
+        shared_blocks = compressor.num_cached_tokens // self.block_size
+        d = compressor.decision
+        return deferred_keep_blocks(d.config, d.num_tokens, self.num_layers, self.space, shared_blocks)
 
 
 # ---- the worker's owner: one per process (a worker process runs one model runner) ----

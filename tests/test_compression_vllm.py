@@ -119,12 +119,14 @@ def test_uncompressed_requests_in_a_compressed_batch_match_running_alone(driver)
 
 
 def test_lazy_eviction_keeps_the_full_cache_while_the_pool_holds_every_request(driver):
-    """Lazy eviction scores at prefill but compacts nothing while memory suffices: both requests decode over their
-    full cache, token for token as with method none, and their results say why they kept it."""
+    """Lazy eviction compacts nothing while memory suffices (in budget mode it does not even score: that waits for a
+    compaction): both requests decode over their full cache, token for token as with method none, and their results
+    say why they kept it."""
     prompts = [driver.prompt(600, offset=21), driver.prompt(500, offset=22)]
     full = driver.run([(f"full-{i}", p, greedy(16, method="none")) for i, p in enumerate(prompts)])
     free_before = driver.free_blocks()
-    lazy = driver.run([(f"lazy-{i}", p, greedy(16, eviction="lazy")) for i, p in enumerate(prompts)])
+    lazy = driver.run([(f"lazy-{i}", p, greedy(16, eviction="lazy", target_ratio=0.5))
+                       for i, p in enumerate(prompts)])
     assert driver.free_blocks() == free_before
     driver.run([("flush-lazy", driver.prompt(8), greedy(1))])  # delivers the finished ids to the worker
     for i in range(2):
@@ -136,9 +138,10 @@ def test_lazy_eviction_keeps_the_full_cache_while_the_pool_holds_every_request(d
 
 def test_lazy_eviction_compacts_when_a_waiting_request_does_not_fit(driver):
     """Six 900-token requests (29 blocks each) over a pool that holds four: the scheduler compacts parked requests,
-    those freeing most first, when the next waiting one does not fit; each compacted request keeps what it generated
-    meanwhile; every block comes back."""
-    requests = [(f"lazy-p{i}", driver.prompt(900, offset=30 + i), greedy(24, eviction="lazy")) for i in range(6)]
+    those freeing most first, when the next waiting one does not fit; each is scored then (budget mode: the
+    allocation is the budget's bound) and keeps what it generated meanwhile; every block comes back."""
+    requests = [(f"lazy-p{i}", driver.prompt(900, offset=30 + i), greedy(24, eviction="lazy", target_ratio=0.5))
+                for i in range(6)]
     assert 6 * cdiv(900 + 24, BLOCK) > driver.initial_free
     run = driver.run(requests)
     driver.run([("flush-lazy-p", driver.prompt(8), greedy(1))])
@@ -148,6 +151,7 @@ def test_lazy_eviction_compacts_when_a_waiting_request_does_not_fit(driver):
     assert compacted, [r["skipped_reason"] for r in results]
     for result in compacted:
         assert result["lazy"] and result["blocks_freed"] > 0 and "blocks wanted" in result["compaction_reason"]
+        assert abs(result["compression_ratio"] - 0.5) < 0.01  # scored at compaction time (budget: deferred)
         assert 900 <= result["compacted_at_tokens"] < 900 + 24
     assert len(compacted) < len(results)  # the last ones ran while memory sufficed
     assert driver.free_blocks() == driver.initial_free

@@ -222,3 +222,45 @@ def test_prefix_cache_hits_stay_shared_and_only_the_computed_tokens_are_copied()
     masks[0][0, 5] = False
     with pytest.raises(ValueError, match="kept by every head"):
         compact_request(caches, row, masks, fresh, space, shared_blocks=shared)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_deferred_bound_covers_every_spread_of_the_budget_over_the_heads(seed):
+    """Lazy eviction allocates before scoring: for any spread of the budget's kept entries over (layer, head)s, from
+    the window and sinks up to every token, the blocks needed never exceed :func:`deferred_keep_blocks`; and the bound
+    is tight (within one block of an even spread)."""
+    from rcstat_vllm.compression import deferred_keep_blocks
+    from rcstat_vllm.config import RCStatConfig
+
+    g = torch.Generator().manual_seed(seed)
+    layers, heads, block = 6, 3, 16
+    space = PageSpace.pooled(torch.zeros(1), [0] * layers, heads, block)
+    for _ in range(25):
+        n = int(torch.randint(80, 900, (1,), generator=g))
+        shared = int(torch.randint(0, 3, (1,), generator=g))
+        ratio = float(torch.rand(1, generator=g)) * 0.9
+        config = RCStatConfig(target_ratio=ratio, eviction="lazy")
+        bound = deferred_keep_blocks(config, n, layers, space, shared)
+        own = n - shared * block
+        forced = min(own, config.window + max(config.sink_tokens - shared * block, 0))
+        total = max(layers * heads * own - round(ratio * layers * heads * own), layers * heads * forced)
+        for spread in ("even", "skewed", "random"):
+            if spread == "even":
+                weights = torch.ones(layers * heads)
+            elif spread == "skewed":
+                weights = torch.rand(layers * heads, generator=g) ** 8
+            else:
+                weights = torch.rand(layers * heads, generator=g)
+            extra = total - layers * heads * forced
+            share = (weights / weights.sum() * extra).floor().long().clamp(max=own - forced)
+            share[: extra - int(share.sum())] += 1  # the leftover, one each, where room remains
+            kept = (forced + share).clamp(max=own).view(layers, heads) + shared * block
+            needed = blocks_needed(kept, n, space, shared)
+            assert needed <= bound, (n, shared, ratio, spread)
+            if spread == "even":
+                assert bound - needed <= 1
+    assert deferred_keep_blocks(RCStatConfig(), 500, layers, space) is None  # eager: scored at prefill
+    threshold = RCStatConfig.from_dict({"eviction": "lazy", "c": 1.0})
+    assert deferred_keep_blocks(threshold, 500, layers, space) is None
+    per_layer = PageSpace.per_layer(layers, heads, block)
+    assert deferred_keep_blocks(RCStatConfig(eviction="lazy"), 500, layers, per_layer) is None
