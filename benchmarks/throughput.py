@@ -10,6 +10,7 @@ Runs, each its own subprocess and engine, one after another:
   vanilla            VLLM_PLUGINS=__none__ (the plugin is not loaded at all)
   none               the plugin on with method none (no eviction; the plugin's attention backend)
   default            the bare flag ({"rcstat": {}}: the plugin's defaults)
+  lazy               the bare flag's settings with lazy eviction (compacted only when the pool is short)
   rc_c0.5/1/1.5      RC threshold mode
   rc_budget_r0.5     RC budget mode at 0.5, the plugin's defaults otherwise
   snapkv/tova@rc_c1  SnapKV and TOVA in budget mode, each request at the ratio RC (c=1) achieved on it
@@ -365,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         ("vanilla", {"VLLM_PLUGINS": "__none__"}, dict(rcstat=None, overhead={**ov, "methods": {"vanilla": None}})),
         ("none", {}, dict(rcstat={"method": "none"})),
         ("default", {}, dict(rcstat={})),  # the bare flag, whatever RCStatConfig() says
+        ("lazy", {}, dict(rcstat={"eviction": "lazy"})),  # the bare flag's settings, compacted under pressure only
     ]
     for c in cfg.get("c_values", ()):
         extra = {"overhead": {**ov, "methods": overhead_methods}} if c == args.matched_c else {}
@@ -380,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.prefix_caching_study:
         base["shared_prefix"] = 1024 if args.shared_prefix is None else args.shared_prefix
         plan = [(f"{name}{'+pc' if pc else ''}", env, dict(rcstat=rcstat, prefix_caching=pc))
-                for name, env, rcstat in (("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}))
+                for name, env, rcstat in (("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}),
+                                          ("lazy", {}, {"eviction": "lazy"}))
                 for pc in (True, False)]
     elif args.shared_prefix:
         base["shared_prefix"] = args.shared_prefix
