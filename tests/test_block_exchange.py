@@ -275,3 +275,31 @@ def test_a_parked_request_that_is_not_running_is_skipped_and_forgotten_with_its_
     assert state.relieve_pressure(pool, 100, lambda req_id: None, "short") == 0 and state.pending
     state.forget("r")  # vLLM freed its blocks (finished or preempted)
     assert not state.pending
+
+
+def test_blocks_wanted_counts_running_growth_and_the_first_waiting_prompt():
+    """The pressure signal lazy eviction acts on (patches/scheduler.blocks_wanted): a decoding request whose next
+    token starts a new block wants one, a prefill in chunks the rest of its prompt, the first waiting request its
+    whole prompt; requests whose blocks cover their tokens want none."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from rcstat_vllm.patches.scheduler import blocks_wanted
+
+    def request(req_id, num_tokens):
+        return SimpleNamespace(request_id=req_id, num_tokens=num_tokens)
+
+    lists = {"full": [0] * 4, "grows": [0] * 4, "chunked": [0] * 2}
+    manager = SimpleNamespace(
+        single_type_managers=[SimpleNamespace(block_size=BLOCK, req_to_blocks=lists)],
+    )
+    waiting = [request("next", 100)]
+    scheduler = SimpleNamespace(
+        kv_cache_manager=SimpleNamespace(coordinator=manager),
+        running=[request("full", 4 * BLOCK), request("grows", 4 * BLOCK + 1), request("chunked", 10 * BLOCK)],
+        waiting=type("Queue", (), {"__len__": lambda self: len(waiting), "peek_request": lambda self: waiting[0]})(),
+    )
+    wanted, reason = blocks_wanted(scheduler)
+    assert wanted == 0 + 1 + 8 + 7 and "9 blocks for running" in reason and "7 for the first waiting" in reason
+    waiting.clear()
+    assert blocks_wanted(scheduler)[0] == 9
