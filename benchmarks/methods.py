@@ -88,7 +88,7 @@ def plugin_defaults() -> dict:
 def kvpress_windows() -> dict[str, int]:
     """The baselines' published observation windows, as the plugin's scorers carry them (SnapKV 64 as kvpress's
     SnapKVPress, kernel 5; TOVA 1: the last token's attention, as kvpress's TOVAPress)."""
-    from rcstat_vllm.scoring.scorers import SnapKVScorer, TOVAScorer
+    from rcstat_vllm.scoring import SnapKVScorer, TOVAScorer
 
     return {"snapkv": SnapKVScorer.default_window_size, "tova": TOVAScorer.default_window_size}
 

@@ -1,8 +1,8 @@
 """Fused RC scoring straight from vLLM's paged key cache (Triton), with its torch reference.
 
 Both compute, for one request and one layer, the expected RC of Eq. 6 of every non-window prompt token,
-per query head, averaged over the G query heads of each KV head (the ``gqa_reduce="mean"`` of
-:class:`rcstat_vllm.scoring.RCScorer`). Scale-free: raw logits <q, k>.
+per query head, averaged over the G query heads of each KV head (as :class:`rcstat_vllm.scoring.RCScorer`).
+Scale-free: raw logits <q, k>.
 
 The kernel never materialises the [G*w, n] cross-logit matrix in global memory. What is small is done in
 torch first: the window's w keys are gathered, its w(w+1)/2 causal self logits per query head are sorted

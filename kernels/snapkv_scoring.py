@@ -1,8 +1,8 @@
 """Paged SnapKV scoring (Triton, two passes) with its torch reference.
 
-Same numbers as :class:`rcstat_vllm.scoring.SnapKVScorer` with ``gqa_reduce="mean"`` for the non-window
-tokens: causal softmax of the w window queries over the prompt, mean over the window queries and the G
-query heads of each KV head, then average pooling along tokens.
+Same numbers as :class:`rcstat_vllm.scoring.SnapKVScorer` for the non-window tokens: causal softmax of the
+w window queries over the prompt, mean over the window queries and the G query heads of each KV head, then
+average pooling along tokens.
 
 The softmax needs each window query's normaliser over *all* n keys before any weight is known, so the
 kernel is two passes over the keys, like attention without values:
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rcstat_vllm.scoring.scorers import SnapKVScorer, smooth_scores
+from rcstat_vllm.scoring.base import smooth_scores
+from rcstat_vllm.scoring.methods.snapkv import SnapKVScorer
 
 from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 

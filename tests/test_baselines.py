@@ -18,7 +18,7 @@ from rcstat_vllm.scoring import (
     get_scorer,
     select_budget,
 )
-from rcstat_vllm.scoring.scorers import smooth_scores
+from rcstat_vllm.scoring.base import smooth_scores
 
 INF = float("inf")
 LN2, LN3 = math.log(2), math.log(3)
@@ -52,9 +52,6 @@ def test_rc_scorer_hand_worked_and_window_marked():
     scores = RCScorer(window_size=2).score(queries, keys, unused_values(keys), scale=0.125)
     assert scores.dtype == torch.float32
     approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
-    # IOT: j=0: 3 vs {1} -> 2; j=1: 6 vs {2, 4} -> 3; mean 2.5.
-    iot = RCScorer(window_size=2, iot=True).score(queries, keys, unused_values(keys), scale=0.125)
-    approx_row(iot[0].tolist(), [2.5, 0.0, INF, INF])
 
 
 def test_rc_scorer_uses_trailing_window_queries_only():
@@ -67,7 +64,7 @@ def test_rc_scorer_uses_trailing_window_queries_only():
     approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
 
 
-def test_rc_gqa_mean_and_max_follow_vllm_head_grouping():
+def test_rc_gqa_mean_follows_vllm_head_grouping():
     # Hq = 4, Hkv = 2, G = 2, w = 1: query heads 0, 1 read KV head 0; heads 2, 3 read KV head 1.
     keys = col([[1.0, 3.0, 2.0], [5.0, 0.0, 1.0]])
     queries = col([[2.0], [1.0], [3.0], [4.0]])
@@ -76,9 +73,6 @@ def test_rc_gqa_mean_and_max_follow_vllm_head_grouping():
     mean = RCScorer(window_size=1).score(queries, keys, unused_values(keys), 1.0)
     approx_row(mean[0].tolist(), [0.0, 1.5, INF])
     approx_row(mean[1].tolist(), [14.0, 0.0, INF])
-    top = RCScorer(window_size=1, gqa_reduce="max").score(queries, keys, unused_values(keys), 1.0)
-    approx_row(top[0].tolist(), [0.0, 2.0, INF])
-    approx_row(top[1].tolist(), [16.0, 0.0, INF])
 
 
 def test_gqa_head_count_must_divide():
@@ -142,8 +136,6 @@ def test_tova_last_query_attention_averaged_over_all_heads():
     scores = scorer.score(queries, keys, unused_values(keys), scale=1.0)
     approx_row(scores[0].tolist(), [1 / 3, 1 / 4, INF])
     approx_row(scores[1].tolist(), [1 / 3, 1 / 4, INF])
-    top = TOVAScorer(gqa_reduce="max").score(queries, keys, unused_values(keys), scale=1.0)
-    approx_row(top[1].tolist(), [1 / 3, 1 / 3, INF])
 
 
 # ---------------------------------------------------------------------------------------------- Knorm
@@ -197,14 +189,14 @@ def test_registry_defaults_and_options():
     snap = get_scorer("snapkv", window_size=16, kernel_size=3)
     assert (snap.name, snap.window_size, snap.kernel_size) == ("snapkv", 16, 3)
     assert get_scorer("streaming").n_sink == 4
-    assert get_scorer("rc", iot=True).iot is True
+    assert get_scorer("random", seed=3).seed == 3
 
 
 def test_registry_unknown_method_names_allowed():
     with pytest.raises(ValueError, match="allowed: knorm, random, rc, snapkv, streaming, tova"):
         get_scorer("h2o")
     with pytest.raises(ValueError, match="gqa_reduce"):
-        get_scorer("rc", gqa_reduce="median")
+        get_scorer("rc", gqa_reduce="median")  # a knob the method does not have (the message lists its own)
 
 
 @pytest.mark.parametrize("method", sorted(SCORERS))

@@ -177,7 +177,7 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
     import accuracy
 
     from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.scoring.scorers import SnapKVScorer, TOVAScorer
+    from rcstat_vllm.scoring import SnapKVScorer, TOVAScorer
 
     defaults = RCStatConfig()
     settings = methods.accuracy_settings()

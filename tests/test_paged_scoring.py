@@ -34,8 +34,7 @@ import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
 from rcstat_vllm.compression import CompressionDecision, RequestCompressor, select_keep_masks, triton_scoring  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 from rcstat_vllm.head_pages import CPU_VEC, FLASH, gather_prompt  # noqa: E402
-from rcstat_vllm.scoring import SCORERS, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
-from rcstat_vllm.scoring.scorers import PagedPrompt  # noqa: E402
+from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
 
 # SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.
 KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 64, 16, 12
@@ -164,6 +163,76 @@ def test_triton_path_on_half_caches_is_close_to_the_float32_reference(monkeypatc
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * scale)
 
 
+#: Every registered method with its defaults and with other values of its knobs (as kvpress's presses drive its
+#: tests): the scorer contract below runs on each. A new method (or knob) needs a case here.
+SCORER_CASES = [
+    ("rc", {}),
+    ("rc", {"window_size": 4, "smoothing": 3}),
+    ("snapkv", {}),
+    ("snapkv", {"window_size": 6, "kernel_size": 3}),
+    ("tova", {}),
+    ("knorm", {}),
+    ("streaming", {}),
+    ("streaming", {"n_sink": 1}),
+    ("random", {}),
+    ("random", {"seed": 5}),
+]
+CASE_IDS = [method + "".join(f"-{k}={v}" for k, v in knobs.items()) for method, knobs in SCORER_CASES]
+
+
+def test_scorer_cases_cover_every_registered_method_and_knob():
+    assert {method for method, _ in SCORER_CASES} == set(SCORERS)
+    for method, scorer_cls in SCORERS.items():
+        varied = {knob for name, knobs in SCORER_CASES if name == method for knob in knobs}
+        assert varied >= set(scorer_cls.options()) - {"window_size"}, f"{method}: add a case that sets its knobs"
+
+
+def paged_prompt_case(num_tokens=61, given_queries=16, seed=6):
+    """A FLASH cache with one request's prompt on a scrambled block table (last page part-full), its dense float32
+    keys and values, and the trailing ``given_queries`` queries [Hq, w, d]."""
+    kv_cache, block_row, query = flash_request(num_tokens, 3, seed=seed)
+    prompt = PagedPrompt(*FLASH.key_value_caches(kv_cache), block_row, num_tokens)
+    keys, values = gather_prompt(kv_cache, block_row, num_tokens, FLASH)
+    return prompt, keys.float(), values.float(), query[-given_queries:].transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("method, knobs", SCORER_CASES, ids=CASE_IDS)
+def test_every_scorer_keeps_the_scoring_contract(method, knobs):
+    """float32 [Hkv, n]; +inf exactly on the tokens the method always keeps (its trailing window, its sinks), finite
+    elsewhere; the same numbers from a fresh scorer with the same knobs on the same inputs."""
+    num_tokens, given = 61, 16
+    _, keys, values, q_window = paged_prompt_case(num_tokens, given)
+    scorer = get_scorer(method, **knobs)
+    assert all(getattr(scorer, knob) == value for knob, value in knobs.items())
+    scores = scorer.score(q_window, keys, values, SCALE)
+    assert scores.shape == (KV_HEADS, num_tokens) and scores.dtype == torch.float32
+    window = min(scorer.window_size, given)
+    sinks = getattr(scorer, "n_sink", 0)
+    always = torch.zeros(num_tokens, dtype=torch.bool)
+    always[num_tokens - window :] = True
+    always[:sinks] = True
+    assert torch.isinf(scores[:, always]).all() and (scores[:, always] > 0).all()
+    assert torch.isfinite(scores[:, ~always]).all()
+    again = get_scorer(method, **knobs).score(q_window, keys, values, SCALE)
+    torch.testing.assert_close(again, scores, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("method, knobs", SCORER_CASES, ids=CASE_IDS)
+def test_every_scorer_scores_a_paged_prompt_as_its_dense_copy(spy_kernels, method, knobs, use_triton):
+    """Scorer.score_paged on a small random paged cache equals Scorer.score on the dense keys and values: exactly on
+    the torch path, to float32 rounding where a Triton kernel runs (RC and SnapKV, under the interpreter here)."""
+    prompt, keys, values, q_window = paged_prompt_case()
+    want = get_scorer(method, **knobs).score(q_window, keys, values, SCALE)
+    scorer = get_scorer(method, **knobs)
+    got = scorer.score_paged(q_window, prompt, SCALE, use_triton=use_triton)
+    in_triton = scorer.scores_in_triton(prompt, use_triton)
+    assert in_triton == (use_triton and method in ("rc", "snapkv"))
+    assert spy_kernels.get(method, 0) == int(in_triton)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6 if method == "snapkv" else 1e-5} if in_triton else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
 @pytest.mark.parametrize("method", sorted(SCORERS))
 def test_no_scorer_reads_values(monkeypatch, method):
     """A cache whose value half is NaN scores exactly as a clean one, on both paths: values are never read."""
@@ -201,9 +270,6 @@ def test_each_scorer_takes_its_kernel_only_where_it_computes_the_same_scores():
     assert RCScorer().scores_in_triton(prompt, use_triton=True)
     assert SnapKVScorer().scores_in_triton(prompt, use_triton=True)
     assert not RCScorer().scores_in_triton(prompt, use_triton=False)
-    assert not RCScorer(iot=True).scores_in_triton(prompt, use_triton=True)  # no IOT kernel
-    assert not RCScorer(gqa_reduce="max").scores_in_triton(prompt, use_triton=True)  # the kernels take the mean
-    assert not SnapKVScorer(gqa_reduce="max").scores_in_triton(prompt, use_triton=True)
     for name in ("tova", "knorm", "streaming", "random"):
         assert not get_scorer(name).scores_in_triton(prompt, use_triton=True)
     double = PagedPrompt(*FLASH.key_value_caches(kv_cache.double()), torch.arange(4), 50)
@@ -211,12 +277,12 @@ def test_each_scorer_takes_its_kernel_only_where_it_computes_the_same_scores():
 
 
 def test_scorers_fall_back_to_torch_where_no_kernel_applies(monkeypatch, spy_kernels):
-    kv_cache, block_row, query = flash_request(61, 3, seed=4)
+    kv_cache, block_row, query = flash_request(61, 3, seed=4, dtype=torch.float64)  # no kernel takes float64
     prompt = PagedPrompt(*FLASH.key_value_caches(kv_cache), block_row, 61)
-    q_window = query[-8:].transpose(0, 1)
-    for scorer in (RCScorer(iot=True), RCScorer(gqa_reduce="max"), SnapKVScorer(gqa_reduce="max")):
+    q_window = query[-8:].transpose(0, 1).float()
+    keys = gather_prompt(kv_cache, block_row, 61, FLASH)[0].float()
+    for scorer in (RCScorer(), SnapKVScorer(), get_scorer("tova")):
         got = scorer.score_paged(q_window, prompt, SCALE, use_triton=True)
-        keys = gather_prompt(kv_cache, block_row, 61, FLASH)[0]
         torch.testing.assert_close(got, scorer.score(q_window, keys, None, SCALE), rtol=0, atol=0)
     assert spy_kernels == {"rc": 0, "snapkv": 0}
 

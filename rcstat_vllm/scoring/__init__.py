@@ -1,5 +1,19 @@
-"""Token scoring (RCStat and baselines) and the selection of what each KV head keeps."""
+"""Token scoring (RCStat and baselines) and the selection of what each KV head keeps.
 
+``base`` holds the scorer interface, ``methods`` one module per method and the registry (:data:`SCORERS`),
+``rc`` the RC statistics, ``selection`` the keep sets."""
+
+from .base import PagedPrompt, Scorer
+from .methods import (
+    SCORERS,
+    KnormScorer,
+    RandomScorer,
+    RCScorer,
+    SnapKVScorer,
+    StreamingLLMScorer,
+    TOVAScorer,
+    get_scorer,
+)
 from .rc import (
     expected_rc,
     expected_rc_grouped,
@@ -9,24 +23,13 @@ from .rc import (
     rc_lower_bound,
     rc_upper_bound,
 )
-from .scorers import (
-    SCORERS,
-    KnormScorer,
-    RandomScorer,
-    RCScorer,
-    Scorer,
-    SnapKVScorer,
-    StreamingLLMScorer,
-    TOVAScorer,
-    get_scorer,
-)
 from .selection import (
     LAYER_COMPARABLE_SCORES,
     KeepSet,
     budget_keep_count,
+    layer_floor_ratio,
     select_budget,
     select_budget_across_layers,
-    layer_floor_ratio,
     select_threshold,
 )
 
@@ -40,6 +43,7 @@ __all__ = [
     "rc_upper_bound",
     "SCORERS",
     "Scorer",
+    "PagedPrompt",
     "RCScorer",
     "SnapKVScorer",
     "TOVAScorer",

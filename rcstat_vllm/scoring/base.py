@@ -1,0 +1,208 @@
+"""The interface every scoring method implements (in the spirit of kvpress's ScorerPress), and what they share.
+
+A scorer turns one layer's prompt (trailing queries, keys, values) into one importance score per
+(KV head, prompt token); :mod:`rcstat_vllm.scoring.selection` then decides what to keep. Higher = more
+important; tokens a method always keeps (its observation window, its sinks) score +inf. The methods themselves
+live one per module in :mod:`rcstat_vllm.scoring.methods`, each a dataclass whose fields are its knobs.
+
+GQA convention (vLLM / HF): Hq = G * Hkv query heads, query head h reads KV head h // G. Methods that score
+with queries compute one score per query head and average the G heads of a group (what kvpress/SnapKV do, see
+FasterDecoding/SnapKV#22).
+
+Inside the engine the prompt lives in a paged KV cache: :meth:`Scorer.score_paged` scores it there
+(:class:`PagedPrompt`), with a Triton kernel that reads the keys in place where one computes the method
+(RC and SnapKV, :mod:`rcstat_vllm.kernels`), otherwise by gathering only the tensors the method reads
+(:attr:`Scorer.needs_keys`, :attr:`Scorer.needs_values`) and calling :meth:`Scorer.score`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rcstat_vllm.kernels.paged import gather_paged_tokens
+
+__all__ = [
+    "Scorer",
+    "PagedPrompt",
+    "PAGED_KERNEL_DTYPES",
+    "group_queries",
+    "mark_window_kept",
+    "smooth_scores",
+]
+
+
+def group_queries(q_window: Tensor, num_kv_heads: int) -> Tensor:
+    """[Hq, w, d] -> [Hkv, G, w, d]: query head h goes to KV head h // G (a view, no copy)."""
+    num_q_heads = q_window.shape[0]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV-head groups")
+    return q_window.reshape(num_kv_heads, num_q_heads // num_kv_heads, *q_window.shape[1:])
+
+
+def mark_window_kept(non_window_scores: Tensor, window: int) -> Tensor:
+    """[Hkv, n - window] -> float32 [Hkv, n] with the window tokens at +inf."""
+    kept = torch.full(
+        (non_window_scores.shape[0], window), float("inf"), dtype=torch.float32, device=non_window_scores.device
+    )
+    return torch.cat([non_window_scores.to(torch.float32), kept], dim=1)
+
+
+def smooth_scores(scores: Tensor, kernel_size: int) -> Tensor:
+    """SnapKV's same-length average pooling along the last dim: [..., n] -> [..., n]."""
+    if scores.shape[-1] == 0 or kernel_size == 1:
+        return scores
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    pooled = F.avg_pool1d(flat, kernel_size=kernel_size, stride=1, padding=kernel_size // 2)
+    return pooled.reshape(scores.shape)
+
+
+def check_odd(name: str, value: int) -> int:
+    """A same-length pooling width: an odd integer >= 1."""
+    if value < 1 or value % 2 == 0:
+        raise ValueError(f"{name} must be an odd integer >= 1 (same-length pooling), got {value}")
+    return int(value)
+
+
+#: Cache dtypes the Triton scoring kernels take (tensor-core dots on 16-bit inputs, IEEE products on float32);
+#: others (fp8 caches, float64 in tests) score in torch.
+PAGED_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PagedPrompt:
+    """One request's prompt in a paged KV cache, to be read in place.
+
+    Attributes:
+        keys, values: [num_blocks, Hkv, block_size, d] cache views (strided views are fine: e.g. the key and
+            value halves of vLLM's fused ``[num_blocks, Hkv, block_size, 2d]`` rows).
+        block_table:  [pages] the request's block ids in token order (may be longer than the prompt needs).
+        num_tokens:   n, the prompt tokens to score.
+    """
+
+    keys: Tensor
+    values: Tensor
+    block_table: Tensor
+    num_tokens: int
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    def gather_keys(self) -> Tensor:
+        """[Hkv, n, d] float32 copy of the prompt's keys (the torch path)."""
+        return gather_paged_tokens(self.keys, self.block_table, 0, self.num_tokens).float()
+
+    def gather_values(self) -> Tensor:
+        """[Hkv, n, d_v] float32 copy of the prompt's values (only for scorers that read them)."""
+        return gather_paged_tokens(self.values, self.block_table, 0, self.num_tokens).float()
+
+    @property
+    def kernel_dtype(self) -> bool:
+        """Whether the Triton kernels take this cache's dtype."""
+        return self.keys.dtype in PAGED_KERNEL_DTYPES
+
+
+@dataclass(eq=False)
+class Scorer(ABC):
+    """Scores every prompt token of one layer, per KV head. Subclasses are dataclasses: their fields are the
+    method's knobs (:meth:`options`), validated in ``__post_init__``.
+
+    Attributes:
+        window_size: how many trailing prompt queries :meth:`score` needs (0 = none; None = the method's
+            ``default_window_size``). Given fewer (short prompt), a scorer uses what it gets; given more, it uses
+            the last ``window_size``.
+        name: registry name (see :data:`rcstat_vllm.scoring.SCORERS`).
+        needs_keys, needs_values: whether :meth:`score` reads the prompt's keys / values; :meth:`score_paged`
+            gathers nothing else (no method here reads values: a value-aware one would set ``needs_values``).
+    """
+
+    name: ClassVar[str]
+    default_window_size: ClassVar[int] = 0
+    needs_keys: ClassVar[bool] = True
+    needs_values: ClassVar[bool] = False
+
+    window_size: int | None = None
+
+    def __post_init__(self) -> None:
+        requested = self.window_size
+        self.window_size = self.default_window_size if requested is None else int(requested)
+        if self.window_size < 0:
+            raise ValueError(f"window_size must be >= 0, got {requested}")
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        """The method's knobs: the keyword arguments its constructor takes."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @abstractmethod
+    def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+        """Importance of every prompt token for every KV head.
+
+        Args:
+            q_window: [Hq, w, d] queries of the last w prompt positions (RoPE applied).
+            keys:     [Hkv, n, d] prompt keys (RoPE applied). values: [Hkv, n, d_v].
+                      From :meth:`score_paged`: keys [Hkv, n, 0] if not ``needs_keys``, values None if not
+                      ``needs_values``.
+            scale:    the layer's softmax scale (1/sqrt(d) usually); used by softmax-based methods.
+        Returns:
+            float32 [Hkv, n], higher = more important, +inf = always kept.
+        """
+
+    def score_paged(self, q_window: Tensor, prompt: PagedPrompt, scale: float, use_triton: bool = False) -> Tensor:
+        """:meth:`score` of a prompt read from a paged cache: same arguments and result, ``prompt`` for keys/values.
+
+        ``use_triton`` is the caller's go-ahead for the Triton kernels (the cache is where they run: a CUDA device,
+        or the interpreter in tests); the scorer then takes its kernel if it has one that computes exactly its
+        scores (:meth:`scores_in_triton`). Otherwise it gathers the keys (and values only if it reads them) into
+        float32 copies for :meth:`score`.
+        """
+        if self.scores_in_triton(prompt, use_triton):
+            return self._score_paged_triton(q_window, prompt, scale)
+        keys = prompt.gather_keys() if self.needs_keys else self._key_placeholder(prompt)
+        values = prompt.gather_values() if self.needs_values else None
+        return self.score(q_window.float(), keys, values, scale)
+
+    def scores_in_triton(self, prompt: PagedPrompt, use_triton: bool) -> bool:
+        """The path :meth:`score_paged` takes: True = the Triton kernel, False = gather + :meth:`score`."""
+        return bool(use_triton) and self.triton_kernel_applies(prompt)
+
+    def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
+        """Whether a Triton paged kernel computes this scorer's scores for ``prompt`` (none by default)."""
+        return False
+
+    def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
+        raise NotImplementedError(f"{self.name} has no Triton paged kernel")
+
+    @staticmethod
+    def _key_placeholder(prompt: PagedPrompt) -> Tensor:
+        """[Hkv, n, 0]: the shape and device position-only scorers use, without reading the cache."""
+        return prompt.keys.new_empty(prompt.num_kv_heads, prompt.num_tokens, 0, dtype=torch.float32)
+
+    def _window_length(self, num_queries: int, num_tokens: int) -> int:
+        """w' = min(w, window_size, n): the trailing queries a windowed method uses."""
+        w = min(num_queries, self.window_size, num_tokens)
+        if w < 1:
+            raise ValueError(f"{self.name} scoring needs at least one window query")
+        return w
+
+    def _trailing_window(self, q_window: Tensor, keys: Tensor) -> Tensor:
+        """The last min(w, window_size) queries, grouped per KV head: [Hkv, G, w', d]."""
+        if keys.dim() != 3 or q_window.dim() != 3:
+            raise ValueError(f"expected q_window [Hq, w, d] and keys [Hkv, n, d], got "
+                             f"{tuple(q_window.shape)} and {tuple(keys.shape)}")
+        w = self._window_length(q_window.shape[1], keys.shape[1])
+        return group_queries(q_window[:, q_window.shape[1] - w :], keys.shape[0])
+
+    def _paged_window(self, q_window: Tensor, prompt: PagedPrompt) -> Tensor:
+        """The same trailing queries as :meth:`_trailing_window`, ungrouped [Hq, w', d] as the kernels take them."""
+        if q_window.dim() != 3:
+            raise ValueError(f"expected q_window [Hq, w, d], got {tuple(q_window.shape)}")
+        w = self._window_length(q_window.shape[1], prompt.num_tokens)
+        return q_window[:, q_window.shape[1] - w :]

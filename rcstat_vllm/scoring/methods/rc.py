@@ -1,0 +1,50 @@
+"""RCStat: expected relative contextualization (Eq. 6 of the paper)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..base import PagedPrompt, Scorer, check_odd, mark_window_kept, smooth_scores
+from ..rc import expected_rc_grouped
+
+
+@dataclass(eq=False)
+class RCScorer(Scorer):
+    """RCStat: Eq. 6 per query head over the trailing ``window_size`` queries, averaged over each KV head's G
+    query heads; the window tokens get +inf.
+
+    Scale-free (raw logits): the softmax scale multiplies all scores of a layer alike.
+
+    Attributes:
+        smoothing: SnapKV-style average pooling along tokens (the config's ``smoothing``): each score is averaged
+            over this many neighbours, an odd integer >= 1 (1 = the paper's scores as they are).
+    """
+
+    name = "rc"
+    default_window_size = 8
+
+    smoothing: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.smoothing = check_odd("smoothing", self.smoothing)
+
+    def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+        queries = self._trailing_window(q_window, keys)
+        per_query_head = expected_rc_grouped(queries, keys)  # [Hkv, G, n - w]
+        scores = smooth_scores(per_query_head.mean(dim=1), self.smoothing)
+        return mark_window_kept(scores, queries.shape[2])
+
+    def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
+        return prompt.kernel_dtype
+
+    def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
+        # lazy: the kernels module imports scoring
+        from rcstat_vllm.kernels.rc_scoring import rc_scores_paged
+
+        queries = self._paged_window(q_window, prompt)
+        # [Hkv, n - w'] for the non-window tokens, already the GQA mean; RC is scale-free (no ``scale``).
+        scores = rc_scores_paged(queries, prompt.keys, prompt.block_table, prompt.num_tokens)
+        return mark_window_kept(smooth_scores(scores, self.smoothing), queries.shape[1])

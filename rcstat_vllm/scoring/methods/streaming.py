@@ -1,0 +1,40 @@
+"""StreamingLLM (Xiao et al. 2024): keep the first tokens (attention sinks) and the most recent ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..base import Scorer
+
+
+@dataclass(eq=False)
+class StreamingLLMScorer(Scorer):
+    """StreamingLLM: the first ``n_sink`` tokens score +inf, every other token its position.
+
+    Positions are float32 (exact up to 2^24 tokens), so keeping any top-k (budget mode) keeps the sinks plus the
+    k - n_sink most recent tokens, and every head agrees. Under threshold mode the rule becomes "keep tokens after
+    c * mean position".
+
+    Attributes:
+        n_sink: attention-sink tokens always kept; 4 as published.
+    """
+
+    name = "streaming"
+    default_window_size = 0
+    needs_keys = False  # positions only
+
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+
+    def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+        num_kv_heads, n = keys.shape[:2]
+        positions = torch.arange(n, dtype=torch.float32, device=keys.device)
+        positions[: self.n_sink] = float("inf")
+        return positions.unsqueeze(0).expand(num_kv_heads, n).clone()
