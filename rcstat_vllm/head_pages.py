@@ -144,12 +144,6 @@ def read_kv(kv_cache: Tensor, pages: Tensor, offsets: Tensor, layout: CacheLayou
     return layout.read(kv_cache, pages, offsets)
 
 
-def write_kv(
-    kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor, layout: CacheLayout = CPU_VEC
-) -> None:
-    layout.write(kv_cache, pages, offsets, keys, values)
-
-
 def flash_head_page_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     """Key and value caches with one KV head per page, ``[num_blocks * H, N, 1, D]`` each (views): the paged
     cache shape vLLM's FlashAttention kernels take, over head pages instead of blocks.
@@ -304,15 +298,6 @@ def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks
     own = kept - shared_blocks * space.block_size
     pages_then = (own + to_boundary + space.block_size - 1) // space.block_size  # [L, H]
     return shared_blocks + min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size) - shared_blocks)
-
-
-def stack_tables(tables: list[Tensor]) -> Tensor:
-    """Per-layer ``[H, P_l]`` page tables -> one ``[L, H, max P_l]`` tensor padded with -1."""
-    width = max(t.shape[1] for t in tables)
-    stacked = torch.full((len(tables), tables[0].shape[0], width), -1, dtype=torch.int64, device=tables[0].device)
-    for layer, table in enumerate(tables):
-        stacked[layer, :, : table.shape[1]] = table
-    return stacked
 
 
 @dataclass

@@ -185,12 +185,6 @@ class AttributionCapture:
             if row.row_end > row.row_start:
                 row.trace.record(layer_index, row.position, query[row.row_start : row.row_end], key[row.row_start : row.row_end])
 
-    def record_request(self, layer_index: int, req_id: str, position: int, query: Tensor, key: Tensor) -> None:
-        """The per-request form: rows of positions position .. position + t - 1 of a request already planned."""
-        trace = self.traces.get(req_id)
-        if trace is not None:
-            trace.record(layer_index, position, query, key)
-
     # ---- traces ----
 
     def _new_trace(self, req_id: str, num_prompt_tokens: int, num_layers: int, options: AttributionOptions) -> AttributionTrace:
@@ -272,7 +266,3 @@ class AttributionWorkerMixin:
 
     def rcstat_attribution_results(self, req_id, prompt_ranges, generated_ranges, pop=True):
         return worker_results(req_id, prompt_ranges, generated_ranges, pop)
-
-    def rcstat_attribution_requests(self) -> list[str]:
-        """Request ids whose traces this worker holds."""
-        return list(attribution_capture().traces)
