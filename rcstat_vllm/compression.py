@@ -24,7 +24,7 @@ from rcstat_vllm.log import logger
 from rcstat_vllm.page_space import PageSpace
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_budget_across_layers, select_threshold
-from rcstat_vllm.scoring.scorers import PagedPrompt
+from rcstat_vllm.scoring import PagedPrompt
 from rcstat_vllm.step import BatchRequest
 
 
