@@ -4,7 +4,7 @@
   so the backend is chosen by wrapping that classmethod.
 - CUDA: the plugin registers its backend as vLLM's ``CUSTOM`` attention backend and, when the flag is on and
   no backend was asked for, sets ``attention_config.backend`` to it; vLLM's own selector then validates it. An
-  engine the plugin's backend cannot serve (``capabilities.cuda_backend_unsupported_reason``: MLA, float32, a GPU
+  engine the plugin's backend cannot serve (``backend_cuda.cuda_backend_unsupported_reason``: MLA, float32, a GPU
   below sm80, sinks, ...) keeps the backend unset, so vLLM chooses as without the plugin, and runs uncompressed.
 
 Both hooks pass straight through when the server was started without ``--additional-config '{"rcstat": ...}'``.
@@ -13,7 +13,6 @@ Both hooks pass straight through when the server was started without ``--additio
 from __future__ import annotations
 
 from rcstat_vllm.api import EXTENSION_PATH
-from rcstat_vllm.capabilities import cuda_backend_unsupported_reason
 from rcstat_vllm.config import server_config
 from rcstat_vllm.log import logger
 
@@ -127,6 +126,8 @@ def _check_and_update_config(original, *, select_backend: bool = False):
             attention_config = vllm_config.attention_config
             reason = None
             if attention_config.backend is None:  # an explicit choice stands, whatever it is
+                from rcstat_vllm.backend_cuda import cuda_backend_unsupported_reason  # imports FlashAttention
+
                 reason = cuda_backend_unsupported_reason(vllm_config, cls.get_device_capability())
             compression_off = not select_cuda_backend(attention_config, reason)
         original(cls, vllm_config, *args, **kwargs)

@@ -31,9 +31,10 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attention_sinks
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.head_pages import FLASH
-from rcstat_vllm.vllm_internals import kv_scales
+from rcstat_vllm.vllm_internals import backend_invalid_reasons, kv_scales
 from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
 
 #: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
@@ -124,6 +125,46 @@ def unsupported_reason(vllm_config, layer_names, kv_cache_spec=None) -> str | No
             f"FlashAttention version {version} (head size {kv_cache_spec.head_size}): head-as-sequence is written for "
             f"the paged varlen kernel of versions {', '.join(map(str, SUPPORTED_FA_VERSIONS))}"
         )
+    return None
+
+
+def cuda_backend_unsupported_reason(vllm_config, device_capability) -> str | None:
+    """Why the plugin's CUDA backend (FlashAttention with head pages, ``rcstat_vllm/backend_cuda.py``) cannot serve
+    this engine, from its config and the GPU's compute capability (None: not known), or None when it can.
+
+    Asked by the platform hook before vLLM chooses a backend: with a reason the engine runs the backend vLLM would
+    have chosen without the plugin, uncompressed, instead of refusing to start ("Selected backend ... is not valid")
+    or running the plugin's backend with nothing to compress. FlashAttention's own limits are answered by vLLM's
+    check of the plugin's backend class (a FlashAttention subclass), so they follow vLLM's.
+    """
+    reason = engine_unsupported_reason(vllm_config)
+    if reason is not None:
+        return reason
+    reason = unsupported_reason(vllm_config, ())  # what the builder would refuse from the config alone
+    if reason is not None:
+        return reason
+    model = vllm_config.model_config
+    if model is None:
+        return None
+    if model.use_mla:
+        return "MLA (multi-head latent attention) model: the plugin's FlashAttention backend serves no MLA"
+    if not RCStatFlashBackend.supports_dtype(model.dtype):
+        return f"model dtype {str(model.dtype).removeprefix('torch.')}: FlashAttention runs float16 and bfloat16 only"
+    if device_capability is not None and not RCStatFlashBackend.supports_compute_capability(device_capability):
+        return (
+            f"GPU compute capability {device_capability.major}.{device_capability.minor}: FlashAttention needs "
+            "8.0 or newer"
+        )
+    if not RCStatFlashBackend.supports_head_size(model.get_head_size()):
+        return f"head size {model.get_head_size()}: not one FlashAttention supports"
+    if model_has_attention_sinks(model):
+        # Head-as-sequence passes no sinks to FlashAttention (and FlashAttention has them only from FA3, sm90).
+        return "attention sinks in the model's attention layers: the plugin's FlashAttention backend cannot serve them"
+    if device_capability is None:
+        return None
+    invalid = backend_invalid_reasons(RCStatFlashBackend, vllm_config, device_capability, has_sink=False)
+    if invalid:
+        return f"vLLM's FlashAttention backend cannot serve this engine ({'; '.join(invalid)})"
     return None
 
 

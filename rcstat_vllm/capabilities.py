@@ -4,7 +4,6 @@ a reason (logged, compression turned off) or None."""
 from __future__ import annotations
 
 from rcstat_vllm.vllm_internals import (
-    backend_invalid_reasons,
     forward_context,
     impl_sinks,
     kv_offloading_size,
@@ -26,49 +25,6 @@ def engine_unsupported_reason(vllm_config) -> str | None:
     if getattr(parallel, "use_ubatching", False):
         # Metadata is built per micro-batch: a step's plan would see part of the batch the worker was handed.
         return "micro-batching (DBO / ubatching): each micro-batch plans only part of the step"
-    return None
-
-
-def cuda_backend_unsupported_reason(vllm_config, device_capability) -> str | None:
-    """Why the plugin's CUDA backend (FlashAttention with head pages, ``rcstat_vllm/backend_cuda.py``) cannot serve
-    this engine, from its config and the GPU's compute capability (None: not known), or None when it can.
-
-    Asked by the platform hook before vLLM chooses a backend: with a reason the engine runs the backend vLLM would
-    have chosen without the plugin, uncompressed, instead of refusing to start ("Selected backend ... is not valid")
-    or running the plugin's backend with nothing to compress. FlashAttention's own limits are answered by vLLM's
-    check of the plugin's backend class (a FlashAttention subclass), so they follow vLLM's.
-    """
-    reason = engine_unsupported_reason(vllm_config)
-    if reason is not None:
-        return reason
-    # Imported here: the CUDA backend's module imports the worker, which imports this module.
-    from rcstat_vllm.backend_cuda import RCStatFlashBackend, unsupported_reason
-
-    reason = unsupported_reason(vllm_config, ())  # what the builder would refuse from the config alone
-    if reason is not None:
-        return reason
-    model = vllm_config.model_config
-    if model is None:
-        return None
-    if model.use_mla:
-        return "MLA (multi-head latent attention) model: the plugin's FlashAttention backend serves no MLA"
-    if not RCStatFlashBackend.supports_dtype(model.dtype):
-        return f"model dtype {str(model.dtype).removeprefix('torch.')}: FlashAttention runs float16 and bfloat16 only"
-    if device_capability is not None and not RCStatFlashBackend.supports_compute_capability(device_capability):
-        return (
-            f"GPU compute capability {device_capability.major}.{device_capability.minor}: FlashAttention needs "
-            "8.0 or newer"
-        )
-    if not RCStatFlashBackend.supports_head_size(model.get_head_size()):
-        return f"head size {model.get_head_size()}: not one FlashAttention supports"
-    if model_has_attention_sinks(model):
-        # Head-as-sequence passes no sinks to FlashAttention (and FlashAttention has them only from FA3, sm90).
-        return "attention sinks in the model's attention layers: the plugin's FlashAttention backend cannot serve them"
-    if device_capability is None:
-        return None
-    invalid = backend_invalid_reasons(RCStatFlashBackend, vllm_config, device_capability, has_sink=False)
-    if invalid:
-        return f"vLLM's FlashAttention backend cannot serve this engine ({'; '.join(invalid)})"
     return None
 
 

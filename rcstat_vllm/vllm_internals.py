@@ -57,7 +57,7 @@ CONTRACTS = (
         attrs=("kv_offloading_size", "cache_dtype", "block_size", "user_specified_block_size"),
     ),
     # whether vLLM's FlashAttention backend can serve the engine, asked before any layer exists
-    # (rcstat_vllm/capabilities.cuda_backend_unsupported_reason): its own check, with the selector's arguments
+    # (rcstat_vllm/backend_cuda.cuda_backend_unsupported_reason): its own check, with the selector's arguments
     Contract("vllm.v1.attention.backend:AttentionBackend.validate_configuration", _VALIDATE_PARAMS),
     Contract("vllm.v1.attention.backend:AttentionType.DECODER"),
     Contract("vllm.platforms.interface:DeviceCapability"),

@@ -20,7 +20,7 @@ from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from rcstat_vllm.backend_cuda import RCStatFlashBackend  # noqa: E402
-from rcstat_vllm.capabilities import cuda_backend_unsupported_reason  # noqa: E402
+from rcstat_vllm.backend_cuda import cuda_backend_unsupported_reason  # noqa: E402
 from rcstat_vllm.patches import platform  # noqa: E402
 from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
 from rcstat_vllm.vllm_internals import backend_invalid_reasons  # noqa: E402
