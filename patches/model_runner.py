@@ -9,7 +9,8 @@ its compaction reports back to the scheduler.
   it.
 - ``execute_model`` / ``sample_tokens``: the step's reports travel to the scheduler in
   :class:`RCStatModelRunnerOutput`, a ``ModelRunnerOutput`` with one more field (it pickles between processes
-  like its base; ``patches/scheduler.py`` reads it).
+  like its base; ``patches/scheduler.py`` reads it). A step that schedules no tokens never reaches
+  ``_prepare_inputs``: ``execute_model`` hands the worker what it ends (:func:`idle_step_info`).
 
 Every hook passes straight through when the engine runs without the plugin flag (no worker state).
 """
@@ -42,7 +43,11 @@ CONTRACTS = (
     ),
     Contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens", ("self", "grammar_output")),
     Contract("vllm.v1.outputs:ModelRunnerOutput"),
-    Contract("vllm.v1.core.sched.output:SchedulerOutput"),
+    Contract(
+        "vllm.v1.core.sched.output:SchedulerOutput",
+        attrs=("total_num_scheduled_tokens", "num_scheduled_tokens", "finished_req_ids", "preempted_req_ids",
+               "scheduled_cached_reqs"),
+    ),
 )
 
 
@@ -94,17 +99,33 @@ def step_info(runner, scheduler_output) -> StepInfo:
                 block_ids=block_ids,
             )
         )
+    return StepInfo(
+        requests=requests,
+        dropped_req_ids=_dropped_req_ids(scheduler_output),
+        compactions=_compactions(scheduler_output),
+        block_size=None if host_table is None else host_table.block_size,
+    )
+
+
+def idle_step_info(scheduler_output) -> StepInfo:
+    """A step that schedules no tokens (vLLM's runner returns before ``_prepare_inputs``, no forward): only the
+    requests it ends. The engine core runs such a step when the last requests finished and it has nothing else
+    to run (``Scheduler.has_finished_requests``): the one that names them finished, before it idles."""
+    return StepInfo(
+        requests=[], dropped_req_ids=_dropped_req_ids(scheduler_output), compactions=_compactions(scheduler_output)
+    )
+
+
+def _dropped_req_ids(scheduler_output) -> set[str]:
     dropped = set(scheduler_output.finished_req_ids)
     dropped |= set(scheduler_output.preempted_req_ids or ())
     dropped |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+    return dropped
+
+
+def _compactions(scheduler_output) -> list:
     # An RCStatSchedulerOutput (patches/scheduler.py) when the scheduler sends compactions.
-    compactions = getattr(scheduler_output, "rcstat_compactions", None) or []
-    return StepInfo(
-        requests=requests,
-        dropped_req_ids=dropped,
-        compactions=list(compactions),
-        block_size=None if host_table is None else host_table.block_size,
-    )
+    return list(getattr(scheduler_output, "rcstat_compactions", None) or [])
 
 
 def _initialize_kv_cache(original):
@@ -141,8 +162,13 @@ def attach_reports(runner, output):
 
 
 def _execute_model(original):
-    def wrapper(self, *args, **kwargs):
-        return attach_reports(self, original(self, *args, **kwargs))
+    def wrapper(self, scheduler_output, *args, **kwargs):
+        output = original(self, scheduler_output, *args, **kwargs)
+        if not scheduler_output.total_num_scheduled_tokens:
+            owner = worker_compression_of(self.vllm_config)
+            if owner is not None:
+                owner.begin_step(idle_step_info(scheduler_output))
+        return attach_reports(self, output)
 
     return wrapper
 

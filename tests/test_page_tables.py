@@ -315,6 +315,28 @@ def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
     assert not info.requests[0].block_ids.flags.writeable
 
 
+def test_a_step_scheduling_no_tokens_still_ends_the_requests_it_names_finished(monkeypatch):
+    """The engine core's last step before idling schedules nothing and only names the requests finished in the
+    step before; vLLM's runner returns before ``_prepare_inputs`` then, so the ``execute_model`` hook must hand
+    the worker those ids (else a server keeps their state and page-table slots for ever)."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    import rcstat_vllm.worker
+    from rcstat_vllm.patches.model_runner import HOOKS
+
+    worker, _ = _worker_with(3, _space(pooled=False))
+    monkeypatch.setattr(rcstat_vllm.worker, "_current", worker)
+    state = worker._states["a"]
+    execute_model = HOOKS["execute_model"](lambda runner, scheduler_output: EMPTY_MODEL_RUNNER_OUTPUT)
+    runner = SimpleNamespace(vllm_config=worker.vllm_config)
+    idle = SimpleNamespace(
+        total_num_scheduled_tokens=0, num_scheduled_tokens={}, finished_req_ids={"a"}, preempted_req_ids=None,
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),
+    )
+    assert execute_model(runner, idle) is EMPTY_MODEL_RUNNER_OUTPUT
+    assert not worker._states and state.resident is None
+
+
 def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
     """The uncompressed rows of a batch with compressed ones become a batch of their own for vLLM's builder: their
     tokens, offsets, lengths, block-table rows (cut to the longest of them) and slots, nothing of the other rows."""
