@@ -74,6 +74,10 @@ CONTRACTS = (
     # the process group on which TP ranks agree how many blocks a compressed request keeps (rcstat_vllm/worker.py)
     Contract("vllm.distributed.parallel_state:get_tp_group", ()),
     Contract("vllm.distributed.parallel_state:GroupCoordinator", attrs=("cpu_group",)),
+    # every engine's workers from the API server (attribution over data parallelism, rcstat_vllm/attribution/server.py)
+    Contract("vllm.v1.engine.async_llm:AsyncLLM", attrs=("engine_core",)),
+    Contract("vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async", ("self", "method")),
+    Contract("vllm.v1.engine.core:EngineCore.collective_rpc", ("self", "method", "timeout", "args", "kwargs")),
 )
 
 
@@ -162,3 +166,14 @@ def tensor_parallel_cpu_group():
     if group is None:
         raise RuntimeError("rcstat: vLLM's TP GroupCoordinator has no cpu_group (vLLM changed?)")
     return group
+
+
+async def every_workers_rpc(engine_client, method: str, args: tuple) -> list[Any]:
+    """``method`` on the workers of every engine behind an API server's engine client, one reply per worker.
+    ``AsyncLLM.collective_rpc`` asks only the first engine under data parallelism (vLLM's DP client returns engine
+    0's answer to a utility call), where each rank's requests live in their own engine's workers."""
+    ask_every_engine = getattr(getattr(engine_client, "engine_core", None), "call_utility_all_async", None)
+    if ask_every_engine is None:  # an in-process or custom client: one engine
+        return await engine_client.collective_rpc(method, args=args)
+    per_engine = await ask_every_engine("collective_rpc", method, None, args, None)
+    return [reply for replies in per_engine for reply in replies]

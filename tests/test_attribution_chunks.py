@@ -225,6 +225,33 @@ def test_stream_wrapper_with_two_choices_reads_each_child_trace():
     assert field[1]["generated"][0]["span"]["text"] == "w41"
 
 
+def test_under_data_parallelism_the_workers_of_every_engine_are_asked():
+    """``vllm serve --data-parallel-size 2``: the trace is in the workers of the engine that served the request;
+    ``AsyncLLM.collective_rpc`` would ask the first engine's only."""
+    from rcstat_vllm.attribution import server
+
+    scored = {"heads": [[0, 1]], "head_scores": [1.0], "estimator": "exact", "num_generated_tokens": 3,
+              "scores": [[0.5, 0.5]], "degenerate": [False], "missing_prompt_tokens": 0}
+    asked = []
+
+    class DPClient:  # vLLM's DPLBAsyncMPClient: a utility call on every engine, one answer each
+        async def call_utility_all_async(self, method, *args):
+            asked.append((method, args[0], args[2][0]))
+            return [[None], [scored]]  # engine 0's worker, engine 1's worker
+
+    class EngineClient:
+        engine_core = DPClient()
+
+        async def collective_rpc(self, method, args):
+            return [None]  # the first engine's workers only
+
+    payload = asyncio.run(server.attribution_payload(
+        EngineClient(), "chatcmpl-7", "Hello there. How are you?", [1, 2, 3], [40, 42, 43], FakeTokenizer(), {}
+    ))
+    assert "error" not in payload and payload["generated"][0]["span"]["text"] == "w40 w42 w43"
+    assert asked == [("collective_rpc", "rcstat_attribution_results", "chatcmpl-7")]
+
+
 # --------------------------------------------------------------------------------------------------------
 # the long-chunk benchmark set
 # --------------------------------------------------------------------------------------------------------

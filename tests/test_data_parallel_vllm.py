@@ -3,8 +3,9 @@ them (``AsyncLLM`` with vLLM's load-balancing client; ``LLM(data_parallel_size=2
 
 For a dense model vLLM 0.32 makes every DP rank an independent engine (``EngineCoreProc``, DP reconfigured to 1:
 its own scheduler, block pool and worker); the plugin's state is per engine, so each rank must compress the
-requests it serves, only those, exactly as a single engine would, and give every block back. MoE models (ranks
-that run dummy batches in lockstep, ``DPEngineCoreProc``) are not tested: no MoE model is embedded.
+requests it serves, only those, exactly as a single engine would, and give every block back; the API server's
+attribution must find a request's trace on whichever rank served it. MoE models (ranks that run dummy batches in
+lockstep, ``DPEngineCoreProc``) are not tested: no MoE model is embedded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ pytest.importorskip("vllm")
 
 from engine_driver import FAST_START, TEXT  # noqa: E402
 
+from rcstat_vllm.attribution.processor import RCStatAttributionProcessor  # noqa: E402
 from rcstat_vllm.model import default_model_dir, with_embedded_dtype  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
@@ -42,6 +44,21 @@ async def _serve(engine, prompts, params):
     return outputs
 
 
+async def _attribution_on_rank_1(engine):
+    """The API server's attribution field (``rcstat_vllm.attribution.server``) of a request the second rank served:
+    its trace is in that engine's worker."""
+    from vllm import SamplingParams
+
+    from rcstat_vllm.attribution.server import attribution_payload
+
+    prompt = TEXT[:330]
+    ids = engine.tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=6, extra_args={"rcstat_attribution": True})
+    async for out in engine.generate({"prompt_token_ids": ids}, params, "attr", data_parallel_rank=1):
+        pass
+    return await attribution_payload(engine, out.request_id, prompt, ids, out.outputs[0].token_ids, engine.tokenizer, {})
+
+
 async def _run(engine_args):
     from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -61,6 +78,7 @@ async def _run(engine_args):
         prompts = {name: {"prompt_token_ids": ids[off : off + n]} for name, (_, off, n) in REQUESTS.items()}
         outputs = await _serve(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results = await per_rank_workers("rcstat_compression_results")
+        attribution = await _attribution_on_rank_1(engine)
         # A worker drops a finished request's state when a later step names it finished: the step the engine core
         # runs before idling (no tokens scheduled) or, if this call overtook that one, a short request per rank
         # (below min_prompt_len, not compressed).
@@ -71,7 +89,7 @@ async def _run(engine_args):
         tracked = await per_rank_workers("rcstat_num_compressed_requests")
         # vLLM's BlockPool.reset_prefix_cache succeeds only when every block but the null block is free
         all_free = await per_rank("reset_prefix_cache", False, False)
-        return outputs, results, tracked, all_free
+        return outputs, results, attribution, tracked, all_free
     finally:
         engine.shutdown()
 
@@ -91,9 +109,10 @@ def test_each_rank_compresses_its_own_requests_and_frees_every_block(monkeypatch
         block_size=BLOCK,
         kv_cache_memory_bytes=64 << 20,
         additional_config={"rcstat": {"method": "rc", "c": 1.0}},
+        logits_processors=[RCStatAttributionProcessor],
         **FAST_START,
     )))
-    outputs, results, tracked, all_free = asyncio.run(_run(args))
+    outputs, results, attribution, tracked, all_free = asyncio.run(_run(args))
 
     assert {name: len(out.outputs[0].token_ids) for name, out in outputs.items()} == {n: 8 for n in REQUESTS}
     assert [len(workers) for workers in results] == [1] * RANKS  # one worker per rank (TP = 1)
@@ -113,6 +132,8 @@ def test_each_rank_compresses_its_own_requests_and_frees_every_block(monkeypatch
     for key in ("kept", "keep_blocks", "blocks_freed"):
         assert same0[key] == same1[key]
     assert outputs["same0"].outputs[0].token_ids == outputs["same1"].outputs[0].token_ids
+
+    assert "error" not in attribution and attribution["generated"] and attribution["prompt_spans"]
 
     assert tracked == [[0]] * RANKS  # no compacted request left on any rank's worker
     assert all_free == [True] * RANKS  # every block of every rank's pool back

@@ -45,6 +45,7 @@ from rcstat_vllm.attribution.report import assemble, plan_spans
 from rcstat_vllm.attribution.vllm_api import WORKER_METHOD
 from rcstat_vllm.config import ConfigError
 from rcstat_vllm.log import logger
+from rcstat_vllm.vllm_internals import every_workers_rpc
 
 __all__ = ["RESPONSE_FIELD", "attribution_payload", "trace_id", "wrap_full_generator", "wrap_stream_generator"]
 
@@ -96,7 +97,7 @@ async def attribution_payload(
             [[s.token_start, s.token_end] for s in gen_spans],
             True,
         )
-        replies = await engine_client.collective_rpc(WORKER_METHOD, args=args)
+        replies = await every_workers_rpc(engine_client, WORKER_METHOD, args)  # the trace is on one DP rank
         scored = next((r for r in replies if r is not None), None)
         if scored is None:
             return {"index": index, "error": _NO_TRACE}
