@@ -29,7 +29,8 @@ caching on (its default) and off: ``vanilla+pc``, ``vanilla``, ``default+pc``, `
 ``--prefill-study`` (writes ``throughput_prefill_cpu.json``): prefill alone, side by side. 16 distinct prompts of
 2000 tokens, 1 output token each, a KV pool that holds all of them at once (it never limits), prefix caching off,
 two interleaved rounds (``--repeat``) of: ``vanilla`` (plugin not loaded), ``none`` (plugin, method none),
-``default`` (the bare flag) and ``rc_layer_r0.5`` (RC at a 0.5 per-layer budget, defaults otherwise). Reported:
+``default`` (the bare flag), ``lazy`` (its settings with lazy eviction: scoring deferred) and ``rc_layer_r0.5``
+(RC at a 0.5 per-layer budget, defaults otherwise). Reported:
 prompt tokens/s per run and round, each run's ratio to vanilla's in the same round, and the median over rounds.
 The plugin scores and selects in the forward of a prompt's last chunk and copies the kept entries one step later;
 with one output token the request is finished by then, so the study times scoring and selection, not the copy
@@ -85,6 +86,7 @@ PREFILL_RUNS = (
     ("vanilla", {"VLLM_PLUGINS": "__none__"}, None),
     ("none", {}, {"method": "none"}),
     ("default", {}, {}),
+    ("lazy", {}, {"eviction": "lazy"}),
     ("rc_layer_r0.5", {}, {"method": "rc", "target_ratio": 0.5, "budget_scope": "layer"}),
 )
 
