@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,28 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.peak_memory import MEASURING_ENV, peak_extra_bytes  # noqa: E402
+
 LAYERS, KV_HEADS, BLOCK = 32, 8, 16
 REQUESTS = (1, 64, 256)
 TOKENS = (4096, 32768, 131072)
 RESULTS = Path(__file__).parent / "results"
-#: glibc serves every allocation of 64 KiB or more with its own mapping and returns it on free, so the resident
-#: memory follows what is alive (freed memory is not kept for reuse, where a later peak would not show)
-MEASURING_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-
-
-def proc_status(field: str) -> int:
-    """A ``/proc/self/status`` memory field in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    """Start a new resident-memory high-water mark (Linux: writing 5 to clear_refs resets VmHWM)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 @dataclass
 class SyntheticCompressed:
     """What the planner reads of a compressed request (:class:`rcstat_vllm.head_pages.CompactedRequest`): its page
@@ -138,10 +121,7 @@ def measure(num_requests: int, num_tokens: int, repeats: int) -> dict:
     step = build_step(num_requests, num_tokens)
     step[-1].commit()  # the compaction's one copy happened in an earlier step
     plan_once(step)  # imports and first-call allocations are not the step's
-    before = proc_status("VmRSS")
-    reset_peak()
-    plan = plan_once(step)
-    peak = proc_status("VmHWM") - before
+    peak, plan = peak_extra_bytes(lambda: plan_once(step))
     del plan
     times = []
     for _ in range(repeats):
@@ -153,7 +133,7 @@ def measure(num_requests: int, num_tokens: int, repeats: int) -> dict:
         "requests": num_requests,
         "tokens": num_tokens,
         "compressed_requests": len(step[3]),
-        "peak_bytes": max(peak, 0),
+        "peak_bytes": peak,
         "ms_per_step": round(statistics.median(times), 3),
         "resident_bytes": resident_bytes(step[-1]),
         "layers": LAYERS,
