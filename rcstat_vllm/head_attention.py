@@ -180,17 +180,18 @@ class HostStepNumbers:
 
 def compressed_write_slots(resident: HeadPageTables, token_slots, positions, block_size: int) -> torch.Tensor:
     """``[L, Tc, H]`` head-page slots of compressed rows' tokens: the token at position p of a head with length base
-    b is entry ``b + p`` of its page list (gathered with one flat index: ``[L, S, H, P]`` is contiguous)."""
+    b is entry ``b + p`` of its page list (gathered with one flat index: ``[L, S, H, P]`` is contiguous).
+    Few, int32 where it suffices: on the CPU this runs on the step's critical path."""
     pages, base = resident.pages.on_device, resident.length_base.on_device  # [L, S, H, P], [L, S, H]
     num_layers, num_slots, num_heads, width = pages.shape
-    device = base.device
-    index = base.index_select(1, token_slots).to(torch.int64) + positions.view(1, -1, 1)  # [L, Tc, H]
-    layers = torch.arange(num_layers, device=device).view(-1, 1, 1)
-    heads = torch.arange(num_heads, device=device).view(1, 1, -1)
-    sequence = (layers * num_slots + token_slots.view(1, -1, 1)) * num_heads + heads
-    page_index = torch.div(index, block_size, rounding_mode="floor")
-    token_pages = pages.view(-1).take(sequence * width + page_index).to(torch.int64)
-    return token_pages * block_size + (index - page_index * block_size)
+    index = base.index_select(1, token_slots) + positions.view(1, -1, 1).to(base.dtype)  # [L, Tc, H]
+    column = torch.div(index, block_size, rounding_mode="floor")
+    # Flat offset of (layer, slot, head, column): ((l * S + s) * H + h) * P + column.
+    rows = torch.arange(num_layers * num_heads, device=base.device).view(num_layers, 1, num_heads)
+    rows = (rows + (rows // num_heads) * (num_slots - 1) * num_heads) * width  # l * S * H + h, times P
+    flat = rows + (token_slots * (num_heads * width)).view(1, -1, 1) + column
+    token_pages = pages.view(-1).take(flat)
+    return token_pages.to(torch.int64) * block_size + (index - column * block_size)
 
 
 #: ``CommonAttentionMetadata`` fields of features the plugin turns off or never meets on the rows it splits (decode
