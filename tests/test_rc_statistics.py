@@ -255,3 +255,49 @@ def test_direct_sum_and_sorted_prefix_sums_agree(monkeypatch):
         sorted_path = rc.expected_rc_grouped(q, keys)
         monkeypatch.undo()
         torch.testing.assert_close(direct, sorted_path, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------------ the binned search behind count_below
+
+
+def _rows(kind: str, generator: torch.Generator) -> torch.Tensor:
+    """[2, 3, m] sorted rows of window self logits as they come: spread, with an outlier, or full of ties."""
+    m = 528  # w = 32
+    y = torch.randn(2, 3, m, generator=generator)
+    if kind == "outlier":
+        y[..., 0] = 400.0  # one huge self logit squeezes the rest into few bins
+    if kind == "ties":
+        y = torch.randint(-3, 4, (2, 3, m), generator=generator).float()
+    if kind == "constant":
+        y = torch.zeros(2, 3, m)
+    return torch.sort(y, dim=-1).values
+
+
+@pytest.mark.parametrize("kind", ["normal", "outlier", "ties", "constant"])
+def test_count_below_equals_searchsorted_whatever_the_spread(kind):
+    """Random x, x equal to y values (a tie counts nothing: side="left"), beyond both ends, infinite and NaN x."""
+    from rcstat_vllm.scoring.rc import WindowSelfLogits, _BinnedSearch
+
+    g = torch.Generator().manual_seed(1)
+    sorted_y = _rows(kind, g)
+    table = WindowSelfLogits(torch.zeros(2, 3), sorted_y, torch.zeros(2, 3, sorted_y.shape[-1] + 1))
+    picks = torch.randint(0, sorted_y.shape[-1], (2, 3, 500), generator=g)
+    x = torch.cat(
+        [
+            3 * torch.randn(2, 3, 4000, generator=g),
+            torch.gather(sorted_y, -1, picks),  # exactly on a y
+            torch.nextafter(torch.gather(sorted_y, -1, picks), torch.tensor(float("inf"))),  # just above one
+            torch.tensor([-1e30, 1e30, float("inf"), float("-inf")]).expand(2, 3, 4),
+        ],
+        dim=-1,
+    )
+    expected = torch.searchsorted(sorted_y, x.contiguous(), side="left")
+    assert torch.equal(table.count_below(x), expected)
+    binned = _BinnedSearch.build(sorted_y)
+    assert binned.usable == (kind in ("normal", "outlier"))  # ties and constants crowd bins: searchsorted
+    if binned.usable:
+        assert torch.equal(binned.count_below(x), expected)
+    with_nan = x.clone()
+    with_nan[..., :7] = float("nan")
+    counts = table.count_below(with_nan)  # must not fail; a NaN x's score is NaN whatever its count
+    assert torch.equal(counts[..., 7:], expected[..., 7:])

@@ -78,6 +78,20 @@ class WindowSelfLogits:
         self.center = center
         self.sorted = sorted_values
         self.prefix = prefix
+        self._bins: _BinnedSearch | None = None
+
+    def count_below(self, x_centered: Tensor) -> Tensor:
+        """``[..., k]`` int64: how many values of ``sorted`` are strictly below each (centred) x. Equal to
+        ``torch.searchsorted(sorted, x, side="left")``; through :class:`_BinnedSearch` when Y spreads evenly enough
+        (about 3x faster on the CPU), else searchsorted itself. On an accelerator always searchsorted: choosing
+        would read a value back (a synchronisation), and there the Triton kernels score anyway."""
+        if self.sorted.device.type != "cpu":
+            return torch.searchsorted(self.sorted, x_centered.contiguous(), side="left")
+        if self._bins is None:
+            self._bins = _BinnedSearch.build(self.sorted)
+        if self._bins.usable:
+            return self._bins.count_below(x_centered)
+        return torch.searchsorted(self.sorted, x_centered.contiguous(), side="left")
 
     def sum_positive_gaps(self, x: Tensor) -> Tensor:
         """sum over y in Y of max(x - y, 0), for every x.
@@ -98,11 +112,67 @@ class WindowSelfLogits:
                 gaps[..., start : start + step] = (chunk.unsqueeze(-1) - self.sorted.unsqueeze(-2)).clamp_min_(0).sum(-1)
             return gaps
         # side="left": number of y strictly below x; y == x contributes max(0, 0) = 0 either way.
-        count_below = torch.searchsorted(self.sorted, x_centered.contiguous(), side="left")
+        count_below = self.count_below(x_centered)
         sum_below = torch.gather(self.prefix, -1, count_below)
         gaps = count_below.to(x_centered.dtype) * x_centered - sum_below
         # Mathematically >= 0; rounding can leave a tiny negative when x barely exceeds a y.
         return gaps.clamp_min_(0)
+
+
+class _BinnedSearch:
+    """``searchsorted(sorted, x, side="left")`` for many x against a few sorted rows, by a lookup table.
+
+    Each row's range ``[y_2, y_{m-3}]`` is cut into ``B = BINS_PER_VALUE * m`` equal bins, and y and x alike go to
+    bin ``clamp(floor((v - y_2) * B / (y_{m-3} - y_2)), 0, B - 1)``. That map is non-decreasing in v under float
+    rounding too, so every y in an earlier bin than x is below x and every y in a later bin is above it: the count is
+    ``first[bin(x)]`` (the y in earlier bins) plus how many of the at most K y sharing x's bin are below x, K
+    comparisons instead of a binary search's ~log2(m) dependent steps. Exact, not an approximation; used only
+    while K is small (a row crowded into few bins, e.g. many equal logits, falls back to searchsorted).
+    """
+
+    BINS_PER_VALUE = 16
+    MAX_PER_BIN = 8
+    TRIM = 2
+
+    def __init__(self, lowest, scale, first, padded, per_bin: int):
+        self.lowest, self.scale, self.first, self.padded, self.per_bin = lowest, scale, first, padded, per_bin
+
+    @property
+    def usable(self) -> bool:
+        return self.per_bin <= self.MAX_PER_BIN
+
+    @classmethod
+    def build(cls, sorted_values: Tensor) -> "_BinnedSearch":
+        m = sorted_values.shape[-1]
+        num_bins = cls.BINS_PER_VALUE * m
+        # The range between the third-lowest and third-highest y: a few outliers land in the end bins instead of
+        # stretching the range (and crowding every other y into a few bins).
+        trim = cls.TRIM if m > 2 * cls.TRIM + 1 else 0
+        lowest, highest = sorted_values[..., trim : trim + 1], sorted_values[..., m - 1 - trim : m - trim]
+        spread = highest - lowest
+        # NaN or infinite rows, or rows of equal values, get scale 0: one bin, then searchsorted (per_bin = m).
+        scale = torch.where((spread > 0) & torch.isfinite(spread), num_bins / spread, torch.zeros_like(spread))
+        search = cls(lowest, scale, None, None, 0)
+        bins = search.bin_of(sorted_values, num_bins)
+        edges = torch.arange(num_bins + 1, device=bins.device).expand(*bins.shape[:-1], -1).contiguous()
+        first = torch.searchsorted(bins, edges, side="left")  # [..., B + 1]: y in bins before each
+        per_bin = int((first[..., 1:] - first[..., :-1]).max()) if m else 0
+        search.first, search.per_bin = first, per_bin
+        if search.usable:  # +inf after the last value: reading past a row's end never counts
+            search.padded = torch.nn.functional.pad(sorted_values, (0, per_bin), value=float("inf"))
+        return search
+
+    def bin_of(self, values: Tensor, num_bins: int | None = None) -> Tensor:
+        num_bins = self.first.shape[-1] - 1 if num_bins is None else num_bins
+        bins = ((values - self.lowest) * self.scale).nan_to_num_(nan=0.0)  # NaN x: any bin (its score is NaN)
+        return bins.floor_().clamp_(0, num_bins - 1).to(torch.int64)
+
+    def count_below(self, x: Tensor) -> Tensor:
+        start = torch.gather(self.first, -1, self.bin_of(x))
+        count = start.clone()
+        for k in range(self.per_bin):
+            count += torch.gather(self.padded, -1, start + k) < x
+        return count
 
 
 def window_self_logits(q_window: Tensor, window_keys: Tensor) -> WindowSelfLogits:
