@@ -121,8 +121,23 @@ class HeadPageTables:
         longest_base: host ``[S, L]``, per layer the largest length base (the plan's longest sequence, on the host).
     """
 
-    def __init__(self, num_layers: int, num_heads: int, device: torch.device | str, *, slots: int = 4, width: int = 4):
+    def __init__(
+        self,
+        num_layers: int,
+        num_heads: int,
+        device: torch.device | str,
+        *,
+        slots: int = 4,
+        width: int = 4,
+        max_slots: int | None = None,
+        max_width: int | None = None,
+    ):
+        """``max_slots`` / ``max_width``: the most compressed requests at once (vLLM's ``max_num_seqs``) and pages
+        per head (``cdiv(max_model_len, N)``); growth stops there, so the tables never exceed
+        :meth:`bound_bytes` (None: unbounded)."""
         self.device = torch.device(device)
+        self.max_slots, self.max_width = max_slots, max_width
+        slots, width = min(slots, max_slots or slots), min(width, max_width or width)
         self.pages = MirroredTensor((num_layers, slots, num_heads, width), self.device, fill=-1, device_floor=0)
         self.length_base = MirroredTensor((num_layers, slots, num_heads), self.device, fill=0)
         self.longest_base = torch.zeros(slots, num_layers, dtype=torch.int64)
@@ -185,21 +200,33 @@ class HeadPageTables:
         self.pages.commit()
         self.length_base.commit()
 
+    @staticmethod
+    def bound_bytes(num_layers: int, num_heads: int, max_slots: int, max_width: int) -> int:
+        """The most the page tables take on each side (host mirror, device copy): int32 pages and length bases."""
+        return 4 * num_layers * max_slots * num_heads * (max_width + 1)
+
     def _take_slot(self) -> int:
         if not self._free_slots:
             used = self.num_slots
-            self.pages.grow((self.num_layers, 2 * used, *self.pages.shape[2:]))
-            self.length_base.grow((self.num_layers, 2 * used, self.num_heads))
-            longest = torch.zeros(2 * used, self.num_layers, dtype=torch.int64)
+            grown = min(2 * used, self.max_slots or 2 * used)
+            if grown == used:
+                raise RuntimeError(f"rcstat: more than {used} compressed requests at once (max_num_seqs)")
+            self.pages.grow((self.num_layers, grown, *self.pages.shape[2:]))
+            self.length_base.grow((self.num_layers, grown, self.num_heads))
+            longest = torch.zeros(grown, self.num_layers, dtype=torch.int64)
             longest[:used] = self.longest_base
             self.longest_base = longest
-            self._free_slots = list(range(2 * used - 1, used - 1, -1))
+            self._free_slots = list(range(grown - 1, used - 1, -1))
         return self._free_slots.pop()
 
     def _ensure_width(self, width: int) -> None:
-        """Room for ``width`` pages per head (doubling, so growth copies the tables whole only now and then)."""
+        """Room for ``width`` pages per head (doubling, so growth copies the tables whole only now and then; never
+        past ``max_width``)."""
         if width > self.width:
-            self.pages.grow((*self.pages.shape[:3], max(width, 2 * self.width)))
+            if self.max_width is not None and width > self.max_width:
+                raise RuntimeError(f"rcstat: a head needs {width} pages, more than max_model_len allows")
+            grown = max(width, 2 * self.width)
+            self.pages.grow((*self.pages.shape[:3], grown if self.max_width is None else min(grown, self.max_width)))
 
     def _layer_head_grid(self) -> tuple[Tensor, Tensor]:
         layers = torch.arange(self.num_layers).view(-1, 1)

@@ -51,7 +51,7 @@ from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
 from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
 from rcstat_vllm.log import logger
-from rcstat_vllm.page_space import PageSpace, pooled_space_or_reason
+from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason
 from rcstat_vllm.page_tables import HeadPageTables
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import Compaction, StepInfo
@@ -183,6 +183,13 @@ class WorkerCompression:
                 layer_caches = [caches[name] for name in self.layer_names]
                 space, reason = pooled_space_or_reason(layer_caches, self.num_heads, self.block_size)
         self._warm_up_scoring(caches[self.layer_names[0]] if self.layer_names[0] in caches else None)
+        bound = HeadPageTables.bound_bytes(self.num_layers, self.num_heads, self._max_slots, self._max_width)
+        logger.info(
+            "rcstat: compressed requests' head-page tables take at most %.1f MiB on the host and as much on the KV "
+            "cache's device (%d requests x %d layers x %d KV heads x %d pages), allocated as compressed requests "
+            "arrive, not counted in vLLM's memory profile",
+            bound / 2**20, self._max_slots, self.num_layers, self.num_heads, self._max_width,
+        )
         if space is not None:
             self.space = space
             logger.info(
@@ -223,12 +230,11 @@ class WorkerCompression:
         """Before the step's forward: run the scheduler's compactions, forget dropped requests, note prefix-cache
         hits of requests seen for the first time."""
         self._agree_selected()
+        self._release_states(info.dropped_req_ids)  # first: their table slots serve this step's compactions
         for compaction in info.compactions:
             self._run_compaction(compaction)
+        self._release_states(info.dropped_req_ids)  # a request compacted in this very step and gone with it
         for req_id in info.dropped_req_ids:
-            state = self._states.pop(req_id, None)
-            if state is not None:
-                self.page_tables.release(state)
             self._saved_queries.pop(req_id, None)
             self._cached_tokens.pop(req_id, None)
             compressor = self._awaiting_blocks.pop(req_id, None)
@@ -244,6 +250,12 @@ class WorkerCompression:
         if not self.layer_names and self.disabled_reason is not None:
             self._report_unserved(info)
         self._step = info
+
+    def _release_states(self, req_ids) -> None:
+        for req_id in req_ids:
+            state = self._states.pop(req_id, None)
+            if state is not None:
+                self.page_tables.release(state)
 
     def _report_unserved(self, info: StepInfo) -> None:
         """No layer runs the plugin's backend (no builder plans the steps): each request finishing its prefill is
@@ -275,11 +287,21 @@ class WorkerCompression:
         report.compaction_reason = compaction.reason
         self._record(report)
 
+    @property
+    def _max_slots(self) -> int:
+        return self.vllm_config.scheduler_config.max_num_seqs
+
+    @property
+    def _max_width(self) -> int:
+        return cdiv(self.vllm_config.model_config.max_model_len, self.block_size)
+
     def _resident_tables(self) -> HeadPageTables:
         """The compressed requests' page tables, on the device the KV cache is on."""
         if self.page_tables is None:
             device = next(cache.device for cache in self._layer_caches if cache is not None)
-            self.page_tables = HeadPageTables(self.num_layers, self.num_heads, device)
+            self.page_tables = HeadPageTables(
+                self.num_layers, self.num_heads, device, max_slots=self._max_slots, max_width=self._max_width
+            )
         return self.page_tables
 
     def pop_reports(self) -> list[CompressionReport]:

@@ -22,6 +22,7 @@ from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts  # n
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 
+from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.backend_cuda import (  # noqa: E402
     RCStatFlashBackend,
     RCStatFlashImpl,
@@ -79,13 +80,7 @@ def _built(common: CommonAttentionMetadata):
 
 def _worker(rcstat: dict, layer_names, caches: dict) -> WorkerCompression:
     """The worker state as the model runner hook and the builders set it up (patches/model_runner.py)."""
-    vllm_config = SimpleNamespace(
-        additional_config={"rcstat": rcstat},
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        compilation_config=SimpleNamespace(static_forward_context={}),
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        kv_transfer_config=None,
-    )
+    vllm_config = fake_vllm_config(rcstat, BLOCK)
     worker = WorkerCompression(vllm_config)
     worker.attach_layers(layer_names, num_kv_heads=HEADS, block_size=BLOCK, layout=FLASH)
     worker.bind_kv_caches(caches)

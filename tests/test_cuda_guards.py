@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 
 import vllm.v1.attention.backends.fa_utils as fa_utils  # noqa: E402
 
+from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.backend_cuda import SUPPORTED_FA_VERSIONS, unsupported_reason  # noqa: E402
 
 
@@ -93,13 +94,7 @@ def test_cache_tensors_without_a_head_page_view_disable_compression_when_bound()
     from rcstat_vllm.worker import WorkerCompression
 
     def worker(cache):
-        config = SimpleNamespace(
-            additional_config={"rcstat": {}},
-            parallel_config=SimpleNamespace(tensor_parallel_size=1),
-            compilation_config=SimpleNamespace(static_forward_context={}),
-            cache_config=SimpleNamespace(block_size=16),
-            kv_transfer_config=None,
-        )
+        config = fake_vllm_config({}, 16)
         owner = WorkerCompression(config)
         owner.attach_layers(["attn"], num_kv_heads=2, block_size=16, layout=FLASH)
         owner.bind_kv_caches({"attn": cache})

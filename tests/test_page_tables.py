@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan  # noqa: E402
 from rcstat_vllm.head_pages import CompactedRequest, assign_pages, blocks_needed, cdiv  # noqa: E402
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
@@ -244,13 +245,7 @@ def _worker_with(seed: int, space: PageSpace):
     from rcstat_vllm.head_pages import CPU_VEC
     from rcstat_vllm.worker import WorkerCompression
 
-    vllm_config = SimpleNamespace(
-        additional_config={"rcstat": {"method": "rc"}},
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        compilation_config=SimpleNamespace(static_forward_context={}),
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        kv_transfer_config=None,
-    )
+    vllm_config = fake_vllm_config({"method": "rc"}, BLOCK)
     worker = WorkerCompression(vllm_config)
     worker.attach_layers([f"l{i}" for i in range(LAYERS)], num_kv_heads=HEADS, block_size=BLOCK, layout=CPU_VEC)
     engine = Engine(space, torch.Generator().manual_seed(seed))
@@ -364,3 +359,58 @@ def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
     assert torch.equal(rows.slot_mapping, slot_mapping[tokens])
     assert rows.positions.tolist() == tokens and rows.is_prefilling.tolist() == [True, True]
     assert plain_rows(common, {0: "a", 1: "b", 2: "c", 3: "d"}, starts, seq_lens, BLOCK) is None
+
+
+def test_tables_stop_growing_at_max_num_seqs_and_max_model_len_within_their_stated_bound():
+    """Slots double up to max_slots, widths up to max_width (not past them), the tables then take exactly the bound
+    the worker logs at start-up, and a request past either limit is refused with the reason (a bookkeeping bug)."""
+    engine = Engine(_space(pooled=True), torch.Generator().manual_seed(5))
+    max_width = cdiv(300, BLOCK)  # max_model_len 300
+    engine.resident = HeadPageTables(LAYERS, HEADS, "cpu", slots=2, width=2, max_slots=3, max_width=max_width)
+    for i in range(3):
+        engine.add(f"r{i}", 290)
+        engine.compact(f"r{i}", keep_fraction=1.0)
+    tables = engine.resident
+    state = engine.states["r1"]
+    grow = (torch.tensor([0]), torch.tensor([0]), torch.tensor([max_width - 1]), torch.tensor([7]))
+    tables.append_pages(state.slot, *grow)  # a head reaching the last page max_model_len allows
+    assert tables.num_slots == 3 and tables.width == max_width  # slots 2 -> 3 (not 4); width -> 19 (not doubled)
+    held = (tables.pages.host.numel() + tables.length_base.host.numel()) * 4
+    assert held == HeadPageTables.bound_bytes(LAYERS, HEADS, 3, max_width)
+    engine.add("r3", 100)
+    with pytest.raises(RuntimeError, match="more than 3 compressed requests"):
+        engine.compact("r3", keep_fraction=0.5)
+    engine.finish("r0")  # its slot serves the next one
+    engine.compact("r3", keep_fraction=0.5)
+    with pytest.raises(RuntimeError, match="max_model_len"):
+        tables.append_pages(state.slot, torch.tensor([0]), torch.tensor([0]), torch.tensor([max_width]), torch.tensor([7]))
+
+
+def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(monkeypatch):
+    """At max_num_seqs compressed requests, one finishing and another compacted in one step: the worker releases the
+    finished one's slot before the compaction takes one (else the tables would need max_num_seqs + 1 slots)."""
+    from rcstat_vllm.head_pages import CPU_VEC
+    from rcstat_vllm.step import Compaction
+    from rcstat_vllm.worker import WorkerCompression
+
+    worker = WorkerCompression(fake_vllm_config({"method": "rc"}, BLOCK, max_num_seqs=1))
+    worker.attach_layers([f"l{i}" for i in range(LAYERS)], num_kv_heads=HEADS, block_size=BLOCK, layout=CPU_VEC)
+    engine = Engine(_space(pooled=True), torch.Generator().manual_seed(2))
+    engine.resident = worker.page_tables = HeadPageTables(LAYERS, HEADS, "cpu", slots=1, max_slots=1)
+    engine.add("a", 64)
+    engine.compact("a", 0.5)
+    worker._states["a"] = engine.states["a"]
+    engine.add("b", 80)
+
+    def run_compaction(compaction):  # what _run_compaction does to the tables: attach the new state
+        engine.compact(compaction.req_id, 0.5)
+        worker._states[compaction.req_id] = engine.states[compaction.req_id]
+
+    monkeypatch.setattr(worker, "_run_compaction", run_compaction)
+    worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}, compactions=[Compaction("b", [])]))
+    assert set(worker._states) == {"b"} and worker._states["b"].slot == 0
+    assert engine.states["a"].resident is None
+    # A request compacted in the very step it is dropped in gives its slot back too.
+    engine.add("c", 64)
+    worker.begin_step(StepInfo(requests=[], dropped_req_ids={"b", "c"}, compactions=[Compaction("c", [])]))
+    assert not worker._states and worker.page_tables._free_slots == [0]

@@ -31,6 +31,7 @@ for _name in ("_tiles_triton", "_rc_triton", "_snapkv_triton"):  # compiled-mode
 import rcstat_vllm.compression as compression  # noqa: E402
 import rcstat_vllm.kernels.rc_scoring as rc_scoring  # noqa: E402
 import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
+from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.compression import CompressionDecision, RequestCompressor, select_keep_masks, triton_scoring  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 from rcstat_vllm.head_pages import CPU_VEC, FLASH, gather_prompt  # noqa: E402
@@ -334,12 +335,8 @@ def test_worker_warms_the_kernel_up_when_the_caches_are_bound(monkeypatch, spy_k
     from rcstat_vllm.worker import WorkerCompression
 
     fake_cuda(monkeypatch)
-    vllm_config = SimpleNamespace(
-        additional_config={"rcstat": {"method": "rc", "window": 8}},
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        compilation_config=SimpleNamespace(static_forward_context={}),
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        kv_transfer_config=None,
+    vllm_config = fake_vllm_config(
+        {"method": "rc", "window": 8}, BLOCK,
         model_config=SimpleNamespace(get_num_attention_heads=lambda parallel: 3 * KV_HEADS),
     )
     worker = WorkerCompression(vllm_config)

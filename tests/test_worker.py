@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.head_pages import CPU_VEC  # noqa: E402
 from rcstat_vllm.worker import (  # noqa: E402
     WorkerCompression,
@@ -18,14 +19,7 @@ from rcstat_vllm.worker import (  # noqa: E402
 )
 
 
-def _config(rcstat=None, block_size=16, **extra):
-    return SimpleNamespace(
-        additional_config={} if rcstat is None else {"rcstat": rcstat},
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        compilation_config=SimpleNamespace(static_forward_context=extra.pop("context", {})),
-        cache_config=SimpleNamespace(block_size=block_size, kv_offloading_size=extra.pop("offloading", None)),
-        kv_transfer_config=extra.pop("kv_transfer", None),
-    )
+_config = fake_vllm_config
 
 
 def test_the_runner_hook_creates_the_owner_the_builders_find():
