@@ -5,10 +5,10 @@ step lives here, one object per worker (per model runner):
 
 - the page space (:mod:`rcstat_vllm.page_space`): head pages pooled across all layers, or per layer, decided
   once when the KV cache is bound (:meth:`WorkerCompression.bind_kv_caches`);
-- the compressed requests' page bookkeeping (:class:`CompactedRequest`) and their page tables, resident on the
-  cache's device (:class:`~rcstat_vllm.page_tables.HeadPageTables`), requests being scored in this step's
-  forward, requests waiting for the blocks their kept KV is copied into, queries saved from earlier prefill
-  chunks, the tensor-parallel agreement, reports and results.
+- one record per request it holds anything for, with the request's phase (prefill, scoring, selected, awaiting
+  blocks, compressed: :mod:`rcstat_vllm.worker_requests`), and the compressed requests' page tables, resident on
+  the cache's device (:class:`~rcstat_vllm.page_tables.HeadPageTables`);
+- the tensor-parallel agreement, reports and results.
 
 A request is compressed over two steps (copy on compact, so that its prompt blocks can stay prefix-cache
 entries): in the forward of its last prefill chunk every layer is scored and, after the last layer, the kept
@@ -56,6 +56,7 @@ from rcstat_vllm.page_tables import HeadPageTables
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import Compaction, StepInfo
 from rcstat_vllm.vllm_internals import forward_context
+from rcstat_vllm.worker_requests import Phase, WorkerRequests
 
 #: How many finished requests' results the worker keeps for the Python API.
 MAX_RESULTS = 100_000
@@ -106,22 +107,13 @@ class WorkerCompression:
 
             self.block_agreement_group = tensor_parallel_cpu_group()
         self._step: StepInfo | None = None
-        self._states: dict[str, CompactedRequest] = {}
+        #: every request this worker holds something for, with its phase (rcstat_vllm.worker_requests)
+        self.requests = WorkerRequests()
         #: the compressed requests' page tables on the cache's device (created at the first compaction)
         self.page_tables: HeadPageTables | None = None
         #: reads of a row of the device block table because the step info carried no host block ids (see
         #: :meth:`_host_block_ids`; on CUDA each one synchronises)
         self.device_block_row_reads = 0
-        #: requests whose last prefill chunk runs in this step's forward, scored layer by layer
-        self._scoring: dict[str, RequestCompressor] = {}
-        #: selected in this step's forward, with the blocks this rank needs (agreed across TP ranks next)
-        self._selected: list[tuple[RequestCompressor, int]] = []
-        #: plans sent to the scheduler, waiting for the blocks to copy into (or its refusal)
-        self._awaiting_blocks: dict[str, RequestCompressor] = {}
-        #: per request in prefill, prompt tokens that were prefix-cache hits (the computed tokens at first sight)
-        self._cached_tokens: dict[str, int] = {}
-        #: per request in chunked prefill, per layer: trailing queries of its chunks so far
-        self._saved_queries: dict[str, list[torch.Tensor | None]] = {}
         #: per layer, its cache tensor as the forward passes it (compactions copy within them)
         self._layer_caches: list[torch.Tensor | None] = []
         self._reports: list[CompressionReport] = []
@@ -235,26 +227,25 @@ class WorkerCompression:
             self._run_compaction(compaction)
         self._release_states(info.dropped_req_ids)  # a request compacted in this very step and gone with it
         for req_id in info.dropped_req_ids:
-            self._saved_queries.pop(req_id, None)
-            self._cached_tokens.pop(req_id, None)
-            compressor = self._awaiting_blocks.pop(req_id, None)
-            if compressor is not None:
-                lazy = compressor.config.eviction == "lazy"
-                self._record(compressor.report(
+            record = self.requests.drop(req_id)
+            if record is not None and record.phase is Phase.AWAITING_BLOCKS:
+                lazy = record.compressor.config.eviction == "lazy"
+                self._record(record.compressor.report(
                     "lazy eviction: memory was not short while it ran, its full KV was kept" if lazy
                     else "finished or preempted before its KV was compacted"
                 ))
         for request in info.requests:
-            if request.num_computed_tokens < request.num_prompt_tokens and request.req_id not in self._states:
-                self._cached_tokens.setdefault(request.req_id, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.requests.seen_in_prefill(request.req_id, request.num_computed_tokens)
         if not self.layer_names and self.disabled_reason is not None:
             self._report_unserved(info)
         self._step = info
 
     def _release_states(self, req_ids) -> None:
         for req_id in req_ids:
-            state = self._states.pop(req_id, None)
+            state = self.requests.compressed_state(req_id)
             if state is not None:
+                self.requests.drop(req_id)
                 self.page_tables.release(state)
 
     def _report_unserved(self, info: StepInfo) -> None:
@@ -265,15 +256,18 @@ class WorkerCompression:
             if request.finishes_prefill:
                 decision = plan_compression(request, self.config, 0, 0, self.disabled_reason)
                 report = decision.skipped_report(0, 0, block_size)
-                report.num_cached_tokens = self._cached_tokens.pop(request.req_id, 0)
+                record = self.requests.drop(request.req_id)
+                report.num_cached_tokens = 0 if record is None else record.cached_tokens
                 self._record(report)
                 self._reports.append(report)
 
     def _run_compaction(self, compaction: Compaction) -> None:
-        compressor = self._awaiting_blocks.pop(compaction.req_id, None)
-        if compressor is None:
+        record = self.requests.get(compaction.req_id)
+        if record is None or record.phase is not Phase.AWAITING_BLOCKS:
             raise RuntimeError(f"rcstat: the scheduler sent blocks for request {compaction.req_id}, which has no plan")
+        compressor = record.compressor
         if compaction.cancelled_reason is not None:
+            self.requests.drop(compaction.req_id)
             self._record(compressor.report(compaction.cancelled_reason))
             return
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
@@ -281,7 +275,7 @@ class WorkerCompression:
             self._layer_caches, dest, self.space, self.layout, compaction.num_tokens, compaction.tail_block_ids
         )
         self._resident_tables().attach(state)
-        self._states[compaction.req_id] = state
+        record.phase, record.state, record.compressor = Phase.COMPRESSED, state, None
         report = compressor.report()
         report.compacted_at_tokens = compaction.num_tokens or compressor.decision.num_tokens
         report.compaction_reason = compaction.reason
@@ -315,24 +309,17 @@ class WorkerCompression:
 
     @property
     def num_compressed_requests(self) -> int:
-        return len(self._states)
+        return self.requests.num_compressed
 
     @property
     def requests_with_saved_queries(self) -> set[str]:
         """Requests in chunked prefill whose trailing queries are kept for their last chunk."""
-        return set(self._saved_queries)
+        return self.requests.with_saved_queries
 
     @property
     def idle(self) -> bool:
         """Nothing tracked: no compressed request, no saved queries, nothing mid-compression."""
-        return not (
-            self._states
-            or self._saved_queries
-            or self._scoring
-            or self._selected
-            or self._awaiting_blocks
-            or self._cached_tokens
-        )
+        return not len(self.requests)
 
     def _record(self, report: CompressionReport) -> None:
         """A request's outcome: compressed (after the copy) or not, and why."""
@@ -355,24 +342,23 @@ class WorkerCompression:
     def _agree_selected(self) -> None:
         """Turn this step's selections into plans for the scheduler: the blocks each request keeps are the max over
         tensor-parallel ranks (they share one block table but hold different heads)."""
-        if not self._selected:  # the same on every TP rank: they run the same batch
+        selected = self.requests.in_phase(Phase.SELECTED)  # the same, in the same order, on every TP rank
+        if not selected:
             return
-        agreed = max_over_ranks([needed for _, needed in self._selected], self.block_agreement_group)
+        agreed = max_over_ranks([record.blocks_needed for record in selected], self.block_agreement_group)
         if self.block_agreement_group is not None:
             # A token is evicted everywhere only if every rank's heads evicted it.
-            visible = [compressor.visible for compressor, _ in self._selected]
+            visible = [record.compressor.visible for record in selected]
             merged = max_over_ranks(torch.cat([v.flatten() for v in visible]).to(torch.int64).tolist(),
                                     self.block_agreement_group)
             merged, start = torch.tensor(merged, dtype=torch.bool), 0
-            for (compressor, _), v in zip(self._selected, visible):
-                compressor.visible, start = merged[start : start + v.numel()].view_as(v), start + v.numel()
-        for (compressor, _), keep_blocks in zip(self._selected, agreed):
-            req_id = compressor.decision.req_id
-            self._saved_queries.pop(req_id, None)
-            compressor.keep_blocks = keep_blocks
-            self._awaiting_blocks[req_id] = compressor
-            self._reports.append(compressor.report())
-        self._selected.clear()
+            for record, v in zip(selected, visible):
+                record.compressor.visible, start = merged[start : start + v.numel()].view_as(v), start + v.numel()
+        for record, keep_blocks in zip(selected, agreed):
+            record.saved_queries = None
+            record.compressor.keep_blocks = keep_blocks
+            record.phase = Phase.AWAITING_BLOCKS
+            self._reports.append(record.compressor.report())
 
     # ---- per-step plan (the metadata builders) ----
 
@@ -386,7 +372,7 @@ class WorkerCompression:
         plan = StepCompression(owner=self)
         step = self._step
         if step is None or len(step.requests) != common_attn_metadata.num_reqs:
-            if self._states:
+            if self.requests.num_compressed:
                 raise RuntimeError("rcstat: batch metadata without step info while requests are compressed")
             return plan
         block_table = common_attn_metadata.block_table_tensor
@@ -394,25 +380,26 @@ class WorkerCompression:
         plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
         plan.seq_lens = [request.num_tokens_after_step for request in step.requests]
         for row, request in enumerate(step.requests):
-            state = self._states.get(request.req_id)
+            state = self.requests.compressed_state(request.req_id)
             if state is not None:
                 block_ids = self._host_block_ids(step, request, state, block_table, row)
                 state.reserve(request.num_tokens_after_step, block_ids)
                 plan.compressed[row] = state
             elif request.finishes_prefill:
-                saved = self._saved_queries.get(request.req_id)
+                record = self.requests.get(request.req_id)
+                saved = None if record is None else record.saved_for(0)
                 decision = plan_compression(
                     request,
                     self.config,
                     query_start[row],
                     query_start[row + 1],
                     self.disabled_reason,
-                    saved_queries=0 if saved is None or saved[0] is None else saved[0].shape[0],
+                    saved_queries=0 if saved is None else saved.shape[0],
                 )
                 if decision.skipped_reason is not None:
-                    self._saved_queries.pop(request.req_id, None)
+                    self.requests.drop(request.req_id)
                     report = decision.skipped_report(self.num_layers, self.num_heads, self.block_size)
-                    report.num_cached_tokens = self._cached_tokens.pop(request.req_id, 0)
+                    report.num_cached_tokens = 0 if record is None else record.cached_tokens
                     self._record(report)
                     self._reports.append(report)
                 else:
@@ -464,36 +451,40 @@ class WorkerCompression:
         """After a layer's attention: save queries of non-final chunks, score requests finishing their prefill
         and, after the last layer, select and compact them (see ``RequestCompressor``)."""
         for req_id, start, end, count in plan.to_save:
-            saved = self._saved_queries.setdefault(req_id, [None] * self.num_layers)
+            record = self.requests.in_prefill(req_id)
+            if record.saved_queries is None:
+                record.saved_queries = [None] * self.num_layers
             recent = query[max(start, end - count) : end]
-            previous = saved[layer_index]
-            saved[layer_index] = (recent.clone() if previous is None else torch.cat([previous, recent]))[-count:]
+            previous = record.saved_queries[layer_index]
+            record.saved_queries[layer_index] = (recent.clone() if previous is None else torch.cat([previous, recent]))[
+                -count:
+            ]
         if not plan.to_compress:
             return
         self._layer_caches[layer_index] = kv_cache
+        scoring = []
         for row, decision in plan.to_compress:
-            compressor = self._scoring.get(decision.req_id)
-            if compressor is None:
-                compressor = self._scoring[decision.req_id] = RequestCompressor(
-                    decision, self.num_layers, block_table[row]
-                )
-                compressor.num_cached_tokens = self._cached_tokens.pop(decision.req_id, 0)
-                if self._deferred_bound(compressor) is not None:
-                    compressor.defer_scoring()
-            saved = self._saved_queries.get(decision.req_id)
-            compressor.observe_layer(
-                layer_index, query, kv_cache, scale, self.layout, None if saved is None else saved[layer_index]
+            record = self.requests.in_prefill(decision.req_id)
+            if record.phase is Phase.PREFILL:  # the step's first layer: PREFILL -> SCORING
+                record.compressor = RequestCompressor(decision, self.num_layers, block_table[row])
+                record.compressor.num_cached_tokens = record.cached_tokens
+                record.phase = Phase.SCORING
+                if self._deferred_bound(record.compressor) is not None:
+                    record.compressor.defer_scoring()
+            record.compressor.observe_layer(
+                layer_index, query, kv_cache, scale, self.layout, record.saved_for(layer_index)
             )
-        if all(compressor.fully_scored for compressor in self._scoring.values()):
+            scoring.append(record)
+        if all(record.compressor.fully_scored for record in scoring):
             # Every layer is scored: select (the kept entries are copied once the scheduler gave their blocks).
             # Deferred (lazy eviction): plan the budget's bound; scoring and selection wait for the compaction.
-            for compressor in self._scoring.values():
+            for record in scoring:  # SCORING -> SELECTED
+                compressor = record.compressor
                 if compressor.deferred:
-                    needed = compressor.plan_deferred(self.space, self._deferred_bound(compressor))
+                    record.blocks_needed = compressor.plan_deferred(self.space, self._deferred_bound(compressor))
                 else:
-                    needed = compressor.select(self.space)
-                self._selected.append((compressor, needed))
-            self._scoring.clear()
+                    record.blocks_needed = compressor.select(self.space)
+                record.phase = Phase.SELECTED
 
     def _deferred_bound(self, compressor: RequestCompressor) -> int | None:
         """The blocks a lazily evicted request's kept KV needs at most, when it can be known before scoring (then

@@ -213,7 +213,7 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     for _ in range(lazy_steps):  # lazy eviction: the scheduler has not needed the blocks yet
         starts, outputs, _ = run_step(lengths, [1, 1])
         lengths = [n + 1 for n in lengths]
-        assert not planner._states
+        assert planner.num_compressed_requests == 0
         check_decode(starts, outputs)
     # The scheduler's part: fresh blocks for the kept entries, copied there before the next step's forward (under
     # lazy eviction, for the generated tokens too: the blocks their positions span past the prompt's).
@@ -228,7 +228,7 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     assert abs(compressed.compression_ratio - 0.5) < 0.02
 
     # Which tokens each (layer, head) kept, read back from its pages.
-    state = planner._states["req0"]
+    state = planner.requests.compressed_state("req0")
     keep = []
     for layer_index in range(LAYERS):
         prompt_k = torch.cat(history[0][layer_index][0])[: prompt_lens[0]]  # [150, H, D]

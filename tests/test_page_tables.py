@@ -22,6 +22,7 @@ from rcstat_vllm.head_pages import CompactedRequest, assign_pages, blocks_needed
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
+from rcstat_vllm.worker_requests import Phase, WorkerRequest  # noqa: E402
 
 LAYERS, HEADS, BLOCK, NUM_BLOCKS = 2, 2, 16, 400
 
@@ -252,7 +253,7 @@ def _worker_with(seed: int, space: PageSpace):
     engine.resident = worker.page_tables = HeadPageTables(LAYERS, HEADS, "cpu")
     engine.add("a", 64)
     engine.compact("a", 0.5)
-    worker._states["a"] = engine.states["a"]
+    worker.requests.add(WorkerRequest("a", Phase.COMPRESSED, state=engine.states["a"]))
     return worker, engine
 
 
@@ -272,14 +273,14 @@ def test_worker_grows_from_the_step_infos_host_block_ids_and_reads_the_device_ta
             slot_mapping=block_table[0, position // BLOCK].long() * BLOCK + position % BLOCK,
         )
         plan = worker.plan_step(common)
-        expected = reference_plan([0, 1], [n], {0: worker._states["a"]}, worker.space, worker.page_tables)
+        expected = reference_plan([0, 1], [n], {0: worker.requests.compressed_state("a")}, worker.space, worker.page_tables)
         assert_plans_equal(plan.head_plan, expected)
-    state = worker._states["a"]
+    state = worker.requests.compressed_state("a")
     assert state.absorbed_blocks == 6
     # Without host ids: one device read per vLLM block reached (positions 64 and 80), none in the other steps.
     assert worker.device_block_row_reads == (0 if host_ids else 2)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}))
-    assert not worker._states and state.resident is None  # its slot is free for the next compaction
+    assert worker.num_compressed_requests == 0 and state.resident is None  # its slot is free for the next compaction
 
 
 def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
@@ -321,7 +322,7 @@ def test_a_step_scheduling_no_tokens_still_ends_the_requests_it_names_finished(m
 
     worker, _ = _worker_with(3, _space(pooled=False))
     monkeypatch.setattr(rcstat_vllm.worker, "_current", worker)
-    state = worker._states["a"]
+    state = worker.requests.compressed_state("a")
     execute_model = HOOKS["execute_model"](lambda runner, scheduler_output: EMPTY_MODEL_RUNNER_OUTPUT)
     runner = SimpleNamespace(vllm_config=worker.vllm_config)
     idle = SimpleNamespace(
@@ -329,7 +330,7 @@ def test_a_step_scheduling_no_tokens_still_ends_the_requests_it_names_finished(m
         scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),
     )
     assert execute_model(runner, idle) is EMPTY_MODEL_RUNNER_OUTPUT
-    assert not worker._states and state.resident is None
+    assert worker.num_compressed_requests == 0 and state.resident is None
 
 
 def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
@@ -399,18 +400,18 @@ def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(mo
     engine.resident = worker.page_tables = HeadPageTables(LAYERS, HEADS, "cpu", slots=1, max_slots=1)
     engine.add("a", 64)
     engine.compact("a", 0.5)
-    worker._states["a"] = engine.states["a"]
+    worker.requests.add(WorkerRequest("a", Phase.COMPRESSED, state=engine.states["a"]))
     engine.add("b", 80)
 
     def run_compaction(compaction):  # what _run_compaction does to the tables: attach the new state
         engine.compact(compaction.req_id, 0.5)
-        worker._states[compaction.req_id] = engine.states[compaction.req_id]
+        worker.requests.add(WorkerRequest(compaction.req_id, Phase.COMPRESSED, state=engine.states[compaction.req_id]))
 
     monkeypatch.setattr(worker, "_run_compaction", run_compaction)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}, compactions=[Compaction("b", [])]))
-    assert set(worker._states) == {"b"} and worker._states["b"].slot == 0
+    assert worker.num_compressed_requests == 1 and worker.requests.compressed_state("b").slot == 0
     assert engine.states["a"].resident is None
     # A request compacted in the very step it is dropped in gives its slot back too.
     engine.add("c", 64)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"b", "c"}, compactions=[Compaction("c", [])]))
-    assert not worker._states and worker.page_tables._free_slots == [0]
+    assert worker.idle and worker.page_tables._free_slots == [0]
