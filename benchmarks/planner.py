@@ -43,21 +43,16 @@ LAYERS, KV_HEADS, BLOCK = 32, 8, 16
 REQUESTS = (1, 64, 256)
 TOKENS = (4096, 32768, 131072)
 RESULTS = Path(__file__).parent / "results"
+
+
 @dataclass
 class SyntheticCompressed:
-    """What the planner reads of a compressed request (:class:`rcstat_vllm.head_pages.CompactedRequest`): its page
-    table ``[L, H, P]``, kept counts ``[L, H]``, compacted prompt length, and where its table lives."""
+    """What the planner reads of a compressed request (:class:`rcstat_vllm.head_pages.CompactedRequest`): kept counts
+    ``[L, H]``, the compacted prompt length, and its page table (a slot of the resident tables)."""
 
-    tables: torch.Tensor | None
     kept: torch.Tensor
     num_compacted_tokens: int
-    resident: object = None
-    slot: int = -1
-    width: int = 0
-
-    def move_tables_to(self, resident, slot: int) -> None:
-        """As the real one: from now on the table lives in the resident tables only."""
-        self.resident, self.slot, self.width, self.tables = resident, slot, self.tables.shape[2], None
+    table: object = None
 
 
 def build_step(num_requests: int, num_tokens: int, seed: int = 0):
@@ -84,8 +79,8 @@ def build_step(num_requests: int, num_tokens: int, seed: int = 0):
         page_ids = torch.randint(0, num_pages, (LAYERS, KV_HEADS, width), generator=generator)
         columns = torch.arange(width).view(1, 1, -1)
         page_ids = torch.where(columns < (kept + 1 + BLOCK - 1).unsqueeze(-1) // BLOCK, page_ids, -1)
-        state = SyntheticCompressed(page_ids, kept, num_tokens)
-        tables.attach(state)
+        state = SyntheticCompressed(kept, num_tokens)
+        state.table = tables.attach(page_ids, kept - num_tokens)
         compressed[row] = state
     space = PageSpace.per_layer(LAYERS, KV_HEADS, BLOCK)
     common = CommonAttentionMetadata(

@@ -111,7 +111,7 @@ def make_head_plan(
 
 def resident_tables(compressed: dict[int, CompactedRequest]) -> HeadPageTables:
     """The one :class:`HeadPageTables` holding every compressed row's page table."""
-    owners = {id(state.resident): state.resident for state in compressed.values()}
+    owners = {id(owner): owner for owner in (getattr(state.table, "owner", None) for state in compressed.values())}
     if len(owners) != 1 or None in owners.values():
         raise ValueError("rcstat: the compressed requests of a plan must all be attached to one HeadPageTables")
     return next(iter(owners.values()))
@@ -134,7 +134,7 @@ class HostStepNumbers:
         lengths = np.asarray(seq_lens, dtype=np.int64)
         num_heads, num_slots = space.num_heads, resident.num_slots
         rows = np.fromiter(sorted(compressed), dtype=np.int64, count=len(compressed))
-        row_slots = np.fromiter((compressed[r].slot for r in rows.tolist()), dtype=np.int64, count=rows.size)
+        row_slots = np.fromiter((compressed[r].table.slot for r in rows.tolist()), dtype=np.int64, count=rows.size)
         counts = starts[rows + 1] - starts[rows]
         # Per slot: this step's queries and tokens after the step (0 for slots whose request is not in the batch).
         slot_queries = np.zeros(num_slots, dtype=np.int64)

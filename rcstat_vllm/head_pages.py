@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -24,8 +24,6 @@ from torch import Tensor
 
 from rcstat_vllm.page_space import PageSpace, cdiv, identity_pages
 
-if TYPE_CHECKING:
-    from rcstat_vllm.page_tables import HeadPageTables
 
 
 def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -337,15 +335,43 @@ def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks
     return shared_blocks + min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size) - shared_blocks)
 
 
+class PageTable(Protocol):
+    """A compressed request's page table ``[L, H, P]``: its own on the host (:class:`HostPageTable`) until the worker
+    attaches it to its resident tables, then a slot there (:class:`rcstat_vllm.page_tables.ResidentTable`)."""
+
+    def pages(self, width: int) -> Tensor:
+        """``[L, H, width]`` int64 page ids (-1 = no page), a host tensor."""
+
+    def append(self, layers: Tensor, heads: Tensor, columns: Tensor, page_ids: Tensor) -> None:
+        """Pages the (layer, head)s took, at these columns of their page lists (1-D, equal lengths)."""
+
+
+class HostPageTable:
+    """A page table the request holds itself (a compaction outside a worker, or before the worker attaches it)."""
+
+    def __init__(self, tables: Tensor):
+        self.tables = tables
+
+    def pages(self, width: int) -> Tensor:
+        return self.tables[:, :, :width]
+
+    def append(self, layers: Tensor, heads: Tensor, columns: Tensor, page_ids: Tensor) -> None:
+        width = int(columns.max()) + 1
+        if width > self.tables.shape[2]:
+            grown = torch.full((*self.tables.shape[:2], width), -1, dtype=self.tables.dtype)
+            grown[:, :, : self.tables.shape[2]] = self.tables
+            self.tables = grown
+        self.tables[layers, heads, columns] = page_ids
+
+
 @dataclass
 class CompactedRequest:
     """Worker-side state of one compressed request: every (layer, head)'s page list and length.
 
     Everything here lives on the host whatever the cache's device, and ``reserve`` reads nothing from the device, so
-    the bookkeeping of a decode step never waits on the GPU. Once the worker attaches the request to its
-    :class:`~rcstat_vllm.page_tables.HeadPageTables` (:meth:`move_tables_to`), the page table lives there, in a slot of
-    the host mirror that is committed to the device incrementally; before that (a compaction outside a worker) the
-    request holds it itself.
+    the bookkeeping of a decode step never waits on the GPU. Its page table (``table``) is one object: its own on the
+    host until the worker attaches it to its :class:`~rcstat_vllm.page_tables.HeadPageTables`
+    (:meth:`attach_to`), then a slot there, whose host mirror is committed to the device incrementally.
 
     A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
     compaction is appended to every head. The request holds ``keep_blocks`` blocks given by the scheduler for its
@@ -362,8 +388,8 @@ class CompactedRequest:
     space: PageSpace
     #: [L, H] kept prompt tokens per (layer, head)
     kept: Tensor
-    #: [L, H, P] int64 page table while no HeadPageTables holds it (-1 = no page), else None
-    own_tables: Tensor | None
+    #: its page table: on the host, or a slot of the worker's resident tables
+    table: PageTable
     #: per pool of ``space``, its unused pages (handed out from the left)
     pools: list[deque]
     keep_blocks: int = 0
@@ -375,21 +401,18 @@ class CompactedRequest:
     width: int = 0
     #: tokens after compaction every head has room for in the pages it holds (``reserve``'s fast path)
     room: int = 0
-    #: the worker's resident tables holding the page table, and the request's slot there (None, -1: own_tables)
-    resident: "HeadPageTables | None" = None
-    slot: int = -1
 
     @classmethod
     def from_compaction(
         cls, num_tokens: int, space: PageSpace, kept: Tensor, tables: Tensor, unused: list[Tensor], keep_blocks: int
-    ) -> "CompactedRequest":
+    ) -> CompactedRequest:
         """The state after :func:`compact_request` moved ``num_tokens`` tokens' kept entries into ``keep_blocks``
         blocks: vLLM's row positions of the prompt blocks are absorbed (the scheduler gave them back)."""
         state = cls(
             num_compacted_tokens=num_tokens,
             space=space,
             kept=kept,
-            own_tables=tables,
+            table=HostPageTable(tables),
             pools=[deque(pages.tolist()) for pages in unused],
             keep_blocks=keep_blocks,
             absorbed_blocks=cdiv(num_tokens, space.block_size),
@@ -399,14 +422,18 @@ class CompactedRequest:
 
     @property
     def tables(self) -> Tensor:
-        """``[L, H, width]`` int64 page table (-1 = no page): the request's own, or a copy of its resident slot."""
-        if self.resident is None:
-            return self.own_tables
-        return self.resident.slot_pages(self.slot, self.width).to(torch.int64)
+        """``[L, H, width]`` int64 page table (-1 = no page), on the host."""
+        return self.table.pages(self.width)
 
-    def move_tables_to(self, resident: "HeadPageTables", slot: int) -> None:
-        """From now on the page table lives in ``resident`` (which has just written it to ``slot``)."""
-        self.resident, self.slot, self.own_tables = resident, slot, None
+    @property
+    def length_base(self) -> Tensor:
+        """``[L, H]``: a head attends over ``length_base + n`` tokens when the request holds ``n``."""
+        return self.kept - self.num_compacted_tokens
+
+    def attach_to(self, resident) -> None:
+        """Hand the page table to the worker's :class:`~rcstat_vllm.page_tables.HeadPageTables`: from now on it is a
+        slot there (given back by the table's ``release``)."""
+        self.table = resident.attach(self.tables, self.length_base)
 
     @property
     def num_layers(self) -> int:
@@ -465,15 +492,7 @@ class CompactedRequest:
 
     def _write_pages(self, layers: Tensor, heads: Tensor, columns: Tensor, pages: Tensor) -> None:
         """Record pages the (layer, head)s took, at these columns of their page lists."""
-        if self.resident is not None:
-            self.resident.append_pages(self.slot, layers, heads, columns, pages)
-            return
-        width = int(columns.max()) + 1
-        if width > self.own_tables.shape[2]:
-            grown = torch.full((self.num_layers, self.num_heads, width), -1, dtype=self.own_tables.dtype)
-            grown[:, :, : self.own_tables.shape[2]] = self.own_tables
-            self.own_tables = grown
-        self.own_tables[layers, heads, columns] = pages
+        self.table.append(layers, heads, columns, pages)
 
     def _count_pages(self, page_counts: Tensor) -> None:
         """New page counts, and what follows from them on the host: the table's width and every head's room."""

@@ -27,13 +27,10 @@ never waits on the device.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from rcstat_vllm.head_pages import CompactedRequest
 
 
 def pinned_for(device: torch.device) -> bool:
@@ -164,9 +161,9 @@ class HeadPageTables:
         """Host-to-device copies committed so far, over both tensors."""
         return self.pages.copies + self.length_base.copies
 
-    def attach(self, state: "CompactedRequest") -> None:
-        """Give a freshly compacted request a slot and write its whole table there; from now on its pages live here."""
-        table = state.tables
+    def attach(self, table: Tensor, base: Tensor) -> ResidentTable:
+        """A slot for a freshly compacted request's page table ``[L, H, P]`` (-1 = no page) and length base ``[L, H]``;
+        from now on its pages live here, read and grown through the returned handle (the request's ``table``)."""
         slot = self._take_slot()
         self._ensure_width(table.shape[2])
         layers, heads = self._layer_head_grid()
@@ -174,16 +171,15 @@ class HeadPageTables:
         padded = torch.full((self.num_layers, self.num_heads, self.width), -1, dtype=torch.int64)
         padded[:, :, : table.shape[2]] = table
         self.pages.write((layers.unsqueeze(2), torch.tensor(slot), heads.unsqueeze(2), columns), padded)
-        base = state.kept - state.num_compacted_tokens
         self.length_base.write((layers, torch.tensor(slot), heads), base)
         self.longest_base[slot] = base.amax(dim=1)
-        state.move_tables_to(self, slot)
+        return ResidentTable(self, slot)
 
-    def release(self, state: "CompactedRequest") -> None:
+    def release(self, table: ResidentTable) -> None:
         """The request is gone (finished, preempted): its slot serves the next compacted request."""
-        if state.resident is self:
-            self._free_slots.append(state.slot)
-            state.resident, state.slot = None, -1
+        if table.owner is self:
+            self._free_slots.append(table.slot)
+            table.owner, table.slot = None, -1
 
     def append_pages(self, slot: int, layers: Tensor, heads: Tensor, columns: Tensor, page_ids: Tensor) -> None:
         """Pages that (layer, head)s of ``slot`` took at these columns of their page lists (1-D, equal lengths)."""
@@ -232,3 +228,22 @@ class HeadPageTables:
         layers = torch.arange(self.num_layers).view(-1, 1)
         heads = torch.arange(self.num_heads).view(1, -1)
         return layers, heads
+
+
+class ResidentTable:
+    """A compressed request's page table as a slot of the worker's :class:`HeadPageTables` (its ``table`` once
+    attached): the request reads and grows it through here; only the owner changes the slots."""
+
+    def __init__(self, owner: HeadPageTables, slot: int):
+        self.owner: HeadPageTables | None = owner
+        self.slot = slot
+
+    def pages(self, width: int) -> Tensor:
+        return self.owner.slot_pages(self.slot, width).to(torch.int64)
+
+    def append(self, layers: Tensor, heads: Tensor, columns: Tensor, page_ids: Tensor) -> None:
+        self.owner.append_pages(self.slot, layers, heads, columns, page_ids)
+
+    @property
+    def released(self) -> bool:
+        return self.owner is None

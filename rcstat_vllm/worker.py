@@ -246,7 +246,7 @@ class WorkerCompression:
             state = self.requests.compressed_state(req_id)
             if state is not None:
                 self.requests.drop(req_id)
-                self.page_tables.release(state)
+                self.page_tables.release(state.table)
 
     def _report_unserved(self, info: StepInfo) -> None:
         """No layer runs the plugin's backend (no builder plans the steps): each request finishing its prefill is
@@ -274,7 +274,7 @@ class WorkerCompression:
         state = compressor.compact(
             self._layer_caches, dest, self.space, self.layout, compaction.num_tokens, compaction.tail_block_ids
         )
-        self._resident_tables().attach(state)
+        state.attach_to(self._resident_tables())
         record.phase, record.state, record.compressor = Phase.COMPRESSED, state, None
         report = compressor.report()
         report.compacted_at_tokens = compaction.num_tokens or compressor.decision.num_tokens

@@ -149,7 +149,7 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol):
 
     resident = HeadPageTables(1, HEADS, kv.device)  # the worker's tables (WorkerCompression attaches at compaction)
     for state in states.values():
-        resident.attach(state)
+        state.attach_to(resident)
     history = {i: ([], []) for i in range(3)}
     for step in range(40):  # crosses page boundaries for every head
         seq_lens = [n + step + 1 for n in lengths]

@@ -130,7 +130,7 @@ def test_pooled_decode_equals_dense_reference_with_page_growth(dtype, atol):
     state = compact_request(caches, rows[0], masks, blocks[15 : 15 + keep_blocks], space)
     assert state.keep_blocks < cdiv(lengths[0], BLOCK)
 
-    HeadPageTables(LAYERS, HEADS, backing.device).attach(state)  # as the worker does at compaction
+    state.attach_to(HeadPageTables(LAYERS, HEADS, backing.device))  # as the worker does at compaction
     history = [[([], []) for _ in range(LAYERS)] for _ in lengths]
     key_pages, value_pages = head_page_caches(space.all_layers)
     for step in range(40):

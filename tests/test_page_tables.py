@@ -31,7 +31,7 @@ def reference_plan(query_start, seq_lens, compressed, space, resident) -> HeadSe
     """The plan by a Python loop: one head sequence per (resident slot, head), the slots of rows in the batch with
     their queries and lengths (each compressed request's host table), the others empty; write slots row by row."""
     num_layers, num_heads = space.num_layers, space.num_heads
-    by_slot = {state.slot: row for row, state in compressed.items()}
+    by_slot = {state.table.slot: row for row, state in compressed.items()}
     token_index, head_index, starts = [], [], [0]
     lengths = torch.zeros((num_layers, resident.num_slots, num_heads), dtype=torch.int64)
     tables = torch.zeros((num_layers, resident.num_slots, num_heads, resident.width), dtype=torch.int32)
@@ -127,7 +127,7 @@ class Engine:
         dest = torch.tensor([self.free.pop(0) for _ in range(keep_blocks)])
         tables, unused = assign_pages(kept, dest, self.space)
         state = CompactedRequest.from_compaction(n, self.space, kept, tables, unused, keep_blocks)
-        self.resident.attach(state)
+        state.attach_to(self.resident)
         self.states[req_id] = state
         # vLLM's row keeps its length; later positions get new blocks (the compacted prompt's are never read).
         self.rows[req_id] = list(dest.tolist()) + [0] * (cdiv(n, BLOCK) - keep_blocks)
@@ -135,7 +135,7 @@ class Engine:
     def finish(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
         if state is not None:
-            self.resident.release(state)
+            self.resident.release(state.table)
         del self.rows[req_id], self.lengths[req_id]
 
     def step(self, scheduled: dict[str, int]) -> tuple[tuple, HeadSequencePlan]:
@@ -174,14 +174,14 @@ def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(po
         engine.add(req_id, n)
         engine.compact(req_id, {"a": 0.5, "b": 0.1, "d": 0.9, "f": 0.3}[req_id])
     engine.add("c", 0)  # uncompressed, prefilled in chunks of 20 next to the compressed decodes
-    copies_per_step, attached_slots = [], {"d": engine.states["d"].slot}
+    copies_per_step, attached_slots = [], {"d": engine.states["d"].table.slot}
     for step in range(40):
         if step == 12:
             engine.add("e", 0)
         if step == 13:
             engine.finish("d")  # finished: its slot is free again
             engine.compact("e", 0.4)  # takes the slot "d" left
-            assert engine.states["e"].slot == attached_slots["d"]
+            assert engine.states["e"].table.slot == attached_slots["d"]
         scheduled = {"a": 1, "b": 1, "f": 2}  # "f" verifies 2 tokens a step (speculative decoding)
         if "d" in engine.states:
             scheduled["d"] = 1
@@ -280,7 +280,7 @@ def test_worker_grows_from_the_step_infos_host_block_ids_and_reads_the_device_ta
     # Without host ids: one device read per vLLM block reached (positions 64 and 80), none in the other steps.
     assert worker.device_block_row_reads == (0 if host_ids else 2)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}))
-    assert worker.num_compressed_requests == 0 and state.resident is None  # its slot is free for the next compaction
+    assert worker.num_compressed_requests == 0 and state.table.released  # its slot is free for the next compaction
 
 
 def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
@@ -330,7 +330,7 @@ def test_a_step_scheduling_no_tokens_still_ends_the_requests_it_names_finished(m
         scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),
     )
     assert execute_model(runner, idle) is EMPTY_MODEL_RUNNER_OUTPUT
-    assert worker.num_compressed_requests == 0 and state.resident is None
+    assert worker.num_compressed_requests == 0 and state.table.released
 
 
 def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
@@ -374,7 +374,7 @@ def test_tables_stop_growing_at_max_num_seqs_and_max_model_len_within_their_stat
     tables = engine.resident
     state = engine.states["r1"]
     grow = (torch.tensor([0]), torch.tensor([0]), torch.tensor([max_width - 1]), torch.tensor([7]))
-    tables.append_pages(state.slot, *grow)  # a head reaching the last page max_model_len allows
+    state.table.append(*grow)  # a head reaching the last page max_model_len allows
     assert tables.num_slots == 3 and tables.width == max_width  # slots 2 -> 3 (not 4); width -> 19 (not doubled)
     held = (tables.pages.host.numel() + tables.length_base.host.numel()) * 4
     assert held == HeadPageTables.bound_bytes(LAYERS, HEADS, 3, max_width)
@@ -384,7 +384,7 @@ def test_tables_stop_growing_at_max_num_seqs_and_max_model_len_within_their_stat
     engine.finish("r0")  # its slot serves the next one
     engine.compact("r3", keep_fraction=0.5)
     with pytest.raises(RuntimeError, match="max_model_len"):
-        tables.append_pages(state.slot, torch.tensor([0]), torch.tensor([0]), torch.tensor([max_width]), torch.tensor([7]))
+        state.table.append(torch.tensor([0]), torch.tensor([0]), torch.tensor([max_width]), torch.tensor([7]))
 
 
 def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(monkeypatch):
@@ -409,8 +409,8 @@ def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(mo
 
     monkeypatch.setattr(worker, "_run_compaction", run_compaction)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}, compactions=[Compaction("b", [])]))
-    assert worker.num_compressed_requests == 1 and worker.requests.compressed_state("b").slot == 0
-    assert engine.states["a"].resident is None
+    assert worker.num_compressed_requests == 1 and worker.requests.compressed_state("b").table.slot == 0
+    assert engine.states["a"].table.released
     # A request compacted in the very step it is dropped in gives its slot back too.
     engine.add("c", 64)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"b", "c"}, compactions=[Compaction("c", [])]))
