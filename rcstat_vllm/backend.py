@@ -30,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from rcstat_vllm.cpu_kv_layout import layout_matches
 from rcstat_vllm.head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
-from rcstat_vllm.head_pages import CPU_VEC, head_page_caches
+from rcstat_vllm.kv_layout import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
 from rcstat_vllm.vllm_internals import kv_scales_float, set_cpu_layers_isa
 from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression

@@ -6,7 +6,7 @@ scoring, compaction, page bookkeeping, reports) except the kernels:
 
 - it asks vLLM for head-major KV blocks (layout ``LBHNC``), so each (block, KV head) slice is one contiguous
   head page and ``[num_blocks * H, N, 1, D]`` is a view FlashAttention's paged kernels accept
-  (:func:`rcstat_vllm.head_pages.flash_head_page_caches`);
+  (:func:`rcstat_vllm.kv_layout.flash_head_page_caches`);
 - a batch without compressed requests runs FlashAttention exactly as vLLM does;
 - a batch with compressed requests runs its other rows as a sub-batch through vLLM's FlashAttention path
   (metadata built by vLLM's builder for those rows), and the compressed rows head-as-sequence
@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attention_sinks
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
-from rcstat_vllm.head_pages import FLASH
+from rcstat_vllm.kv_layout import FLASH
 from rcstat_vllm.vllm_internals import backend_invalid_reasons, kv_scales
 from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
 

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.head_pages import CacheLayout, CompactedRequest, blocks_needed, cdiv, compact_request
+from rcstat_vllm.compaction import blocks_needed, compact_request
+from rcstat_vllm.head_pages import CompactedRequest
+from rcstat_vllm.kv_layout import CacheLayout
+from rcstat_vllm.page_space import cdiv
 from rcstat_vllm.kernels.rc_scoring import triton_available
 from rcstat_vllm.log import logger
 from rcstat_vllm.page_space import PageSpace

@@ -16,8 +16,8 @@ import torch
 
 @functools.lru_cache(maxsize=None)
 def layout_matches(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """True when vLLM's cache writes land where head_pages.read_kv expects them."""
-    from rcstat_vllm.head_pages import head_page_caches, read_kv
+    """True when vLLM's cache writes land where kv_layout.read_kv expects them."""
+    from rcstat_vllm.kv_layout import head_page_caches, read_kv
     from rcstat_vllm.vllm_internals import custom_ops as ops
 
     num_blocks, num_heads = 2, 2

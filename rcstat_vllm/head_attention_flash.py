@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rcstat_vllm.head_attention import HeadSequencePlan
-from rcstat_vllm.head_pages import flash_head_page_caches
+from rcstat_vllm.kv_layout import flash_head_page_caches
 
 
 class HeadPageKernels:

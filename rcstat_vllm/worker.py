@@ -49,7 +49,8 @@ from rcstat_vllm.compression import (
 )
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
-from rcstat_vllm.head_pages import CacheLayout, CompactedRequest
+from rcstat_vllm.head_pages import CompactedRequest
+from rcstat_vllm.kv_layout import CacheLayout
 from rcstat_vllm.log import logger
 from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason
 from rcstat_vllm.page_tables import HeadPageTables

@@ -31,7 +31,8 @@ from rcstat_vllm.backend_cuda import (  # noqa: E402
     unsupported_reason,
 )
 from rcstat_vllm.head_attention_flash import TorchHeadPageKernels  # noqa: E402
-from rcstat_vllm.head_pages import FLASH, cdiv, flash_head_page_caches  # noqa: E402
+from rcstat_vllm.kv_layout import FLASH, flash_head_page_caches  # noqa: E402
+from rcstat_vllm.page_space import cdiv  # noqa: E402
 from rcstat_vllm.step import BatchRequest, Compaction, StepInfo  # noqa: E402
 from rcstat_vllm.worker import WorkerCompression, unsupported_layer_reason  # noqa: E402
 

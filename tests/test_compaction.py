@@ -1,4 +1,4 @@
-"""Compaction one layer at a time (rcstat_vllm.head_pages.compact_request): exact contents whatever blocks the
+"""Compaction one layer at a time (rcstat_vllm.compaction.compact_request): exact contents whatever blocks the
 scheduler hands back, and the peak extra memory of compacting a long prompt (no engine, no vLLM kernels)."""
 
 import sys
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcstat_vllm.head_pages import CPU_VEC, assign_pages, blocks_needed, compact_request, compaction_order
+from rcstat_vllm.compaction import assign_pages, blocks_needed, compact_request, compaction_order
+from rcstat_vllm.kv_layout import CPU_VEC
 from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

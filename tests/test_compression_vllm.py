@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
-from rcstat_vllm.head_pages import cdiv  # noqa: E402
+from rcstat_vllm.page_space import cdiv  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -47,7 +47,7 @@ def greedy(max_tokens=8, **rcstat):
 def predicted_blocks_freed(kept: list[list[int]], num_tokens: int, pooled: bool) -> int:
     """The head-page layout's prediction from the per-(layer, head) kept counts alone: the request keeps the
     pages of its kept tokens plus those of the tokens still to come before vLLM's next block (see
-    ``head_pages.blocks_needed``), L * H pages per block when pages are pooled across layers, else H pages
+    ``compaction.blocks_needed``), L * H pages per block when pages are pooled across layers, else H pages
     per block of its fullest layer."""
     to_boundary = -num_tokens % BLOCK
     pages = [[cdiv(k + to_boundary, BLOCK) for k in layer] for layer in kept]

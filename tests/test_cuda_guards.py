@@ -90,7 +90,7 @@ def test_cache_tensors_without_a_head_page_view_disable_compression_when_bound()
     """The stride assumptions of the head-page view are checked when the caches are bound (start-up)."""
     import torch
 
-    from rcstat_vllm.head_pages import FLASH
+    from rcstat_vllm.kv_layout import FLASH
     from rcstat_vllm.worker import WorkerCompression
 
     def worker(cache):

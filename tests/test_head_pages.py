@@ -14,15 +14,9 @@ from rcstat_vllm.head_attention import (  # noqa: E402
     make_head_plan,
     write_head_sequence_kv,
 )
-from rcstat_vllm.head_pages import (  # noqa: E402
-    blocks_needed,
-    cdiv,
-    compact_layer,
-    compact_request,
-    gather_prompt,
-    head_page_caches,
-    read_kv,
-)
+from rcstat_vllm.compaction import blocks_needed, compact_layer, compact_request, gather_prompt  # noqa: E402
+from rcstat_vllm.kv_layout import head_page_caches, read_kv  # noqa: E402
+from rcstat_vllm.page_space import cdiv  # noqa: E402
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.cpu_kv_layout import layout_matches  # noqa: E402

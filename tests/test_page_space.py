@@ -12,7 +12,8 @@ from rcstat_vllm.head_attention import (  # noqa: E402
     make_head_plan,
     write_head_sequence_kv,
 )
-from rcstat_vllm.head_pages import blocks_needed, compact_request, gather_prompt, head_page_caches, read_kv  # noqa: E402
+from rcstat_vllm.compaction import blocks_needed, compact_request, gather_prompt  # noqa: E402
+from rcstat_vllm.kv_layout import head_page_caches, read_kv  # noqa: E402
 from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason  # noqa: E402
 from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.scoring import select_budget, select_budget_across_layers  # noqa: E402

@@ -18,7 +18,9 @@ pytest.importorskip("vllm")
 
 from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan  # noqa: E402
-from rcstat_vllm.head_pages import CompactedRequest, assign_pages, blocks_needed, cdiv  # noqa: E402
+from rcstat_vllm.compaction import assign_pages, blocks_needed  # noqa: E402
+from rcstat_vllm.head_pages import CompactedRequest  # noqa: E402
+from rcstat_vllm.page_space import cdiv  # noqa: E402
 from rcstat_vllm.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
@@ -243,7 +245,7 @@ def test_reserve_takes_host_block_ids_and_refuses_device_tensors():
 
 def _worker_with(seed: int, space: PageSpace):
     """A worker with one compressed request ("a"), set up as a compaction leaves it."""
-    from rcstat_vllm.head_pages import CPU_VEC
+    from rcstat_vllm.kv_layout import CPU_VEC
     from rcstat_vllm.worker import WorkerCompression
 
     vllm_config = fake_vllm_config({"method": "rc"}, BLOCK)
@@ -390,7 +392,7 @@ def test_tables_stop_growing_at_max_num_seqs_and_max_model_len_within_their_stat
 def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(monkeypatch):
     """At max_num_seqs compressed requests, one finishing and another compacted in one step: the worker releases the
     finished one's slot before the compaction takes one (else the tables would need max_num_seqs + 1 slots)."""
-    from rcstat_vllm.head_pages import CPU_VEC
+    from rcstat_vllm.kv_layout import CPU_VEC
     from rcstat_vllm.step import Compaction
     from rcstat_vllm.worker import WorkerCompression
 

@@ -34,7 +34,8 @@ import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
 from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.compression import CompressionDecision, RequestCompressor, select_keep_masks, triton_scoring  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
-from rcstat_vllm.head_pages import CPU_VEC, FLASH, gather_prompt  # noqa: E402
+from rcstat_vllm.compaction import gather_prompt  # noqa: E402
+from rcstat_vllm.kv_layout import CPU_VEC, FLASH  # noqa: E402
 from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
 
 # SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rcstat_vllm.worker import max_over_ranks
-from rcstat_vllm.head_pages import blocks_needed, cdiv, compact_request
+from rcstat_vllm.compaction import blocks_needed, compact_request
+from rcstat_vllm.page_space import cdiv
 from rcstat_vllm.page_space import PageSpace
 
 BLOCK, HEADS, DIM, N = 16, 2, 8, 100

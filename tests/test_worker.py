@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("vllm")
 
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.head_pages import CPU_VEC  # noqa: E402
+from rcstat_vllm.kv_layout import CPU_VEC  # noqa: E402
 from rcstat_vllm.worker import (  # noqa: E402
     WorkerCompression,
     engine_not_pooled_reason,

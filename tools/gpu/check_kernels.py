@@ -118,7 +118,7 @@ def part_live_path(n: int = 8192) -> dict:
     import rcstat_vllm.compression as compression
     from rcstat_vllm.compression import CompressionDecision, RequestCompressor
     from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.head_pages import FLASH
+    from rcstat_vllm.kv_layout import FLASH
 
     device = torch.device("cuda")
     extra = 5  # another request's query rows first in the step's query tensor

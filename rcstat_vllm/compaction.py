@@ -1,0 +1,185 @@
+"""Compaction: copy each (layer, KV head)'s kept tokens into its own head pages, and the blocks that takes.
+
+An uncompressed request's head ``h`` uses pages ``row[j] * H + h`` of its blocks (the identity map,
+:mod:`rcstat_vllm.kv_layout`). Compaction copies every (layer, head)'s kept tokens into its own page list in
+``keep_blocks`` blocks the scheduler allocated (:func:`compact_request`), filled densely, so a head keeping k tokens
+needs ``ceil(k / N)`` pages; the prompt's blocks go back to vLLM untouched (they may be prefix-cache entries). Which
+pages a request may use, and which tensor a page id indexes, is its :class:`PageSpace` (one pool across all layers,
+or one per layer: :mod:`rcstat_vllm.page_space`). The result is the request's page bookkeeping,
+:class:`~rcstat_vllm.head_pages.CompactedRequest`.
+
+Plain torch on whatever device the cache lives on; it does not import vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from rcstat_vllm.head_pages import CompactedRequest
+from rcstat_vllm.kv_layout import CPU_VEC, CacheLayout
+from rcstat_vllm.page_space import PageSpace, cdiv, identity_pages
+
+
+def gather_prompt(
+    kv_cache: Tensor, block_row: Tensor, num_tokens: int, layout: CacheLayout = CPU_VEC
+) -> tuple[Tensor, Tensor]:
+    """Keys and values ``[H, n, D]`` of an uncompressed request's first ``n`` tokens."""
+    _, num_heads, block_size = layout.shape(kv_cache)
+    tokens = torch.arange(num_tokens, device=kv_cache.device)
+    pages = identity_pages(block_row[: cdiv(num_tokens, block_size)], num_heads)[:, tokens // block_size]
+    return layout.read(kv_cache, pages, (tokens % block_size).expand_as(pages))
+
+
+def compaction_order(pages_per_head: Tensor, space: PageSpace, reused: Tensor) -> list[int]:
+    """The order :func:`compact_request` moves layers in: index order, or, when pooled pages land in blocks that
+    still hold prompt KV (``reused``, the scheduler handed back the request's own blocks), the layers keeping fewest
+    pages first. Then, with each layer's own slice of a reused block free once that layer is read, every layer finds
+    enough free pages without reading ahead: after ``j`` of ``L`` layers, at most ``j / L`` of the pages are needed
+    and at least ``j / L`` of every block are free (see :func:`assign_pages`)."""
+    num_layers = pages_per_head.shape[0]
+    if not (space.is_pooled and bool(reused.any())):
+        return list(range(num_layers))
+    return torch.sort(pages_per_head.sum(dim=1), stable=True).indices.tolist()
+
+
+def assign_pages(
+    kept: Tensor, dest_blocks: Tensor, space: PageSpace, reused: Tensor | None = None, order: Sequence[int] | None = None
+) -> tuple[Tensor, list[Tensor]]:
+    """Hand the pages of ``dest_blocks`` to the (layer, head)s: each takes ``ceil(kept / N)`` consecutive pages of
+    its pool, the layers in ``order`` (default: index order), heads in order. A pool's pages are ordered block by
+    block (:meth:`PageSpace.pool_pages`); where ``reused[i]`` (``dest_blocks[i]`` still holds prompt KV), a page of
+    that block's slice of layer ``l`` only becomes free once ``l`` has been moved, so such pages go after the free
+    ones, by when they free up, and a layer is never given a page whose prompt KV is still to be read.
+
+    Returns:
+        ``[L, H, max_pages]`` int64 page tables (-1 where a head has no page) and, per pool, its unused pages.
+    """
+    num_layers, num_heads = kept.shape
+    order = list(range(num_layers)) if order is None else list(order)
+    step = torch.empty(num_layers, dtype=torch.int64)
+    step[order] = torch.arange(num_layers)  # when each layer is moved
+    reused = torch.zeros(dest_blocks.numel(), dtype=torch.bool) if reused is None else reused.cpu()
+    pages_per_head = (kept.to(torch.int64) + space.block_size - 1) // space.block_size
+    # Host-side tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the accelerator;
+    # the worker's HeadPageTables (rcstat_vllm.page_tables) commits them to the cache's device once, then appends.
+    tables = torch.full((num_layers, num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64)
+    slot = torch.arange(tables.shape[2]).unsqueeze(0)
+    unused = []
+    for pool_index, layers in enumerate(space.pools):
+        layers = sorted(layers, key=lambda layer: int(step[layer]))
+        pool = space.pool_pages(pool_index, dest_blocks.cpu())  # [blocks, pool layers, H] flattened
+        # Step from which each page may be written: 0, or (reused block) when its layer slice has been read.
+        slice_step = step[list(space.pools[pool_index])].view(1, -1, 1)
+        free_from = torch.where(reused.view(-1, 1, 1), slice_step, 0).expand(-1, -1, num_heads).reshape(-1)
+        free_from, by_free = torch.sort(free_from, stable=True)
+        pool = pool[by_free]
+        counts = pages_per_head[layers].reshape(-1)  # in moving order, then head
+        if int(counts.sum()) > pool.numel():
+            raise ValueError(f"{int(counts.sum())} pages needed, {dest_blocks.numel()} blocks bring {pool.numel()}")
+        first = torch.cumsum(counts, 0) - counts
+        valid = slot < counts.unsqueeze(1)
+        taken = (first.unsqueeze(1) + slot)[valid]
+        takers = step[layers].repeat_interleave(num_heads).unsqueeze(1).expand_as(valid)[valid]
+        if bool((free_from[taken] > takers).any()):
+            raise RuntimeError("rcstat: compaction would overwrite prompt KV not yet moved (page order bug)")
+        group = torch.full((counts.numel(), tables.shape[2]), -1, dtype=torch.int64)
+        group[valid] = pool[taken]
+        tables[layers] = group.view(len(layers), num_heads, -1)
+        unused.append(pool[int(counts.sum()) :].clone())  # not a view: the pool's used part is freed
+    return tables, unused
+
+
+def compact_request(
+    caches: Sequence[Tensor],
+    source_row: Tensor,
+    keep_masks: Sequence[Tensor],
+    dest_blocks: Tensor,
+    space: PageSpace,
+    layout: CacheLayout = CPU_VEC,
+    shared_blocks: int = 0,
+) -> "CompactedRequest":
+    """Copy each (layer, head)'s kept tokens (in order) from the request's uncompressed blocks into head pages of
+    ``dest_blocks``, densely (copy on compact: the source blocks are never written, so blocks the prefix cache
+    or another request still reads stay intact).
+
+    One layer at a time: the extra memory is one layer's kept keys and values (and their indices). The destination
+    blocks are fresh, except when the scheduler had to reuse blocks the request just gave back (memory was short):
+    then sources and destinations may share blocks. Within one layer's own pages that is safe (the layer reads all
+    its kept entries before writing); across layers (pooled pages) the layers move in :func:`compaction_order` and
+    take only pages whose prompt KV has been moved (:func:`assign_pages`).
+
+    Args:
+        caches: per layer, its cache (``[num_blocks, H, N, 2D]``); a pooled space indexes its all-layers view.
+        source_row: the request's block ids, uncompressed (at least ``cdiv(n, N)`` valid entries).
+        keep_masks: per layer, ``[H, n]`` bool, the tokens each head keeps.
+        dest_blocks: the fresh blocks the request keeps from now on (the scheduler's allocation).
+        shared_blocks: the request's first blocks (prefix-cache hits) stay as they are, shared, every head keeping
+            all their tokens (their masks must be all True): each head's pages start with them.
+
+    Returns:
+        The request's state from there on: it holds its shared blocks and ``dest_blocks``; its page tables
+        (host, -1 = no page) and the pools of its unused pages.
+    """
+    block_size = space.block_size
+    device = keep_masks[0].device
+    num_tokens = keep_masks[0].shape[1]
+    shared_tokens = shared_blocks * block_size
+    if not all(bool(mask[:, :shared_tokens].all()) for mask in keep_masks):
+        raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
+    kept_all = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
+    keep_masks = [mask[:, shared_tokens:] for mask in keep_masks]
+    shared = source_row[:shared_blocks].cpu()
+    source_row = source_row[shared_blocks:]
+    source_blocks = source_row[: cdiv(keep_masks[0].shape[1], block_size)].to(device=device, dtype=torch.int64)
+    dest = dest_blocks.to(device=device, dtype=torch.int64)
+    reused = torch.isin(dest, source_blocks).cpu()
+    own_kept = kept_all - shared_tokens
+    order = compaction_order((own_kept + block_size - 1) // block_size, space, reused)
+    tables, unused = assign_pages(own_kept, dest_blocks, space, reused, order)
+    if shared_blocks:
+        prefix = torch.stack([space.identity(layer, shared) for layer in range(len(keep_masks))])  # [L, H, S]
+        tables = torch.cat([prefix, tables], dim=2)
+    device_tables = tables.to(device)
+    for layer in order:
+        _move_layer(space.cache(layer, caches[layer]), keep_masks[layer], space.identity(layer, source_blocks),
+                    device_tables[layer, :, shared_blocks:], block_size, layout)
+    return CompactedRequest.from_compaction(
+        num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel()
+    )
+
+
+def _move_layer(cache: Tensor, mask: Tensor, source: Tensor, dest: Tensor, block_size: int, layout: CacheLayout) -> None:
+    """Copy one layer's kept tokens (``mask`` ``[H, n]``) from its source pages ``[H, blocks]`` to slots ``0..k-1``
+    of each head's destination pages ``[H, P]``: all are read before any is written, and every index tensor is
+    dropped as soon as it has served, so the peak is the kept keys and values plus a few int64s per entry."""
+    head_idx, token_idx = torch.nonzero(mask, as_tuple=True)
+    keys, values = layout.read(cache, source[head_idx, token_idx // block_size], token_idx % block_size)  # copies
+    del token_idx
+    # The j-th kept token of head h goes to slot j of head h's own pages.
+    counts = mask.sum(dim=1)
+    rank = torch.arange(head_idx.numel(), device=mask.device) - (torch.cumsum(counts, 0) - counts)[head_idx]
+    dest_pages = dest[head_idx, rank // block_size]
+    del head_idx
+    layout.write(cache, dest_pages, rank % block_size, keys, values)
+
+
+def compact_layer(
+    kv_cache: Tensor, source_row: Tensor, keep_mask: Tensor, dest_blocks: Tensor, layout: CacheLayout = CPU_VEC
+) -> Tensor:
+    """:func:`compact_request` of one layer on its own pages: ``[H, max_pages]`` page table."""
+    _, num_heads, block_size = layout.shape(kv_cache)
+    space = PageSpace.per_layer(1, num_heads, block_size)
+    return compact_request([kv_cache], source_row, [keep_mask], dest_blocks, space, layout).tables[0]
+
+
+def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks: int = 0) -> int:
+    """The fewest blocks a request can hold after compaction (see :class:`CompactedRequest`): its shared blocks,
+    then the pages of its other kept tokens plus those the tokens still to come before vLLM appends its next block
+    need, over each pool."""
+    to_boundary = -num_tokens % space.block_size
+    own = kept - shared_blocks * space.block_size
+    pages_then = (own + to_boundary + space.block_size - 1) // space.block_size  # [L, H]
+    return shared_blocks + min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size) - shared_blocks)
