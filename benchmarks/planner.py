@@ -12,7 +12,8 @@ Llama-3.1-8B's shapes (32 layers, 8 KV heads, block 16), and prints one JSON lin
   ``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``; glibc told to map and unmap every
   allocation of 64 KiB or more, so freed memory is not reused unseen): what the step's temporaries cost.
 - ``ms_per_step``: median wall time of planning one step (the resident tables already committed: a steady decode
-  step). Each shape runs in a fresh process so one shape's allocations do not hide another's.
+  step), in another fresh process with glibc's allocator as it is (mapping and unmapping every temporary, as the
+  memory measurement needs, would be timed too).
 - ``resident_bytes``: the compressed requests' page tables kept between steps (not part of the peak).
 
 The compressed requests' page tables are synthetic (per head a random kept count between 10% and 100% of the
@@ -110,31 +111,37 @@ def plan_once(step):
     return head_plan, plain_rows(common, compressed, query_start, seq_lens, BLOCK)
 
 
-def measure(num_requests: int, num_tokens: int, repeats: int) -> dict:
-    """One shape, in this process: peak extra resident memory of one plan, median time of ``repeats`` plans."""
+def measure(num_requests: int, num_tokens: int, repeats: int, what: str) -> dict:
+    """One shape, in this process: the peak extra resident memory of one plan (``what="memory"``: run under
+    :data:`MEASURING_ENV`) or the median time of ``repeats`` plans (``"time"``: glibc as it is, since mapping and
+    unmapping every large temporary would be timed too)."""
     torch.set_num_threads(1)
     step = build_step(num_requests, num_tokens)
     step[-1].commit()  # the compaction's one copy happened in an earlier step
     plan_once(step)  # imports and first-call allocations are not the step's
-    peak, plan = peak_extra_bytes(lambda: plan_once(step))
-    del plan
+    row = {"requests": num_requests, "tokens": num_tokens, "compressed_requests": len(step[3])}
+    if what == "memory":
+        row["peak_bytes"], _ = peak_extra_bytes(lambda: plan_once(step))
+        row["resident_bytes"] = resident_bytes(step[-1])
+        return row
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         plan = plan_once(step)
         times.append((time.perf_counter() - start) * 1e3)
         del plan
-    return {
-        "requests": num_requests,
-        "tokens": num_tokens,
-        "compressed_requests": len(step[3]),
-        "peak_bytes": peak,
-        "ms_per_step": round(statistics.median(times), 3),
-        "resident_bytes": resident_bytes(step[-1]),
-        "layers": LAYERS,
-        "kv_heads": KV_HEADS,
-        "block_size": BLOCK,
-    }
+    row["ms_per_step"] = round(statistics.median(times), 3)
+    return row
+
+
+def measure_in_fresh_process(num_requests: int, num_tokens: int, repeats: int, what: str) -> dict:
+    command = [sys.executable, __file__, "--one", what, "--requests", str(num_requests), "--tokens", str(num_tokens),
+               "--repeats", str(repeats)]
+    env = MEASURING_ENV if what == "memory" else None
+    done = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -142,24 +149,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="*", default=list(REQUESTS))
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--one", action="store_true", help="measure one shape in this process (used internally)")
+    parser.add_argument("--one", choices=["memory", "time"], help="measure one shape in this process (used internally)")
     parser.add_argument("--out", type=Path, default=RESULTS / "planner_cpu.json")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.requests[0], args.tokens[0], args.repeats)))
+        print(json.dumps(measure(args.requests[0], args.tokens[0], args.repeats, args.one)))
         return
     from benchmarks.common import environment, load_avg
 
     rows = []
     for num_requests in args.requests:
         for num_tokens in args.tokens:
-            command = [sys.executable, __file__, "--one", "--requests", str(num_requests), "--tokens",
-                       str(num_tokens), "--repeats", str(args.repeats)]
-            done = subprocess.run(command, capture_output=True, text=True, env=MEASURING_ENV)
-            if done.returncode != 0:
-                row = {"requests": num_requests, "tokens": num_tokens, "error": done.stderr.strip().splitlines()[-1]}
-            else:
-                row = json.loads(done.stdout.strip().splitlines()[-1])
+            row = {"requests": num_requests, "tokens": num_tokens}
+            for what in ("memory", "time"):  # each in a fresh process, so one shape's allocations hide no other's
+                row.update(measure_in_fresh_process(num_requests, num_tokens, args.repeats, what))
+            row.update(layers=LAYERS, kv_heads=KV_HEADS, block_size=BLOCK)
             print(json.dumps(row), flush=True)
             rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
