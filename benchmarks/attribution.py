@@ -42,14 +42,8 @@ import torch
 
 from torch import Tensor
 
-from rcstat_vllm.attribution.core import (
-    AttributionOptions,
-    bottom_heads,
-    num_top_heads,
-    select_span_tokens,
-    selected_span_scores,
-    top_heads,
-)
+from rcstat_vllm.attribution.estimators import bottom_heads, select_span_tokens, selected_span_scores, top_heads
+from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
 from rcstat_vllm.attribution.hf import chat_prompt, generate, load_model, trace_sequence
 from rcstat_vllm.attribution.spans import chunk_spans, prompt_offsets, token_spans
 

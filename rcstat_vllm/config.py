@@ -88,28 +88,28 @@ class RCStatConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError("method", self.method, " | ".join(METHODS))
-        if not _is_number(self.c) or not math.isfinite(self.c) or self.c < 0:
+        if not is_number(self.c) or not math.isfinite(self.c) or self.c < 0:
             raise ConfigError("c", self.c, "a finite number >= 0")
-        if not _is_int(self.window) or self.window < 1:
+        if not is_int(self.window) or self.window < 1:
             raise ConfigError("window", self.window, "an integer >= 1")
         if self.observation_window is not None:
-            if not _is_int(self.observation_window) or self.observation_window < 1:
+            if not is_int(self.observation_window) or self.observation_window < 1:
                 raise ConfigError("observation_window", self.observation_window, "null or an integer >= 1")
             if self.method not in OBSERVING_METHODS and self.method != "none":
                 observers = " and ".join(OBSERVING_METHODS)
                 raise ConfigError("observation_window", self.observation_window,
                                   f"null for method {self.method!r} (only {observers} observe a window)")
         if self.target_ratio is not None and (
-            not _is_number(self.target_ratio) or not 0 <= self.target_ratio < 1
+            not is_number(self.target_ratio) or not 0 <= self.target_ratio < 1
         ):
             raise ConfigError("target_ratio", self.target_ratio, "null or a number in [0, 1)")
-        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ConfigError("sink_tokens", self.sink_tokens, "an integer >= 0")
-        if not _is_int(self.min_prompt_len) or self.min_prompt_len < 1:
+        if not is_int(self.min_prompt_len) or self.min_prompt_len < 1:
             raise ConfigError("min_prompt_len", self.min_prompt_len, "an integer >= 1")
-        if not _is_int(self.smoothing) or self.smoothing < 1 or self.smoothing % 2 == 0:
+        if not is_int(self.smoothing) or self.smoothing < 1 or self.smoothing % 2 == 0:
             raise ConfigError("smoothing", self.smoothing, "an odd integer >= 1")
-        if not _is_number(self.layer_floor) or not 0 <= self.layer_floor <= 1:
+        if not is_number(self.layer_floor) or not 0 <= self.layer_floor <= 1:
             raise ConfigError("layer_floor", self.layer_floor, "a number in [0, 1]")
         if self.budget_scope not in BUDGET_SCOPES:
             raise ConfigError("budget_scope", self.budget_scope, " | ".join(BUDGET_SCOPES))
@@ -155,11 +155,11 @@ class RCStatConfig:
         return dataclasses.asdict(self)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

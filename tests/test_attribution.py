@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from rcstat_vllm.attribution.capture import AttributionCapture, parse_request_options
-from rcstat_vllm.attribution.core import (
-    AttributionOptions,
-    AttributionTrace,
+from rcstat_vllm.attribution.estimators import (
     head_relative_contextualization,
     normalize_span_scores,
-    num_top_heads,
     span_attention,
     span_relative_contextualization,
     top_heads,
 )
+from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
+from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.attribution.spans import (
     assign_tokens,
     chunk_spans,

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from rcstat_vllm.attribution.capture import AttributionCapture, parse_request_options, trace_id
-from rcstat_vllm.attribution.core import (
-    SPAN_SCORES,
-    AttributionOptions,
-    AttributionTrace,
+from rcstat_vllm.attribution.estimators import (
     normalize_span_scores,
     select_span_tokens,
     selected_span_scores,
     span_relative_contextualization,
+    SPAN_SCORES,
     token_relative_contextualization,
 )
+from rcstat_vllm.attribution.options import AttributionOptions
+from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.config import ConfigError
 
 

@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from rcstat_vllm.attribution.core import AttributionOptions, AttributionTrace, SpanScores
+from rcstat_vllm.attribution.options import AttributionOptions
+from rcstat_vllm.attribution.trace import AttributionTrace, SpanScores
 from rcstat_vllm.attribution.report import AttributionResult
 
 __all__ = ["AttributionOptions", "AttributionTrace", "AttributionResult", "SpanScores", "results"]

@@ -1,5 +1,5 @@
 """The narrow interface between the attention backend and attribution: per step, which batch rows asked;
-per layer, their post-RoPE q/k into each request's :class:`~rcstat_vllm.attribution.core.AttributionTrace`.
+per layer, their post-RoPE q/k into each request's :class:`~rcstat_vllm.attribution.trace.AttributionTrace`.
 
 One :class:`AttributionCapture` per worker process (:func:`attribution_capture`). It is inert until the
 attribution logits processor is constructed in that process (``RCStatAttributionProcessor.__init__`` calls
@@ -30,7 +30,8 @@ from typing import Any, Mapping, Sequence
 
 from torch import Tensor
 
-from rcstat_vllm.attribution.core import AttributionOptions, AttributionTrace
+from rcstat_vllm.attribution.options import AttributionOptions
+from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.config import ConfigError
 from rcstat_vllm.log import logger
 

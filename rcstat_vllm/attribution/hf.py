@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from rcstat_vllm.attribution.core import AttributionOptions, AttributionTrace
+from rcstat_vllm.attribution.options import AttributionOptions
+from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.attribution.report import AttributionResult, build_result
 
 __all__ = ["load_model", "capture_qk", "generate", "attribute", "trace_sequence", "chat_prompt"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from rcstat_vllm.attribution.core import AttributionTrace
+from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.attribution.spans import TextSpan, decode_offsets, prompt_offsets, spans_for, split_sentences, token_spans
 
 __all__ = ["AttributionResult", "GeneratedAttribution", "plan_spans", "score_spans", "assemble", "build_result"]
