@@ -291,19 +291,6 @@ class RequestCompressor:
             self.score_window(layer, q_window, caches[layer], scale, layout)
         self.windows = None
 
-    def score_layer(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        layout: CacheLayout,
-        saved_queries: torch.Tensor | None = None,
-    ) -> None:
-        """Score one layer's prompt tokens per KV head. ``query`` is the step's [T, Hq, D] (RoPE applied: vLLM
-        passes rotated queries); ``saved_queries`` the trailing queries of earlier prefill chunks."""
-        self.score_window(layer, self.window_of(query, saved_queries), kv_cache, scale, layout)
-
     def score_window(self, layer: int, q_window: torch.Tensor, kv_cache: torch.Tensor, scale: float, layout) -> None:
         """Score one layer's prompt tokens per KV head from its window's queries ``[Hq, w, D]``.
 

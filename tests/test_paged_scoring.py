@@ -1,6 +1,6 @@
 """Scoring a request's prompt in place in the paged cache (the CUDA prefill path) against the torch path.
 
-The CUDA backend scores through ``RequestCompressor.score_layer`` -> ``Scorer.score_paged``: with a GPU layout
+The CUDA backend scores through ``RequestCompressor.observe_layer`` -> ``Scorer.score_paged``: with a GPU layout
 (``FLASH``) on a CUDA device, RC and SnapKV run the Triton paged kernels over the key half of the cache rows;
 everything else gathers the keys and runs the torch scorer. Here the device check is faked so the kernels run
 under the Triton interpreter on CPU tensors, with the cache layout the CUDA backend uses: ``[B, H, N, 2D]``, each
@@ -86,7 +86,7 @@ def fake_cuda(monkeypatch):
 def score_layer(config, kv_cache, block_row, query, layout=FLASH):
     """One layer's scores by a fresh compressor (a fresh scorer: the random one draws the same scores each time)."""
     request = compressor(config, query.shape[0] - EXTRA_QUERIES, block_row)
-    request.score_layer(0, query, kv_cache, SCALE, layout)
+    request.observe_layer(0, query, kv_cache, SCALE, layout)
     return request.scores[0]
 
 
@@ -307,7 +307,7 @@ def test_scoring_and_selection_never_wait_for_the_device(config):
     kv_cache, block_row, query = (t.to("meta") for t in flash_request(num_tokens, 3, seed=5))
     request = compressor(config, num_tokens, block_row, num_layers=layers)
     for layer in range(layers):
-        request.score_layer(layer, query, kv_cache, SCALE, FLASH)
+        request.observe_layer(layer, query, kv_cache, SCALE, FLASH)
     masks = select_keep_masks(request.scores, config)
     assert [m.shape for m in masks] == [(KV_HEADS, num_tokens)] * layers and masks[0].device.type == "meta"
 

@@ -136,7 +136,7 @@ def part_live_path(n: int = 8192) -> dict:
             try:
                 decision = CompressionDecision("r", config, n, extra, extra + n)
                 request = RequestCompressor(decision, 1, table)
-                request.score_layer(0, query, cache, HEAD_DIM**-0.5, FLASH)
+                request.observe_layer(0, query, cache, HEAD_DIM**-0.5, FLASH)
                 scores[path] = request.scores[0].float()
             finally:
                 compression.triton_device = original
