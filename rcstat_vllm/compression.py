@@ -151,7 +151,7 @@ def warm_up_scoring(config: RCStatConfig, layout: CacheLayout, kv_cache: torch.T
         return False
     scorer = get_scorer(config.method, **scorer_options(config))
     keys, values = layout.key_value_caches(kv_cache)
-    width = window_queries(config)  # what score_layer hands the scorer for a prompt longer than the window
+    width = window_queries(config)  # what observe_layer hands the scorer for a prompt longer than the window
     num_tokens = 2 * width
     block_row = torch.zeros(cdiv(num_tokens, keys.shape[2]), dtype=torch.int32, device=keys.device)
     prompt = PagedPrompt(keys, values, block_row, num_tokens)
@@ -213,7 +213,7 @@ def deferred_keep_blocks(config: RCStatConfig, num_tokens: int, num_layers: int,
 
 class RequestCompressor:
     """Compresses one request: each layer is scored as it runs during the forward of the request's last prefill
-    chunk (:meth:`score_layer`); once every layer is scored, :meth:`select` decides what each (layer, head) keeps
+    chunk (:meth:`observe_layer`); once every layer is scored, :meth:`select` decides what each (layer, head) keeps
     (a model-wide budget needs every layer's scores) and how many blocks that takes; :meth:`compact` copies the
     kept entries into the blocks the scheduler then allocated for them, at the start of the next step.
 

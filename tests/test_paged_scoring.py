@@ -91,7 +91,7 @@ def score_layer(config, kv_cache, block_row, query, layout=FLASH):
 
 
 def old_torch_path(config, kv_cache, block_row, query, num_tokens, layout):
-    """What score_layer computed before paged scoring: dense float32 copies of every head's keys and values."""
+    """What scoring computed before paged scoring: dense float32 copies of every head's keys and values."""
     keys, values = gather_prompt(kv_cache, block_row, num_tokens, layout)
     width = min(compression.window_queries(config), num_tokens)
     q_window = query[-width:].transpose(0, 1).float()
@@ -129,7 +129,7 @@ def test_triton_path_of_score_layer_equals_the_torch_path_fp32(monkeypatch, spy_
 @pytest.mark.parametrize("layout", [FLASH, CPU_VEC], ids=["flash", "cpu_vec"])
 @pytest.mark.parametrize("method", sorted(SCORERS))
 def test_torch_path_equals_the_dense_gather_it_replaces(layout, method):
-    """On CPU (and for methods without a kernel) score_layer still computes exactly what it did."""
+    """On CPU (and for methods without a kernel) observe_layer still computes exactly what it did."""
     config = RCStatConfig(method=method, window=8, smoothing=3)
     kv_cache, block_row, query = flash_request(70, 3, seed=1)
     got = score_layer(config, kv_cache, block_row, query, layout)

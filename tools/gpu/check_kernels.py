@@ -9,7 +9,7 @@ Parts (each recorded separately in kernels.json; a failure in one does not stop 
    prompts of 4k/16k/32k tokens, RC windows 8 and 32, SnapKV's 64. Reported: relative error ||got - ref|| / ||ref||,
    max abs error, NaNs, and how much of the reference's top-20% (what a 0.8 budget keeps) the kernel's top-20%
    recovers. float32 inputs too (must match to ~1e-6).
-2. ``live_path``: ``RequestCompressor.score_layer`` (what the CUDA backend calls per layer) with the Triton kernels
+2. ``live_path``: ``RequestCompressor.observe_layer`` (what the CUDA backend calls per layer) with the Triton kernels
    against the same call forced onto the torch path, bf16 cache on the GPU.
 3. ``pytest``: tests/test_kernels.py, tests/test_paged_scoring.py (they run the kernels under TRITON_INTERPRET=1 on
    CPU tensors, as in CI; run here only to show the suite passes on this image).
@@ -112,7 +112,7 @@ def part_kernels(sizes: list[int]) -> dict:
 
 
 def part_live_path(n: int = 8192) -> dict:
-    """score_layer as the CUDA backend runs it (Triton) vs the same call on the torch path, bf16 on the GPU."""
+    """observe_layer as the CUDA backend runs it (Triton) vs the same call on the torch path, bf16 on the GPU."""
     import torch
 
     import rcstat_vllm.compression as compression
