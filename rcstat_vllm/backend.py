@@ -33,7 +33,8 @@ from rcstat_vllm.head_attention import add_cpu_scheduler_metadata, head_sequence
 from rcstat_vllm.kv_layout import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
 from rcstat_vllm.vllm_internals import kv_scales_float, set_cpu_layers_isa
-from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
+from rcstat_vllm.attribution.capture import record_layer
+from rcstat_vllm.worker import StepCompression, worker_compression
 
 
 class RCStatCPUBackend(CPUAttentionBackend):
@@ -96,7 +97,7 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
         layer_index = owner.tracked_layer(layer.layer_name)
         if layer_index is None:  # not a layer the plugin compresses (a drafter's): vLLM's path, nothing recorded
             return self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        record_attribution(plan, layer_index, query, key)
+        record_layer(plan.attribution, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
         head_plan = plan.head_plan
         if head_plan is None:  # no compressed request in the batch: vLLM's own path, unchanged

@@ -35,7 +35,8 @@ from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attent
 from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.kv_layout import FLASH
 from rcstat_vllm.vllm_internals import backend_invalid_reasons, kv_scales
-from rcstat_vllm.worker import StepCompression, record_attribution, worker_compression
+from rcstat_vllm.attribution.capture import record_layer
+from rcstat_vllm.worker import StepCompression, worker_compression
 
 #: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
 HEAD_MAJOR_LAYOUT = KVCacheLayout.LBHNC
@@ -232,7 +233,7 @@ class RCStatFlashImpl(FlashAttentionImpl):
         owner = plan.owner
         layer_index = owner.tracked_layer(layer.layer_name)
         if layer_index is not None:
-            record_attribution(plan, layer_index, query, key)
+            record_layer(plan.attribution, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
         if layer_index is None or plan.head_plan is None:
             # A layer the plugin does not compress (a drafter's), or no compressed request in the batch: vLLM's

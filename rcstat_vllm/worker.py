@@ -56,6 +56,7 @@ from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason
 from rcstat_vllm.page_tables import HeadPageTables
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import Compaction, StepInfo
+from rcstat_vllm.rank_agreement import max_over_ranks, visible_on_any_rank
 from rcstat_vllm.vllm_internals import forward_context
 from rcstat_vllm.worker_requests import Phase, WorkerRequests
 
@@ -347,14 +348,9 @@ class WorkerCompression:
         if not selected:
             return
         agreed = max_over_ranks([record.blocks_needed for record in selected], self.block_agreement_group)
-        if self.block_agreement_group is not None:
-            # A token is evicted everywhere only if every rank's heads evicted it.
-            visible = [record.compressor.visible for record in selected]
-            merged = max_over_ranks(torch.cat([v.flatten() for v in visible]).to(torch.int64).tolist(),
-                                    self.block_agreement_group)
-            merged, start = torch.tensor(merged, dtype=torch.bool), 0
-            for record, v in zip(selected, visible):
-                record.compressor.visible, start = merged[start : start + v.numel()].view_as(v), start + v.numel()
+        visible = visible_on_any_rank([record.compressor.visible for record in selected], self.block_agreement_group)
+        for record, mask in zip(selected, visible):
+            record.compressor.visible = mask
         for record, keep_blocks in zip(selected, agreed):
             record.saved_queries = None
             record.compressor.keep_blocks = keep_blocks
@@ -525,19 +521,3 @@ def worker_compression(vllm_config) -> WorkerCompression:
 def worker_compression_of(vllm_config) -> WorkerCompression | None:
     """The owner of the runner with this config, if there is one (runner hooks, the Python API)."""
     return _current if _current is not None and _current.vllm_config is vllm_config else None
-
-
-def max_over_ranks(values: list[int], group) -> list[int]:
-    """Element-wise max of ``values`` over the ranks of ``group`` (a torch.distributed process group; None:
-    a single rank). Every rank must call it with as many values, in the same order."""
-    if group is None:
-        return values
-    tensor = torch.tensor(values, dtype=torch.int64)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
-    return tensor.tolist()
-
-
-def record_attribution(plan: StepCompression | None, layer_index: int, query, key) -> None:
-    """Before a layer's attention: hand its queries/keys to the attribution capture when a request asked."""
-    if plan is not None and plan.attribution:
-        attribution_capture().record(layer_index, plan.attribution, query, key)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rcstat_vllm.worker import max_over_ranks
+from rcstat_vllm.rank_agreement import max_over_ranks
 from rcstat_vllm.compaction import blocks_needed, compact_request
 from rcstat_vllm.page_space import cdiv
 from rcstat_vllm.page_space import PageSpace

@@ -6,12 +6,12 @@ attribution logits processor is constructed in that process (``RCStatAttribution
 :meth:`AttributionCapture.activate`): before that, and for every step in which no request asked,
 :meth:`AttributionCapture.plan` returns None after one attribute check, and the backend records nothing.
 
-Backend wiring (``rcstat_vllm/worker.py``, shared by the CPU and CUDA backends)::
+Backend wiring (the step plan in ``rcstat_vllm/worker.py``, then each backend)::
 
     # WorkerCompression.plan_step, after ``query_start = ...``:
     plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
-    # record_attribution, called by each backend's forward before its attention:
-    if plan.attribution: attribution_capture().record(layer_index, plan.attribution, query, key)
+    # each backend's forward, before its attention:
+    record_layer(plan.attribution, layer_index, query, key)
 
 The q/k are recorded before compaction touches the cache, so attribution sees every prompt key even when
 the same request is compressed (compression changes which keys the model attends to afterwards, and so
@@ -267,3 +267,10 @@ class AttributionWorkerMixin:
 
     def rcstat_attribution_results(self, req_id, prompt_ranges, generated_ranges, pop=True):
         return worker_results(req_id, prompt_ranges, generated_ranges, pop)
+
+
+def record_layer(rows, layer_index: int, query, key) -> None:
+    """Before a layer's attention: hand its queries/keys to the capture when requests of this step asked
+    (``rows``: the step plan's ``attribution``, None or empty when none did)."""
+    if rows:
+        attribution_capture().record(layer_index, rows, query, key)
