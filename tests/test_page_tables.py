@@ -85,7 +85,7 @@ def assert_plans_equal(got: HeadSequencePlan, expected: HeadSequencePlan) -> Non
 
 
 def assert_device_equals_mirror(resident: HeadPageTables) -> None:
-    for mirrored in (resident.pages, resident.length_base):
+    for mirrored in (resident.pages, resident.length_base, resident.last_page):
         assert not mirrored.dirty
         floor = mirrored.device_floor
         assert torch.equal(mirrored.on_device, mirrored.host if floor is None else mirrored.host.clamp(min=floor))
@@ -168,8 +168,11 @@ class Engine:
         return args, reference_plan(query_start, seq_lens, compressed, self.space, self.resident)
 
 
+@pytest.mark.parametrize("f_tokens", [2, 1], ids=["a-row-of-2-tokens", "decode-only"])
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
-def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(pooled):
+def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(pooled, f_tokens):
+    """With a compressed row of 2 tokens (speculative decoding) write slots come from the page lists; with one
+    token per compressed row (decode) from the last-page table: both equal the reference."""
     g = torch.Generator().manual_seed(5)
     engine = Engine(_space(pooled), g)
     for req_id, n in (("a", 150), ("b", 90), ("d", 70), ("f", 60)):
@@ -184,7 +187,7 @@ def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(po
             engine.finish("d")  # finished: its slot is free again
             engine.compact("e", 0.4)  # takes the slot "d" left
             assert engine.states["e"].table.slot == attached_slots["d"]
-        scheduled = {"a": 1, "b": 1, "f": 2}  # "f" verifies 2 tokens a step (speculative decoding)
+        scheduled = {"a": 1, "b": 1, "f": f_tokens}  # 2: "f" verifies 2 tokens a step (speculative decoding)
         if "d" in engine.states:
             scheduled["d"] = 1
         scheduled["c"] = 20 if engine.lengths["c"] < 100 else 1
@@ -193,7 +196,8 @@ def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(po
         items = list(scheduled.items())
         order = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]  # vLLM reorders its batch
         args, expected = engine.step(dict(order))
-        dirty = engine.resident.pages.dirty + engine.resident.length_base.dirty
+        tables = engine.resident
+        dirty = tables.pages.dirty + tables.length_base.dirty + tables.last_page.dirty
         before = engine.resident.copies
         plan = make_head_plan(*args)
         assert engine.resident.copies - before == dirty  # one copy per tensor that changed, none otherwise
@@ -205,7 +209,8 @@ def test_plan_equals_the_per_row_reference_and_device_tables_track_the_mirror(po
     assert 0 in copies_per_step and any(copies_per_step)
 
 
-def test_a_decode_step_copies_once_when_a_head_takes_a_page_and_nothing_otherwise():
+def test_a_decode_step_copies_the_tables_a_head_changed_by_taking_a_page_and_nothing_otherwise():
+    """A head taking a page changes its page list and its last page: two copies; a step taking none copies nothing."""
     engine = Engine(_space(pooled=False), torch.Generator().manual_seed(6))
     engine.add("a", 64)
     engine.compact("a", 0.5)
@@ -219,9 +224,9 @@ def test_a_decode_step_copies_once_when_a_head_takes_a_page_and_nothing_otherwis
         took_pages.append(engine.lengths["a"] - state.num_compacted_tokens > room)
         copies = engine.resident.copies
         assert_plans_equal(make_head_plan(*args), expected)
-        assert engine.resident.copies - copies == took_pages[-1]
+        assert engine.resident.copies - copies == 2 * took_pages[-1]
         make_head_plan(*args)  # planning the same step again: nothing new to copy
-        assert engine.resident.copies - copies == took_pages[-1]
+        assert engine.resident.copies - copies == 2 * took_pages[-1]
     assert any(took_pages) and not all(took_pages)
 
 
@@ -378,7 +383,7 @@ def test_tables_stop_growing_at_max_num_seqs_and_max_model_len_within_their_stat
     grow = (torch.tensor([0]), torch.tensor([0]), torch.tensor([max_width - 1]), torch.tensor([7]))
     state.table.append(*grow)  # a head reaching the last page max_model_len allows
     assert tables.num_slots == 3 and tables.width == max_width  # slots 2 -> 3 (not 4); width -> 19 (not doubled)
-    held = (tables.pages.host.numel() + tables.length_base.host.numel()) * 4
+    held = (tables.pages.host.numel() + tables.length_base.host.numel() + tables.last_page.host.numel()) * 4
     assert held == HeadPageTables.bound_bytes(LAYERS, HEADS, 3, max_width)
     engine.add("r3", 100)
     with pytest.raises(RuntimeError, match="more than 3 compressed requests"):
