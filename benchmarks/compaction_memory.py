@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_memory import MEASURING_ENV, peak_extra_bytes  # noqa: E402
+from benchmarks.peak_memory import peak_extra_bytes, run_in_fresh_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
@@ -87,11 +86,7 @@ def measure(tokens: int, layers: int, heads: int, head_dim: int, dtype: str, des
 
 def measure_in_fresh_process(**shape) -> dict:
     """:func:`measure` in its own process started with :data:`MEASURING_ENV` (the only way the peak is honest)."""
-    command = [sys.executable, __file__, "--one"] + [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, env=MEASURING_ENV)
-    if done.returncode != 0:
-        raise RuntimeError(f"compaction_memory.py failed:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_fresh_process(__file__, ["--one"] + [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()])
 
 
 def main() -> None:

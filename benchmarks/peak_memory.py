@@ -8,7 +8,10 @@ kept for reuse, where a later peak would not show).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 MEASURING_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -33,3 +36,15 @@ def peak_extra_bytes(work) -> tuple[int, object]:
     reset_peak()
     result = work()
     return max(proc_status("VmHWM") - before, 0), result
+
+
+def run_in_fresh_process(script: str, args: list[str], *, measuring: bool = True) -> dict:
+    """Run ``script args`` in a new Python process (with :data:`MEASURING_ENV` when ``measuring``) and return the
+    JSON object it printed last; raises with its stderr if it failed."""
+    done = subprocess.run(
+        [sys.executable, script, *args], check=False, capture_output=True, text=True,
+        env=MEASURING_ENV if measuring else None,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_memory import MEASURING_ENV, peak_extra_bytes  # noqa: E402
+from benchmarks.peak_memory import peak_extra_bytes, run_in_fresh_process  # noqa: E402
 
 LAYERS, KV_HEADS, BLOCK = 32, 8, 16
 REQUESTS = (1, 64, 256)
@@ -135,13 +134,11 @@ def measure(num_requests: int, num_tokens: int, repeats: int, what: str) -> dict
 
 
 def measure_in_fresh_process(num_requests: int, num_tokens: int, repeats: int, what: str) -> dict:
-    command = [sys.executable, __file__, "--one", what, "--requests", str(num_requests), "--tokens", str(num_tokens),
-               "--repeats", str(repeats)]
-    env = MEASURING_ENV if what == "memory" else None
-    done = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    args = ["--one", what, "--requests", str(num_requests), "--tokens", str(num_tokens), "--repeats", str(repeats)]
+    try:
+        return run_in_fresh_process(__file__, args, measuring=what == "memory")
+    except RuntimeError as error:
+        return {"error": str(error).strip().splitlines()[-1]}
 
 
 def main() -> None:

@@ -197,10 +197,10 @@ def compressed_write_slots(
         token_pages = resident.last_page.on_device.index_select(1, token_slots)
         return token_pages.to(torch.int64) * block_size + index % block_size
     column = torch.div(index, block_size, rounding_mode="floor")
-    # Flat offset of (layer, slot, head, column): ((l * S + s) * H + h) * P + column.
-    rows = torch.arange(num_layers * num_heads, device=base.device).view(num_layers, 1, num_heads)
-    rows = (rows + (rows // num_heads) * (num_slots - 1) * num_heads) * width  # l * S * H + h, times P
-    flat = rows + (token_slots * (num_heads * width)).view(1, -1, 1) + column
+    # Flat offset of (layer, slot, head, column) in [L, S, H, P]: ((l * S + s) * H + h) * P + column.
+    layers = torch.arange(num_layers, device=base.device).view(-1, 1, 1) * (num_slots * num_heads * width)
+    heads = torch.arange(num_heads, device=base.device).view(1, 1, -1) * width
+    flat = layers + heads + (token_slots * (num_heads * width)).view(1, -1, 1) + column
     token_pages = pages.view(-1).take(flat)
     return token_pages.to(torch.int64) * block_size + (index - column * block_size)
 

@@ -253,10 +253,5 @@ def top_heads(scores: Tensor, k: int) -> list[tuple[int, int]]:
 
 
 def bottom_heads(scores: Tensor, k: int) -> list[tuple[int, int]]:
-    """The k (layer, head) pairs with the lowest finite scores, lowest first."""
-    flat = scores.flatten().clone()
-    flat[~torch.isfinite(flat)] = float("inf")
-    k = min(k, int(torch.isfinite(flat).sum()))
-    order = torch.argsort(flat, descending=False, stable=True)[:k]
-    width = scores.shape[1]
-    return [(int(i) // width, int(i) % width) for i in order]
+    """The k (layer, head) pairs with the lowest finite scores, lowest first (ties in index order, as top_heads)."""
+    return top_heads(-scores, k)

@@ -134,7 +134,7 @@ class _BinnedSearch:
     MAX_PER_BIN = 8
     TRIM = 2
 
-    def __init__(self, lowest, scale, first, padded, per_bin: int):
+    def __init__(self, lowest: Tensor, scale: Tensor, first: Tensor, padded: Tensor | None, per_bin: int):
         self.lowest, self.scale, self.first, self.padded, self.per_bin = lowest, scale, first, padded, per_bin
 
     @property
@@ -152,27 +152,27 @@ class _BinnedSearch:
         spread = highest - lowest
         # NaN or infinite rows, or rows of equal values, get scale 0: one bin, then searchsorted (per_bin = m).
         scale = torch.where((spread > 0) & torch.isfinite(spread), num_bins / spread, torch.zeros_like(spread))
-        search = cls(lowest, scale, None, None, 0)
-        bins = search.bin_of(sorted_values, num_bins)
+        bins = _bin_of(sorted_values, lowest, scale, num_bins)
         edges = torch.arange(num_bins + 1, device=bins.device).expand(*bins.shape[:-1], -1).contiguous()
         first = torch.searchsorted(bins, edges, side="left")  # [..., B + 1]: y in bins before each
         per_bin = int((first[..., 1:] - first[..., :-1]).max()) if m else 0
-        search.first, search.per_bin = first, per_bin
-        if search.usable:  # +inf after the last value: reading past a row's end never counts
-            search.padded = torch.nn.functional.pad(sorted_values, (0, per_bin), value=float("inf"))
-        return search
-
-    def bin_of(self, values: Tensor, num_bins: int | None = None) -> Tensor:
-        num_bins = self.first.shape[-1] - 1 if num_bins is None else num_bins
-        bins = ((values - self.lowest) * self.scale).nan_to_num_(nan=0.0)  # NaN x: any bin (its score is NaN)
-        return bins.floor_().clamp_(0, num_bins - 1).to(torch.int64)
+        padded = None
+        if per_bin <= cls.MAX_PER_BIN:  # +inf after the last value: reading past a row's end never counts
+            padded = torch.nn.functional.pad(sorted_values, (0, per_bin), value=float("inf"))
+        return cls(lowest, scale, first, padded, per_bin)
 
     def count_below(self, x: Tensor) -> Tensor:
-        start = torch.gather(self.first, -1, self.bin_of(x))
+        start = torch.gather(self.first, -1, _bin_of(x, self.lowest, self.scale, self.first.shape[-1] - 1))
         count = start.clone()
         for k in range(self.per_bin):
             count += torch.gather(self.padded, -1, start + k) < x
         return count
+
+
+def _bin_of(values: Tensor, lowest: Tensor, scale: Tensor, num_bins: int) -> Tensor:
+    """:class:`_BinnedSearch`'s bin of each value: non-decreasing in the value (float rounding included)."""
+    bins = ((values - lowest) * scale).nan_to_num_(nan=0.0)  # NaN x: any bin (its score is NaN)
+    return bins.floor_().clamp_(0, num_bins - 1).to(torch.int64)
 
 
 def window_self_logits(q_window: Tensor, window_keys: Tensor) -> WindowSelfLogits:
