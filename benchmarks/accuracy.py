@@ -39,6 +39,7 @@ numerical floor of the two implementations.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -59,11 +60,16 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: lengths x 4 depths of the queried needle), 2 variable-tracking prompts and 6 essay summaries.
 ACCURACY_PRESETS = {
     "quick": dict(base="quick", niah_lengths=[1024, 2048], niah_depths=[0.1, 0.9], niah_multi_lengths=[1024],
-                  niah_multi_depths=[0.5], vt_lengths=[1024], vt_per_length=1, summ=1, summ_tokens=1024),
+                  niah_multi_depths=[0.5], vt_lengths=[1024], vt_per_length=1, summ=1, summ_tokens=1024,
+                  niah_multikey_lengths=[1024], niah_multikey_depths=[0.5], niah_multivalue_lengths=[1024],
+                  niah_multivalue_depths=[0.3]),
     "default": dict(base="default", niah_lengths=[1024, 2048, 4096],
                     niah_depths=[0.05, 0.18, 0.31, 0.44, 0.56, 0.69, 0.82, 0.95], niah_multi_lengths=[1024, 2048],
                     niah_multi_depths=[0.1, 0.4, 0.6, 0.9], vt_lengths=[1024], vt_per_length=2,
-                    summ=6, summ_tokens=1024),
+                    summ=6, summ_tokens=1024,
+                    # RULER's multi-key (4 keys, 3 distractors, ask one) and multi-value (4 values, one key)
+                    niah_multikey_lengths=[1024, 2048], niah_multikey_depths=[0.1, 0.4, 0.6, 0.9],
+                    niah_multivalue_lengths=[1024, 2048], niah_multivalue_depths=[0.1, 0.5, 0.9]),
 }
 #: --budget-scope-study: needles only, more of them (single: 3 lengths x 6 depths; multi: 2 lengths x 3 depths).
 BUDGET_SCOPE_PRESET = dict(base="default", tasks=["niah_single", "niah_multi"], niah_lengths=[1024, 2048, 4096],
@@ -208,7 +214,7 @@ def summarize(records: list[dict], settings: list[methods.Setting]) -> dict:
             t_rows = [r for r in rows if r["task"] == task]
             entry["by_task"][task] = {"n": len(t_rows), "score": _mean(r["score"] for r in t_rows),
                                       "ratio": _mean(r["ratio"] for r in t_rows)}
-        needle = [r for r in rows if r["task"] in ("niah_single", "niah_multi")]
+        needle = [r for r in rows if r["task"] in data.NEEDLE_TASKS]
         entry["needle_accuracy"] = _mean(r["score"] for r in needle)
         entry["needle_ratio"] = _mean(r["ratio"] for r in needle)
         entry.update(needle_counts(needle, full_found))
@@ -220,11 +226,11 @@ def summarize(records: list[dict], settings: list[methods.Setting]) -> dict:
 
 
 def needle_counts(rows: list[dict], full_found: dict[str, list[bool]]) -> dict:
-    """Needle values found (single: one per prompt, multi: three), per task and overall, and how many of the
-    values the full cache found this setting found too."""
+    """Needle values found (single and multi-key: one per prompt, multi: three, multi-value: four), per task and
+    overall, and how many of the values the full cache found this setting found too."""
     out = {"needle_prompts": len(rows), "needle_values": sum(len(r["found"]) for r in rows),
            "needle_hits": sum(sum(r["found"]) for r in rows)}
-    for task in ("niah_single", "niah_multi"):
+    for task in data.NEEDLE_TASKS:
         t_rows = [r for r in rows if r["task"] == task]
         out[f"{task}_values"] = sum(len(r["found"]) for r in t_rows)
         out[f"{task}_hits"] = sum(sum(r["found"]) for r in t_rows)
@@ -331,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                              "at --ratios (default 0.5 0.8); writes benchmarks/results/accuracy_budget_scope_cpu.json")
     methods.add_cliff_arguments(parser, "accuracy_cliff_cpu.json")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/accuracy_cpu.json)")
+    parser.add_argument("--write-prompts", metavar="PATH", default=None,
+                        help="write this run's prompts (with token ids) as JSON to PATH and stop: the input of "
+                             "benchmarks/kvpress_reference.py, so kvpress runs on exactly these prompts")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "default"
     sp = dict(SETTINGS_PRESETS[preset])
@@ -362,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = data.load_tokenizer(model_dir)
     ap = study_preset(args.summaries) if args.budget_scope_study or args.cliff_ablation else dict(ACCURACY_PRESETS[preset])
     samples = data.build_suite(tokenizer, ap.pop("base"), args.seed, **ap)
+    if args.write_prompts:
+        Path(args.write_prompts).write_text(json.dumps(
+            {"benchmark": "accuracy", "preset": preset, "seed": args.seed, "model": model_dir,
+             "samples": [s.to_dict(with_ids=True) for s in samples]}))
+        print(f"{len(samples)} prompts written to {args.write_prompts}", file=sys.stderr)
+        return 0
     by_id = {s.sample_id: s for s in samples}
     max_len = max(s.num_tokens + s.max_new_tokens for s in samples)
     max_model_len = max(2048, -(-max_len // 1024) * 1024)
@@ -427,12 +442,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'setting':18s} {'ratio':>6s} {'single':>7s} {'multi':>7s} {'of full':>7s} {'vt':>6s} {'summ':>6s} "
-          f"{'=full':>6s}")
+    print(f"{'setting':18s} {'ratio':>6s} {'single':>7s} {'multi':>7s} {'m-key':>7s} {'m-value':>7s} {'of full':>7s} "
+          f"{'vt':>6s} {'summ':>6s} {'=full':>6s}")
     for label, e in report["summary"].items():
         task = lambda t: e["by_task"].get(t, {}).get("score", float("nan"))  # noqa: E731
         count = lambda t: f"{e.get(t + '_hits', 0)}/{e.get(t + '_values', 0)}"  # noqa: E731
         print(f"{label:18s} {e['ratio']:6.3f} {count('niah_single'):>7s} {count('niah_multi'):>7s} "
+              f"{count('niah_multikey'):>7s} {count('niah_multivalue'):>7s} "
               f"{e.get('needle_kept_of_full', float('nan')):7.2f} {task('vt'):6.3f} {task('summ'):6.3f} "
               f"{e['same_as_full']:6.2f}")
     fid = report.get("fidelity", {})

@@ -6,6 +6,11 @@ Tasks (RULER-style, all seeded, all through the model's ChatML chat template):
   requested depth (0-100% of the haystack) in a haystack of essay sentences, the question at the end.
 * ``niah_multi``:  three needles with distinct keys; the queried one at the requested depth, the others at
   random depths; the question asks for all three values (score = fraction found).
+* ``niah_multikey``: RULER's multi-key needles: four needles with distinct keys, three of them distractors at
+  random depths; the question asks for the one at the requested depth (one value; answering a distractor's
+  value does not count).
+* ``niah_multivalue``: RULER's multi-value needles: four values for the same key, the first at the requested
+  depth, the others at random depths; the question asks for all of them (score = fraction found).
 * ``vt``:          variable tracking: a chain of assignments ``VAR X1 = 12345``, ``VAR X2 = VAR X1``, ...
   spread over the haystack; the question asks which variables hold the value (score = fraction named).
 * ``summ``:        a whole essay (cut at a sentence boundary to a token budget) and a request for a summary;
@@ -259,24 +264,40 @@ def _random_value(rng: random.Random, used: set[str]) -> str:
             return value
 
 
+#: Needle tasks: name -> (needles in the prompt, whether they share one key, how many the question asks for).
+NEEDLE_TASKS = {"niah_single": (1, False, 1), "niah_multi": (3, False, 3), "niah_multikey": (4, False, 1),
+                "niah_multivalue": (4, True, 4)}
+
+
 def needle_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int, depth: float,
-                  num_needles: int = 1, sample_id: str = "", max_new_tokens: int | None = None) -> Sample:
+                  num_needles: int = 1, sample_id: str = "", max_new_tokens: int | None = None,
+                  task: str | None = None) -> Sample:
     """A needle-in-a-haystack prompt of about ``length`` tokens; the first needle at ``depth`` in [0, 1].
 
-    ``num_needles == 1``: niah_single, the question asks for the one value. ``num_needles > 1``: niah_multi,
-    the other needles (distinct keys) at random depths, the question asks for every value.
+    ``task`` is one of :data:`NEEDLE_TASKS` (default: niah_single for one needle, niah_multi for more). The
+    first needle is the queried one (multikey) or the first of the asked values; the others sit at random
+    depths. A multi-value prompt's needles share the first key; every other prompt's keys are distinct.
     """
+    task = task or ("niah_single" if num_needles == 1 else "niah_multi")
+    if task not in NEEDLE_TASKS:
+        raise ValueError(f"unknown needle task {task!r} (one of {sorted(NEEDLE_TASKS)})")
+    default_count, one_key, asked = NEEDLE_TASKS[task]
+    num_needles = num_needles if task in ("niah_single", "niah_multi") else default_count
+    asked = num_needles if task in ("niah_single", "niah_multi") else asked
     if max_new_tokens is None:
-        max_new_tokens = 24 if num_needles == 1 else 16 + 12 * num_needles
+        max_new_tokens = 24 if asked == 1 else 16 + 12 * asked
     used_keys, used_values = set(), set()
-    keys = [_random_key(rng, used_keys) for _ in range(num_needles)]
+    keys = [_random_key(rng, used_keys) for _ in range(1 if one_key else num_needles)] * (num_needles if one_key else 1)
     values = [_random_value(rng, used_values) for _ in range(num_needles)]
     depths = [depth] + [rng.random() for _ in range(num_needles - 1)]
     needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
     start = rng.randrange(0, 2000)
-    if num_needles == 1:
+    if asked == 1:
         question = f"What is the special magic number for {keys[0]} mentioned in the provided text?"
         prefix = f"The special magic number for {keys[0]} mentioned in the provided text is"
+    elif one_key:
+        question = f"What are all the special magic numbers for {keys[0]} mentioned in the provided text?"
+        prefix = f"The special magic numbers for {keys[0]} mentioned in the provided text are"
     else:
         listed = ", ".join(keys[:-1]) + f" and {keys[-1]}"
         question = f"What are the special magic numbers for {listed} mentioned in the provided text?"
@@ -294,15 +315,15 @@ def needle_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int
     needle_pos = [_token_index_of(tokenizer, text, text.index(needle)) for needle in needles]
     actual = [(p - ctx_start) / max(ctx_end - ctx_start, 1) for p in needle_pos]
     return Sample(
-        task="niah_single" if num_needles == 1 else "niah_multi",
+        task=task,
         sample_id=sample_id,
         prompt=text,
         prompt_ids=ids,
-        answers=values,
+        answers=values[:asked],
         max_new_tokens=max_new_tokens,
         meta={"target_tokens": length, "depth": depth, "depths": depths, "actual_depths": actual,
               "needle_token_pos": needle_pos, "context_tokens": [ctx_start, ctx_end], "keys": keys,
-              "needles": needles, "essays": sorted(names)},
+              "needles": needles, "distractors": values[asked:], "essays": sorted(names)},
     )
 
 
@@ -396,7 +417,7 @@ def build_suite(tokenizer, preset: str = "default", seed: int = DEFAULT_SEED, ta
     """Every sample of a preset, deterministically from ``seed`` (same seed, same prompts)."""
     cfg = dict(PRESETS[preset])
     cfg.update({k: v for k, v in overrides.items() if v is not None})
-    tasks = tasks or ["niah_single", "niah_multi", "vt", "summ"]
+    tasks = tasks or ["niah_single", "niah_multi", "vt", "summ", "niah_multikey", "niah_multivalue"]
     plan = []
     if "niah_single" in tasks:
         plan += [("niah_single", L, d) for L in cfg["niah_lengths"] for d in cfg["niah_depths"]]
@@ -411,15 +432,19 @@ def build_suite(tokenizer, preset: str = "default", seed: int = DEFAULT_SEED, ta
         eligible = sorted(n for n, c in counts.items() if c >= cfg["summ_tokens"] // 2)
         summ_essays = random.Random(f"{seed}-summ").sample(eligible, min(cfg["summ"], len(eligible)))
         plan += [("summ", cfg["summ_tokens"], e) for e in summ_essays]
+    # The later needle tasks come last, so adding them leaves every earlier sample as it was.
+    for task in ("niah_multikey", "niah_multivalue"):
+        if task in tasks:
+            plan += [(task, L, d) for L in cfg.get(f"{task}_lengths", []) for d in cfg.get(f"{task}_depths", [])]
     samples = []
     for i, (task, length, arg) in enumerate(tqdm(plan, desc="building prompts", disable=not progress)):
         # One RNG per sample from (seed, task, index): a sample does not depend on which others are built.
         rng = random.Random(f"{seed}-{task}-{i}")
         sid = f"{task}-{length}-{arg}" if task != "summ" else f"summ-{arg}"
         exclude = set(summ_essays)  # haystacks never reuse the essays being summarised
-        if task in ("niah_single", "niah_multi"):
+        if task in NEEDLE_TASKS:
             samples.append(needle_sample(tokenizer, rng, Haystack(tokenizer, rng, exclude), length, arg,
-                                         num_needles=1 if task == "niah_single" else 3, sample_id=sid))
+                                         num_needles=1 if task == "niah_single" else 3, sample_id=sid, task=task))
         elif task == "vt":
             samples.append(vt_sample(tokenizer, rng, Haystack(tokenizer, rng, exclude), length, sample_id=f"{sid}"))
         else:

@@ -50,6 +50,38 @@ def test_same_seed_same_prompts(tokenizer):
         assert all(answer in s.prompt for answer in s.answers)
 
 
+def test_multikey_and_multivalue_needles(tokenizer):
+    """RULER's multi-key prompts ask for one of four distinct keys (the others are distractors in the text);
+    multi-value prompts hide four values under one key and ask for all; adding them changes no earlier sample."""
+    import data
+
+    kwargs = dict(niah_lengths=[512], niah_depths=[0.3], niah_multi_lengths=[512], niah_multi_depths=[0.5],
+                  vt_lengths=[512], vt_per_length=1, summ=1, summ_tokens=512)
+    before = data.build_suite(tokenizer, "quick", seed=3, progress=False,
+                              tasks=["niah_single", "niah_multi", "vt", "summ"], **kwargs)
+    after = data.build_suite(tokenizer, "quick", seed=3, progress=False, niah_multikey_lengths=[768],
+                             niah_multikey_depths=[0.4], niah_multivalue_lengths=[768], niah_multivalue_depths=[0.6],
+                             **kwargs)
+    assert [s.prompt_ids for s in after[: len(before)]] == [s.prompt_ids for s in before]
+    multikey, multivalue = after[len(before):]
+    assert (multikey.task, multivalue.task) == ("niah_multikey", "niah_multivalue")
+    for sample in (multikey, multivalue):
+        assert sample.num_tokens <= 768
+        assert len(sample.meta["needles"]) == 4
+        assert all(sample.prompt.count(n) == 1 for n in sample.meta["needles"])
+        start, end = sample.meta["context_tokens"]
+        assert abs((sample.meta["needle_token_pos"][0] - start) / (end - start) - sample.meta["depth"]) < 0.05
+    keys = multikey.meta["keys"]
+    assert len(set(keys)) == 4 and len(multikey.answers) == 1 and len(multikey.meta["distractors"]) == 3
+    question = multikey.prompt[multikey.prompt.rindex("What is"):]
+    assert keys[0] in question and not any(k in question for k in keys[1:])
+    assert multikey.answers[0] in multikey.meta["needles"][0]
+    # A distractor's value is not the answer.
+    assert data.found_answers(multikey, multikey.meta["distractors"][0]) == [False]
+    assert len(set(multivalue.meta["keys"])) == 1 and len(multivalue.answers) == 4
+    assert data.score_output(multivalue, " ".join(multivalue.answers[:3])) == pytest.approx(0.75)
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
 def test_needle_is_in_the_prompt_at_the_requested_depth(tokenizer, depth):
     import data
