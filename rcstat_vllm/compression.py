@@ -79,10 +79,11 @@ def window_queries(config: RCStatConfig) -> int:
 
 
 def scorer_options(config: RCStatConfig) -> dict:
-    """The scorer's constructor options: the observed queries (:func:`observed_queries`) and RC's smoothing;
+    """The scorer's constructor options: the observed queries (:func:`observed_queries`) and RC's smoothing and carry_forward;
     everything else at the method's published defaults."""
     if config.method == "rc":
-        return {"window_size": observed_queries(config), "smoothing": config.smoothing}
+        return {"window_size": observed_queries(config), "smoothing": config.smoothing,
+                "carry_forward": config.carry_forward}
     if config.observation_window is not None:
         return {"window_size": config.observation_window}
     return {}

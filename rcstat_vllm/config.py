@@ -64,6 +64,10 @@ class RCStatConfig:
         smoothing: RC only: each score is averaged over this many neighbouring tokens (an odd window centred on
             the token, as SnapKV pools its scores) before selection, so a fact's span is kept or evicted whole;
             1 = no smoothing.
+        carry_forward: RC only: after smoothing, each token's score is raised to the highest score among the
+            ``carry_forward`` tokens before it, so what follows a contextualized token (a value after the key a
+            question names) is kept with it: the window's queries find the key, the value is read only by queries
+            generated later. 0 = the paper's scores.
         eviction: when the selected entries are compacted and the freed blocks returned: ``eager`` right after the
             prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
             waiting request that does not fit, a running one that would be preempted), the requests freeing most
@@ -83,6 +87,7 @@ class RCStatConfig:
     budget_scope: str = "model"
     layer_floor: float = 0.0
     smoothing: int = 3
+    carry_forward: int = 0
     eviction: str = "eager"
 
     def __post_init__(self) -> None:
@@ -109,6 +114,8 @@ class RCStatConfig:
             raise ConfigError("min_prompt_len", self.min_prompt_len, "an integer >= 1")
         if not is_int(self.smoothing) or self.smoothing < 1 or self.smoothing % 2 == 0:
             raise ConfigError("smoothing", self.smoothing, "an odd integer >= 1")
+        if not is_int(self.carry_forward) or self.carry_forward < 0:
+            raise ConfigError("carry_forward", self.carry_forward, "an integer >= 0")
         if not is_number(self.layer_floor) or not 0 <= self.layer_floor <= 1:
             raise ConfigError("layer_floor", self.layer_floor, "a number in [0, 1]")
         if self.budget_scope not in BUDGET_SCOPES:

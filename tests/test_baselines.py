@@ -18,7 +18,7 @@ from rcstat_vllm.scoring import (
     get_scorer,
     select_budget,
 )
-from rcstat_vllm.scoring.base import smooth_scores
+from rcstat_vllm.scoring.base import carry_forward, smooth_scores
 
 INF = float("inf")
 LN2, LN3 = math.log(2), math.log(3)
@@ -73,6 +73,29 @@ def test_rc_gqa_mean_follows_vllm_head_grouping():
     mean = RCScorer(window_size=1).score(queries, keys, unused_values(keys), 1.0)
     approx_row(mean[0].tolist(), [0.0, 1.5, INF])
     approx_row(mean[1].tolist(), [14.0, 0.0, INF])
+
+
+def test_carry_forward_is_a_one_sided_running_max():
+    scores = torch.tensor([[[0.0, 5.0, 1.0, 0.0, 0.0, 2.0, -1.0]], [[3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
+    assert carry_forward(scores, 2).tolist() == [[[0.0, 5.0, 5.0, 5.0, 1.0, 2.0, 2.0]],
+                                                 [[3.0, 3.0, 3.0, 0.0, 0.0, 0.0, 0.0]]]
+    assert carry_forward(scores, 0) is scores
+    # Against the definition on random rows, every width (wider than the row included).
+    rows = torch.randn(3, 2, 11)
+    for tokens in (1, 3, 10, 20):
+        expect = torch.stack([rows[..., max(0, i - tokens) : i + 1].amax(-1) for i in range(11)], dim=-1)
+        assert torch.equal(carry_forward(rows, tokens), expect)
+
+
+def test_rc_scorer_carries_scores_forward_before_the_window_is_marked():
+    # The hand-worked case above: [7/3, 0 | window]. Carried one token forward, token 1 takes token 0's score;
+    # the window tokens stay +inf and carry nothing back.
+    keys = col([[3.0, 0.0, 1.0, 2.0]])
+    queries = col([[1.0, 2.0]])
+    scores = RCScorer(window_size=2, carry_forward=1).score(queries, keys, unused_values(keys), 1.0)
+    approx_row(scores[0].tolist(), [7 / 3, 7 / 3, INF, INF])
+    with pytest.raises(ValueError, match="carry_forward"):
+        RCScorer(carry_forward=-1)
 
 
 def test_gqa_head_count_must_divide():

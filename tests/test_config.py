@@ -48,6 +48,8 @@ BAD_FIELDS = [
     ({"layer_floor": -0.1}, "layer_floor"),
     ({"layer_floor": "0.5"}, "layer_floor"),
     ({"smoothing": 0}, "smoothing"),
+    ({"carry_forward": -1}, "carry_forward"),
+    ({"carry_forward": 2.5}, "carry_forward"),
     ({"budget_scope": None}, "budget_scope"),
     ({"budget": 0.5}, "budget"),  # unknown key
     ({"Method": "rc"}, "Method"),  # keys are case-sensitive
@@ -113,7 +115,7 @@ def test_every_method_is_accepted(method):
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
               "min_prompt_len": 1, "budget_scope": "model", "layer_floor": 0.25, "smoothing": 3,
-              "observation_window": None, "eviction": "lazy"}
+              "carry_forward": 8, "observation_window": None, "eviction": "lazy"}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode

@@ -170,6 +170,7 @@ def test_triton_path_on_half_caches_is_close_to_the_float32_reference(monkeypatc
 SCORER_CASES = [
     ("rc", {}),
     ("rc", {"window_size": 4, "smoothing": 3}),
+    ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5}),
     ("snapkv", {}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
     ("tova", {}),

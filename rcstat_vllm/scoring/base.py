@@ -33,6 +33,7 @@ __all__ = [
     "PagedPrompt",
     "PAGED_KERNEL_DTYPES",
     "group_queries",
+    "carry_forward",
     "mark_window_kept",
     "smooth_scores",
 ]
@@ -61,6 +62,29 @@ def smooth_scores(scores: Tensor, kernel_size: int) -> Tensor:
     flat = scores.reshape(-1, 1, scores.shape[-1])
     pooled = F.avg_pool1d(flat, kernel_size=kernel_size, stride=1, padding=kernel_size // 2)
     return pooled.reshape(scores.shape)
+
+
+def carry_forward(scores: Tensor, tokens: int) -> Tensor:
+    """Each score raised to the highest of itself and the ``tokens`` scores before it: [..., n] -> [..., n].
+
+    ``out[..., i] = max(scores[..., i - tokens : i + 1])``: a one-sided running max (a max-pool over the
+    token and the ``tokens`` before it). Why RC wants it: the observation window's queries find *where* a fact
+    is (the key a question names), but the tokens after it (the value, a name's continuation) are read only
+    while the answer is generated, each by the query of the token generated before it, which the window has
+    not got. Carrying a score forward keeps what follows a contextualized token with it.
+    """
+    if tokens == 0 or scores.shape[-1] == 0:
+        return scores
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    padded = F.pad(flat, (tokens, 0), value=float("-inf"))
+    return F.max_pool1d(padded, kernel_size=tokens + 1, stride=1).reshape(scores.shape)
+
+
+def check_non_negative(name: str, value: int) -> int:
+    """A count of tokens: an integer >= 0."""
+    if value < 0 or int(value) != value:
+        raise ValueError(f"{name} must be an integer >= 0, got {value}")
+    return int(value)
 
 
 def check_odd(name: str, value: int) -> int:

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..base import PagedPrompt, Scorer, check_odd, mark_window_kept, smooth_scores
+from ..base import (
+    PagedPrompt,
+    Scorer,
+    carry_forward,
+    check_non_negative,
+    check_odd,
+    mark_window_kept,
+    smooth_scores,
+)
 from ..rc import expected_rc_grouped
 
 
@@ -20,22 +28,31 @@ class RCScorer(Scorer):
     Attributes:
         smoothing: SnapKV-style average pooling along tokens (the config's ``smoothing``): each score is averaged
             over this many neighbours, an odd integer >= 1 (1 = the paper's scores as they are).
+        carry_forward: after smoothing, each score is raised to the highest of the ``carry_forward`` scores
+            before it (:func:`~rcstat_vllm.scoring.base.carry_forward`; the config's ``carry_forward``), so the
+            tokens after a contextualized one are kept with it; 0 = the paper's scores.
     """
 
     name = "rc"
     default_window_size = 8
 
     smoothing: int = 1
+    carry_forward: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.smoothing = check_odd("smoothing", self.smoothing)
+        self.carry_forward = check_non_negative("carry_forward", self.carry_forward)
+
+    def _finish(self, scores: Tensor, window: int) -> Tensor:
+        """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: smoothed, carried forward, window kept."""
+        scores = carry_forward(smooth_scores(scores, self.smoothing), self.carry_forward)
+        return mark_window_kept(scores, window)
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         queries = self._trailing_window(q_window, keys)
         per_query_head = expected_rc_grouped(queries, keys)  # [Hkv, G, n - w]
-        scores = smooth_scores(per_query_head.mean(dim=1), self.smoothing)
-        return mark_window_kept(scores, queries.shape[2])
+        return self._finish(per_query_head.mean(dim=1), queries.shape[2])
 
     def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
         return prompt.kernel_dtype
@@ -47,4 +64,4 @@ class RCScorer(Scorer):
         queries = self._paged_window(q_window, prompt)
         # [Hkv, n - w'] for the non-window tokens, already the GQA mean; RC is scale-free (no ``scale``).
         scores = rc_scores_paged(queries, prompt.keys, prompt.block_table, prompt.num_tokens)
-        return mark_window_kept(smooth_scores(scores, self.smoothing), queries.shape[1])
+        return self._finish(scores, queries.shape[1])
