@@ -75,7 +75,8 @@ def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=
 
 
 #: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (README, "Defaults").
-PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "budget_scope": "layer", "sink_tokens": 0}
+PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "carry_forward": 0, "budget_scope": "layer",
+            "sink_tokens": 0}
 
 
 def plugin_defaults() -> dict:
@@ -149,9 +150,10 @@ def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_me
     return settings
 
 
-def _rc_variant(window: int, scope: str, smoothing: int, sinks: int = 0, **extra) -> dict:
+def _rc_variant(window: int, scope: str, smoothing: int, sinks: int = 0, carry_forward: int = 0, **extra) -> dict:
     """An RC variant's settings, every field the defaults have changed spelled out so a label keeps its meaning."""
-    return {"window": window, "budget_scope": scope, "smoothing": smoothing, "sink_tokens": sinks, **extra}
+    return {"window": window, "budget_scope": scope, "smoothing": smoothing, "sink_tokens": sinks,
+            "carry_forward": carry_forward, **extra}
 
 
 #: RC variants of the high-compression ablation (README, "Moving the 0.8 cliff"): label -> settings on top of

@@ -149,6 +149,8 @@ def describe(entry: dict) -> str:
         parts.append(f"{c['observation_window']} queries observed")
     if c["method"] == "rc":
         parts.append(f"smoothing {c['smoothing']}")
+        if c.get("carry_forward"):
+            parts.append(f"scores carried {c['carry_forward']} tokens forward")
     if c.get("sink_tokens"):
         parts.append(f"{c['sink_tokens']} sink tokens")
     if c.get("target_ratio") is not None and c.get("budget_scope") == "model" and c.get("layer_floor"):
