@@ -18,6 +18,7 @@ FAMILY_LABELS = {
     "rc": "RCStat (threshold c)",
     "rc_budget": "RCStat (budget)",
     "rc_paper": "RCStat (budget per layer, window 8, no smoothing)",
+    "rc_carry0": "RCStat (budget, scores not carried forward)",
     "snapkv": "SnapKV",
     "tova": "TOVA",
     "snapkv_rc_window": "SnapKV (RC's window)",
@@ -105,9 +106,10 @@ def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:
 
 
 def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
-                      c_values=(1.0,)) -> list[Setting]:
+                      c_values=(1.0,), uncarried_ratios=(0.8,)) -> list[Setting]:
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
-    RC at each budget in ``rc_ratios`` with its defaults otherwise; RC with the paper's scoring (per-layer budget,
+    RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` also with its
+    scores not carried forward (``carry_forward: 0``); RC with the paper's scoring (per-layer budget,
     window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
     window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
@@ -118,6 +120,8 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     published = kvpress_windows()
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
     settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]
+    settings += [Setting(f"rc_r{r:g}_carry0", "rc_carry0", {"method": "rc", "target_ratio": float(r), "carry_forward": 0})
+                 for r in uncarried_ratios]
     settings += [Setting(f"rc_paper_r{r:g}", "rc_paper", {**PAPER_RC, "target_ratio": float(r)}) for r in paper_ratios]
     settings += [Setting(rc_label(c), "rc", {**PAPER_RC, "c": float(c)}) for c in c_values]
     for method in ("snapkv", "tova"):
@@ -173,9 +177,11 @@ CLIFF_VARIANTS = {
     # Between the two scopes: each layer keeps at least this share of its equal part of the budget.
     "rc_model_w32_s3_f0.25": _rc_variant(32, "model", 3, layer_floor=0.25),
     "rc_model_w32_s3_f0.5": _rc_variant(32, "model", 3, layer_floor=0.5),
-    # Attention sinks (StreamingLLM): the first tokens kept by every head; k4 is the current default's settings.
+    # Attention sinks (StreamingLLM): the first tokens kept by every head.
     "rc_model_w32_s3_k1": _rc_variant(32, "model", 3, sinks=1),
     "rc_model_w32_s3_k4": _rc_variant(32, "model", 3, sinks=4),
+    # Scores carried 8 tokens forward (a value kept with its key): with k4, the current default's settings.
+    "rc_model_w32_s3_k4_c8": _rc_variant(32, "model", 3, sinks=4, carry_forward=8),
     # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
     "rc_model_w32_o8_s3_k4": _rc_variant(32, "model", 3, sinks=4, observation_window=8),
     "rc_layer_w8_k4": _rc_variant(8, "layer", 1, sinks=4),

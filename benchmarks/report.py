@@ -28,7 +28,7 @@ RESULTS_DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
          "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
-         "random": ("tab:gray", "x"), "default": ("tab:orange", "*"), "rc_paper": ("tab:pink", "s"),
+         "random": ("tab:gray", "x"), "default": ("tab:orange", "*"), "rc_paper": ("tab:pink", "s"), "rc_carry0": ("tab:red", "x"),
          "snapkv_rc_window": ("tab:cyan", "^"), "tova_rc_window": ("tab:olive", "v")}
 HEADLINE = ("rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
 

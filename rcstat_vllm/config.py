@@ -78,7 +78,8 @@ class RCStatConfig:
     c: float = 1.0
     # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of 40% of the prompt KV, scored by
     # RC with a 32-token window (the question, not only the chat template's tail) and 3-token smoothing, with the
-    # first 4 tokens (attention sinks) kept by every head.
+    # first 4 tokens (attention sinks) kept by every head; each score carried 8 tokens forward, so a value is kept
+    # with the key the window's queries find (docs/defaults.md, "Carrying scores forward").
     window: int = 32
     observation_window: int | None = None
     target_ratio: float | None = 0.4
@@ -87,7 +88,7 @@ class RCStatConfig:
     budget_scope: str = "model"
     layer_floor: float = 0.0
     smoothing: int = 3
-    carry_forward: int = 0
+    carry_forward: int = 8
     eviction: str = "eager"
 
     def __post_init__(self) -> None:

@@ -405,9 +405,11 @@ def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_chan
     assert key(resolved["rc_layer_w32_s3_r0.5"]) == (32, "layer", 3)
     # Old labels keep their meaning (no sinks); the sink variant at the default's ratio is the bare flag exactly.
     assert resolved["rc_model_w32_s3_r0.5"]["sink_tokens"] == 0
-    if key(defaults) == (32, "model", 3) and defaults["method"] == "rc" and defaults["sink_tokens"] == 4:
-        at_default = methods.cliff_ablation_settings(ratios=(defaults["target_ratio"],), variants=["rc_model_w32_s3_k4"],
-                                                     baselines=())
+    assert resolved["rc_model_w32_s3_r0.5"]["carry_forward"] == 0
+    if (key(defaults) == (32, "model", 3) and defaults["method"] == "rc" and defaults["sink_tokens"] == 4
+            and defaults["carry_forward"] == 8):
+        at_default = methods.cliff_ablation_settings(ratios=(defaults["target_ratio"],),
+                                                     variants=["rc_model_w32_s3_k4_c8"], baselines=())
         assert accuracy.resolved_config(at_default[1]) == defaults
     # Baselines come with --with-baselines, at their published scoring windows without sinks.
     args = parser.parse_args(["--cliff-ablation", "--variants", "rc_model_w32_s3", "--with-baselines"])
