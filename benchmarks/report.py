@@ -175,7 +175,8 @@ def _of_full(e: dict) -> str:
 def accuracy_table(a: dict) -> list[str]:
     s = a["summary"]
     samples = a.get("samples", [])
-    count = {t: sum(1 for x in samples if x.get("task") == t) for t in ("niah_single", "niah_multi", "vt", "summ")}
+    count = {t: sum(1 for x in samples if x.get("task") == t)
+             for t in ("niah_single", "niah_multi", "niah_multikey", "niah_multivalue", "vt", "summ")}
     if not any("needle_hits" in e for e in s.values()):  # an older run: score columns only
         tasks = sorted({t for e in s.values() for t in e["by_task"]})
         lines = ["**Task accuracy through vLLM with the plugin** (greedy; `benchmarks/results/accuracy_cpu.json`):", "",
@@ -186,18 +187,21 @@ def accuracy_table(a: dict) -> list[str]:
             lines.append(f"| {label} | {_f(e['ratio'])} | " + " | ".join(cells) + f" | {_f(e['same_as_full'], 2)} |")
         return lines
     lines = [f"**Task accuracy through vLLM with the plugin** (greedy, one engine, every setting side by side; "
-             f"{count['niah_single']} single-needle and {count['niah_multi']} three-needle prompts, "
+             f"{count['niah_single']} single-needle, {count['niah_multi']} three-needle, {count['niah_multikey']} "
+             f"multi-key (four keys, one asked) and {count['niah_multivalue']} multi-value (four values of one key) "
+             f"prompts, "
              f"{count['vt']} variable-tracking, {count['summ']} summaries; needles: values found; *of full*: share "
              f"of the values the full cache found that the setting found too; vt: share of variables named; summ: "
              f"ROUGE-L F1 against the full-cache output; *= full*: outputs token-identical to the full cache; "
              f"`benchmarks/results/accuracy_cpu.json`):", "",
-             "| setting | what | evicted | single needle | multi needle | of full | vt | summ | = full |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| setting | what | evicted | single needle | multi needle | multi-key | multi-value | of full | vt | summ "
+             "| = full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, e in s.items():
         task = lambda t: _f(e["by_task"].get(t, {}).get("score"))  # noqa: E731
         what = describe(e) + (f" (same run as `{e['same_run_as']}`)" if e.get("same_run_as") else "")
         lines.append(f"| {label} | {what} | {_f(e['ratio'])} | {_hits(e, 'niah_single')} | {_hits(e, 'niah_multi')} "
-                     f"| {_of_full(e)} | {task('vt')} | {task('summ')} "
+                     f"| {_hits(e, 'niah_multikey')} | {_hits(e, 'niah_multivalue')} | {_of_full(e)} | {task('vt')} | {task('summ')} "
                      f"| {_f(e['same_as_full'], 2)} |")
     fid = a.get("fidelity", {}).get("by_setting")
     if fid:

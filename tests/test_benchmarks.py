@@ -316,7 +316,7 @@ def test_accuracy_table_describes_settings_from_their_resolved_config(tmp_path, 
                                                 "budget_scope": "layer", "sink_tokens": 0}}}
     lines = report.accuracy_table({"summary": summary, "samples": [{"task": "niah_single"}] * 8})
     text = "\n".join(lines)
-    assert "8 single-needle and 0 three-needle prompts" in text
+    assert "8 single-needle, 0 three-needle, 0 multi-key (four keys, one asked) and 0 multi-value" in text
     default_row = next(line for line in lines if line.startswith("| default |"))
     assert f"window {defaults['window']}" in default_row and "bare flag" in default_row
     assert "| 0.500 | 7/8 | 2/3 | 9/10 (90.0%) |" in default_row
