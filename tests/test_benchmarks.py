@@ -319,7 +319,7 @@ def test_accuracy_table_describes_settings_from_their_resolved_config(tmp_path, 
     assert "8 single-needle, 0 three-needle, 0 multi-key (four keys, one asked) and 0 multi-value" in text
     default_row = next(line for line in lines if line.startswith("| default |"))
     assert f"window {defaults['window']}" in default_row and "bare flag" in default_row
-    assert "| 0.500 | 7/8 | 2/3 | 9/10 (90.0%) |" in default_row
+    assert "| 0.500 | 7/8 | 2/3 | - | - | 9/10 (90.0%) |" in default_row
     snap = next(line for line in lines if line.startswith("| snapkv_w64_r0.8 |"))
     assert "SnapKV, budget 0.8 (per layer), window 64 |" in snap and "smoothing" not in snap and "sink" not in snap
     assert f"{defaults['sink_tokens']} sink tokens" in default_row
