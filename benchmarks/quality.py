@@ -38,7 +38,7 @@ import data  # noqa: E402
 from common import environment, load_avg, write_report  # noqa: E402
 import hf_reference as ref_lib  # noqa: E402
 import methods  # noqa: E402
-from rcstat_vllm.compression import window_queries  # noqa: E402
+from rcstat_vllm.compression import scorer_options, window_queries  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -75,7 +75,8 @@ def evaluate_sample(ref: ref_lib.ReferenceModel, ids: list[int], settings: list[
         if not config.enabled:
             masks, kept, ratio = None, None, 0.0
         else:
-            key = (config.method, window_queries(config), config.smoothing)
+            # Settings whose scorers are built alike share their scores (selection differs, scoring does not).
+            key = (config.method, window_queries(config), tuple(sorted(scorer_options(config).items())))
             if key not in scores_cache:
                 scores_cache[key] = ref_lib.score_layers(prefill, config)
             keep = ref_lib.select_layers(scores_cache[key], config, setting.comparable)
