@@ -1,0 +1,238 @@
+"""kvpress's own presses on the accuracy benchmark's prompts: the field's library as the reference for the plugin.
+
+Runs in its own environment, ``.venv-kvpress`` (kvpress 0.5.5 needs transformers < 5.3; ``./rcstat`` sets it up
+beside the main one and reuses its torch), and imports neither vllm nor rcstat_vllm:
+
+    ./rcstat kvpress [--quick]              # set-up, the accuracy run's prompts, then this script
+    .venv/bin/python benchmarks/accuracy.py --quick --write-prompts /tmp/prompts.json
+    .venv-kvpress/bin/python benchmarks/kvpress_reference.py --prompts /tmp/prompts.json --model DIR [--json OUT]
+
+The prompts JSON is written by the main environment (``accuracy.py --write-prompts`` or ``data.py --json``): its
+samples carry task, sample_id, prompt_ids, answers and max_new_tokens. For every press and ratio (and the full
+cache), each prompt is compressed WHOLE, the question included, as the plugin does in vLLM (the question sits at
+the end of the prompt ids): one forward pass over the prompt inside ``with press(model):`` (kvpress's hooks
+compress at prefill; KVzip's context manager runs its context-reconstruction passes when it exits), the first
+token from that pass's logits (full attention, as vLLM samples it before the plugin compresses), then greedy
+decoding on the compressed cache at the true positions, as kvpress's pipeline decodes (``generate_answer``).
+kvpress's pipeline itself compresses only the context, never the question, so it is not used.
+
+Presses at kvpress's defaults: SnapKV (window 64, kernel 5), TOVA, ExpectedAttention, AdaKV(ExpectedAttention)
+(head-wise, by masking) and KVzip (query-agnostic, by masking). Attention is sdpa: AdaKV and KVzip refuse eager.
+Scoring as data.found_answers: a value is found when the output holds it as a whole word. Totals: values found,
+and how many of the values the full cache found the press found too (``kept_of_full``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_JSON = RESULTS_DIR / "kvpress_reference_cpu.json"
+#: Press names on the command line -> how each is built from a compression ratio (kvpress's defaults otherwise).
+PRESSES = {
+    "snapkv": lambda kvpress, r: kvpress.SnapKVPress(compression_ratio=r),
+    "tova": lambda kvpress, r: kvpress.TOVAPress(compression_ratio=r),
+    "expected_attention": lambda kvpress, r: kvpress.ExpectedAttentionPress(compression_ratio=r),
+    "adakv_expected_attention": lambda kvpress, r: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=r)),
+    "kvzip": lambda kvpress, r: kvpress.KVzipPress(compression_ratio=r),
+    "knorm": lambda kvpress, r: kvpress.KnormPress(compression_ratio=r),
+    "streaming_llm": lambda kvpress, r: kvpress.StreamingLLMPress(compression_ratio=r),
+}
+DEFAULT_PRESSES = ["snapkv", "tova", "expected_attention", "adakv_expected_attention", "kvzip"]
+DEFAULT_RATIOS = [0.5, 0.8]
+#: Tasks scored by string match; summaries (no reference answers offline) are left out unless asked for.
+SCORED_TASKS = ["niah_single", "niah_multi", "niah_multikey", "niah_multivalue", "vt"]
+NEEDLE_TASKS = ["niah_single", "niah_multi", "niah_multikey", "niah_multivalue"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", required=True, help="prompts JSON from accuracy.py --write-prompts or data.py --json")
+    parser.add_argument("--model", required=True, help="the model folder (the converted SmolLM2-135M-Instruct)")
+    parser.add_argument("--presses", nargs="+", default=DEFAULT_PRESSES, choices=sorted(PRESSES))
+    parser.add_argument("--ratios", nargs="+", type=float, default=DEFAULT_RATIOS, help="kvpress compression_ratio")
+    parser.add_argument("--tasks", nargs="+", default=SCORED_TASKS, choices=[*SCORED_TASKS, "summ"])
+    parser.add_argument("--limit", type=int, default=None, help="the first N prompts only (a smoke run)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="model dtype (default float32: exact on every CPU; bfloat16 on CPUs with AVX512-BF16/AMX)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--json", default=None, help=f"output (default {DEFAULT_JSON.relative_to(RESULTS_DIR.parents[1])})")
+    args = parser.parse_args(argv)
+    if any(not 0 < r < 1 for r in args.ratios):
+        parser.error("--ratios must lie in (0, 1)")
+    return args
+
+
+def load_samples(path: str | Path, tasks: list[str], limit: int | None = None) -> tuple[dict, list[dict]]:
+    """(the file's header, its samples of ``tasks``): accepts accuracy.py's {..., "samples": [...]} and data.py's
+    bare list."""
+    raw = json.loads(Path(path).read_text())
+    header, samples = ({k: v for k, v in raw.items() if k != "samples"}, raw["samples"]) if isinstance(raw, dict) \
+        else ({}, raw)
+    missing = [s.get("sample_id") for s in samples if "prompt_ids" not in s]
+    if missing:
+        raise SystemExit(f"{path}: samples without prompt_ids ({missing[:3]}...): write them with ids")
+    samples = [s for s in samples if s["task"] in tasks]
+    return header, samples[:limit] if limit else samples
+
+
+def found_answers(answers: list[str], text: str) -> list[bool]:
+    """For each answer, whether ``text`` holds it as a whole word (data.found_answers, RULER's string match)."""
+    return [re.search(rf"(?<![0-9A-Za-z]){re.escape(a)}(?![0-9A-Za-z])", text) is not None for a in answers]
+
+
+def totals(outputs: list[dict], full_found: dict[str, list[bool]] | None) -> dict:
+    """Values found (all scored tasks, and needles alone, per task) and, against the full cache's outputs, how many
+    of the needle values it found this run found too. ``outputs``: {"sample_id", "task", "found"} per sample."""
+    needle = [o for o in outputs if o["task"] in NEEDLE_TASKS]
+    out = {"prompts": len(outputs), "values": sum(len(o["found"]) for o in outputs),
+           "hits": sum(sum(o["found"]) for o in outputs),
+           "needle_values": sum(len(o["found"]) for o in needle), "needle_hits": sum(sum(o["found"]) for o in needle),
+           "by_task": {}}
+    for task in sorted({o["task"] for o in outputs}):
+        rows = [o for o in outputs if o["task"] == task]
+        out["by_task"][task] = {"values": sum(len(o["found"]) for o in rows), "hits": sum(sum(o["found"]) for o in rows)}
+    if full_found is not None:
+        full_hits = sum(sum(full_found.get(o["sample_id"], [])) for o in needle)
+        kept = sum(a and b for o in needle for a, b in zip(o["found"], full_found.get(o["sample_id"], [])))
+        out.update(full_needle_hits=full_hits, kept_of_full=kept,
+                   kept_of_full_share=kept / full_hits if full_hits else None)
+    return out
+
+
+def row_label(press: str | None, ratio: float) -> str:
+    return "full" if press is None else f"{press}_r{ratio:g}"
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+def load_model(model_dir: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the weights' loading bar would drown the run's own
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def evicted_share(model, cache, prompt_len: int) -> float:
+    """The share of the prompt's KV entries evicted: pruned from the cache (scorer presses) or masked per head
+    (AdaKV, KVzip: ``masked_key_indices``, read before decoding)."""
+    config = model.config
+    total = config.num_hidden_layers * config.num_key_value_heads * prompt_len
+    kept = 0
+    for layer, block in zip(cache.layers, model.model.layers):
+        kept += layer.keys.shape[2] * config.num_key_value_heads
+        masked = getattr(block.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            kept -= len(masked[0])
+    return 1.0 - kept / total
+
+
+def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, press=None) -> tuple[str, float]:
+    """Greedy output of one prompt compressed whole by ``press`` (None: the full cache) and the evicted share."""
+    import torch
+    from transformers import DynamicCache
+
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    cache = DynamicCache()
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        with press(model) if press is not None else nullcontext():
+            logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+        evicted = evicted_share(model, cache, len(prompt_ids))
+        tokens = [int(logits[0, -1].argmax())]
+        position = len(prompt_ids)  # true positions: a pruned cache is shorter than the prompt
+        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                        position_ids=torch.tensor([[position]]))
+            tokens.append(int(out.logits[0, -1].argmax()))
+            position += 1
+    return tokenizer.decode(tokens, skip_special_tokens=True), evicted
+
+
+def environment(dtype: str) -> dict:
+    import kvpress
+    import torch
+    import transformers
+    from importlib.metadata import version
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"kvpress": version("kvpress"), "transformers": transformers.__version__, "torch": torch.__version__,
+            "python": platform.python_version(), "dtype": dtype, "attn_implementation": "sdpa", "cpu": cpu,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "kvpress_path": str(Path(kvpress.__file__).parent)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from tqdm import tqdm
+
+    import kvpress  # patches transformers' attention functions (head-wise masking for AdaKV and KVzip)
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    header, samples = load_samples(args.prompts, args.tasks, args.limit)
+    model, tokenizer = load_model(args.model, args.dtype)
+    runs = [(None, 0.0)] + [(p, r) for p in args.presses for r in args.ratios]
+    report = {"benchmark": "kvpress_reference", "environment": environment(args.dtype), "model": args.model,
+              "prompts": {"path": str(args.prompts), **{k: header[k] for k in ("preset", "seed") if k in header},
+                          "n": len(samples), "tokens": sum(len(s["prompt_ids"]) for s in samples),
+                          "tasks": sorted({s["task"] for s in samples})},
+              "presses": {p: repr(PRESSES[p](kvpress, 0.5)) for p in args.presses}, "rows": []}
+    print(f"{len(samples)} prompts ({report['prompts']['tokens']} tokens) x {len(runs)} runs, "
+          f"kvpress {report['environment']['kvpress']}, transformers {report['environment']['transformers']}, "
+          f"{args.dtype}", file=sys.stderr)
+    full_found = None
+    bar = tqdm(total=len(runs) * len(samples), unit="prompt")
+    for press_name, ratio in runs:
+        label = row_label(press_name, ratio)
+        bar.set_description(label)
+        outputs, t0 = [], time.perf_counter()
+        for s in samples:
+            press = PRESSES[press_name](kvpress, ratio) if press_name else None
+            t1 = time.perf_counter()
+            text, evicted = generate(model, tokenizer, s["prompt_ids"], s["max_new_tokens"], press)
+            outputs.append({"sample_id": s["sample_id"], "task": s["task"], "num_tokens": len(s["prompt_ids"]),
+                            "text": text, "answers": s["answers"], "found": found_answers(s["answers"], text),
+                            "evicted": round(evicted, 4), "seconds": round(time.perf_counter() - t1, 2)})
+            bar.update()
+        if press_name is None:
+            full_found = {o["sample_id"]: o["found"] for o in outputs}
+        for o in outputs:
+            o["same_as_full"] = o["text"] == next(f["text"] for f in report["rows"][0]["samples"]
+                                                  if f["sample_id"] == o["sample_id"]) if report["rows"] else True
+        row = {"label": label, "press": press_name, "ratio": ratio,
+               "evicted": round(sum(o["evicted"] for o in outputs) / max(len(outputs), 1), 4),
+               "seconds": round(time.perf_counter() - t0, 1), "totals": totals(outputs, full_found), "samples": outputs}
+        report["rows"].append(row)
+        t = row["totals"]
+        bar.write(f"{label}: needle values {t['needle_hits']}/{t['needle_values']}, of the full cache's "
+                  f"{t['kept_of_full']}/{t['full_needle_hits']}, evicted {row['evicted']:.3f}, {row['seconds']:.0f} s")
+    bar.close()
+    out = Path(args.json) if args.json else DEFAULT_JSON
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
