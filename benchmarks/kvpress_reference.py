@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(samples)} prompts ({report['prompts']['tokens']} tokens) x {len(runs)} runs, "
           f"kvpress {report['environment']['kvpress']}, transformers {report['environment']['transformers']}, "
           f"{args.dtype}", file=sys.stderr)
+    out = Path(args.json) if args.json else DEFAULT_JSON
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["runs_planned"] = [row_label(p, r) for p, r in runs]
     full_found = None
     bar = tqdm(total=len(runs) * len(samples), unit="prompt")
     for press_name, ratio in runs:
@@ -223,13 +226,12 @@ def main(argv: list[str] | None = None) -> int:
                "evicted": round(sum(o["evicted"] for o in outputs) / max(len(outputs), 1), 4),
                "seconds": round(time.perf_counter() - t0, 1), "totals": totals(outputs, full_found), "samples": outputs}
         report["rows"].append(row)
+        report["complete"] = len(report["rows"]) == len(runs)
+        out.write_text(json.dumps(report, indent=1))  # after every run: a long run cut short keeps what it did
         t = row["totals"]
         bar.write(f"{label}: needle values {t['needle_hits']}/{t['needle_values']}, of the full cache's "
                   f"{t['kept_of_full']}/{t['full_needle_hits']}, evicted {row['evicted']:.3f}, {row['seconds']:.0f} s")
     bar.close()
-    out = Path(args.json) if args.json else DEFAULT_JSON
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -239,6 +239,9 @@ def kvpress_table(k: dict) -> list[str]:
              f"`benchmarks/results/kvpress_reference_cpu.json`):", "",
              "| press | ratio | evicted | needle values | of full |", "|---|---|---|---|---|"]
     lines += [f"| {' | '.join(row)} |" for row in kvpress_rows(k)]
+    if not k.get("complete", True):
+        lines += ["", f"A partial run: {len(k['rows'])} of the {len(k.get('runs_planned', []))} planned press and ratio "
+                      f"runs finished."]
     return lines
 
 

@@ -132,6 +132,8 @@ def test_report_rows_and_table():
     assert "kvpress 0.5.5" in lines[0] and "transformers 5.2.0" in lines[0] and "4 scored prompts" in lines[0]
     assert lines[2] == "| press | ratio | evicted | needle values | of full |"
     assert lines[-1] == "| AdaKV(ExpectedAttention) | 0.8 | 0.800 | 3/10 | 2/8 (25.0%) |"
+    k.update(complete=False, runs_planned=["full", "kvzip_r0.5", "adakv_expected_attention_r0.8", "tova_r0.5"])
+    assert report.kvpress_table(k)[-1] == "A partial run: 3 of the 4 planned press and ratio runs finished."
 
 
 def test_report_block_includes_the_reference(tmp_path, monkeypatch):
