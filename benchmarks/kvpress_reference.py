@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="model dtype (default float32: exact on every CPU; bfloat16 on CPUs with AVX512-BF16/AMX)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs the output JSON already holds for these prompts and dtype; run the rest")
     parser.add_argument("--json", default=None, help=f"output (default {DEFAULT_JSON.relative_to(RESULTS_DIR.parents[1])})")
     args = parser.parse_args(argv)
     if any(not 0 < r < 1 for r in args.ratios):
@@ -110,6 +112,20 @@ def totals(outputs: list[dict], full_found: dict[str, list[bool]] | None) -> dic
 
 def row_label(press: str | None, ratio: float) -> str:
     return "full" if press is None else f"{press}_r{ratio:g}"
+
+
+def resumable_rows(previous: dict, samples: list[dict], dtype: str, kvpress_version: str) -> dict[str, dict]:
+    """label -> row of an earlier output that ran these very prompts (ids and lengths, in order) with the same
+    dtype and kvpress; {} when anything differs or its full-cache run (what the others are scored against) is
+    missing."""
+    env = previous.get("environment", {})
+    rows = {r["label"]: r for r in previous.get("rows", [])}
+    want = [(s["sample_id"], len(s["prompt_ids"])) for s in samples]
+    if (env.get("dtype"), env.get("kvpress")) != (dtype, kvpress_version) or "full" not in rows:
+        return {}
+    if any([(o["sample_id"], o["num_tokens"]) for o in r["samples"]] != want for r in rows.values()):
+        return {}
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------- running
@@ -162,11 +178,28 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, press
     return tokenizer.decode(tokens, skip_special_tokens=True), evicted
 
 
+def run_press(model, tokenizer, kvpress, samples: list[dict], press_name: str | None, ratio: float, bar) -> dict:
+    """One press at one ratio (None: the full cache) over every prompt: the row, totals still to add."""
+    outputs, t0 = [], time.perf_counter()
+    for s in samples:
+        press = PRESSES[press_name](kvpress, ratio) if press_name else None
+        t1 = time.perf_counter()
+        text, evicted = generate(model, tokenizer, s["prompt_ids"], s["max_new_tokens"], press)
+        outputs.append({"sample_id": s["sample_id"], "task": s["task"], "num_tokens": len(s["prompt_ids"]),
+                        "text": text, "answers": s["answers"], "found": found_answers(s["answers"], text),
+                        "evicted": round(evicted, 4), "seconds": round(time.perf_counter() - t1, 2)})
+        bar.update()
+    return {"label": row_label(press_name, ratio), "press": press_name, "ratio": ratio,
+            "evicted": round(sum(o["evicted"] for o in outputs) / max(len(outputs), 1), 4),
+            "seconds": round(time.perf_counter() - t0, 1), "samples": outputs}
+
+
 def environment(dtype: str) -> dict:
+    from importlib.metadata import version
+
     import kvpress
     import torch
     import transformers
-    from importlib.metadata import version
 
     cpu = platform.processor()
     try:
@@ -183,10 +216,9 @@ def environment(dtype: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import kvpress  # patches transformers' attention functions (head-wise masking for AdaKV and KVzip)
     import torch
     from tqdm import tqdm
-
-    import kvpress  # patches transformers' attention functions (head-wise masking for AdaKV and KVzip)
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     header, samples = load_samples(args.prompts, args.tasks, args.limit)
@@ -203,34 +235,34 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json) if args.json else DEFAULT_JSON
     out.parent.mkdir(parents=True, exist_ok=True)
     report["runs_planned"] = [row_label(p, r) for p, r in runs]
-    full_found = None
+    previous = {}
+    if args.resume and out.exists():
+        previous = resumable_rows(json.loads(out.read_text()), samples, args.dtype, report["environment"]["kvpress"])
+        print(f"resuming: {len(previous)} runs kept from {out}" if previous else
+              f"--resume: {out} holds no runs of these prompts, dtype and kvpress; running all", file=sys.stderr)
+    full_found, full_texts = None, {}
     bar = tqdm(total=len(runs) * len(samples), unit="prompt")
     for press_name, ratio in runs:
         label = row_label(press_name, ratio)
         bar.set_description(label)
-        outputs, t0 = [], time.perf_counter()
-        for s in samples:
-            press = PRESSES[press_name](kvpress, ratio) if press_name else None
-            t1 = time.perf_counter()
-            text, evicted = generate(model, tokenizer, s["prompt_ids"], s["max_new_tokens"], press)
-            outputs.append({"sample_id": s["sample_id"], "task": s["task"], "num_tokens": len(s["prompt_ids"]),
-                            "text": text, "answers": s["answers"], "found": found_answers(s["answers"], text),
-                            "evicted": round(evicted, 4), "seconds": round(time.perf_counter() - t1, 2)})
-            bar.update()
+        row = previous.get(label)
+        if row is not None:
+            bar.update(len(samples))
+        else:
+            row = run_press(model, tokenizer, kvpress, samples, press_name, ratio, bar)
         if press_name is None:
-            full_found = {o["sample_id"]: o["found"] for o in outputs}
-        for o in outputs:
-            o["same_as_full"] = o["text"] == next(f["text"] for f in report["rows"][0]["samples"]
-                                                  if f["sample_id"] == o["sample_id"]) if report["rows"] else True
-        row = {"label": label, "press": press_name, "ratio": ratio,
-               "evicted": round(sum(o["evicted"] for o in outputs) / max(len(outputs), 1), 4),
-               "seconds": round(time.perf_counter() - t0, 1), "totals": totals(outputs, full_found), "samples": outputs}
+            full_found = {o["sample_id"]: o["found"] for o in row["samples"]}
+            full_texts = {o["sample_id"]: o["text"] for o in row["samples"]}
+        for o in row["samples"]:
+            o["same_as_full"] = o["text"] == full_texts.get(o["sample_id"])
+        row["totals"] = totals(row["samples"], full_found)
         report["rows"].append(row)
         report["complete"] = len(report["rows"]) == len(runs)
         out.write_text(json.dumps(report, indent=1))  # after every run: a long run cut short keeps what it did
         t = row["totals"]
         bar.write(f"{label}: needle values {t['needle_hits']}/{t['needle_values']}, of the full cache's "
-                  f"{t['kept_of_full']}/{t['full_needle_hits']}, evicted {row['evicted']:.3f}, {row['seconds']:.0f} s")
+                  f"{t['kept_of_full']}/{t['full_needle_hits']}, evicted {row['evicted']:.3f}, {row['seconds']:.0f} s"
+                  + (" (kept from the earlier run)" if label in previous else ""))
     bar.close()
     print(f"wrote {out}", file=sys.stderr)
     return 0

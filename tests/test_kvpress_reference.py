@@ -142,3 +142,20 @@ def test_report_block_includes_the_reference(tmp_path, monkeypatch):
     (tmp_path / "kvpress_reference_cpu.json").write_text(json.dumps(_fake_reference()))
     block = "\n".join(report.build_table())
     assert "**kvpress 0.5.5 as the reference**" in block and "| KVzip | 0.5 |" in block
+
+
+def test_resume_keeps_only_runs_of_the_same_prompts():
+    samples = [_sample("a", "niah_single", ["1"]), _sample("b", "vt", ["X"])]
+
+    def row(label, ids=("a", "b"), tokens=3):
+        return {"label": label, "samples": [{"sample_id": i, "num_tokens": tokens} for i in ids]}
+
+    previous = {"environment": {"dtype": "float32", "kvpress": "0.5.5"}, "rows": [row("full"), row("tova_r0.5")]}
+    assert set(kvr.resumable_rows(previous, samples, "float32", "0.5.5")) == {"full", "tova_r0.5"}
+    assert kvr.resumable_rows(previous, samples, "bfloat16", "0.5.5") == {}
+    assert kvr.resumable_rows(previous, samples, "float32", "0.5.6") == {}
+    assert kvr.resumable_rows(previous, samples[:1], "float32", "0.5.5") == {}  # other prompts
+    assert kvr.resumable_rows({**previous, "rows": [row("full"), row("kvzip_r0.5", tokens=4)]}, samples,
+                              "float32", "0.5.5") == {}  # same ids, other lengths
+    assert kvr.resumable_rows({**previous, "rows": [row("tova_r0.5")]}, samples, "float32", "0.5.5") == {}  # no full
+    assert kvr.parse_args(["--prompts", "p", "--model", "m", "--resume"]).resume
