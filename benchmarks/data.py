@@ -455,9 +455,14 @@ def build_suite(tokenizer, preset: str = "default", seed: int = DEFAULT_SEED, ta
 # ----------------------------------------------------------------------------------------------- scoring
 
 
+def answers_found(answers: list[str], text: str) -> list[bool]:
+    """For each answer, whether ``text`` contains it as a whole word (RULER's string match)."""
+    return [re.search(rf"(?<![0-9A-Za-z]){re.escape(a)}(?![0-9A-Za-z])", text) is not None for a in answers]
+
+
 def found_answers(sample: Sample, text: str) -> list[bool]:
-    """For each of the sample's answers, whether ``text`` contains it as a whole word (RULER's string match)."""
-    return [re.search(rf"(?<![0-9A-Za-z]){re.escape(a)}(?![0-9A-Za-z])", text) is not None for a in sample.answers]
+    """:func:`answers_found` for the sample's answers."""
+    return answers_found(sample.answers, text)
 
 
 def score_output(sample: Sample, text: str) -> float:

@@ -28,11 +28,16 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# The prompts' own module (pure Python here: no vLLM, no plugin): the same string match as the plugin's rows.
+import data  # noqa: E402
+from data import answers_found as found_answers  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_JSON = RESULTS_DIR / "kvpress_reference_cpu.json"
@@ -49,8 +54,8 @@ PRESSES = {
 DEFAULT_PRESSES = ["snapkv", "tova", "expected_attention", "adakv_expected_attention", "kvzip"]
 DEFAULT_RATIOS = [0.5, 0.8]
 #: Tasks scored by string match; summaries (no reference answers offline) are left out unless asked for.
-SCORED_TASKS = ["niah_single", "niah_multi", "niah_multikey", "niah_multivalue", "vt"]
-NEEDLE_TASKS = ["niah_single", "niah_multi", "niah_multikey", "niah_multivalue"]
+NEEDLE_TASKS = list(data.NEEDLE_TASKS)
+SCORED_TASKS = [*NEEDLE_TASKS, "vt"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,11 +89,6 @@ def load_samples(path: str | Path, tasks: list[str], limit: int | None = None) -
         raise SystemExit(f"{path}: samples without prompt_ids ({missing[:3]}...): write them with ids")
     samples = [s for s in samples if s["task"] in tasks]
     return header, samples[:limit] if limit else samples
-
-
-def found_answers(answers: list[str], text: str) -> list[bool]:
-    """For each answer, whether ``text`` holds it as a whole word (data.found_answers, RULER's string match)."""
-    return [re.search(rf"(?<![0-9A-Za-z]){re.escape(a)}(?![0-9A-Za-z])", text) is not None for a in answers]
 
 
 def totals(outputs: list[dict], full_found: dict[str, list[bool]] | None) -> dict:

@@ -280,6 +280,10 @@ class AttributionTrace:
 
     # ---- Steps 2-3 ----
 
+    def _clipped(self, generated_span: tuple[int, int]) -> tuple[int, int]:
+        """The generated span [a, b) clipped to the tokens generated so far."""
+        return max(0, generated_span[0]), min(self.num_generated, generated_span[1])
+
     def span_scores(
         self,
         prompt_spans: Sequence[tuple[int, int]],
@@ -297,7 +301,7 @@ class AttributionTrace:
             heads = self.finalize(prune=False) if not self.finalized else self.top
         n = self.num_generated
         exact = self.options.use_exact(n)
-        a, b = max(0, generated_span[0]), min(n, generated_span[1])
+        a, b = self._clipped(generated_span)
         method = self.options.span_score if span_score is None else span_score
         if b <= a or not heads:
             per_head = torch.zeros(len(heads), len(prompt_spans))
@@ -318,7 +322,7 @@ class AttributionTrace:
         """E[Z_h({t}, g')] of every prompt token for each of ``heads``: [len(heads), m] (zeros if g' is empty)."""
         n = self.num_generated
         exact = self.options.use_exact(n) if exact is None else exact
-        a, b = max(0, generated_span[0]), min(n, generated_span[1])
+        a, b = self._clipped(generated_span)
         if b <= a or not heads:
             return torch.zeros(len(heads), self.num_prompt_tokens)
         q, kp, kg = self.head_tensors(heads, b)
@@ -333,8 +337,7 @@ class AttributionTrace:
     ) -> Tensor:
         """Baseline: attention mass per prompt span averaged over ``heads`` (default all kept) -> [S]."""
         heads = self.stored_heads() if heads is None else heads
-        n = self.num_generated
-        a, b = max(0, generated_span[0]), min(n, generated_span[1])
+        a, b = self._clipped(generated_span)
         if b <= a:
             return torch.zeros(len(prompt_spans))
         q, kp, kg = self.head_tensors(heads, b)
