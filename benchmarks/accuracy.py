@@ -336,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="needles only: RC budget per layer vs model-wide (the plugin's own comparison of layers) "
                              "at --ratios (default 0.5 0.8); writes benchmarks/results/accuracy_budget_scope_cpu.json")
     methods.add_cliff_arguments(parser, "accuracy_cliff_cpu.json")
+    parser.add_argument("--only", nargs="+", metavar="LABEL", default=None,
+                        help="run only these settings (labels as the table prints them; the full cache always runs: "
+                             "the others are scored against it)")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/accuracy_cpu.json)")
     parser.add_argument("--write-prompts", metavar="PATH", default=None,
                         help="write this run's prompts (with token ids) as JSON to PATH and stop: the input of "
@@ -361,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         settings = methods.accuracy_settings(**sp)
         default_name = "accuracy_cpu_quick.json" if args.quick else "accuracy_cpu.json"
+    if args.only:
+        unknown = sorted(set(args.only) - {s.label for s in settings})
+        if unknown:
+            parser.error(f"--only: no settings {unknown} (there are {[s.label for s in settings]})")
+        settings = [s for s in settings if s.label in args.only or s.family == "full"]
     out_path = Path(args.json) if args.json else RESULTS_DIR / default_name
 
     from rcstat_vllm.model import default_model_dir

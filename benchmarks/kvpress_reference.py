@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs the output JSON already holds for these prompts and dtype; run the rest")
     parser.add_argument("--json", default=None, help=f"output (default {DEFAULT_JSON.relative_to(RESULTS_DIR.parents[1])})")
+    parser.add_argument("--keep-masks", metavar="PATH", default=None,
+                        help="instead of generating: prefill each prompt under each masking press (kvzip, adakv_*) "
+                             "and save what every (layer, KV head) keeps to PATH (torch), the input of "
+                             "quality.py --kvpress-masks (the value error of kvpress's presses)")
     args = parser.parse_args(argv)
     if any(not 0 < r < 1 for r in args.ratios):
         parser.error("--ratios must lie in (0, 1)")
@@ -194,6 +198,58 @@ def run_press(model, tokenizer, kvpress, samples: list[dict], press_name: str | 
             "seconds": round(time.perf_counter() - t0, 1), "samples": outputs}
 
 
+#: Presses that keep the whole prompt in the cache and mask evicted entries per head (``masked_key_indices``): what
+#: they keep can be read back, so quality.py can measure their value error on its own reference decode.
+MASKING_PRESSES = ("kvzip", "adakv_expected_attention")
+
+
+def prefill_keep_mask(model, prompt_ids: list[int], press):
+    """``[L, Hkv, n]`` bool: the prompt entries each (layer, KV head) keeps after a masking press's prefill (its
+    context reconstruction included, for KVzip)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache, n = DynamicCache(), len(prompt_ids)
+    with torch.inference_mode(), press(model):
+        model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, logits_to_keep=1)
+    config = model.config
+    keep = torch.ones(config.num_hidden_layers, config.num_key_value_heads, n, dtype=torch.bool)
+    for layer, (cache_layer, block) in enumerate(zip(cache.layers, model.model.layers)):
+        if cache_layer.keys.shape[2] != n:
+            raise SystemExit(f"--keep-masks: {press!r} pruned layer {layer}'s cache to {cache_layer.keys.shape[2]} "
+                             f"of {n} entries; only masking presses ({', '.join(MASKING_PRESSES)}) can be read back")
+        masked = getattr(block.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            batch, heads, positions = (index.cpu() for index in masked)
+            keep[layer, heads[batch == 0], positions[batch == 0]] = False
+    return keep
+
+
+def export_keep_masks(model, kvpress, samples: list[dict], presses: list[str], ratios: list[float], path: Path,
+                      env: dict) -> None:
+    """Save every masking press's keep masks per prompt: {"environment", "masks": {label: {sample_id: [L, H, n]
+    bool}}, "prompt_lengths": {sample_id: n}}."""
+    import torch
+    from tqdm import tqdm
+
+    unsupported = [p for p in presses if p not in MASKING_PRESSES]
+    if unsupported:
+        raise SystemExit(f"--keep-masks: {unsupported} prune the cache; choose among {list(MASKING_PRESSES)}")
+    out = {"environment": env, "masks": {}, "prompt_lengths": {s["sample_id"]: len(s["prompt_ids"]) for s in samples}}
+    with tqdm(total=len(presses) * len(ratios) * len(samples), unit="prompt") as bar:
+        for press_name in presses:
+            for ratio in ratios:
+                label = row_label(press_name, ratio)
+                bar.set_description(label)
+                masks = out["masks"][label] = {}
+                for s in samples:
+                    masks[s["sample_id"]] = prefill_keep_mask(model, s["prompt_ids"], PRESSES[press_name](kvpress, ratio))
+                    bar.update()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path)
+    print(f"keep masks of {', '.join(out['masks'])} for {len(samples)} prompts written to {path}", file=sys.stderr)
+
+
 def environment(dtype: str) -> dict:
     from importlib.metadata import version
 
@@ -223,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     header, samples = load_samples(args.prompts, args.tasks, args.limit)
     model, tokenizer = load_model(args.model, args.dtype)
+    if args.keep_masks:
+        export_keep_masks(model, kvpress, samples, args.presses, args.ratios, Path(args.keep_masks),
+                          environment(args.dtype))
+        return 0
     runs = [(None, 0.0)] + [(p, r) for p in args.presses for r in args.ratios]
     report = {"benchmark": "kvpress_reference", "environment": environment(args.dtype), "model": args.model,
               "prompts": {"path": str(args.prompts), **{k: header[k] for k in ("preset", "seed") if k in header},

@@ -19,6 +19,9 @@ FAMILY_LABELS = {
     "rc_budget": "RCStat (budget)",
     "rc_paper": "RCStat (budget per layer, window 8, no smoothing)",
     "rc_carry0": "RCStat (budget, scores not carried forward)",
+    "default_carry0": "bare flag, scores not carried forward",
+    "kvpress_kvzip": "KVzip (kvpress's keep sets)",
+    "kvpress_adakv_expected_attention": "AdaKV(ExpectedAttention) (kvpress's keep sets)",
     "snapkv": "SnapKV",
     "tova": "TOVA",
     "snapkv_rc_window": "SnapKV (RC's window)",
@@ -108,8 +111,8 @@ def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:
 def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
                       c_values=(1.0,), uncarried_ratios=(0.8,)) -> list[Setting]:
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
-    RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` also with its
-    scores not carried forward (``carry_forward: 0``); RC with the paper's scoring (per-layer budget,
+    RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` (and the bare flag,
+    when any) also with its scores not carried forward (``carry_forward: 0``); RC with the paper's scoring (per-layer budget,
     window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
     window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
@@ -119,6 +122,8 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     rc_window = defaults["window"]
     published = kvpress_windows()
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
+    if uncarried_ratios:  # the bare flag as RCStat scores (carry_forward's cost or gain at the default budget)
+        settings.append(Setting("default_carry0", "default_carry0", {"carry_forward": 0}))
     settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]
     settings += [Setting(f"rc_r{r:g}_carry0", "rc_carry0", {"method": "rc", "target_ratio": float(r), "carry_forward": 0})
                  for r in uncarried_ratios]

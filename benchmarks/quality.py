@@ -24,6 +24,7 @@ total prompt KV entries over all layers and KV heads.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -57,9 +58,28 @@ SETTINGS_PRESETS = {
 }
 
 
+def given_keep_set(mask: torch.Tensor, num_tokens: int, label: str) -> tuple[list, list, float]:
+    """(per-layer masks, kept per (layer, head), evicted share) of ``[L, Hkv, n]`` keep masks made elsewhere."""
+    if mask.shape[2] != num_tokens:
+        raise SystemExit(f"{label}: keep masks for {mask.shape[2]} tokens, the prompt has {num_tokens}")
+    return list(mask), mask.sum(dim=2).tolist(), 1.0 - float(mask.float().mean())
+
+
+def kvpress_settings(masks_file: dict) -> list[methods.Setting]:
+    """One setting per press and ratio of a ``kvpress_reference.py --keep-masks`` file (labels ``kvpress_<press>_r<ratio>``,
+    family ``kvpress_<press>``)."""
+    settings = []
+    for label in masks_file["masks"]:
+        press, ratio = label.rsplit("_r", 1)
+        settings.append(methods.Setting(f"kvpress_{label}", f"kvpress_{press}", {"target_ratio": float(ratio)}))
+    return settings
+
+
 def evaluate_sample(ref: ref_lib.ReferenceModel, ids: list[int], settings: list[methods.Setting],
-                    max_new_tokens: int = 24) -> dict:
-    """VER and achieved ratio of every setting on one prompt (see the module docstring)."""
+                    max_new_tokens: int = 24, given_masks: dict[str, torch.Tensor] | None = None) -> dict:
+    """VER and achieved ratio of every setting on one prompt (see the module docstring). ``given_masks``: label ->
+    ``[L, Hkv, n]`` keep masks chosen elsewhere (kvpress's presses), for the settings of those labels."""
+    given_masks = given_masks or {}
     prefill = ref.prefill(ids)
     generated = ref.greedy(prefill, max_new_tokens)
     logits_full, attn_full = ref.decode(prefill, generated, None, all_layers=True)
@@ -70,23 +90,28 @@ def evaluate_sample(ref: ref_lib.ReferenceModel, ids: list[int], settings: list[
     # Settings that others are matched to go first.
     ordered = [s for s in settings if s.matched_to is None] + [s for s in settings if s.matched_to is not None]
     for setting in ordered:
-        config = RCStatConfig.from_dict(methods.resolve(setting, rc_ratios))
         t0 = time.perf_counter()
-        if not config.enabled:
-            masks, kept, ratio = None, None, 0.0
+        if setting.label in given_masks:
+            masks, kept, ratio = given_keep_set(given_masks[setting.label], len(ids), setting.label)
+            target = setting.rcstat["target_ratio"]
         else:
-            # Settings whose scorers are built alike share their scores (selection differs, scoring does not).
-            key = (config.method, window_queries(config), tuple(sorted(scorer_options(config).items())))
-            if key not in scores_cache:
-                scores_cache[key] = ref_lib.score_layers(prefill, config)
-            keep = ref_lib.select_layers(scores_cache[key], config, setting.comparable)
-            masks, kept, ratio = keep.masks, keep.kept, keep.ratio
+            config = RCStatConfig.from_dict(methods.resolve(setting, rc_ratios))
+            target = config.target_ratio if config.enabled else None
+            if not config.enabled:
+                masks, kept, ratio = None, None, 0.0
+            else:
+                # Settings whose scorers are built alike share their scores (selection differs, scoring does not).
+                key = (config.method, window_queries(config), tuple(sorted(scorer_options(config).items())))
+                if key not in scores_cache:
+                    scores_cache[key] = ref_lib.score_layers(prefill, config)
+                keep = ref_lib.select_layers(scores_cache[key], config, setting.comparable)
+                masks, kept, ratio = keep.masks, keep.kept, keep.ratio
         logits, attn = ref.decode(prefill, generated, masks, all_layers=True)
         err = ref_lib.value_error(attn_full, attn)  # [L, T, Hq]
         results[setting.label] = {
             "family": setting.family,
             "ratio": ratio,
-            "target_ratio": config.target_ratio if config.enabled else None,
+            "target_ratio": target,
             "ver": float(err[-1].mean()),
             "ver_all_layers": float(err.mean()),
             "top1_agree": float((logits.argmax(-1) == next_full).float().mean()),
@@ -143,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="RC budget per layer vs model-wide, with each way of comparing layers' scores "
                              "(default output benchmarks/results/quality_budget_scope_cpu.json)")
     methods.add_cliff_arguments(parser, "quality_cliff_cpu.json")
+    parser.add_argument("--write-prompts", metavar="PATH", default=None,
+                        help="write this run's prompts (with token ids) as JSON to PATH and stop: the input of "
+                             "kvpress_reference.py --keep-masks")
+    parser.add_argument("--kvpress-masks", metavar="PATH", default=None,
+                        help="also measure the keep sets kvpress's masking presses chose on these prompts "
+                             "(kvpress_reference.py --keep-masks on --write-prompts' file)")
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/quality_cpu.json; "
                         "quality_cpu_quick.json with --quick)")
     args = parser.parse_args(argv)
@@ -175,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     samples = data.build_suite(tokenizer, base, args.seed, **qp)
     if args.max_samples:
         samples = samples[: args.max_samples]
+    if args.write_prompts:
+        Path(args.write_prompts).write_text(json.dumps(
+            {"benchmark": "quality", "preset": preset, "seed": args.seed, "model": str(args.model or ""),
+             "samples": [s.to_dict(with_ids=True) for s in samples]}))
+        print(f"{len(samples)} prompts written to {args.write_prompts}", file=sys.stderr)
+        return 0
+    kvpress_masks = {"masks": {}}
+    if args.kvpress_masks:
+        kvpress_masks = torch.load(args.kvpress_masks)
+        settings += kvpress_settings(kvpress_masks)
     ref = ref_lib.ReferenceModel(args.model, dtype=getattr(torch, args.dtype))
     print(f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens), {len(settings)} settings",
           file=sys.stderr)
@@ -184,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     for sample in bar:
         bar.set_postfix_str(f"{sample.sample_id} ({sample.num_tokens} tok)")
         t0 = time.perf_counter()
-        row = evaluate_sample(ref, sample.prompt_ids, settings, args.max_new_tokens)
+        given = {f"kvpress_{label}": masks[sample.sample_id] for label, masks in kvpress_masks["masks"].items()}
+        row = evaluate_sample(ref, sample.prompt_ids, settings, args.max_new_tokens, given)
         row.update(sample_id=sample.sample_id, task=sample.task, seconds=time.perf_counter() - t0,
                    generated_text=tokenizer.decode(row["generated"]))
         results.append(row)
@@ -200,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "settings": [s.to_dict() for s in settings],
+        "kvpress_masks": {"path": args.kvpress_masks, "environment": kvpress_masks.get("environment")}
+        if args.kvpress_masks else None,
         "environment": environment(torch_threads=torch.get_num_threads()),
         "wall_s": round(time.time() - t_start, 1),
         "load_avg": [load_start, load_avg()],

@@ -445,3 +445,22 @@ def test_planted_facts_prompts_hold_their_fact_once_at_their_depth(tokenizer):
         # The fact sits near its requested depth within the documentation.
         position = text.index("Operations memo:") / len(text)
         assert abs(position - depth) < 0.25  # docstrings are long: the nearest boundary can be far
+
+
+def test_quality_measures_keep_sets_made_elsewhere():
+    """quality.py --kvpress-masks: a kvpress masking press's keep sets become settings (label, family, ratio) and
+    are measured as given: their evicted share and kept counts come from the masks."""
+    import quality
+    import torch
+
+    settings = quality.kvpress_settings({"masks": {"kvzip_r0.8": {}, "adakv_expected_attention_r0.5": {}}})
+    assert [(s.label, s.family, s.rcstat) for s in settings] == [
+        ("kvpress_kvzip_r0.8", "kvpress_kvzip", {"target_ratio": 0.8}),
+        ("kvpress_adakv_expected_attention_r0.5", "kvpress_adakv_expected_attention", {"target_ratio": 0.5}),
+    ]
+    mask = torch.tensor([[[True, False, False, True]], [[True, True, True, True]]])  # [L=2, H=1, n=4]
+    masks, kept, ratio = quality.given_keep_set(mask, 4, "x")
+    assert kept == [[2], [4]] and ratio == 0.25 and [m.tolist() for m in masks] == [[[True, False, False, True]],
+                                                                                    [[True] * 4]]
+    with pytest.raises(SystemExit, match="keep masks for 4 tokens, the prompt has 5"):
+        quality.given_keep_set(mask, 5, "x")

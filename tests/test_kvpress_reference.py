@@ -159,3 +159,57 @@ def test_resume_keeps_only_runs_of_the_same_prompts():
                               "float32", "0.5.5") == {}  # same ids, other lengths
     assert kvr.resumable_rows({**previous, "rows": [row("tova_r0.5")]}, samples, "float32", "0.5.5") == {}  # no full
     assert kvr.parse_args(["--prompts", "p", "--model", "m", "--resume"]).resume
+
+
+class _FakeAttention:
+    masked_key_indices = None
+
+
+class _FakeMaskingModel:
+    """Two layers, two KV heads: fills the cache with every prompt entry, as a masking press leaves it; the press
+    (below) then names the evicted entries per head, as KVzip and AdaKV do."""
+
+    def __init__(self, prune_to=None):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2)
+        self.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=_FakeAttention()) for _ in range(2)])
+        self.prune_to = prune_to
+
+    def __call__(self, input_ids, past_key_values, logits_to_keep):
+        import torch
+
+        n = input_ids.shape[1] if self.prune_to is None else self.prune_to
+        for layer in range(2):
+            past_key_values.update(torch.zeros(1, 2, n, 4), torch.zeros(1, 2, n, 4), layer)
+
+
+def _masking_press(model, evicted):
+    """A press that, on exit, marks ``evicted`` ({layer: [(head, position)]}) as kvpress's masking presses do."""
+    from contextlib import contextmanager
+
+    import torch
+
+    @contextmanager
+    def press(_model):
+        yield
+        for layer, pairs in evicted.items():
+            heads, positions = zip(*pairs)
+            model.model.layers[layer].self_attn.masked_key_indices = (
+                torch.zeros(len(pairs), dtype=torch.long), torch.tensor(heads), torch.tensor(positions))
+
+    return press
+
+
+def test_keep_masks_read_back_what_a_masking_press_evicted():
+    model = _FakeMaskingModel()
+    keep = kvr.prefill_keep_mask(model, [1, 2, 3, 4, 5], _masking_press(model, {0: [(0, 1), (1, 3), (1, 4)]}))
+    assert keep.shape == (2, 2, 5)
+    assert keep[0].tolist() == [[True, False, True, True, True], [True, True, True, False, False]]
+    assert bool(keep[1].all())  # a layer the press did not mask keeps everything
+
+
+def test_keep_masks_refuse_a_press_that_pruned_the_cache():
+    model = _FakeMaskingModel(prune_to=3)
+    with pytest.raises(SystemExit, match="only masking presses"):
+        kvr.prefill_keep_mask(model, [1, 2, 3, 4, 5], _masking_press(model, {}))
