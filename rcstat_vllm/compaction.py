@@ -147,7 +147,58 @@ def compact_request(
         _move_layer(space.cache(layer, caches[layer]), keep_masks[layer], space.identity(layer, source_blocks),
                     device_tables[layer, :, shared_blocks:], block_size, layout)
     return CompactedRequest.from_compaction(
-        num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel()
+        num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel(), shared_blocks
+    )
+
+
+def recompact_request(
+    caches: Sequence[Tensor],
+    state: CompactedRequest,
+    num_tokens: int,
+    keep_masks: Sequence[Tensor],
+    dest_blocks: Tensor,
+    layout: CacheLayout = CPU_VEC,
+) -> CompactedRequest:
+    """Compact a request that is compacted already (decode-time compression: its heads evict generated tokens
+    too): each (layer, head) keeps the entries of its own page list that ``keep_masks`` name, copied densely, in
+    order, into head pages of ``dest_blocks``, as :func:`compact_request` does for an uncompressed request.
+
+    The sources are the request's head pages (``state``'s page table), not a block row: a head's entry ``j`` is its
+    ``j``-th stored token (its kept prompt first, then everything stored since), so heads may hold different tokens.
+
+    Args:
+        state: the request's pages, reserved for ``num_tokens`` tokens (every head has a page for each of its
+            ``state.lengths(num_tokens)`` entries).
+        keep_masks: per layer, ``[H, m]`` bool over each head's entries, ``m`` at least the longest head's length,
+            False past a head's length; the entries of its shared (prefix-cache) blocks must be kept (they stay
+            where they are, shared).
+        dest_blocks: fresh blocks: none may hold pages of the request (the scheduler takes them before it frees the
+            request's old blocks), so no copy writes a page another copy still reads.
+
+    Returns:
+        The request's state from there on: its shared blocks and ``dest_blocks``.
+    """
+    space, block_size, shared_blocks = state.space, state.block_size, state.shared_blocks
+    shared_tokens = shared_blocks * block_size
+    lengths = state.lengths(num_tokens)
+    for layer, mask in enumerate(keep_masks):
+        beyond = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) >= lengths[layer].to(mask.device).unsqueeze(1)
+        if mask.shape[1] < int(lengths[layer].max()) or bool((mask & beyond).any()):
+            raise ValueError(f"rcstat: layer {layer}'s keep mask must cover each head's entries and nothing past them")
+        if not bool(mask[:, :shared_tokens].all()):
+            raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
+    kept_all = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
+    tables, unused = assign_pages(kept_all - shared_tokens, dest_blocks, space)
+    old_tables = state.tables
+    if shared_blocks:
+        tables = torch.cat([old_tables[:, :, :shared_blocks], tables], dim=2)
+    device = keep_masks[0].device
+    sources, dests = old_tables.to(device), tables.to(device)
+    for layer, mask in enumerate(keep_masks):
+        _move_layer(space.cache(layer, caches[layer]), mask[:, shared_tokens:], sources[layer, :, shared_blocks:],
+                    dests[layer, :, shared_blocks:], block_size, layout)
+    return CompactedRequest.from_compaction(
+        num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel(), shared_blocks
     )
 
 

@@ -79,6 +79,9 @@ class CompactedRequest:
     #: per pool of ``space``, its unused pages (handed out from the left)
     pools: list[deque]
     keep_blocks: int = 0
+    #: its first blocks, prefix-cache hits kept whole by every head and shared with other requests (the first
+    #: columns of every head's page list)
+    shared_blocks: int = 0
     #: block-row entries (vLLM's positions) already turned into pool pages, or never to be (the prompt's own)
     absorbed_blocks: int = 0
     #: [L, H] pages each (layer, head) holds
@@ -90,7 +93,8 @@ class CompactedRequest:
 
     @classmethod
     def from_compaction(
-        cls, num_tokens: int, space: PageSpace, kept: Tensor, tables: Tensor, unused: list[Tensor], keep_blocks: int
+        cls, num_tokens: int, space: PageSpace, kept: Tensor, tables: Tensor, unused: list[Tensor], keep_blocks: int,
+        shared_blocks: int = 0,
     ) -> CompactedRequest:
         """The state after :func:`compact_request` moved ``num_tokens`` tokens' kept entries into ``keep_blocks``
         blocks: vLLM's row positions of the prompt blocks are absorbed (the scheduler gave them back)."""
@@ -101,6 +105,7 @@ class CompactedRequest:
             table=HostPageTable(tables),
             pools=[deque(pages.tolist()) for pages in unused],
             keep_blocks=keep_blocks,
+            shared_blocks=shared_blocks,
             absorbed_blocks=cdiv(num_tokens, space.block_size),
         )
         state._count_pages((tables >= 0).sum(dim=2))
