@@ -11,7 +11,8 @@ once per setting with eviction every ``interval`` generated tokens down to ``bud
   before o_proj) at the last layer, mean over G's positions and heads; ``ver_all_layers`` over every layer;
   ``ver_after`` at the last layer after the first eviction;
 * ``dnll``: mean negative log-likelihood of G's next tokens minus the full cache's (text spans: the real text);
-* ``kept``: mean generated tokens per (layer, KV head) right after an eviction, and the per-head spread.
+* ``kept``: mean generated tokens per (layer, KV head) right after an eviction, and the per-head spread;
+  ``visible``: generated tokens a query sees on average (budget + ~interval/2: what a longer interval costs).
 
 Two sources of spans: ``text``: an essay's first 256 tokens as P, the next 2048 as G (natural text, not
 degenerate: the primary measure); ``self``: the full cache's own greedy output (2048 tokens, EOS ignored) after a
@@ -144,6 +145,7 @@ def evaluate_span(ref: dr.DecodeReference, prompt: list[int], tokens: list[int],
             "kept": r.kept_after_evictions(),
             "kept_head_min_max": [int(last.min()), int(last.max())] if last is not None else None,
             "peak_kept": r.peak_kept,
+            "mean_visible": r.mean_visible,
             "seconds": time.perf_counter() - t0,
         }
         bar.update(1)
@@ -179,7 +181,7 @@ def summarize(spans: list[dict], methods) -> dict:
             if not per:
                 continue
             entry = {"method": m.method, "selection": m.selection, "budget": m.budget, "interval": m.interval}
-            for key in ("top1", "top1_after", "ver", "ver_all_layers", "ver_after", "dnll", "kept"):
+            for key in ("top1", "top1_after", "ver", "ver_all_layers", "ver_after", "dnll", "kept", "mean_visible"):
                 values = [p[key] for p in per if p[key] is not None]
                 entry[key] = statistics.fmean(values) if values else None
             entry["kept_head_min_max"] = [min(p["kept_head_min_max"][0] for p in per if p["kept_head_min_max"]),
@@ -205,14 +207,14 @@ def print_table(report: dict) -> None:
             continue
         print(f"\n{source}: {src['spans']} span(s), {report['generated']} generated tokens, full-cache NLL "
               f"{src['nll_full']:.3f}, distinct 4-grams {src['distinct4']:.3f}")
-        print(f"{'setting':22s} {'kept':>6s} {'head min-max':>12s} {'top1':>6s} {'top1 aft':>8s} {'VER':>6s} "
+        print(f"{'setting':22s} {'kept':>6s} {'visible':>7s} {'head min-max':>12s} {'top1':>6s} {'top1 aft':>8s} {'VER':>6s} "
               f"{'VER aft':>7s} {'VER allL':>8s} {'dNLL':>7s}")
         for k, e in src.items():
             if not isinstance(e, dict):
                 continue
             f = lambda x, w, p: f"{x:{w}.{p}f}" if x is not None else " " * (w - 1) + "-"  # noqa: E731
             spread = "{}-{}".format(*e["kept_head_min_max"]) if e["kept_head_min_max"] else "-"
-            print(f"{k:22s} {f(e['kept'], 6, 0)} {spread:>12s} {f(e['top1'], 6, 3)} {f(e['top1_after'], 8, 3)} "
+            print(f"{k:22s} {f(e['kept'], 6, 0)} {f(e['mean_visible'], 7, 0)} {spread:>12s} {f(e['top1'], 6, 3)} {f(e['top1_after'], 8, 3)} "
                   f"{f(e['ver'], 6, 3)} {f(e['ver_after'], 7, 3)} {f(e['ver_all_layers'], 8, 3)} {f(e['dnll'], 7, 3)}")
 
 

@@ -224,6 +224,8 @@ class Replay:
         first_eviction: index in G of the first position computed after an eviction (None: none happened).
         evictions: per eviction, (G index after which it ran, [L, Hkv] kept generated tokens after it).
         peak_kept: the most generated tokens any (layer, head) held at once.
+        mean_visible: generated tokens a query sees, mean over G's positions and all (layer, KV head): what the
+            cache holds on average (budget + about interval / 2 once evicting), to compare intervals fairly.
     """
 
     argmax: Tensor
@@ -233,6 +235,7 @@ class Replay:
     first_eviction: int | None
     evictions: list = field(default_factory=list)
     peak_kept: int = 0
+    mean_visible: float = 0.0
 
     def kept_after_evictions(self) -> float | None:
         """Mean kept generated tokens per (layer, KV head) right after an eviction (over all evictions)."""
@@ -303,9 +306,11 @@ class DecodeReference:
         cache, _ = self._prefill(prompt_ids, len(prompt_ids) + len(tokens))
         p, n = len(prompt_ids), len(tokens)
         argmax, logprob, logits_all, attn = [], [], [], []
-        evictions, first_eviction, peak = [], None, 0
+        evictions, first_eviction, peak, visible = [], None, 0, 0.0
         for s in range(0, n, method.interval):
             chunk = tokens[s:s + method.interval]
+            before = float(self.kept_generated(cache).float().mean()) if s else 0.0
+            visible += len(chunk) * before + len(chunk) * (len(chunk) + 1) / 2  # query j sees before + j + 1
             logits = self._forward(cache, chunk, p + s)
             argmax.append(logits.argmax(-1))
             nxt = tokens[s + 1:s + 1 + len(chunk)]  # one short at the end of the span
@@ -329,7 +334,7 @@ class DecodeReference:
         return Replay(argmax=torch.cat(argmax), target_logprob=torch.cat(logprob),
                       logits=torch.cat(logits_all) if return_logits else None,
                       attn=torch.cat(attn, dim=1 if all_layers else 0), first_eviction=first_eviction,
-                      evictions=evictions, peak_kept=peak)
+                      evictions=evictions, peak_kept=peak, mean_visible=visible / n)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, method: DecodeMethod,

@@ -140,3 +140,5 @@ def test_replay_and_generate_follow_the_same_schedule(tiny, span):
     assert replay.argmax[:-1].tolist() == generated[1:]
     assert replay.first_eviction == 50
     assert replay.kept_after_evictions() == pytest.approx(30.0)
+    # Visible generated tokens: 1..50 before the first eviction, then 30 + 1..25 per 25-token chunk.
+    assert replay.mean_visible == pytest.approx((sum(range(1, 51)) + 2 * sum(range(31, 56))) / 100)
