@@ -65,7 +65,7 @@ class BlockPool(Protocol):
 
 def swap_in_fresh_blocks(
     pool: BlockPool, blocks: MutableSequence[Block], report: CompressionReport, num_tokens: int = 0,
-    reason: str | None = None,
+    reason: str | None = None, fresh_only: bool = False,
 ) -> tuple[Compaction, int]:
     """Give the request fresh blocks in place of the blocks it computed (its prefix-cache hits stay, shared);
     ``blocks`` is the request's block list, rewritten in place. Returns the compaction to send and the change in
@@ -75,7 +75,10 @@ def swap_in_fresh_blocks(
     running requests.
 
     ``num_tokens`` (lazy eviction): the tokens in the cache now, more than the prompt's when the request decoded
-    before being compacted; its blocks up to them are replaced, the generated tokens kept whole."""
+    before being compacted; its blocks up to them are replaced, the generated tokens kept whole.
+
+    ``fresh_only`` (a decode-time compaction, whose sources are the request's head pages anywhere in its blocks):
+    refused unless the pool has every fresh block before anything is freed."""
     shared, prompt_end = report.shared_blocks, report.prompt_blocks
     end = max(prompt_end, -(-num_tokens // report.block_size)) if report.block_size else prompt_end
     computed = blocks[shared:end]  # the blocks this request computed (its prefix-cache hits stay as they are)
@@ -83,7 +86,7 @@ def swap_in_fresh_blocks(
     num_fresh = report.keep_blocks + (end - prompt_end) - shared
     before = pool.get_num_free_blocks()
     released = sum(1 for block in computed if not block.is_null and block.ref_cnt == 1)
-    if num_fresh > before + released:
+    if num_fresh > before + released or (fresh_only and num_fresh > before):
         return Compaction(report.req_id, cancelled_reason="no free blocks to copy the kept KV into"), 0
     fresh = pool.get_new_blocks(num_fresh) if num_fresh <= before else None
     pool.free_blocks(reversed(computed))  # tail first: evicted first, as vLLM frees a request
@@ -134,7 +137,7 @@ class EngineCompaction:
                 if report.lazy:
                     self.pending[report.req_id] = report
                     continue
-                self._compact(pool, report, blocks)
+                self._compact(pool, report, blocks, fresh_only=report.decode)
             else:
                 self.stats.observe(report, 0)
         self.stats.maybe_log(pool.get_num_free_blocks())
@@ -163,10 +166,22 @@ class EngineCompaction:
             self.stats.maybe_log(pool.get_num_free_blocks())
         return gained
 
-    def _compact(self, pool: BlockPool, report: CompressionReport, blocks, num_tokens: int = 0, reason=None) -> int:
+    def _compact(self, pool: BlockPool, report: CompressionReport, blocks, num_tokens: int = 0, reason=None,
+                 fresh_only: bool = False) -> int:
         """Swap fresh blocks into the request's list, queue the copy, count and log; the blocks freed."""
-        compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason)
+        compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason, fresh_only)
         self.outgoing.append(compaction)
+        if report.decode:  # a compacted request compacted again: its earlier blocks went back to the pool
+            if compaction.cancelled_reason is None:
+                self.compacted_blocks.difference_update(self.compacted.get(report.req_id, ()))
+                self.compacted[report.req_id] = compaction.block_ids
+                self.compacted_blocks.update(compaction.block_ids)
+            self.stats.observe_decode(report, freed, compaction.cancelled_reason is None)
+            logger.debug("rcstat: request %s: decode-time compaction at %d tokens: %d generated entries evicted, "
+                         "%d blocks freed, %d free now%s", report.req_id, report.num_prompt_tokens,
+                         report.decode_tokens_evicted, freed, pool.get_num_free_blocks(),
+                         f" (skipped: {compaction.cancelled_reason})" if compaction.cancelled_reason else "")
+            return freed
         if compaction.cancelled_reason is None:
             self.compacted[report.req_id] = compaction.block_ids
             self.compacted_blocks.update(compaction.block_ids)

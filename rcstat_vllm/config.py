@@ -72,6 +72,12 @@ class RCStatConfig:
             prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
             waiting request that does not fit, a running one that would be preempted), the requests freeing most
             first. Under ``lazy`` a request that never meets pressure decodes over its full cache.
+        decode_budget: decode-time compression of generated KV (off when None): once a request's KV heads hold on
+            average ``decode_budget + decode_interval`` generated tokens, every layer's heads are scored over their
+            generated tokens by ``method`` (the last ``window`` generated tokens' queries observing, and always
+            kept) and keep ``decode_budget`` of them on average, different numbers per head; the rest is compacted
+            away and its blocks freed. The prompt's kept KV is not rescored.
+        decode_interval: generated tokens per head between two decode-time compactions (at least ``window``).
     """
 
     method: str = "rc"
@@ -90,6 +96,8 @@ class RCStatConfig:
     smoothing: int = 3
     carry_forward: int = 8
     eviction: str = "eager"
+    decode_budget: int | None = None
+    decode_interval: int = 128
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -123,6 +131,15 @@ class RCStatConfig:
             raise ConfigError("budget_scope", self.budget_scope, " | ".join(BUDGET_SCOPES))
         if self.eviction not in EVICTION_MODES:
             raise ConfigError("eviction", self.eviction, " | ".join(EVICTION_MODES))
+        if not is_int(self.decode_interval) or self.decode_interval < self.window:
+            raise ConfigError("decode_interval", self.decode_interval, f"an integer >= window ({self.window})")
+        if self.decode_budget is not None and (not is_int(self.decode_budget) or self.decode_budget < self.window):
+            raise ConfigError("decode_budget", self.decode_budget, f"null or an integer >= window ({self.window})")
+
+    @property
+    def decode_compression(self) -> bool:
+        """Whether generated KV is compressed during decode."""
+        return self.enabled and self.decode_budget is not None
 
     @property
     def enabled(self) -> bool:

@@ -11,6 +11,8 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
     rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request
     rcstat:global_eviction_ratio          histogram of the share of prompt tokens evicted from every head of
                                           every layer per compressed request (the quality cliff's early warning)
+    rcstat:decode_compactions_total       decode-time compactions (``decode_budget``) that ran
+    rcstat:decode_tokens_evicted_total    generated KV entries (layer x KV head x token) they evicted
 
 The scheduler runs in vLLM's engine-core process; ``vllm serve``'s ``/metrics`` (API-server process) shows these
 only in prometheus_client's multiprocess mode, which ``rcstat-vllm serve`` turns on
@@ -39,6 +41,8 @@ class PrometheusMetrics:
     kv_blocks_freed: object
     compression_ratio: object
     global_eviction_ratio: object
+    decode_compactions: object
+    decode_tokens_evicted: object
 
 
 @functools.cache
@@ -58,6 +62,9 @@ def prometheus_metrics() -> PrometheusMetrics | None:
         Histogram("rcstat:global_eviction_ratio",
                   "Share of prompt tokens evicted from every KV head of every layer, per compressed request.",
                   buckets=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)),
+        Counter("rcstat:decode_compactions", "Decode-time compactions of generated KV that rcstat ran."),
+        Counter("rcstat:decode_tokens_evicted", "Generated KV entries (layer x KV head x token) decode-time "
+                "compactions evicted."),
     )
 
 
@@ -70,6 +77,10 @@ class CompressionStats:
     global_eviction_sum: float = 0.0
     #: prompt tokens of compressed requests served from the prefix cache
     cached_tokens: int = 0
+    #: decode-time compactions run, skipped (no free blocks for the copy), and generated entries evicted
+    decode_compactions: int = 0
+    decode_skipped: int = 0
+    decode_tokens_evicted: int = 0
     _last_log: float = field(default_factory=time.monotonic)
     _dirty: bool = False
 
@@ -96,6 +107,20 @@ class CompressionStats:
             # (its fresh blocks are then extra until those requests finish): a counter only counts gains.
             self.prometheus.kv_blocks_freed.inc(max(blocks_freed, 0))
 
+    def observe_decode(self, report: CompressionReport, blocks_freed: int, ran: bool) -> None:
+        """A decode-time compaction planned (``ran``: its blocks were swapped in) or skipped."""
+        if not ran:
+            self.decode_skipped += 1
+            return
+        self.decode_compactions += 1
+        self.decode_tokens_evicted += report.decode_tokens_evicted
+        self.blocks_freed += blocks_freed
+        self._dirty = True
+        if self.prometheus is not None:
+            self.prometheus.decode_compactions.inc()
+            self.prometheus.decode_tokens_evicted.inc(report.decode_tokens_evicted)
+            self.prometheus.kv_blocks_freed.inc(max(blocks_freed, 0))
+
     @property
     def mean_ratio(self) -> float:
         return self.ratio_sum / self.requests_compressed if self.requests_compressed else 0.0
@@ -107,7 +132,7 @@ class CompressionStats:
         logger.info(
             "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f, "
             "%d of their prompt tokens from the prefix cache), %d run uncompressed; %d KV blocks freed in total; "
-            "%d blocks free now",
+            "%d blocks free now%s",
             self.requests_compressed,
             self.mean_ratio,
             self.global_eviction_sum / self.requests_compressed if self.requests_compressed else 0.0,
@@ -115,5 +140,8 @@ class CompressionStats:
             self.requests_skipped,
             self.blocks_freed,
             free_blocks,
+            f"; {self.decode_compactions} decode-time compactions ({self.decode_tokens_evicted} generated entries "
+            f"evicted, {self.decode_skipped} skipped for want of free blocks)"
+            if self.decode_compactions or self.decode_skipped else "",
         )
         self._last_log, self._dirty = now, False

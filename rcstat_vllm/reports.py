@@ -37,6 +37,12 @@ class CompressionReport:
     compacted_at_tokens: int = 0
     #: why the request was compacted then (lazy eviction's memory pressure), None for eager compaction
     compaction_reason: str | None = None
+    #: a decode-time compaction's plan (``decode_budget``): ``num_prompt_tokens`` are then the tokens in the cache
+    #: (prompt and generated), all of whose blocks it replaces
+    decode: bool = False
+    #: decode-time compactions the request went through, and the generated entries they evicted (all layers, heads)
+    decode_compactions: int = 0
+    decode_tokens_evicted: int = 0
 
     @property
     def prompt_blocks(self) -> int:
@@ -99,6 +105,8 @@ class CompressionReport:
             "lazy": self.lazy,
             "compacted_at_tokens": self.compacted_at_tokens,
             "compaction_reason": self.compaction_reason,
+            "decode_compactions": self.decode_compactions,
+            "decode_tokens_evicted": self.decode_tokens_evicted,
         }
 
     @classmethod

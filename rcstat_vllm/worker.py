@@ -47,7 +47,9 @@ from rcstat_vllm.compression import (
     warm_up_scoring,
     window_queries,
 )
+from rcstat_vllm.compaction import recompact_request
 from rcstat_vllm.config import RCStatConfig, server_config
+from rcstat_vllm.decode_compression import DecodeCompressor
 from rcstat_vllm.head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
 from rcstat_vllm.head_pages import CompactedRequest
 from rcstat_vllm.kv_layout import CacheLayout
@@ -83,6 +85,11 @@ class StepCompression:
     attribution: list | None = None
     #: per row, tokens in the cache after this step (from the step info: no device synchronisation)
     seq_lens: list[int] = field(default_factory=list)
+    #: (DecodeCompressor, query start, query end) of compressed rows whose queries a coming decode-time compaction
+    #: observes
+    decode_queries: list = field(default_factory=list)
+    #: (record, tokens after this step) of compressed requests scored for a decode-time compaction in this step
+    decode_due: list = field(default_factory=list)
 
 
 class WorkerCompression:
@@ -119,6 +126,8 @@ class WorkerCompression:
         #: per layer, its cache tensor as the forward passes it (compactions copy within them)
         self._layer_caches: list[torch.Tensor | None] = []
         self._reports: list[CompressionReport] = []
+        #: records whose decode-time compaction was selected this step (their plans go to the scheduler)
+        self._decode_selected: list = []
         self.results: OrderedDict[str, CompressionReport] = OrderedDict()
 
     def disable(self, reason: str, *, warn: bool = True) -> None:
@@ -226,7 +235,11 @@ class WorkerCompression:
         self._agree_selected()
         self._release_states(info.dropped_req_ids)  # first: their table slots serve this step's compactions
         for compaction in info.compactions:
-            self._run_compaction(compaction)
+            record = self.requests.get(compaction.req_id)
+            if record is not None and record.decode is not None and record.decode.pending is not None:
+                self._run_decode_compaction(record, compaction)
+            else:
+                self._run_compaction(compaction)
         self._release_states(info.dropped_req_ids)  # a request compacted in this very step and gone with it
         for req_id in info.dropped_req_ids:
             record = self.requests.drop(req_id)
@@ -278,10 +291,37 @@ class WorkerCompression:
         )
         state.attach_to(self._resident_tables())
         record.phase, record.state, record.compressor = Phase.COMPRESSED, state, None
+        if compressor.config.decode_compression:
+            record.decode = DecodeCompressor(compressor.config, state)
         report = compressor.report()
         report.compacted_at_tokens = compaction.num_tokens or compressor.decision.num_tokens
         report.compaction_reason = compaction.reason
         self._record(report)
+
+    def _run_decode_compaction(self, record, compaction: Compaction) -> None:
+        """A decode-time compaction (``decode_budget``): copy what each head keeps into the scheduler's fresh blocks,
+        or go on as before when it had none."""
+        decode, plan = record.decode, record.decode.pending
+        if compaction.cancelled_reason is not None:
+            decode.cancelled()
+            logger.debug("rcstat: request %s: decode-time compaction at %d tokens skipped: %s", record.req_id,
+                         plan.num_tokens, compaction.cancelled_reason)
+            return
+        old = record.state
+        dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
+        if dest.numel() != plan.keep_blocks - old.shared_blocks:
+            raise ValueError(f"rcstat: {dest.numel()} fresh blocks allocated, {plan.keep_blocks - old.shared_blocks} "
+                             "needed")
+        record.state = recompact_request(self._layer_caches, old, plan.num_tokens, plan.masks, dest, self.layout)
+        self.page_tables.release(old.table)
+        record.state.attach_to(self._resident_tables())
+        decode.compacted()
+        result = self.results.get(record.req_id)
+        if result is not None:
+            result.decode_compactions, result.decode_tokens_evicted = decode.compactions, decode.tokens_evicted
+        logger.debug("rcstat: request %s: decode-time compaction %d at %d tokens: %d generated entries evicted, "
+                     "%d blocks held", record.req_id, decode.compactions, plan.num_tokens, plan.evicted,
+                     plan.keep_blocks)
 
     @property
     def _max_slots(self) -> int:
@@ -303,6 +343,7 @@ class WorkerCompression:
     def pop_reports(self) -> list[CompressionReport]:
         """What the scheduler learns from this step: compression plans (blocks to allocate) and skipped requests."""
         self._agree_selected()
+        self._agree_decode()
         reports, self._reports = self._reports, []
         return reports
 
@@ -357,6 +398,23 @@ class WorkerCompression:
             record.phase = Phase.AWAITING_BLOCKS
             self._reports.append(record.compressor.report())
 
+    def _agree_decode(self) -> None:
+        """This step's decode-time selections as plans for the scheduler (blocks: the max over tensor-parallel
+        ranks; every rank is due in the same step, see ``DecodeCompressor.next_due``)."""
+        if not self._decode_selected:
+            return
+        records, self._decode_selected = self._decode_selected, []
+        agreed = max_over_ranks([record.decode.pending.keep_blocks for record in records], self.block_agreement_group)
+        for record, keep_blocks in zip(records, agreed):
+            plan = record.decode.pending
+            plan.keep_blocks = keep_blocks
+            self._reports.append(CompressionReport(
+                req_id=record.req_id, num_prompt_tokens=plan.num_tokens, method=record.decode.config.method,
+                keep_blocks=keep_blocks, kept=plan.kept.tolist(), block_size=self.block_size,
+                pooled_pages=self.space.is_pooled, num_cached_tokens=record.state.shared_blocks * self.block_size,
+                decode=True, decode_tokens_evicted=plan.evicted,
+            ))
+
     # ---- per-step plan (the metadata builders) ----
 
     def plan_step(self, common_attn_metadata) -> StepCompression:
@@ -382,6 +440,7 @@ class WorkerCompression:
                 block_ids = self._host_block_ids(step, request, state, block_table, row)
                 state.reserve(request.num_tokens_after_step, block_ids)
                 plan.compressed[row] = state
+                self._plan_decode(plan, request, query_start[row], query_start[row + 1])
             elif request.finishes_prefill:
                 record = self.requests.get(request.req_id)
                 saved = None if record is None else record.saved_for(0)
@@ -411,6 +470,19 @@ class WorkerCompression:
             plan.head_plan = make_head_plan(query_start, plan.seq_lens, plan.compressed, self.space, block_table.device)
             plan.plain = plain_rows(common_attn_metadata, plan.compressed, query_start, plan.seq_lens, self.block_size)
         return plan
+
+    def _plan_decode(self, plan: StepCompression, request, query_start: int, query_end: int) -> None:
+        """A compressed row with decode-time compression: keep its queries when a compaction is near, score it in
+        this step when one is due."""
+        record = self.requests.get(request.req_id)
+        decode = record.decode
+        if decode is None:
+            return
+        num_tokens = request.num_tokens_after_step
+        if decode.observing(num_tokens):
+            plan.decode_queries.append((decode, query_start, query_end))
+        if decode.due(num_tokens):
+            plan.decode_due.append((record, num_tokens))
 
     def _host_block_ids(self, step: StepInfo, request, state: CompactedRequest, block_table: torch.Tensor, row: int):
         """The request's vLLM block ids on the host, for the blocks ``reserve`` turns into head pages.
@@ -456,6 +528,10 @@ class WorkerCompression:
             record.saved_queries[layer_index] = (recent.clone() if previous is None else torch.cat([previous, recent]))[
                 -count:
             ]
+        for decode, start, end in plan.decode_queries:
+            decode.save_queries(layer_index, query[start:end])
+        if plan.decode_due:
+            self._score_decode(plan, layer_index, kv_cache, scale)
         if not plan.to_compress:
             return
         self._layer_caches[layer_index] = kv_cache
@@ -482,6 +558,15 @@ class WorkerCompression:
                 else:
                     record.blocks_needed = compressor.select(self.space)
                 record.phase = Phase.SELECTED
+
+    def _score_decode(self, plan: StepCompression, layer_index: int, kv_cache: torch.Tensor, scale: float) -> None:
+        """Decode-time compression: score this layer of the requests due, and select after the last layer."""
+        self._layer_caches[layer_index] = kv_cache
+        for record, num_tokens in plan.decode_due:
+            record.decode.score_layer(layer_index, record.state, kv_cache, self.layout, scale, num_tokens)
+            if layer_index == self.num_layers - 1:
+                record.decode.select(record.state, num_tokens)
+                self._decode_selected.append(record)
 
     def _deferred_bound(self, compressor: RequestCompressor) -> int | None:
         """The blocks a lazily evicted request's kept KV needs at most, when it can be known before scoring (then

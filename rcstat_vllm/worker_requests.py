@@ -14,7 +14,9 @@ early: the request finishes, is preempted, or turns out not to be compressed):
 ``AWAITING_BLOCKS``
     the plan is with the scheduler, which answers in a later step with the blocks to copy into (or why not);
 ``COMPRESSED``
-    compacted: its heads read and write head pages (:class:`~rcstat_vllm.head_pages.CompactedRequest`).
+    compacted: its heads read and write head pages (:class:`~rcstat_vllm.head_pages.CompactedRequest`). With
+    ``decode_budget`` set it may be compacted again as it decodes (:mod:`rcstat_vllm.decode_compression`): it stays
+    in this phase, decoding, while that plan is with the scheduler.
 
 :class:`WorkerRequests` owns the records; :class:`~rcstat_vllm.worker.WorkerCompression` moves them from phase to
 phase through its methods, each of which checks the phase it starts from.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from rcstat_vllm.compression import RequestCompressor
+from rcstat_vllm.decode_compression import DecodeCompressor
 from rcstat_vllm.head_pages import CompactedRequest
 
 
@@ -53,6 +56,8 @@ class WorkerRequest:
     blocks_needed: int = 0
     #: COMPRESSED: its head pages
     state: CompactedRequest | None = None
+    #: COMPRESSED, with ``decode_budget`` set: its decode-time compression (a plan may be with the scheduler)
+    decode: DecodeCompressor | None = None
 
     def saved_for(self, layer: int) -> Tensor | None:
         return None if self.saved_queries is None else self.saved_queries[layer]

@@ -303,3 +303,50 @@ def test_blocks_wanted_counts_running_growth_and_the_first_waiting_prompt():
     assert wanted == 0 + 1 + 8 + 7 and "9 blocks for running" in reason and "7 for the first waiting" in reason
     waiting.clear()
     assert blocks_wanted(scheduler)[0] == 9
+
+
+def decode_report(keep_blocks: int, num_tokens: int, cached_tokens: int = 0) -> CompressionReport:
+    return CompressionReport("r", num_tokens, "rc", keep_blocks, block_size=BLOCK, num_cached_tokens=cached_tokens,
+                             decode=True, decode_tokens_evicted=96)
+
+
+def test_a_decode_time_compaction_replaces_every_own_block_and_the_compacted_set():
+    """A compressed request (1 shared block, 3 compacted, 2 nulls, 2 blocks vLLM appended as it decoded) is compacted
+    again at 8 blocks' worth of tokens into 4 fresh blocks: its shared block stays, every other block of its list
+    goes back to the pool, the list keeps its length (nulls after the fresh ones), and only the fresh blocks are
+    compacted (never prefix-cacheable) from then on."""
+    pool = FakePool(30)
+    state = EngineCompaction(config=RCStatConfig())
+    shared = allocate(pool, 1)
+    shared[0].ref_cnt += 1  # another request reads it too
+    request = [*shared, *allocate(pool, 5)]
+    state._compact(pool, report(4, 6 * BLOCK, cached_tokens=BLOCK), request)  # the prompt's compaction
+    first = set(state.compacted["r"])
+    request.extend(allocate(pool, 2))  # decode growth
+    free_before = pool.get_num_free_blocks()
+
+    freed = state._compact(pool, decode_report(5, 8 * BLOCK, cached_tokens=BLOCK), request, fresh_only=True)
+
+    compaction = state.outgoing[-1]
+    assert compaction.cancelled_reason is None and len(compaction.block_ids) == 4
+    assert request[0] is shared[0] and [b.block_id for b in request[1:5]] == list(compaction.block_ids)
+    assert all(b.is_null for b in request[5:]) and len(request) == 8
+    assert freed == pool.get_num_free_blocks() - free_before == 5 - 4  # 3 compacted + 2 appended back, 4 taken
+    assert set(state.compacted["r"]) == set(compaction.block_ids) and not (first & state.compacted_blocks)
+    assert state.stats.decode_compactions == 1 and state.stats.decode_tokens_evicted == 96
+    assert state.stats.requests_compressed == 1  # the decode-time compaction is not a request compressed
+
+
+def test_a_decode_time_compaction_never_copies_into_blocks_it_frees():
+    """When the fresh blocks exist only once the request's own are freed, the plan is refused (its copy reads head
+    pages anywhere in those blocks) and the request keeps everything as it was."""
+    pool = FakePool(8)
+    state = EngineCompaction(config=RCStatConfig())
+    request = allocate(pool, 6)
+    free_before = pool.get_num_free_blocks()
+    assert free_before == 1
+    before = list(request)
+    freed = state._compact(pool, decode_report(3, 6 * BLOCK), request, fresh_only=True)
+    assert freed == 0 and state.outgoing[-1].cancelled_reason == "no free blocks to copy the kept KV into"
+    assert request == before and pool.get_num_free_blocks() == free_before
+    assert state.stats.decode_skipped == 1 and state.stats.decode_compactions == 0

@@ -50,6 +50,10 @@ BAD_FIELDS = [
     ({"smoothing": 0}, "smoothing"),
     ({"carry_forward": -1}, "carry_forward"),
     ({"carry_forward": 2.5}, "carry_forward"),
+    ({"decode_budget": 16}, "decode_budget"),  # below the window (32)
+    ({"decode_budget": "512"}, "decode_budget"),
+    ({"decode_interval": 31}, "decode_interval"),
+    ({"decode_interval": None}, "decode_interval"),
     ({"budget_scope": None}, "budget_scope"),
     ({"budget": 0.5}, "budget"),  # unknown key
     ({"Method": "rc"}, "Method"),  # keys are case-sensitive
@@ -115,7 +119,8 @@ def test_every_method_is_accepted(method):
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
               "min_prompt_len": 1, "budget_scope": "model", "layer_floor": 0.25, "smoothing": 3,
-              "carry_forward": 8, "observation_window": None, "eviction": "lazy"}
+              "carry_forward": 8, "observation_window": None, "eviction": "lazy", "decode_budget": 64,
+              "decode_interval": 32}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode

@@ -1,0 +1,101 @@
+"""Decode-time compression's worker-side mechanics (rcstat_vllm.decode_compression) on a pooled cache, no engine:
+when a request is due, what its heads keep of their generated entries, and a second round over heads that hold
+different numbers of entries."""
+
+import pytest
+import torch
+
+from rcstat_vllm.compaction import blocks_needed, compact_request, recompact_request
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.decode_compression import DecodeCompressor
+from rcstat_vllm.kv_layout import CPU_VEC
+from rcstat_vllm.page_space import cdiv, pooled_space_or_reason
+
+LAYERS, BLOCKS, HEADS, QUERY_HEADS, BLOCK, DIM = 3, 96, 2, 4, 16, 8
+
+
+def _request(generator, n=100):
+    backing = torch.randn(LAYERS * BLOCKS, HEADS, BLOCK, 2 * DIM, generator=generator)
+    caches = list(backing.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM).unbind(0))
+    space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
+    blocks = (torch.randperm(BLOCKS - 1, generator=generator) + 1).tolist()
+    row = torch.tensor([blocks.pop() for _ in range(cdiv(n, BLOCK))])
+    masks = [torch.rand(HEADS, n, generator=generator) < 0.5 for _ in range(LAYERS)]
+    keep = blocks_needed(torch.stack([m.sum(1) for m in masks]), n, space)
+    state = compact_request(caches, row, masks, torch.tensor([blocks.pop() for _ in range(keep)]), space)
+    return caches, space, state, row, blocks
+
+
+def _grow(state, row, blocks, num_tokens):
+    """vLLM appends blocks as the request decodes; the worker reserves head pages for every token."""
+    appended = [blocks.pop() for _ in range(cdiv(num_tokens, BLOCK) - row.numel())]
+    row = torch.cat([row, torch.tensor(appended, dtype=row.dtype)])
+    state.reserve(num_tokens, row)
+    return row
+
+
+def _score_and_select(decode, state, caches, num_tokens, generator):
+    for layer in range(LAYERS):
+        decode.save_queries(layer, torch.randn(decode.num_queries, QUERY_HEADS, DIM, generator=generator))
+        decode.score_layer(layer, state, caches[layer], CPU_VEC, DIM ** -0.5, num_tokens)
+    return decode.select(state, num_tokens)
+
+
+@pytest.mark.parametrize("method", ["rc", "snapkv", "streaming"])
+def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method):
+    g = torch.Generator().manual_seed(1)
+    caches, space, state, row, blocks = _request(g)
+    config = RCStatConfig(method=method, window=8, decode_budget=24, decode_interval=16)
+    decode = DecodeCompressor(config, state)
+    n = state.num_compacted_tokens
+    assert decode.next_due == n + 24 + 16
+    assert not decode.due(n + 39) and decode.due(n + 40)
+    assert not decode.observing(n + 40 - decode.num_queries) and decode.observing(n + 41 - decode.num_queries)
+
+    prompt_entries = state.kept.clone()
+    t = n + 40
+    for round_ in range(2):
+        row = _grow(state, row, blocks, t)
+        lengths = state.lengths(t)
+        plan = _score_and_select(decode, state, caches, t, g)
+        generated = lengths - prompt_entries
+        kept_generated = plan.kept - prompt_entries
+        # Every layer keeps the budget on its heads as a whole, and heads keep different numbers.
+        assert kept_generated.sum(dim=1).tolist() == [HEADS * 24] * LAYERS
+        assert plan.evicted == int(generated.sum()) - LAYERS * HEADS * 24 == LAYERS * HEADS * 16
+        for layer, mask in enumerate(plan.masks):
+            for head in range(HEADS):
+                p, end = int(prompt_entries[layer, head]), int(lengths[layer, head])
+                assert bool(mask[head, :p].all()) and bool(mask[head, end - 8 : end].all())  # prompt, window
+                assert not bool(mask[head, end:].any())
+        assert plan.keep_blocks == blocks_needed(plan.kept, t, space)
+        dest = torch.tensor([blocks.pop() for _ in range(plan.keep_blocks)])
+        state = recompact_request(caches, state, t, plan.masks, dest)
+        decode.compacted()
+        assert decode.compactions == round_ + 1 and decode.next_due == t + 16 and not decode.due(t + 15)
+        row = torch.cat([torch.full((cdiv(t, BLOCK) - dest.numel(),), -1), dest])  # positions < t absorbed
+        t += 16
+    assert decode.tokens_evicted == 2 * LAYERS * HEADS * 16
+    if method == "streaming":  # recency: every head keeps exactly its latest 24 generated tokens
+        assert (state.kept - prompt_entries).tolist() == [[24] * HEADS] * LAYERS
+
+
+def test_a_cancelled_plan_is_due_again_after_a_new_window_of_queries():
+    g = torch.Generator().manual_seed(2)
+    caches, space, state, row, blocks = _request(g)
+    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state)
+    t = decode.next_due
+    _grow(state, row, blocks, t)
+    _score_and_select(decode, state, caches, t, g)
+    assert not decode.due(t + 100) and not decode.observing(t + 100)  # a plan is with the scheduler
+    decode.cancelled()
+    assert decode.next_due == t + decode.num_queries and decode.compactions == 0
+    assert decode.observing(t + 1) and decode.due(t + decode.num_queries)
+
+
+def test_decode_budget_is_validated_against_the_window():
+    with pytest.raises(Exception, match="decode_budget"):
+        RCStatConfig(window=32, decode_budget=16)
+    with pytest.raises(Exception, match="decode_interval"):
+        RCStatConfig(window=32, decode_interval=8)
+    assert not RCStatConfig(method="none", decode_budget=64).decode_compression
