@@ -163,6 +163,14 @@ def _top(priority: Tensor, count: int) -> Tensor:
     return mask
 
 
+def _relative_to_mean(scores: Tensor) -> Tensor:
+    """A head's scores divided by the mean of its finite ones (+inf stays +inf), float64."""
+    finite = torch.isfinite(scores)
+    if not bool(finite.any()):
+        return scores.double()
+    return scores.double() / scores[finite].double().mean().clamp_min(1e-30)
+
+
 def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | None, method: DecodeMethod,
                 scorer, scale: float) -> Tensor | None:
     """New keep mask [Hkv, g] of one layer's generated region, or None when the layer is within budget.
@@ -195,8 +203,7 @@ def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | No
         chosen = [_top(r, max(method.budget, int(torch.isinf(r).sum()))) for r in rows]
     elif method.selection in ("layer", "head_mean"):
         if method.selection == "head_mean":  # each head's scores / its mean: Eq. 9's yardstick, one c per layer
-            rows = [torch.where(torch.isfinite(r), r.double() / r[torch.isfinite(r)].double().mean().clamp_min(1e-30)
-                                if bool(torch.isfinite(r).any()) else r.double(), r.double()) for r in rows]
+            rows = [_relative_to_mean(r) for r in rows]
         flat = torch.cat(rows)
         flat_mask = _top(flat, max(num_kv * method.budget, int(torch.isinf(flat).sum())))
         chosen = list(flat_mask.split([len(r) for r in rows]))
