@@ -160,7 +160,7 @@ def _finite_non_window_mean(scores: Tensor, window: int, dim) -> Tensor:
     return values.sum(dim=dim, keepdim=True) / in_mean.sum(dim=dim, keepdim=True).clamp_min(1)
 
 
-def _relative_to_head_mean(scores: Tensor, window: int) -> Tensor:
+def relative_to_head_mean(scores: Tensor, window: int) -> Tensor:
     """Score / its head's mean non-window score: Eq. 9's own yardstick, so ranking by it is RCStat's threshold
     rule with one model-wide c chosen to meet the budget."""
     return scores.to(torch.float64) / _finite_non_window_mean(scores, window, dim=-1).clamp_min(1e-30)
@@ -189,7 +189,7 @@ def _layer_rank(scores: Tensor, window: int) -> Tensor:
 #: How to put different layers' scores on one scale for a model-wide budget (``select_budget_across_layers``);
 #: ``depthkv`` allocates per-layer budgets instead (:func:`depthkv_layer_ratios`).
 LAYER_COMPARABLE_SCORES = {
-    "head_mean": _relative_to_head_mean,
+    "head_mean": relative_to_head_mean,
     "layer_mean": _relative_to_layer_mean,
     "layer_rank": _layer_rank,
     "depthkv": None,
