@@ -26,6 +26,12 @@ The plugin's compression results give the achieved ratio and blocks freed per re
 shared document or system prompt), and the runs are vanilla and the plugin's bare flag, each with vLLM's prefix
 caching on (its default) and off: ``vanilla+pc``, ``vanilla``, ``default+pc``, ``default``.
 
+``--long-output-study`` (writes ``throughput_long_output_cpu.json``): long outputs from short prompts, where the
+generated KV fills the pool (reasoning, long answers): 256-token prompts, 2048 output tokens each (``ignore_eos``),
+a pool that holds 4 requests uncompressed. Runs: ``vanilla``, ``default`` (the bare flag: prompts compressed),
+``decode_rc`` (the bare flag with ``decode_budget`` 512, ``decode_interval`` 128: generated KV compressed too) and
+the same decode budget with ``streaming`` (recent window and sinks) and ``snapkv`` scoring.
+
 ``--prefill-study`` (writes ``throughput_prefill_cpu.json``): prefill alone, side by side. 16 distinct prompts of
 2000 tokens, 1 output token each, a KV pool that holds all of them at once (it never limits), prefix caching off,
 two interleaved rounds (``--repeat``) of: ``vanilla`` (plugin not loaded), ``none`` (plugin, method none),
@@ -81,6 +87,23 @@ PREFILL_PRESETS = {
     "quick": dict(requests=4, min_len=1000, max_len=1000, max_tokens=1, kv_tokens=0, rounds=2),
     "default": dict(requests=16, min_len=2000, max_len=2000, max_tokens=1, kv_tokens=0, rounds=2),
 }
+#: --long-output-study: short prompts, long outputs; the pool holds 4 requests uncompressed.
+LONG_OUTPUT_PRESETS = {
+    "quick": dict(requests=6, min_len=256, max_len=256, max_tokens=512, kv_tokens=4 * (256 + 512), decode_budget=128,
+                  decode_interval=64),
+    "default": dict(requests=12, min_len=256, max_len=256, max_tokens=2048, kv_tokens=4 * (256 + 2048),
+                    decode_budget=512, decode_interval=128),
+}
+
+
+def long_output_plan(cfg: dict) -> list[tuple[str, dict, dict]]:
+    """The long-output study's runs: vanilla, the bare flag, and the decode budget with RC, StreamingLLM and SnapKV."""
+    decode = {"decode_budget": cfg["decode_budget"], "decode_interval": cfg["decode_interval"]}
+    runs = [("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}), ("decode_rc", {}, decode),
+            ("decode_streaming", {}, {"method": "streaming", **decode}), ("decode_snapkv", {}, {"method": "snapkv", **decode})]
+    return [(name, env, {"rcstat": rcstat}) for name, env, rcstat in runs]
+
+
 #: --prefill-study runs: name, extra environment, the rcstat flag (None = flag absent).
 PREFILL_RUNS = (
     ("vanilla", {"VLLM_PLUGINS": "__none__"}, None),
@@ -270,6 +293,8 @@ def worker(spec: dict) -> dict:
         result["ratios"] = ratios
         result["mean_ratio"] = statistics.fmean(ratios)
         result["blocks_freed"] = sum((m or {}).get("blocks_freed") or 0 for m in matched)
+        result["decode_compactions"] = sum((m or {}).get("decode_compactions") or 0 for m in matched)
+        result["decode_tokens_evicted"] = sum((m or {}).get("decode_tokens_evicted") or 0 for m in matched)
         frag = [m["fragmentation"] for m in matched if m and not m.get("skipped_reason")]
         result["mean_fragmentation"] = statistics.fmean(frag) if frag else None
         result["skipped"] = [m.get("skipped_reason") for m in matched if m and m.get("skipped_reason")]
@@ -328,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-caching-study", action="store_true",
                         help="shared-prefix workload; vanilla and the bare flag, prefix caching on and off")
     parser.add_argument("--shared-prefix", type=int, default=None, help="tokens every prompt starts with")
+    parser.add_argument("--long-output-study", action="store_true",
+                        help="256-token prompts, 2048 output tokens, decode-time compression vs vanilla (default "
+                             "output benchmarks/results/throughput_long_output_cpu.json)")
     parser.add_argument("--prefill-study", action="store_true",
                         help="prefill only (1 output token, pool not limiting): vanilla, method none, the bare flag, "
                              "RC 0.5 per layer, interleaved rounds; writes benchmarks/results/throughput_prefill_cpu.json")
@@ -339,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     preset = "quick" if args.quick else "default"
-    cfg = dict(PREFILL_PRESETS[preset] if args.prefill_study else PRESETS[preset])
+    cfg = dict(PREFILL_PRESETS[preset] if args.prefill_study
+               else LONG_OUTPUT_PRESETS[preset] if args.long_output_study else PRESETS[preset])
     if args.repeat is None:
         args.repeat = cfg.pop("rounds", 1)
     cfg.pop("rounds", None)
@@ -381,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                  (f"tova@{matched_source}", {}, dict(rcstat={"method": "tova", "target_ratio": 0.5}))]
     if args.prefill_study:
         plan = prefill_plan()
+    elif args.long_output_study:
+        plan = long_output_plan(cfg)
     elif args.prefix_caching_study:
         base["shared_prefix"] = 1024 if args.shared_prefix is None else args.shared_prefix
         plan = [(f"{name}{'+pc' if pc else ''}", env, dict(rcstat=rcstat, prefix_caching=pc))
@@ -441,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         report["study"] = "prefill"
         report["prefill"] = prefill_summary(repeats)
     report["environment"] = environment()
-    name = "throughput_prefill_cpu" if args.prefill_study else "throughput_cpu"
+    name = ("throughput_prefill_cpu" if args.prefill_study else "throughput_long_output_cpu" if args.long_output_study
+            else "throughput_cpu")
     out = Path(args.json) if args.json else RESULTS_DIR / (f"{name}_quick.json" if args.quick else f"{name}.json")
     write_report(report, out, print_prefill_table if args.prefill_study else print_table)
     return 0
