@@ -273,3 +273,52 @@ def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewe
         assert pooled["kept"] == per_layer["kept"]
         assert pooled["blocks_held"] <= per_layer["blocks_held"]
     assert sum(r["blocks_held"] for r in pooled_results.values()) < sum(r["blocks_held"] for r in layer_results.values())
+
+
+DECODE = dict(decode_budget=32, decode_interval=32)
+
+
+def test_decode_time_compression_keeps_a_budget_of_generated_tokens_and_frees_their_blocks(driver):
+    """A 300-token prompt generating 200 tokens with decode_budget 32 and decode_interval 32 (window 8): compacted
+    again each time its heads hold 64 generated entries on average (at 364 tokens, then every 32), each time
+    evicting exactly 32 per head; it holds fewer blocks at its peak than the same request without; an uncompressed
+    neighbour decodes the same tokens as alone; every block comes back."""
+    prompt, other = driver.prompt(300, offset=40), driver.prompt(400, offset=90)
+
+    def run(requests):  # each run computes its prompts in full (a prefix-cache hit would stay uncompressed)
+        driver.engine.reset_prefix_cache()
+        return driver.run(requests)
+
+    plain = run([("dplain", prompt, greedy(200))])
+    free_plain = driver.free_blocks()
+    decoded = run([("dcomp", prompt, greedy(200, **DECODE))])
+    result = driver.result("dcomp")
+    layers, heads = len(result["kept"]), len(result["kept"][0])
+    expected = len(range(300 + 64, 300 + 200, 32))  # due steps; the last step holds 300 + 199 tokens
+    assert result["decode_compactions"] == expected == 5
+    assert result["decode_tokens_evicted"] == expected * layers * heads * 32
+    assert len(decoded.outputs["dcomp"]) == 200
+    assert min(decoded.free_trace) > min(plain.free_trace) + 2  # generated blocks given back as it decodes
+    assert driver.free_blocks() == free_plain
+    # Its first 65 tokens are sampled before the first decode-time compaction takes effect.
+    assert decoded.outputs["dcomp"][:65] == plain.outputs["dplain"][:65]
+
+    alone = run([("doff", other, greedy(120, method="none"))])
+    mixed = run([("dcomp2", prompt, greedy(200, **DECODE)), ("doff2", other, greedy(120, method="none"))])
+    assert mixed.outputs["doff2"] == alone.outputs["doff"]
+    assert mixed.outputs["dcomp2"] == decoded.outputs["dcomp"]
+    driver.run([("dflush", driver.prompt(8), greedy(1))])
+    assert driver.compression.idle and driver.free_blocks() == driver.initial_free
+
+
+def test_decode_time_compression_leaks_nothing_through_aborts(driver):
+    """Requests compacted again and again as they decode, some aborted between a plan and its copy or later: the
+    pool ends as it began and the worker holds nothing."""
+    requests = [(f"dabort{i}", driver.prompt(200 + 40 * i, offset=13 * i), greedy(160, **DECODE))
+                for i in range(4)]
+    aborts = {"dabort1": 70, "dabort3": 100}
+    run = driver.run(requests, abort_after=aborts)
+    assert set(run.outputs) >= {"dabort0", "dabort2"}
+    assert driver.result("dabort0")["decode_compactions"] == len(range(200 + 64, 200 + 160, 32))
+    driver.run([("dflush2", driver.prompt(8), greedy(1))])
+    assert driver.compression.idle and driver.free_blocks() == driver.initial_free
