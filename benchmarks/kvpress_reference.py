@@ -235,6 +235,8 @@ def export_keep_masks(model, kvpress, samples: list[dict], presses: list[str], r
     unsupported = [p for p in presses if p not in MASKING_PRESSES]
     if unsupported:
         raise SystemExit(f"--keep-masks: {unsupported} prune the cache; choose among {list(MASKING_PRESSES)}")
+    # Plain types only (torch's version string is a subclass of str), so torch.load(weights_only=True) reads it.
+    env = {key: str(value) if isinstance(value, str) else value for key, value in env.items()}
     out = {"environment": env, "masks": {}, "prompt_lengths": {s["sample_id"]: len(s["prompt_ids"]) for s in samples}}
     with tqdm(total=len(presses) * len(ratios) * len(samples), unit="prompt") as bar:
         for press_name in presses:

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     kvpress_masks = {"masks": {}}
     if args.kvpress_masks:
-        kvpress_masks = torch.load(args.kvpress_masks)
+        kvpress_masks = torch.load(args.kvpress_masks, weights_only=True)
         settings += kvpress_settings(kvpress_masks)
     ref = ref_lib.ReferenceModel(args.model, dtype=getattr(torch, args.dtype))
     print(f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens), {len(settings)} settings",
