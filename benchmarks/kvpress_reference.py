@@ -320,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         row["totals"] = totals(row["samples"], full_found)
         report["rows"].append(row)
         report["complete"] = len(report["rows"]) == len(runs)
-        out.write_text(json.dumps(report, indent=1))  # after every run: a long run cut short keeps what it did
+        # After every run, with the earlier output's runs not reached yet: a long run cut short keeps what it did
+        # and loses nothing it resumed from.
+        done = {r["label"] for r in report["rows"]}
+        out.write_text(json.dumps({**report, "rows": report["rows"] + [r for label, r in previous.items()
+                                                                          if label not in done]}, indent=1))
         t = row["totals"]
         bar.write(f"{label}: needle values {t['needle_hits']}/{t['needle_values']}, of the full cache's "
                   f"{t['kept_of_full']}/{t['full_needle_hits']}, evicted {row['evicted']:.3f}, {row['seconds']:.0f} s"
