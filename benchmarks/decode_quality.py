@@ -53,8 +53,10 @@ PRESETS = {
     "default": dict(text_spans=3, self_spans=1, generated=2048, budgets=(256, 512, 1024), interval=128,
                     interval_study=(32, 512), interval_budget=512, greedy_tokens=1024),
 }
-#: Methods at every budget (interval ``interval``); name -> (scorer or "recent", selection).
-METHODS = {"recent": ("recent", "head"), "rc": ("rc", "layer"), "snapkv": ("snapkv", "layer"),
+#: Methods at every budget (interval ``interval``); name -> (scorer or "recent", selection). RC selects as the
+#: plugin's decode-time compression does (rcstat_vllm/decode_compression.py): each head's scores relative to its own
+#: mean, then the layer's top entries.
+METHODS = {"recent": ("recent", "head"), "rc": ("rc", "head_mean"), "snapkv": ("snapkv", "layer"),
            "tova": ("tova", "head"), "knorm": ("knorm", "layer")}
 
 
@@ -64,18 +66,19 @@ def label(name: str, budget: int, interval: int) -> str:
 
 def build_methods(budgets, interval: int, interval_study, interval_budget: int) -> list[dr.DecodeMethod]:
     """Every method at every budget; RC and the recent window at the other intervals; at ``interval_budget``, RC's
-    threshold rule, RC with a uniform per-head budget (do uneven heads matter?) and RC's head-mean selection."""
+    threshold rule, RC with a uniform per-head budget (do uneven heads matter?) and RC's raw scores compared across
+    the layer's heads (``rc_raw``, as its prompt budgets compare them)."""
     out = [dr.DecodeMethod(label(n, b, interval), m, b, interval, selection=s)
            for b in budgets for n, (m, s) in METHODS.items()]
     for i in interval_study:
-        out += [dr.DecodeMethod(label("rc", interval_budget, i), "rc", interval_budget, i),
+        out += [dr.DecodeMethod(label("rc", interval_budget, i), "rc", interval_budget, i, selection="head_mean"),
                 dr.DecodeMethod(label("recent", interval_budget, i), "recent", interval_budget, i, selection="head")]
     out += [dr.DecodeMethod(label("rc_c1", interval_budget, interval), "rc", interval_budget, interval,
                             selection="threshold", c=1.0),
             dr.DecodeMethod(label("rc_head", interval_budget, interval), "rc", interval_budget, interval,
                             selection="head"),
-            dr.DecodeMethod(label("rc_hm", interval_budget, interval), "rc", interval_budget, interval,
-                            selection="head_mean")]
+            dr.DecodeMethod(label("rc_raw", interval_budget, interval), "rc", interval_budget, interval,
+                            selection="layer")]
     return out
 
 
