@@ -105,19 +105,19 @@ class DecodeCompressor:
         queries = self.queries[layer]
         if queries is None:  # (fewer than num_queries, when decode_interval is shorter: the scorer uses them)
             raise RuntimeError("rcstat: decode-time scoring without the window's queries")
-        q_window = queries.transpose(0, 1)  # [Hq, w, D]
-        group = q_window.shape[0] // state.num_heads  # query heads per KV head
-        lengths = state.lengths(num_tokens)[layer]
+        starts = self.prompt_entries[layer]  # each head's first generated entry
+        counts = state.lengths(num_tokens)[layer] - starts
+        width = int(counts.max())
+        # Right-aligned [H, width] entry indices (a head's latest entries last, as the window's queries see them);
+        # the padding before a head's first generated entry repeats it and is never scored (score_ragged).
+        columns = torch.arange(width) - width + counts.unsqueeze(1)
+        entries = (starts.unsqueeze(1) + columns.clamp_min(0)).to(kv_cache.device)
         tables = state.tables[layer].to(kv_cache.device)
-        cache = state.space.cache(layer, kv_cache)
         block_size = state.block_size
-        per_head = []
-        for head in range(state.num_heads):
-            entries = torch.arange(int(self.prompt_entries[layer, head]), int(lengths[head]), device=kv_cache.device)
-            keys, values = layout.read(cache, tables[head, entries // block_size], entries % block_size)
-            scores = self.scorer.score(q_window[head * group : (head + 1) * group], keys.unsqueeze(0).float(),
-                                       values.unsqueeze(0).float(), scale)
-            per_head.append(scores[0])
+        pages = torch.gather(tables, 1, entries // block_size)
+        keys, values = layout.read(state.space.cache(layer, kv_cache), pages, entries % block_size)
+        per_head = self.scorer.score_ragged(queries.transpose(0, 1).float(), keys.float(), values.float(),
+                                            counts.tolist(), scale)
         self.scores[layer] = per_head
         self.scores_device = kv_cache.device
 

@@ -99,3 +99,27 @@ def test_decode_budget_is_validated_against_the_window():
     with pytest.raises(Exception, match="decode_interval"):
         RCStatConfig(window=32, decode_interval=8)
     assert not RCStatConfig(method="none", decode_budget=64).decode_compression
+
+
+@pytest.mark.parametrize("method, options", [("rc", {"window_size": 8, "smoothing": 3, "carry_forward": 8}),
+                                             ("rc", {"window_size": 8}), ("snapkv", {"window_size": 8}),
+                                             ("tova", {}), ("streaming", {})])
+def test_ragged_scoring_equals_each_head_scored_alone(method, options):
+    """score_ragged (heads holding different numbers of entries, right-aligned in one padded tensor) gives each
+    head what score() gives it alone (to float rounding: RC scores all heads in one batched call, then smooths and
+    carries per head; the padding never reaches a head's scores)."""
+    from rcstat_vllm.scoring import get_scorer
+
+    g = torch.Generator().manual_seed(3)
+    scorer = get_scorer(method, **options)
+    lengths = [40, 17, 33]
+    keys, values = torch.randn(3, 40, DIM, generator=g), torch.randn(3, 40, DIM, generator=g)
+    keys[1, :23] = 1e3  # padding: never read into head 1's scores
+    q_window = torch.randn(3 * 2, 8, DIM, generator=g)
+    ragged = scorer.score_ragged(q_window, keys, values, lengths, DIM ** -0.5)
+    for head, length in enumerate(lengths):
+        alone = scorer.score(q_window[2 * head : 2 * head + 2], keys[head : head + 1, 40 - length :],
+                             values[head : head + 1, 40 - length :], DIM ** -0.5)[0]
+        assert ragged[head].shape == (length,)
+        assert torch.equal(torch.isinf(ragged[head]), torch.isinf(alone))
+        assert torch.allclose(ragged[head], alone, rtol=1e-5, atol=1e-6)

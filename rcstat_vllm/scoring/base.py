@@ -179,6 +179,21 @@ class Scorer(ABC):
             float32 [Hkv, n], higher = more important, +inf = always kept.
         """
 
+    def score_ragged(self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int],
+                     scale: float) -> list[Tensor]:
+        """:meth:`score` of each KV head alone over its own entries, when heads hold different numbers of them
+        (decode-time compression): head ``h``'s are the last ``lengths[h]`` of ``keys[h]`` / ``values[h]``
+        ``[Hkv, n, d]`` (right-aligned; the columns before are padding). Returns each head's ``[lengths[h]]``
+        scores, as :meth:`score` gives them for that head alone. One call per head here; a scorer whose
+        per-token statistics do not depend on the other tokens batches the heads."""
+        group = q_window.shape[0] // keys.shape[0]
+        n = keys.shape[1]
+        return [
+            self.score(q_window[head * group : (head + 1) * group], keys[head : head + 1, n - length :],
+                       None if values is None else values[head : head + 1, n - length :], scale)[0]
+            for head, length in enumerate(lengths)
+        ]
+
     def score_paged(self, q_window: Tensor, prompt: PagedPrompt, scale: float, use_triton: bool = False) -> Tensor:
         """:meth:`score` of a prompt read from a paged cache: same arguments and result, ``prompt`` for keys/values.
 

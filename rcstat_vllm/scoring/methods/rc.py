@@ -54,6 +54,18 @@ class RCScorer(Scorer):
         per_query_head = expected_rc_grouped(queries, keys)  # [Hkv, G, n - w]
         return self._finish(per_query_head.mean(dim=1), queries.shape[2])
 
+    def score_ragged(self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int],
+                     scale: float) -> list[Tensor]:
+        """Eq. 6 of a token depends only on its key and the window (the last entries, real in every head when each
+        holds at least the window): one call for all heads, then each head's own smoothing and carrying over its
+        entries alone: :meth:`score` of each head alone, to float rounding (a batched matmul)."""
+        queries = self._trailing_window(q_window, keys)
+        w, n = queries.shape[2], keys.shape[1]
+        if min(lengths) < w:
+            return super().score_ragged(q_window, keys, values, lengths, scale)
+        per_token = expected_rc_grouped(queries, keys).mean(dim=1)  # [Hkv, n - w]
+        return [self._finish(per_token[head : head + 1, n - length :], w)[0] for head, length in enumerate(lengths)]
+
     def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
         return prompt.kernel_dtype
 
