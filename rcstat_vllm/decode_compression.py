@@ -43,19 +43,22 @@ class DecodePlan:
     evicted: int
     #: blocks the request holds afterwards (this rank's; the worker agrees on the max over ranks)
     keep_blocks: int
+    #: its first blocks, prefix-cache hits kept as they are (shared)
+    shared_blocks: int = 0
 
 
 class DecodeCompressor:
     """One compressed request's decode-time compression (see the module docstring)."""
 
-    def __init__(self, config: RCStatConfig, state: CompactedRequest):
-        """For a request whose prompt was just compacted into ``state`` (its kept entries are the prompt's)."""
+    def __init__(self, config: RCStatConfig, prompt_entries: Tensor, num_tokens: int):
+        """For a request holding ``num_tokens`` tokens, each head's first ``prompt_entries`` ``[L, H]`` entries its
+        prompt's (all of it, or what its compaction kept)."""
         if config.decode_budget is None:
             raise ValueError("rcstat: decode-time compression without decode_budget")
         self.config = config
         self.budget, self.interval, self.window = config.decode_budget, config.decode_interval, config.window
         #: [L, H] entries of each head that belong to the prompt (never rescored here)
-        self.prompt_entries = state.kept.clone()
+        self.prompt_entries = prompt_entries.clone()
         # The method's scorer as the prompt's is built, over generated entries; a method that observes queries
         # observes the kept window's (``observation_window`` when set): SnapKV's published 64 would be as many as
         # the entries it chooses among.
@@ -78,7 +81,7 @@ class DecodeCompressor:
         #: interval`` generated entries on average, then every ``interval`` tokens (after a compaction each head holds
         #: ``budget`` on average). Counted in tokens, not per head, so every tensor-parallel rank is due in the same
         #: step (their heads differ).
-        self.next_due = state.num_compacted_tokens + self.budget + self.interval
+        self.next_due = num_tokens + self.budget + self.interval
 
     @property
     def num_layers(self) -> int:
@@ -159,7 +162,8 @@ class DecodeCompressor:
         self.queries = [None] * self.num_layers
         kept = torch.stack([mask.sum(dim=1) for mask in masks])
         keep_blocks = blocks_needed(kept, num_tokens, state.space, state.shared_blocks)
-        self.pending = DecodePlan(num_tokens, [m.to(device) for m in masks], kept, evicted, keep_blocks)
+        self.pending = DecodePlan(num_tokens, [m.to(device) for m in masks], kept, evicted, keep_blocks,
+                                  state.shared_blocks)
         return self.pending
 
     def compacted(self) -> None:

@@ -60,7 +60,7 @@ from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.step import Compaction, StepInfo
 from rcstat_vllm.rank_agreement import max_over_ranks, visible_on_any_rank
 from rcstat_vllm.vllm_internals import forward_context
-from rcstat_vllm.worker_requests import Phase, WorkerRequests
+from rcstat_vllm.worker_requests import Phase, WorkerRequest, WorkerRequests
 
 #: How many finished requests' results the worker keeps for the Python API.
 MAX_RESULTS = 100_000
@@ -292,7 +292,7 @@ class WorkerCompression:
         state.attach_to(self._resident_tables())
         record.phase, record.state, record.compressor = Phase.COMPRESSED, state, None
         if compressor.config.decode_compression:
-            record.decode = DecodeCompressor(compressor.config, state)
+            record.decode = DecodeCompressor(compressor.config, state.kept, state.num_compacted_tokens)
         report = compressor.report()
         report.compacted_at_tokens = compaction.num_tokens or compressor.decision.num_tokens
         report.compaction_reason = compaction.reason
@@ -304,16 +304,19 @@ class WorkerCompression:
         decode, plan = record.decode, record.decode.pending
         if compaction.cancelled_reason is not None:
             decode.cancelled()
+            record.identity = None
             logger.debug("rcstat: request %s: decode-time compaction at %d tokens skipped: %s", record.req_id,
                          plan.num_tokens, compaction.cancelled_reason)
             return
-        old = record.state
+        old = record.state if record.phase is Phase.COMPRESSED else record.identity
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
         if dest.numel() != plan.keep_blocks - old.shared_blocks:
             raise ValueError(f"rcstat: {dest.numel()} fresh blocks allocated, {plan.keep_blocks - old.shared_blocks} "
                              "needed")
         record.state = recompact_request(self._layer_caches, old, plan.num_tokens, plan.masks, dest, self.layout)
-        self.page_tables.release(old.table)
+        if record.phase is Phase.COMPRESSED:
+            self.page_tables.release(old.table)
+        record.phase, record.identity = Phase.COMPRESSED, None  # an uncompressed request is compressed from now on
         record.state.attach_to(self._resident_tables())
         decode.compacted()
         result = self.results.get(record.req_id)
@@ -411,7 +414,7 @@ class WorkerCompression:
             self._reports.append(CompressionReport(
                 req_id=record.req_id, num_prompt_tokens=plan.num_tokens, method=record.decode.config.method,
                 keep_blocks=keep_blocks, kept=plan.kept.tolist(), block_size=self.block_size,
-                pooled_pages=self.space.is_pooled, num_cached_tokens=record.state.shared_blocks * self.block_size,
+                pooled_pages=self.space.is_pooled, num_cached_tokens=plan.shared_blocks * self.block_size,
                 decode=True, decode_tokens_evicted=plan.evicted,
             ))
 
@@ -460,6 +463,8 @@ class WorkerCompression:
                     self._reports.append(report)
                 else:
                     plan.to_compress.append((row, decision))
+            elif request.num_computed_tokens >= request.num_prompt_tokens:
+                self._plan_uncompressed_decode(plan, request, block_table, row, query_start)
             elif request.num_tokens_after_step < request.num_prompt_tokens:
                 # A non-final prefill chunk: keep its trailing queries in case the last chunk is short.
                 config, _ = request_config(request, self.config)
@@ -482,6 +487,31 @@ class WorkerCompression:
         if decode.observing(num_tokens):
             plan.decode_queries.append((decode, query_start, query_end))
         if decode.due(num_tokens):
+            plan.decode_due.append((record, num_tokens))
+
+    def _plan_uncompressed_decode(self, plan: StepCompression, request, block_table, row: int, query_start) -> None:
+        """A decoding request whose prompt stayed uncompressed: with ``decode_budget`` (server or request) its
+        generated KV is compressed too; it is watched from its first decode step (a record of its own)."""
+        if self.disabled_reason is not None or self.space is None:
+            return
+        record = self.requests.get(request.req_id)
+        if record is None:
+            if self.config.decode_budget is None and not request.extra_args:
+                return  # the common case, decided without merging configs
+            config, invalid = request_config(request, self.config)
+            if invalid is not None or not config.decode_compression:
+                return
+            prompt = torch.full((self.num_layers, self.num_heads), request.num_prompt_tokens, dtype=torch.int64)
+            record = self.requests.add(WorkerRequest(request.req_id, phase=Phase.UNCOMPRESSED_DECODE,
+                                                     decode=DecodeCompressor(config, prompt, request.num_prompt_tokens)))
+        if record.phase is not Phase.UNCOMPRESSED_DECODE:
+            return  # lazy eviction's parked plan: the prompt's compaction comes first
+        num_tokens = request.num_tokens_after_step
+        if record.decode.observing(num_tokens):
+            plan.decode_queries.append((record.decode, query_start[row], query_start[row + 1]))
+        if record.decode.due(num_tokens):
+            block_ids = request.block_ids if request.block_ids is not None else block_table[row].cpu()
+            record.identity = CompactedRequest.uncompressed(num_tokens, self.space, torch.as_tensor(block_ids))
             plan.decode_due.append((record, num_tokens))
 
     def _host_block_ids(self, step: StepInfo, request, state: CompactedRequest, block_table: torch.Tensor, row: int):
@@ -563,9 +593,10 @@ class WorkerCompression:
         """Decode-time compression: score this layer of the requests due, and select after the last layer."""
         self._layer_caches[layer_index] = kv_cache
         for record, num_tokens in plan.decode_due:
-            record.decode.score_layer(layer_index, record.state, kv_cache, self.layout, scale, num_tokens)
+            state = record.state if record.phase is Phase.COMPRESSED else record.identity
+            record.decode.score_layer(layer_index, state, kv_cache, self.layout, scale, num_tokens)
             if layer_index == self.num_layers - 1:
-                record.decode.select(record.state, num_tokens)
+                record.decode.select(state, num_tokens)
                 self._decode_selected.append(record)
 
     def _deferred_bound(self, compressor: RequestCompressor) -> int | None:

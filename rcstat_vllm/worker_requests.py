@@ -17,6 +17,9 @@ early: the request finishes, is preempted, or turns out not to be compressed):
     compacted: its heads read and write head pages (:class:`~rcstat_vllm.head_pages.CompactedRequest`). With
     ``decode_budget`` set it may be compacted again as it decodes (:mod:`rcstat_vllm.decode_compression`): it stays
     in this phase, decoding, while that plan is with the scheduler.
+``UNCOMPRESSED_DECODE``
+    (outside the order above) a request whose prompt was not compressed (too short, nothing to evict) decoding with
+    ``decode_budget`` set: its generated KV is watched; its first decode-time compaction makes it ``COMPRESSED``.
 
 :class:`WorkerRequests` owns the records; :class:`~rcstat_vllm.worker.WorkerCompression` moves them from phase to
 phase through its methods, each of which checks the phase it starts from.
@@ -40,6 +43,7 @@ class Phase(enum.Enum):
     SELECTED = "selected"
     AWAITING_BLOCKS = "awaiting blocks"
     COMPRESSED = "compressed"
+    UNCOMPRESSED_DECODE = "decoding uncompressed"
 
 
 @dataclass
@@ -56,8 +60,11 @@ class WorkerRequest:
     blocks_needed: int = 0
     #: COMPRESSED: its head pages
     state: CompactedRequest | None = None
-    #: COMPRESSED, with ``decode_budget`` set: its decode-time compression (a plan may be with the scheduler)
+    #: COMPRESSED or UNCOMPRESSED_DECODE, with ``decode_budget`` set: its decode-time compression (a plan may be
+    #: with the scheduler)
     decode: DecodeCompressor | None = None
+    #: UNCOMPRESSED_DECODE, while a plan is with the scheduler: its blocks as head pages (the copy's sources)
+    identity: CompactedRequest | None = None
 
     def saved_for(self, layer: int) -> Tensor | None:
         return None if self.saved_queries is None else self.saved_queries[layer]

@@ -322,3 +322,23 @@ def test_decode_time_compression_leaks_nothing_through_aborts(driver):
     assert driver.result("dabort0")["decode_compactions"] == len(range(200 + 64, 200 + 160, 32))
     driver.run([("dflush2", driver.prompt(8), greedy(1))])
     assert driver.compression.idle and driver.free_blocks() == driver.initial_free
+
+
+def test_decode_time_compression_of_a_prompt_too_short_to_compress(driver):
+    """A 40-token prompt (below min_prompt_len, so its prompt stays whole) generating 200 tokens with decode_budget 32:
+    its generated KV is compacted as a compressed request's is (its first compaction reads its own blocks), 5 times,
+    each evicting 32 entries per head, and it decodes its first 65 tokens as without."""
+    prompt = driver.prompt(40, offset=17)
+    driver.engine.reset_prefix_cache()
+    plain = driver.run([("dshortplain", prompt, greedy(200))])
+    driver.engine.reset_prefix_cache()
+    decoded = driver.run([("dshort", prompt, greedy(200, **DECODE))])
+    result = driver.result("dshort")
+    assert "shorter than min_prompt_len" in result["skipped_reason"]
+    layers, heads = len(result["kept"]), len(result["kept"][0])
+    assert result["decode_compactions"] == len(range(40 + 64, 40 + 200, 32)) == 5
+    assert result["decode_tokens_evicted"] == 5 * layers * heads * 32
+    assert min(decoded.free_trace) > min(plain.free_trace)
+    assert decoded.outputs["dshort"][:65] == plain.outputs["dshortplain"][:65]
+    driver.run([("dflush3", driver.prompt(8), greedy(1))])
+    assert driver.compression.idle and driver.free_blocks() == driver.initial_free

@@ -8,6 +8,7 @@ import torch
 from rcstat_vllm.compaction import blocks_needed, compact_request, recompact_request
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.decode_compression import DecodeCompressor
+from rcstat_vllm.head_pages import CompactedRequest
 from rcstat_vllm.kv_layout import CPU_VEC
 from rcstat_vllm.page_space import cdiv, pooled_space_or_reason
 
@@ -46,7 +47,7 @@ def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method
     g = torch.Generator().manual_seed(1)
     caches, space, state, row, blocks = _request(g)
     config = RCStatConfig(method=method, window=8, decode_budget=24, decode_interval=16)
-    decode = DecodeCompressor(config, state)
+    decode = DecodeCompressor(config, state.kept, state.num_compacted_tokens)
     n = state.num_compacted_tokens
     assert decode.next_due == n + 24 + 16
     assert not decode.due(n + 39) and decode.due(n + 40)
@@ -83,7 +84,8 @@ def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method
 def test_a_cancelled_plan_is_due_again_after_a_new_window_of_queries():
     g = torch.Generator().manual_seed(2)
     caches, space, state, row, blocks = _request(g)
-    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state)
+    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept,
+                              state.num_compacted_tokens)
     t = decode.next_due
     _grow(state, row, blocks, t)
     _score_and_select(decode, state, caches, t, g)
@@ -123,3 +125,33 @@ def test_ragged_scoring_equals_each_head_scored_alone(method, options):
         assert ragged[head].shape == (length,)
         assert torch.equal(torch.isinf(ragged[head]), torch.isinf(alone))
         assert torch.allclose(ragged[head], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_an_uncompressed_request_is_compacted_from_its_own_blocks():
+    """A request whose prompt stayed whole (too short to compress): its blocks seen as head pages
+    (CompactedRequest.uncompressed) are the first decode-time compaction's sources; every head then reads back its
+    prompt and the generated entries it chose, from fresh blocks."""
+    g = torch.Generator().manual_seed(4)
+    backing = torch.randn(LAYERS * BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g)
+    caches = list(backing.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM).unbind(0))
+    space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
+    prompt, t = 20, 20 + 40
+    row = torch.randperm(BLOCKS - 1, generator=g)[: cdiv(t, BLOCK)] + 1
+    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16),
+                              torch.full((LAYERS, HEADS), prompt), prompt)
+    assert decode.next_due == t
+    source = CompactedRequest.uncompressed(t, space, row)
+    assert source.lengths(t).tolist() == [[t] * HEADS] * LAYERS and source.keep_blocks == row.numel()
+    plan = _score_and_select(decode, source, caches, t, g)
+    assert (plan.kept - prompt).sum(dim=1).tolist() == [HEADS * 24] * LAYERS
+    free = torch.tensor(sorted(set(range(1, BLOCKS)) - set(row.tolist())))[: plan.keep_blocks]
+    after = recompact_request(caches, source, t, plan.masks, free)
+    tokens = torch.arange(t)
+    for layer in range(LAYERS):
+        for head in range(HEADS):
+            chosen = tokens[plan.masks[layer][head]]
+            assert chosen[:prompt].tolist() == list(range(prompt))  # the prompt is kept whole
+            slots = torch.arange(chosen.numel())
+            got = CPU_VEC.read(space.all_layers, after.tables[layer, head, slots // BLOCK], slots % BLOCK)
+            want = CPU_VEC.read(space.all_layers, space.identity(layer, row)[head, chosen // BLOCK], chosen % BLOCK)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
