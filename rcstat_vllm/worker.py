@@ -16,7 +16,8 @@ entries are selected; the plan (how many blocks they need) goes to the scheduler
 scheduler allocates those blocks, gives the prompt blocks back to the pool (cached ones stay cached) and sends the
 block ids with the next step, before whose forward :meth:`WorkerCompression.begin_step` copies the kept entries
 there. Nothing writes a block between the scheduler freeing it and that copy: vLLM-CPU schedules synchronously and
-the plugin turns asynchronous scheduling off (``patches/platform.py``).
+the plugin turns asynchronous scheduling off (``patches/platform.py``). With ``decode_budget`` a request is compacted
+again as it decodes, the same way over two steps (:mod:`rcstat_vllm.decode_compression`).
 
 Who calls what:
 
@@ -477,21 +478,15 @@ class WorkerCompression:
         return plan
 
     def _plan_decode(self, plan: StepCompression, request, query_start: int, query_end: int) -> None:
-        """A compressed row with decode-time compression: keep its queries when a compaction is near, score it in
-        this step when one is due."""
+        """A compressed row: with decode-time compression, watch its generated KV."""
         record = self.requests.get(request.req_id)
-        decode = record.decode
-        if decode is None:
-            return
-        num_tokens = request.num_tokens_after_step
-        if decode.observing(num_tokens):
-            plan.decode_queries.append((decode, query_start, query_end))
-        if decode.due(num_tokens):
-            plan.decode_due.append((record, num_tokens))
+        if record.decode is not None:
+            self._watch_decode(plan, record, request.num_tokens_after_step, query_start, query_end)
 
     def _plan_uncompressed_decode(self, plan: StepCompression, request, block_table, row: int, query_start) -> None:
         """A decoding request whose prompt stayed uncompressed: with ``decode_budget`` (server or request) its
-        generated KV is compressed too; it is watched from its first decode step (a record of its own)."""
+        generated KV is compressed too; it is watched from its first decode step (a record of its own) and, when due,
+        scored over its own blocks seen as head pages."""
         if self.disabled_reason is not None or self.space is None:
             return
         record = self.requests.get(request.req_id)
@@ -507,12 +502,20 @@ class WorkerCompression:
         if record.phase is not Phase.UNCOMPRESSED_DECODE:
             return  # lazy eviction's parked plan: the prompt's compaction comes first
         num_tokens = request.num_tokens_after_step
+        if self._watch_decode(plan, record, num_tokens, query_start[row], query_start[row + 1]):
+            host_ids = request.block_ids is not None and self._step.block_size == self.block_size
+            block_ids = torch.as_tensor(request.block_ids if host_ids else block_table[row].cpu())
+            record.identity = CompactedRequest.uncompressed(num_tokens, self.space, block_ids)
+
+    @staticmethod
+    def _watch_decode(plan: StepCompression, record, num_tokens: int, query_start: int, query_end: int) -> bool:
+        """Keep the row's queries when a decode-time compaction is near; schedule its scoring when one is due (True)."""
         if record.decode.observing(num_tokens):
-            plan.decode_queries.append((record.decode, query_start[row], query_start[row + 1]))
-        if record.decode.due(num_tokens):
-            block_ids = request.block_ids if request.block_ids is not None else block_table[row].cpu()
-            record.identity = CompactedRequest.uncompressed(num_tokens, self.space, torch.as_tensor(block_ids))
-            plan.decode_due.append((record, num_tokens))
+            plan.decode_queries.append((record.decode, query_start, query_end))
+        if not record.decode.due(num_tokens):
+            return False
+        plan.decode_due.append((record, num_tokens))
+        return True
 
     def _host_block_ids(self, step: StepInfo, request, state: CompactedRequest, block_table: torch.Tensor, row: int):
         """The request's vLLM block ids on the host, for the blocks ``reserve`` turns into head pages.
