@@ -65,7 +65,7 @@ class BlockPool(Protocol):
 
 def swap_in_fresh_blocks(
     pool: BlockPool, blocks: MutableSequence[Block], report: CompressionReport, num_tokens: int = 0,
-    reason: str | None = None, fresh_only: bool = False,
+    reason: str | None = None,
 ) -> tuple[Compaction, int]:
     """Give the request fresh blocks in place of the blocks it computed (its prefix-cache hits stay, shared);
     ``blocks`` is the request's block list, rewritten in place. Returns the compaction to send and the change in
@@ -77,8 +77,8 @@ def swap_in_fresh_blocks(
     ``num_tokens`` (lazy eviction): the tokens in the cache now, more than the prompt's when the request decoded
     before being compacted; its blocks up to them are replaced, the generated tokens kept whole.
 
-    ``fresh_only`` (a decode-time compaction, whose sources are the request's head pages anywhere in its blocks):
-    refused unless the pool has every fresh block before anything is freed."""
+    A decode-time compaction (``report.decode``) is the same exchange over all the request's own blocks; when it
+    reuses them (``Compaction.reuses_own_blocks``) the worker stages its copy."""
     shared, prompt_end = report.shared_blocks, report.prompt_blocks
     end = max(prompt_end, -(-num_tokens // report.block_size)) if report.block_size else prompt_end
     computed = blocks[shared:end]  # the blocks this request computed (its prefix-cache hits stay as they are)
@@ -86,7 +86,7 @@ def swap_in_fresh_blocks(
     num_fresh = report.keep_blocks + (end - prompt_end) - shared
     before = pool.get_num_free_blocks()
     released = sum(1 for block in computed if not block.is_null and block.ref_cnt == 1)
-    if num_fresh > before + released or (fresh_only and num_fresh > before):
+    if num_fresh > before + released:
         return Compaction(report.req_id, cancelled_reason="no free blocks to copy the kept KV into"), 0
     fresh = pool.get_new_blocks(num_fresh) if num_fresh <= before else None
     pool.free_blocks(reversed(computed))  # tail first: evicted first, as vLLM frees a request
@@ -95,7 +95,7 @@ def swap_in_fresh_blocks(
     blocks[shared:end] = fresh + [pool.null_block] * (end - shared - num_fresh)
     compaction = Compaction(
         report.req_id, tuple(block.block_id for block in fresh), num_tokens=num_tokens if tail else 0,
-        tail_block_ids=tail, reason=reason,
+        tail_block_ids=tail, reason=reason, reuses_own_blocks=num_fresh > before,
     )
     return compaction, pool.get_num_free_blocks() - before
 
@@ -137,7 +137,7 @@ class EngineCompaction:
                 if report.lazy:
                     self.pending[report.req_id] = report
                     continue
-                self._compact(pool, report, blocks, fresh_only=report.decode)
+                self._compact(pool, report, blocks)
             else:
                 self.stats.observe(report, 0)
         self.stats.maybe_log(pool.get_num_free_blocks())
@@ -166,10 +166,9 @@ class EngineCompaction:
             self.stats.maybe_log(pool.get_num_free_blocks())
         return gained
 
-    def _compact(self, pool: BlockPool, report: CompressionReport, blocks, num_tokens: int = 0, reason=None,
-                 fresh_only: bool = False) -> int:
+    def _compact(self, pool: BlockPool, report: CompressionReport, blocks, num_tokens: int = 0, reason=None) -> int:
         """Swap fresh blocks into the request's list, queue the copy, count and log; the blocks freed."""
-        compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason, fresh_only)
+        compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason)
         self.outgoing.append(compaction)
         if report.decode:  # a compacted request compacted again: its earlier blocks went back to the pool
             if compaction.cancelled_reason is None:

@@ -158,6 +158,7 @@ def recompact_request(
     keep_masks: Sequence[Tensor],
     dest_blocks: Tensor,
     layout: CacheLayout = CPU_VEC,
+    staged: bool = False,
 ) -> CompactedRequest:
     """Compact a request that is compacted already (decode-time compression: its heads evict generated tokens
     too): each (layer, head) keeps the entries of its own page list that ``keep_masks`` name, copied densely, in
@@ -172,8 +173,11 @@ def recompact_request(
         keep_masks: per layer, ``[H, m]`` bool over each head's entries, ``m`` at least the longest head's length,
             False past a head's length; the entries of its shared (prefix-cache) blocks must be kept (they stay
             where they are, shared).
-        dest_blocks: fresh blocks: none may hold pages of the request (the scheduler takes them before it frees the
-            request's old blocks), so no copy writes a page another copy still reads.
+        dest_blocks: the blocks the request holds afterwards (besides its shared ones).
+        staged: some of ``dest_blocks`` are the request's own (the pool was short and the scheduler handed them
+            back): every layer's kept entries are read before any is written (the extra memory is the request's kept
+            entries, its prompt's and ``decode_budget`` per head). Otherwise they are fresh and each layer moves as it
+            is read, one layer's entries at a time.
 
     Returns:
         The request's state from there on: its shared blocks and ``dest_blocks``.
@@ -194,9 +198,15 @@ def recompact_request(
         tables = torch.cat([old_tables[:, :, :shared_blocks], tables], dim=2)
     device = keep_masks[0].device
     sources, dests = old_tables.to(device), tables.to(device)
-    for layer, mask in enumerate(keep_masks):
-        _move_layer(space.cache(layer, caches[layer]), mask[:, shared_tokens:], sources[layer, :, shared_blocks:],
-                    dests[layer, :, shared_blocks:], block_size, layout)
+    moves = [(space.cache(layer, caches[layer]), mask[:, shared_tokens:], sources[layer, :, shared_blocks:],
+              dests[layer, :, shared_blocks:]) for layer, mask in enumerate(keep_masks)]
+    if staged:
+        read = [_read_kept(cache, mask, source, block_size, layout) for cache, mask, source, _ in moves]
+        for (cache, mask, _, dest), entries in zip(moves, read):
+            _write_kept(cache, mask, dest, entries, block_size, layout)
+    else:
+        for cache, mask, source, dest in moves:
+            _move_layer(cache, mask, source, dest, block_size, layout)
     return CompactedRequest.from_compaction(
         num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel(), shared_blocks
     )
@@ -206,15 +216,24 @@ def _move_layer(cache: Tensor, mask: Tensor, source: Tensor, dest: Tensor, block
     """Copy one layer's kept tokens (``mask`` ``[H, n]``) from its source pages ``[H, blocks]`` to slots ``0..k-1``
     of each head's destination pages ``[H, P]``: all are read before any is written, and every index tensor is
     dropped as soon as it has served, so the peak is the kept keys and values plus a few int64s per entry."""
+    _write_kept(cache, mask, dest, _read_kept(cache, mask, source, block_size, layout), block_size, layout)
+
+
+def _read_kept(cache: Tensor, mask: Tensor, source: Tensor, block_size: int, layout: CacheLayout):
+    """One layer's kept entries (``mask`` ``[H, n]`` over the pages ``source`` ``[H, blocks]``): (keys, values)
+    copies, heads in order, each head's entries in order."""
     head_idx, token_idx = torch.nonzero(mask, as_tuple=True)
-    keys, values = layout.read(cache, source[head_idx, token_idx // block_size], token_idx % block_size)  # copies
-    del token_idx
-    # The j-th kept token of head h goes to slot j of head h's own pages.
+    return layout.read(cache, source[head_idx, token_idx // block_size], token_idx % block_size)
+
+
+def _write_kept(cache: Tensor, mask: Tensor, dest: Tensor, entries, block_size: int, layout: CacheLayout) -> None:
+    """Write what :func:`_read_kept` read: the j-th kept token of head h to slot j of head h's pages ``dest``."""
     counts = mask.sum(dim=1)
+    head_idx = torch.repeat_interleave(torch.arange(mask.shape[0], device=mask.device), counts)
     rank = torch.arange(head_idx.numel(), device=mask.device) - (torch.cumsum(counts, 0) - counts)[head_idx]
     dest_pages = dest[head_idx, rank // block_size]
     del head_idx
-    layout.write(cache, dest_pages, rank % block_size, keys, values)
+    layout.write(cache, dest_pages, rank % block_size, *entries)
 
 
 def compact_layer(

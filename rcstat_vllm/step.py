@@ -46,6 +46,9 @@ class Compaction:
     tail_block_ids: tuple[int, ...] = ()
     #: why it was compacted now (lazy eviction: the memory pressure that called for it)
     reason: str | None = None
+    #: some fresh blocks are blocks the request itself just gave back (the pool was short): the copy reads every
+    #: kept entry before writing any
+    reuses_own_blocks: bool = False
 
 
 @dataclass

@@ -314,7 +314,8 @@ class WorkerCompression:
         if dest.numel() != plan.keep_blocks - old.shared_blocks:
             raise ValueError(f"rcstat: {dest.numel()} fresh blocks allocated, {plan.keep_blocks - old.shared_blocks} "
                              "needed")
-        record.state = recompact_request(self._layer_caches, old, plan.num_tokens, plan.masks, dest, self.layout)
+        record.state = recompact_request(self._layer_caches, old, plan.num_tokens, plan.masks, dest, self.layout,
+                                         staged=compaction.reuses_own_blocks)
         if record.phase is Phase.COMPRESSED:
             self.page_tables.release(old.table)
         record.phase, record.identity = Phase.COMPRESSED, None  # an uncompressed request is compressed from now on

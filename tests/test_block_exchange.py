@@ -325,7 +325,7 @@ def test_a_decode_time_compaction_replaces_every_own_block_and_the_compacted_set
     request.extend(allocate(pool, 2))  # decode growth
     free_before = pool.get_num_free_blocks()
 
-    freed = state._compact(pool, decode_report(5, 8 * BLOCK, cached_tokens=BLOCK), request, fresh_only=True)
+    freed = state._compact(pool, decode_report(5, 8 * BLOCK, cached_tokens=BLOCK), request)
 
     compaction = state.outgoing[-1]
     assert compaction.cancelled_reason is None and len(compaction.block_ids) == 4
@@ -337,16 +337,22 @@ def test_a_decode_time_compaction_replaces_every_own_block_and_the_compacted_set
     assert state.stats.requests_compressed == 1  # the decode-time compaction is not a request compressed
 
 
-def test_a_decode_time_compaction_never_copies_into_blocks_it_frees():
-    """When the fresh blocks exist only once the request's own are freed, the plan is refused (its copy reads head
-    pages anywhere in those blocks) and the request keeps everything as it was."""
+def test_a_decode_time_compaction_under_pressure_reuses_the_requests_own_blocks_and_says_so():
+    """When the fresh blocks exist only once the request's own are freed, the exchange hands some of those back and
+    flags the compaction (the worker then reads every kept entry before writing: its sources are head pages anywhere
+    in those blocks); when the pool has room it takes fresh ones first and says nothing."""
     pool = FakePool(8)
     state = EngineCompaction(config=RCStatConfig())
     request = allocate(pool, 6)
-    free_before = pool.get_num_free_blocks()
-    assert free_before == 1
-    before = list(request)
-    freed = state._compact(pool, decode_report(3, 6 * BLOCK), request, fresh_only=True)
-    assert freed == 0 and state.outgoing[-1].cancelled_reason == "no free blocks to copy the kept KV into"
-    assert request == before and pool.get_num_free_blocks() == free_before
-    assert state.stats.decode_skipped == 1 and state.stats.decode_compactions == 0
+    own = {b.block_id for b in request}
+    assert pool.get_num_free_blocks() == 1
+    freed = state._compact(pool, decode_report(3, 6 * BLOCK), request)
+    compaction = state.outgoing[-1]
+    assert compaction.cancelled_reason is None and compaction.reuses_own_blocks
+    assert set(compaction.block_ids) & own and freed == 3 and pool.get_num_free_blocks() == 4
+    assert state.stats.decode_compactions == 1
+
+    roomy = FakePool(20)
+    request = allocate(roomy, 6)
+    state._compact(roomy, decode_report(3, 6 * BLOCK), request)
+    assert not state.outgoing[-1].reuses_own_blocks

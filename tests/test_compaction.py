@@ -113,6 +113,33 @@ def test_recompaction_keeps_each_heads_chosen_entries_from_its_own_pages(seed, s
     after.reserve(t + BLOCK, torch.cat([row, appended, free[keep2 - shared : keep2 - shared + 2]]))  # grows on
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_staged_recompaction_into_the_requests_own_blocks_is_exact(seed):
+    """Under pressure the scheduler hands a decode-time compaction the request's own blocks back: staged, every head
+    still reads back exactly the entries its mask names (all are read before any is written)."""
+    g = torch.Generator().manual_seed(seed)
+    backing, caches, space = _pooled(g)
+    n = int(torch.randint(6 * BLOCK, 12 * BLOCK, (1,), generator=g))
+    blocks = torch.randperm(BLOCKS - 1, generator=g) + 1
+    row = blocks[: cdiv(n, BLOCK)]
+    masks = [torch.rand(HEADS, n, generator=g) < 0.7 for _ in range(LAYERS)]
+    keep = blocks_needed(torch.stack([m.sum(1) for m in masks]), n, space)
+    own = blocks[cdiv(n, BLOCK) : cdiv(n, BLOCK) + keep]
+    state = compact_request(caches, row, masks, own, space)
+    lengths = state.lengths(n)
+    before = {(l, h): _entries(space, state, l, h, int(lengths[l, h])) for l in range(LAYERS) for h in range(HEADS)}
+    width = int(lengths.max())
+    within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(2)
+    new_masks = [(torch.rand(HEADS, width, generator=g) < 0.5) & within[layer] for layer in range(LAYERS)]
+    kept = torch.stack([m.sum(1) for m in new_masks])
+    dest = own[torch.randperm(own.numel(), generator=g)][: blocks_needed(kept, n, space)]  # its own blocks, shuffled
+    after = recompact_request(caches, state, n, new_masks, dest, staged=True)
+    for (layer, head), (keys, values) in before.items():
+        chosen = new_masks[layer][head, : keys.shape[0]]
+        got_keys, got_values = _entries(space, after, layer, head, int(kept[layer, head]))
+        assert torch.equal(got_keys, keys[chosen]) and torch.equal(got_values, values[chosen])
+
+
 def test_recompaction_refuses_masks_past_a_heads_entries_or_dropping_shared_tokens():
     g = torch.Generator().manual_seed(0)
     _, caches, space = _pooled(g)
