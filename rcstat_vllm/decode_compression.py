@@ -1,4 +1,4 @@
-"""Decode-time compression (``decode_budget``): a compressed request's heads evict generated tokens too.
+"""Decode-time compression (``decode_budget``): a request's heads evict generated tokens too.
 
 Long outputs (reasoning, long answers) put most of a request's KV in the tokens it generates. With
 ``decode_budget`` set, once a request's KV heads hold on average ``decode_budget + decode_interval`` generated
@@ -7,10 +7,12 @@ attention finishes, with the request's method and the queries of its last ``wind
 the steps that computed them, as the prompt path keeps its window's), and selects ``decode_budget`` entries per head
 on average, different numbers per head (a layer's budget over all its heads, as ``select_budget`` does for prompts);
 the window itself is always kept, the prompt's kept entries are never rescored. The plan goes to the scheduler as a
-prompt's does; the next step copies the kept entries into fresh blocks (:func:`~rcstat_vllm.compaction.recompact_request`)
-and the request's old blocks go back to the pool.
+prompt's does; the next step copies the kept entries into the blocks it gives
+(:func:`~rcstat_vllm.compaction.recompact_request`; staged when they include the request's own, under pressure) and
+the request's old blocks go back to the pool. A request whose prompt stayed whole is compacted the same way, the first
+time from its own blocks (:meth:`~rcstat_vllm.head_pages.CompactedRequest.uncompressed`).
 
-One :class:`DecodeCompressor` per compressed request on the worker, owned by its record
+One :class:`DecodeCompressor` per request with ``decode_budget`` on the worker, owned by its record
 (:mod:`rcstat_vllm.worker_requests`); the worker (:mod:`rcstat_vllm.worker`) drives it. Plain torch; no vLLM.
 """
 
@@ -48,7 +50,7 @@ class DecodePlan:
 
 
 class DecodeCompressor:
-    """One compressed request's decode-time compression (see the module docstring)."""
+    """One request's decode-time compression (see the module docstring)."""
 
     def __init__(self, config: RCStatConfig, prompt_entries: Tensor, num_tokens: int):
         """For a request holding ``num_tokens`` tokens, each head's first ``prompt_entries`` ``[L, H]`` entries its
@@ -75,6 +77,8 @@ class DecodeCompressor:
         self.scores: list[list[Tensor] | None] = [None] * self.num_layers
         #: the plan sent to the scheduler, until its compaction runs (or is cancelled)
         self.pending: DecodePlan | None = None
+        #: where the scores and masks live (the KV cache's device), set by :meth:`score_layer`
+        self.scores_device = torch.device("cpu")
         self.compactions = 0
         self.tokens_evicted = 0
         #: tokens in the cache at which the next decode-time compaction is due: once the heads hold ``budget +
