@@ -35,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from rcstat_vllm.attribution.capture import attribution_capture
@@ -505,7 +506,10 @@ class WorkerCompression:
         num_tokens = request.num_tokens_after_step
         if self._watch_decode(plan, record, num_tokens, query_start[row], query_start[row + 1]):
             host_ids = request.block_ids is not None and self._step.block_size == self.block_size
-            block_ids = torch.as_tensor(request.block_ids if host_ids else block_table[row].cpu())
+            used = cdiv(num_tokens, self.block_size)
+            # A copy: the host row is a read-only view vLLM rewrites for the next step.
+            block_ids = torch.from_numpy(np.array(request.block_ids[:used], dtype=np.int64)) if host_ids \
+                else block_table[row, :used].cpu()
             record.identity = CompactedRequest.uncompressed(num_tokens, self.space, block_ids)
 
     @staticmethod
