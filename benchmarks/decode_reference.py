@@ -50,8 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_reference as ref_lib  # noqa: E402
 from rcstat_vllm.compression import scorer_options  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
-from rcstat_vllm.scoring import get_scorer  # noqa: E402
-from rcstat_vllm.scoring.selection import select_threshold  # noqa: E402
+from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_threshold  # noqa: E402
 
 ATTN_NAME = "rcstat_bench_decode"
 #: Trailing generated queries kept per layer: the widest window any scorer reads (SnapKV's 64).
@@ -163,14 +162,6 @@ def _top(priority: Tensor, count: int) -> Tensor:
     return mask
 
 
-def _relative_to_mean(scores: Tensor) -> Tensor:
-    """A head's scores divided by the mean of its finite ones (+inf stays +inf), float64."""
-    finite = torch.isfinite(scores)
-    if not bool(finite.any()):
-        return scores.double()
-    return scores.double() / scores[finite].double().mean().clamp_min(1e-30)
-
-
 def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | None, method: DecodeMethod,
                 scorer, scale: float) -> Tensor | None:
     """New keep mask [Hkv, g] of one layer's generated region, or None when the layer is within budget.
@@ -203,7 +194,8 @@ def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | No
         chosen = [_top(r, max(method.budget, int(torch.isinf(r).sum()))) for r in rows]
     elif method.selection in ("layer", "head_mean"):
         if method.selection == "head_mean":  # each head's scores / its mean: Eq. 9's yardstick, one c per layer
-            rows = [_relative_to_mean(r) for r in rows]
+            # the plugin's own (rcstat_vllm.scoring): the newest tokens are +inf here, so no window to leave out
+            rows = [relative_to_head_mean(r[None], 0)[0] for r in rows]
         flat = torch.cat(rows)
         flat_mask = _top(flat, max(num_kv * method.budget, int(torch.isinf(flat).sum())))
         chosen = list(flat_mask.split([len(r) for r in rows]))

@@ -170,21 +170,19 @@ class EngineCompaction:
         """Swap fresh blocks into the request's list, queue the copy, count and log; the blocks freed."""
         compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason)
         self.outgoing.append(compaction)
-        if report.decode:  # a compacted request compacted again: its earlier blocks went back to the pool
-            if compaction.cancelled_reason is None:
-                self.compacted_blocks.difference_update(self.compacted.get(report.req_id, ()))
-                self.compacted[report.req_id] = compaction.block_ids
-                self.compacted_blocks.update(compaction.block_ids)
+        if compaction.cancelled_reason is None:
+            # (a request compacted again, decode-time: its earlier compacted blocks went back to the pool)
+            self.compacted_blocks.difference_update(self.compacted.get(report.req_id, ()))
+            self.compacted[report.req_id] = compaction.block_ids
+            self.compacted_blocks.update(compaction.block_ids)
+        if report.decode:
             self.stats.observe_decode(report, freed, compaction.cancelled_reason is None)
             logger.debug("rcstat: request %s: decode-time compaction at %d tokens: %d generated entries evicted, "
                          "%d blocks freed, %d free now%s", report.req_id, report.num_prompt_tokens,
                          report.decode_tokens_evicted, freed, pool.get_num_free_blocks(),
                          f" (skipped: {compaction.cancelled_reason})" if compaction.cancelled_reason else "")
             return freed
-        if compaction.cancelled_reason is None:
-            self.compacted[report.req_id] = compaction.block_ids
-            self.compacted_blocks.update(compaction.block_ids)
-        else:
+        if compaction.cancelled_reason is not None:
             report = CompressionReport(
                 report.req_id, report.num_prompt_tokens, report.method, report.prompt_blocks,
                 skipped_reason=compaction.cancelled_reason, block_size=report.block_size,

@@ -127,8 +127,7 @@ def compact_request(
     device = keep_masks[0].device
     num_tokens = keep_masks[0].shape[1]
     shared_tokens = shared_blocks * block_size
-    if not all(bool(mask[:, :shared_tokens].all()) for mask in keep_masks):
-        raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
+    _check_shared_kept(keep_masks, shared_tokens)
     kept_all = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
     keep_masks = [mask[:, shared_tokens:] for mask in keep_masks]
     shared = source_row[:shared_blocks].cpu()
@@ -189,8 +188,7 @@ def recompact_request(
         beyond = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) >= lengths[layer].to(mask.device).unsqueeze(1)
         if mask.shape[1] < int(lengths[layer].max()) or bool((mask & beyond).any()):
             raise ValueError(f"rcstat: layer {layer}'s keep mask must cover each head's entries and nothing past them")
-        if not bool(mask[:, :shared_tokens].all()):
-            raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
+    _check_shared_kept(keep_masks, shared_tokens)
     kept_all = torch.stack([mask.sum(dim=1) for mask in keep_masks]).cpu()
     tables, unused = assign_pages(kept_all - shared_tokens, dest_blocks, space)
     old_tables = state.tables
@@ -210,6 +208,12 @@ def recompact_request(
     return CompactedRequest.from_compaction(
         num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel(), shared_blocks
     )
+
+
+def _check_shared_kept(keep_masks: Sequence[Tensor], shared_tokens: int) -> None:
+    """A request's shared (prefix-cache) blocks stay as they are: every head must keep all their tokens."""
+    if not all(bool(mask[:, :shared_tokens].all()) for mask in keep_masks):
+        raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
 
 
 def _move_layer(cache: Tensor, mask: Tensor, source: Tensor, dest: Tensor, block_size: int, layout: CacheLayout) -> None:

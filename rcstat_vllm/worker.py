@@ -50,7 +50,7 @@ from rcstat_vllm.compression import (
     window_queries,
 )
 from rcstat_vllm.compaction import recompact_request
-from rcstat_vllm.config import RCStatConfig, server_config
+from rcstat_vllm.config import RCStatConfig, request_overrides, server_config
 from rcstat_vllm.decode_compression import DecodeCompressor
 from rcstat_vllm.head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
 from rcstat_vllm.head_pages import CompactedRequest
@@ -306,11 +306,10 @@ class WorkerCompression:
         decode, plan = record.decode, record.decode.pending
         if compaction.cancelled_reason is not None:
             decode.cancelled()
-            record.identity = None
             logger.debug("rcstat: request %s: decode-time compaction at %d tokens skipped: %s", record.req_id,
                          plan.num_tokens, compaction.cancelled_reason)
             return
-        old = record.state if record.phase is Phase.COMPRESSED else record.identity
+        old = record.state
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
         if dest.numel() != plan.keep_blocks - old.shared_blocks:
             raise ValueError(f"rcstat: {dest.numel()} fresh blocks allocated, {plan.keep_blocks - old.shared_blocks} "
@@ -319,7 +318,7 @@ class WorkerCompression:
                                          staged=compaction.reuses_own_blocks)
         if record.phase is Phase.COMPRESSED:
             self.page_tables.release(old.table)
-        record.phase, record.identity = Phase.COMPRESSED, None  # an uncompressed request is compressed from now on
+        record.phase = Phase.COMPRESSED  # an uncompressed request is compressed from now on
         record.state.attach_to(self._resident_tables())
         decode.compacted()
         result = self.results.get(record.req_id)
@@ -493,8 +492,9 @@ class WorkerCompression:
             return
         record = self.requests.get(request.req_id)
         if record is None:
-            if self.config.decode_budget is None and not request.extra_args:
-                return  # the common case, decided without merging configs
+            overrides = request_overrides(request.extra_args)
+            if self.config.decode_budget is None and (not overrides or "decode_budget" not in overrides):
+                return  # nobody asked for it: decided every step without merging configs
             config, invalid = request_config(request, self.config)
             if invalid is not None or not config.decode_compression:
                 return
@@ -510,7 +510,7 @@ class WorkerCompression:
             # A copy: the host row is a read-only view vLLM rewrites for the next step.
             block_ids = torch.from_numpy(np.array(request.block_ids[:used], dtype=np.int64)) if host_ids \
                 else block_table[row, :used].cpu()
-            record.identity = CompactedRequest.uncompressed(num_tokens, self.space, block_ids)
+            record.state = CompactedRequest.uncompressed(num_tokens, self.space, block_ids)
 
     @staticmethod
     def _watch_decode(plan: StepCompression, record, num_tokens: int, query_start: int, query_end: int) -> bool:
@@ -601,10 +601,9 @@ class WorkerCompression:
         """Decode-time compression: score this layer of the requests due, and select after the last layer."""
         self._layer_caches[layer_index] = kv_cache
         for record, num_tokens in plan.decode_due:
-            state = record.state if record.phase is Phase.COMPRESSED else record.identity
-            record.decode.score_layer(layer_index, state, kv_cache, self.layout, scale, num_tokens)
+            record.decode.score_layer(layer_index, record.state, kv_cache, self.layout, scale, num_tokens)
             if layer_index == self.num_layers - 1:
-                record.decode.select(state, num_tokens)
+                record.decode.select(record.state, num_tokens)
                 self._decode_selected.append(record)
 
     def _deferred_bound(self, compressor: RequestCompressor) -> int | None:

@@ -58,13 +58,12 @@ class WorkerRequest:
     compressor: RequestCompressor | None = None
     #: SELECTED: the blocks this rank's heads need (before the agreement across ranks)
     blocks_needed: int = 0
-    #: COMPRESSED: its head pages
+    #: COMPRESSED: its head pages; UNCOMPRESSED_DECODE, from the step it is due until its compaction: its blocks seen
+    #: as head pages (the copy's sources, :meth:`CompactedRequest.uncompressed`)
     state: CompactedRequest | None = None
     #: COMPRESSED or UNCOMPRESSED_DECODE, with ``decode_budget`` set: its decode-time compression (a plan may be
     #: with the scheduler)
     decode: DecodeCompressor | None = None
-    #: UNCOMPRESSED_DECODE, while a plan is with the scheduler: its blocks as head pages (the copy's sources)
-    identity: CompactedRequest | None = None
 
     def saved_for(self, layer: int) -> Tensor | None:
         return None if self.saved_queries is None else self.saved_queries[layer]
