@@ -40,6 +40,21 @@ CONTRACTS = (
 )
 
 
+def announce(config, compression_off: bool = False) -> None:
+    """The start-up lines saying what the flag does in this engine (a decode-time caveat included: never silent)."""
+    if compression_off:
+        logger.info("rcstat: plugin flag on with %s; KV compression is off (reason above)", config.to_dict())
+        return
+    logger.info("rcstat: KV compression enabled with %s", config.to_dict())
+    if config.decode_compression:
+        logger.info(
+            "rcstat: decode-time compression on: generated KV compacted to %d tokens per KV head on average every "
+            "%d tokens%s", config.decode_budget, config.decode_interval,
+            " (lazy eviction: only once a request's prompt was compacted; requests that never meet memory pressure "
+            "keep their generated KV whole)" if config.eviction == "lazy" else "",
+        )
+
+
 def _configure_engine(vllm_config, config, compression_off: bool = False) -> None:
     """What the flag changes in vLLM's config, on every platform (``compression_off``: the platform hook found the
     plugin's backend cannot serve this engine and said why; the engine runs uncompressed)."""
@@ -62,10 +77,7 @@ def _configure_engine(vllm_config, config, compression_off: bool = False) -> Non
             "rcstat: worker_extension_cls is %s; rcstat_vllm.api results are unavailable",
             parallel.worker_extension_cls,
         )
-    if compression_off:
-        logger.info("rcstat: plugin flag on with %s; KV compression is off (reason above)", config.to_dict())
-    else:
-        logger.info("rcstat: KV compression enabled with %s", config.to_dict())
+    announce(config, compression_off)
     # The front end builds the config too: there the chat endpoint learns to return attribution.
     for installer in _AT_CONFIGURE:
         installer(vllm_config)

@@ -186,3 +186,24 @@ def test_observation_window_sets_what_rc_and_snapkv_observe_and_nothing_else():
     assert observed(method="snapkv", window=4, observation_window=16) == (16, 16)
     assert observed(method="tova") == (1, 32)
     assert get_scorer("snapkv", **scorer_options(RCStatConfig(method="snapkv", observation_window=32))).kernel_size == 5
+
+
+def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction_defers_it(caplog):
+    pytest.importorskip("vllm")
+    import logging
+
+    from patches.platform import announce
+
+    def lines(config, off=False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vllm.rcstat"):
+            announce(config, off)
+        return [r.getMessage() for r in caplog.records if "rcstat" in r.getMessage()]
+
+    assert not any("decode-time" in line for line in lines(RCStatConfig()))
+    on = lines(RCStatConfig(decode_budget=512))
+    assert any("decode-time compression on: generated KV compacted to 512 tokens per KV head on average every 128"
+               in line and "lazy" not in line for line in on)
+    assert any("requests that never meet memory pressure keep their generated KV whole" in line
+               for line in lines(RCStatConfig(decode_budget=512, eviction="lazy")))
+    assert not any("decode-time" in line for line in lines(RCStatConfig(decode_budget=512), off=True))
