@@ -32,8 +32,8 @@ pytestmark = [
 
 BLOCK, RANKS = 32, 3
 # Pooled pages average each rank's need over 30 layers, so two ranks differ only where their page sums fall on
-# either side of a multiple of 30: 2 prompts of these 10 on an AVX-512 CPU, where the first 4 all agreed. Ten make a run where
-# every rank needs the same count (the agreement untested) unlikely.
+# either side of a multiple of 30: 2 of these 10 prompts on an AVX-512 CPU, where the first 4 all agreed. With
+# ten, a run where every rank needs the same count (the agreement untested) is unlikely.
 PROMPT_LENGTHS = [700, 450, 900, 520, 610, 380, 820, 560, 660, 300]
 
 
