@@ -301,8 +301,15 @@ class RequestCompressor:
         d = self.decision
         keys, values = layout.key_value_caches(kv_cache)
         prompt = PagedPrompt(keys, values, self.block_row, d.num_tokens)
+        # Blocks served from the prefix cache are kept whole (select): their tokens' scores are never read, so a
+        # scorer whose scores are local reads the prompt only from the block its first own token's score needs.
+        shared = self.num_cached_tokens // prompt.block_size * prompt.block_size
+        first_block = self.scorer.scored_from(shared, d.num_tokens, q_window.shape[1]) // prompt.block_size
         use_triton = triton_scoring(layout, kv_cache)
-        self.scores[layer] = self.scorer.score_paged(q_window, prompt, scale, use_triton=use_triton)
+        scores = self.scorer.score_paged(q_window, prompt.tail(first_block), scale, use_triton=use_triton)
+        # [H, n]: the skipped tokens score 0 (select reads from the first shared-block boundary on)
+        self.scores[layer] = torch.nn.functional.pad(scores, (first_block * prompt.block_size, 0)) if first_block \
+            else scores
 
     @property
     def shared_blocks(self) -> int:

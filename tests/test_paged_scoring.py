@@ -236,6 +236,48 @@ def test_every_scorer_scores_a_paged_prompt_as_its_dense_copy(spy_kernels, metho
     torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("method, cached, first_block", [
+    ("rc", 64, 3),  # reads from 64 - (8 + 3 // 2) = 55, in block 3 (48..63)
+    ("rc", 96, 5),  # 96 - 9 = 87, in block 5 (80..95)
+    ("rc", 120, 5),  # 112 shared; the window (the last 32 of 123) reaches back to 91, in block 5
+    ("rc", 8, 0),  # less than a block cached: nothing shared, all read
+    ("snapkv", 96, 0),  # a softmax over every key: all read
+    ("tova", 96, 0),
+])
+def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(monkeypatch, spy_kernels, method, cached,
+                                                                       first_block, use_triton):
+    """Prompt tokens served from the prefix cache are kept whole, so their scores are never read: RC (each token's
+    score from its own key and the window's, then smoothing and carrying a few tokens) reads the prompt from the
+    block its first own token's score needs; every score from the shared boundary on is the whole prompt's (to float
+    rounding)."""
+    if use_triton:
+        fake_cuda(monkeypatch)
+    num_tokens = 123
+    config = RCStatConfig(method=method, smoothing=3, carry_forward=8, window=32)
+    kv_cache, block_row, query = flash_request(num_tokens, 3, seed=9)
+    whole = score_layer(config, kv_cache, block_row, query)
+    request = compressor(config, num_tokens, block_row)
+    request.num_cached_tokens = cached
+    read = []
+    original = PagedPrompt.tail
+
+    def spy_tail(prompt, first):
+        read.append(first)
+        return original(prompt, first)
+
+    monkeypatch.setattr(PagedPrompt, "tail", spy_tail)
+    request.observe_layer(0, query, kv_cache, SCALE, FLASH)
+    assert read == [first_block]
+    shared = cached // BLOCK * BLOCK
+    got = request.scores[0]
+    assert got.shape == whole.shape
+    # float32 rounding: the logits' matmul is shaped by the tokens read (BLAS blocks them differently)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if method == "rc" else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(got[:, shared:], whole[:, shared:], **tolerance)
+    assert (got[:, : first_block * BLOCK] == 0).all()
+
+
 @pytest.mark.parametrize("method", sorted(SCORERS))
 def test_no_scorer_reads_values(monkeypatch, method):
     """A cache whose value half is NaN scores exactly as a clean one, on both paths: values are never read."""

@@ -132,6 +132,15 @@ class PagedPrompt:
         """Whether the Triton kernels take this cache's dtype."""
         return self.keys.dtype in PAGED_KERNEL_DTYPES
 
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[2]
+
+    def tail(self, first_block: int) -> "PagedPrompt":
+        """The prompt from block ``first_block`` on: the same cache, read from that block's first token."""
+        return PagedPrompt(self.keys, self.values, self.block_table[first_block:],
+                           self.num_tokens - first_block * self.block_size)
+
 
 @dataclass(eq=False)
 class Scorer(ABC):
@@ -207,6 +216,13 @@ class Scorer(ABC):
         keys = prompt.gather_keys() if self.needs_keys else self._key_placeholder(prompt)
         values = prompt.gather_values() if self.needs_values else None
         return self.score(q_window.float(), keys, values, scale)
+
+    def scored_from(self, first_token: int, num_tokens: int, num_queries: int) -> int:
+        """The first of ``num_tokens`` prompt tokens this scorer must read for every score from ``first_token`` on to be
+        the one scoring the whole prompt gives (the tokens before are kept whatever they score: a prefix served from
+        the prefix cache), with ``num_queries`` window queries. 0 here: a score that depends on the other tokens (a
+        softmax over them) or on absolute positions needs them all."""
+        return 0
 
     def scores_in_triton(self, prompt: PagedPrompt, use_triton: bool) -> bool:
         """The path :meth:`score_paged` takes: True = the Triton kernel, False = gather + :meth:`score`."""

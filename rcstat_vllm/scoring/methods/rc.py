@@ -49,6 +49,14 @@ class RCScorer(Scorer):
         scores = carry_forward(smooth_scores(scores, self.smoothing), self.carry_forward)
         return mark_window_kept(scores, window)
 
+    def scored_from(self, first_token: int, num_tokens: int, num_queries: int) -> int:
+        """Eq. 6 of a token reads only its own key and the window's; smoothing reads ``smoothing // 2`` tokens on
+        either side and carrying the ``carry_forward`` before, so scoring from ``first_token - reach`` gives the
+        whole prompt's scores from ``first_token`` on (the window, the last tokens, always read)."""
+        reach = self.carry_forward + self.smoothing // 2
+        window = min(num_queries, self.window_size, num_tokens)
+        return max(0, min(first_token - reach, num_tokens - window))
+
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         queries = self._trailing_window(q_window, keys)
         per_query_head = expected_rc_grouped(queries, keys)  # [Hkv, G, n - w]
