@@ -9,8 +9,10 @@ each request carrying its own ``SamplingParams.extra_args["rcstat"]`` override, 
   prompt, plus exact match of the two outputs' tokens.
 
 The achieved ratio of every request is read from the plugin (``compression_results``). Settings
-(``methods.accuracy_settings``): the full cache; the bare flag (the engine is started with ``{"rcstat": {}}``
-and the request overrides nothing, so the row follows the plugin's defaults); RC at budgets 0.5 / 0.7 / 0.8
+(``methods.accuracy_settings``): the full cache; the bare flag (the engine is started with ``{"rcstat":
+{"eviction": "eager"}}`` and the request overrides nothing, so the row follows the plugin's defaults as they are
+when a request is compacted: eager eviction compacts every request, where the default, lazy, compacts only under
+memory pressure; ``--eviction lazy`` with a small ``--kv-cache-gib`` measures that); RC at budgets 0.5 / 0.7 / 0.8
 with its defaults otherwise; RC with the paper's scoring (per-layer budget, window 8, no smoothing) at 0.5 and
 in threshold mode at c = 1; SnapKV and TOVA at 0.5 and 0.8, each at kvpress's published window (SnapKV 64,
 kernel 5; TOVA the last token) and at RC's default window. Settings that resolve to the same config as an
@@ -101,7 +103,10 @@ FIDELITY = {
 }
 
 
-def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int) -> dict:
+def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int, eviction: str = "eager") -> dict:
+    """The engine every setting runs in. ``eviction`` server-wide: ``eager`` (the default here) compacts every
+    request right after its prefill, so each row shows what its setting keeps; under the plugin's default (``lazy``)
+    a request is compacted only when the pool runs short, which this benchmark's 2 GiB pool never does."""
     from rcstat_vllm.model import with_embedded_dtype
 
     return with_embedded_dtype(dict(model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
@@ -109,8 +114,9 @@ def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int) -> dict:
                 # Every prompt runs under every setting: with prefix caching a repeat would be served its prompt
                 # from the cache, and the plugin compresses only the tokens a request computes.
                 enable_prefix_caching=False,
-                # The bare flag: the "default" setting's requests override nothing, the others what they set.
-                additional_config={"rcstat": {}}))
+                # The bare flag but for when it compacts: the "default" setting's requests override nothing, the
+                # others what they set.
+                additional_config={"rcstat": {"eviction": eviction}}))
 
 
 def resolved_config(setting: methods.Setting) -> dict:
@@ -328,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-ratios", type=float, nargs="*", default=None,
                         help="SnapKV and TOVA budgets, each at kvpress's window and RC's (default 0.5 0.8)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--eviction", choices=["eager", "lazy"], default="eager",
+                        help="server-wide eviction (default eager: every setting compacts; lazy: the plugin's "
+                             "default, compacting only when the pool is short, e.g. with a small --kv-cache-gib)")
     parser.add_argument("--fidelity-samples", type=int, default=None)
     parser.add_argument("--fidelity-dtype", default=None, choices=["float32", "bfloat16"],
                         help="the transformers reference's dtype (default: the engine's: float32 on CPUs without bf16)")
@@ -400,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                                  for s in settings],
                     "samples": [s.to_dict() for s in samples]}
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(model_dir, max_model_len, int(args.kv_cache_gib * (1 << 30))))
+    llm = LLM(**engine_kwargs(model_dir, max_model_len, int(args.kv_cache_gib * (1 << 30)), args.eviction))
     report["engine_start_s"] = round(time.perf_counter() - t0, 1)
     first = [(s, st, methods.resolve(st, {})) for st in settings if st.matched_to is None and st.label not in same
              for s in samples]

@@ -9,8 +9,9 @@ to reuse), block size 32 everywhere, unless ``--prefix-caching-study``.
 Runs, each its own subprocess and engine, one after another:
   vanilla            VLLM_PLUGINS=__none__ (the plugin is not loaded at all)
   none               the plugin on with method none (no eviction; the plugin's attention backend)
-  default            the bare flag ({"rcstat": {}}: the plugin's defaults)
-  lazy               the bare flag's settings with lazy eviction (compacted only when the pool is short)
+  default            the bare flag ({"rcstat": {}}: the plugin's defaults; lazy eviction: compacted when the pool
+                     is short)
+  eager              the bare flag's settings with eager eviction (every request compacted after its prefill)
   rc_c0.5/1/1.5      RC threshold mode
   rc_budget_r0.5     RC budget mode at 0.5, the plugin's defaults otherwise
   snapkv/tova@rc_c1  SnapKV and TOVA in budget mode, each request at the ratio RC (c=1) achieved on it
@@ -23,8 +24,9 @@ after every engine step (the engine runs in-process, so a step's gauges are that
 The plugin's compression results give the achieved ratio and blocks freed per request.
 
 ``--prefix-caching-study``: every prompt starts with the same ``--shared-prefix`` tokens (1024 by default; a
-shared document or system prompt), and the runs are vanilla and the plugin's bare flag, each with vLLM's prefix
-caching on (its default) and off: ``vanilla+pc``, ``vanilla``, ``default+pc``, ``default``.
+shared document or system prompt), and the runs are vanilla, the plugin's bare flag and its settings with eager
+eviction, each with vLLM's prefix caching on (its default) and off: ``vanilla+pc``, ``vanilla``, ``default+pc``,
+``default``, ``eager+pc``, ``eager``.
 
 ``--long-output-study`` (writes ``throughput_long_output_cpu.json``): long outputs from short prompts, where the
 generated KV fills the pool (reasoning, long answers): 256-token prompts, 2048 output tokens each (``ignore_eos``),
@@ -35,8 +37,9 @@ the same decode budget with ``streaming`` (recent window and sinks) and ``snapkv
 ``--prefill-study`` (writes ``throughput_prefill_cpu.json``): prefill alone, side by side. 16 distinct prompts of
 2000 tokens, 1 output token each, a KV pool that holds all of them at once (it never limits), prefix caching off,
 two interleaved rounds (``--repeat``) of: ``vanilla`` (plugin not loaded), ``none`` (plugin, method none),
-``default`` (the bare flag), ``lazy`` (its settings with lazy eviction: scoring deferred) and ``rc_layer_r0.5``
-(RC at a 0.5 per-layer budget, defaults otherwise). Reported:
+``default`` (the bare flag: lazy eviction, scoring deferred), ``eager`` (its settings with eager eviction: every
+request scored in its prefill) and ``rc_layer_r0.5``
+(RC at a 0.5 per-layer budget, eager, defaults otherwise). Reported:
 prompt tokens/s per run and round, each run's ratio to vanilla's in the same round, and the median over rounds.
 The plugin scores and selects in the forward of a prompt's last chunk and copies the kept entries one step later;
 with one output token the request is finished by then, so the study times scoring and selection, not the copy
@@ -109,8 +112,8 @@ PREFILL_RUNS = (
     ("vanilla", {"VLLM_PLUGINS": "__none__"}, None),
     ("none", {}, {"method": "none"}),
     ("default", {}, {}),
-    ("lazy", {}, {"eviction": "lazy"}),
-    ("rc_layer_r0.5", {}, {"method": "rc", "target_ratio": 0.5, "budget_scope": "layer"}),
+    ("eager", {}, {"eviction": "eager"}),
+    ("rc_layer_r0.5", {}, {"method": "rc", "target_ratio": 0.5, "budget_scope": "layer", "eviction": "eager"}),
 )
 
 
@@ -397,17 +400,20 @@ def main(argv: list[str] | None = None) -> int:
         ("vanilla", {"VLLM_PLUGINS": "__none__"}, dict(rcstat=None, overhead={**ov, "methods": {"vanilla": None}})),
         ("none", {}, dict(rcstat={"method": "none"})),
         ("default", {}, dict(rcstat={})),  # the bare flag, whatever RCStatConfig() says
-        ("lazy", {}, dict(rcstat={"eviction": "lazy"})),  # the bare flag's settings, compacted under pressure only
+        ("eager", {}, dict(rcstat={"eviction": "eager"})),  # the bare flag's settings, every request compacted
     ]
+    # The methods compared as they compact every request (eager), as SnapKV and TOVA do wherever they run; their
+    # matched ratios come from every request's compaction.
     for c in cfg.get("c_values", ()):
         extra = {"overhead": {**ov, "methods": overhead_methods}} if c == args.matched_c else {}
-        plan.append((rc_name(c), {}, dict(rcstat={"method": "rc", "c": c}, **extra)))
+        plan.append((rc_name(c), {}, dict(rcstat={"method": "rc", "c": c, "eviction": "eager"}, **extra)))
     matched_source = rc_name(args.matched_c) if args.matched_c in cfg.get("c_values", ()) else None
     for r in cfg.get("budget_ratios", ()):
-        plan.append((f"rc_budget_r{r:g}", {}, dict(rcstat={"method": "rc", "target_ratio": r})))
+        plan.append((f"rc_budget_r{r:g}", {}, dict(rcstat={"method": "rc", "target_ratio": r, "eviction": "eager"})))
     if matched_source:
-        plan += [(f"snapkv@{matched_source}", {}, dict(rcstat={"method": "snapkv", "target_ratio": 0.5})),
-                 (f"tova@{matched_source}", {}, dict(rcstat={"method": "tova", "target_ratio": 0.5}))]
+        plan += [(f"{method}@{matched_source}", {}, dict(rcstat={"method": method, "target_ratio": 0.5,
+                                                                 "eviction": "eager"}))
+                 for method in ("snapkv", "tova")]
     if args.prefill_study:
         plan = prefill_plan()
     elif args.long_output_study:
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         base["shared_prefix"] = 1024 if args.shared_prefix is None else args.shared_prefix
         plan = [(f"{name}{'+pc' if pc else ''}", env, dict(rcstat=rcstat, prefix_caching=pc))
                 for name, env, rcstat in (("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}),
-                                          ("lazy", {}, {"eviction": "lazy"}))
+                                          ("eager", {}, {"eviction": "eager"}))
                 for pc in (True, False)]
     elif args.shared_prefix:
         base["shared_prefix"] = args.shared_prefix

@@ -102,7 +102,9 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.model import fetch_model
 
-    rcstat: dict = {"method": method}
+    # Eager eviction: the demo's one request never runs its pool short, so under the default (lazy: compact only
+    # when memory is short) it would keep its full cache; the demo shows what compression keeps.
+    rcstat: dict = {"method": method, "eviction": "eager"}
     if c is not None:
         rcstat["c"] = c
     if target_ratio is not None:

@@ -339,13 +339,13 @@ def test_prefill_study_plan_sizes_the_pool_for_every_request_and_pairs_rounds_wi
 
     plan = throughput.prefill_plan()
     names = [name for name, _, _ in plan]
-    assert names == ["vanilla", "none", "default", "lazy", "rc_layer_r0.5"]
+    assert names == ["vanilla", "none", "default", "eager", "rc_layer_r0.5"]
     env = {name: e for name, e, _ in plan}
     spec = {name: extra for name, _, extra in plan}
     assert env["vanilla"] == {"VLLM_PLUGINS": "__none__"} and spec["vanilla"]["rcstat"] is None
     assert spec["none"]["rcstat"] == {"method": "none"}
     assert spec["default"]["rcstat"] == {}  # the bare flag
-    assert spec["lazy"]["rcstat"] == {"eviction": "lazy"}
+    assert spec["eager"]["rcstat"] == {"eviction": "eager"}
     assert spec["rc_layer_r0.5"]["rcstat"]["budget_scope"] == "layer"
     assert all(not extra["prefix_caching"] and "overhead" not in extra for extra in spec.values())
     assert [n for n, _, _ in throughput.prefill_plan(["vanilla", "default"])] == ["vanilla", "default"]

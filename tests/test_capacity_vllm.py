@@ -31,7 +31,7 @@ def driver():
     from engine_driver import EngineDriver
 
     d = EngineDriver(
-        additional_config={"rcstat": {"method": "rc", "target_ratio": 0.5, "window": 8}},
+        additional_config={"rcstat": {"method": "rc", "target_ratio": 0.5, "window": 8, "eviction": "eager"}},
         block_size=BLOCK,
         max_model_len=1024,
         max_num_batched_tokens=512,

@@ -27,7 +27,7 @@ def driver():
     from engine_driver import EngineDriver
 
     d = EngineDriver(
-        additional_config={"rcstat": {"method": "rc", "c": 1.0, "window": 8}},
+        additional_config={"rcstat": {"method": "rc", "c": 1.0, "window": 8, "eviction": "eager"}},
         block_size=BLOCK,
         max_model_len=2048,
         max_num_batched_tokens=CHUNK,

@@ -201,9 +201,10 @@ def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction
         return [r.getMessage() for r in caplog.records if "rcstat" in r.getMessage()]
 
     assert not any("decode-time" in line for line in lines(RCStatConfig()))
-    on = lines(RCStatConfig(decode_budget=512))
+    on = lines(RCStatConfig(decode_budget=512, eviction="eager"))
     assert any("decode-time compression on: generated KV compacted to 512 tokens per KV head on average every 128"
                in line and "lazy" not in line for line in on)
     assert any("requests that never meet memory pressure keep their generated KV whole" in line
                for line in lines(RCStatConfig(decode_budget=512, eviction="lazy")))
     assert not any("decode-time" in line for line in lines(RCStatConfig(decode_budget=512), off=True))
+    assert any("keep their generated KV whole" in line for line in lines(RCStatConfig(decode_budget=512)))  # default

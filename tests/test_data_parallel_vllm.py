@@ -108,7 +108,7 @@ def test_each_rank_compresses_its_own_requests_and_frees_every_block(monkeypatch
         max_model_len=2048,
         block_size=BLOCK,
         kv_cache_memory_bytes=64 << 20,
-        additional_config={"rcstat": {"method": "rc", "c": 1.0}},
+        additional_config={"rcstat": {"method": "rc", "c": 1.0, "eviction": "eager"}},
         logits_processors=[RCStatAttributionProcessor],
         **FAST_START,
     )))

@@ -260,7 +260,9 @@ def test_deferred_bound_covers_every_spread_of_the_budget_over_the_heads(seed):
             assert needed <= bound, (n, shared, ratio, spread)
             if spread == "even":
                 assert bound - needed <= 1
-    assert deferred_keep_blocks(RCStatConfig(), 500, layers, space) is None  # eager: scored at prefill
+    assert deferred_keep_blocks(RCStatConfig(eviction="eager"), 500, layers, space) is None  # scored at prefill
+    # The bare flag (lazy eviction, a model-wide budget): nothing scored until the scheduler needs the blocks.
+    assert deferred_keep_blocks(RCStatConfig.from_dict({}), 500, layers, space) is not None
     threshold = RCStatConfig.from_dict({"eviction": "lazy", "c": 1.0})
     assert deferred_keep_blocks(threshold, 500, layers, space) is None
     per_layer = PageSpace.per_layer(layers, heads, block)

@@ -27,7 +27,7 @@ def engines():
 
     # The plugin's worker state belongs to the last engine whose runner set up a KV cache: vanilla first.
     vanilla = EngineDriver(**ENGINE)
-    plugin = EngineDriver(additional_config={"rcstat": {}}, **ENGINE)
+    plugin = EngineDriver(additional_config={"rcstat": {"eviction": "eager"}}, **ENGINE)
     assert vanilla.engine.vllm_config.cache_config.enable_prefix_caching
     assert plugin.engine.vllm_config.cache_config.enable_prefix_caching  # the flag leaves it on
     for driver in (vanilla, plugin):

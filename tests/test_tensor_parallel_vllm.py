@@ -64,7 +64,7 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
         max_model_len=2048,
         block_size=BLOCK,
         kv_cache_memory_bytes=128 << 20,
-        additional_config={"rcstat": {"method": "rc", "c": 1.0}},
+        additional_config={"rcstat": {"method": "rc", "c": 1.0, "eviction": "eager"}},
         **FAST_START,
     )))
     try:

@@ -197,7 +197,8 @@ class Server:
 def engines(model_dir, tmp_path_factory):
     """Start all four engines at once; the three ``LLM`` runs are collected here, the server is yielded."""
     base = {"model": model_dir, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-    server = Server(model_dir, {"method": "rc"}, tmp_path_factory.mktemp("serve") / "vllm_serve.log", 0)
+    # eager: the server compresses every chat (its pool is never short; lazy eviction would compact none)
+    server = Server(model_dir, {"method": "rc", "eviction": "eager"}, tmp_path_factory.mktemp("serve") / "vllm_serve.log", 0)
     procs = {
         "vanilla": _launch_runner({**base, "rcstat": None}, plugins="__none__", slot=1),
         "flag_absent": _launch_runner({**base, "rcstat": None}, plugins=None, slot=2),
