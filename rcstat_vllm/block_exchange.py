@@ -93,8 +93,11 @@ def swap_in_fresh_blocks(
     if fresh is None:
         fresh = pool.get_new_blocks(num_fresh)
     blocks[shared:end] = fresh + [pool.null_block] * (end - shared - num_fresh)
+    # Tokens generated before a lazy compaction are copied too, those still in the prompt's last block included
+    # (no tail block then).
+    generated = num_tokens > report.num_prompt_tokens
     compaction = Compaction(
-        report.req_id, tuple(block.block_id for block in fresh), num_tokens=num_tokens if tail else 0,
+        report.req_id, tuple(block.block_id for block in fresh), num_tokens=num_tokens if generated else 0,
         tail_block_ids=tail, reason=reason, reuses_own_blocks=num_fresh > before,
     )
     return compaction, pool.get_num_free_blocks() - before

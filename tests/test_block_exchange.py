@@ -267,6 +267,19 @@ def test_a_lazy_compaction_after_decoding_keeps_the_generated_tokens_and_frees_w
     assert all(b.is_null for b in blocks[7:])
 
 
+def test_tokens_generated_into_the_prompts_last_block_before_a_lazy_compaction_are_copied_too():
+    """A 150-token prompt's last block (16 tokens) holds 10 more: compacted at 155 tokens, the 5 generated ones have
+    no tail block, and the worker must still copy them (once, they were dropped: the request then decoded without
+    its first generated tokens' KV and its answer went astray)."""
+    pool = FakePool(40)
+    blocks = allocate(pool, 10)  # 155 tokens
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    state.apply_reports(pool, [lazy_report(4, 150, "r")], lambda req_id: blocks)
+    assert state.relieve_pressure(pool, pool.get_num_free_blocks() + 1, lambda req_id: (blocks, 155), "short") == 6
+    (compaction,) = state.outgoing
+    assert compaction.num_tokens == 155 and compaction.tail_block_ids == () and len(compaction.block_ids) == 4
+
+
 def test_a_parked_request_that_is_not_running_is_skipped_and_forgotten_with_its_blocks():
     pool = FakePool(20)
     blocks = allocate(pool, 6)

@@ -139,21 +139,29 @@ def test_lazy_eviction_keeps_the_full_cache_while_the_pool_holds_every_request(d
 def test_lazy_eviction_compacts_when_a_waiting_request_does_not_fit(driver):
     """Six 900-token requests (29 blocks each) over a pool that holds four: the scheduler compacts parked requests,
     those freeing most first, when the next waiting one does not fit; each is scored then (budget mode: the
-    allocation is the budget's bound) and keeps what it generated meanwhile; every block comes back."""
-    requests = [(f"lazy-p{i}", driver.prompt(900, offset=30 + i), greedy(24, eviction="lazy", target_ratio=0.5))
-                for i in range(6)]
+    allocation is the budget's bound) and keeps what it generated meanwhile, so it answers as the same request
+    compacted right after its prefill (eager: the same keep set, the generated tokens written after it); every
+    block comes back."""
+    prompts = [driver.prompt(900, offset=30 + i) for i in range(6)]
+    requests = [(f"lazy-p{i}", p, greedy(24, eviction="lazy", target_ratio=0.5)) for i, p in enumerate(prompts)]
     assert 6 * cdiv(900 + 24, BLOCK) > driver.initial_free
     run = driver.run(requests)
     driver.run([("flush-lazy-p", driver.prompt(8), greedy(1))])
     assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 24 for r in requests}
-    results = [driver.result(r[0]) for r in requests]
-    compacted = [r for r in results if r["skipped_reason"] is None]
-    assert compacted, [r["skipped_reason"] for r in results]
-    for result in compacted:
+    results = {r[0]: driver.result(r[0]) for r in requests}
+    compacted = {rid: r for rid, r in results.items() if r["skipped_reason"] is None}
+    assert compacted, [r["skipped_reason"] for r in results.values()]
+    for result in compacted.values():
         assert result["lazy"] and result["blocks_freed"] > 0 and "blocks wanted" in result["compaction_reason"]
         assert abs(result["compression_ratio"] - 0.5) < 0.01  # scored at compaction time (budget: deferred)
         assert 900 <= result["compacted_at_tokens"] < 900 + 24
+    # Some decoded into the prompt's last block (900 of its 928 slots) before their compaction.
+    assert any(r["compacted_at_tokens"] > 900 for r in compacted.values())
     assert len(compacted) < len(results)  # the last ones ran while memory sufficed
+    eager = driver.run([(f"eager-p{i}", p, greedy(24, eviction="eager", target_ratio=0.5))
+                        for i, p in enumerate(prompts)])
+    for rid, result in compacted.items():
+        assert run.outputs[rid] == eager.outputs[rid.replace("lazy", "eager")], (rid, result["compacted_at_tokens"])
     assert driver.free_blocks() == driver.initial_free
 
 
