@@ -461,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {**ordered[(len(ordered) - 1) // 2],
                              "rounds_output_tok_per_s": [x["output_tok_per_s"] for x in repeats[name]]}
 
-    vanilla = results.get("vanilla", {})
-    for r in results.values():
+    for name, r in results.items():
+        # each run against vanilla with the same prefix caching (the prefix-caching study's "+pc" runs)
+        vanilla = results.get("vanilla+pc" if name.endswith("+pc") else "vanilla", {})
         if "error" in r or "error" in vanilla or not vanilla:
             continue
         r["vs_vanilla"] = {k: r[k] / vanilla[k] for k in ("output_tok_per_s", "requests_per_s", "peak_running",
