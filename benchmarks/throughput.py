@@ -31,7 +31,8 @@ eviction, each with vLLM's prefix caching on (its default) and off: ``vanilla+pc
 ``--long-output-study`` (writes ``throughput_long_output_cpu.json``): long outputs from short prompts, where the
 generated KV fills the pool (reasoning, long answers): 256-token prompts, 2048 output tokens each (``ignore_eos``),
 a pool that holds 4 requests uncompressed. Runs: ``vanilla``, ``default`` (the bare flag: prompts compressed),
-``decode_rc`` (the bare flag with ``decode_budget`` 512, ``decode_interval`` 128: generated KV compressed too) and
+``decode_rc`` (the bare flag with ``decode_budget`` 512, ``decode_interval`` 128 and eager eviction: generated KV
+compressed too) and
 the same decode budget with ``streaming`` (recent window and sinks) and ``snapkv`` scoring.
 
 ``--prefill-study`` (writes ``throughput_prefill_cpu.json``): prefill alone, side by side. 16 distinct prompts of
@@ -101,7 +102,9 @@ LONG_OUTPUT_PRESETS = {
 
 def long_output_plan(cfg: dict) -> list[tuple[str, dict, dict]]:
     """The long-output study's runs: vanilla, the bare flag, and the decode budget with RC, StreamingLLM and SnapKV."""
-    decode = {"decode_budget": cfg["decode_budget"], "decode_interval": cfg["decode_interval"]}
+    # Eager: under lazy eviction (the default) decode-time compaction waits for the prompt's, which waits for
+    # pressure, and the scheduler's pressure relief compacts parked prompts only (a 256-token prompt frees little).
+    decode = {"decode_budget": cfg["decode_budget"], "decode_interval": cfg["decode_interval"], "eviction": "eager"}
     runs = [("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}), ("decode_rc", {}, decode),
             ("decode_streaming", {}, {"method": "streaming", **decode}), ("decode_snapkv", {}, {"method": "snapkv", **decode})]
     return [(name, env, {"rcstat": rcstat}) for name, env, rcstat in runs]
