@@ -332,6 +332,26 @@ def test_decode_time_compression_leaks_nothing_through_aborts(driver):
     assert driver.compression.idle and driver.free_blocks() == driver.initial_free
 
 
+def test_decode_time_compression_under_lazy_eviction_starts_after_the_prompts_compaction(driver):
+    """Lazy eviction with decode_budget: six 900-token requests over a pool that holds four; those whose prompts the
+    scheduler compacts under pressure are then compacted as they decode too (each compaction evicting what the
+    budget says), the others decode whole; every block comes back and the worker holds nothing."""
+    settings = dict(eviction="lazy", target_ratio=0.5, **DECODE)
+    requests = [(f"dlazy{i}", driver.prompt(900, offset=40 + i), greedy(120, **settings)) for i in range(6)]
+    run = driver.run(requests)
+    driver.run([("dflush-lazy", driver.prompt(8), greedy(1))])
+    assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 120 for r in requests}
+    results = [driver.result(r[0]) for r in requests]
+    compacted = [r for r in results if r["skipped_reason"] is None]
+    assert compacted and len(compacted) < len(results)
+    layers, heads = len(compacted[0]["kept"]), len(compacted[0]["kept"][0])
+    for result in compacted:
+        assert result["lazy"] and result["decode_compactions"] >= 1
+        assert result["decode_tokens_evicted"] == result["decode_compactions"] * layers * heads * 32
+    assert all(r["decode_compactions"] == 0 for r in results if r["skipped_reason"] is not None)
+    assert driver.compression.idle and driver.free_blocks() == driver.initial_free
+
+
 def test_decode_time_compression_of_a_prompt_too_short_to_compress(driver):
     """A 40-token prompt (below min_prompt_len, so its prompt stays whole) generating 200 tokens with decode_budget 32:
     its generated KV is compacted as a compressed request's is (its first compaction reads its own blocks), 5 times,
