@@ -46,6 +46,10 @@ def announce(config, compression_off: bool = False) -> None:
         logger.info("rcstat: plugin flag on with %s; KV compression is off (reason above)", config.to_dict())
         return
     logger.info("rcstat: KV compression enabled with %s", config.to_dict())
+    if config.eviction == "lazy" and config.method != "none":
+        logger.info("rcstat: lazy eviction: a request is compacted only when the KV pool runs short (those freeing "
+                    "most blocks first); until then it keeps its full cache. \"eviction\": \"eager\" compacts every "
+                    "request after its prefill")
     if config.decode_compression:
         logger.info(
             "rcstat: decode-time compression on: generated KV compacted to %d tokens per KV head on average every "

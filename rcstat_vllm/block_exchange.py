@@ -191,12 +191,14 @@ class EngineCompaction:
                 skipped_reason=compaction.cancelled_reason, block_size=report.block_size,
             )
         self.stats.observe(report, freed)
+        # A deferred plan (lazy eviction, budget mode) is scored by the worker's copy: its ratio is logged there.
+        ratios = (f"compression ratio {report.compression_ratio:.3f}, global eviction ratio "
+                  f"{report.global_eviction_ratio:.3f}" if report.kept else "scored at the copy")
         logger.debug(
-            "rcstat: request %s: compression ratio %.3f, global eviction ratio %.3f, %d blocks freed "
-            "(predicted %d), %d prompt tokens from the prefix cache, %d free now%s",
+            "rcstat: request %s: %s, %d blocks freed (predicted %d), %d prompt tokens from the prefix cache, "
+            "%d free now%s",
             report.req_id,
-            report.compression_ratio,
-            report.global_eviction_ratio,
+            ratios,
             freed,
             report.blocks_freed,
             report.num_cached_tokens,

@@ -201,6 +201,9 @@ def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction
         return [r.getMessage() for r in caplog.records if "rcstat" in r.getMessage()]
 
     assert not any("decode-time" in line for line in lines(RCStatConfig()))
+    assert any("lazy eviction: a request is compacted only when the KV pool runs short" in line
+               for line in lines(RCStatConfig()))  # the default
+    assert not any("lazy eviction:" in line for line in lines(RCStatConfig(eviction="eager")))
     on = lines(RCStatConfig(decode_budget=512, eviction="eager"))
     assert any("decode-time compression on: generated KV compacted to 512 tokens per KV head on average every 128"
                in line and "lazy" not in line for line in on)
