@@ -106,7 +106,8 @@ FIDELITY = {
 def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int, eviction: str = "eager") -> dict:
     """The engine every setting runs in. ``eviction`` server-wide: ``eager`` (the default here) compacts every
     request right after its prefill, so each row shows what its setting keeps; under the plugin's default (``lazy``)
-    a request is compacted only when the pool runs short, which this benchmark's 2 GiB pool never does."""
+    a request is compacted only when the pool runs short, which would make a row depend on the pool and on which
+    requests ran beside it."""
     from rcstat_vllm.model import with_embedded_dtype
 
     return with_embedded_dtype(dict(model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
