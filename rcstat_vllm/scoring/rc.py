@@ -153,9 +153,12 @@ class _BinnedSearch:
         # NaN or infinite rows, or rows of equal values, get scale 0: one bin, then searchsorted (per_bin = m).
         scale = torch.where((spread > 0) & torch.isfinite(spread), num_bins / spread, torch.zeros_like(spread))
         bins = _bin_of(sorted_values, lowest, scale, num_bins)
-        edges = torch.arange(num_bins + 1, device=bins.device).expand(*bins.shape[:-1], -1).contiguous()
-        first = torch.searchsorted(bins, edges, side="left")  # [..., B + 1]: y in bins before each
-        per_bin = int((first[..., 1:] - first[..., :-1]).max()) if m else 0
+        # first[..., b] = the y in bins before b: a histogram shifted by one bin, summed (one pass over B, where a
+        # searchsorted of every bin edge costs log2(m) steps per edge and dominated small decode-time scorings).
+        counts = torch.zeros(*bins.shape[:-1], num_bins + 1, dtype=torch.int64, device=bins.device)
+        counts.scatter_add_(-1, bins + 1, torch.ones_like(bins))
+        per_bin = int(counts.max()) if m else 0
+        first = counts.cumsum_(-1)  # [..., B + 1]
         padded = None
         if per_bin <= cls.MAX_PER_BIN:  # +inf after the last value: reading past a row's end never counts
             padded = torch.nn.functional.pad(sorted_values, (0, per_bin), value=float("inf"))
@@ -163,10 +166,12 @@ class _BinnedSearch:
 
     def count_below(self, x: Tensor) -> Tensor:
         start = torch.gather(self.first, -1, _bin_of(x, self.lowest, self.scale, self.first.shape[-1] - 1))
-        count = start.clone()
+        # The y in x's bin that are below x, counted in one byte (at most MAX_PER_BIN): adding comparisons into
+        # int64 would convert each one first.
+        in_bin = torch.zeros_like(x, dtype=torch.uint8)
         for k in range(self.per_bin):
-            count += torch.gather(self.padded, -1, start + k) < x
-        return count
+            in_bin += torch.gather(self.padded, -1, start + k) < x
+        return start + in_bin
 
 
 def _bin_of(values: Tensor, lowest: Tensor, scale: Tensor, num_bins: int) -> Tensor:
