@@ -101,8 +101,7 @@ def make_head_plan(
         seq_lens=lengths.view(num_layers, -1).to(torch.int32),
         write_tokens=numbers["write_tokens"],
         slots=compressed_write_slots(
-            resident, numbers["write_token_slots"], numbers["write_positions"], space.block_size,
-            one_token_per_row=host.max_query_len <= 1,
+            resident, numbers["write_token_slots"], numbers["write_positions"], space.block_size
         ).view(num_layers, -1),
         num_heads=num_heads,
         max_query_len=host.max_query_len,
@@ -179,23 +178,17 @@ class HostStepNumbers:
         return dict(zip(self.arrays, pieces))
 
 
-def compressed_write_slots(
-    resident: HeadPageTables, token_slots, positions, block_size: int, one_token_per_row: bool = False
-) -> torch.Tensor:
+def compressed_write_slots(resident: HeadPageTables, token_slots, positions, block_size: int) -> torch.Tensor:
     """``[L, Tc, H]`` head-page slots of compressed rows' tokens: the token at position p of a head with length base
     b is entry ``b + p`` of its page list.
 
-    A decode step (one token per compressed row) writes each head's last token, which ``reserve`` has just made
-    room for in the head's last page: its page comes from the small ``[L, S, H]`` last-page table. Otherwise
-    each token's page is gathered from the page lists (``[L, S, H, P]`` is contiguous: one flat index), a read of
-    ``L * Tc * H`` scattered entries of the largest table. Few ops, int32 where it suffices: on the CPU this runs
-    on the step's critical path."""
+    Each token's page is gathered from the page lists (``[L, S, H, P]`` is contiguous: one flat index), a read of
+    ``L * Tc * H`` scattered entries of the largest table; a head's last page is not always the one it writes
+    (``reserve`` hands every head its page of a block at the block's first step). Few ops, int32 where it
+    suffices: on the CPU this runs on the step's critical path."""
     pages, base = resident.pages.on_device, resident.length_base.on_device  # [L, S, H, P], [L, S, H]
     num_layers, num_slots, num_heads, width = pages.shape
     index = base.index_select(1, token_slots) + positions.view(1, -1, 1).to(base.dtype)  # [L, Tc, H]
-    if one_token_per_row:
-        token_pages = resident.last_page.on_device.index_select(1, token_slots)
-        return token_pages.to(torch.int64) * block_size + index % block_size
     column = torch.div(index, block_size, rounding_mode="floor")
     # Flat offset of (layer, slot, head, column) in [L, S, H, P]: ((l * S + s) * H + h) * P + column.
     layers = torch.arange(num_layers, device=base.device).view(-1, 1, 1) * (num_slots * num_heads * width)

@@ -169,8 +169,15 @@ class CompactedRequest:
         if fresh_positions:
             self._absorb(_host_ids(block_ids, fresh_positions))
         if num_tokens - self.num_compacted_tokens <= self.room:
-            return  # the common case: every head still has room in its last page
-        needed = (self.lengths(num_tokens) + self.block_size - 1) // self.block_size
+            return  # the common case: every head has room in the pages it holds
+        # Pages up to the end of the block ``num_tokens`` falls in, for every head at once: the tokens of one block
+        # need exactly one new page per (layer, head), which that block brought (or, before the first boundary after
+        # compaction, ``blocks_needed`` counted), so handing them all out at the first step of the block where a head
+        # needs one, instead of each at its own boundary, takes no page the pools would lack, and the block's other
+        # steps take the fast path. Heads keeping different numbers of tokens cross page boundaries at different
+        # steps: one page at a time, this slow path ran nearly every step of every such request.
+        horizon = cdiv(num_tokens, self.block_size) * self.block_size
+        needed = (self.lengths(horizon) + self.block_size - 1) // self.block_size
         layers, heads = torch.nonzero(needed > self.page_counts, as_tuple=True)
         have = self.page_counts[layers, heads]
         counts = needed[layers, heads] - have

@@ -137,8 +137,6 @@ class HeadPageTables:
         slots, width = min(slots, max_slots or slots), min(width, max_width or width)
         self.pages = MirroredTensor((num_layers, slots, num_heads, width), self.device, fill=-1, device_floor=0)
         self.length_base = MirroredTensor((num_layers, slots, num_heads), self.device, fill=0)
-        #: ``[L, S, H]`` each head's last page: where a decode step's token goes (no gather from ``pages``)
-        self.last_page = MirroredTensor((num_layers, slots, num_heads), self.device, fill=0)
         self.longest_base = torch.zeros(slots, num_layers, dtype=torch.int64)
         self._free_slots = list(range(slots - 1, -1, -1))
 
@@ -160,8 +158,8 @@ class HeadPageTables:
 
     @property
     def copies(self) -> int:
-        """Host-to-device copies committed so far, over the three tensors."""
-        return self.pages.copies + self.length_base.copies + self.last_page.copies
+        """Host-to-device copies committed so far, over both tensors."""
+        return self.pages.copies + self.length_base.copies
 
     def attach(self, table: Tensor, base: Tensor) -> ResidentTable:
         """A slot for a freshly compacted request's page table ``[L, H, P]`` (-1 = no page) and length base ``[L, H]``;
@@ -174,8 +172,6 @@ class HeadPageTables:
         padded[:, :, : table.shape[2]] = table
         self.pages.write((layers.unsqueeze(2), torch.tensor(slot), heads.unsqueeze(2), columns), padded)
         self.length_base.write((layers, torch.tensor(slot), heads), base)
-        held = (table >= 0).sum(dim=2, keepdim=True)
-        self.last_page.write((layers, torch.tensor(slot), heads), table.gather(2, (held - 1).clamp(min=0)).squeeze(2))
         self.longest_base[slot] = base.amax(dim=1)
         return ResidentTable(self, slot)
 
@@ -192,12 +188,6 @@ class HeadPageTables:
         self._ensure_width(int(columns.max()) + 1)
         slots = torch.full_like(layers, slot)
         self.pages.write((layers, slots, heads, columns), page_ids)
-        # Each (layer, head)'s new last page: the one it took at its highest column here (lists only grow).
-        head = layers * self.num_heads + heads
-        highest = torch.full((self.num_layers * self.num_heads,), -1, dtype=columns.dtype)
-        highest = highest.scatter_reduce(0, head, columns, reduce="amax")
-        last = columns == highest[head]
-        self.last_page.write((layers[last], slots[last], heads[last]), page_ids[last])
 
     def slot_pages(self, slot: int, width: int) -> Tensor:
         """Host view ``[L, H, width]`` of a slot's page ids."""
@@ -207,12 +197,11 @@ class HeadPageTables:
         """Ship this step's changes to the device (one copy per tensor that changed, none otherwise)."""
         self.pages.commit()
         self.length_base.commit()
-        self.last_page.commit()
 
     @staticmethod
     def bound_bytes(num_layers: int, num_heads: int, max_slots: int, max_width: int) -> int:
         """The most the page tables take on each side (host mirror, device copy): int32 pages and length bases."""
-        return 4 * num_layers * max_slots * num_heads * (max_width + 2)
+        return 4 * num_layers * max_slots * num_heads * (max_width + 1)
 
     def _take_slot(self) -> int:
         if not self._free_slots:
@@ -222,7 +211,6 @@ class HeadPageTables:
                 raise RuntimeError(f"rcstat: more than {used} compressed requests at once (max_num_seqs)")
             self.pages.grow((self.num_layers, grown, *self.pages.shape[2:]))
             self.length_base.grow((self.num_layers, grown, self.num_heads))
-            self.last_page.grow((self.num_layers, grown, self.num_heads))
             longest = torch.zeros(grown, self.num_layers, dtype=torch.int64)
             longest[:used] = self.longest_base
             self.longest_base = longest
