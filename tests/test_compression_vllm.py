@@ -332,6 +332,33 @@ def test_decode_time_compression_leaks_nothing_through_aborts(driver):
     assert driver.compression.idle and driver.free_blocks() == driver.initial_free
 
 
+@pytest.mark.long
+def test_decode_time_compression_soak_with_preemptions_and_aborts(driver):
+    """Sixteen requests of 400 to 550 tokens generating 200 each with decode_budget 64 / interval 64 (RC or
+    StreamingLLM; prompts compacted, or kept whole below min_prompt_len) outgrow the pool before their first
+    decode-time compaction: vLLM preempts some, recomputes them, and they are compacted again as they decode; two
+    are aborted mid-way. Every other request generates all its tokens, every block comes back, the worker holds
+    nothing."""
+    decode = dict(decode_budget=64, decode_interval=64)
+    whole = dict(min_prompt_len=1024)
+    settings = [dict(whole, **decode), dict(whole, method="streaming", **decode), dict(target_ratio=0.7, **decode),
+                dict(method="streaming", target_ratio=0.7, **decode)]
+    requests = [(f"dsoak{i}", driver.prompt(400 + 10 * i, offset=11 * i), greedy(200, **settings[i % 4]))
+                for i in range(16)]
+    aborts = {"dsoak3": 60, "dsoak8": 150}
+    driver.engine.reset_prefix_cache()
+    compactions_before = driver.stats.decode_compactions
+    run = driver.run(requests, abort_after=aborts)
+    compactions = driver.stats.decode_compactions - compactions_before
+    print(f"\n[decode soak] {run.preemptions} preemptions, {compactions} decode-time compactions")
+    assert run.preemptions > 0, "growth was meant to exceed the pool before the first decode-time compactions"
+    finished = {rid: len(tokens) for rid, tokens in run.outputs.items() if rid not in aborts}
+    assert finished == {r[0]: 200 for r in requests if r[0] not in aborts}
+    assert compactions >= len(finished)
+    driver.run([("dflush-soak", driver.prompt(8), greedy(1))])
+    assert driver.compression.idle and driver.free_blocks() == driver.initial_free
+
+
 def test_decode_time_compression_under_lazy_eviction_starts_after_the_prompts_compaction(driver):
     """Lazy eviction with decode_budget: six 900-token requests over a pool that holds four; those whose prompts the
     scheduler compacts under pressure are then compacted as they decode too (each compaction evicting what the
