@@ -104,6 +104,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
         dropped_req_ids=_dropped_req_ids(scheduler_output),
         compactions=_compactions(scheduler_output),
         block_size=None if host_table is None else host_table.block_size,
+        decode_soon=frozenset(getattr(scheduler_output, "rcstat_decode_soon", None) or ()),
     )
 
 

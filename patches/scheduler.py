@@ -3,7 +3,8 @@
 
 - ``Scheduler.update_from_output``: apply the worker's compaction reports (fresh blocks in, prompt blocks out).
 - ``Scheduler.schedule``: under lazy eviction, first compact parked requests if the blocks it is about to want exceed
-  the free ones; then send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`).
+  the free ones; then send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`), with the
+  requests whose decode-time compaction the workers bring forward (:mod:`rcstat_vllm.decode_pressure`).
 - ``FullAttentionManager.cache_blocks``: a compacted request's blocks never become prefix-cache entries.
 - ``SingleTypeKVCacheManager.pop_blocks_for_free``: forget a request's compacted blocks when vLLM frees them.
 - ``KVCacheManager.get_computed_blocks``: clip a hit before the observation window; no hit returns a compacted block.
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from rcstat_vllm.block_exchange import engine_compaction, existing_engine_compaction
-from rcstat_vllm.config import server_config
+from rcstat_vllm.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
+from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides, server_config
+from rcstat_vllm.decode_pressure import RunningRequest
+from rcstat_vllm.log import logger
 from rcstat_vllm.metrics import CompressionStats
 from rcstat_vllm.step import Compaction
 
@@ -69,6 +72,8 @@ class RCStatSchedulerOutput(SchedulerOutput):
     """vLLM's scheduler output plus the compactions the workers run before this step's forward."""
 
     rcstat_compactions: list[Compaction] = field(default_factory=list)
+    #: requests whose decode-time compaction the workers bring forward (the pool is about to run short)
+    rcstat_decode_soon: tuple[str, ...] = ()
 
 
 def scheduler_stats(scheduler) -> CompressionStats:
@@ -119,6 +124,34 @@ def blocks_wanted(scheduler) -> tuple[int, str]:
     return growth + waiting, reason
 
 
+def decode_config(server: RCStatConfig, request) -> RCStatConfig | None:
+    """The request's config when its generated KV is compressed (``decode_budget``), else None."""
+    extra_args = request.sampling_params and request.sampling_params.extra_args
+    try:
+        config = server.merged(request_overrides(extra_args))
+    except ConfigError:  # validated at admission; the worker runs such a request uncompressed
+        return None
+    return config if config.decode_compression else None
+
+
+def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
+    """After a schedule: the running requests whose decode-time compaction the workers should bring forward, the
+    pool being about to run short (``rcstat_vllm/decode_pressure.py``)."""
+    pressure, server = state.decode_pressure, state.config
+    manager = scheduler.kv_cache_manager
+    running = [
+        RunningRequest(request.request_id, request.num_tokens, len(request_blocks(manager, request.request_id)),
+                       pressure.watch(request.request_id, request.num_tokens, lambda r=request: decode_config(server, r)))
+        for request in scheduler.running
+    ]
+    block_size = manager.coordinator.single_type_managers[0].block_size
+    chosen, reason = pressure.requests_to_hurry(running, manager.block_pool.get_num_free_blocks(), block_size)
+    if chosen:
+        logger.debug("rcstat: decode-time compaction brought forward (%d requests; %s): %s", len(chosen), reason,
+                     ", ".join(chosen))
+    return chosen
+
+
 def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
@@ -151,13 +184,12 @@ def _schedule(original):
                     f"{wanted} blocks wanted, {free} free ({reason})",
                 )
         output = original(self, *args, **kwargs)
-        if not state.outgoing:
-            return output
-        compactions = state.take_outgoing(lambda req_id: is_running(self, req_id))
-        if not compactions:
+        decode_soon = bring_decode_compactions_forward(self, state)
+        compactions = state.take_outgoing(lambda req_id: is_running(self, req_id)) if state.outgoing else []
+        if not compactions and not decode_soon:
             return output
         return RCStatSchedulerOutput(**{f.name: getattr(output, f.name) for f in fields(output)},
-                                     rcstat_compactions=compactions)
+                                     rcstat_compactions=compactions, rcstat_decode_soon=tuple(decode_soon))
 
     return wrapper
 

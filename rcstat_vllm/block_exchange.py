@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, MutableSequence, Protocol
 
 from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.decode_pressure import DecodePressure
 from rcstat_vllm.log import logger
 from rcstat_vllm.metrics import CompressionStats
 from rcstat_vllm.reports import CompressionReport
@@ -117,11 +118,16 @@ class EngineCompaction:
     outgoing: list[Compaction] = field(default_factory=list)
     #: lazy eviction: request id -> its plan, parked until the scheduler needs blocks
     pending: dict[str, CompressionReport] = field(default_factory=dict)
+    #: decode-time compactions brought forward when the pool is about to run short
+    decode_pressure: DecodePressure = field(default_factory=DecodePressure)
+    #: requests whose decode-time compaction the next scheduler output brings forward
+    decode_soon: list[str] = field(default_factory=list)
 
     def forget(self, req_id: str) -> None:
         """The request's blocks go back to the pool (vLLM frees them)."""
         self.compacted_blocks.difference_update(self.compacted.pop(req_id, ()))
         self.pending.pop(req_id, None)
+        self.decode_pressure.forget(req_id)
 
     def apply_reports(
         self,
@@ -180,6 +186,8 @@ class EngineCompaction:
             self.compacted_blocks.update(compaction.block_ids)
         if report.decode:
             self.stats.observe_decode(report, freed, compaction.cancelled_reason is None)
+            copied = compaction.cancelled_reason is None
+            self.decode_pressure.compacted(report.req_id, report.num_prompt_tokens if copied else None)
             logger.debug("rcstat: request %s: decode-time compaction at %d tokens: %d generated entries evicted, "
                          "%d blocks freed, %d free now%s", report.req_id, report.num_prompt_tokens,
                          report.decode_tokens_evicted, freed, pool.get_num_free_blocks(),

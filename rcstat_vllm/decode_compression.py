@@ -10,7 +10,9 @@ the window itself is always kept, the prompt's kept entries are never rescored. 
 prompt's does; the next step copies the kept entries into the blocks it gives
 (:func:`~rcstat_vllm.compaction.recompact_request`; staged when they include the request's own, under pressure) and
 the request's old blocks go back to the pool. A request whose prompt stayed whole is compacted the same way, the first
-time from its own blocks (:meth:`~rcstat_vllm.head_pages.CompactedRequest.uncompressed`).
+time from its own blocks (:meth:`~rcstat_vllm.head_pages.CompactedRequest.uncompressed`). When the pool is about to run
+short the scheduler brings a compaction forward (:mod:`rcstat_vllm.decode_pressure`, :meth:`DecodeCompressor.hurry`):
+due once a window of queries is saved, evicting what then exceeds the budget.
 
 One :class:`DecodeCompressor` per request with ``decode_budget`` on the worker, owned by its record
 (:mod:`rcstat_vllm.worker_requests`); the worker (:mod:`rcstat_vllm.worker`) drives it. Plain torch; no vLLM.
@@ -26,6 +28,7 @@ from torch import Tensor
 from rcstat_vllm.compaction import blocks_needed
 from rcstat_vllm.compression import scorer_options
 from rcstat_vllm.config import OBSERVING_METHODS, RCStatConfig
+from rcstat_vllm.decode_pressure import decode_queries
 from rcstat_vllm.head_pages import CompactedRequest
 from rcstat_vllm.kv_layout import CacheLayout
 from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_budget
@@ -70,7 +73,7 @@ class DecodeCompressor:
             options["window_size"] = observed
         self.scorer = get_scorer(config.method, **options)
         #: queries kept per layer: the observed ones, and at least the always-kept window
-        self.num_queries = max(observed, config.window)
+        self.num_queries = decode_queries(config)
         #: per layer, the last generated tokens' queries ``[num_queries, Hq, D]`` (None until saved)
         self.queries: list[Tensor | None] = [None] * self.num_layers
         #: per layer, this step's generated-entry scores per head (while a step scores the request)
@@ -94,6 +97,13 @@ class DecodeCompressor:
     def due(self, num_tokens: int) -> bool:
         """Whether the step that brings the request to ``num_tokens`` tokens scores and selects it."""
         return self.pending is None and num_tokens >= self.next_due
+
+    def hurry(self, num_tokens: int) -> None:
+        """The pool is about to run short (the scheduler says so, :mod:`rcstat_vllm.decode_pressure`): due once a
+        window of queries is saved from this step on (the step that brings the request to ``num_tokens``), unless
+        due sooner or a plan is pending."""
+        if self.pending is None:
+            self.next_due = min(self.next_due, num_tokens + self.num_queries - 1)
 
     def observing(self, num_tokens: int) -> bool:
         """Whether this step's queries may be in the window of a coming decode compaction (saved only then)."""

@@ -60,3 +60,5 @@ class StepInfo:
     compactions: list[Compaction] = field(default_factory=list)
     #: tokens per block of the requests' ``block_ids`` (vLLM's KV-manager block size), None when they carry none
     block_size: int | None = None
+    #: requests whose decode-time compaction the scheduler brings forward (the pool is about to run short)
+    decode_soon: frozenset[str] = frozenset()

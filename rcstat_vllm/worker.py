@@ -512,9 +512,11 @@ class WorkerCompression:
                 else block_table[row, :used].cpu()
             record.state = CompactedRequest.uncompressed(num_tokens, self.space, block_ids)
 
-    @staticmethod
-    def _watch_decode(plan: StepCompression, record, num_tokens: int, query_start: int, query_end: int) -> bool:
-        """Keep the row's queries when a decode-time compaction is near; schedule its scoring when one is due (True)."""
+    def _watch_decode(self, plan: StepCompression, record, num_tokens: int, query_start: int, query_end: int) -> bool:
+        """Keep the row's queries when a decode-time compaction is near; schedule its scoring when one is due (True).
+        The scheduler brings a compaction forward when the pool is about to run short."""
+        if record.req_id in self._step.decode_soon:
+            record.decode.hurry(num_tokens)
         if record.decode.observing(num_tokens):
             plan.decode_queries.append((record.decode, query_start, query_end))
         if not record.decode.due(num_tokens):

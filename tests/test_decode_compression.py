@@ -95,6 +95,32 @@ def test_a_cancelled_plan_is_due_again_after_a_new_window_of_queries():
     assert decode.observing(t + 1) and decode.due(t + decode.num_queries)
 
 
+def test_a_compaction_brought_forward_is_due_once_a_window_of_queries_is_saved():
+    """The scheduler brings a compaction forward (the pool is about to run short): the request observes from that step
+    and is due a window of queries later; never later than it was due anyway, and not while a plan is pending."""
+    g = torch.Generator().manual_seed(4)
+    caches, space, state, row, blocks = _request(g)
+    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept,
+                              state.num_compacted_tokens)
+    scheduled = decode.next_due  # 100 + 24 + 64
+    now = state.num_compacted_tokens + 40
+    assert not decode.observing(now)
+    decode.hurry(now)
+    assert decode.observing(now) and not decode.due(now + decode.num_queries - 2)
+    assert decode.due(now + decode.num_queries - 1) and decode.next_due < scheduled
+    decode.hurry(now + 5)  # asked again: still due when the first window is complete
+    assert decode.next_due == now + decode.num_queries - 1
+    late = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept,
+                            state.num_compacted_tokens)
+    late.hurry(late.next_due - 2)  # due sooner anyway
+    assert late.next_due == scheduled
+    t = decode.next_due
+    _grow(state, row, blocks, t)
+    _score_and_select(decode, state, caches, t, g)
+    decode.hurry(t + 1)  # a plan is with the scheduler
+    assert decode.pending is not None and not decode.due(t + 100)
+
+
 def test_decode_budget_is_validated_against_the_window():
     with pytest.raises(Exception, match="decode_budget"):
         RCStatConfig(window=32, decode_budget=16)
