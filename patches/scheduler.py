@@ -138,11 +138,14 @@ def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list
     """After a schedule: the running requests whose decode-time compaction the workers should bring forward, the
     pool being about to run short (``rcstat_vllm/decode_pressure.py``)."""
     pressure, server = state.decode_pressure, state.config
+    configs = [pressure.watch(request.request_id, request.num_tokens, lambda r=request: decode_config(server, r))
+               for request in scheduler.running]
+    if all(config is None for config in configs):  # (merged once per request: one lookup per request and step)
+        return []
     manager = scheduler.kv_cache_manager
     running = [
-        RunningRequest(request.request_id, request.num_tokens, len(request_blocks(manager, request.request_id)),
-                       pressure.watch(request.request_id, request.num_tokens, lambda r=request: decode_config(server, r)))
-        for request in scheduler.running
+        RunningRequest(request.request_id, request.num_tokens, len(request_blocks(manager, request.request_id)), config)
+        for request, config in zip(scheduler.running, configs)
     ]
     block_size = manager.coordinator.single_type_managers[0].block_size
     chosen, reason = pressure.requests_to_hurry(running, manager.block_pool.get_num_free_blocks(), block_size)

@@ -89,6 +89,8 @@ class DecodeCompressor:
         #: ``budget`` on average). Counted in tokens, not per head, so every tensor-parallel rank is due in the same
         #: step (their heads differ).
         self.next_due = num_tokens + self.budget + self.interval
+        #: the heads held ``held`` generated entries on average when the request had ``since`` tokens
+        self.held, self.since = 0, num_tokens
 
     @property
     def num_layers(self) -> int:
@@ -101,9 +103,11 @@ class DecodeCompressor:
     def hurry(self, num_tokens: int) -> None:
         """The pool is about to run short (the scheduler says so, :mod:`rcstat_vllm.decode_pressure`): due once a
         window of queries is saved from this step on (the step that brings the request to ``num_tokens``), unless
-        due sooner or a plan is pending."""
-        if self.pending is None:
-            self.next_due = min(self.next_due, num_tokens + self.num_queries - 1)
+        due sooner, a plan is pending, or its heads would then hold too few generated entries to evict a window's
+        worth beyond the budget (the scheduler's estimate counts tokens, the heads know)."""
+        due_at = num_tokens + self.num_queries - 1
+        if self.pending is None and self.held + due_at - self.since >= self.budget + self.window:
+            self.next_due = min(self.next_due, due_at)
 
     def observing(self, num_tokens: int) -> bool:
         """Whether this step's queries may be in the window of a coming decode compaction (saved only then)."""
@@ -163,7 +167,7 @@ class DecodeCompressor:
                                 dtype=torch.float64)
             for head, scores in enumerate(per_head):
                 padded[head, width - scores.numel() :] = self._comparable(scores)
-            ratio = 1.0 - self.budget / width
+            ratio = max(0.0, 1.0 - self.budget / width)  # (the widest head holds more than the budget when due)
             keep = select_budget(padded, self.window, ratio).mask.cpu()
             mask = torch.zeros(len(per_head), int(lengths[layer].max()), dtype=torch.bool)
             for head in range(len(per_head)):
@@ -185,6 +189,7 @@ class DecodeCompressor:
         self.compactions += 1
         self.tokens_evicted += self.pending.evicted
         self.next_due = self.pending.num_tokens + self.interval
+        self.held, self.since = self.budget, self.pending.num_tokens
         self.pending = None
 
     def cancelled(self) -> None:

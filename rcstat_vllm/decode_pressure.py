@@ -50,8 +50,11 @@ class DecodePressure:
     started_at: dict[str, int] = field(default_factory=dict)
     #: request id -> tokens in its cache at its last decode-time compaction
     compacted_at: dict[str, int] = field(default_factory=dict)
-    #: request id -> the blocks it is expected to free, for requests asked to compact and not compacted yet
-    hurried: dict[str, int] = field(default_factory=dict)
+    #: request id -> (the blocks it is expected to free, the check that asked), for requests asked to compact and not
+    #: compacted yet; forgotten after ``2 * lead`` checks (a worker declines when its heads hold too little to evict)
+    hurried: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: checks so far (one per schedule)
+    checks: int = 0
 
     def watch(self, req_id: str, num_tokens: int, make_config) -> RCStatConfig | None:
         """The request's config when it compresses generated KV (``make_config()`` the first time it is seen)."""
@@ -59,6 +62,11 @@ class DecodePressure:
             self.configs[req_id] = make_config()
             self.started_at[req_id] = num_tokens
         return self.configs[req_id]
+
+    def started(self, req_id: str, num_tokens: int) -> None:
+        """The request's prompt was compacted at ``num_tokens`` tokens (under lazy eviction, with the tokens generated
+        before kept whole): its workers count generated KV from there."""
+        self.started_at[req_id] = num_tokens
 
     def compacted(self, req_id: str, num_tokens: int | None) -> None:
         """A decode-time plan of the request came back: copied at ``num_tokens`` tokens, or refused (None)."""
@@ -84,13 +92,16 @@ class DecodePressure:
     def requests_to_hurry(self, running: list[RunningRequest], free_blocks: int, block_size: int) -> tuple[list[str], str]:
         """The requests to compact now, and why (none when the pool holds the growth of the next ``lead`` steps, or
         when the requests asked earlier are expected to cover the shortfall)."""
+        self.checks += 1
         watched = [r for r in running if r.config is not None]
         if not watched:
             return [], ""
         lead = max(decode_queries(r.config) for r in watched) + 2
+        for req_id in [r for r, (_, asked) in self.hurried.items() if self.checks - asked > 2 * lead]:
+            del self.hurried[req_id]
         wanted = sum(max(0, -(-(r.num_tokens + lead) // block_size) - r.blocks_held) for r in running)
         short = wanted - free_blocks
-        covered = sum(self.hurried.get(r.req_id, 0) for r in watched)
+        covered = sum(self.hurried[r.req_id][0] for r in watched if r.req_id in self.hurried)
         if short <= covered:
             return [], ""
         chosen = []
@@ -98,7 +109,7 @@ class DecodePressure:
         for gain, req_id in sorted(gains, key=lambda g: -g[0]):
             if gain <= 0 or covered >= short:
                 break
-            self.hurried[req_id] = gain
+            self.hurried[req_id] = (gain, self.checks)
             covered += gain
             chosen.append(req_id)
         return chosen, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"

@@ -97,12 +97,15 @@ def test_a_cancelled_plan_is_due_again_after_a_new_window_of_queries():
 
 def test_a_compaction_brought_forward_is_due_once_a_window_of_queries_is_saved():
     """The scheduler brings a compaction forward (the pool is about to run short): the request observes from that step
-    and is due a window of queries later; never later than it was due anyway, and not while a plan is pending."""
+    and is due a window of queries later; never later than it was due anyway, not while a plan is pending, and not
+    when its heads would hold too few generated entries to evict a window's worth beyond the budget."""
     g = torch.Generator().manual_seed(4)
     caches, space, state, row, blocks = _request(g)
     decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept,
                               state.num_compacted_tokens)
     scheduled = decode.next_due  # 100 + 24 + 64
+    decode.hurry(state.num_compacted_tokens + 10)  # declined: 17 generated entries by then, the budget is 24
+    assert decode.next_due == scheduled
     now = state.num_compacted_tokens + 40
     assert not decode.observing(now)
     decode.hurry(now)

@@ -61,3 +61,21 @@ def test_a_recomputed_request_counts_its_generated_kv_from_its_restart():
     pressure.forget("a")  # preempted
     again = _running(pressure, "a", 250, 20)
     assert pressure.expected_gain(again, lead=10, block_size=BLOCK) == 0
+
+
+def test_a_request_whose_worker_declined_is_asked_again_after_twice_the_lead():
+    pressure = DecodePressure()
+    a = _running(pressure, "a", 100, 150)
+    assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == ["a"]
+    for _ in range(20):  # lead 10: its expected blocks count as coming for 20 checks
+        assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == []
+    assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == ["a"]
+
+
+def test_generated_kv_counts_from_a_lazy_prompt_compaction():
+    """Under lazy eviction the prompt is compacted when the pool is short, the tokens generated before kept whole: the
+    workers count generated KV from there."""
+    pressure = DecodePressure()
+    a = _running(pressure, "a", 100, 150)
+    pressure.started("a", 240)
+    assert pressure.expected_gain(a, lead=10, block_size=BLOCK) == 0
