@@ -53,7 +53,8 @@ def announce(config, compression_off: bool = False) -> None:
     if config.decode_compression:
         logger.info(
             "rcstat: decode-time compression on: generated KV compacted to %d tokens per KV head on average every "
-            "%d tokens%s", config.decode_budget, config.decode_interval,
+            "%d tokens, earlier when the KV pool is about to run short (instead of preempting)%s", config.decode_budget,
+            config.decode_interval,
             " (lazy eviction: only once a request's prompt was compacted; requests that never meet memory pressure "
             "keep their generated KV whole)" if config.eviction == "lazy" else "",
         )

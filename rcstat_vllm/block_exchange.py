@@ -193,9 +193,7 @@ class EngineCompaction:
                          report.decode_tokens_evicted, freed, pool.get_num_free_blocks(),
                          f" (skipped: {compaction.cancelled_reason})" if compaction.cancelled_reason else "")
             return freed
-        if compaction.cancelled_reason is None:  # its workers count generated KV from here (the prompt's, or later)
-            self.decode_pressure.started(report.req_id, max(num_tokens, report.num_prompt_tokens))
-        else:
+        if compaction.cancelled_reason is not None:
             report = CompressionReport(
                 report.req_id, report.num_prompt_tokens, report.method, report.prompt_blocks,
                 skipped_reason=compaction.cancelled_reason, block_size=report.block_size,

@@ -55,9 +55,10 @@ class DecodePlan:
 class DecodeCompressor:
     """One request's decode-time compression (see the module docstring)."""
 
-    def __init__(self, config: RCStatConfig, prompt_entries: Tensor, num_tokens: int):
+    def __init__(self, config: RCStatConfig, prompt_entries: Tensor, num_tokens: int, generated: int = 0):
         """For a request holding ``num_tokens`` tokens, each head's first ``prompt_entries`` ``[L, H]`` entries its
-        prompt's (all of it, or what its compaction kept)."""
+        prompt's (all of it, or what its compaction kept), then its last ``generated`` tokens, every head all of them
+        (a prompt compacted lazily, after the request decoded over its full cache)."""
         if config.decode_budget is None:
             raise ValueError("rcstat: decode-time compression without decode_budget")
         self.config = config
@@ -87,10 +88,10 @@ class DecodeCompressor:
         #: tokens in the cache at which the next decode-time compaction is due: once the heads hold ``budget +
         #: interval`` generated entries on average, then every ``interval`` tokens (after a compaction each head holds
         #: ``budget`` on average). Counted in tokens, not per head, so every tensor-parallel rank is due in the same
-        #: step (their heads differ).
-        self.next_due = num_tokens + self.budget + self.interval
+        #: step (their heads differ). A window of queries is saved first.
+        self.next_due = num_tokens + max(self.budget + self.interval - generated, self.num_queries)
         #: the heads held ``held`` generated entries on average when the request had ``since`` tokens
-        self.held, self.since = 0, num_tokens
+        self.held, self.since = generated, num_tokens
 
     @property
     def num_layers(self) -> int:

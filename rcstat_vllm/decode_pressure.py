@@ -3,7 +3,7 @@
 A request with ``decode_budget`` is compacted every ``decode_interval`` generated tokens, on a schedule the worker
 keeps (:class:`~rcstat_vllm.decode_compression.DecodeCompressor`). Requests that start together also grow together:
 in a pool that fills before their first compaction is due, vLLM has to preempt some of them (and recompute them
-later), although each holds generated KV its budget would evict. So before each schedule the scheduler looks
+later), although each holds generated KV its budget would evict. So after each schedule the scheduler looks
 ``lead`` steps ahead (a window of queries to save, plus the scoring step and the copy's): when the blocks the running
 requests will want by then exceed the free ones, it asks the workers to compact the requests holding most generated
 KV beyond their budget now (due once they have saved a window of queries), until what they are expected to free
@@ -62,11 +62,6 @@ class DecodePressure:
             self.configs[req_id] = make_config()
             self.started_at[req_id] = num_tokens
         return self.configs[req_id]
-
-    def started(self, req_id: str, num_tokens: int) -> None:
-        """The request's prompt was compacted at ``num_tokens`` tokens (under lazy eviction, with the tokens generated
-        before kept whole): its workers count generated KV from there."""
-        self.started_at[req_id] = num_tokens
 
     def compacted(self, req_id: str, num_tokens: int | None) -> None:
         """A decode-time plan of the request came back: copied at ``num_tokens`` tokens, or refused (None)."""

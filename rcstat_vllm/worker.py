@@ -293,8 +293,10 @@ class WorkerCompression:
         )
         state.attach_to(self._resident_tables())
         record.phase, record.state, record.compressor = Phase.COMPRESSED, state, None
-        if compressor.config.decode_compression:
-            record.decode = DecodeCompressor(compressor.config, state.kept, state.num_compacted_tokens)
+        if compressor.config.decode_compression:  # (tokens generated before a lazy compaction: kept whole so far)
+            generated = state.num_compacted_tokens - compressor.decision.num_tokens
+            record.decode = DecodeCompressor(compressor.config, state.kept - generated, state.num_compacted_tokens,
+                                             generated)
         report = compressor.report()
         report.compacted_at_tokens = compaction.num_tokens or compressor.decision.num_tokens
         report.compaction_reason = compaction.reason
@@ -499,8 +501,10 @@ class WorkerCompression:
             if invalid is not None or not config.decode_compression:
                 return
             prompt = torch.full((self.num_layers, self.num_heads), request.num_prompt_tokens, dtype=torch.int64)
-            record = self.requests.add(WorkerRequest(request.req_id, phase=Phase.UNCOMPRESSED_DECODE,
-                                                     decode=DecodeCompressor(config, prompt, request.num_prompt_tokens)))
+            # (a request recomputed after a preemption has generated tokens already)
+            generated = request.num_computed_tokens - request.num_prompt_tokens
+            decode = DecodeCompressor(config, prompt, request.num_computed_tokens, generated)
+            record = self.requests.add(WorkerRequest(request.req_id, phase=Phase.UNCOMPRESSED_DECODE, decode=decode))
         if record.phase is not Phase.UNCOMPRESSED_DECODE:
             return  # lazy eviction's parked plan: the prompt's compaction comes first
         num_tokens = request.num_tokens_after_step

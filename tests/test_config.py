@@ -205,8 +205,8 @@ def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction
                for line in lines(RCStatConfig()))  # the default
     assert not any("lazy eviction:" in line for line in lines(RCStatConfig(eviction="eager")))
     on = lines(RCStatConfig(decode_budget=512, eviction="eager"))
-    assert any("decode-time compression on: generated KV compacted to 512 tokens per KV head on average every 128"
-               in line and "lazy" not in line for line in on)
+    assert any("decode-time compression on: generated KV compacted to 512 tokens per KV head on average every 128 "
+               "tokens, earlier when the KV pool is about to run short" in line and "lazy" not in line for line in on)
     assert any("requests that never meet memory pressure keep their generated KV whole" in line
                for line in lines(RCStatConfig(decode_budget=512, eviction="lazy")))
     assert not any("decode-time" in line for line in lines(RCStatConfig(decode_budget=512), off=True))

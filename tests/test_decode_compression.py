@@ -15,13 +15,17 @@ from rcstat_vllm.page_space import cdiv, pooled_space_or_reason
 LAYERS, BLOCKS, HEADS, QUERY_HEADS, BLOCK, DIM = 3, 96, 2, 4, 16, 8
 
 
-def _request(generator, n=100):
+def _request(generator, n=100, keep_last=0):
+    """A request compacted at ``n`` tokens, every head keeping its last ``keep_last`` (a lazy compaction's tokens
+    generated before it)."""
     backing = torch.randn(LAYERS * BLOCKS, HEADS, BLOCK, 2 * DIM, generator=generator)
     caches = list(backing.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM).unbind(0))
     space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
     blocks = (torch.randperm(BLOCKS - 1, generator=generator) + 1).tolist()
     row = torch.tensor([blocks.pop() for _ in range(cdiv(n, BLOCK))])
     masks = [torch.rand(HEADS, n, generator=generator) < 0.5 for _ in range(LAYERS)]
+    for mask in masks:
+        mask[:, n - keep_last :] = True
     keep = blocks_needed(torch.stack([m.sum(1) for m in masks]), n, space)
     state = compact_request(caches, row, masks, torch.tensor([blocks.pop() for _ in range(keep)]), space)
     return caches, space, state, row, blocks
@@ -122,6 +126,25 @@ def test_a_compaction_brought_forward_is_due_once_a_window_of_queries_is_saved()
     _score_and_select(decode, state, caches, t, g)
     decode.hurry(t + 1)  # a plan is with the scheduler
     assert decode.pending is not None and not decode.due(t + 100)
+
+
+def test_tokens_generated_before_a_lazy_prompt_compaction_are_generated_kv():
+    """A prompt of 60 tokens compacted lazily at 100 tokens (its 40 generated tokens kept whole by every head): they
+    count as generated KV, due as soon as a window of queries is saved (40 >= budget + interval), and only they and
+    the later tokens are evicted, down to the budget; the prompt's kept entries stay."""
+    g = torch.Generator().manual_seed(6)
+    caches, space, state, row, blocks = _request(g, keep_last=40)
+    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept - 40,
+                              state.num_compacted_tokens, generated=40)
+    t = decode.next_due
+    assert t == 100 + decode.num_queries
+    _grow(state, row, blocks, t)
+    plan = _score_and_select(decode, state, caches, t, g)
+    generated = 40 + t - 100
+    assert plan.evicted == LAYERS * HEADS * (generated - 24)
+    for layer, mask in enumerate(plan.masks):
+        for head in range(HEADS):
+            assert mask[head, : int(state.kept[layer, head]) - 40].all()
 
 
 def test_decode_budget_is_validated_against_the_window():

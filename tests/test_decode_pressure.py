@@ -71,11 +71,3 @@ def test_a_request_whose_worker_declined_is_asked_again_after_twice_the_lead():
         assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == []
     assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == ["a"]
 
-
-def test_generated_kv_counts_from_a_lazy_prompt_compaction():
-    """Under lazy eviction the prompt is compacted when the pool is short, the tokens generated before kept whole: the
-    workers count generated KV from there."""
-    pressure = DecodePressure()
-    a = _running(pressure, "a", 100, 150)
-    pressure.started("a", 240)
-    assert pressure.expected_gain(a, lead=10, block_size=BLOCK) == 0
