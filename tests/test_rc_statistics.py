@@ -140,6 +140,11 @@ def test_token_chunking_matches_single_pass(monkeypatch):
     monkeypatch.setattr(rc, "_TOKEN_CHUNK", 7)  # 36 scored tokens: 5 full chunks and a partial one
     torch.testing.assert_close(expected_rc(q, k), whole, rtol=0, atol=1e-13)
     torch.testing.assert_close(expected_rc_iot(q, k), whole_iot, rtol=0, atol=1e-13)
+    monkeypatch.setattr(rc, "_TOKEN_CHUNK", 8192)
+    monkeypatch.setattr(rc, "_CPU_CHUNK_ELEMENTS", 2 * 4 * 20)  # the CPU's chunks, by elements: 20 tokens of 8 logits
+    assert rc._token_chunk(k, 2 * 4) == 20
+    torch.testing.assert_close(expected_rc(q, k), whole, rtol=0, atol=1e-13)
+    torch.testing.assert_close(expected_rc_iot(q, k), whole_iot, rtol=0, atol=1e-13)
 
 
 def test_dtypes_accumulate_in_float32():

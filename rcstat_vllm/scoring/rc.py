@@ -51,6 +51,17 @@ _DIRECT_SUM_ELEMENTS = 1 << 22
 # Tokens per chunk when computing cross logits: bounds the transient [.., w, chunk] tensors (and the int64
 # searchsorted output) to a few MiB per head at 64k-token prompts instead of materialising [.., w, n] at once.
 _TOKEN_CHUNK = 8192
+#: On the CPU, cross logits per chunk (all heads): the chunk's transient float and int64 tensors then stay in a core's
+#: L2 cache instead of streaming through memory between the ~10 passes over them. SmolLM2 shapes (3 KV heads x 3
+#: queries x window 32), one layer, 2 threads: 640 tokens 4.1 -> 3.1 ms, 2000 tokens 7.4 -> 5.6, 8000 tokens 53 -> 23.
+_CPU_CHUNK_ELEMENTS = 1 << 16
+
+
+def _token_chunk(keys: Tensor, queries_per_token: int) -> int:
+    """Tokens scored per chunk: :data:`_TOKEN_CHUNK`, or on the CPU as many as fill :data:`_CPU_CHUNK_ELEMENTS`."""
+    if keys.device.type != "cpu":
+        return _TOKEN_CHUNK
+    return min(_TOKEN_CHUNK, max(16, _CPU_CHUNK_ELEMENTS // max(queries_per_token, 1)))
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -243,8 +254,9 @@ def expected_rc_grouped(q_window: Tensor, keys: Tensor) -> Tensor:
     pair_count = w * m
     queries = q_window.to(acc).reshape(num_kv_heads, group * w, -1)
     scores = torch.empty(num_kv_heads, group, n - w, dtype=acc, device=keys.device)
-    for start in range(0, n - w, _TOKEN_CHUNK):
-        stop = min(start + _TOKEN_CHUNK, n - w)
+    chunk = _token_chunk(keys, num_kv_heads * group * w)
+    for start in range(0, n - w, chunk):
+        stop = min(start + chunk, n - w)
         cross = torch.matmul(queries, keys[:, start:stop].to(acc).transpose(1, 2))  # [Hkv, G*w, chunk]
         cross = cross.reshape(num_kv_heads, group, w * (stop - start))
         gaps = table.sum_positive_gaps(cross).reshape(num_kv_heads, group, w, stop - start)
@@ -297,8 +309,9 @@ def expected_rc_iot_grouped(q_window: Tensor, keys: Tensor) -> Tensor:
     table = WindowSelfLogits(center, y_sorted.contiguous(), prefix.contiguous())  # leading dims [Hkv, G, w]
 
     scores = torch.empty(num_kv_heads, group, n - w, dtype=acc, device=keys.device)
-    for start in range(0, n - w, _TOKEN_CHUNK):
-        stop = min(start + _TOKEN_CHUNK, n - w)
+    chunk = _token_chunk(keys, num_kv_heads * group * w)
+    for start in range(0, n - w, chunk):
+        stop = min(start + chunk, n - w)
         cross = torch.einsum("hgjd,hnd->hgjn", queries, keys[:, start:stop].to(acc))  # [Hkv, G, w, chunk]
         gaps = table.sum_positive_gaps(cross) / valid_count.unsqueeze(-1)
         scores[..., start:stop] = gaps.mean(dim=2)
