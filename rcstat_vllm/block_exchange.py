@@ -120,8 +120,6 @@ class EngineCompaction:
     pending: dict[str, CompressionReport] = field(default_factory=dict)
     #: decode-time compactions brought forward when the pool is about to run short
     decode_pressure: DecodePressure = field(default_factory=DecodePressure)
-    #: requests whose decode-time compaction the next scheduler output brings forward
-    decode_soon: list[str] = field(default_factory=list)
 
     def forget(self, req_id: str) -> None:
         """The request's blocks go back to the pool (vLLM frees them)."""

@@ -84,18 +84,24 @@ class DecodePressure:
         generated = due_at - start if last is None else budget + due_at - last
         return max(0, generated - budget) // block_size
 
+    def shortfall(self, running: list[RunningRequest], free_blocks: int, block_size: int) -> tuple[int, int, str]:
+        """The blocks the running requests will lack within ``lead`` steps (a window of queries to save, the scoring
+        step and the copy's; <= 0: none), the lead, and why; ``(0, 0, "")`` when none compresses generated KV."""
+        watched = [r.config for r in running if r.config is not None]
+        if not watched:
+            return 0, 0, ""
+        lead = max(decode_queries(config) for config in watched) + 2
+        wanted = sum(max(0, -(-(r.num_tokens + lead) // block_size) - r.blocks_held) for r in running)
+        return wanted - free_blocks, lead, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"
+
     def requests_to_hurry(self, running: list[RunningRequest], free_blocks: int, block_size: int) -> tuple[list[str], str]:
         """The requests to compact now, and why (none when the pool holds the growth of the next ``lead`` steps, or
         when the requests asked earlier are expected to cover the shortfall)."""
         self.checks += 1
-        watched = [r for r in running if r.config is not None]
-        if not watched:
-            return [], ""
-        lead = max(decode_queries(r.config) for r in watched) + 2
+        short, lead, reason = self.shortfall(running, free_blocks, block_size)
         for req_id in [r for r, (_, asked) in self.hurried.items() if self.checks - asked > 2 * lead]:
             del self.hurried[req_id]
-        wanted = sum(max(0, -(-(r.num_tokens + lead) // block_size) - r.blocks_held) for r in running)
-        short = wanted - free_blocks
+        watched = [r for r in running if r.config is not None]
         covered = sum(self.hurried[r.req_id][0] for r in watched if r.req_id in self.hurried)
         if short <= covered:
             return [], ""
@@ -107,4 +113,4 @@ class DecodePressure:
             self.hurried[req_id] = (gain, self.checks)
             covered += gain
             chosen.append(req_id)
-        return chosen, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"
+        return chosen, reason
