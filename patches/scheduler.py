@@ -149,13 +149,14 @@ def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list
     ]
     block_size = manager.coordinator.single_type_managers[0].block_size
     pool = manager.block_pool
-    short, _, reason = pressure.shortfall(running, pool.get_num_free_blocks(), block_size)
+    short, lead, reason = pressure.shortfall(running, pool.get_num_free_blocks(), block_size)
     if short > 0 and state.pending:
         # Lazy eviction: parked prompts are compacted now, not once vLLM wants their blocks, so that the decode-time
         # compactions that follow (the tokens generated meanwhile counted as generated) come in time.
-        state.relieve_pressure(pool, pool.get_num_free_blocks() + short,
-                               lambda req_id: running_request_tokens(scheduler, req_id), f"decode-time compression: {reason}")
-    chosen, reason = pressure.requests_to_hurry(running, pool.get_num_free_blocks(), block_size)
+        short -= state.relieve_pressure(pool, pool.get_num_free_blocks() + short,
+                                        lambda req_id: running_request_tokens(scheduler, req_id),
+                                        f"decode-time compression: {reason}")
+    chosen = pressure.requests_to_hurry(running, short, lead, block_size)
     if chosen:
         logger.debug("rcstat: decode-time compaction brought forward (%d requests; %s): %s", len(chosen), reason,
                      ", ".join(chosen))

@@ -94,17 +94,16 @@ class DecodePressure:
         wanted = sum(max(0, -(-(r.num_tokens + lead) // block_size) - r.blocks_held) for r in running)
         return wanted - free_blocks, lead, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"
 
-    def requests_to_hurry(self, running: list[RunningRequest], free_blocks: int, block_size: int) -> tuple[list[str], str]:
-        """The requests to compact now, and why (none when the pool holds the growth of the next ``lead`` steps, or
-        when the requests asked earlier are expected to cover the shortfall)."""
+    def requests_to_hurry(self, running: list[RunningRequest], short: int, lead: int, block_size: int) -> list[str]:
+        """The requests to compact now, given the :meth:`shortfall` within ``lead`` steps (none when it is <= 0, or when
+        the requests asked earlier are expected to cover it)."""
         self.checks += 1
-        short, lead, reason = self.shortfall(running, free_blocks, block_size)
         for req_id in [r for r, (_, asked) in self.hurried.items() if self.checks - asked > 2 * lead]:
             del self.hurried[req_id]
         watched = [r for r in running if r.config is not None]
         covered = sum(self.hurried[r.req_id][0] for r in watched if r.req_id in self.hurried)
         if short <= covered:
-            return [], ""
+            return []
         chosen = []
         gains = [(self.expected_gain(r, lead, block_size), r.req_id) for r in watched if r.req_id not in self.hurried]
         for gain, req_id in sorted(gains, key=lambda g: -g[0]):
@@ -113,4 +112,4 @@ class DecodePressure:
             self.hurried[req_id] = (gain, self.checks)
             covered += gain
             chosen.append(req_id)
-        return chosen, reason
+        return chosen

@@ -379,7 +379,7 @@ def test_decode_time_compactions_are_brought_forward_before_the_pool_runs_short(
         return run, [driver.result(r[0])["decode_compactions"] for r in requests]
 
     with monkeypatch.context() as patched:
-        patched.setattr(DecodePressure, "requests_to_hurry", lambda self, *args: ([], ""))
+        patched.setattr(DecodePressure, "requests_to_hurry", lambda self, *args: [])
         scheduled, compactions = wave("dsched")
     assert scheduled.preemptions > 0 and sum(compactions) == 0
     forward, compactions = wave("dforward")

@@ -15,10 +15,16 @@ def _running(pressure, req_id, prompt, generated, config=DECODE, held=None):
     return RunningRequest(req_id, num_tokens, held if held is not None else -(-num_tokens // BLOCK), config)
 
 
+def _hurry(pressure, running, free_blocks):
+    """One check as the scheduler makes it: the shortfall within the lead, then the requests to ask."""
+    short, lead, reason = pressure.shortfall(running, free_blocks, BLOCK)
+    return pressure.requests_to_hurry(running, short, lead, BLOCK), reason if short > 0 else ""
+
+
 def test_nothing_is_brought_forward_while_the_pool_holds_the_next_steps_growth():
     pressure = DecodePressure()
     running = [_running(pressure, f"r{i}", 100, 150) for i in range(4)]  # each crosses a block within 10 steps
-    assert pressure.requests_to_hurry(running, free_blocks=4, block_size=BLOCK) == ([], "")
+    assert _hurry(pressure, running, 4) == ([], "")
 
 
 def test_requests_with_most_generated_kv_beyond_their_budget_are_asked_until_the_shortfall_is_covered():
@@ -30,25 +36,25 @@ def test_requests_with_most_generated_kv_beyond_their_budget_are_asked_until_the
         _running(pressure, "plain", 300, 140, config=None),  # grows too, never asked
     ]
     # Within 10 steps each crosses into a new block (250 -> 260, 208 -> 218, 160 -> 170, 440 -> 450 tokens).
-    chosen, reason = pressure.requests_to_hurry(running, free_blocks=0, block_size=BLOCK)
+    chosen, reason = _hurry(pressure, running, 0)
     assert chosen == ["a"] and "4 blocks wanted within 10 steps, 0 free" in reason
     # Asked and not yet compacted: its expected 6 blocks cover the same shortfall next step.
-    assert pressure.requests_to_hurry(running, free_blocks=0, block_size=BLOCK)[0] == []
-    chosen, _ = pressure.requests_to_hurry(running, free_blocks=-5, block_size=BLOCK)  # shorter still
+    assert _hurry(pressure, running, 0)[0] == []
+    chosen, _ = _hurry(pressure, running, -5)  # shorter still
     assert chosen == ["b"]
     # Nothing left to gain (c is within its budget), however short the pool.
-    assert pressure.requests_to_hurry(running, free_blocks=-50, block_size=BLOCK)[0] == []
+    assert _hurry(pressure, running, -50)[0] == []
 
 
 def test_after_a_compaction_the_gain_counts_from_it_and_a_refused_plan_may_be_asked_again():
     pressure = DecodePressure()
     a = _running(pressure, "a", 100, 150)
-    assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == ["a"]
+    assert _hurry(pressure, [a], 0)[0] == ["a"]
     pressure.compacted("a", None)  # refused (no free blocks): may be asked again
-    assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == ["a"]
+    assert _hurry(pressure, [a], 0)[0] == ["a"]
     pressure.compacted("a", a.num_tokens)  # copied: each head holds the budget, 10 more by the due step
     assert pressure.expected_gain(a, lead=10, block_size=BLOCK) == 0
-    assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == []
+    assert _hurry(pressure, [a], 0)[0] == []
     later = RunningRequest("a", a.num_tokens + 60, a.blocks_held + 4, DECODE)
     assert pressure.expected_gain(later, lead=10, block_size=BLOCK) == 70 // BLOCK
 
@@ -66,8 +72,8 @@ def test_a_recomputed_request_counts_its_generated_kv_from_its_restart():
 def test_a_request_whose_worker_declined_is_asked_again_after_twice_the_lead():
     pressure = DecodePressure()
     a = _running(pressure, "a", 100, 150)
-    assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == ["a"]
+    assert _hurry(pressure, [a], 0)[0] == ["a"]
     for _ in range(20):  # lead 10: its expected blocks count as coming for 20 checks
-        assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == []
-    assert pressure.requests_to_hurry([a], free_blocks=0, block_size=BLOCK)[0] == ["a"]
+        assert _hurry(pressure, [a], 0)[0] == []
+    assert _hurry(pressure, [a], 0)[0] == ["a"]
 
