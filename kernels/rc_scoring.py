@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rcstat_vllm.scoring.rc import expected_rc_grouped, window_self_logits
+from rcstat_vllm.scoring.rc import QUERY_REDUCTIONS, expected_rc_grouped, window_self_logits
 
 from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 
@@ -34,7 +34,8 @@ def triton_available() -> bool:
     return True
 
 
-def rc_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int) -> Tensor:
+def rc_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int,
+                              query_reduction: str = "mean") -> Tensor:
     """Torch reference: gather the request's keys via the block table, then grouped expected_rc + GQA mean.
 
     Args:
@@ -42,17 +43,19 @@ def rc_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: 
         key_cache:   [num_blocks, Hkv, block_size, d] (strided views fine).
         block_table: [pages] int32 block ids of this request, in token order.
         num_tokens:  n, prompt length.
+        query_reduction: ``mean`` (Eq. 6) or ``max`` over the window's queries (:func:`expected_rc_grouped`).
     Returns:
         float32 [Hkv, n - w] (float64 for float64 inputs).
     """
     group, _ = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
     keys = gather_paged_tokens(key_cache, block_table, 0, num_tokens)
     queries = q_window.reshape(keys.shape[0], group, *q_window.shape[1:])
-    return expected_rc_grouped(queries, keys).mean(dim=1)
+    return expected_rc_grouped(queries, keys, query_reduction).mean(dim=1)
 
 
 def rc_scores_paged(
-    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, block_n: int = 64
+    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, block_n: int = 64,
+    query_reduction: str = "mean",
 ) -> Tensor:
     """Triton version of :func:`rc_scores_paged_reference`: same arguments, float32 [Hkv, n - w].
 
@@ -60,6 +63,8 @@ def rc_scores_paged(
     a float32 cache uses IEEE products (no TF32), so fp32 inputs match the reference to float32 rounding.
     """
     group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
+    if query_reduction not in QUERY_REDUCTIONS:
+        raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {query_reduction!r}")
     from ._rc_triton import rc_scores_paged_kernel  # Triton only when launching
 
     num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
@@ -83,8 +88,11 @@ def rc_scores_paged(
         block_table.to(device=key_cache.device, dtype=torch.int32),
         y_sorted, prefix, center,
         out, out.stride(0),
-        num_scored, m, 1.0 / (w * m * group),
-        G=group, W=w, **row_blocking(group * w), D=head_dim, D_PAD=next_power_of_2(head_dim),
+        num_scored, m,
+        # mean: over the W*m (x, y) pairs of Eq. 6, then over the G query heads; max: over the m self logits of each
+        # query's best row, then over the G query heads.
+        1.0 / (m * group) if query_reduction == "max" else 1.0 / (w * m * group),
+        G=group, G_PAD=next_power_of_2(group), MAX_OVER_QUERIES=query_reduction == "max", W=w, **row_blocking(group * w), D=head_dim, D_PAD=next_power_of_2(head_dim),
         BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
         SEARCH_STEPS=max(1, m.bit_length()),  # 2**steps > m: every count 0..m is reachable
     )

@@ -27,6 +27,8 @@ OBSERVING_METHODS = ("rc", "snapkv")
 #: Where a budget (``target_ratio``) applies: to each layer alone, or to the whole model at once.
 EVICTION_MODES = ("eager", "lazy")
 BUDGET_SCOPES = ("layer", "model")
+#: RC: how the observation window's queries combine into one score per token (mean = Eq. 6, the paper's).
+QUERY_REDUCTIONS = ("max", "mean")  # the scorers' own list: rcstat_vllm.scoring.rc (this module imports no torch)
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,10 @@ class RCStatConfig:
             ``carry_forward`` tokens before it, so what follows a contextualized token (a value after the key a
             question names) is kept with it: the window's queries find the key, the value is read only by queries
             generated later. 0 = the paper's scores.
+        query_reduction: RC only: how the observation window's queries combine into a token's score: ``max`` = the
+            token's expected RC under the one window query that reads it most (a fact read by a single copy head's
+            query is not averaged away by the window's other queries); ``mean`` = Eq. 6 over all of them, the
+            paper's scores.
         eviction: when the selected entries are compacted and the freed blocks returned: ``eager`` right after the
             prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
             waiting request that does not fit, a running one that would be preempted), the requests freeing most
@@ -97,6 +103,7 @@ class RCStatConfig:
     layer_floor: float = 0.0
     smoothing: int = 3
     carry_forward: int = 8
+    query_reduction: str = "max"
     eviction: str = "lazy"
     decode_budget: int | None = None
     decode_interval: int = 128
@@ -127,6 +134,8 @@ class RCStatConfig:
             raise ConfigError("smoothing", self.smoothing, "an odd integer >= 1")
         if not is_int(self.carry_forward) or self.carry_forward < 0:
             raise ConfigError("carry_forward", self.carry_forward, "an integer >= 0")
+        if self.query_reduction not in QUERY_REDUCTIONS:
+            raise ConfigError("query_reduction", self.query_reduction, " | ".join(QUERY_REDUCTIONS))
         if not is_number(self.layer_floor) or not 0 <= self.layer_floor <= 1:
             raise ConfigError("layer_floor", self.layer_floor, "a number in [0, 1]")
         if self.budget_scope not in BUDGET_SCOPES:

@@ -179,8 +179,11 @@ def test_report_writes_plots_and_replaces_only_the_marked_block(tmp_path, monkey
     doc.write_text(f"# title\n\nkept above\n\n{report.START}\nold table\n{report.END}\n\nkept below\n")
     monkeypatch.setattr(report, "RESULTS", results)
     monkeypatch.setattr(report, "RESULTS_DOC", doc)
+    monkeypatch.setattr(report, "README", tmp_path / "README.md")
+    (tmp_path / "README.md").write_text("no markers here\n")
 
     assert report.main([]) == 0
+    assert (tmp_path / "README.md").read_text() == "no markers here\n"  # no side-by-side data, nothing written
     text = doc.read_text()
     assert "old table" not in text and "kept above" in text and "kept below" in text
     block = text[text.index(report.START): text.index(report.END)]
@@ -189,6 +192,48 @@ def test_report_writes_plots_and_replaces_only_the_marked_block(tmp_path, monkey
     assert "](../results/ratio_vs_value_error.png)" in block  # plot links relative to the document
     assert (results / "ratio_vs_value_error.png").stat().st_size > 0
     assert report.curves(summary, "ver")["snapkv"] == [(0.5, 0.22)]  # matched entries are not on the curve
+
+
+def test_report_puts_the_plugins_rows_beside_kvpress_in_the_readme(tmp_path, monkeypatch):
+    """The README's side-by-side table: the plugin's accuracy rows (vLLM) and kvpress's presses, each against its own
+    full cache, between the README's markers only."""
+    import json
+
+    import report
+
+    from rcstat_vllm.config import RCStatConfig
+
+    results = tmp_path / "results"
+    results.mkdir()
+    entry = lambda family, ratio, hits, kept, **c: {"family": family, "ratio": ratio, "needle_hits": hits,  # noqa: E731
+                                                     "needle_values": 80, "full_hits": 64, "needle_kept_of_full": kept / 64,
+                                                     "resolved": {**RCStatConfig().to_dict(), **c}, "by_task": {},
+                                                     "same_as_full": 0.5}
+    summary = {"full": entry("full", 0.0, 64, 64), "rc_r0.8": entry("rc_budget", 0.8, 60, 58, query_reduction="max"),
+               "rc_r0.8_mean": entry("rc_mean", 0.8, 56, 51, query_reduction="mean")}
+    (results / "accuracy_cpu.json").write_text(json.dumps({"summary": summary, "environment": {"vllm": "0.32.0",
+                                                                                               "engine_dtype": "bfloat16"}}))
+    totals = lambda hits, kept: {"needle_hits": hits, "needle_values": 80, "kept_of_full": kept,  # noqa: E731
+                                 "full_needle_hits": 61, "kept_of_full_share": kept / 61}
+    kvpress = {"environment": {"kvpress": "0.5.5", "transformers": "5.2.0", "dtype": "float32"},
+               "prompts": {"n": 48, "tasks": ["niah_single"]}, "complete": False, "runs_planned": ["full", "kvzip_r0.8", "x"],
+               "rows": [{"press": None, "ratio": 0.0, "evicted": 0.0, "totals": totals(61, 61)},
+                        {"press": "kvzip", "ratio": 0.8, "evicted": 0.8, "totals": totals(55, 53)}]}
+    (results / "kvpress_reference_cpu.json").write_text(json.dumps(kvpress))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"above\n{report.SIDE_START}\nold\n{report.SIDE_END}\nbelow\n")
+    (tmp_path / "benchmarks.md").write_text("")
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "RESULTS_DOC", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(report, "README", readme)
+
+    assert report.main([]) == 0
+    text = readme.read_text()
+    assert text.startswith("above\n") and text.endswith("below\n") and "\nold\n" not in text
+    assert "| plugin, vLLM | RC | 0.80 | 60/80 | 58/64 (90.6%) |" in text
+    assert "| plugin, vLLM | RC, Eq. 6's mean over queries | 0.80 | 56/80 | 51/64 (79.7%) |" in text
+    assert "| kvpress 0.5.5 | KVzip | 0.80 | 55/80 | 53/61 (86.9%) |" in text
+    assert "a partial run, 2 of 3" in text
 
 
 def test_generated_results_live_in_one_document():
@@ -406,10 +451,11 @@ def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_chan
     # Old labels keep their meaning (no sinks); the sink variant at the default's ratio is the bare flag exactly.
     assert resolved["rc_model_w32_s3_r0.5"]["sink_tokens"] == 0
     assert resolved["rc_model_w32_s3_r0.5"]["carry_forward"] == 0
+    assert resolved["rc_model_w32_s3_r0.5"]["query_reduction"] == "mean"
     if (key(defaults) == (32, "model", 3) and defaults["method"] == "rc" and defaults["sink_tokens"] == 4
-            and defaults["carry_forward"] == 8):
+            and defaults["carry_forward"] == 8 and defaults["query_reduction"] == "max"):
         at_default = methods.cliff_ablation_settings(ratios=(defaults["target_ratio"],),
-                                                     variants=["rc_model_w32_s3_k4_c8"], baselines=())
+                                                     variants=["rc_model_w32_s3_k4_c8_max"], baselines=())
         assert accuracy.resolved_config(at_default[1]) == defaults
     # Baselines come with --with-baselines, at their published scoring windows without sinks.
     args = parser.parse_args(["--cliff-ablation", "--variants", "rc_model_w32_s3", "--with-baselines"])

@@ -50,6 +50,8 @@ BAD_FIELDS = [
     ({"smoothing": 0}, "smoothing"),
     ({"carry_forward": -1}, "carry_forward"),
     ({"carry_forward": 2.5}, "carry_forward"),
+    ({"query_reduction": "sum"}, "query_reduction"),
+    ({"query_reduction": None}, "query_reduction"),
     ({"decode_budget": 16}, "decode_budget"),  # below the window (32)
     ({"decode_budget": "512"}, "decode_budget"),
     ({"decode_interval": 31}, "decode_interval"),
@@ -119,8 +121,8 @@ def test_every_method_is_accepted(method):
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
               "min_prompt_len": 1, "budget_scope": "model", "layer_floor": 0.25, "smoothing": 3,
-              "carry_forward": 8, "observation_window": None, "eviction": "lazy", "decode_budget": 64,
-              "decode_interval": 32}
+              "carry_forward": 8, "query_reduction": "mean", "observation_window": None, "eviction": "lazy",
+              "decode_budget": 64, "decode_interval": 32}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode
@@ -211,3 +213,11 @@ def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction
                for line in lines(RCStatConfig(decode_budget=512, eviction="lazy")))
     assert not any("decode-time" in line for line in lines(RCStatConfig(decode_budget=512), off=True))
     assert any("keep their generated KV whole" in line for line in lines(RCStatConfig(decode_budget=512)))  # default
+
+
+def test_query_reductions_are_the_scorers():
+    """The config (no torch) lists RC's query reductions itself: the same as the scorers take."""
+    from rcstat_vllm.config import QUERY_REDUCTIONS
+    from rcstat_vllm.scoring.rc import QUERY_REDUCTIONS as SCORER_REDUCTIONS
+
+    assert set(QUERY_REDUCTIONS) == set(SCORER_REDUCTIONS)

@@ -61,19 +61,21 @@ def test_gather_paged_tokens_follows_block_table():
         (16, 3, 53, 8),
     ],
 )
-def test_rc_kernel_matches_reference(window, group, num_tokens, block_size):
+@pytest.mark.parametrize("query_reduction", ["mean", "max"])
+def test_rc_kernel_matches_reference(window, group, num_tokens, block_size, query_reduction):
     num_kv_heads, head_dim = 2, 24  # head_dim not a power of 2: padded lanes must not count
     key_cache, block_table, gen = paged_request(num_kv_heads, head_dim, num_tokens, block_size, seed=num_tokens)
     q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen)
-    got = rc_scores_paged(q_window, key_cache, block_table, num_tokens, block_n=16)
-    want = rc_scores_paged_reference(q_window, key_cache, block_table, num_tokens)
+    got = rc_scores_paged(q_window, key_cache, block_table, num_tokens, block_n=16, query_reduction=query_reduction)
+    want = rc_scores_paged_reference(q_window, key_cache, block_table, num_tokens, query_reduction)
     assert got.shape == want.shape == (num_kv_heads, num_tokens - window)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [1, 2, 8, 32])
-def test_rc_kernel_binary_search_counts_ties_like_the_reference(window):
+@pytest.mark.parametrize("query_reduction", ["mean", "max"])
+def test_rc_kernel_binary_search_counts_ties_like_the_reference(window, query_reduction):
     """Small integer keys and queries make exact logits: many equal to self logits, others below or above all of
     them, so the kernel's binary search over the sorted self logits is checked at every boundary (0 and all m
     counted; a tie adds x - y = 0 either way), exactly (integers are exact in float32)."""
@@ -84,8 +86,8 @@ def test_rc_kernel_binary_search_counts_ties_like_the_reference(window):
     key_cache = torch.randint(-2, 3, (blocks, num_kv_heads, block_size, head_dim), generator=gen).float()
     block_table = torch.arange(blocks, dtype=torch.int32).flip(0)
     q_window = torch.randint(-1, 2, (num_kv_heads * group, window, head_dim), generator=gen).float()
-    got = rc_scores_paged(q_window, key_cache, block_table, num_tokens, block_n=16)
-    want = rc_scores_paged_reference(q_window, key_cache, block_table, num_tokens)
+    got = rc_scores_paged(q_window, key_cache, block_table, num_tokens, block_n=16, query_reduction=query_reduction)
+    want = rc_scores_paged_reference(q_window, key_cache, block_table, num_tokens, query_reduction)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 

@@ -171,6 +171,7 @@ SCORER_CASES = [
     ("rc", {}),
     ("rc", {"window_size": 4, "smoothing": 3}),
     ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5}),
+    ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5, "query_reduction": "max"}),
     ("snapkv", {}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
     ("tova", {}),

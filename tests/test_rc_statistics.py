@@ -82,6 +82,41 @@ def test_expected_rc_matches_brute_force(shape, seed):
     torch.testing.assert_close(got, brute_force_rc(q, k), rtol=1e-12, atol=1e-12)
 
 
+def brute_force_rc_max(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """query_reduction "max", as written: max over window queries j of the mean over the window's m = w(w+1)/2
+    causal self logits y of max(<q_j, k_i> - y, 0)."""
+    num_heads, w, _ = q_window.shape
+    n = keys.shape[1]
+    window_keys = keys[:, n - w :]
+    out = torch.zeros(num_heads, n - w, dtype=torch.float64)
+    for h, i in itertools.product(range(num_heads), range(n - w)):
+        ys = [float(q_window[h, l] @ window_keys[h, k]) for l in range(w) for k in range(l + 1)]
+        per_query = [sum(max(float(q_window[h, j] @ keys[h, i]) - y, 0.0) for y in ys) / len(ys) for j in range(w)]
+        out[h, i] = max(per_query)
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expected_rc_max_over_queries_matches_brute_force(shape, seed):
+    q, k = random_inputs(shape, seed)
+    heads = q.shape[0]
+    got = expected_rc_grouped(q.reshape(heads, 1, *q.shape[1:]), k, "max")[:, 0]
+    assert got.shape == (heads, shape[2] - shape[1])
+    torch.testing.assert_close(got, brute_force_rc_max(q, k), rtol=1e-12, atol=1e-12)
+    # Each token's best query scores it at least as high as their mean (Eq. 6): max >= mean, equal for w = 1.
+    mean = expected_rc(q, k)
+    assert bool((got >= mean - 1e-12).all())
+    if shape[1] == 1:
+        torch.testing.assert_close(got, mean, rtol=1e-12, atol=1e-12)
+
+
+def test_unknown_query_reduction_is_an_error():
+    q, k = random_inputs((1, 2, 5, 3), 0)
+    with pytest.raises(ValueError, match="query_reduction"):
+        expected_rc_grouped(q.reshape(1, 1, 2, 3), k, "sum")
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_expected_rc_iot_matches_brute_force(shape, seed):
@@ -247,17 +282,19 @@ def test_bounds_batched_rows_match_single_rows():
         assert lower[row] <= brute_force_pair_mean(x[row].tolist(), y[row].tolist()) + 1e-12 <= upper[row] + 2e-12
 
 
-def test_direct_sum_and_sorted_prefix_sums_agree(monkeypatch):
-    """Small windows sum max(x - y, 0) directly, larger ones count with searchsorted: both are Eq. 6."""
+@pytest.mark.parametrize("query_reduction", ["mean", "max"])
+def test_direct_sum_and_sorted_prefix_sums_agree(monkeypatch, query_reduction):
+    """Small windows sum max(x - y, 0) directly, larger ones count with searchsorted: both are Eq. 6 (and its max
+    over queries)."""
     import rcstat_vllm.scoring.rc as rc
 
     g = torch.Generator().manual_seed(11)
     for w in (1, 8, 16):
         q = torch.randn(2, 3, w, 16, generator=g, dtype=torch.float64)
         keys = torch.randn(2, 300, 16, generator=g, dtype=torch.float64) * 3
-        direct = rc.expected_rc_grouped(q, keys)
+        direct = rc.expected_rc_grouped(q, keys, query_reduction)
         monkeypatch.setattr(rc, "DIRECT_SUM_MAX_M", 0)
-        sorted_path = rc.expected_rc_grouped(q, keys)
+        sorted_path = rc.expected_rc_grouped(q, keys, query_reduction)
         monkeypatch.undo()
         torch.testing.assert_close(direct, sorted_path, rtol=1e-10, atol=1e-10)
 

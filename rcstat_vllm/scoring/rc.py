@@ -33,6 +33,7 @@ __all__ = [
     "expected_rc",
     "expected_rc_iot",
     "expected_rc_grouped",
+    "QUERY_REDUCTIONS",
     "expected_rc_iot_grouped",
     "expected_rc_samples",
     "rc_upper_bound",
@@ -234,17 +235,31 @@ def _check_window_shapes(q_window: Tensor, keys: Tensor, grouped: bool) -> tuple
 # --------------------------------------------------------------------------------------------------------
 
 
-def expected_rc_grouped(q_window: Tensor, keys: Tensor) -> Tensor:
+#: How the window's queries are combined into one score per token (:func:`expected_rc_grouped`).
+QUERY_REDUCTIONS = ("mean", "max")
+
+
+def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "mean") -> Tensor:
     """Expected RC (Eq. 6) of every non-window token, for G query heads sharing each KV head (GQA).
 
     Grouped so that GQA never repeats the keys: the G*w queries of a KV head meet its keys in one matmul.
 
+    ``query_reduction``: ``mean`` is Eq. 6, the mean of max(x - y, 0) over all w * m pairs of a cross logit x of
+    the token and a window self logit y. ``max`` takes, per window query j, the mean over the m self logits
+    (the expected RC of the token against that one query, Eq. 6 with a window of queries {j}) and keeps the
+    highest over j: a token only one window query reads strongly (the next word of a fact the question names,
+    read by one copy head's query) is not averaged away by the w - 1 queries that do not read it. Same pairs,
+    same cost; only the reduction over j differs.
+
     Args:
         q_window: [Hkv, G, w, d] queries of the last w prompt positions.
         keys:     [Hkv, n, d] all prompt keys; the window is keys[:, n-w:].
+        query_reduction: one of :data:`QUERY_REDUCTIONS`.
     Returns:
         [Hkv, G, n - w] scores, float32 (float64 for float64 inputs).
     """
+    if query_reduction not in QUERY_REDUCTIONS:
+        raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {query_reduction!r}")
     w, n = _check_window_shapes(q_window, keys, grouped=True)
     acc = accumulation_dtype(q_window.dtype)
     num_kv_heads, group = q_window.shape[:2]
@@ -260,7 +275,10 @@ def expected_rc_grouped(q_window: Tensor, keys: Tensor) -> Tensor:
         cross = torch.matmul(queries, keys[:, start:stop].to(acc).transpose(1, 2))  # [Hkv, G*w, chunk]
         cross = cross.reshape(num_kv_heads, group, w * (stop - start))
         gaps = table.sum_positive_gaps(cross).reshape(num_kv_heads, group, w, stop - start)
-        scores[..., start:stop] = gaps.sum(dim=2) / pair_count
+        if query_reduction == "max":
+            scores[..., start:stop] = gaps.amax(dim=2) / m
+        else:
+            scores[..., start:stop] = gaps.sum(dim=2) / pair_count
     return scores
 
 

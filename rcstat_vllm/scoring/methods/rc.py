@@ -15,7 +15,7 @@ from ..base import (
     mark_window_kept,
     smooth_scores,
 )
-from ..rc import expected_rc_grouped
+from ..rc import QUERY_REDUCTIONS, expected_rc_grouped
 
 
 @dataclass(eq=False)
@@ -31,6 +31,9 @@ class RCScorer(Scorer):
         carry_forward: after smoothing, each score is raised to the highest of the ``carry_forward`` scores
             before it (:func:`~rcstat_vllm.scoring.base.carry_forward`; the config's ``carry_forward``), so the
             tokens after a contextualized one are kept with it; 0 = the paper's scores.
+        query_reduction: how the window's queries combine (the config's ``query_reduction``): ``mean`` = Eq. 6 over
+            all of them (the paper's scores), ``max`` = the highest expected RC of the token under any one window
+            query (:func:`~rcstat_vllm.scoring.rc.expected_rc_grouped`).
     """
 
     name = "rc"
@@ -38,11 +41,14 @@ class RCScorer(Scorer):
 
     smoothing: int = 1
     carry_forward: int = 0
+    query_reduction: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.smoothing = check_odd("smoothing", self.smoothing)
         self.carry_forward = check_non_negative("carry_forward", self.carry_forward)
+        if self.query_reduction not in QUERY_REDUCTIONS:
+            raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {self.query_reduction!r}")
 
     def _finish(self, scores: Tensor, window: int) -> Tensor:
         """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: smoothed, carried forward, window kept."""
@@ -59,7 +65,7 @@ class RCScorer(Scorer):
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         queries = self._trailing_window(q_window, keys)
-        per_query_head = expected_rc_grouped(queries, keys)  # [Hkv, G, n - w]
+        per_query_head = expected_rc_grouped(queries, keys, self.query_reduction)  # [Hkv, G, n - w]
         return self._finish(per_query_head.mean(dim=1), queries.shape[2])
 
     def score_ragged(self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int],
@@ -71,7 +77,7 @@ class RCScorer(Scorer):
         w, n = queries.shape[2], keys.shape[1]
         if min(lengths) < w:
             return super().score_ragged(q_window, keys, values, lengths, scale)
-        per_token = expected_rc_grouped(queries, keys).mean(dim=1)  # [Hkv, n - w]
+        per_token = expected_rc_grouped(queries, keys, self.query_reduction).mean(dim=1)  # [Hkv, n - w]
         return [self._finish(per_token[head : head + 1, n - length :], w)[0] for head, length in enumerate(lengths)]
 
     def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
@@ -83,5 +89,6 @@ class RCScorer(Scorer):
 
         queries = self._paged_window(q_window, prompt)
         # [Hkv, n - w'] for the non-window tokens, already the GQA mean; RC is scale-free (no ``scale``).
-        scores = rc_scores_paged(queries, prompt.keys, prompt.block_table, prompt.num_tokens)
+        scores = rc_scores_paged(queries, prompt.keys, prompt.block_table, prompt.num_tokens,
+                                 query_reduction=self.query_reduction)
         return self._finish(scores, queries.shape[1])
