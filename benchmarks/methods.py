@@ -115,8 +115,8 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
     RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` (and the bare flag,
     when any) also with its scores not carried forward (``carry_forward: 0``), and at ``mean_ratios`` (and the bare
-    flag, when any) with Eq. 6's mean over the window's queries (``query_reduction: mean``); RC with the paper's scoring (per-layer budget,
-    window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
+    flag, when any) with Eq. 6's mean over the window's queries (``query_reduction: mean``); RC with the paper's
+    scoring (per-layer budget, window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
     window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
     compresses). Windows and defaults are read from the plugin,

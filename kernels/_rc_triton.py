@@ -14,7 +14,8 @@ def rc_scores_paged_kernel(
     y_sorted_ptr, prefix_ptr, center_ptr,  # [Hq, m], [Hq, m + 1], [Hq] float32, contiguous
     out_ptr, stride_oh,                     # [Hkv, n - w] float32
     num_scored, m, norm,
-    G: tl.constexpr, G_PAD: tl.constexpr, MAX_OVER_QUERIES: tl.constexpr, W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, MAX_OVER_QUERIES: tl.constexpr,
+    W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,  # ceil(log2(m + 1)): halvings of the binary search over the m sorted values
 ):

@@ -92,7 +92,8 @@ def rc_scores_paged(
         # mean: over the W*m (x, y) pairs of Eq. 6, then over the G query heads; max: over the m self logits of each
         # query's best row, then over the G query heads.
         1.0 / (m * group) if query_reduction == "max" else 1.0 / (w * m * group),
-        G=group, G_PAD=next_power_of_2(group), MAX_OVER_QUERIES=query_reduction == "max", W=w, **row_blocking(group * w), D=head_dim, D_PAD=next_power_of_2(head_dim),
+        G=group, G_PAD=next_power_of_2(group), MAX_OVER_QUERIES=query_reduction == "max",
+        W=w, **row_blocking(group * w), D=head_dim, D_PAD=next_power_of_2(head_dim),
         BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
         SEARCH_STEPS=max(1, m.bit_length()),  # 2**steps > m: every count 0..m is reachable
     )
