@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rcstat_vllm.scoring.rc import QUERY_REDUCTIONS, expected_rc_grouped, window_self_logits
+from rcstat_vllm.scoring.rc import check_query_reduction, expected_rc_grouped, window_self_logits
 
 from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 
@@ -63,8 +63,7 @@ def rc_scores_paged(
     a float32 cache uses IEEE products (no TF32), so fp32 inputs match the reference to float32 rounding.
     """
     group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
-    if query_reduction not in QUERY_REDUCTIONS:
-        raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {query_reduction!r}")
+    check_query_reduction(query_reduction)
     from ._rc_triton import rc_scores_paged_kernel  # Triton only when launching
 
     num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]

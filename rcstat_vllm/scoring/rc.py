@@ -34,6 +34,7 @@ __all__ = [
     "expected_rc_iot",
     "expected_rc_grouped",
     "QUERY_REDUCTIONS",
+    "check_query_reduction",
     "expected_rc_iot_grouped",
     "expected_rc_samples",
     "rc_upper_bound",
@@ -239,6 +240,13 @@ def _check_window_shapes(q_window: Tensor, keys: Tensor, grouped: bool) -> tuple
 QUERY_REDUCTIONS = ("mean", "max")
 
 
+def check_query_reduction(query_reduction: str) -> str:
+    """One of :data:`QUERY_REDUCTIONS`, else a ValueError naming it (the scorer, the torch path and the kernel)."""
+    if query_reduction not in QUERY_REDUCTIONS:
+        raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {query_reduction!r}")
+    return query_reduction
+
+
 def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "mean") -> Tensor:
     """Expected RC (Eq. 6) of every non-window token, for G query heads sharing each KV head (GQA).
 
@@ -258,8 +266,7 @@ def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "
     Returns:
         [Hkv, G, n - w] scores, float32 (float64 for float64 inputs).
     """
-    if query_reduction not in QUERY_REDUCTIONS:
-        raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {query_reduction!r}")
+    check_query_reduction(query_reduction)
     w, n = _check_window_shapes(q_window, keys, grouped=True)
     acc = accumulation_dtype(q_window.dtype)
     num_kv_heads, group = q_window.shape[:2]

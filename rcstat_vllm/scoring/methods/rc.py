@@ -15,7 +15,7 @@ from ..base import (
     mark_window_kept,
     smooth_scores,
 )
-from ..rc import QUERY_REDUCTIONS, expected_rc_grouped
+from ..rc import check_query_reduction, expected_rc_grouped
 
 
 @dataclass(eq=False)
@@ -47,8 +47,7 @@ class RCScorer(Scorer):
         super().__post_init__()
         self.smoothing = check_odd("smoothing", self.smoothing)
         self.carry_forward = check_non_negative("carry_forward", self.carry_forward)
-        if self.query_reduction not in QUERY_REDUCTIONS:
-            raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {self.query_reduction!r}")
+        self.query_reduction = check_query_reduction(self.query_reduction)
 
     def _finish(self, scores: Tensor, window: int) -> Tensor:
         """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: smoothed, carried forward, window kept."""
