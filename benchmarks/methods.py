@@ -82,7 +82,7 @@ def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=
 
 #: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (README, "Defaults").
 PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "carry_forward": 0, "budget_scope": "layer",
-            "sink_tokens": 0, "query_reduction": "mean"}
+            "sink_tokens": 0, "query_reduction": "mean", "local_contrast": 0.0}
 
 
 def plugin_defaults() -> dict:
@@ -111,11 +111,13 @@ def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:
 
 
 def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
-                      c_values=(1.0,), uncarried_ratios=(0.8,), mean_ratios=(0.8,)) -> list[Setting]:
+                      c_values=(1.0,), uncarried_ratios=(0.8,), mean_ratios=(0.8,),
+                      uncontrasted_ratios=(0.8,)) -> list[Setting]:
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
     RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` (and the bare flag,
     when any) also with its scores not carried forward (``carry_forward: 0``), and at ``mean_ratios`` (and the bare
-    flag, when any) with Eq. 6's mean over the window's queries (``query_reduction: mean``); RC with the paper's
+    flag, when any) with Eq. 6's mean over the window's queries (``query_reduction: mean``), and at
+    ``uncontrasted_ratios`` (and the bare flag, when any) without the local contrast (``local_contrast: 0``); RC with the paper's
     scoring (per-layer budget, window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
     window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
@@ -129,11 +131,15 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
         settings.append(Setting("default_carry0", "default_carry0", {"carry_forward": 0}))
     if mean_ratios:  # the bare flag with Eq. 6's mean over the window's queries (the default before max)
         settings.append(Setting("default_mean", "default_mean", {"query_reduction": "mean"}))
+    if uncontrasted_ratios:  # the bare flag without the local contrast (the default before it)
+        settings.append(Setting("default_contrast0", "default_contrast0", {"local_contrast": 0.0}))
     settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]
     settings += [Setting(f"rc_r{r:g}_carry0", "rc_carry0", {"method": "rc", "target_ratio": float(r), "carry_forward": 0})
                  for r in uncarried_ratios]
     settings += [Setting(f"rc_r{r:g}_mean", "rc_mean", {"method": "rc", "target_ratio": float(r), "query_reduction": "mean"})
                  for r in mean_ratios]
+    settings += [Setting(f"rc_r{r:g}_contrast0", "rc_contrast0", {"method": "rc", "target_ratio": float(r), "local_contrast": 0.0})
+                 for r in uncontrasted_ratios]
     settings += [Setting(f"rc_paper_r{r:g}", "rc_paper", {**PAPER_RC, "target_ratio": float(r)}) for r in paper_ratios]
     settings += [Setting(rc_label(c), "rc", {**PAPER_RC, "c": float(c)}) for c in c_values]
     for method in ("snapkv", "tova"):
@@ -167,10 +173,11 @@ def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_me
 
 
 def _rc_variant(window: int, scope: str, smoothing: int, sinks: int = 0, carry_forward: int = 0,
-                query_reduction: str = "mean", **extra) -> dict:
+                query_reduction: str = "mean", local_contrast: float = 0.0, **extra) -> dict:
     """An RC variant's settings, every field the defaults have changed spelled out so a label keeps its meaning."""
     return {"window": window, "budget_scope": scope, "smoothing": smoothing, "sink_tokens": sinks,
-            "carry_forward": carry_forward, "query_reduction": query_reduction, **extra}
+            "carry_forward": carry_forward, "query_reduction": query_reduction, "local_contrast": local_contrast,
+            **extra}
 
 
 #: RC variants of the high-compression ablation (README, "Moving the 0.8 cliff"): label -> settings on top of
@@ -195,8 +202,11 @@ CLIFF_VARIANTS = {
     "rc_model_w32_s3_k4": _rc_variant(32, "model", 3, sinks=4),
     # Scores carried 8 tokens forward (a value kept with its key), with k4.
     "rc_model_w32_s3_k4_c8": _rc_variant(32, "model", 3, sinks=4, carry_forward=8),
-    # ... and each token scored by the window query that reads it most: the current default's settings.
+    # ... and each token scored by the window query that reads it most.
     "rc_model_w32_s3_k4_c8_max": _rc_variant(32, "model", 3, sinks=4, carry_forward=8, query_reduction="max"),
+    # ... and each score divided by the square root of its 256 neighbours' mean: the current default's settings.
+    "rc_model_w32_s3_k4_c8_max_lc0.5": _rc_variant(32, "model", 3, sinks=4, carry_forward=8, query_reduction="max",
+                                                   local_contrast=0.5, contrast_radius=256),
     # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
     "rc_model_w32_o8_s3_k4": _rc_variant(32, "model", 3, sinks=4, observation_window=8),
     "rc_layer_w8_k4": _rc_variant(8, "layer", 1, sinks=4),

@@ -30,12 +30,12 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 README = Path(__file__).resolve().parents[1] / "README.md"
 SIDE_START, SIDE_END = "<!-- side-by-side:start -->", "<!-- side-by-side:end -->"
 #: The plugin's rows of that table (accuracy.py labels), in order; missing labels are skipped.
-SIDE_BY_SIDE_PLUGIN = ("full", "default", "rc_r0.5", "rc_r0.8", "rc_r0.8_mean", "snapkv_w64_r0.5", "snapkv_w64_r0.8",
-                       "tova_w1_r0.5", "tova_w1_r0.8")
+SIDE_BY_SIDE_PLUGIN = ("full", "default", "rc_r0.5", "rc_r0.8", "rc_r0.8_contrast0", "rc_r0.8_mean", "snapkv_w64_r0.5",
+                       "snapkv_w64_r0.8", "tova_w1_r0.5", "tova_w1_r0.8")
 STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
          "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
          "random": ("tab:gray", "x"), "default": ("tab:orange", "*"), "rc_paper": ("tab:pink", "s"), "rc_carry0": ("tab:red", "x"),
-         "rc_mean": ("tab:red", "+"),
+         "rc_mean": ("tab:red", "+"), "rc_contrast0": ("tab:red", "1"),
          "snapkv_rc_window": ("tab:cyan", "^"), "tova_rc_window": ("tab:olive", "v")}
 HEADLINE = ("rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
 
@@ -161,6 +161,8 @@ def describe(entry: dict) -> str:
         # Older runs predate the knob: they scored with Eq. 6's mean.
         parts.append("max over the window's queries" if c.get("query_reduction", "mean") == "max"
                      else "mean over the window's queries (Eq. 6)")
+        if c.get("local_contrast"):  # older runs predate it too: no contrast
+            parts.append(f"contrast {c['local_contrast']:g} over {c['contrast_radius']} tokens")
     if c.get("sink_tokens"):
         parts.append(f"{c['sink_tokens']} sink tokens")
     if c.get("target_ratio") is not None and c.get("budget_scope") == "model" and c.get("layer_floor"):

@@ -80,10 +80,11 @@ def window_queries(config: RCStatConfig) -> int:
 
 def scorer_options(config: RCStatConfig) -> dict:
     """The scorer's constructor options: the observed queries (:func:`observed_queries`) and RC's smoothing,
-    carry_forward and query_reduction; everything else at the method's published defaults."""
+    carry_forward, local contrast and query_reduction; everything else at the method's published defaults."""
     if config.method == "rc":
         return {"window_size": observed_queries(config), "smoothing": config.smoothing,
-                "carry_forward": config.carry_forward, "query_reduction": config.query_reduction}
+                "carry_forward": config.carry_forward, "local_contrast": config.local_contrast,
+                "contrast_radius": config.contrast_radius, "query_reduction": config.query_reduction}
     if config.observation_window is not None:
         return {"window_size": config.observation_window}
     return {}

@@ -70,6 +70,11 @@ class RCStatConfig:
             ``carry_forward`` tokens before it, so what follows a contextualized token (a value after the key a
             question names) is kept with it: the window's queries find the key, the value is read only by queries
             generated later. 0 = the paper's scores.
+        local_contrast: RC only: before smoothing, each token's score is divided by the mean score of the tokens
+            within ``contrast_radius`` of it, to this power: RC's scores drift towards the prompt's end (the window's
+            self logits are all near it), and this keeps what stands out in its own part of the prompt instead;
+            0 = the paper's scores, 1 = the drift removed fully.
+        contrast_radius: RC only, with ``local_contrast``: the tokens on either side whose mean divides a score.
         query_reduction: RC only: how the observation window's queries combine into a token's score: ``max`` = the
             token's expected RC under the one window query that reads it most (a fact read by a single copy head's
             query is not averaged away by the window's other queries); ``mean`` = Eq. 6 over all of them, the
@@ -103,6 +108,8 @@ class RCStatConfig:
     layer_floor: float = 0.0
     smoothing: int = 3
     carry_forward: int = 8
+    local_contrast: float = 0.5
+    contrast_radius: int = 256
     query_reduction: str = "max"
     eviction: str = "lazy"
     decode_budget: int | None = None
@@ -134,6 +141,10 @@ class RCStatConfig:
             raise ConfigError("smoothing", self.smoothing, "an odd integer >= 1")
         if not is_int(self.carry_forward) or self.carry_forward < 0:
             raise ConfigError("carry_forward", self.carry_forward, "an integer >= 0")
+        if not is_number(self.local_contrast) or not 0 <= self.local_contrast <= 1:
+            raise ConfigError("local_contrast", self.local_contrast, "a number in [0, 1]")
+        if not is_int(self.contrast_radius) or self.contrast_radius < 1:
+            raise ConfigError("contrast_radius", self.contrast_radius, "an integer >= 1")
         if self.query_reduction not in QUERY_REDUCTIONS:
             raise ConfigError("query_reduction", self.query_reduction, " | ".join(QUERY_REDUCTIONS))
         if not is_number(self.layer_floor) or not 0 <= self.layer_floor <= 1:

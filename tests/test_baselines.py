@@ -18,7 +18,7 @@ from rcstat_vllm.scoring import (
     get_scorer,
     select_budget,
 )
-from rcstat_vllm.scoring.base import carry_forward, smooth_scores
+from rcstat_vllm.scoring.base import carry_forward, local_contrast, smooth_scores
 
 INF = float("inf")
 LN2, LN3 = math.log(2), math.log(3)
@@ -85,6 +85,44 @@ def test_carry_forward_is_a_one_sided_running_max():
     for tokens in (1, 3, 10, 20):
         expect = torch.stack([rows[..., max(0, i - tokens) : i + 1].amax(-1) for i in range(11)], dim=-1)
         assert torch.equal(carry_forward(rows, tokens), expect)
+
+
+def test_local_contrast_divides_by_the_neighbourhood_mean_to_a_power():
+    scores = torch.tensor([[1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 6.0]])
+    # radius 1: means [1.5, 2, 5/3, 1, 0, 2, 3]; strength 1 -> score / mean (a zero neighbourhood stays 0).
+    approx_row(local_contrast(scores, 1.0, 1)[0].tolist(), [2 / 3, 1.0, 1.8, 0.0, 0.0, 0.0, 2.0])
+    assert local_contrast(scores, 0.0, 1) is scores
+    # Against the definition on random rows, several radii (wider than the row included) and strengths.
+    rows = torch.rand(3, 2, 11)
+    for radius in (1, 4, 30):
+        for strength in (0.5, 1.0):
+            mean = torch.stack([rows[..., max(0, i - radius) : i + radius + 1].mean(-1) for i in range(11)], dim=-1)
+            torch.testing.assert_close(local_contrast(rows, strength, radius), rows / mean**strength)
+
+
+def test_local_contrast_lets_a_peak_early_in_the_prompt_outrank_the_trend_at_its_end():
+    # RC's drift towards the prompt's end, as a ramp, with one token standing out early on: by raw score most of
+    # the ramp outranks it; with the drift removed (strength 1) it comes first, with half of it (0.5, the
+    # default) only the ramp's last sixth stays above it.
+    ramp = torch.linspace(0.1, 4.0, 200)
+    ramp[20] = 1.5
+    assert int((ramp > ramp[20]).sum()) > 100
+    assert int(local_contrast(ramp[None], 1.0, 32)[0].argmax()) == 20
+    half = local_contrast(ramp[None], 0.5, 32)[0]
+    assert 0 < int((half > half[20]).sum()) <= 200 // 6
+
+
+def test_rc_scorer_contrasts_its_scores_before_smoothing_and_carrying():
+    keys, queries = torch.randn(2, 40, 8), torch.randn(2, 4, 8)
+    values = unused_values(keys)
+    raw = RCScorer(window_size=4).score(queries, keys, values, 1.0)[:, :-4]
+    want = carry_forward(smooth_scores(local_contrast(raw, 0.5, 5), 3), 2)
+    got = RCScorer(window_size=4, smoothing=3, carry_forward=2, local_contrast=0.5, contrast_radius=5).score(
+        queries, keys, values, 1.0)
+    torch.testing.assert_close(got[:, :-4], want)
+    assert torch.isinf(got[:, -4:]).all()
+    with pytest.raises(ValueError, match="local_contrast"):
+        RCScorer(local_contrast=1.5)
 
 
 def test_rc_scorer_carries_scores_forward_before_the_window_is_marked():

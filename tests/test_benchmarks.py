@@ -452,10 +452,12 @@ def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_chan
     assert resolved["rc_model_w32_s3_r0.5"]["sink_tokens"] == 0
     assert resolved["rc_model_w32_s3_r0.5"]["carry_forward"] == 0
     assert resolved["rc_model_w32_s3_r0.5"]["query_reduction"] == "mean"
+    assert resolved["rc_model_w32_s3_r0.5"]["local_contrast"] == 0
     if (key(defaults) == (32, "model", 3) and defaults["method"] == "rc" and defaults["sink_tokens"] == 4
-            and defaults["carry_forward"] == 8 and defaults["query_reduction"] == "max"):
+            and defaults["carry_forward"] == 8 and defaults["query_reduction"] == "max"
+            and (defaults["local_contrast"], defaults["contrast_radius"]) == (0.5, 256)):
         at_default = methods.cliff_ablation_settings(ratios=(defaults["target_ratio"],),
-                                                     variants=["rc_model_w32_s3_k4_c8_max"], baselines=())
+                                                     variants=["rc_model_w32_s3_k4_c8_max_lc0.5"], baselines=())
         assert accuracy.resolved_config(at_default[1]) == defaults
     # Baselines come with --with-baselines, at their published scoring windows without sinks.
     args = parser.parse_args(["--cliff-ablation", "--variants", "rc_model_w32_s3", "--with-baselines"])

@@ -50,6 +50,11 @@ BAD_FIELDS = [
     ({"smoothing": 0}, "smoothing"),
     ({"carry_forward": -1}, "carry_forward"),
     ({"carry_forward": 2.5}, "carry_forward"),
+    ({"local_contrast": -0.5}, "local_contrast"),
+    ({"local_contrast": 2}, "local_contrast"),
+    ({"local_contrast": "0.5"}, "local_contrast"),
+    ({"contrast_radius": 0}, "contrast_radius"),
+    ({"contrast_radius": 64.5}, "contrast_radius"),
     ({"query_reduction": "sum"}, "query_reduction"),
     ({"query_reduction": None}, "query_reduction"),
     ({"decode_budget": 16}, "decode_budget"),  # below the window (32)
@@ -121,7 +126,8 @@ def test_every_method_is_accepted(method):
 def test_good_config_round_trips():
     values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
               "min_prompt_len": 1, "budget_scope": "model", "layer_floor": 0.25, "smoothing": 3,
-              "carry_forward": 8, "query_reduction": "mean", "observation_window": None, "eviction": "lazy",
+              "carry_forward": 8, "local_contrast": 0.25, "contrast_radius": 128, "query_reduction": "mean",
+              "observation_window": None, "eviction": "lazy",
               "decode_budget": 64, "decode_interval": 32}
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values

@@ -172,6 +172,7 @@ SCORER_CASES = [
     ("rc", {"window_size": 4, "smoothing": 3}),
     ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5}),
     ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5, "query_reduction": "max"}),
+    ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5, "local_contrast": 0.5, "contrast_radius": 7}),
     ("snapkv", {}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
     ("tova", {}),
@@ -238,16 +239,18 @@ def test_every_scorer_scores_a_paged_prompt_as_its_dense_copy(spy_kernels, metho
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-@pytest.mark.parametrize("method, cached, first_block", [
-    ("rc", 64, 3),  # reads from 64 - (8 + 3 // 2) = 55, in block 3 (48..63)
-    ("rc", 96, 5),  # 96 - 9 = 87, in block 5 (80..95)
-    ("rc", 120, 5),  # 112 shared; the window (the last 32 of 123) reaches back to 91, in block 5
-    ("rc", 8, 0),  # less than a block cached: nothing shared, all read
-    ("snapkv", 96, 0),  # a softmax over every key: all read
-    ("tova", 96, 0),
+@pytest.mark.parametrize("method, cached, first_block, contrast", [
+    ("rc", 64, 3, 0.0),  # reads from 64 - (8 + 3 // 2) = 55, in block 3 (48..63)
+    ("rc", 96, 5, 0.0),  # 96 - 9 = 87, in block 5 (80..95)
+    ("rc", 120, 5, 0.0),  # 112 shared; the window (the last 32 of 123) reaches back to 91, in block 5
+    ("rc", 8, 0, 0.0),  # less than a block cached: nothing shared, all read
+    ("rc", 96, 4, 0.5),  # contrasted over 20 tokens each side: 96 - 9 - 20 = 67, in block 4 (64..79)
+    ("rc", 64, 2, 0.5),  # 64 - 29 = 35, in block 2 (32..47)
+    ("snapkv", 96, 0, 0.0),  # a softmax over every key: all read
+    ("tova", 96, 0, 0.0),
 ])
 def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(monkeypatch, spy_kernels, method, cached,
-                                                                       first_block, use_triton):
+                                                                       first_block, contrast, use_triton):
     """Prompt tokens served from the prefix cache are kept whole, so their scores are never read: RC (each token's
     score from its own key and the window's, then smoothing and carrying a few tokens) reads the prompt from the
     block its first own token's score needs; every score from the shared boundary on is the whole prompt's (to float
@@ -255,7 +258,8 @@ def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(monkeypat
     if use_triton:
         fake_cuda(monkeypatch)
     num_tokens = 123
-    config = RCStatConfig(method=method, smoothing=3, carry_forward=8, window=32)
+    config = RCStatConfig(method=method, smoothing=3, carry_forward=8, window=32, local_contrast=contrast,
+                          contrast_radius=20)
     kv_cache, block_row, query = flash_request(num_tokens, 3, seed=9)
     whole = score_layer(config, kv_cache, block_row, query)
     request = compressor(config, num_tokens, block_row)

@@ -12,6 +12,7 @@ from ..base import (
     carry_forward,
     check_non_negative,
     check_odd,
+    local_contrast,
     mark_window_kept,
     smooth_scores,
 )
@@ -31,6 +32,10 @@ class RCScorer(Scorer):
         carry_forward: after smoothing, each score is raised to the highest of the ``carry_forward`` scores
             before it (:func:`~rcstat_vllm.scoring.base.carry_forward`; the config's ``carry_forward``), so the
             tokens after a contextualized one are kept with it; 0 = the paper's scores.
+        local_contrast: before smoothing, each score is divided by the mean score of the tokens within
+            ``contrast_radius`` of it to this power (:func:`~rcstat_vllm.scoring.base.local_contrast`; the config's
+            ``local_contrast``), which removes RC's trend towards the prompt's end; 0 = the paper's scores.
+        contrast_radius: the tokens on either side whose mean divides a score (the config's ``contrast_radius``).
         query_reduction: how the window's queries combine (the config's ``query_reduction``): ``mean`` = Eq. 6 over
             all of them (the paper's scores), ``max`` = the highest expected RC of the token under any one window
             query (:func:`~rcstat_vllm.scoring.rc.expected_rc_grouped`).
@@ -41,24 +46,32 @@ class RCScorer(Scorer):
 
     smoothing: int = 1
     carry_forward: int = 0
+    local_contrast: float = 0.0
+    contrast_radius: int = 256
     query_reduction: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.smoothing = check_odd("smoothing", self.smoothing)
         self.carry_forward = check_non_negative("carry_forward", self.carry_forward)
+        if not 0 <= self.local_contrast <= 1:
+            raise ValueError(f"local_contrast must be a number in [0, 1], got {self.local_contrast}")
+        self.contrast_radius = check_non_negative("contrast_radius", self.contrast_radius)
         self.query_reduction = check_query_reduction(self.query_reduction)
 
     def _finish(self, scores: Tensor, window: int) -> Tensor:
-        """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: smoothed, carried forward, window kept."""
+        """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: contrasted with its neighbourhood, smoothed,
+        carried forward, window kept."""
+        scores = local_contrast(scores, self.local_contrast, self.contrast_radius)
         scores = carry_forward(smooth_scores(scores, self.smoothing), self.carry_forward)
         return mark_window_kept(scores, window)
 
     def scored_from(self, first_token: int, num_tokens: int, num_queries: int) -> int:
-        """Eq. 6 of a token reads only its own key and the window's; smoothing reads ``smoothing // 2`` tokens on
-        either side and carrying the ``carry_forward`` before, so scoring from ``first_token - reach`` gives the
-        whole prompt's scores from ``first_token`` on (the window, the last tokens, always read)."""
-        reach = self.carry_forward + self.smoothing // 2
+        """Eq. 6 of a token reads only its own key and the window's; the contrast reads ``contrast_radius`` tokens on
+        either side, smoothing ``smoothing // 2`` and carrying the ``carry_forward`` before, so scoring from
+        ``first_token - reach`` gives the whole prompt's scores from ``first_token`` on (the window, the last
+        tokens, always read)."""
+        reach = self.carry_forward + self.smoothing // 2 + (self.contrast_radius if self.local_contrast else 0)
         window = min(num_queries, self.window_size, num_tokens)
         return max(0, min(first_token - reach, num_tokens - window))
 
