@@ -96,9 +96,10 @@ class RCStatConfig:
     # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of 40% of the prompt KV, scored by
     # RC with a 32-token window (the question, not only the chat template's tail) and 3-token smoothing, with the
     # first 4 tokens (attention sinks) kept by every head; each score carried 8 tokens forward, so a value is kept
-    # with the key the window's queries find (docs/defaults.md, "Carrying scores forward"). Lazy eviction: a pool
-    # never short loses nothing (no eviction, no scoring), and it ran at least as fast as eager on every workload
-    # measured (docs/defaults.md, "Lazy eviction by default").
+    # with the key the window's queries find (docs/defaults.md, "Carrying scores forward"); each raw score divided by
+    # the square root of its neighbourhood's mean, against RC's drift towards the prompt's end (docs/defaults.md,
+    # "Local contrast"). Lazy eviction: a pool never short loses nothing (no eviction, no scoring), and it ran at
+    # least as fast as eager on every workload measured (docs/defaults.md, "Lazy eviction by default").
     window: int = 32
     observation_window: int | None = None
     target_ratio: float | None = 0.4
