@@ -70,10 +70,11 @@ class RCStatConfig:
             ``carry_forward`` tokens before it, so what follows a contextualized token (a value after the key a
             question names) is kept with it: the window's queries find the key, the value is read only by queries
             generated later. 0 = the paper's scores.
-        local_contrast: RC only: before smoothing, each token's score is divided by the mean score of the tokens
-            within ``contrast_radius`` of it, to this power: RC's scores drift towards the prompt's end (the window's
-            self logits are all near it), and this keeps what stands out in its own part of the prompt instead;
-            0 = the paper's scores, 1 = the drift removed fully.
+        local_contrast: RC in budget mode only: before smoothing, each token's score is divided by the mean score
+            of the tokens within ``contrast_radius`` of it, to this power: RC's scores drift towards the prompt's end
+            (the window's self logits are all near it), and this keeps what stands out in its own part of the prompt
+            instead; 0 = the paper's scores, 1 = the drift removed fully. Threshold mode (Eq. 9) compares the
+            scores themselves with ``c`` and ignores it.
         contrast_radius: RC only, with ``local_contrast``: the tokens on either side whose mean divides a score.
         query_reduction: RC only: how the observation window's queries combine into a token's score: ``max`` = the
             token's expected RC under the one window query that reads it most (a fact read by a single copy head's

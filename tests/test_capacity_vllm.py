@@ -82,7 +82,7 @@ def test_compression_runs_at_least_80_percent_of_n_over_one_minus_r_at_once(driv
 def test_threshold_mode_frees_what_it_evicts_and_runs_85_percent_of_n_over_one_minus_r(driver):
     """RC's own adaptive rule (Eq. 9): layers keep very different amounts, but head pages are pooled across
     layers, so a request holds about the blocks its kept entries fill (fragmentation <= 1.10, where per-layer
-    pools held ~1.9x) and the pool runs >= 85% of N / (1 - r) at once. c = 0.05 gives r ~ 0.4 here; at higher
+    pools held ~1.9x) and the pool runs >= 85% of N / (1 - r) at once. c = 0.05 gives r ~ 0.07 here; at higher
     r the bound is vLLM's admission rule (a request is admitted with its whole uncompressed prompt), not the
     plugin's layout (see the module docstring)."""
     count = 2 * N + 4

@@ -196,6 +196,21 @@ def test_observation_window_sets_what_rc_and_snapkv_observe_and_nothing_else():
     assert get_scorer("snapkv", **scorer_options(RCStatConfig(method="snapkv", observation_window=32))).kernel_size == 5
 
 
+def test_local_contrast_reaches_rcs_scorer_in_budget_mode_only():
+    """Threshold mode is RCStat's own rule on RC's own scores (Eq. 9); the contrast is a budget's ranking."""
+    from rcstat_vllm.compression import scorer_options
+    from rcstat_vllm.scoring import get_scorer
+
+    def contrast(**values):
+        scorer = get_scorer("rc", **scorer_options(RCStatConfig.from_dict(values)))
+        return scorer.local_contrast, scorer.contrast_radius
+
+    assert contrast() == (RCStatConfig().local_contrast, RCStatConfig().contrast_radius)
+    assert contrast(target_ratio=0.8, local_contrast=0.25, contrast_radius=64) == (0.25, 64)
+    assert contrast(local_contrast=0) == (0.0, RCStatConfig().contrast_radius)
+    assert contrast(c=1.0, target_ratio=None)[0] == 0.0
+
+
 def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction_defers_it(caplog):
     pytest.importorskip("vllm")
     import logging
