@@ -127,19 +127,17 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     rc_window = defaults["window"]
     published = kvpress_windows()
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
-    if uncarried_ratios:  # the bare flag as RCStat scores (carry_forward's cost or gain at the default budget)
-        settings.append(Setting("default_carry0", "default_carry0", {"carry_forward": 0}))
-    if mean_ratios:  # the bare flag with Eq. 6's mean over the window's queries (the default before max)
-        settings.append(Setting("default_mean", "default_mean", {"query_reduction": "mean"}))
-    if uncontrasted_ratios:  # the bare flag without the local contrast (the default before it)
-        settings.append(Setting("default_contrast0", "default_contrast0", {"local_contrast": 0.0}))
+    # Each of the defaults' later changes undone alone, at the bare flag (when asked at any ratio) and at those ratios:
+    # suffix -> (override, ratios). carry0: RCStat's scores not carried forward; mean: Eq. 6's mean over the window's
+    # queries (the default before max); contrast0: no local contrast (the default before it).
+    ablations = {"carry0": ({"carry_forward": 0}, uncarried_ratios),
+                 "mean": ({"query_reduction": "mean"}, mean_ratios),
+                 "contrast0": ({"local_contrast": 0.0}, uncontrasted_ratios)}
+    settings += [Setting(f"default_{name}", f"default_{name}", override)
+                 for name, (override, ratios) in ablations.items() if ratios]
     settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]
-    settings += [Setting(f"rc_r{r:g}_carry0", "rc_carry0", {"method": "rc", "target_ratio": float(r), "carry_forward": 0})
-                 for r in uncarried_ratios]
-    settings += [Setting(f"rc_r{r:g}_mean", "rc_mean", {"method": "rc", "target_ratio": float(r), "query_reduction": "mean"})
-                 for r in mean_ratios]
-    settings += [Setting(f"rc_r{r:g}_contrast0", "rc_contrast0", {"method": "rc", "target_ratio": float(r), "local_contrast": 0.0})
-                 for r in uncontrasted_ratios]
+    settings += [Setting(f"rc_r{r:g}_{name}", f"rc_{name}", {"method": "rc", "target_ratio": float(r), **override})
+                 for name, (override, ratios) in ablations.items() for r in ratios]
     settings += [Setting(f"rc_paper_r{r:g}", "rc_paper", {**PAPER_RC, "target_ratio": float(r)}) for r in paper_ratios]
     settings += [Setting(rc_label(c), "rc", {**PAPER_RC, "c": float(c)}) for c in c_values]
     for method in ("snapkv", "tova"):
