@@ -50,6 +50,9 @@ def announce(config, compression_off: bool = False) -> None:
         logger.info("rcstat: lazy eviction: a request is compacted only when the KV pool runs short (those freeing "
                     "most blocks first); until then it keeps its full cache. \"eviction\": \"eager\" compacts every "
                     "request after its prefill")
+    if config.method == "rc" and not config.budget_mode and config.local_contrast:
+        logger.info("rcstat: threshold mode (c = %g): local_contrast does not apply (Eq. 9 compares RC's own scores "
+                    "with c); it applies to budgets (target_ratio)", config.c)
     if config.decode_compression:
         logger.info(
             "rcstat: decode-time compression on: generated KV compacted to %d tokens per KV head on average every "

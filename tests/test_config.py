@@ -234,6 +234,10 @@ def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction
                for line in lines(RCStatConfig(decode_budget=512, eviction="lazy")))
     assert not any("decode-time" in line for line in lines(RCStatConfig(decode_budget=512), off=True))
     assert any("keep their generated KV whole" in line for line in lines(RCStatConfig(decode_budget=512)))  # default
+    threshold = "local_contrast does not apply (Eq. 9 compares RC's own scores with c)"
+    assert any(threshold in line for line in lines(RCStatConfig(c=0.5, target_ratio=None)))
+    assert not any(threshold in line for line in lines(RCStatConfig()))
+    assert not any(threshold in line for line in lines(RCStatConfig(c=0.5, target_ratio=None, local_contrast=0)))
 
 
 def test_query_reductions_are_the_scorers():
