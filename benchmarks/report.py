@@ -161,7 +161,8 @@ def describe(entry: dict) -> str:
         # Older runs predate the knob: they scored with Eq. 6's mean.
         parts.append("max over the window's queries" if c.get("query_reduction", "mean") == "max"
                      else "mean over the window's queries (Eq. 6)")
-        if c.get("local_contrast"):  # older runs predate it too: no contrast
+        # Older runs predate it too (no contrast); threshold mode does not apply it.
+        if c.get("local_contrast") and c.get("target_ratio") is not None:
             parts.append(f"contrast {c['local_contrast']:g} over {c['contrast_radius']} tokens")
     if c.get("sink_tokens"):
         parts.append(f"{c['sink_tokens']} sink tokens")
