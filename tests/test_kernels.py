@@ -1,10 +1,12 @@
-"""Triton scoring kernels against their torch references, under the Triton interpreter (tiny shapes).
+"""Triton scoring kernels against their torch references (tiny shapes): under the Triton interpreter on CPU tensors
+(the default), or compiled on a GPU with ``TRITON_INTERPRET=0 pytest tests/test_kernels.py``.
 
 TRITON_INTERPRET must be set before the kernels are decorated; if another test module imported them
 first (compiled mode, unusable without a GPU), they are reloaded here.
 
 The interpreter of Triton 3.9 multiplies bfloat16 tiles as their raw uint16 storage in ``tl.dot``
-(numpy has no bfloat16), so half precision is tested with float16; bfloat16 needs a GPU run.
+(numpy has no bfloat16), so the bfloat16 case runs compiled on a GPU only; float16 runs everywhere.
+Real model sizes on a GPU: ``benchmarks/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot run")
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 runs the kernels compiled, which needs a GPU", allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
 
 _JIT_MODULES = ("_tiles_triton", "_rc_triton", "_snapkv_triton")  # reloaded in dependency order
 for _name in _JIT_MODULES:
@@ -40,7 +46,7 @@ def paged_request(num_kv_heads, head_dim, num_tokens, block_size, seed, dtype=to
     key_cache = fused[:, 0]
     pages = -(-num_tokens // block_size) + 1
     block_table = torch.randperm(num_blocks, generator=gen)[:pages].to(torch.int32)
-    return key_cache, block_table, gen
+    return key_cache.to(DEVICE), block_table.to(DEVICE), gen
 
 
 def test_gather_paged_tokens_follows_block_table():
@@ -65,7 +71,7 @@ def test_gather_paged_tokens_follows_block_table():
 def test_rc_kernel_matches_reference(window, group, num_tokens, block_size, query_reduction):
     num_kv_heads, head_dim = 2, 24  # head_dim not a power of 2: padded lanes must not count
     key_cache, block_table, gen = paged_request(num_kv_heads, head_dim, num_tokens, block_size, seed=num_tokens)
-    q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen)
+    q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen).to(DEVICE)
     got = rc_scores_paged(q_window, key_cache, block_table, num_tokens, block_n=16, query_reduction=query_reduction)
     want = rc_scores_paged_reference(q_window, key_cache, block_table, num_tokens, query_reduction)
     assert got.shape == want.shape == (num_kv_heads, num_tokens - window)
@@ -83,9 +89,9 @@ def test_rc_kernel_binary_search_counts_ties_like_the_reference(window, query_re
     num_tokens = window + 40
     gen = torch.Generator().manual_seed(window)
     blocks = -(-num_tokens // block_size)
-    key_cache = torch.randint(-2, 3, (blocks, num_kv_heads, block_size, head_dim), generator=gen).float()
-    block_table = torch.arange(blocks, dtype=torch.int32).flip(0)
-    q_window = torch.randint(-1, 2, (num_kv_heads * group, window, head_dim), generator=gen).float()
+    key_cache = torch.randint(-2, 3, (blocks, num_kv_heads, block_size, head_dim), generator=gen).float().to(DEVICE)
+    block_table = torch.arange(blocks, dtype=torch.int32).flip(0).to(DEVICE)
+    q_window = torch.randint(-1, 2, (num_kv_heads * group, window, head_dim), generator=gen).float().to(DEVICE)
     got = rc_scores_paged(q_window, key_cache, block_table, num_tokens, block_n=16, query_reduction=query_reduction)
     want = rc_scores_paged_reference(q_window, key_cache, block_table, num_tokens, query_reduction)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -94,7 +100,7 @@ def test_rc_kernel_binary_search_counts_ties_like_the_reference(window, query_re
 def test_rc_reference_equals_scorer_on_gathered_keys():
     # Ties the paged path to the scorer the engine uses (exact, float64): same grouping, mean, and order.
     key_cache, block_table, gen = paged_request(2, 8, 21, 4, seed=3, dtype=torch.float64)
-    q_window = torch.randn(6, 8, 8, generator=gen, dtype=torch.float64)
+    q_window = torch.randn(6, 8, 8, generator=gen, dtype=torch.float64).to(DEVICE)
     keys = gather_paged_tokens(key_cache, block_table, 0, 21)
     scorer_scores = RCScorer(window_size=8).score(q_window, keys, keys, 1.0)
     paged = rc_scores_paged_reference(q_window, key_cache, block_table, 21)
@@ -104,11 +110,22 @@ def test_rc_reference_equals_scorer_on_gathered_keys():
     torch.testing.assert_close(single, expected_rc(q_window[::3], keys), rtol=0, atol=1e-12)
 
 
-def test_rc_kernel_float16_cache():
-    key_cache, block_table, gen = paged_request(2, 16, 40, 16, seed=5, dtype=torch.float16)
-    q_window = torch.randn(6, 8, 16, generator=gen).half()
-    got = rc_scores_paged(q_window, key_cache, block_table, 40, block_n=16)
-    want = rc_scores_paged_reference(q_window, key_cache, block_table, 40)
+HALF = [
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
+        INTERPRETED, reason="the Triton interpreter multiplies bf16 tiles as raw uint16; TRITON_INTERPRET=0 on a GPU")),
+]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("query_reduction", ["mean", "max"])
+def test_rc_kernel_half_cache(dtype, query_reduction):
+    """16-bit caches: products of 16-bit values are exact in float32, so only the summation order differs from the
+    reference (which computes in float32 on the same rounded values)."""
+    key_cache, block_table, gen = paged_request(2, 16, 40, 16, seed=5, dtype=dtype)
+    q_window = torch.randn(6, 8, 16, generator=gen).to(DEVICE, dtype)
+    got = rc_scores_paged(q_window, key_cache, block_table, 40, block_n=16, query_reduction=query_reduction)
+    want = rc_scores_paged_reference(q_window, key_cache, block_table, 40, query_reduction)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -119,8 +136,17 @@ def test_rc_kernel_float16_cache():
 def test_snapkv_kernel_matches_reference(window, group, num_tokens, block_size):
     num_kv_heads, head_dim = 2, 24
     key_cache, block_table, gen = paged_request(num_kv_heads, head_dim, num_tokens, block_size, seed=num_tokens)
-    q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen)
+    q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen).to(DEVICE)
     got = snapkv_scores_paged(q_window, key_cache, block_table, num_tokens, scale=0.4, block_n=16)
     want = snapkv_scores_paged_reference(q_window, key_cache, block_table, num_tokens, scale=0.4)
     assert got.shape == want.shape == (num_kv_heads, num_tokens - window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_snapkv_kernel_half_cache(dtype):
+    key_cache, block_table, gen = paged_request(2, 16, 45, 16, seed=8, dtype=dtype)
+    q_window = torch.randn(6, 8, 16, generator=gen).to(DEVICE, dtype)
+    got = snapkv_scores_paged(q_window, key_cache, block_table, 45, scale=0.25, block_n=16)
+    want = snapkv_scores_paged_reference(q_window, key_cache, block_table, 45, scale=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)

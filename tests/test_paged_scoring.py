@@ -7,7 +7,8 @@ under the Triton interpreter on CPU tensors, with the cache layout the CUDA back
 token row holding key then value, and a scrambled block table longer than the prompt needs.
 
 The interpreter of Triton 3.9 multiplies bfloat16 tiles as their raw uint16 storage in ``tl.dot`` (numpy has no
-bfloat16), so half precision is checked with float16 here; the bfloat16 case runs only on a GPU.
+bfloat16), so half precision is checked with float16 here; bfloat16 is checked compiled on a GPU by
+``tests/test_kernels.py`` (``TRITON_INTERPRET=0``) and ``benchmarks/gpu_check.py`` (the whole default scorer too).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot run")
+if os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("fakes the CUDA check on CPU tensors: needs the Triton interpreter (TRITON_INTERPRET=1)",
+                allow_module_level=True)
 
 for _name in ("_tiles_triton", "_rc_triton", "_snapkv_triton"):  # compiled-mode copies are reloaded, see test_kernels
     _module = f"rcstat_vllm.kernels.{_name}"
@@ -41,7 +45,6 @@ from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, ge
 # SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.
 KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 64, 16, 12
 SCALE = HEAD_DIM**-0.5
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 EXTRA_QUERIES = 3  # another request's rows before this one's in the step's query tensor
 
 
@@ -137,24 +140,11 @@ def test_torch_path_equals_the_dense_gather_it_replaces(layout, method):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-HALF = [
-    pytest.param(torch.float16, id="fp16"),
-    pytest.param(
-        torch.bfloat16, id="bf16",
-        marks=pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(),
-                                 reason="the Triton interpreter multiplies bf16 tiles as raw uint16; needs a GPU"),
-    ),
-]
-
-
-@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("method, window, smoothing, group, num_tokens", [CASES[1], CASES[2], CASES[5]])
-def test_triton_path_on_half_caches_is_close_to_the_float32_reference(monkeypatch, dtype, method, window, smoothing,
+def test_triton_path_on_half_caches_is_close_to_the_float32_reference(monkeypatch, method, window, smoothing,
                                                                       group, num_tokens):
     config = RCStatConfig(method=method, window=window, smoothing=smoothing)
-    kv_cache, block_row, query = flash_request(num_tokens, group, seed=7, dtype=dtype)
-    device = "cuda" if not INTERPRETED and torch.cuda.is_available() else "cpu"
-    kv_cache, block_row, query = kv_cache.to(device), block_row.to(device), query.to(device)
+    kv_cache, block_row, query = flash_request(num_tokens, group, seed=7, dtype=torch.float16)
     # The reference: the torch path on float32 copies of the same (rounded) values.
     want = score_layer(config, kv_cache.float(), block_row, query.float())
     fake_cuda(monkeypatch)
