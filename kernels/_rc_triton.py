@@ -7,6 +7,23 @@ from ._tiles_triton import load_group_queries, load_paged_key_tile
 
 
 @triton.jit
+def sum_positive_gaps(x, q_head, valid, y_sorted_ptr, prefix_ptr, m, SEARCH_STEPS: tl.constexpr):
+    """sum over y in Y(q_head) of max(x - y, 0), elementwise over a tile of centred logits x (rows = query heads or
+    query rows, q_head per row). Y is sorted, so its prefix sum at count = #{y < x} is the sum of exactly those y,
+    and the result is count * x - prefix[count]. ``count`` comes from a branchless binary search (10 gathers at
+    m = w(w+1)/2 = 528, w = 32, instead of 528 compares): the largest c with y[c - 1] < x, one bit at a time
+    from the highest. Rows that are not ``valid`` give 0."""
+    count = tl.zeros(x.shape, dtype=tl.int32)
+    for bit in tl.static_range(SEARCH_STEPS):
+        probe = count + (1 << (SEARCH_STEPS - 1 - bit))
+        probe_ok = valid[:, None] & (probe <= m)
+        y = tl.load(y_sorted_ptr + q_head[:, None] * m + probe - 1, mask=probe_ok, other=float("inf"))
+        count = tl.where(y < x, probe, count)
+    below = tl.load(prefix_ptr + q_head[:, None] * (m + 1) + count, mask=valid[:, None], other=0.0)
+    return tl.where(valid[:, None], tl.maximum(count.to(tl.float32) * x - below, 0.0), 0.0)
+
+
+@triton.jit
 def rc_scores_paged_kernel(
     q_ptr, stride_qh, stride_qw, stride_qd,
     kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -21,8 +38,10 @@ def rc_scores_paged_kernel(
 ):
     """One program: BLOCK_N tokens of one KV head. The key tile is loaded once; the G*W query rows are
     processed ROW_BLOCK at a time (bounded registers for large G*W); logits never leave registers.
-    MAX_OVER_QUERIES: each query head's rows (its W window queries) are reduced by max instead of summed; row blocks
-    may split a head's rows, so a running max per query head is kept ([G_PAD, BLOCK_N]) and summed at the end."""
+    Mean (Eq. 6): every row's gaps are summed. MAX_OVER_QUERIES: the sum of gaps does not decrease as x grows and a
+    query head's W rows all meet the same Y, so the best row's sum is the sum at the row's highest logit: a running
+    max logit per query head ([G_PAD, BLOCK_N]; row blocks may split a head's rows) and one search per query head at
+    the end, instead of one per row."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     keys, tokens, tokens_valid = load_paged_key_tile(
@@ -30,8 +49,8 @@ def rc_scores_paged_kernel(
         num_scored, BLOCK_N, PAGE, D, D_PAD,
     )
     scores = tl.zeros([BLOCK_N], dtype=tl.float32)
-    best = tl.zeros([G_PAD, BLOCK_N], dtype=tl.float32)  # MAX_OVER_QUERIES: per query head (gaps are >= 0)
     heads = tl.arange(0, G_PAD)
+    best = tl.full([G_PAD, BLOCK_N], float("-inf"), dtype=tl.float32)  # MAX_OVER_QUERIES: highest logit per head
     for row_block in tl.static_range(NUM_ROW_BLOCKS):
         q, rows, rows_valid = load_group_queries(
             q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_block * ROW_BLOCK, G, W, ROW_BLOCK, D, D_PAD
@@ -40,29 +59,23 @@ def rc_scores_paged_kernel(
             logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
         else:
             logits = tl.dot(q, tl.trans(keys))  # [ROW_BLOCK, BLOCK_N], float32 accumulation
-        q_head = kv_head * G + rows // W
-        center = tl.load(center_ptr + q_head, mask=rows_valid, other=0.0)
-        x = logits - center[:, None]
-
-        # count[r, t] = #{y in Y of query head(r) : y < x[r, t]}; Y is sorted, so its prefix sum at `count`
-        # is the sum of exactly those y, and sum_y max(x - y, 0) = count * x - prefix[count].
-        # Branchless binary search (m = w(w+1)/2 = 528 at w = 32: 10 gathers instead of 528 compares): `count`
-        # is the largest c with y[c - 1] < x, found one bit at a time from the highest.
-        count = tl.zeros([ROW_BLOCK, BLOCK_N], dtype=tl.int32)
-        for bit in tl.static_range(SEARCH_STEPS):
-            probe = count + (1 << (SEARCH_STEPS - 1 - bit))
-            probe_ok = rows_valid[:, None] & (probe <= m)
-            y = tl.load(y_sorted_ptr + q_head[:, None] * m + probe - 1, mask=probe_ok, other=float("inf"))
-            count = tl.where(y < x, probe, count)
-        below = tl.load(prefix_ptr + q_head[:, None] * (m + 1) + count, mask=rows_valid[:, None], other=0.0)
-        gaps = tl.where(rows_valid[:, None], tl.maximum(count.to(tl.float32) * x - below, 0.0), 0.0)
         if MAX_OVER_QUERIES:
             for g in tl.static_range(G):
-                head_best = tl.max(tl.where((rows // W == g)[:, None], gaps, 0.0), axis=0)
+                in_head = rows_valid & (rows // W == g)
+                head_best = tl.max(tl.where(in_head[:, None], logits, float("-inf")), axis=0)
                 best = tl.where(heads[:, None] == g, tl.maximum(best, head_best[None, :]), best)
         else:
+            q_head = kv_head * G + rows // W
+            center = tl.load(center_ptr + q_head, mask=rows_valid, other=0.0)
+            gaps = sum_positive_gaps(logits - center[:, None], q_head, rows_valid, y_sorted_ptr, prefix_ptr, m,
+                                     SEARCH_STEPS)
             scores += tl.sum(gaps, axis=0)
     if MAX_OVER_QUERIES:
-        scores = tl.sum(best, axis=0)
+        heads_valid = heads < G
+        q_head = kv_head * G + heads
+        center = tl.load(center_ptr + q_head, mask=heads_valid, other=0.0)
+        # Padding heads (>= G) hold -inf: masked out in the search, their gaps 0.
+        x = tl.where(heads_valid[:, None], best - center[:, None], 0.0)
+        scores = tl.sum(sum_positive_gaps(x, q_head, heads_valid, y_sorted_ptr, prefix_ptr, m, SEARCH_STEPS), axis=0)
     # norm: 1 / (W * m * G) (mean over Eq. 6's W*m pairs, then the G query heads) or 1 / (m * G) (max over queries).
     tl.store(out_ptr + kv_head * stride_oh + tokens, scores * norm, mask=tokens_valid)

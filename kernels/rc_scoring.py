@@ -10,7 +10,9 @@ and prefix-summed (:func:`rcstat_vllm.scoring.rc.window_self_logits`). Then each
 tokens of one KV head, gathers their keys through the block table, computes the G*w logits per token in
 registers (one ``tl.dot``), counts per logit how many sorted self logits lie below it (a binary search over
 the m = w(w+1)/2 sorted values: ceil(log2(m + 1)) gathers per logit, 10 at the default w = 32 where a linear
-scan took 528 compares) and reads the prefix sum at that count. Reads of the key cache: each key once.
+scan took 528 compares) and reads the prefix sum at that count; with ``query_reduction="max"`` it searches once
+per query head, at the head's highest logit of the token (the same number: see the kernel). Reads of the key
+cache: each key once.
 """
 
 from __future__ import annotations

@@ -256,8 +256,8 @@ def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "
     the token and a window self logit y. ``max`` takes, per window query j, the mean over the m self logits
     (the expected RC of the token against that one query, Eq. 6 with a window of queries {j}) and keeps the
     highest over j: a token only one window query reads strongly (the next word of a fact the question names,
-    read by one copy head's query) is not averaged away by the w - 1 queries that do not read it. Same pairs,
-    same cost; only the reduction over j differs.
+    read by one copy head's query) is not averaged away by the w - 1 queries that do not read it. Same pairs;
+    ``max`` costs less, since that highest mean is the one at the token's highest cross logit (below).
 
     Args:
         q_window: [Hkv, G, w, d] queries of the last w prompt positions.
@@ -280,11 +280,15 @@ def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "
     for start in range(0, n - w, chunk):
         stop = min(start + chunk, n - w)
         cross = torch.matmul(queries, keys[:, start:stop].to(acc).transpose(1, 2))  # [Hkv, G*w, chunk]
-        cross = cross.reshape(num_kv_heads, group, w * (stop - start))
-        gaps = table.sum_positive_gaps(cross).reshape(num_kv_heads, group, w, stop - start)
         if query_reduction == "max":
-            scores[..., start:stop] = gaps.amax(dim=2) / m
+            # sum_y max(x - y, 0) does not decrease as x grows, and a query head's w queries all meet the same Y: the
+            # highest of their w sums is the sum at their highest cross logit. One count per token and query head
+            # instead of w (the same numbers as reducing the w sums).
+            best = cross.reshape(num_kv_heads, group, w, stop - start).amax(dim=2)
+            scores[..., start:stop] = table.sum_positive_gaps(best) / m
         else:
+            cross = cross.reshape(num_kv_heads, group, w * (stop - start))
+            gaps = table.sum_positive_gaps(cross).reshape(num_kv_heads, group, w, stop - start)
             scores[..., start:stop] = gaps.sum(dim=2) / pair_count
     return scores
 
