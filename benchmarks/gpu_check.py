@@ -82,11 +82,14 @@ def paged_cache(keys: torch.Tensor, page: int, spare_pages: int = 1, seed: int =
     return fused[:, 0], table
 
 
-def poison_allocator(device: torch.device, nbytes: int) -> None:
-    """Fill free memory of the caching allocator with NaN, so an output element a kernel never writes reads NaN."""
+def poison_allocator(device: torch.device, numel: int) -> None:
+    """Leave NaN in the caching allocator's free blocks of an output's size (float32 ``numel``), so that an output
+    element a kernel never writes reads NaN: the allocator hands the next allocation of that size the block just
+    freed. (Outputs under 1 MiB come from its small-block pool, so a large NaN buffer would not reach them.)"""
     if device.type == "cuda":
-        torch.full((nbytes // 4,), float("nan"), device=device).data_ptr()
+        poison = [torch.full((numel,), float("nan"), device=device) for _ in range(4)]
         torch.cuda.synchronize(device)
+        del poison
 
 
 def keep_agreement(got: torch.Tensor, ref: torch.Tensor, share: float = KEEP_SHARE) -> float:
@@ -133,7 +136,7 @@ def kernel_checks(device, sizes, shapes, dtypes, page, progress) -> list[Check]:
                     case = f"{shape_name} {dtype_name} n={n} {label}"
                     progress(case)
                     q = queries[:, -window:]
-                    poison_allocator(device, 64 << 20)
+                    poison_allocator(device, hkv * n)  # the kernels' first allocation: the [Hkv, n - w] output
                     if method == "rc":
                         got = rc_scores_paged(q, cache, table, n, query_reduction=reduction)
                         ref = rc_scores_paged_reference(q64[:, -window:], cache64, table, n, reduction)
