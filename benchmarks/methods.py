@@ -112,12 +112,14 @@ def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:
 
 def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
                       c_values=(1.0,), uncarried_ratios=(0.8,), mean_ratios=(0.8,),
-                      uncontrasted_ratios=(0.8,)) -> list[Setting]:
+                      uncontrasted_ratios=(0.8,), paper_query_ratios=(0.8,)) -> list[Setting]:
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
     RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` (and the bare flag,
     when any) also with its scores not carried forward (``carry_forward: 0``), and at ``mean_ratios`` (and the bare
     flag, when any) with Eq. 6's mean over the window's queries (``query_reduction: mean``), and at
-    ``uncontrasted_ratios`` (and the bare flag, when any) without the local contrast (``local_contrast: 0``); RC with the paper's
+    ``uncontrasted_ratios`` (and the bare flag, when any) without the local contrast (``local_contrast: 0``), and at
+    ``paper_query_ratios`` (and the bare flag, when any) with both undone (Eq. 6's mean, no contrast: RC's scores
+    as the defaults had them before either, so one run shows before and after); RC with the paper's
     scoring (per-layer budget, window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
     window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
@@ -129,10 +131,12 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
     # Each of the defaults' later changes undone alone, at the bare flag (when asked at any ratio) and at those ratios:
     # suffix -> (override, ratios). carry0: RCStat's scores not carried forward; mean: Eq. 6's mean over the window's
-    # queries (the default before max); contrast0: no local contrast (the default before it).
+    # queries (the default before max); contrast0: no local contrast (the default before it); mean_contrast0: both
+    # (each token scored as Eq. 6 scores it, then smoothed and carried forward: the default before the two).
     ablations = {"carry0": ({"carry_forward": 0}, uncarried_ratios),
                  "mean": ({"query_reduction": "mean"}, mean_ratios),
-                 "contrast0": ({"local_contrast": 0.0}, uncontrasted_ratios)}
+                 "contrast0": ({"local_contrast": 0.0}, uncontrasted_ratios),
+                 "mean_contrast0": ({"query_reduction": "mean", "local_contrast": 0.0}, paper_query_ratios)}
     settings += [Setting(f"default_{name}", f"default_{name}", override)
                  for name, (override, ratios) in ablations.items() if ratios]
     settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]

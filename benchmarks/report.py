@@ -30,12 +30,13 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 README = Path(__file__).resolve().parents[1] / "README.md"
 SIDE_START, SIDE_END = "<!-- side-by-side:start -->", "<!-- side-by-side:end -->"
 #: The plugin's rows of that table (accuracy.py labels), in order; missing labels are skipped.
-SIDE_BY_SIDE_PLUGIN = ("full", "default", "rc_r0.5", "rc_r0.8", "rc_r0.8_contrast0", "rc_r0.8_mean", "snapkv_w64_r0.5",
+SIDE_BY_SIDE_PLUGIN = ("full", "default", "default_mean_contrast0", "rc_r0.5", "rc_r0.8", "rc_r0.8_mean_contrast0",
+                       "rc_r0.8_contrast0", "rc_r0.8_mean", "snapkv_w64_r0.5",
                        "snapkv_w64_r0.8", "tova_w1_r0.5", "tova_w1_r0.8")
 STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
          "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
          "random": ("tab:gray", "x"), "default": ("tab:orange", "*"), "rc_paper": ("tab:pink", "s"), "rc_carry0": ("tab:red", "x"),
-         "rc_mean": ("tab:red", "+"), "rc_contrast0": ("tab:red", "1"),
+         "rc_mean": ("tab:red", "+"), "rc_contrast0": ("tab:red", "1"), "rc_mean_contrast0": ("tab:red", "2"),
          "snapkv_rc_window": ("tab:cyan", "^"), "tova_rc_window": ("tab:olive", "v")}
 HEADLINE = ("rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
 
@@ -262,10 +263,18 @@ def _plugin_row_name(label: str, e: dict) -> str:
     if e.get("family") == "full":
         return "full cache"
     c = e.get("resolved") or {}
-    name = "bare flag `{}` (RC)" if e.get("family") == "default" else \
-        {"rc": "RC", "snapkv": "SnapKV", "tova": "TOVA"}.get(c.get("method"), c.get("method", label))
+    family = e.get("family", "")
+    if family == "default":
+        name = "bare flag `{}` (RC)"
+    elif family.startswith("default_"):  # the bare flag's settings with one of its defaults undone (default_mean, ...)
+        name = "bare flag's settings (RC)"
+    else:
+        name = {"rc": "RC", "snapkv": "SnapKV", "tova": "TOVA"}.get(c.get("method"), c.get("method", label))
     if c.get("method") == "rc" and c.get("query_reduction", "mean") == "mean":
         name += ", Eq. 6's mean over queries"
+    # Runs before the local contrast have no such field (and no contrast); threshold mode never applies it.
+    if c.get("method") == "rc" and c.get("local_contrast") == 0 and c.get("target_ratio") is not None:
+        name += ", no local contrast"
     return name
 
 

@@ -210,7 +210,9 @@ def test_report_puts_the_plugins_rows_beside_kvpress_in_the_readme(tmp_path, mon
                                                      "resolved": {**RCStatConfig().to_dict(), **c}, "by_task": {},
                                                      "same_as_full": 0.5}
     summary = {"full": entry("full", 0.0, 64, 64), "rc_r0.8": entry("rc_budget", 0.8, 60, 58, query_reduction="max"),
-               "rc_r0.8_mean": entry("rc_mean", 0.8, 56, 51, query_reduction="mean")}
+               "rc_r0.8_mean": entry("rc_mean", 0.8, 56, 51, query_reduction="mean"),
+               "default_mean_contrast0": entry("default_mean_contrast0", 0.4, 60, 57, query_reduction="mean",
+                                               local_contrast=0.0)}
     (results / "accuracy_cpu.json").write_text(json.dumps({"summary": summary, "environment": {"vllm": "0.32.0",
                                                                                                "engine_dtype": "bfloat16"}}))
     totals = lambda hits, kept: {"needle_hits": hits, "needle_values": 80, "kept_of_full": kept,  # noqa: E731
@@ -232,6 +234,9 @@ def test_report_puts_the_plugins_rows_beside_kvpress_in_the_readme(tmp_path, mon
     assert text.startswith("above\n") and text.endswith("below\n") and "\nold\n" not in text
     assert "| plugin, vLLM | RC | 0.80 | 60/80 | 58/64 (90.6%) |" in text
     assert "| plugin, vLLM | RC, Eq. 6's mean over queries | 0.80 | 56/80 | 51/64 (79.7%) |" in text
+    # The bare flag's settings with both of its scoring changes undone: named as what it is, not as the bare flag.
+    assert ("| plugin, vLLM | bare flag's settings (RC), Eq. 6's mean over queries, no local contrast | 0.40 | 60/80 | "
+            "57/64 (89.1%) |") in text
     assert "| kvpress 0.5.5 | KVzip | 0.80 | 55/80 | 53/61 (86.9%) |" in text
     assert "a partial run, 2 of 3" in text
 
@@ -266,6 +271,13 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
     for r in (0.5, 0.7, 0.8):  # RC at each budget, its defaults otherwise
         resolved = accuracy.resolved_config(by_label[f"rc_r{r:g}"])
         assert resolved == {**defaults.to_dict(), "method": "rc", "target_ratio": r}
+    # Each later change of the defaults undone, alone and (the scoring changes) together, at the bare flag and at 0.8.
+    undone = {"carry0": {"carry_forward": 0}, "mean": {"query_reduction": "mean"}, "contrast0": {"local_contrast": 0.0},
+              "mean_contrast0": {"query_reduction": "mean", "local_contrast": 0.0}}
+    for name, override in undone.items():
+        assert accuracy.resolved_config(by_label[f"default_{name}"]) == {**defaults.to_dict(), **override}
+        assert accuracy.resolved_config(by_label[f"rc_r0.8_{name}"]) == {**defaults.to_dict(), "method": "rc",
+                                                                          "target_ratio": 0.8, **override}
     paper = accuracy.resolved_config(by_label["rc_paper_r0.5"])
     assert (paper["window"], paper["smoothing"], paper["budget_scope"], paper["target_ratio"], paper["sink_tokens"]) == (
         8, 1, "layer", 0.5, 0)
