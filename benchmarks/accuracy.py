@@ -14,9 +14,10 @@ The achieved ratio of every request is read from the plugin (``compression_resul
 when a request is compacted: eager eviction compacts every request, where the default, lazy, compacts only under
 memory pressure; ``--eviction lazy`` with a small ``--kv-cache-gib`` measures that); RC at budgets 0.5 / 0.7 / 0.8
 with its defaults otherwise; the bare flag's settings and RC at 0.8 with each later change of the defaults undone
-(``_carry0``, ``_mean``, ``_contrast0``, and ``_mean_contrast0``: both scoring changes); RC with the paper's scoring (per-layer budget, window 8, no smoothing) at 0.5 and
-in threshold mode at c = 1; SnapKV and TOVA at 0.5 and 0.8, each at kvpress's published window (SnapKV 64,
-kernel 5; TOVA the last token) and at RC's default window. Settings that resolve to the same config as an
+(``_carry0``, ``_mean``, ``_contrast0``, and ``_mean_contrast0``: both scoring changes); RC with the paper's
+scoring (per-layer budget, window 8, no smoothing) at 0.5 and in threshold mode at c = 1; SnapKV and TOVA at
+0.5 and 0.8, each at kvpress's published window (SnapKV 64, kernel 5; TOVA the last token) and at RC's default
+window. Settings that resolve to the same config as an
 earlier one (e.g. RC at the default's own ratio) are run once and reported under both labels (``same_run_as``).
 
 SnapKV's rows name their observation window (``observation_window``: 64 is kvpress's, 32 RC's). TOVA's score is
