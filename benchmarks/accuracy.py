@@ -95,7 +95,7 @@ def study_preset(summaries: int = 0) -> dict:
 #: methods.accuracy_settings arguments per preset.
 SETTINGS_PRESETS = {
     "quick": dict(rc_ratios=(0.8,), baseline_ratios=(0.5,), paper_ratios=(0.5,), c_values=(), uncarried_ratios=(), mean_ratios=(),
-                  uncontrasted_ratios=(), paper_query_ratios=()),
+                  uncontrasted_ratios=(), mean_uncontrasted_ratios=()),
     "default": dict(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,), c_values=(1.0,)),
 }
 #: The transformers cross-check: the shortest retrieval prompts, a few settings (it is a check of the plugin's

@@ -12,20 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BASELINES = ("snapkv", "tova", "knorm", "streaming", "random")
+#: The defaults' later changes, each undone (suffix -> (override, in words)): carry0, RCStat's scores not carried
+#: forward; mean, Eq. 6's mean over the window's queries (the default before max); contrast0, no local contrast (the
+#: default before it); mean_contrast0, both scoring changes (each token scored as Eq. 6 scores it, then smoothed and
+#: carried forward: the default before the two). The accuracy benchmark runs them at the bare flag and at RC budgets.
+DEFAULTS_UNDONE = {
+    "carry0": ({"carry_forward": 0}, "scores not carried forward"),
+    "mean": ({"query_reduction": "mean"}, "Eq. 6's mean over the window's queries"),
+    "contrast0": ({"local_contrast": 0.0}, "no local contrast"),
+    "mean_contrast0": ({"query_reduction": "mean", "local_contrast": 0.0}, "Eq. 6's mean, no local contrast"),
+}
 FAMILY_LABELS = {
     "full": "full cache",
     "default": "bare flag (defaults)",
     "rc": "RCStat (threshold c)",
     "rc_budget": "RCStat (budget)",
     "rc_paper": "RCStat (budget per layer, window 8, no smoothing)",
-    "rc_carry0": "RCStat (budget, scores not carried forward)",
-    "default_carry0": "bare flag, scores not carried forward",
-    "rc_mean": "RCStat (budget, Eq. 6's mean over the window's queries)",
-    "default_mean": "bare flag, Eq. 6's mean over the window's queries",
-    "rc_contrast0": "RCStat (budget, no local contrast)",
-    "default_contrast0": "bare flag, no local contrast",
-    "rc_mean_contrast0": "RCStat (budget, Eq. 6's mean, no local contrast)",
-    "default_mean_contrast0": "bare flag, Eq. 6's mean, no local contrast",
     "kvpress_kvzip": "KVzip (kvpress's keep sets)",
     "kvpress_adakv_expected_attention": "AdaKV(ExpectedAttention) (kvpress's keep sets)",
     "snapkv": "SnapKV",
@@ -35,6 +37,8 @@ FAMILY_LABELS = {
     "knorm": "K-norm",
     "streaming": "StreamingLLM",
     "random": "random",
+    **{f"rc_{name}": f"RCStat (budget, {words})" for name, (_, words) in DEFAULTS_UNDONE.items()},
+    **{f"default_{name}": f"bare flag, {words}" for name, (_, words) in DEFAULTS_UNDONE.items()},
 }
 
 
@@ -116,13 +120,13 @@ def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:
 
 def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
                       c_values=(1.0,), uncarried_ratios=(0.8,), mean_ratios=(0.8,),
-                      uncontrasted_ratios=(0.8,), paper_query_ratios=(0.8,)) -> list[Setting]:
+                      uncontrasted_ratios=(0.8,), mean_uncontrasted_ratios=(0.8,)) -> list[Setting]:
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
     RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` (and the bare flag,
     when any) also with its scores not carried forward (``carry_forward: 0``), and at ``mean_ratios`` (and the bare
     flag, when any) with Eq. 6's mean over the window's queries (``query_reduction: mean``), and at
     ``uncontrasted_ratios`` (and the bare flag, when any) without the local contrast (``local_contrast: 0``), and at
-    ``paper_query_ratios`` (and the bare flag, when any) with both undone (Eq. 6's mean, no contrast: RC's scores
+    ``mean_uncontrasted_ratios`` (and the bare flag, when any) with both undone (Eq. 6's mean, no contrast: RC's scores
     as the defaults had them before either, so one run shows before and after); RC with the paper's
     scoring (per-layer budget, window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
     SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
@@ -133,14 +137,11 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     rc_window = defaults["window"]
     published = kvpress_windows()
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
-    # Each of the defaults' later changes undone alone, at the bare flag (when asked at any ratio) and at those ratios:
-    # suffix -> (override, ratios). carry0: RCStat's scores not carried forward; mean: Eq. 6's mean over the window's
-    # queries (the default before max); contrast0: no local contrast (the default before it); mean_contrast0: both
-    # (each token scored as Eq. 6 scores it, then smoothed and carried forward: the default before the two).
-    ablations = {"carry0": ({"carry_forward": 0}, uncarried_ratios),
-                 "mean": ({"query_reduction": "mean"}, mean_ratios),
-                 "contrast0": ({"local_contrast": 0.0}, uncontrasted_ratios),
-                 "mean_contrast0": ({"query_reduction": "mean", "local_contrast": 0.0}, paper_query_ratios)}
+    # Each of DEFAULTS_UNDONE at the bare flag (when asked at any ratio) and at those ratios:
+    # suffix -> (override, ratios).
+    ratios_of = {"carry0": uncarried_ratios, "mean": mean_ratios, "contrast0": uncontrasted_ratios,
+                 "mean_contrast0": mean_uncontrasted_ratios}
+    ablations = {name: (override, ratios_of[name]) for name, (override, _) in DEFAULTS_UNDONE.items()}
     settings += [Setting(f"default_{name}", f"default_{name}", override)
                  for name, (override, ratios) in ablations.items() if ratios]
     settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]
