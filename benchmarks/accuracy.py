@@ -56,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
 import methods  # noqa: E402
-from common import environment, load_avg, write_report  # noqa: E402
+from common import engine_options, environment, load_avg, write_report  # noqa: E402
+from common import resolved_config as merged_config  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -120,14 +121,18 @@ def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int, eviction: s
                 enable_prefix_caching=False,
                 # The bare flag but for when it compacts: the "default" setting's requests override nothing, the
                 # others what they set.
-                additional_config={"rcstat": {"eviction": eviction}}))
+                additional_config={"rcstat": server_flag(eviction)}))
 
 
-def resolved_config(setting: methods.Setting) -> dict:
-    """The config a setting's requests run with on the bare-flag engine (the plugin's merge of the override)."""
-    from rcstat_vllm.config import RCStatConfig
+def server_flag(eviction: str = "eager") -> dict:
+    """The engine's ``rcstat`` flag (:func:`engine_kwargs`): the bare flag but for when it compacts."""
+    return {"eviction": eviction}
 
-    return RCStatConfig().merged(setting.rcstat).to_dict()
+
+def resolved_config(setting: methods.Setting, eviction: str = "eager") -> dict:
+    """The config a setting's requests run with on the benchmark's engine: its flag (``eviction``) merged with the
+    setting's override, as the plugin merges them (so ``eviction`` is the engine's, not ``RCStatConfig()``'s)."""
+    return merged_config(server_flag(eviction), setting.rcstat)
 
 
 def run_plan(settings: list[methods.Setting]) -> dict[str, str]:
@@ -209,7 +214,7 @@ def score_records(records: list[dict], samples: dict[str, data.Sample]) -> None:
             r["ratio"] = 0.0 if r["family"] == "full" else float("nan")
 
 
-def summarize(records: list[dict], settings: list[methods.Setting]) -> dict:
+def summarize(records: list[dict], settings: list[methods.Setting], eviction: str = "eager") -> dict:
     summary = {}
     full_found = {r["sample_id"]: r["found"] for r in records if r["setting"] == "full" and "found" in r}
     for s in settings:
@@ -228,7 +233,7 @@ def summarize(records: list[dict], settings: list[methods.Setting]) -> dict:
         entry["needle_accuracy"] = _mean(r["score"] for r in needle)
         entry["needle_ratio"] = _mean(r["ratio"] for r in needle)
         entry.update(needle_counts(needle, full_found))
-        entry["resolved"] = resolved_config(s)
+        entry["resolved"] = resolved_config(s, eviction)
         same_run = {r.get("same_run_as") for r in rows} - {None}
         entry["same_run_as"] = same_run.pop() if same_run else None
         summary[s.label] = entry
@@ -369,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.budget_scope_study:
         settings = methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)), comparables=())
         settings += [methods.Setting(f"rc_model_r{r:g}", "rc_model",
-                                     {"method": "rc", "target_ratio": float(r), "window": 8, "budget_scope": "model",
-                                      "smoothing": 1})
+                                     {**methods.PAPER_RC, "target_ratio": float(r), "budget_scope": "model"})
                      for r in (args.ratios or (0.5, 0.8))]
         args.no_fidelity = True
         default_name = "accuracy_budget_scope_cpu.json"
@@ -409,11 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     same = run_plan(settings)
     report: dict = {"benchmark": "accuracy", "preset": preset, "seed": args.seed, "model": model_dir,
                     "plugin_defaults": methods.plugin_defaults(), "baseline_published_windows": methods.kvpress_windows(),
-                    "settings": [{**s.to_dict(), "resolved": resolved_config(s), "same_run_as": same.get(s.label)}
-                                 for s in settings],
+                    "settings": [{**s.to_dict(), "resolved": resolved_config(s, args.eviction),
+                                  "same_run_as": same.get(s.label)} for s in settings],
                     "samples": [s.to_dict() for s in samples]}
+    kwargs = engine_kwargs(model_dir, max_model_len, int(args.kv_cache_gib * (1 << 30)), args.eviction)
+    # How the numbers were made, before the run (a run cut short still says it): commit, machine, engine options.
+    report["environment"] = environment()
+    report["engine"] = engine_options(kwargs)
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(model_dir, max_model_len, int(args.kv_cache_gib * (1 << 30)), args.eviction))
+    llm = LLM(**kwargs)
     report["engine_start_s"] = round(time.perf_counter() - t0, 1)
     first = [(s, st, methods.resolve(st, {})) for st in settings if st.matched_to is None and st.label not in same
              for s in samples]
@@ -436,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     del llm
     records += copy_records(records, same, settings)
     score_records(records, by_id)
-    report["summary"] = summarize(records, settings)
+    report["summary"] = summarize(records, settings, args.eviction)
     report["records"] = [{k: v for k, v in r.items() if k != "kept"} for r in records]
 
     if not args.no_fidelity:
@@ -455,7 +463,6 @@ def main(argv: list[str] | None = None) -> int:
             report["fidelity"] = {"error": traceback.format_exc()}
             print(report["fidelity"]["error"], file=sys.stderr)
 
-    report["environment"] = environment()
     report["wall_s"] = round(time.time() - t_start, 1)
     report["load_avg"] = [load_start, load_avg()]
     write_report(report, out_path, print_table)

@@ -337,7 +337,10 @@ def run_long(args) -> dict:
     elapsed = time.time() - started
     return {
         "benchmark": "attribution_long",
-        **environment(threads=args.threads, load_avg_end=load_avg()),
+        # The record every result file has (commit, machine, versions), and its old top-level keys beside it.
+        "environment": (env := environment(threads=args.threads, load_avg_end=load_avg())),
+        **{k: env[k] for k in ("device", "cpu", "cores", "python", "torch", "transformers", "vllm", "threads",
+                               "load_avg_end") if k in env},
         "model": str(args.model or "SmolLM2-135M-Instruct (embedded)"),
         "documents_per_example": 4,
         "document_tokens": [100, 300],
@@ -565,6 +568,9 @@ def main(argv=None) -> None:
         print_long(result["summary"])
         return
     result = run(args)
+    from common import environment
+
+    result["environment"] = environment(threads=args.threads)  # commit, machine, versions (benchmarks/common.py)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     keys = ("examples", "k", "accuracy", "answered_examples", "accuracy_answered", "sweep_accuracy", "seconds")

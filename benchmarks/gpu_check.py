@@ -374,6 +374,13 @@ def main(argv=None) -> int:
     if "speed" in parts:
         report["speed"] = speed(device, speed_sizes, page, block_ns, progress)
     report["seconds"] = round(time.time() - started, 1)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:  # the commit, machine and versions it ran with (benchmarks/common.py), as every result file records
+        from common import environment
+
+        report["environment"] = environment(parts=sorted(parts))
+    except ImportError:
+        pass
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

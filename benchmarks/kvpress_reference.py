@@ -265,10 +265,14 @@ def environment(dtype: str) -> dict:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from common import git_state, machine
+
     return {"kvpress": version("kvpress"), "transformers": transformers.__version__, "torch": torch.__version__,
             "python": platform.python_version(), "dtype": dtype, "attn_implementation": "sdpa", "cpu": cpu,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "kvpress_path": str(Path(kvpress.__file__).parent)}
+            "kvpress_path": str(Path(kvpress.__file__).parent),
+            # How it was made, as every result file records it (benchmarks/common.py): no plugin, no vLLM here.
+            "machine": machine(), "git": git_state(), "argv": [Path(sys.argv[0]).name, *sys.argv[1:]]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
-from common import environment, load_avg, write_report  # noqa: E402
+from common import environment, load_avg, resolved_config, write_report  # noqa: E402
 import hf_reference as ref_lib  # noqa: E402
 import methods  # noqa: E402
 from rcstat_vllm.compression import scorer_options, window_queries  # noqa: E402
@@ -52,10 +52,7 @@ QUALITY_PRESETS = {
                     niah_multi_lengths=[2048], niah_multi_depths=[0.5], vt_lengths=[1024, 2048], vt_per_length=1,
                     summ=4, summ_tokens=2048),
 }
-SETTINGS_PRESETS = {
-    "quick": dict(c_values=(0.05, 1.0), ratios=(0.5, 0.8), matched_c=(1.0,)),
-    "default": dict(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.3, 0.5, 0.7, 0.8, 0.9), matched_c=(0.05, 0.5, 1.0, 1.5)),
-}
+SETTINGS_PRESETS = methods.QUALITY_SETTINGS
 
 
 def given_keep_set(mask: torch.Tensor, num_tokens: int, label: str) -> tuple[list, list, float]:
@@ -241,7 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model or "SmolLM2-135M-Instruct (embedded)"),
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
-        "settings": [s.to_dict() for s in settings],
+        # Each setting as it ran (no engine: the transformers reference selects with this config; a matched
+        # setting's target_ratio is set per prompt to the ratio its RC row achieved there).
+        "settings": [{**s.to_dict(), "resolved": None if s.family.startswith("kvpress_")
+                      else resolved_config(None, s.rcstat)} for s in settings],
+        "engine": {"kind": "transformers reference (hf_reference.py), no vLLM", "dtype": args.dtype,
+                   "torch_threads": torch.get_num_threads()},
         "kvpress_masks": {"path": args.kvpress_masks, "environment": kvpress_masks.get("environment")}
         if args.kvpress_masks else None,
         "environment": environment(torch_threads=torch.get_num_threads()),

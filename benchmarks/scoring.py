@@ -180,6 +180,16 @@ def print_table(timings: list[Timing]) -> None:
         print(f"{t.n:>7}  {t.method:<20} {t.window:>3} {t.repeats:>4} {t.ms_median:>12.2f} {t.ms_min:>10.2f}  {ratio}")
 
 
+def _environment() -> dict:
+    """benchmarks/common.py's record (commit, machine, versions), when the script runs from the checkout."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        from common import environment
+    except ImportError:
+        return {}
+    return environment()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096, 16384, 65536],
@@ -215,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                    "rc_window": RC_WINDOW, "snapkv_window": SNAPKV_WINDOW, "page_size": PAGE_SIZE},
         "note": "ratio_vs_matmul = median ms / median ms of q_window @ K^T with the same window (baseline)",
         "results": [asdict(t) for t in timings],
+        "environment": _environment(),
     }
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")

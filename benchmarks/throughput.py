@@ -70,7 +70,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, load_avg, write_report  # noqa: E402
+from common import engine_options, environment, load_avg, resolved_config, write_report  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -259,7 +259,12 @@ def worker(spec: dict) -> dict:
     kwargs = with_embedded_dtype(kwargs)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    result = {"name": spec["name"], "engine_start_s": time.perf_counter() - t0}
+    result = {"name": spec["name"], "engine_start_s": time.perf_counter() - t0,
+              # How this run was made: its engine's options, its flag as given and as the plugin resolves it (None:
+              # the plugin not loaded or the flag absent), per-request overrides where the run has them.
+              "engine": engine_options(kwargs), "rcstat": spec.get("rcstat"),
+              "resolved": None if spec.get("rcstat") is None else resolved_config(spec["rcstat"]),
+              "per_request": spec.get("per_request")}
     num_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     result["num_kv_blocks"] = num_blocks
     plugin = spec.get("rcstat") is not None
