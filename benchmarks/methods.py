@@ -28,6 +28,7 @@ FAMILY_LABELS = {
     "rc": "RCStat (threshold c)",
     "rc_budget": "RCStat (budget)",
     "rc_paper": "RCStat (budget per layer, window 8, no smoothing)",
+    "rc_defaults": "RC (the plugin's defaults)",
     "kvpress_kvzip": "KVzip (kvpress's keep sets)",
     "kvpress_adakv_expected_attention": "AdaKV(ExpectedAttention) (kvpress's keep sets)",
     "snapkv": "SnapKV",
@@ -62,35 +63,63 @@ def rc_label(c: float) -> str:
     return f"rc_c{c:g}"
 
 
+#: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (README, "Defaults"):
+#: Eq. 6's mean over an 8-token window's queries, no smoothing, no carrying, no local contrast, no sinks, a per-layer
+#: budget. Every field a default has ever changed is spelled out, so a row that pins it keeps its meaning.
+PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "carry_forward": 0, "budget_scope": "layer",
+            "sink_tokens": 0, "query_reduction": "mean", "local_contrast": 0.0}
+#: What kvpress's presses do beside their scoring, pinned for the baselines of build_settings: a per-layer budget,
+#: no sink tokens (the plugin's defaults became model-wide with 4 sinks; a baseline row must not follow them).
+KVPRESS_BUDGET = {"budget_scope": "layer", "sink_tokens": 0}
+
+
 def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=BASELINES,
                    rc_budget: bool = True, matched_c=(), matched_methods=("rc_budget", "snapkv", "tova"),
-                   window: int = 8) -> list[Setting]:
+                   window: int = 8, default_ratios=(), undone_ratios=()) -> list[Setting]:
     """Full cache, the bare flag's default, RC at each c, and each budget family at each ratio; plus matched
-    settings for matched_c. RC rows spell out the RCStat paper's own scoring (no smoothing, per-layer budgets)
-    so that their labels keep their meaning whatever the plugin's defaults are."""
-    paper = {"smoothing": 1, "budget_scope": "layer", "sink_tokens": 0}
+    settings for matched_c. RC rows (``rc_c*``, ``rc_budget_*``, ``rc_budget@*``) pin the RCStat paper's own
+    scoring (:data:`PAPER_RC` at ``window``: Eq. 6's mean, no smoothing, carrying or local contrast, no sinks,
+    per-layer budgets) and the baselines a per-layer budget without sinks (:data:`KVPRESS_BUDGET`), so that their
+    labels keep their meaning whatever the plugin's defaults are. Until 2026-11-26 these rows left
+    ``carry_forward``, ``query_reduction`` and ``local_contrast`` (and the baselines ``budget_scope`` and
+    ``sink_tokens``) to the defaults: files made before say so (``benchmarks/report.py`` reads what they ran with).
+
+    ``default_ratios``: also RC with the plugin's defaults at these budgets (``rc_r<r>``, family ``rc_defaults``:
+    these rows follow the defaults on purpose, as the accuracy benchmark's ``rc_r*``); ``undone_ratios``: also RC
+    with the defaults but both scoring changes undone (``rc_r<r>_mean_contrast0``: Eq. 6's mean, no contrast)."""
+    paper = {k: v for k, v in PAPER_RC.items() if k not in ("method", "window")}
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
+    settings += [Setting(f"rc_r{r:g}", "rc_defaults", {"method": "rc", "target_ratio": float(r)})
+                 for r in default_ratios]
+    undone, _ = DEFAULTS_UNDONE["mean_contrast0"]
+    settings += [Setting(f"rc_r{r:g}_mean_contrast0", "rc_mean_contrast0",
+                         {"method": "rc", "target_ratio": float(r), **undone}) for r in undone_ratios]
     settings += [Setting(rc_label(c), "rc", {"method": "rc", "c": float(c), "window": window, **paper})
                  for c in c_values]
     families = (["rc_budget"] if rc_budget else []) + list(baselines)
     for family in families:
         method = "rc" if family == "rc_budget" else family
         for r in ratios:
-            extra = paper if method == "rc" else {}
+            extra = paper if method == "rc" else KVPRESS_BUDGET
             settings.append(Setting(f"{family}_r{r:g}", family,
                                     {"method": method, "target_ratio": float(r), "window": window, **extra}))
     for c in matched_c:
         for family in matched_methods:
             method = "rc" if family == "rc_budget" else family
-            extra = paper if method == "rc" else {}
+            extra = paper if method == "rc" else KVPRESS_BUDGET
             settings.append(Setting(f"{family}@{rc_label(c)}", family, {"method": method, "window": window, **extra},
                                     matched_to=rc_label(c)))
     return settings
 
 
-#: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (README, "Defaults").
-PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "carry_forward": 0, "budget_scope": "layer",
-            "sink_tokens": 0, "query_reduction": "mean", "local_contrast": 0.0}
+#: quality.py's build_settings arguments per preset (here so that report.py knows what each label means today).
+QUALITY_SETTINGS = {
+    "quick": dict(c_values=(0.05, 1.0), ratios=(0.5, 0.8), matched_c=(1.0,), default_ratios=(0.8,)),
+    # RC budget rows twice: with the paper's scoring (rc_budget_*, pinned) and with the plugin's defaults (rc_r*),
+    # and at 0.8 with the defaults but Eq. 6's scores (rc_r0.8_mean_contrast0).
+    "default": dict(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.3, 0.5, 0.7, 0.8, 0.9), matched_c=(0.05, 0.5, 1.0, 1.5),
+                    default_ratios=(0.3, 0.5, 0.7, 0.8, 0.9), undone_ratios=(0.8,)),
+}
 
 
 def plugin_defaults() -> dict:
@@ -169,10 +198,11 @@ def resolve(setting: Setting, rc_ratios: dict[str, float]) -> dict:
 
 def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_mean", "layer_rank", "depthkv"),
                           window: int = 8) -> list[Setting]:
-    """RC budget mode per layer vs over the whole model, the latter with each way of comparing layers."""
+    """RC budget mode per layer vs over the whole model, the latter with each way of comparing layers; the paper's
+    scoring otherwise (:data:`PAPER_RC`: pinned, so the rows keep their meaning when the defaults change)."""
     settings = [Setting("full", "full", {"method": "none"})]
     for r in ratios:
-        base = {"method": "rc", "target_ratio": float(r), "window": window, "smoothing": 1}
+        base = {**PAPER_RC, "target_ratio": float(r), "window": window}
         settings.append(Setting(f"rc_budget_r{r:g}", "rc_budget", {**base, "budget_scope": "layer"}))
         settings += [Setting(f"rc_model_{name}_r{r:g}", "rc_model", {**base, "budget_scope": "model"}, comparable=name)
                      for name in comparables]

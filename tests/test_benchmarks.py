@@ -264,19 +264,22 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
     defaults = RCStatConfig()
     settings = methods.accuracy_settings()
     by_label = {s.label: s for s in settings}
-    # The bare flag overrides nothing, so its requests run with whatever RCStatConfig() says.
+    # The bare flag overrides nothing, so its requests run with whatever RCStatConfig() says, but for when they are
+    # compacted: the engine's flag sets eviction (eager unless --eviction lazy), and the recorded config says so.
     assert by_label["default"].rcstat == {}
-    assert accuracy.resolved_config(by_label["default"]) == defaults.to_dict()
+    engine = {**defaults.to_dict(), "eviction": "eager"}
+    assert accuracy.resolved_config(by_label["default"]) == engine
+    assert accuracy.resolved_config(by_label["default"], "lazy") == {**defaults.to_dict(), "eviction": "lazy"}
     assert by_label["full"].rcstat == {"method": "none"}
     for r in (0.5, 0.7, 0.8):  # RC at each budget, its defaults otherwise
         resolved = accuracy.resolved_config(by_label[f"rc_r{r:g}"])
-        assert resolved == {**defaults.to_dict(), "method": "rc", "target_ratio": r}
+        assert resolved == {**engine, "method": "rc", "target_ratio": r}
     # Each later change of the defaults undone, alone and (the scoring changes) together, at the bare flag and at 0.8.
     undone = {"carry0": {"carry_forward": 0}, "mean": {"query_reduction": "mean"}, "contrast0": {"local_contrast": 0.0},
               "mean_contrast0": {"query_reduction": "mean", "local_contrast": 0.0}}
     for name, override in undone.items():
-        assert accuracy.resolved_config(by_label[f"default_{name}"]) == {**defaults.to_dict(), **override}
-        assert accuracy.resolved_config(by_label[f"rc_r0.8_{name}"]) == {**defaults.to_dict(), "method": "rc",
+        assert accuracy.resolved_config(by_label[f"default_{name}"]) == {**engine, **override}
+        assert accuracy.resolved_config(by_label[f"rc_r0.8_{name}"]) == {**engine, "method": "rc",
                                                                           "target_ratio": 0.8, **override}
     paper = accuracy.resolved_config(by_label["rc_paper_r0.5"])
     assert (paper["window"], paper["smoothing"], paper["budget_scope"], paper["target_ratio"], paper["sink_tokens"]) == (
@@ -470,7 +473,8 @@ def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_chan
             and (defaults["local_contrast"], defaults["contrast_radius"]) == (0.5, 256)):
         at_default = methods.cliff_ablation_settings(ratios=(defaults["target_ratio"],),
                                                      variants=["rc_model_w32_s3_k4_c8_max_lc0.5"], baselines=())
-        assert accuracy.resolved_config(at_default[1]) == defaults
+        # ... on an engine that compacts as the bare flag does (accuracy.py's engine is eager unless told lazy)
+        assert accuracy.resolved_config(at_default[1], defaults["eviction"]) == defaults
     # Baselines come with --with-baselines, at their published scoring windows without sinks.
     args = parser.parse_args(["--cliff-ablation", "--variants", "rc_model_w32_s3", "--with-baselines"])
     baselines = {s.label: accuracy.resolved_config(s) for s in methods.cliff_settings_from_args(args)
