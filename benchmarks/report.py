@@ -1,12 +1,24 @@
-"""Plots and the generated results block of docs/benchmarks.md, from the benchmarks' JSON in benchmarks/results/.
+"""Plots, the generated results block of docs/benchmarks.md and the README's generated blocks, from the benchmarks'
+JSON in benchmarks/results/, each number named with its file, its setting as it ran and how the file was made.
 
-    python benchmarks/report.py                 # PNGs into benchmarks/results/, block into docs/benchmarks.md
+    python benchmarks/report.py                 # PNGs, the block into docs/benchmarks.md, the README's blocks
     python benchmarks/report.py --no-write      # PNGs only; the block is printed (--no-readme: the old name)
+    python benchmarks/report.py --check         # write nothing; exit 1 naming what no longer matches its file
+    python benchmarks/report.py --stale quality_cpu.json   # where a file was made, and each row that moved
 
 The block replaces what lies between the ``<!-- results:start -->`` and ``<!-- results:end -->`` markers of
 :data:`RESULTS_DOC`, the one file that holds them; links in it are relative to that file. Each part is drawn
 from whichever JSON exists (quality_cpu.json, accuracy_cpu.json, kvpress_reference_cpu.json, throughput_cpu.json,
-plugin_overhead_cpu.json, throughput_prefill_cpu.json); the block says which file and run every number comes from.
+plugin_overhead_cpu.json, throughput_prefill_cpu.json), then a table of every result file's provenance. The README's
+blocks (:data:`README_BLOCKS`: the side-by-side table, "What you get", the value error at 0.8) are written between
+their ``<!-- name:start -->`` / ``<!-- name:end -->`` markers where the README has them.
+
+How each row ran: a row's config is what it recorded (``resolved``, with the engine's ``eviction``) or the plugin's
+defaults at the file's commit (benchmarks/provenance.py: the file's recorded commit, else git history) merged with
+its override; a row whose config as run differs from what its label gives today (a default changed since, or the
+label's settings are pinned differently now) is marked † with the reason. README figures outside the generated
+blocks are listed in :data:`FIGURES` with their files; ``--check`` (run by tests/test_benchmark_provenance.py) fails
+when any of them, or any generated block, no longer matches.
 """
 
 from __future__ import annotations
@@ -20,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import methods  # noqa: E402
+import provenance  # noqa: E402
 from methods import FAMILY_LABELS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -29,21 +43,160 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 #: The README's side-by-side table of the plugin's methods and kvpress's presses (:func:`side_by_side_table`).
 README = Path(__file__).resolve().parents[1] / "README.md"
 SIDE_START, SIDE_END = "<!-- side-by-side:start -->", "<!-- side-by-side:end -->"
+#: README figures outside the generated blocks are listed in :data:`FIGURES` (below) and checked by ``--check``.
 #: The plugin's rows of that table (accuracy.py labels), in order; missing labels are skipped.
 SIDE_BY_SIDE_PLUGIN = ("full", "default", "default_mean_contrast0", "rc_r0.5", "rc_r0.8", "rc_r0.8_mean_contrast0",
                        "rc_r0.8_contrast0", "rc_r0.8_mean", "snapkv_w64_r0.5",
                        "snapkv_w64_r0.8", "tova_w1_r0.5", "tova_w1_r0.8")
-STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
+STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_defaults": ("tab:orange", "*"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
          "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
          "random": ("tab:gray", "x"), "default": ("tab:orange", "*"), "rc_paper": ("tab:pink", "s"), "rc_carry0": ("tab:red", "x"),
          "rc_mean": ("tab:red", "+"), "rc_contrast0": ("tab:red", "1"), "rc_mean_contrast0": ("tab:red", "2"),
          "snapkv_rc_window": ("tab:cyan", "^"), "tova_rc_window": ("tab:olive", "v")}
-HEADLINE = ("rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
+HEADLINE = ("rc_defaults", "rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
 
 
 def load(name: str) -> dict | None:
     path = RESULTS / name
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if isinstance(data, dict):
+        data.setdefault("_file", name)  # which file a table is drawn from (for its provenance; never written back)
+    return data
+
+
+# ----------------------------------------------------------------------------------------------- provenance
+
+
+def server_flag(data: dict) -> tuple[dict | None, str]:
+    """The engine's ``rcstat`` flag a file's rows ran under, and where that comes from: the file's record
+    (``engine``), or, for accuracy files before it was recorded, its records (a request skipped by lazy eviction
+    means the engine ran lazy; otherwise eager: accuracy.py's engine default since lazy became the plugin's, and the
+    plugin's own before). None for files without an engine (transformers)."""
+    engine = data.get("engine")
+    if isinstance(engine, dict) and "rcstat" in engine:
+        return engine["rcstat"], "recorded"
+    if data.get("benchmark") == "accuracy" or "accuracy" in data.get("_file", ""):
+        lazy = any(str(r.get("skipped_reason") or "").startswith("lazy eviction") for r in data.get("records", []))
+        return {"eviction": "lazy" if lazy else "eager"}, "from its records"
+    return None, "no engine"
+
+
+def _ratios(labels) -> tuple[float, ...]:
+    out = set()
+    for label in labels:
+        if "_r" in label and "@" not in label:
+            try:
+                out.add(float(label.rsplit("_r", 1)[1]))
+            except ValueError:
+                pass
+    return tuple(sorted(out))
+
+
+def current_overrides(data: dict) -> dict[str, dict] | None:
+    """label -> the override the benchmark gives that label today, for files whose labels come from one of
+    methods.py's generators (quality's build_settings, the cliff ablation's variants, the budget-scope study);
+    None where no generator covers every label (the file's own overrides are then taken as today's)."""
+    labels = {k for k, e in data.get("summary", {}).items()
+              if e.get("family") != "full" and not str(e.get("family", "")).startswith("kvpress_")}
+    if not labels:
+        return None
+    ratios = _ratios(labels) or (0.5, 0.8)
+    candidates = []
+    if any(label.rsplit("_r", 1)[0] in methods.CLIFF_VARIANTS for label in labels):
+        candidates.append(methods.cliff_ablation_settings(ratios=ratios))
+    if data.get("benchmark") == "quality" and data.get("preset") in methods.QUALITY_SETTINGS:
+        candidates.append(methods.build_settings(**methods.QUALITY_SETTINGS[data["preset"]]))
+    if any(label.startswith("rc_model_") for label in labels):
+        candidates.append(methods.budget_scope_settings(ratios=ratios)
+                          + [methods.Setting(f"rc_model_r{r:g}", "rc_model", {**methods.PAPER_RC, "target_ratio": r,
+                                                                              "budget_scope": "model"})
+                             for r in ratios])
+    for settings in candidates:
+        known = {s.label: dict(s.rcstat) for s in settings}
+        if labels <= set(known):
+            return known
+    return None
+
+
+def row_configs(data: dict) -> dict[str, dict]:
+    """label -> {"ran", "now", "reasons"} for every row of a file whose override is known: the config the row ran
+    with (its recorded ``resolved`` where it has one, else the defaults when the file was made merged with the
+    engine's flag and its override), the one its label gives today, and why they differ
+    (provenance.row_status)."""
+    summary = data.get("summary") or {}
+    settings = {s.get("label"): s for s in data.get("settings", []) if isinstance(s, dict)}
+    o = provenance.origin(RESULTS / data.get("_file", ""), data)
+    recorded = data.get("plugin_defaults") or (data.get("environment") or {}).get("plugin_defaults")
+    then = provenance.defaults_at(o, recorded)
+    now = provenance.current_defaults()
+    server, server_source = server_flag(data)
+    ignore = ("eviction",) if server is None else ()
+    current = current_overrides(data) or {}
+    out = {}
+    for label, e in summary.items():
+        family = str(e.get("family", ""))
+        override = e.get("rcstat", settings.get(label, {}).get("rcstat"))
+        if override is None or family.startswith("kvpress_"):
+            continue
+        ran = provenance.merge(provenance.merge(then, server), override)
+        if e.get("resolved") or settings.get(label, {}).get("resolved"):
+            res = e.get("resolved") or settings[label]["resolved"]
+            # A recorded resolved config is what ran; before the engine was recorded, its eviction was
+            # RCStatConfig()'s, not the engine's (accuracy.py's engine compacts eagerly unless told otherwise).
+            ran = {**ran, **res, **({} if server_source == "recorded" or server is None
+                                    else {"eviction": server.get("eviction", res.get("eviction"))})}
+        pinned = current.get(label)
+        now_cfg = provenance.merge(provenance.merge(now, server), override if pinned is None else pinned)
+        if e.get("matched_to"):  # the per-prompt ratio of the RC row it is matched to
+            ran["target_ratio"] = now_cfg["target_ratio"] = e.get("ratio")
+        reasons = provenance.row_status(ran, now_cfg, pinned, o, ignore)
+        out[label] = {"ran": ran, "now": now_cfg, "reasons": reasons, "origin": o, "server_source": server_source}
+    return out
+
+
+def origin_words(data: dict) -> str:
+    """Where a file comes from and which defaults changed after it (its runs that leave a field out ran with the
+    older value): for files whose runs do not record their settings (throughput)."""
+    o = provenance.origin(RESULTS / data.get("_file", ""), data)
+    later = sorted({c.words for c in provenance.changes_after(o)}, key=[c.words for c in provenance.DEFAULT_CHANGES].index)
+    text = provenance.describe_origin(o)
+    if later:
+        text += "; defaults changed since: " + ", ".join(later) + " (runs that leave a field out ran with the older one)"
+    return text
+
+
+def stale_lines(data: dict, rows: dict[str, dict] | None = None, labels=None) -> list[str]:
+    """A note naming the rows of a file that do not mean today what they meant when it was made, grouped by reason."""
+    rows = row_configs(data) if rows is None else rows
+    groups: dict[tuple, list[str]] = {}
+    for label, info in rows.items():
+        if info["reasons"] and (labels is None or label in labels):
+            groups.setdefault(tuple(info["reasons"]), []).append(label)
+    if not groups:
+        return []
+    o = next(iter(rows.values()))["origin"]
+    parts = [f"{', '.join(f'`{l}`' for l in group)}: {'; '.join(reasons)}" for reasons, group in groups.items()]
+    return [f"† Made under an older meaning (`{data.get('_file', '?')}`, {provenance.describe_origin(o)}): "
+            + ". ".join(parts) + "."]
+
+
+def machine_words(data: dict) -> str:
+    env = data.get("environment") or {}
+    m = env.get("machine") or {}
+    cpu = m.get("cpu") or env.get("cpu") or "?"
+    cap = m.get("cpu_capability") or env.get("cpu_capability")
+    isa = m.get("isa")
+    bits = [cpu]
+    if isa:
+        bits.append(", ".join(f for f in isa if f in ("avx512_bf16", "amx_bf16")) or "no native bf16")
+    elif cap:
+        bits.append(cap)
+    cores = m.get("cores") or env.get("cores")
+    if cores:
+        bits.append(f"{cores} cores")
+    return ", ".join(bits)
 
 
 def curves(summary: dict, y_key: str) -> dict[str, list[tuple[float, float]]]:
@@ -123,28 +276,44 @@ def _f(value, digits=3) -> str:
 
 def quality_table(q: dict) -> list[str]:
     s = q["summary"]
+    rows = row_configs(q)
+    mark = lambda label: " †" if rows.get(label, {}).get("reasons") else ""  # noqa: E731
     ratios = sorted({round(e["ratio"], 2) for k, e in s.items() if e["family"] == "snapkv" and not e["matched_to"]})
     families = [f for f in HEADLINE if any(e["family"] == f for e in s.values())]
+    env = q.get("environment") or {}
+    where = f", {machine_words(q)}" if env else ""
     lines = [f"**Value error rate** (RCStat Eq. 8, last layer, lower is better; transformers, {len(q['samples'])} "
-             f"prompts, `benchmarks/results/quality_cpu.json`), budget mode at fixed ratios:", "",
+             f"prompts{where}, `benchmarks/results/{q.get('_file', 'quality_cpu.json')}`), budget mode at fixed ratios:",
+             "",
              "| ratio | " + " | ".join(FAMILY_LABELS[f] for f in families) + " |",
              "|---|" + "---|" * len(families)]
     for r in ratios:
-        cells = [_f(s.get(f"{f}_r{r:g}", {}).get("ver")) for f in families]
+        cells = [_f(s.get(f"{f}_r{r:g}", {}).get("ver")) + mark(f"{f}_r{r:g}") for f in families]
         lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
+    named = []
+    for f in families:  # each column's setting as its rows ran (at the largest ratio; only the ratio differs)
+        label = next((f"{f}_r{r:g}" for r in reversed(ratios) if f"{f}_r{r:g}" in rows), None)
+        if label is not None:
+            named.append(f"{FAMILY_LABELS[f]}: {describe(s[label], rows[label]['ran'])}")
+    if named:
+        lines += ["", "Columns, as their rows ran: " + "; ".join(named) + "."]
     rc = [(k, e) for k, e in s.items() if e["family"] == "rc"]
     if rc:
         lines += ["", "RCStat threshold mode and the baselines at the ratio it achieved on each prompt:", "",
                   "| setting | ratio | RCStat | RCStat budget | SnapKV | TOVA |", "|---|---|---|---|---|---|"]
         for label, e in rc:
-            matched = [_f(s.get(f"{f}@{label}", {}).get("ver")) for f in ("rc_budget", "snapkv", "tova")]
-            lines.append(f"| {label} | {_f(e['ratio'])} | {_f(e['ver'])} | " + " | ".join(matched) + " |")
+            matched = [_f(s.get(f"{f}@{label}", {}).get("ver")) + mark(f"{f}@{label}") for f in ("rc_budget", "snapkv", "tova")]
+            lines.append(f"| {label}{mark(label)} | {_f(e['ratio'])} | {_f(e['ver'])} | " + " | ".join(matched) + " |")
+    stale = stale_lines(q, rows)
+    if stale:
+        lines += [""] + stale
     return lines
 
 
-def describe(entry: dict) -> str:
-    """A setting in words from the config its requests ran with (so a default row says what the default is)."""
-    c = entry.get("resolved")
+def describe(entry: dict, config: dict | None = None, eviction: bool = False) -> str:
+    """A setting in words from the config its requests ran with (``config``, else the entry's recorded
+    ``resolved``), so a default row says what the default is; ``eviction``: say when it compacted."""
+    c = config or entry.get("resolved")
     if entry.get("family") == "full" or not c:
         return "full cache" if entry.get("family") == "full" else ""
     if c["method"] == "none":
@@ -169,8 +338,34 @@ def describe(entry: dict) -> str:
         parts.append(f"{c['sink_tokens']} sink tokens")
     if c.get("target_ratio") is not None and c.get("budget_scope") == "model" and c.get("layer_floor"):
         parts.append(f"layer floor {c['layer_floor']:g}")
+    if eviction and c.get("eviction"):
+        parts.append(f"{c['eviction']} eviction")
     text = ", ".join(parts)
     return f"bare flag: {text}" if entry.get("family") == "default" else text
+
+
+def engine_words(data: dict, evictions: set | None = None, with_machine: bool = True) -> str:
+    """The engine options that shape an accuracy file's numbers, in words: where it ran, eviction (when every row
+    shares it), prefix caching, dtype. Recorded in new files (``engine``); for older ones accuracy.py's own
+    (prefix caching off since the benchmark began; eviction from the records)."""
+    engine = data.get("engine") or {}
+    env = data.get("environment") or {}
+    bits = []
+    if env and with_machine:
+        bits.append(machine_words(data))
+    if data.get("benchmark") == "quality":
+        return ", ".join([*bits, f"transformers, {data.get('dtype', 'float32')}"])
+    if evictions and len(evictions) == 1:
+        server, source = server_flag(data)
+        bits.append(f"`eviction: {next(iter(evictions))}`" + ("" if source == "recorded" else f" ({source})"))
+    pc = engine.get("enable_prefix_caching", False if data.get("benchmark") == "accuracy" or "accuracy" in
+                    data.get("_file", "") else None)
+    if pc is not None:
+        bits.append(f"prefix caching {'on' if pc else 'off'}")
+    dtype = engine.get("dtype") if engine.get("dtype") and "own" not in str(engine.get("dtype")) else env.get("engine_dtype")
+    if dtype:
+        bits.append(str(dtype))
+    return (", " + ", ".join(bits)) if bits else ""
 
 
 def _hits(e: dict, task: str) -> str:
@@ -200,23 +395,32 @@ def accuracy_table(a: dict) -> list[str]:
             cells = [_f(e["by_task"].get(t, {}).get("score")) for t in tasks]
             lines.append(f"| {label} | {_f(e['ratio'])} | " + " | ".join(cells) + f" | {_f(e['same_as_full'], 2)} |")
         return lines
-    lines = [f"**Task accuracy through vLLM with the plugin** (greedy, one engine, every setting side by side; "
+    rows = row_configs(a)
+    evictions = {info["ran"].get("eviction") for info in rows.values() if info["ran"].get("method") != "none"}
+    lines = [f"**Task accuracy through vLLM with the plugin** (greedy, one engine, every setting side by side"
+             f"{engine_words(a, evictions)}; "
              f"{count['niah_single']} single-needle, {count['niah_multi']} three-needle, {count['niah_multikey']} "
              f"multi-key (four keys, one asked) and {count['niah_multivalue']} multi-value (four values of one key) "
              f"prompts, "
              f"{count['vt']} variable-tracking, {count['summ']} summaries; needles: values found; *of full*: share "
              f"of the values the full cache found that the setting found too; vt: share of variables named; summ: "
              f"ROUGE-L F1 against the full-cache output; *= full*: outputs token-identical to the full cache; "
-             f"`benchmarks/results/accuracy_cpu.json`):", "",
+             f"`benchmarks/results/{a.get('_file', 'accuracy_cpu.json')}`):", "",
              "| setting | what | evicted | single needle | multi needle | multi-key | multi-value | of full | vt | summ "
              "| = full |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, e in s.items():
         task = lambda t: _f(e["by_task"].get(t, {}).get("score"))  # noqa: E731
-        what = describe(e) + (f" (same run as `{e['same_run_as']}`)" if e.get("same_run_as") else "")
+        info = rows.get(label, {})
+        what = describe(e, info.get("ran"), eviction=len(evictions) > 1)
+        what += (f" (same run as `{e['same_run_as']}`)" if e.get("same_run_as") else "")
+        what += " †" if info.get("reasons") else ""
         lines.append(f"| {label} | {what} | {_f(e['ratio'])} | {_hits(e, 'niah_single')} | {_hits(e, 'niah_multi')} "
                      f"| {_hits(e, 'niah_multikey')} | {_hits(e, 'niah_multivalue')} | {_of_full(e)} | {task('vt')} | {task('summ')} "
                      f"| {_f(e['same_as_full'], 2)} |")
+    stale = stale_lines(a, rows)
+    if stale:
+        lines += [""] + stale
     fid = a.get("fidelity", {}).get("by_setting")
     if fid:
         rates = ", ".join(f"{k} {v['exact_match_rate']:.2f}" for k, v in fid.items())
@@ -286,13 +490,15 @@ def side_by_side_table(a: dict | None, k: dict | None) -> list[str]:
     if a is None and k is None:
         return lines
     rows = []
+    configs = row_configs(a) if a is not None else {}
     if a is not None:
         for label in SIDE_BY_SIDE_PLUGIN:
             e = a["summary"].get(label)
             if e is None or "needle_hits" not in e:
                 continue
             of_full = "-" if e.get("family") == "full" else _of_full(e)
-            rows.append(("plugin, vLLM", _plugin_row_name(label, e), _f(e["ratio"], 2),
+            mark = " †" if configs.get(label, {}).get("reasons") else ""
+            rows.append(("plugin, vLLM", _plugin_row_name(label, e) + mark, _f(e["ratio"], 2),
                          f"{e['needle_hits']}/{e['needle_values']}", of_full))
     if k is not None:
         engine = f"kvpress {k['environment']['kvpress']}"
@@ -301,8 +507,10 @@ def side_by_side_table(a: dict | None, k: dict | None) -> list[str]:
                          "-" if press == "full cache" else kept))
     env = (a or {}).get("environment", {})
     kenv = (k or {}).get("environment", {})
+    evictions = {c["ran"].get("eviction") for c in configs.values() if c["ran"].get("method") != "none"}
     lines += [f"Needle values found on the accuracy benchmark's prompts (generated by `./rcstat bench`: the plugin "
-              f"through vLLM {env.get('vllm', '?')} in {env.get('engine_dtype', '?')}, "
+              f"through vLLM {env.get('vllm', '?')} in {env.get('engine_dtype', '?')}"
+              f"{engine_words(a, evictions, with_machine=True).replace(', ' + str(env.get('engine_dtype')), '') if a else ''}, "
               f"`benchmarks/results/accuracy_cpu.json`; "
               f"kvpress's own presses at their defaults through transformers {kenv.get('transformers', '?')} in "
               f"{kenv.get('dtype', '?')}, `benchmarks/results/kvpress_reference_cpu.json`; *of full*: of the values "
@@ -312,14 +520,16 @@ def side_by_side_table(a: dict | None, k: dict | None) -> list[str]:
     if k is not None and not k.get("complete", True):
         planned = len(k.get("runs_planned", []))
         lines += ["", f"kvpress: a partial run, {len(k['rows'])} of {planned} press and ratio runs."]
-    return lines
+    stale = stale_lines(a, configs, set(SIDE_BY_SIDE_PLUGIN)) if a is not None else []
+    return lines + ([""] + stale if stale else [])
 
 
 def throughput_table(t: dict) -> list[str]:
     w = t["workload"]
-    lines = [f"**Throughput, KV-memory-bound** (vLLM-CPU, {t.get('environment', {}).get('cores', '?')} cores, pool "
+    lines = [f"**Throughput, KV-memory-bound** (vLLM-CPU, {machine_words(t)}, pool "
              f"of {w['kv_tokens']} tokens, {w['requests']} requests of {w['min_len']}-{w['max_len']} + "
-             f"{w['max_tokens']} tokens, one run each, side by side; `benchmarks/results/throughput_cpu.json`):", "",
+             f"{w['max_tokens']} tokens, one run each, side by side; `benchmarks/results/throughput_cpu.json`; "
+             f"{origin_words(t)}):", "",
              "| run | ratio | out tok/s | x vanilla | peak running | mean running | fragmentation | preemptions |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in t["runs"].items():
@@ -346,7 +556,8 @@ def overhead_line(o: dict) -> list[str]:
     rounds = lambda name: ", ".join(f"{x:.1f}" for x in runs[name].get("rounds_output_tok_per_s", []))  # noqa: E731
     ratio = runs["none"]["output_tok_per_s"] / runs["vanilla"]["output_tok_per_s"]
     return [f"**Plugin overhead, nothing evicted** (`{{\"method\": \"none\"}}` vs vanilla vLLM, same workload, "
-            f"{o.get('repeat', 1)} interleaved rounds; `benchmarks/results/plugin_overhead_cpu.json`): output tokens/s "
+            f"{o.get('repeat', 1)} interleaved rounds, {machine_words(o)}; `benchmarks/results/plugin_overhead_cpu.json`, "
+            f"{origin_words(o)}): output tokens/s "
             f"vanilla {rounds('vanilla')}, plugin {rounds('none')}; median ratio {ratio:.2f}."]
 
 
@@ -365,9 +576,382 @@ def prefill_line(p: dict) -> list[str]:
         cells.append(f"{name} {rounds} (median {_f(e.get('median_vs_vanilla'), 2)})")
     speeds = ", ".join(f"{x:.0f}" for x in runs["vanilla"]["rounds_prompt_tok_per_s"])
     return [f"**Prefill only** ({w['requests']} prompts of {w['max_len']} tokens, {w['max_tokens']} output token, "
-            f"KV pool of {w['kv_tokens']} tokens (never limiting), {p.get('repeat', 1)} interleaved rounds; "
-            f"`benchmarks/results/throughput_prefill_cpu.json`): vanilla {speeds} prompt tokens/s; prompt tokens/s "
+            f"KV pool of {w['kv_tokens']} tokens (never limiting), {p.get('repeat', 1)} interleaved rounds, "
+            f"{machine_words(p)}; `benchmarks/results/throughput_prefill_cpu.json`, {origin_words(p)}): vanilla "
+            f"{speeds} prompt tokens/s; prompt tokens/s "
             f"/ vanilla's in the same round: " + "; ".join(cells) + "."]
+
+
+def files_table() -> list[str]:
+    """Every result file: where it was made, on what, with which engine options, and what moved since."""
+    lines = ["**Result files and how they were made** (*made*: the commit the file records, or, marked *git "
+             "history*, the last commit that wrote it, for files older than the record: the run came before that "
+             "commit, and a default changed in that very commit is taken as after the run; *defaults changed since*: changes of the "
+             "plugin's defaults after it, so a row that leaves such a field out ran with the older value; *rows †*: "
+             "rows whose config as run differs from what their label gives today, named in the tables above or "
+             "by `python benchmarks/report.py --stale FILE`):", "",
+             "| file | made | machine | engine | defaults changed since | rows † |", "|---|---|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("*.json")):
+        data = load(path.name)
+        if not isinstance(data, dict):
+            continue
+        o = provenance.origin(path, data)
+        env = data.get("environment") or {}
+        if env and ("machine" in env or "cpu" in env):
+            machine = machine_words(data)
+        else:
+            machine = str(data.get("device") or data.get("device_name") or env.get("cpu") or "-")
+        engine = data.get("engine") or {}
+        if engine:
+            engine_text = ", ".join(f"{k} {v}" for k, v in (("prefix caching", engine.get("enable_prefix_caching")),
+                                                            ("dtype", engine.get("dtype")),
+                                                            ("flag", json.dumps(engine.get("rcstat"))))
+                                    if v is not None)
+        else:
+            engine_text = engine_words(data, with_machine=False).lstrip(", ") if data.get("summary") else "-"
+        later = sorted({c.words for c in provenance.changes_after(o)},
+                       key=[c.words for c in provenance.DEFAULT_CHANGES].index)
+        stale = "-"
+        if isinstance(data.get("summary"), dict):
+            rows = row_configs(data)
+            stale = f"{sum(1 for r in rows.values() if r['reasons'])} of {len(rows)}" if rows else "-"
+        made = provenance.describe_origin(o).replace("last written by ", "")
+        lines.append(f"| `{path.name}` | {made} | {machine} | {engine_text or '-'} | {', '.join(later) or '-'} "
+                     f"| {stale} |")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- README
+
+#: The README's generated blocks: (name, start marker, end marker); each made by the function of that name.
+README_BLOCKS = ("side-by-side", "what-you-get", "value-error")
+#: throughput.py's run names and the flag each ran with (its plan; files before runs recorded their flag).
+THROUGHPUT_RUN_FLAGS = {"vanilla": None, "none": {"method": "none"}, "default": {}, "eager": {"eviction": "eager"},
+                        "rc_budget_r0.5": {"method": "rc", "target_ratio": 0.5, "eviction": "eager"}}
+#: The README's summary table: (accuracy labels, what the row is, throughput.py run or None).
+WHAT_YOU_GET = (
+    (("full",), "full cache", "vanilla"),
+    (("default",), "bare flag", "default"),
+    (("rc_r0.5",), "RC 0.5", "rc_budget_r0.5"),
+    (("rc_r0.8",), "RC 0.8", None),
+    (("rc_r0.8_mean_contrast0",), "RC 0.8 with RCStat's Eq. 6 scores", None),
+    (("rc_paper_r0.5",), "RCStat as the paper runs it, 0.5", None),
+    (("snapkv_w64_r0.5", "snapkv_w64_r0.8"), "SnapKV 0.5 / 0.8 at kvpress's defaults", None),
+    (("tova_w1_r0.5", "tova_w1_r0.8"), "TOVA 0.5 / 0.8 at kvpress's defaults", None),
+)
+
+
+def flag_text(override: dict | None) -> str:
+    """A setting as a user writes it: the override, RC's ``method`` left out (the default)."""
+    if override is None:
+        return "plugin not loaded"
+    shown = {k: v for k, v in override.items() if not (k == "method" and v == "rc")}
+    return "`" + json.dumps(shown) + "`"
+
+
+def run_flag(t: dict, name: str) -> tuple[dict | None, str]:
+    r = t.get("runs", {}).get(name, {})
+    if "rcstat" in r:
+        return r["rcstat"], "recorded"
+    return THROUGHPUT_RUN_FLAGS.get(name), "throughput.py's plan"
+
+
+def throughput_cell(t: dict, name: str) -> str:
+    runs = t.get("runs", {})
+    r, v = runs.get(name), runs.get("vanilla")
+    if not r or not v or "error" in r:
+        return ""
+    rounds = [x / y for x, y in zip(r.get("rounds_output_tok_per_s", []), v.get("rounds_output_tok_per_s", []))]
+    flag, _ = run_flag(t, name)
+    peak = f"{r['peak_running']:g}"
+    if name == "vanilla":
+        return f"1.00 ({peak} requests running at most)"
+    how = ("lazy: the bare flag as served" if not flag else
+           f"{flag_text(flag)}" if flag.get("eviction") else flag_text(flag))
+    return f"{', '.join(f'{x:.2f}x' for x in rounds)} ({how}; up to {peak} running)"
+
+
+def what_you_get(a: dict | None, t: dict | None) -> list[str]:
+    """The README's summary: each setting's needle values and summaries (accuracy_cpu.json) and, where a
+    throughput run has that setting, its output tokens/s against vanilla's in each round (throughput_default_cpu.json),
+    every row named by the flag it ran with."""
+    if a is None:
+        return []
+    s = a["summary"]
+    rows = row_configs(a)
+    full = s.get("full", {})
+    samples = a.get("samples", [])
+    count = lambda t_: sum(1 for x in samples if x.get("task") == t_)  # noqa: E731
+    needle_prompts = sum(count(x) for x in ("niah_single", "niah_multi", "niah_multikey", "niah_multivalue"))
+    evictions = {info["ran"].get("eviction") for info in rows.values() if info["ran"].get("method") != "none"}
+    eviction = next(iter(evictions)) if len(evictions) == 1 else "mixed"
+    env = a.get("environment", {})
+    lines = [f"Measured with SmolLM2-135M-Instruct through vLLM-CPU {env.get('vllm', '?')} "
+             f"({machine_words(a)}, {env.get('engine_dtype', '?')}), greedy, every setting side by side in one engine "
+             f"(`benchmarks/results/{a['_file']}`, {provenance.describe_origin(rows['full']['origin'] if 'full' in rows else provenance.origin(RESULTS / a['_file'], a))}). "
+             f"That engine runs `eviction: {eviction}` (every request is compacted right after its prefill; under "
+             f"the default, lazy eviction, a request is compacted only when the pool runs short, and until then "
+             f"it answers as the full cache does) and turns prefix caching off (every prompt runs under every "
+             f"setting: a repeat would be served its prompt from the cache, and the plugin compresses only the "
+             f"tokens a request computes). Needle values: {full.get('needle_values', '?')} in {needle_prompts} "
+             f"prompts of 1-4k tokens cut from essays ({count('niah_single')} single needles, {count('niah_multi')} "
+             f"three-needle prompts, {count('niah_multikey')} RULER multi-key: four keys, one asked; "
+             f"{count('niah_multivalue')} multi-value: four values of one key); summaries: ROUGE-L of "
+             f"{count('summ')} essay summaries against the full cache's own."]
+    if t is not None:
+        w = t["workload"]
+        lines[0] += (f" Throughput: output tokens/s against vanilla vLLM (plugin not loaded) in each of "
+                     f"{t.get('repeat', 1)} interleaved rounds, on a KV-bound workload of {w['requests']} requests of "
+                     f"{w['min_len']}-{w['max_len']} prompt + {w['max_tokens']} output tokens in a pool that holds "
+                     f"{w.get('vanilla_requests_that_fit', 0):.0f} of them, prefix caching off "
+                     f"(`benchmarks/results/{t['_file']}`, {machine_words(t)}, "
+                     f"{provenance.describe_origin(provenance.origin(RESULTS / t['_file'], t))}); each run's flag "
+                     f"is in its cell.")
+    n_full = full.get("needle_hits")
+    lines += ["", f"| setting | evicted | needle values found | of the full cache's {n_full} | summaries | "
+                  "throughput vs vanilla vLLM |", "|---|---|---|---|---|---|"]
+    for labels, title, run in WHAT_YOU_GET:
+        es = [s.get(label) for label in labels]
+        if any(e is None for e in es):
+            continue
+        marks = " †" if any(rows.get(l, {}).get("reasons") for l in labels) else ""
+        if labels == ("full",):
+            name = f"full cache (`{{\"method\": \"none\"}}`)"
+        elif len(labels) == 1:
+            name = f"{title} ({flag_text(es[0].get('rcstat'))})" if es[0].get("rcstat") else f"{title} `{{}}`"
+            if es[0].get("family") == "default":
+                c = rows.get(labels[0], {}).get("ran", {})
+                name = f"bare flag `{{}}` (RC, {c.get('target_ratio', 0):g} of the whole model)" if c.get(
+                    "budget_scope") == "model" else name
+        else:  # one flag at several ratios: the flag without its ratio
+            same = {k: v for k, v in (es[0].get("rcstat") or {}).items() if k != "target_ratio"}
+            name = f"{title} ({flag_text(same)})"
+        join = lambda f: " / ".join(f(e) for e in es)  # noqa: E731
+        evicted = join(lambda e: _f(e["ratio"], 2))
+        found = join(lambda e: f"{e['needle_hits']}/{e['needle_values']}" if len(es) == 1 else f"{e['needle_hits']}")
+        if labels == ("full",):
+            kept = "-"
+        else:
+            kept = join(lambda e: f"{round(e['needle_kept_of_full'] * e['full_hits'])}"
+                        + (f" ({100 * e['needle_kept_of_full']:.1f}%)" if len(es) == 1 else ""))
+        summ = join(lambda e: _f(e["by_task"].get("summ", {}).get("score")))
+        tput = throughput_cell(t, run) if (t is not None and run) else ""
+        lines.append(f"| {name}{marks} | {evicted} | {found} | {kept} | {summ} | {tput} |")
+    stale = stale_lines(a, rows, {l for labels, _, _ in WHAT_YOU_GET for l in labels})
+    return lines + ([""] + stale if stale else [])
+
+
+#: The value-error sentence: (what, file, label); each row is named by its config as it ran.
+VALUE_ERROR_ROWS = (
+    ("RC with the defaults", "quality_local_contrast_cpu.json", "rc_model_w32_s3_k4_c8_max_lc0.5_r0.8"),
+    ("with RCStat's Eq. 6 scores (the defaults with the mean over queries, no local contrast)",
+     "quality_query_reduction_cpu.json", "rc_model_w32_s3_k4_c8_r0.8"),
+    ("kvpress's KVzip keep sets", "quality_local_contrast_cpu.json", "kvpress_kvzip_r0.8"),
+    ("TOVA", "quality_sinks_cpu.json", "tova_r0.8"),
+    ("SnapKV", "quality_sinks_cpu.json", "snapkv_r0.8"),
+)
+
+
+def value_error_line() -> list[str]:
+    """The README's value error at 0.8, every number with its file and its setting as it ran; a row whose config as
+    it ran is not what its words say (the defaults today, at 0.8) is marked."""
+    cells, machines, prompts = [], set(), set()
+    for what, name, label in VALUE_ERROR_ROWS:
+        q = load(name)
+        if q is None or label not in q.get("summary", {}):
+            continue
+        e = q["summary"][label]
+        machines.add(machine_words(q).split(",")[0])
+        prompts.add((len(q.get("samples", [])), q.get("seed")))
+        info = row_configs(q).get(label)
+        if info is None:  # kvpress's keep sets: no plugin config
+            cells.append(f"{what} {_f(e['ver'])} (`{name}`)")
+            continue
+        ran = info["ran"]
+        words = describe(e, ran).replace(f"budget {ran['target_ratio']:g} ", "budget ")
+        if not ran.get("sink_tokens"):
+            words += ", no sinks"
+        if ran.get("method") == "snapkv" and ran.get("observation_window") is None:
+            words += ", SnapKV's own observation window"
+        if what == "RC with the defaults":
+            now = provenance.merge(provenance.current_defaults(), {"target_ratio": 0.8})
+            same = not provenance.row_status(ran, now, None, info["origin"], ("eviction",))
+            what = what if same else "RC with the defaults when it ran †"
+        cells.append(f"{what} {_f(e['ver'])} (`{name}`: {words}{' †' if info['reasons'] else ''})")
+    if not cells:
+        return []
+    n = ", ".join(f"{p} prompts, seed {seed}" for p, seed in sorted(prompts))
+    return [f"Value error at 0.8 (RCStat's Eq. 8, last layer; transformers, float32, the same {n}, "
+            f"{' / '.join(sorted(machines))}): " + "; ".join(cells) + "."]
+
+
+def readme_blocks() -> dict[str, list[str]]:
+    a, k = load("accuracy_cpu.json"), load("kvpress_reference_cpu.json")
+    return {"side-by-side": side_by_side_table(a, k), "what-you-get": what_you_get(a, load("throughput_default_cpu.json")),
+            "value-error": value_error_line()}
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def render_block(text: str, lines: list[str], start: str, end: str) -> str:
+    block = "\n".join([start, *lines, end])
+    if start in text and end in text:
+        return text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def _rounds(d: dict, run: str, vanilla: str = "vanilla") -> list[float]:
+    """A run's output tokens/s over vanilla's in the same round (rounds interleave every run)."""
+    r, v = d["runs"][run], d["runs"][vanilla]
+    return [x / y for x, y in zip(r["rounds_output_tok_per_s"], v["rounds_output_tok_per_s"])]
+
+
+def _kept(d: dict, label: str, tasks: tuple[str, ...]) -> tuple[int, int]:
+    """(values the full cache found that ``label`` found too, values the full cache found) on ``tasks``' prompts."""
+    full = {r["sample_id"]: r["found"] for r in d["records"] if r["setting"] == "full" and "found" in r}
+    rows = [r for r in d["records"] if r["setting"] == label and r["task"] in tasks]
+    both = sum(a and b for r in rows for a, b in zip(r["found"], full[r["sample_id"]]))
+    return both, sum(sum(full[r["sample_id"]]) for r in rows)
+
+
+def _sci(x: float) -> str:
+    """1.1e-7, as the README writes small numbers."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _kept_all(d: dict, label: str) -> int:
+    e = d["summary"][label]
+    return round(e["needle_kept_of_full"] * e["full_hits"])
+
+
+#: README figures outside the generated blocks: (file, values from it, the README's words with them). ``--check``
+#: formats each and finds the words in the README (line breaks read as spaces), so a figure that no longer matches
+#: its file, or whose words changed, is named. Each sentence also names its file and setting in the README.
+FIGURES = (
+    ("throughput_cpu.json", lambda d: (d["runs"]["rc_c1"]["vs_vanilla"]["output_tok_per_s"], d["runs"]["rc_c1"]["mean_ratio"],
+                                       d["runs"]["tova@rc_c1"]["vs_vanilla"]["output_tok_per_s"],
+                                       d["runs"]["snapkv@rc_c1"]["vs_vanilla"]["output_tok_per_s"]),
+     "{:.2f}x vanilla for RC (threshold mode, c = 1, ratio {:.3f}), {:.2f}x for TOVA and {:.2f}x for SnapKV"),
+    ("accuracy_summaries24_seed3_scoring_cpu.json",
+     lambda d: (d["summary"]["rc_model_w32_s3_k4_c8_max_lc0.5_r0.4"]["by_task"]["summ"]["score"],
+                d["summary"]["rc_model_w32_s3_k4_c8_r0.4"]["by_task"]["summ"]["score"]),
+     "the bare flag scored {:.3f} and its settings with Eq. 6's scores {:.3f}"),
+    ("accuracy_cpu.json", lambda d: (d["summary"]["rc_r0.8"]["needle_hits"],),
+     "RC at 0.8 finds {} values through vLLM (`rc_r0.8` in `accuracy_cpu.json`)"),
+    ("kvpress_reference_cpu.json", lambda d: tuple(r["totals"]["needle_hits"] for r in d["rows"]
+                                                   if r["press"] == "kvzip" and r["ratio"] == 0.8),
+     "kvpress's KVzip at 0.8 finds {} through transformers"),
+    ("accuracy_cpu.json", lambda d: (_kept_all(d, "default"), d["summary"]["default"]["full_hits"],
+                                     _kept_all(d, "default_mean_contrast0")),
+     "({} of {} both: `default` and `default_mean_contrast0`"),
+    ("accuracy_cpu.json", lambda d: (*_kept(d, "default", ("niah_multivalue",)),
+                                     _kept(d, "default_mean_contrast0", ("niah_multivalue",))[0],
+                                     *_kept(d, "default", ("niah_multi", "niah_multikey")),
+                                     _kept(d, "default_mean_contrast0", ("niah_multi", "niah_multikey"))[0]),
+     "({} of {} against {}), three-needle and multi-key prompts where it keeps more ({} of {} against {})"),
+    ("throughput_prefill_avx512_cpu.json", lambda d: (*d["prefill"]["lazy"]["vs_vanilla_by_round"],
+                                                      *d["prefill"]["default"]["vs_vanilla_by_round"]),
+     "{:.2f}x and {:.2f}x vanilla's prompt tokens/s, where eager eviction (every prompt scored) ran {:.2f}x and {:.2f}x"),
+    ("throughput_lazy_avx512_cpu.json", lambda d: (*_rounds(d, "lazy"), *_rounds(d, "default")),
+     "{:.2f}x and {:.2f}x vanilla, eager {:.2f}x and {:.2f}x (`throughput_lazy_avx512_cpu.json`)"),
+    ("throughput_prefix_caching_lazy_avx512_cpu.json", lambda d: (*_rounds(d, "lazy+pc", "vanilla+pc"),
+                                                                  *_rounds(d, "default+pc", "vanilla+pc")),
+     "{:.2f}x and {:.2f}x vanilla, eager {:.2f}x and {:.2f}x"),
+    ("throughput_prefix_caching_lazy_avx512_cpu_before.json", lambda d: tuple(_rounds(d, "lazy+pc", "vanilla+pc")),
+     "which it keeps whole anyway: {:.2f}x and {:.2f}x"),
+    ("accuracy_lazy_pool_all_cpu.json",
+     lambda d: ("nothing" if d["summary"]["default"]["ratio"] == 0 else f"{d['summary']['default']['ratio']:.2f}",
+                "every needle value" if _kept_all(d, "default") == d["summary"]["default"]["full_hits"]
+                else f"{_kept_all(d, 'default')} of the needle values"),
+     "the bare flag evicted {} and found {} the full cache found"),
+    ("accuracy_lazy_pool_quarter_cpu.json",
+     lambda d: (sum(1 for r in d["records"] if r["setting"] == "default" and not r["skipped_reason"]),
+                sum(1 for r in d["records"] if r["setting"] == "default"), d["summary"]["default"]["needle_hits"],
+                d["summary"]["default"]["needle_values"], _kept_all(d, "default"), d["summary"]["default"]["full_hits"]),
+     "({} of {} requests compacted) it found {} of {} values, {} of the full cache's {}"),
+    ("accuracy_cpu.json", lambda d: (d["summary"]["default"]["needle_hits"], d["summary"]["default"]["needle_values"]),
+     "eager eviction with today's defaults finds {} of {}"),
+    ("throughput_long_output_2048_avx512_cpu.json",
+     lambda d: (d["runs"]["decode_rc"]["mean_running"], d["runs"]["vanilla"]["mean_running"],
+                d["runs"]["vanilla"]["preemptions"], *_rounds(d, "decode_rc"), *_rounds(d, "decode_streaming")),
+     "({:.1f} on average against {:.1f} for vanilla vLLM), none was preempted (vanilla: {:g}), and output tokens/s "
+     "were {:.2f}x and {:.2f}x vanilla's with RC scoring, {:.2f}x and {:.2f}x with StreamingLLM's recency"),
+    ("throughput_long_output_2048_lazy_avx512_cpu.json",
+     lambda d: (*_rounds(d, "decode_rc_lazy"), "no preemption" if not d["runs"]["decode_rc_lazy"]["preemptions"]
+                else f"{d['runs']['decode_rc_lazy']['preemptions']:g} preemptions"),
+     "same date): {:.2f}x, {}"),
+    ("decode_quality_cpu.json", lambda d: tuple(100 * d["summary"]["text"][f"{m}_b512_i128"]["top1"]
+                                                for m in ("rc", "snapkv", "tova", "recent"))
+     + tuple(d["summary"]["text"][f"{m}_b512_i128"]["ver"] for m in ("rc", "snapkv", "tova", "recent")),
+     "{:.1f}% for RC, {:.1f}% SnapKV, {:.1f}% TOVA, {:.1f}% the recent window; value error {:.3f}, {:.3f}, {:.3f}, {:.3f}"),
+    ("gpu_check_h200.json", lambda d: (sum(c["passed"] for c in d["correctness"]), len(d["correctness"]),
+                                       _sci(max(c["rel_l2"] for c in d["correctness"]))),
+     "passed {} of {} checks against float64 references at Llama-3.1-8B, Qwen2.5-7B, SmolLM2 and head-256 shapes in "
+     "bf16, fp16 and fp32 (relative error <= {})"),
+    ("gpu_check_single_search_h200.json", lambda d: (len(d["correctness"]), sum(c["passed"] for c in d["correctness"]),
+                                                     len(d["correctness"]), _sci(max(c["rel_l2"] for c in d["correctness"]))),
+     "ran {} of those cases, Llama-3.1-8B shapes in bf16 only: {} of {} (relative error <= {}"),
+    ("throughput_lazy_cpu.json", lambda d: (d["runs"]["default"]["vs_vanilla"]["output_tok_per_s"],
+                                            d["runs"]["lazy"]["vs_vanilla"]["output_tok_per_s"]),
+     "eager eviction ran {:.2f}x vanilla on the KV-bound workload (6 requests at once instead of 4), lazy eviction {:.2f}x"),
+    # throughput.py's own ratio: the median round of the run over vanilla's (the lower of two rounds each)
+    ("throughput_prefix_caching_lazy_cpu.json", lambda d: tuple(d["runs"][n]["output_tok_per_s"]
+                                                                / d["runs"]["vanilla+pc"]["output_tok_per_s"]
+                                                                for n in ("default+pc", "lazy+pc")),
+     "and {:.2f}x / {:.2f}x with a shared prefix and prefix caching"),
+    ("throughput_prefill_amx_cpu.json", lambda d: tuple(d["prefill"][n]["median_vs_vanilla"]
+                                                        for n in ("default", "lazy", "none")),
+     "eager eviction {:.2f}x vanilla, lazy eviction {:.2f}x (it scores nothing while memory suffices: the rest is the "
+     "`vec` kernels), method `none` {:.2f}x"),
+    ("throughput_prefill_cpu.json", lambda d: (d["prefill"]["default"]["median_vs_vanilla"],),
+     "Eq. 6's mean) was {:.2f}x (`throughput_prefill_cpu.json`)"),
+    ("throughput_prefill_single_search_avx512_cpu.json", lambda d: tuple(d["prefill"]["eager"]["vs_vanilla_by_round"]),
+     "its settings with eager eviction {:.2f}x / {:.2f}x"),
+)
+
+
+def three_seed_figures() -> tuple[int, int]:
+    """The bare flag's kept needle values of the full cache's over the three seeds the README sums."""
+    files = ("accuracy_cpu.json", "accuracy_bare_scoring_seed1_cpu.json", "accuracy_bare_scoring_seed2_cpu.json")
+    kept = full = 0
+    for name in files:
+        d = load(name)
+        kept += _kept_all(d, "default")
+        full += d["summary"]["default"]["full_hits"]
+    return kept, full
+
+
+def check() -> list[str]:
+    """What is out of date: each generated block (docs/benchmarks.md's results, the README's) against what the
+    files give now, and each README figure of :data:`FIGURES` against its file. Empty when all match."""
+    problems = []
+    doc = RESULTS_DOC.read_text()
+    if render_block(doc, build_table(), START, END) != doc:
+        problems.append(f"{RESULTS_DOC.name}: the results block differs from what the files give "
+                        f"(python benchmarks/report.py)")
+    readme = README.read_text()
+    for name, lines in readme_blocks().items():
+        start, end = markers(name)
+        if lines and start in readme and render_block(readme, lines, start, end) != readme:
+            problems.append(f"README.md: the {name} block differs from what the files give")
+        elif lines and start not in readme:
+            problems.append(f"README.md: no {name} block")
+    flat = " ".join(readme.split())
+    figures = [(name, get, words) for name, get, words in FIGURES]
+    figures.append(("accuracy_cpu.json", lambda d: three_seed_figures(), "{} of {} over three seeds"))
+    for name, get, words in figures:
+        data = load(name)
+        try:
+            shown = words.format(*get(data))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            problems.append(f"README figure from {name}: cannot read it ({type(exc).__name__}: {exc})")
+            continue
+        if shown not in flat:
+            problems.append(f"README figure from {name}: the README does not say {shown!r}")
+    return problems
 
 
 def build_table() -> list[str]:
@@ -383,6 +967,8 @@ def build_table() -> list[str]:
         parts += overhead_line(overhead) + [""]
     if prefill is not None:
         parts += prefill_line(prefill) + [""]
+    if any(RESULTS.glob("*.json")):
+        parts += files_table() + [""]
     images = [p.name for p in sorted(RESULTS.glob("*.png"))]
     if images:
         folder = Path(os.path.relpath(RESULTS, RESULTS_DOC.parent)).as_posix()  # links relative to the document
@@ -409,7 +995,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-write", "--no-readme", dest="no_write", action="store_true",
                         help=f"print the block instead of writing it into {RESULTS_DOC.name}")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each generated block (docs/benchmarks.md, README) that "
+                             "differs from what the files give and each README figure that does not match its file")
+    parser.add_argument("--stale", nargs="+", metavar="FILE", default=None,
+                        help="print, for these result files, where each was made and every row whose config as run "
+                             "differs from what its label gives today, with the reason")
     args = parser.parse_args(argv)
+    if args.check:
+        problems = check()
+        for p in problems:
+            print(p, file=sys.stderr)
+        print(f"{len(problems)} out of date" if problems else "generated blocks and README figures match the files",
+              file=sys.stderr)
+        return 1 if problems else 0
+    if args.stale:
+        for name in args.stale:
+            data = load(Path(name).name)
+            if data is None:
+                print(f"{name}: no such result file", file=sys.stderr)
+                continue
+            o = provenance.origin(RESULTS / data["_file"], data)
+            print(f"{data['_file']}: {provenance.describe_origin(o)}; {machine_words(data)}")
+            for label, info in row_configs(data).items():
+                print(f"  {label}: " + ("; ".join(info["reasons"]) or "as its label means today"))
+        return 0
     q, a, t = load("quality_cpu.json"), load("accuracy_cpu.json"), load("throughput_cpu.json")
     if q:
         full = q["summary"].get("full", {}).get("ver")
@@ -426,10 +1036,16 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
     else:
         write_results_doc(lines)
-        side = side_by_side_table(a, load("kvpress_reference_cpu.json"))
-        if side and SIDE_START in README.read_text():  # the README holds the markers; nothing is appended to it
-            write_block(README, side, SIDE_START, SIDE_END)
-        print(f"wrote the results block of {RESULTS_DOC}, the README's side-by-side table and "
+        readme = README.read_text() if README.exists() else ""
+        written = []
+        for name, block in readme_blocks().items():
+            start, end = markers(name)
+            if block and start in readme:  # the README holds the markers; nothing is appended to it
+                readme = render_block(readme, block, start, end)
+                written.append(name)
+        if written:
+            README.write_text(readme)
+        print(f"wrote the results block of {RESULTS_DOC}, the README's {', '.join(written) or 'no'} block(s) and "
               f"{len(list(RESULTS.glob('*.png')))} plots", file=sys.stderr)
     return 0
 

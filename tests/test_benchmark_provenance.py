@@ -1,0 +1,142 @@
+"""Results that say how they were made (no vLLM engine): what every benchmark records, how report.py reads a row's
+config as it ran against what its label means today, and that the README's figures and generated blocks match the
+result files they name."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402
+import methods  # noqa: E402
+import provenance  # noqa: E402
+import report  # noqa: E402
+
+
+def _full_hash(short: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", short], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_environment_records_the_commit_the_machine_and_the_defaults():
+    env = common.environment(extra_field=1)
+    git = env["git"]
+    assert len(git["commit"]) == 40 and isinstance(git["dirty"], bool)
+    assert git["dirty"] == bool(git["dirty_files"])
+    m = env["machine"]
+    assert m["cores"] and m["cpu"] and isinstance(m["isa"], list) and "cpu_capability" in m
+    assert env["plugin_defaults"] == methods.plugin_defaults()
+    assert env["argv"] and env["recorded_at"] and env["extra_field"] == 1
+    # The old top-level keys stay for older readers.
+    assert {"cpu", "cores", "cpu_capability", "engine_dtype", "vllm"} <= set(env)
+
+
+def test_accuracy_records_its_engine_and_the_engines_eviction():
+    import accuracy
+
+    kwargs = accuracy.engine_kwargs("/model", 4096, 1 << 30, "eager")
+    options = common.engine_options(kwargs, env={})
+    assert options["enable_prefix_caching"] is False and options["enforce_eager"] is True
+    assert options["rcstat"] == {"eviction": "eager"} and options["plugin_loaded"]
+    assert options["kv_cache_memory_bytes"] >= 1 << 30 and options["compilation_mode"] == 0
+    assert common.engine_options({}, env={"VLLM_PLUGINS": "__none__"})["plugin_loaded"] is False
+    # A request's config is the engine's flag merged with its override, as the plugin merges them.
+    rc = methods.Setting("rc_r0.8", "rc_budget", {"method": "rc", "target_ratio": 0.8})
+    assert accuracy.resolved_config(rc)["eviction"] == "eager"
+    assert accuracy.resolved_config(rc, "lazy")["eviction"] == "lazy"
+    assert common.resolved_config({"eviction": "eager"}, {"eviction": "lazy"})["eviction"] == "lazy"
+
+
+def test_build_settings_pins_the_papers_scoring_and_the_baselines_budget():
+    settings = methods.build_settings(**methods.QUALITY_SETTINGS["default"])
+    changed = {c.field for c in provenance.DEFAULT_CHANGES} - {"target_ratio", "eviction"}
+    for s in settings:
+        if s.family in ("rc", "rc_budget"):  # the paper's RC: every field a default ever moved is pinned
+            assert changed <= set(s.rcstat), s.label
+            assert {k: s.rcstat[k] for k in methods.PAPER_RC if k != "window"} == {
+                k: v for k, v in methods.PAPER_RC.items() if k != "window"}
+        elif s.family in methods.BASELINES:
+            assert (s.rcstat["budget_scope"], s.rcstat["sink_tokens"]) == ("layer", 0), s.label
+    labels = {s.label: s for s in settings}
+    # The defaults' own rows follow the defaults on purpose, at every ratio, and once with Eq. 6's scores.
+    assert labels["rc_r0.8"].rcstat == {"method": "rc", "target_ratio": 0.8}
+    assert labels["rc_r0.8_mean_contrast0"].rcstat["query_reduction"] == "mean"
+    for s in methods.budget_scope_settings():
+        if s.family != "full":
+            assert changed - {"budget_scope"} <= set(s.rcstat), s.label
+
+
+def _quality(origin_commit: str, rows: dict) -> dict:
+    summary = {label: {"family": family, "rcstat": override, "matched_to": None, "ratio": 0.8, "ver": 0.2}
+               for label, (family, override) in rows.items()}
+    return {"benchmark": "quality", "preset": "default", "_file": "quality_test.json", "summary": summary,
+            "environment": {"git": {"commit": origin_commit, "dirty": False}}}
+
+
+@pytest.mark.skipif(not provenance.history_available(), reason="needs the repository's git history")
+def test_a_row_made_before_a_default_changed_says_so():
+    before_contrast = _full_hash("74f331a")  # query_reduction max is the default, local contrast not yet
+    data = _quality(before_contrast, {
+        "rc_r0.8": ("rc_defaults", {"method": "rc", "target_ratio": 0.8}),
+        "rc_budget_r0.8": ("rc_budget", {"method": "rc", "target_ratio": 0.8, "window": 8, "smoothing": 1,
+                                         "budget_scope": "layer", "sink_tokens": 0}),
+        "snapkv_r0.8": ("snapkv", {"method": "snapkv", "target_ratio": 0.8, "window": 8}),
+    })
+    rows = report.row_configs(data)
+    # Left to the defaults: ran with no contrast, which the default has been since.
+    assert rows["rc_r0.8"]["ran"]["local_contrast"] == 0.0 and rows["rc_r0.8"]["ran"]["query_reduction"] == "max"
+    assert rows["rc_r0.8"]["reasons"] == ["local_contrast 0.0 when it ran (default 0.5 since 5ef548a)"]
+    # A label build_settings pins now: carried and max when it ran (the defaults of then), the paper's now.
+    reasons = " ".join(rows["rc_budget_r0.8"]["reasons"])
+    assert "carry_forward 8 when it ran, pinned to 0 now" in reasons
+    assert "query_reduction 'max' when it ran, pinned to 'mean' now" in reasons
+    assert "budget_scope 'model' when it ran, pinned to 'layer' now" in " ".join(rows["snapkv_r0.8"]["reasons"])
+    note = " ".join(report.stale_lines(data, rows))
+    assert "`quality_test.json`" in note and "74f331a" in note
+    # The same rows made today mean what they say; and a file dated by git history in the commit that changed a
+    # default is taken as made before it (results that motivated a change are committed with it).
+    data["environment"]["git"]["commit"] = _full_hash("HEAD")
+    assert not report.row_configs(data)["rc_r0.8"]["reasons"]
+    o = {"commit": _full_hash("5ef548a"), "source": "git history"}
+    assert provenance.defaults_at(o)["local_contrast"] == 0.0
+    assert provenance.defaults_at({**o, "source": "recorded"})["local_contrast"] == 0.5
+
+
+def test_an_accuracy_files_eviction_comes_from_its_engine_or_its_records():
+    lazy = {"benchmark": "accuracy", "records": [{"skipped_reason": "lazy eviction: memory was not short"}]}
+    assert report.server_flag(lazy) == ({"eviction": "lazy"}, "from its records")
+    assert report.server_flag({"benchmark": "accuracy", "records": [{"skipped_reason": None}]})[0] == {
+        "eviction": "eager"}
+    assert report.server_flag({"engine": {"rcstat": {"eviction": "lazy"}}}) == ({"eviction": "lazy"}, "recorded")
+    assert report.server_flag({"benchmark": "quality"}) == (None, "no engine")
+
+
+@pytest.mark.skipif(not provenance.history_available(), reason="old result files are dated by git history")
+def test_readme_figures_and_generated_blocks_match_their_files():
+    """report.py --check: the generated blocks of docs/benchmarks.md and the README are what the result files give
+    now, and every README figure in report.FIGURES is the number its file holds."""
+    assert report.check() == []
+
+
+def test_check_names_a_figure_that_no_longer_matches_its_file(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "x.json").write_text(json.dumps({"summary": {"a": {"ver": 0.1234}}}))
+    (tmp_path / "README.md").write_text("value error\n0.123 at 0.8\n")
+    (tmp_path / "benchmarks.md").write_text(f"{report.START}\n{report.END}\n")
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "README", tmp_path / "README.md")
+    monkeypatch.setattr(report, "RESULTS_DOC", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(report, "build_table", lambda: [])
+    monkeypatch.setattr(report, "readme_blocks", lambda: {})
+    monkeypatch.setattr(report, "FIGURES", (("x.json", lambda d: (d["summary"]["a"]["ver"],), "error {:.3f} at 0.8"),))
+    monkeypatch.setattr(report, "three_seed_figures", lambda: (0, 0))
+    problems = report.check()
+    assert problems == ["README figure from accuracy_cpu.json: the README does not say '0 of 0 over three seeds'"]
+    (tmp_path / "README.md").write_text("value error 0.124 at 0.8; 0 of 0 over three seeds\n")
+    assert report.check() == ["README figure from x.json: the README does not say 'error 0.123 at 0.8'"]
