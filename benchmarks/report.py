@@ -908,6 +908,13 @@ FIGURES = (
      "`vec` kernels), method `none` {:.2f}x"),
     ("throughput_prefill_cpu.json", lambda d: (d["prefill"]["default"]["median_vs_vanilla"],),
      "Eq. 6's mean) was {:.2f}x (`throughput_prefill_cpu.json`)"),
+    ("quality_local_contrast_cpu.json", lambda d: (d["summary"]["rc_model_w32_s3_k4_c8_max_r0.8"]["ver"],
+                                                   d["summary"]["rc_model_w32_s3_k4_c8_max_lc0.5_r0.8"]["ver"]),
+     "(value error at 0.8 {:.3f} -> {:.3f})"),
+    ("throughput_long_output_quick_lazy_avx512_cpu.json",
+     lambda d: (d["runs"]["decode_rc_lazy"]["vs_vanilla"]["output_tok_per_s"], d["runs"]["decode_rc_lazy"]["decode_compactions"],
+                d["runs"]["decode_rc"]["vs_vanilla"]["output_tok_per_s"], d["runs"]["decode_rc"]["decode_compactions"]),
+     "lazy {:.2f}x vanilla with {} decode compactions, eager {:.2f}x with {}"),
     ("throughput_prefill_single_search_avx512_cpu.json", lambda d: tuple(d["prefill"]["eager"]["vs_vanilla_by_round"]),
      "its settings with eager eviction {:.2f}x / {:.2f}x"),
 )
