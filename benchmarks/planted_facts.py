@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
 import methods  # noqa: E402
-from accuracy import engine_kwargs  # noqa: E402
-from common import environment, load_avg, write_report  # noqa: E402
+from accuracy import engine_kwargs, resolved_config  # noqa: E402
+from common import engine_options, environment, load_avg, write_report  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODULES = ["collections", "itertools", "functools", "json", "csv", "email.message", "http.client", "argparse",
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start, load_start = time.time(), load_avg()
     model_dir = str(default_model_dir())
     prompts = build_prompts(data.load_tokenizer(model_dir), args.seed)
-    llm = LLM(**engine_kwargs(model_dir, 4096, 2 << 30))
+    kwargs = engine_kwargs(model_dir, 4096, 2 << 30)
+    llm = LLM(**kwargs)
     jobs = [(pid, ids, answer, label) for pid, ids, answer in prompts for label in SETTINGS]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _, _ in jobs],
                            [SamplingParams(temperature=0.0, max_tokens=16, extra_args={"rcstat": SETTINGS[label]})
@@ -125,11 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for label in SETTINGS:
         mine = [r for r in records if r["setting"] == label]
-        summary[label] = {"ratio": sum(r["ratio"] for r in mine) / len(mine),
+        summary[label] = {"rcstat": SETTINGS[label],
+                          # as it ran: the engine's flag (eager eviction) merged with the override
+                          "resolved": resolved_config(methods.Setting(label, label, SETTINGS[label])),
+                          "ratio": sum(r["ratio"] for r in mine) / len(mine),
                           "found": sum(r["found"] for r in mine), "prompts": len(mine),
                           "found_of_full": sum(r["found"] for r in mine if r["prompt"] in full), "full": len(full)}
     report = {"benchmark": "planted_facts", "seed": args.seed, "settings": SETTINGS, "summary": summary,
-              "records": records, "environment": environment(), "wall_s": round(time.time() - t_start, 1),
+              "records": records, "environment": environment(), "engine": engine_options(kwargs),
+              "wall_s": round(time.time() - t_start, 1),
               "load_avg": [load_start, load_avg()]}
 
     def table(rep: dict) -> None:
