@@ -294,7 +294,9 @@ def quality_table(q: dict) -> list[str]:
     for f in families:  # each column's setting as its rows ran (at the largest ratio; only the ratio differs)
         label = next((f"{f}_r{r:g}" for r in reversed(ratios) if f"{f}_r{r:g}" in rows), None)
         if label is not None:
-            named.append(f"{FAMILY_LABELS[f]}: {describe(s[label], rows[label]['ran'])}")
+            ran = rows[label]["ran"]
+            words = describe(s[label], ran).replace(f"budget {ran.get('target_ratio') or 0:g} ", "budget ")
+            named.append(f"{FAMILY_LABELS[f]}: {words}")
     if named:
         lines += ["", "Columns, as their rows ran: " + "; ".join(named) + "."]
     rc = [(k, e) for k, e in s.items() if e["family"] == "rc"]
