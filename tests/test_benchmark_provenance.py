@@ -140,3 +140,15 @@ def test_check_names_a_figure_that_no_longer_matches_its_file(tmp_path, monkeypa
     assert problems == ["README figure from accuracy_cpu.json: the README does not say '0 of 0 over three seeds'"]
     (tmp_path / "README.md").write_text("value error 0.124 at 0.8; 0 of 0 over three seeds\n")
     assert report.check() == ["README figure from x.json: the README does not say 'error 0.123 at 0.8'"]
+
+
+def test_the_table_of_default_changes_ends_at_todays_defaults():
+    """A default changed without a row in provenance.DEFAULT_CHANGES would leave older rows unmarked: each field's
+    last change must land on today's default (add a row, with its commit, when a default moves)."""
+    now = provenance.current_defaults()
+    last = {}
+    for change in provenance.DEFAULT_CHANGES:
+        last[change.field] = change.after
+    assert last == {field: now[field] for field in last}
+    dates = [c.date for c in provenance.DEFAULT_CHANGES]
+    assert dates == sorted(dates)
