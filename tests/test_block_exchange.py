@@ -25,10 +25,16 @@ class FakeBlock:
     block_id: int
     ref_cnt: int = 0
     is_null: bool = False
+    #: a prefix-cache entry's hash (vLLM's ``KVCacheBlock.block_hash``), None when the block is not cached
+    block_hash: object = None
 
 
 class FakePool:
-    """vLLM's BlockPool as the exchange sees it: a free queue, reference counts, a null block (id 0)."""
+    """vLLM 0.32's BlockPool as the exchange sees it: a free queue, reference counts, a null block (id 0), with
+    vLLM's order (block_pool.py ``free_blocks``, kv_cache_utils ``FreeKVCacheBlockQueue``): a freed block that is
+    no prefix-cache entry goes to the front of the queue (the freed ones in the order given), so the next
+    allocation reuses it first; a cached one is appended at the end (evictable, reused last), and loses its hash
+    when it is taken again. ``test_fake_pool_orders_its_free_queue_as_vllms_block_pool`` runs both side by side."""
 
     def __init__(self, num_blocks: int):
         self.blocks = [FakeBlock(i) for i in range(num_blocks)]
@@ -42,26 +48,93 @@ class FakePool:
             raise ValueError(f"cannot get {num_blocks} free blocks from the pool")
         taken = [self.free.popleft() for _ in range(num_blocks)]
         for block in taken:
+            block.block_hash = None  # an evictable cache entry is evicted when its block is reused
             block.ref_cnt += 1
         self.calls.append(("get", tuple(b.block_id for b in taken)))
         return taken
 
     def free_blocks(self, ordered_blocks) -> None:
         ordered = list(ordered_blocks)
+        first, last = [], []
         for block in ordered:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free.append(block)
+                (first if block.block_hash is None else last).append(block)
+        self.free.extendleft(reversed(first))
+        self.free.extend(last)
         self.calls.append(("free", tuple(b.block_id for b in ordered)))
 
     def get_num_free_blocks(self) -> int:
         return len(self.free)
 
 
-def test_fake_pool_satisfies_the_protocol():
-    pool: BlockPool = FakePool(4)  # noqa: F841 - a static check: the protocol names only what the exchange uses
+def _protocol_members(protocol) -> set[str]:
+    """The names a Protocol class declares (attributes and methods), not those every class has."""
+    return {name for name in (*vars(protocol), *getattr(protocol, "__annotations__", {}))
+            if not name.startswith("_")}
+
+
+def test_fake_pool_and_vllms_block_pool_have_what_the_exchange_uses():
+    """The exchange's BlockPool protocol is a static contract only (not checked at run time): here every member it
+    names exists, with the same parameters, on vLLM's BlockPool and on the fake these tests run against."""
+    import inspect
+
+    pytest.importorskip("vllm")
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+
+    from rcstat_vllm.block_exchange import Block
+
+    real = VllmBlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=BLOCK)
+    members = _protocol_members(BlockPool)
+    assert members == {"null_block", "get_new_blocks", "free_blocks", "get_num_free_blocks"}
+    for pool in (real, FakePool(4)):
+        for name in members:
+            assert hasattr(pool, name), (type(pool).__name__, name)
+            if callable(getattr(BlockPool, name, None)):
+                want = list(inspect.signature(getattr(BlockPool, name)).parameters)[1:]
+                assert list(inspect.signature(getattr(pool, name)).parameters) == want, (type(pool).__name__, name)
+        for name in _protocol_members(Block):
+            assert hasattr(pool.null_block, name), (type(pool).__name__, "null_block", name)
+        assert pool.null_block.is_null and pool.null_block.block_id == 0
+
+
+def test_fake_pool_orders_its_free_queue_as_vllms_block_pool():
+    """The same allocations and frees, some of the freed blocks prefix-cache entries, on vLLM's BlockPool (caching
+    on) and on FakePool: the same block ids come back in the same order, with the same free counts. Freed blocks
+    that are no cache entries are reused first (most recently freed first), cached ones last."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    real, fake = VllmBlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BLOCK), FakePool(16)
+
+    def cache(pool, block):  # what vLLM's cache_full_blocks leaves on a full block
+        key = make_block_hash_with_group_id(BlockHash(b"%d" % block.block_id), 0)
+        if pool is real:
+            block.set_block_hash(key)
+            real.cached_block_hash_to_block.insert(key, block)
+        else:
+            block.block_hash = key
+
+    def both(operation):
+        got = [operation(pool) for pool in (real, fake)]
+        ids = [[b.block_id for b in blocks] if blocks is not None else None for blocks in got]
+        assert ids[0] == ids[1] and real.get_num_free_blocks() == fake.get_num_free_blocks()
+        return ids[0]
+
+    lists = {}
+    assert both(lambda pool: lists.setdefault(pool, {}).setdefault("a", pool.get_new_blocks(5))) == [1, 2, 3, 4, 5]
+    both(lambda pool: lists[pool].setdefault("b", pool.get_new_blocks(3)))
+    for pool in (real, fake):
+        for block in lists[pool]["a"][:2]:
+            cache(pool, block)  # a's first two blocks are prefix-cache entries
+    both(lambda pool: pool.free_blocks(reversed(lists[pool]["a"])))  # as vLLM frees a request: tail first
+    assert both(lambda pool: pool.get_new_blocks(4)) == [5, 4, 3, 9]  # a's uncached blocks first, newest first
+    both(lambda pool: pool.free_blocks(lists[pool]["b"]))
+    assert both(lambda pool: pool.get_new_blocks(11)) == [6, 7, 8, *range(10, 16), 2, 1]  # cached ones last
+    assert real.get_num_free_blocks() == fake.get_num_free_blocks() == 0
 
 
 def allocate(pool: FakePool, num_blocks: int) -> list[FakeBlock]:
@@ -369,3 +442,76 @@ def test_a_decode_time_compaction_under_pressure_reuses_the_requests_own_blocks_
     request = allocate(roomy, 6)
     state._compact(roomy, decode_report(3, 6 * BLOCK), request)
     assert not state.outgoing[-1].reuses_own_blocks
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
+def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back_both_exactly(pooled):
+    """vLLM reuses a freed block first, so within one step request B's fresh blocks are request A's prompt blocks,
+    A's copy sources. The worker runs the step's compactions one after another in the scheduler's order (A reads
+    its prompt before B writes there), so on real cache tensors every (layer, head) of both requests reads back
+    exactly the prompt entries its keep mask names, in order, and no block outside the two requests' fresh blocks
+    is written. (Run B's copy first and A reads B's KV.)"""
+    pytest.importorskip("vllm")
+    import torch
+
+    from fake_vllm import fake_vllm_config
+    from rcstat_vllm.compression import CompressionDecision, RequestCompressor
+    from rcstat_vllm.kv_layout import CPU_VEC
+    from rcstat_vllm.page_space import identity_pages
+    from rcstat_vllm.step import StepInfo
+    from rcstat_vllm.worker import WorkerCompression
+    from rcstat_vllm.worker_requests import Phase, WorkerRequest
+
+    layers, heads, dim, num_blocks = 3, 2, 8, 24
+    g = torch.Generator().manual_seed(5)
+    backing = torch.randn(layers * num_blocks, heads, BLOCK, 2 * dim, generator=g)
+    original = backing.clone().view(layers, num_blocks, heads, BLOCK, 2 * dim)
+    caches = list(backing.view(layers, num_blocks, heads, BLOCK, 2 * dim).unbind(0))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    settings = {"method": "rc", "target_ratio": 0.5, "window": 8, "eviction": "eager"}
+    # An engine whose kernel blocks differ from the scheduler's cannot pool pages across layers: per-layer pages.
+    worker = WorkerCompression(fake_vllm_config(settings, BLOCK if pooled else 2 * BLOCK))
+    worker.attach_layers(names, num_kv_heads=heads, block_size=BLOCK, layout=CPU_VEC)
+    worker.bind_kv_caches(dict(zip(names, caches)))
+    assert worker.space.is_pooled == pooled
+    worker._layer_caches = list(caches)  # what each layer's forward records (after_attention) before a compaction
+
+    pool = FakePool(num_blocks)
+    lists = {"a": allocate(pool, 6), "b": allocate(pool, 5)}
+    rows = {req_id: torch.tensor([b.block_id for b in blocks]) for req_id, blocks in lists.items()}
+    masks, plans = {}, []
+    for req_id, row in rows.items():
+        n = row.numel() * BLOCK
+        compressor = RequestCompressor(CompressionDecision(req_id, worker.config, n, 0, n), layers, row)
+        compressor.scores = [torch.rand(heads, n, generator=g) for _ in range(layers)]
+        compressor.keep_blocks = compressor.select(worker.space)
+        masks[req_id] = [mask.clone() for mask in compressor.masks]
+        worker.requests.add(WorkerRequest(req_id, Phase.AWAITING_BLOCKS, compressor=compressor))
+        plans.append(compressor.report())
+
+    state = EngineCompaction(config=worker.config)
+    state.apply_reports(pool, plans, lists.get)  # the scheduler's part, in one step: a, then b
+    a, b = state.outgoing
+    assert a.cancelled_reason is None and b.cancelled_reason is None
+    reused = set(b.block_ids) & set(rows["a"].tolist())
+    assert reused and reused.isdisjoint(a.block_ids)  # b writes where a's kept prompt KV is read from
+
+    worker.begin_step(StepInfo(requests=[], compactions=list(state.outgoing)))
+
+    for req_id, row in rows.items():
+        compacted = worker.requests.compressed_state(req_id)
+        assert compacted is not None and compacted.keep_blocks == len(state.compacted[req_id])
+        tokens = torch.arange(row.numel() * BLOCK)
+        for layer in range(layers):
+            cache = worker.space.cache(layer, caches[layer])
+            for head in range(heads):
+                kept = tokens[masks[req_id][layer][head]]
+                slots = torch.arange(kept.numel())
+                got = CPU_VEC.read(cache, compacted.tables[layer, head, slots // BLOCK], slots % BLOCK)
+                want = CPU_VEC.read(original[layer], identity_pages(row, heads)[head, kept // BLOCK], kept % BLOCK)
+                for got_part, want_part in zip(got, want):
+                    for j in range(kept.numel()):  # token by token, so a failure names the token
+                        assert torch.equal(got_part[j], want_part[j]), (req_id, layer, head, int(kept[j]))
+    untouched = torch.ones(num_blocks, dtype=torch.bool)
+    untouched[list(a.block_ids + b.block_ids)] = False
+    assert torch.equal(backing.view(layers, num_blocks, -1)[:, untouched], original.view(layers, num_blocks, -1)[:, untouched])
