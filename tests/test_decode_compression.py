@@ -6,18 +6,20 @@ import pytest
 import torch
 
 from rcstat_vllm.compaction import blocks_needed, compact_request, recompact_request
+from rcstat_vllm.compression import scorer_options
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.decode_compression import DecodeCompressor
 from rcstat_vllm.head_pages import CompactedRequest
 from rcstat_vllm.kv_layout import CPU_VEC
-from rcstat_vllm.page_space import cdiv, pooled_space_or_reason
+from rcstat_vllm.page_space import cdiv, identity_pages, pooled_space_or_reason
 
 LAYERS, BLOCKS, HEADS, QUERY_HEADS, BLOCK, DIM = 3, 96, 2, 4, 16, 8
 
 
-def _request(generator, n=100, keep_last=0):
+def _request(generator, n=100, keep_last=0, history=None):
     """A request compacted at ``n`` tokens, every head keeping its last ``keep_last`` (a lazy compaction's tokens
-    generated before it)."""
+    generated before it). ``history``, when given (a dict), gets each (layer, head)'s stored entries as the cache
+    held them before the compaction: ``[(key, value), ...]``, the tokens its mask kept, in order."""
     backing = torch.randn(LAYERS * BLOCKS, HEADS, BLOCK, 2 * DIM, generator=generator)
     caches = list(backing.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM).unbind(0))
     space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
@@ -26,6 +28,13 @@ def _request(generator, n=100, keep_last=0):
     masks = [torch.rand(HEADS, n, generator=generator) < 0.5 for _ in range(LAYERS)]
     for mask in masks:
         mask[:, n - keep_last :] = True
+    if history is not None:
+        tokens = torch.arange(n)
+        for layer, mask in enumerate(masks):
+            for head in range(HEADS):
+                kept = tokens[mask[head]]
+                keys, values = CPU_VEC.read(caches[layer], identity_pages(row, HEADS)[head, kept // BLOCK], kept % BLOCK)
+                history[layer, head] = list(zip(keys, values))
     keep = blocks_needed(torch.stack([m.sum(1) for m in masks]), n, space)
     state = compact_request(caches, row, masks, torch.tensor([blocks.pop() for _ in range(keep)]), space)
     return caches, space, state, row, blocks
@@ -39,6 +48,32 @@ def _grow(state, row, blocks, num_tokens):
     return row
 
 
+def _decode(state, row, blocks, caches, space, start, end, history, generator):
+    """Tokens ``start..end-1`` decoded: pages reserved, and each token's new key and value written into every head's
+    slot for it (as the backend's forward writes them), appended to ``history``."""
+    row = _grow(state, row, blocks, end)
+    slots = state.slots(torch.arange(start, end))  # [L, T, H]
+    for layer in range(LAYERS):
+        keys = torch.randn(end - start, HEADS, DIM, generator=generator)
+        values = torch.randn(end - start, HEADS, DIM, generator=generator)
+        CPU_VEC.write(space.cache(layer, caches[layer]), slots[layer] // BLOCK, slots[layer] % BLOCK, keys, values)
+        for head in range(HEADS):
+            history[layer, head] += list(zip(keys[:, head], values[:, head]))
+    return row
+
+
+def _assert_entries(space, state, caches, num_tokens, history):
+    """Every (layer, head) reads back, through its page table, exactly its ``history`` entries, token by token."""
+    lengths = state.lengths(num_tokens)
+    for (layer, head), entries in history.items():
+        assert int(lengths[layer, head]) == len(entries)
+        slots = torch.arange(len(entries))
+        keys, values = CPU_VEC.read(space.cache(layer, caches[layer]), state.tables[layer, head, slots // BLOCK],
+                                    slots % BLOCK)
+        for j, (key, value) in enumerate(entries):
+            assert torch.equal(keys[j], key) and torch.equal(values[j], value), (layer, head, j)
+
+
 def _score_and_select(decode, state, caches, num_tokens, generator):
     for layer in range(LAYERS):
         decode.save_queries(layer, torch.randn(decode.num_queries, QUERY_HEADS, DIM, generator=generator))
@@ -48,8 +83,14 @@ def _score_and_select(decode, state, caches, num_tokens, generator):
 
 @pytest.mark.parametrize("method", ["rc", "snapkv", "streaming"])
 def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method):
+    """Two rounds of decode-time compaction over a compacted request whose generated tokens' KV is written as the
+    forward writes it: each round keeps the layer's budget of generated entries (heads differently), the window and
+    the prompt's kept entries; the copy moves exactly the entries the masks name (each head reads back its chosen
+    keys and values, token by token, from the fresh blocks), into the fewest blocks that hold every head's pages
+    up to vLLM's next block (one block fewer does not)."""
     g = torch.Generator().manual_seed(1)
-    caches, space, state, row, blocks = _request(g)
+    history = {}
+    caches, space, state, row, blocks = _request(g, history=history)
     config = RCStatConfig(method=method, window=8, decode_budget=24, decode_interval=16)
     decode = DecodeCompressor(config, state.kept, state.num_compacted_tokens)
     n = state.num_compacted_tokens
@@ -58,9 +99,10 @@ def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method
     assert not decode.observing(n + 40 - decode.num_queries) and decode.observing(n + 41 - decode.num_queries)
 
     prompt_entries = state.kept.clone()
-    t = n + 40
+    done, t = n, n + 40
     for round_ in range(2):
-        row = _grow(state, row, blocks, t)
+        row = _decode(state, row, blocks, caches, space, done, t, history, g)
+        _assert_entries(space, state, caches, t, history)
         lengths = state.lengths(t)
         plan = _score_and_select(decode, state, caches, t, g)
         generated = lengths - prompt_entries
@@ -73,13 +115,29 @@ def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method
                 p, end = int(prompt_entries[layer, head]), int(lengths[layer, head])
                 assert bool(mask[head, :p].all()) and bool(mask[head, end - 8 : end].all())  # prompt, window
                 assert not bool(mask[head, end:].any())
-        assert plan.keep_blocks == blocks_needed(plan.kept, t, space)
+                assert int(mask[head].sum()) == int(plan.kept[layer, head])
+        # Pooled pages: L * H pages per block; each head needs its kept entries' pages plus room for the tokens still
+        # to come before vLLM's next block.
+        to_boundary = -t % BLOCK
+        pages = (plan.kept + to_boundary + BLOCK - 1) // BLOCK
+        assert plan.keep_blocks == cdiv(int(pages.sum()), LAYERS * HEADS)
         dest = torch.tensor([blocks.pop() for _ in range(plan.keep_blocks)])
+        try:  # one block fewer: the kept entries do not fit, or the tokens to vLLM's next block do not
+            short = recompact_request(caches, state, t, plan.masks, dest[1:])  # (writes only fresh blocks)
+        except ValueError as error:
+            assert "pages needed" in str(error)
+        else:
+            with pytest.raises(RuntimeError, match="pool exhausted"):
+                short.reserve(t + to_boundary)
         state = recompact_request(caches, state, t, plan.masks, dest)
         decode.compacted()
+        history = {(layer, head): [entry for entry, kept in zip(entries, plan.masks[layer][head].tolist()) if kept]
+                   for (layer, head), entries in history.items()}
+        _assert_entries(space, state, caches, t, history)
+        state.reserve(t + to_boundary)  # the kept blocks hold every head's pages up to vLLM's next block
         assert decode.compactions == round_ + 1 and decode.next_due == t + 16 and not decode.due(t + 15)
         row = torch.cat([torch.full((cdiv(t, BLOCK) - dest.numel(),), -1), dest])  # positions < t absorbed
-        t += 16
+        done, t = t, t + 16
     assert decode.tokens_evicted == 2 * LAYERS * HEADS * 16
     if method == "streaming":  # recency: every head keeps exactly its latest 24 generated tokens
         assert (state.kept - prompt_entries).tolist() == [[24] * HEADS] * LAYERS
@@ -155,13 +213,25 @@ def test_decode_budget_is_validated_against_the_window():
     assert not RCStatConfig(method="none", decode_budget=64).decode_compression
 
 
-@pytest.mark.parametrize("method, options", [("rc", {"window_size": 8, "smoothing": 3, "carry_forward": 8}),
+#: The scorer a decode-time compression builds from the shipped defaults (RCStatConfig(), its window 8 here): today
+#: RC with the max over the window's queries and the local contrast (radius 256: every entry here), smoothed and
+#: carried; the case after it sets max and the contrast explicitly, with a radius shorter than the heads.
+SHIPPED = scorer_options(RCStatConfig(window=8))
+
+
+@pytest.mark.parametrize("method, options", [("rc", SHIPPED),
+                                             ("rc", {"window_size": 8, "smoothing": 3, "carry_forward": 8,
+                                                     "query_reduction": "max", "local_contrast": 0.5,
+                                                     "contrast_radius": 5}),
+                                             ("rc", {"window_size": 8, "smoothing": 3, "carry_forward": 8}),
                                              ("rc", {"window_size": 8}), ("snapkv", {"window_size": 8}),
-                                             ("tova", {}), ("streaming", {})])
+                                             ("tova", {}), ("streaming", {})],
+                         ids=["rc-shipped-defaults", "rc-max-contrast-radius5", "rc-smoothed-carried", "rc-eq6",
+                              "snapkv", "tova", "streaming"])
 def test_ragged_scoring_equals_each_head_scored_alone(method, options):
     """score_ragged (heads holding different numbers of entries, right-aligned in one padded tensor) gives each
-    head what score() gives it alone (to float rounding: RC scores all heads in one batched call, then smooths and
-    carries per head; the padding never reaches a head's scores)."""
+    head what score() gives it alone (to float rounding: RC scores all heads in one batched call, then contrasts,
+    smooths and carries per head; the padding never reaches a head's scores), with the shipped defaults too."""
     from rcstat_vllm.scoring import get_scorer
 
     g = torch.Generator().manual_seed(3)
