@@ -194,12 +194,17 @@ def paged_prompt_case(num_tokens=61, given_queries=16, seed=6):
 @pytest.mark.parametrize("method, knobs", SCORER_CASES, ids=CASE_IDS)
 def test_every_scorer_keeps_the_scoring_contract(method, knobs):
     """float32 [Hkv, n]; +inf exactly on the tokens the method always keeps (its trailing window, its sinks), finite
-    elsewhere; the same numbers from a fresh scorer with the same knobs on the same inputs."""
+    elsewhere; the inputs left as they were. A scorer is called again and again (one per request, for every layer,
+    and for every decode-time round): used on another prompt first, it gives this prompt the numbers a fresh scorer
+    with the same knobs gives (nothing carried from call to call), except the random scorer, which draws fresh
+    scores at each call, the same sequence from the same seed."""
     num_tokens, given = 61, 16
     _, keys, values, q_window = paged_prompt_case(num_tokens, given)
+    inputs = [tensor.clone() for tensor in (q_window, keys, values)]
     scorer = get_scorer(method, **knobs)
     assert all(getattr(scorer, knob) == value for knob, value in knobs.items())
     scores = scorer.score(q_window, keys, values, SCALE)
+    assert all(torch.equal(given_, kept) for given_, kept in zip((q_window, keys, values), inputs))
     assert scores.shape == (KV_HEADS, num_tokens) and scores.dtype == torch.float32
     window = min(scorer.window_size, given)
     sinks = getattr(scorer, "n_sink", 0)
@@ -208,8 +213,17 @@ def test_every_scorer_keeps_the_scoring_contract(method, knobs):
     always[:sinks] = True
     assert torch.isinf(scores[:, always]).all() and (scores[:, always] > 0).all()
     assert torch.isfinite(scores[:, ~always]).all()
-    again = get_scorer(method, **knobs).score(q_window, keys, values, SCALE)
-    torch.testing.assert_close(again, scores, rtol=0, atol=0)
+    _, other_keys, other_values, other_window = paged_prompt_case(45, 12, seed=11)
+    used = get_scorer(method, **knobs)
+    used.score(other_window, other_keys, other_values, SCALE)  # another request, or another layer
+    again = used.score(q_window, keys, values, SCALE)
+    if method == "random":
+        assert not torch.equal(again, scores)  # fresh draws
+        first_two = get_scorer(method, **knobs)
+        first_two.score(other_window, other_keys, other_values, SCALE)
+        torch.testing.assert_close(first_two.score(q_window, keys, values, SCALE), again, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(again, scores, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
