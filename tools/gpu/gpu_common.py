@@ -217,6 +217,9 @@ def tail(path: Path, lines: int = 60) -> str:
 def run_worker(script: Path, spec: dict, env_extra: dict, log_name: str, timeout_s: float) -> dict:
     """Run ``script --worker SPEC`` in a fresh Python (one engine per process); its last ``RESULT {json}`` line is
     the result. stdout and stderr go to ``logs/<log_name>.log``; a failure returns the log's tail."""
+    if os.environ.get("RCSTAT_DRY_RUN"):  # tools/gpu/first_run.sh dry: no CUDA here, so no engine; say so
+        return {"ok": False, "dry_run": True, "error": "dry run: no engine started (it needs CUDA)",
+                "process_wall_s": 0.0, "spec": spec, "env_extra": env_extra}
     LOGS.mkdir(parents=True, exist_ok=True)
     log_path = LOGS / f"{log_name}.log"
     env = dict(os.environ)

@@ -62,7 +62,9 @@ run_check() {  # NAME [ARGS...]: never fails the shell; a crash becomes $OUT/NAM
     local limit; limit="$(limit_for "$name")"
     echo "=== check $name (limit ${limit}s) $(date -u +%H:%M:%S)" >&2
     local t0=$SECONDS
-    timeout --signal=TERM --kill-after=15 "$limit" "$PY" "$script" "$@"
+    # RCSTAT_CHECK_WRAP: a launcher before the script (first_run.sh dry: tools/gpu/gpu_image_guard.py run).
+    # shellcheck disable=SC2086
+    timeout --signal=TERM --kill-after=15 "$limit" "$PY" ${RCSTAT_CHECK_WRAP:-} "$script" "$@"
     local rc=$?
     if [ ! -f "$RCSTAT_RESULTS/$name.json" ] || [ "$RCSTAT_RESULTS/$name.json" -ot "$RCSTAT_RESULTS/.started-$name" ]; then
         "$PY" - "$name" "$rc" "$((SECONDS - t0))" <<'EOF'
