@@ -315,6 +315,25 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
 
     from rcstat_vllm.attribution import results
 
+    from rcstat_vllm.attribution import capture
+
+    # The plugin's own attribution work inside the served step, timed where it runs (in this process: the engine is
+    # in-process): the per-step plan of which rows asked and the per-layer q/k recording. With results() (timed
+    # below) this is what attribution adds to a request; the with/without difference is measured too, but on a
+    # shared machine it is mostly noise beside a 20 s request.
+    spent = {"s": 0.0}
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent["s"] += time.perf_counter() - t
+        return wrapper
+
+    capture.AttributionCapture.plan = timed(capture.AttributionCapture.plan)
+    capture.AttributionCapture.record = timed(capture.AttributionCapture.record)
     kwargs = engine_kwargs(model_dir, max_tokens)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -325,15 +344,18 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
     for n, item in enumerate(prompts):
         shift = item["context_offset"]
         chunks = {lvl: [[a + shift, b + shift] for a, b in item["levels"][lvl]["ranges"]] for lvl in item["levels"]}
-        times = {"plain": [], "asking": [], "results_document": [], "results_sentence": []}
+        times = {"plain": [], "asking": [], "results_document": [], "results_sentence": [], "capture_plain": [],
+                 "capture_asking": []}
         cpu = {key: [] for key in times}  # this process's CPU time (the engine runs in it): less load-sensitive
         answers = set()
         for round_ in range(rounds):  # plain and asking, the order alternating (ABBA over two rounds or prompts)
             for kind in (("plain", "asking") if (round_ + n) % 2 == 0 else ("asking", "plain")):
                 t, c = time.perf_counter(), time.process_time()
+                spent["s"] = 0.0
                 out = llm.generate([item["prompt"]], asking if kind == "asking" else plain, use_tqdm=False)[0]
                 times[kind].append(time.perf_counter() - t)
                 cpu[kind].append(time.process_time() - c)
+                times[f"capture_{kind}"].append(spent["s"])
                 answers.add(tuple(out.outputs[0].token_ids))
                 if kind != "asking":
                     continue
@@ -363,8 +385,12 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
                                      for lvl in ("document", "sentence")}
         item["plugin_overhead_cpu_s"] = {lvl: round(gen_cpu + statistics.mean(cpu[f"results_{lvl}"]), 4)
                                          for lvl in ("document", "sentence")}
+        # The headline cost: recording during the request + the results() call that scores the sources.
+        item["plugin_cost_s"] = {lvl: round(statistics.mean(times["capture_asking"]) + statistics.mean(
+            times[f"results_{lvl}"]), 4) for lvl in ("document", "sentence")}
         print(f"[plugin {n + 1}/{len(prompts)}] {item['family']} #{item['index']} answered={item['answered']} "
-              f"plain {statistics.mean(times['plain']):.2f}s (cpu {statistics.mean(cpu['plain']):.2f}s) overhead doc "
+              f"plain {statistics.mean(times['plain']):.2f}s cost doc {item['plugin_cost_s']['document']:.3f}s "
+              f"sent {item['plugin_cost_s']['sentence']:.3f}s (capture {statistics.mean(times['capture_asking']):.3f}s); A/B doc "
               f"{item['plugin_overhead_s']['document']:.3f}s (cpu {item['plugin_overhead_cpu_s']['document']:.3f}s) "
               f"sent {item['plugin_overhead_s']['sentence']:.3f}s (cpu {item['plugin_overhead_cpu_s']['sentence']:.3f}s) top doc "
               f"{max(range(4), key=lambda i: item['levels']['document']['plugin']['scores'][i])} "
@@ -506,8 +532,14 @@ def report(data: dict) -> dict:
             plain = [statistics.mean(p["plugin_time"]["plain"]) for p in items]
             plain_cpu = [statistics.mean(p["plugin_cpu"]["plain"]) for p in items]
             scoring = [statistics.mean(p["plugin_time"][f"results_{level}"]) for p in items]
+            cost_s = [p["plugin_cost_s"][level] for p in items]
             entry["plugin_cost"] = {
                 "extra_forward_passes": 0,
+                "cost_s_mean": round(statistics.mean(cost_s), 4),
+                "cost_s_median": round(statistics.median(cost_s), 4),
+                "capture_s_mean": round(statistics.mean(statistics.mean(p["plugin_time"]["capture_asking"]) for p in items), 4),
+                "capture_plain_s_mean": round(statistics.mean(statistics.mean(p["plugin_time"]["capture_plain"]) for p in items), 4),
+                "cost_of_request": round(statistics.mean(cost_s) / statistics.mean(plain), 4),
                 "overhead_s_mean": round(statistics.mean(overhead), 4),
                 "overhead_s_median": round(statistics.median(overhead), 4),
                 "overhead_cpu_s_mean": round(statistics.mean(overhead_cpu), 4),
@@ -526,8 +558,9 @@ def report(data: dict) -> dict:
                 cc_cpu = statistics.mean(c["cpu_s"] for c in cc)
                 plugin_overhead = statistics.mean(p["plugin_overhead_s"][level] for p in both)
                 plugin_cpu = statistics.mean(p["plugin_overhead_cpu_s"][level] for p in both)
-                # Matched on CPU time (the machine is shared: wall time follows the others' load).
-                matched = matched_ablations(plugin_cpu, forward_cpu, [int(n) for n in cc[0]["fits"]])
+                plugin_cost = statistics.mean(p["plugin_cost_s"][level] for p in both)
+                # Matched on the plugin's timed work (capture + results()) against ContextCite's mean forward.
+                matched = matched_ablations(plugin_cost, forward_s, [int(n) for n in cc[0]["fits"]])
                 ladder = {}
                 for n in cc[0]["fits"]:
                     summary = summarize(rows(answered, lambda e: e["contextcite"]["fits"][n]["scores"]))
@@ -542,12 +575,13 @@ def report(data: dict) -> dict:
                     "contextcite_forwards": ablations,
                     "contextcite_forward_s": round(forward_s, 4), "contextcite_wall_s": round(wall_s, 3),
                     "contextcite_forward_cpu_s": round(forward_cpu, 4), "contextcite_cpu_s": round(cc_cpu, 3),
-                    "plugin_forwards": 0,
-                    "plugin_overhead_s": round(plugin_overhead, 4), "plugin_overhead_cpu_s": round(plugin_cpu, 4),
-                    "plugin_forward_equivalents_cpu": round(plugin_cpu / forward_cpu, 3),
-                    # None where the plugin's overhead did not rise above the timing noise (<= 0).
-                    "wall_ratio": round(wall_s / plugin_overhead, 1) if plugin_overhead > 0 else None,
-                    "cpu_ratio": round(cc_cpu / plugin_cpu, 1) if plugin_cpu > 0 else None,
+                    "plugin_forwards": 0, "plugin_cost_s": round(plugin_cost, 4),
+                    "plugin_forward_equivalents": round(plugin_cost / forward_s, 3),
+                    "ratio": round(wall_s / plugin_cost, 1) if plugin_cost > 0 else None,
+                    # The with/without differences (noisy on a shared machine); None where <= 0.
+                    "plugin_ab_overhead_s": round(plugin_overhead, 4), "plugin_ab_overhead_cpu_s": round(plugin_cpu, 4),
+                    "ab_wall_ratio": round(wall_s / plugin_overhead, 1) if plugin_overhead > 0 else None,
+                    "ab_cpu_ratio": round(cc_cpu / plugin_cpu, 1) if plugin_cpu > 0 else None,
                 }
             out.setdefault(family, fam)[level] = entry
     return out
@@ -565,9 +599,8 @@ def print_report(summary: dict) -> None:
             cost = e.get("cost", {})
             print(f"{family:11s} {level:9s} {cell(e['plugin']):24s} {cell(e.get('contextcite')):24s} "
                   f"{(cell(matched) + ' @' + str(matched['ablations'])) if matched else '-':30s} "
-                  f"plugin {e['plugin_cost']['overhead_s_mean']:.3f}s wall / {e['plugin_cost']['overhead_cpu_s_mean']:.3f}s cpu "
-                  f"vs CC {cost.get('contextcite_wall_s', '-')}s / {cost.get('contextcite_cpu_s', '-')}s "
-                  f"(x{cost.get('wall_ratio', '-')} wall, x{cost.get('cpu_ratio', '-')} cpu); "
+                  f"plugin {e['plugin_cost']['cost_s_mean']:.3f}s (A/B {e['plugin_cost']['overhead_s_mean']:.2f}s) "
+                  f"vs CC {cost.get('contextcite_wall_s', '-')}s (x{cost.get('ratio', '-')}); "
                   f"plugin on all {cell(e['plugin_all_prompts'])}")
 
 
@@ -591,6 +624,9 @@ def main(argv=None) -> int:
     parser.add_argument("--input")
     parser.add_argument("--output")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--raw", default=str(Path(tempfile.gettempdir()) / "attribution_contextcite_raw.json"),
+                        help="where both stages' merged data is kept (--from-raw rebuilds the report from it)")
+    parser.add_argument("--from-raw", action="store_true", help="skip both stages: report from --raw")
     args = parser.parse_args(argv)
     if args.stage == "contextcite":
         run_contextcite(args)
@@ -612,6 +648,10 @@ def main(argv=None) -> int:
     from rcstat_vllm.model import default_model_dir, embedded_model_dtype
 
     model_dir = str(default_model_dir())
+    if args.from_raw:
+        raw = json.loads(Path(args.raw).read_text())
+        return finish(args, path, raw["data"], raw["env"], raw["engine"], raw["families"], raw["dtype"],
+                      raw["plugin_wall"], raw["wall"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     started = time.perf_counter()
     env = environment(load_avg_start=load_avg())
@@ -633,10 +673,19 @@ def main(argv=None) -> int:
         print("ContextCite stage: " + " ".join(command[:2]), file=sys.stderr, flush=True)
         subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         data = json.loads(stage_out.read_text())
+    env = {**env, "load_avg_after_plugin": load_after_plugin, "load_avg_end": load_avg()}
+    wall = time.perf_counter() - started
+    Path(args.raw).write_text(json.dumps({"data": data, "env": env, "engine": engine, "families": families,
+                                          "dtype": dtype, "plugin_wall": plugin_wall, "wall": wall}))
+    return finish(args, path, data, env, engine, families, dtype, plugin_wall, wall)
+
+
+def finish(args, path, data, env, engine, families, dtype, plugin_wall, wall) -> int:
+    model_dir = data["model"]
     summary = report(data)
     result = {
         "benchmark": "attribution_contextcite",
-        "environment": {**env, "load_avg_after_plugin": load_after_plugin, "load_avg_end": load_avg()},
+        "environment": env,
         "settings": {"families": families, "examples_per_family": args.examples, "seed": args.seed,
                      "max_tokens": args.max_tokens, "model": model_dir, "dtype": dtype,
                      "plugin": {"rcstat": {"method": "none"}, "attribution": "defaults (AttributionOptions())",
@@ -644,7 +693,7 @@ def main(argv=None) -> int:
                      "contextcite": data["contextcite_env"] | {"ablations": args.ablations},
                      "quick": args.quick},
         "engine": engine["engine"], "engine_start_s": engine["engine_start_s"],
-        "plugin_stage_s": round(plugin_wall, 1), "wall_s": round(time.perf_counter() - started, 1),
+        "plugin_stage_s": round(plugin_wall, 1), "wall_s": round(wall, 1),
         "summary": summary,
         "prompts": [{k: v for k, v in p.items() if k not in ("prompt", "context", "docs")} for p in data["prompts"]],
     }
