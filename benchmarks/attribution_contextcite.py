@@ -385,9 +385,8 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
                                      for lvl in ("document", "sentence")}
         item["plugin_overhead_cpu_s"] = {lvl: round(gen_cpu + statistics.mean(cpu[f"results_{lvl}"]), 4)
                                          for lvl in ("document", "sentence")}
-        # The headline cost: recording during the request + the results() call that scores the sources.
-        item["plugin_cost_s"] = {lvl: round(statistics.mean(times["capture_asking"]) + statistics.mean(
-            times[f"results_{lvl}"]), 4) for lvl in ("document", "sentence")}
+        # The headline cost: recording during the request + the results() call(s) that score the sources.
+        item["plugin_cost_s"] = {lvl: round(plugin_cost_s(item, lvl), 4) for lvl in ("document", "sentence")}
         print(f"[plugin {n + 1}/{len(prompts)}] {item['family']} #{item['index']} answered={item['answered']} "
               f"plain {statistics.mean(times['plain']):.2f}s cost doc {item['plugin_cost_s']['document']:.3f}s "
               f"sent {item['plugin_cost_s']['sentence']:.3f}s (capture {statistics.mean(times['capture_asking']):.3f}s); A/B doc "
@@ -506,6 +505,16 @@ def run_contextcite(args) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+def plugin_cost_s(item: dict, level: str) -> float:
+    """The plugin's timed work for one response at one level: its q/k capture during the request plus the
+    results() call. The first results() call finalizes the trace (ranks the candidate heads over the whole
+    answer), so the document level (asked first) carries that; the sentence level is charged the same call too
+    (capture + document call + sentence call: an upper bound on asking for sentences alone)."""
+    t = item["plugin_time"]
+    cost = statistics.mean(t["capture_asking"]) + statistics.mean(t["results_document"])
+    return cost + (statistics.mean(t["results_sentence"]) if level == "sentence" else 0.0)
+
+
 def report(data: dict) -> dict:
     """Per family and level: accuracy of both (on prompts ContextCite reached, answered ones), the plugin on all
     its prompts, ContextCite's ladder, and the costs."""
@@ -532,7 +541,7 @@ def report(data: dict) -> dict:
             plain = [statistics.mean(p["plugin_time"]["plain"]) for p in items]
             plain_cpu = [statistics.mean(p["plugin_cpu"]["plain"]) for p in items]
             scoring = [statistics.mean(p["plugin_time"][f"results_{level}"]) for p in items]
-            cost_s = [p["plugin_cost_s"][level] for p in items]
+            cost_s = [plugin_cost_s(p, level) for p in items]
             entry["plugin_cost"] = {
                 "extra_forward_passes": 0,
                 "cost_s_mean": round(statistics.mean(cost_s), 4),
@@ -558,7 +567,7 @@ def report(data: dict) -> dict:
                 cc_cpu = statistics.mean(c["cpu_s"] for c in cc)
                 plugin_overhead = statistics.mean(p["plugin_overhead_s"][level] for p in both)
                 plugin_cpu = statistics.mean(p["plugin_overhead_cpu_s"][level] for p in both)
-                plugin_cost = statistics.mean(p["plugin_cost_s"][level] for p in both)
+                plugin_cost = statistics.mean(plugin_cost_s(p, level) for p in both)
                 # Matched on the plugin's timed work (capture + results()) against ContextCite's mean forward.
                 matched = matched_ablations(plugin_cost, forward_s, [int(n) for n in cc[0]["fits"]])
                 ladder = {}
@@ -604,6 +613,31 @@ def print_report(summary: dict) -> None:
                   f"plugin on all {cell(e['plugin_all_prompts'])}")
 
 
+def markdown_table(result: dict) -> str:
+    """The docs' table from a result file: per family and level, top-1 / top-3 / AUC of the plugin and of
+    ContextCite (its default and at the plugin's cost) on the answered prompts both ran, and the cost ratio."""
+    def cell(s):
+        return "-" if not s or s.get("top1") is None else f"{s['top1']:.2f} / {s['top3']:.2f} / {s['auc']:.2f}"
+
+    abl = result["settings"]["contextcite"]["ablations"]
+    lines = [f"| family | sources | answered (both ran) | plugin | ContextCite, {abl} ablations | ContextCite at the "
+             "plugin's cost | plugin cost | ContextCite cost | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for family, fam in result["summary"].items():
+        for level in ("document", "sentence"):
+            e = fam[level]
+            cost = e.get("cost")
+            if not cost:
+                continue
+            matched = e["contextcite_matched"]
+            lines.append(
+                f"| {family} | {level} ({e['sources_mean']:g} per prompt) | {e['plugin']['n']} of "
+                f"{e['plugin_all_answers']['n']} | {cell(e['plugin'])} | {cell(e['contextcite'])} | "
+                f"{cell(matched)} ({matched['ablations']} abl.) | 0 passes, {cost['plugin_cost_s']:.2f} s | "
+                f"{cost['contextcite_forwards']} passes, {cost['contextcite_wall_s']:.1f} s | "
+                f"{cost['ratio']:.0f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=("all", "contextcite"), default="all")
@@ -627,9 +661,13 @@ def main(argv=None) -> int:
     parser.add_argument("--raw", default=str(Path(tempfile.gettempdir()) / "attribution_contextcite_raw.json"),
                         help="where both stages' merged data is kept (--from-raw rebuilds the report from it)")
     parser.add_argument("--from-raw", action="store_true", help="skip both stages: report from --raw")
+    parser.add_argument("--table", metavar="JSON", help="print the docs' markdown table of a result file and exit")
     args = parser.parse_args(argv)
     if args.stage == "contextcite":
         run_contextcite(args)
+        return 0
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())))
         return 0
     if args.quick:
         args.examples, args.ablations, args.budget_s = 1, 16, min(args.budget_s, 240.0)
