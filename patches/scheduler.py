@@ -2,8 +2,9 @@
 (:mod:`rcstat_vllm.block_exchange`, where the state, the block swap and the prefix-cache invariants live).
 
 - ``Scheduler.update_from_output``: apply the worker's compaction reports (fresh blocks in, prompt blocks out).
-- ``Scheduler.schedule``: under lazy eviction, first compact parked requests if the blocks it is about to want exceed
-  the free ones; then send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`), with the
+- ``Scheduler.schedule``: under lazy eviction, first compact parked requests if the blocks it is about to want (now,
+  or within the decode-time lead) exceed the free ones (only before vLLM's schedule: see :func:`relieve_pressure`); then
+  send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`), with the
   requests whose decode-time compaction the workers bring forward (:mod:`rcstat_vllm.decode_pressure`).
 - ``FullAttentionManager.cache_blocks``: a compacted request's blocks never become prefix-cache entries.
 - ``SingleTypeKVCacheManager.pop_blocks_for_free``: forget a request's compacted blocks when vLLM frees them.
@@ -134,28 +135,54 @@ def decode_config(server: RCStatConfig, request) -> RCStatConfig | None:
     return config if config.decode_compression else None
 
 
+def running_requests(scheduler, configs: list) -> list[RunningRequest] | None:
+    """The running requests as the pressure checks read them (``configs``: each one's config when it compresses
+    generated KV, else None), None when none does."""
+    if all(config is None for config in configs):
+        return None
+    manager = scheduler.kv_cache_manager
+    return [
+        RunningRequest(request.request_id, request.num_tokens, len(request_blocks(manager, request.request_id)), config)
+        for request, config in zip(scheduler.running, configs)
+    ]
+
+
+def relieve_pressure(scheduler, state: EngineCompaction) -> None:
+    """Lazy eviction, before a schedule: compact parked requests when the blocks the schedule is about to want, or
+    those the running requests will want within the decode-time lead, exceed the free ones.
+
+    Only here, never after vLLM's schedule: until then a running request's ``num_computed_tokens`` counts only tokens
+    whose KV is written. After it, it counts the step's in-flight token too, and ``allocate_slots`` has already made
+    the block that token fills a prefix-cache entry: compacting then would hand that block back with its hash while
+    the token's KV goes to head pages (a cache entry over a slot never written)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    wanted, reason = blocks_wanted(scheduler)
+    short, reason = wanted - free, f"{wanted} blocks wanted, {free} free ({reason})"
+    pressure = state.decode_pressure
+    # (configs as the last schedule's check merged them: every request running now was running then)
+    running = running_requests(scheduler, [pressure.configs.get(r.request_id) for r in scheduler.running])
+    if running is not None:
+        block_size = scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
+        decode_short, _, decode_reason = pressure.shortfall(running, free, block_size)
+        if decode_short > short:
+            short, reason = decode_short, f"decode-time compression: {decode_reason}"
+    if short > 0:
+        state.relieve_pressure(pool, free + short, lambda req_id: running_request_tokens(scheduler, req_id), reason)
+
+
 def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
     """After a schedule: the running requests whose decode-time compaction the workers should bring forward, the
     pool being about to run short (``rcstat_vllm/decode_pressure.py``)."""
     pressure, server = state.decode_pressure, state.config
     configs = [pressure.watch(request.request_id, request.num_tokens, lambda r=request: decode_config(server, r))
                for request in scheduler.running]
-    if all(config is None for config in configs):  # (merged once per request: one lookup per request and step)
+    running = running_requests(scheduler, configs)  # (merged once per request: one lookup per request, step)
+    if running is None:
         return []
     manager = scheduler.kv_cache_manager
-    running = [
-        RunningRequest(request.request_id, request.num_tokens, len(request_blocks(manager, request.request_id)), config)
-        for request, config in zip(scheduler.running, configs)
-    ]
     block_size = manager.coordinator.single_type_managers[0].block_size
-    pool = manager.block_pool
-    short, lead, reason = pressure.shortfall(running, pool.get_num_free_blocks(), block_size)
-    if short > 0 and state.pending:
-        # Lazy eviction: parked prompts are compacted now, not once vLLM wants their blocks, so that the decode-time
-        # compactions that follow (the tokens generated meanwhile counted as generated) come in time.
-        short -= state.relieve_pressure(pool, pool.get_num_free_blocks() + short,
-                                        lambda req_id: running_request_tokens(scheduler, req_id),
-                                        f"decode-time compression: {reason}")
+    short, lead, reason = pressure.shortfall(running, manager.block_pool.get_num_free_blocks(), block_size)
     chosen = pressure.requests_to_hurry(running, short, lead, block_size)
     if chosen:
         logger.debug("rcstat: decode-time compaction brought forward (%d requests; %s): %s", len(chosen), reason,
@@ -186,14 +213,7 @@ def _schedule(original):
             state = engine_compaction(self.kv_cache_manager.block_pool)
             state.config = config
         if state.pending:
-            wanted, reason = blocks_wanted(self)
-            pool = self.kv_cache_manager.block_pool
-            if wanted > pool.get_num_free_blocks():
-                free = pool.get_num_free_blocks()
-                state.relieve_pressure(
-                    pool, wanted, lambda req_id: running_request_tokens(self, req_id),
-                    f"{wanted} blocks wanted, {free} free ({reason})",
-                )
+            relieve_pressure(self, state)
         output = original(self, *args, **kwargs)
         decode_soon = bring_decode_compactions_forward(self, state)
         compactions = state.take_outgoing(lambda req_id: is_running(self, req_id)) if state.outgoing else []

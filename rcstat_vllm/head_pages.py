@@ -112,14 +112,16 @@ class CompactedRequest:
         return state
 
     @classmethod
-    def uncompressed(cls, num_tokens: int, space: PageSpace, block_ids: Tensor) -> CompactedRequest:
+    def uncompressed(cls, num_tokens: int, space: PageSpace, block_ids: Tensor, shared_blocks: int = 0
+                     ) -> CompactedRequest:
         """An uncompressed request's tokens seen as head pages (every head holds all of them in the identity pages of
-        its blocks): the source of its first decode-time compaction. Not for decoding: it owns no pool pages."""
+        its blocks): the source of its first decode-time compaction, which keeps its first ``shared_blocks`` blocks as
+        they are. Not for decoding: it owns no pool pages."""
         blocks = block_ids[: cdiv(num_tokens, space.block_size)].to(torch.int64).cpu()
         tables = torch.stack([space.identity(layer, blocks) for layer in range(space.num_layers)])
         kept = torch.full(tables.shape[:2], num_tokens, dtype=torch.int64)
         unused = [torch.empty(0, dtype=torch.int64) for _ in space.pools]
-        return cls.from_compaction(num_tokens, space, kept, tables, unused, blocks.numel())
+        return cls.from_compaction(num_tokens, space, kept, tables, unused, blocks.numel(), shared_blocks)
 
     @property
     def tables(self) -> Tensor:

@@ -246,17 +246,22 @@ class WorkerCompression:
         for req_id in info.dropped_req_ids:
             record = self.requests.drop(req_id)
             if record is not None and record.phase is Phase.AWAITING_BLOCKS:
-                lazy = record.compressor.config.eviction == "lazy"
-                self._record(record.compressor.report(
-                    "lazy eviction: memory was not short while it ran, its full KV was kept" if lazy
-                    else "finished or preempted before its KV was compacted"
-                ))
+                self._record(record.compressor.report(self._uncompacted_reason(record, req_id in info.preempted_req_ids)))
         for request in info.requests:
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.requests.seen_in_prefill(request.req_id, request.num_computed_tokens)
         if not self.layer_names and self.disabled_reason is not None:
             self._report_unserved(info)
         self._step = info
+
+    @staticmethod
+    def _uncompacted_reason(record, preempted: bool) -> str:
+        """Why a request left with its plan still waiting for blocks."""
+        if preempted:
+            return "preempted before its KV was compacted (vLLM recomputes it when it resumes)"
+        if record.compressor.config.eviction == "lazy":
+            return "lazy eviction: memory was not short while it ran, its full KV was kept"
+        return "finished before its KV was compacted"
 
     def _release_states(self, req_ids) -> None:
         for req_id in req_ids:
@@ -514,7 +519,10 @@ class WorkerCompression:
             # A copy: the host row is a read-only view vLLM rewrites for the next step.
             block_ids = torch.from_numpy(np.array(request.block_ids[:used], dtype=np.int64)) if host_ids \
                 else block_table[row, :used].cpu()
-            record.state = CompactedRequest.uncompressed(num_tokens, self.space, block_ids)
+            # Every head keeps the whole prompt: its full blocks stay as they are (prefix-cache hits stay shared with
+            # the requests that hit them, its own prompt blocks stay cache entries), only the rest is copied.
+            record.state = CompactedRequest.uncompressed(num_tokens, self.space, block_ids,
+                                                         shared_blocks=request.num_prompt_tokens // self.block_size)
 
     def _watch_decode(self, plan: StepCompression, record, num_tokens: int, query_start: int, query_end: int) -> bool:
         """Keep the row's queries when a decode-time compaction is near; schedule its scoring when one is due (True).

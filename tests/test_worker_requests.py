@@ -47,9 +47,15 @@ def test_the_worker_refuses_blocks_for_a_request_without_a_plan_and_reports_one_
     worker.requests.seen_in_prefill("a", 0)
     with pytest.raises(RuntimeError, match="request a, which has no plan"):
         worker.begin_step(StepInfo(requests=[], compactions=[Compaction("a", (1, 2))]))
-    compressor = SimpleNamespace(config=SimpleNamespace(eviction="eager"), report=lambda reason=None: reason)
-    worker.requests.get("a").phase, worker.requests.get("a").compressor = Phase.AWAITING_BLOCKS, compressor
     recorded = []
     worker._record = recorded.append
-    worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}))
-    assert recorded == ["finished or preempted before its KV was compacted"] and worker.idle
+    for req_id, eviction in (("a", "eager"), ("b", "lazy"), ("c", "lazy")):
+        worker.requests.seen_in_prefill(req_id, 0)
+        compressor = SimpleNamespace(config=SimpleNamespace(eviction=eviction), report=lambda reason=None: reason)
+        worker.requests.get(req_id).phase, worker.requests.get(req_id).compressor = Phase.AWAITING_BLOCKS, compressor
+    worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a", "b", "c"}, preempted_req_ids=frozenset({"c"})))
+    assert sorted(recorded) == [
+        "finished before its KV was compacted",
+        "lazy eviction: memory was not short while it ran, its full KV was kept",
+        "preempted before its KV was compacted (vLLM recomputes it when it resumes)",
+    ] and worker.idle
