@@ -32,6 +32,9 @@ class RunResult:
     free_trace: list[int] = field(default_factory=list)
     #: per finished request, its prompt tokens served from the prefix cache (RequestOutput.num_cached_tokens)
     cached_tokens: dict[str, int] = field(default_factory=dict)
+    #: per step, the tokens the scheduler gave each request (by the id it was added with): two runs with equal
+    #: batches ran the same forwards, request for request
+    batches: list[dict[str, int]] = field(default_factory=list)
 
 
 class EngineDriver:
@@ -54,6 +57,17 @@ class EngineDriver:
         self.worker = getattr(worker, "worker", worker)
         self.tokenizer = self.engine.get_tokenizer()
         self._text_ids = self.tokenizer(TEXT * 80, add_special_tokens=False)["input_ids"]
+        self._batches: list[dict[str, int]] | None = None
+        schedule = self.scheduler.schedule
+
+        def recording_schedule(*args, **kwargs):  # this instance only: RunResult.batches
+            output = schedule(*args, **kwargs)
+            if self._batches is not None and output.num_scheduled_tokens:
+                # vLLM's engine-side id is the id the request was added with, a dash and a random suffix
+                self._batches.append({rid.rsplit("-", 1)[0]: n for rid, n in output.num_scheduled_tokens.items()})
+            return output
+
+        self.scheduler.schedule = recording_schedule
 
     # ---- helpers ----
 
@@ -74,6 +88,15 @@ class EngineDriver:
     def free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
 
+    def poison_kv_cache(self, value: float) -> None:
+        """Fill every layer's KV cache with ``value`` and empty the prefix cache, between runs (every block free): a
+        run that reads a slot it never wrote then reads ``value``, so two runs of the same requests poisoned with
+        different values decode alike only if neither reads what an earlier run left behind."""
+        assert self.free_blocks() == self.pool.num_gpu_blocks - 1, "requests still hold blocks"
+        for cache in self.worker.model_runner.kv_caches:
+            cache.fill_(value)
+        assert self.engine.reset_prefix_cache()
+
     def prompt(self, num_tokens: int, offset: int = 0) -> dict:
         return {"prompt_token_ids": self.token_ids(num_tokens, offset)}
 
@@ -93,6 +116,7 @@ class EngineDriver:
         for request_id, prompt, params in requests:
             self.engine.add_request(request_id, prompt, params)
         result = RunResult()
+        self._batches = result.batches
         while self.engine.has_unfinished_requests() and result.steps < max_steps:
             for output in self.engine.step():
                 if output.finished:
@@ -107,6 +131,7 @@ class EngineDriver:
                 for rid in due:
                     abort_after.pop(rid)
         result.preemptions = self._count_preemptions() - preempted_before
+        self._batches = None
         return result
 
     def _count_preemptions(self) -> int:

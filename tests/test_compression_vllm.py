@@ -2,6 +2,12 @@
 
 One in-process engine (scheduler and worker reachable) with a deliberately small KV pool, block size 32 and
 chunked prefill at 512 tokens. Every test leaves the pool as it found it.
+
+The engine runs the model in float32 on every CPU: tests here compare tokens across runs, and in bf16 two runs whose
+batches differ, or whose KV sits in other pages, can decode other tokens from rounding alone (a 1200-token request
+of the pooled / per-layer pair did on a 2-core AMD EPYC with AVX-512 BF16, issue 39). Where the runs are the same
+forwards (equal ``RunResult.batches``) that is asserted too; where they cannot be (a request alone against the same
+request in a mixed batch), float32 makes a changed token a behaviour, not rounding.
 """
 
 import random
@@ -28,15 +34,21 @@ def driver():
 
     d = EngineDriver(
         additional_config={"rcstat": {"method": "rc", "c": 1.0, "window": 8, "eviction": "eager"}},
+        dtype="float32",  # see the module docstring
         block_size=BLOCK,
         max_model_len=2048,
         max_num_batched_tokens=CHUNK,
-        kv_cache_memory_bytes=100 << 20,
+        kv_cache_memory_bytes=200 << 20,  # 100 MiB of bf16 KV: ~141 blocks of 32 tokens
     )
     d.count_preemptions()
     d.initial_free = d.free_blocks()
     yield d
     assert d.free_blocks() == d.initial_free
+
+
+def untagged(batches, tag):
+    """``RunResult.batches`` with the run's tag taken off the request ids (``{tag}-...``), to compare two runs."""
+    return [{rid.removeprefix(f"{tag}-"): n for rid, n in batch.items()} for batch in batches]
 
 
 def greedy(max_tokens=8, **rcstat):
@@ -118,16 +130,32 @@ def test_uncompressed_requests_in_a_compressed_batch_match_running_alone(driver)
     assert mixed.outputs["short-2"] == alone.outputs["short"]
 
 
-def test_lazy_eviction_keeps_the_full_cache_while_the_pool_holds_every_request(driver):
-    """Lazy eviction compacts nothing while memory suffices (in budget mode it does not even score: that waits for a
-    compaction): both requests decode over their full cache, token for token as with method none, and their results
-    say why they kept it."""
+def test_lazy_eviction_keeps_the_full_cache_while_the_pool_holds_every_request(driver, monkeypatch):
+    """Lazy eviction compacts nothing while memory suffices, and in budget mode does not even score (that waits for a
+    compaction): both requests run the same forwards as with method none (the same batches, step for step), hold as
+    many blocks at every step, are never scored, decode the same tokens, and their results say why they kept their
+    full cache."""
+    from rcstat_vllm.compression import RequestCompressor
+
+    scored = []
+    score_window = RequestCompressor.score_window
+
+    def counting(self, layer, *args, **kwargs):
+        scored.append((self.decision.req_id, layer))
+        return score_window(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(RequestCompressor, "score_window", counting)
     prompts = [driver.prompt(600, offset=21), driver.prompt(500, offset=22)]
+    driver.engine.reset_prefix_cache()  # each run computes its prompts in full, in the same chunks
     full = driver.run([(f"full-{i}", p, greedy(16, method="none")) for i, p in enumerate(prompts)])
     free_before = driver.free_blocks()
+    driver.engine.reset_prefix_cache()
     lazy = driver.run([(f"lazy-{i}", p, greedy(16, eviction="lazy", target_ratio=0.5))
                        for i, p in enumerate(prompts)])
     assert driver.free_blocks() == free_before
+    assert untagged(lazy.batches, "lazy") == untagged(full.batches, "full")
+    assert lazy.free_trace == full.free_trace
+    assert scored == []
     driver.run([("flush-lazy", driver.prompt(8), greedy(1))])  # delivers the finished ids to the worker
     for i in range(2):
         assert lazy.outputs[f"lazy-{i}"] == full.outputs[f"full-{i}"]
@@ -251,8 +279,9 @@ def test_compressed_requests_preempted_by_decode_growth_are_recomputed_and_leak_
 def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewer_blocks(driver):
     """The same compressed requests (threshold mode, and a model-wide budget) run once with head pages pooled
     across layers (this engine's default) and once, in the same engine, with each layer's pages in its own slice:
-    the kept tokens and the generated tokens are identical (attention reads the same KV from other pages),
-    while the pooled requests hold fewer blocks."""
+    the two waves run the same forwards (the same batches, step for step: every request fits either way), the kept
+    tokens and the generated tokens are identical (attention reads the same KV from other pages), while the pooled
+    requests hold fewer blocks."""
     from rcstat_vllm.page_space import PageSpace
 
     def wave(tag):
@@ -263,24 +292,26 @@ def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewe
         driver.run([(f"{tag}-flush", driver.prompt(8), greedy(1))])  # delivers the finished ids to the worker
         assert driver.compression.idle and driver.free_blocks() == driver.initial_free
         suffixes = [r[0][len(tag) + 1 :] for r in requests]
-        return {s: run.outputs[f"{tag}-{s}"] for s in suffixes}, {s: driver.result(f"{tag}-{s}") for s in suffixes}
+        return (untagged(run.batches, tag), {s: run.outputs[f"{tag}-{s}"] for s in suffixes},
+                {s: driver.result(f"{tag}-{s}") for s in suffixes})
 
     owner = driver.compression
     pooled_space = owner.space
     assert pooled_space.is_pooled
-    pooled_tokens, pooled_results = wave("pooled")
+    pooled_batches, pooled_tokens, pooled_results = wave("pooled")
     owner.space = PageSpace.per_layer(owner.num_layers, owner.num_heads, owner.block_size)
     try:
-        layer_tokens, layer_results = wave("per-layer")
+        layer_batches, layer_tokens, layer_results = wave("per-layer")
     finally:
         owner.space = pooled_space
-    assert pooled_tokens == layer_tokens
+    assert pooled_batches == layer_batches
     for key, pooled in pooled_results.items():
         per_layer = layer_results[key]
         assert pooled["pooled_pages"] and not per_layer["pooled_pages"]
         assert pooled["kept"] == per_layer["kept"]
         assert pooled["blocks_held"] <= per_layer["blocks_held"]
     assert sum(r["blocks_held"] for r in pooled_results.values()) < sum(r["blocks_held"] for r in layer_results.values())
+    assert pooled_tokens == layer_tokens
 
 
 DECODE = dict(decode_budget=32, decode_interval=32)
@@ -364,41 +395,59 @@ def test_decode_time_compactions_are_brought_forward_before_the_pool_runs_short(
     """Sixteen 100-token requests start together and generate 300 tokens each with decode_budget 64 / interval 256:
     on their own schedule they would first be compacted at 420 tokens, after they finish, and the pool runs short
     first (about 9 blocks of 32 each, and the pool holds about 142): vLLM preempts some. With the scheduler
-    bringing compactions forward none is preempted: requests are compacted early, as many as the shortfall needs."""
+    bringing compactions forward none is preempted: requests are compacted early, as many as the shortfall needs.
+    That wave again over a KV cache first filled with another value runs the same forwards and decodes the same
+    tokens with the same compactions: no request read a slot its own forwards and copies did not write. (Not
+    compared with the first wave's tokens: its batches differ, preempted requests recompute, and vLLM-CPU is not
+    batch-invariant even in float32.)"""
     from rcstat_vllm.decode_pressure import DecodePressure
 
     settings = dict(decode_budget=64, decode_interval=256)
 
-    def wave(tag):
-        driver.engine.reset_prefix_cache()
-        requests = [(f"{tag}{i}", driver.prompt(100, offset=23 * i), greedy(300, **settings)) for i in range(16)]
+    def wave(tag, poison=0.0):
+        driver.poison_kv_cache(poison)
+        requests = [(f"{tag}-{i}", driver.prompt(100, offset=23 * i), greedy(300, **settings)) for i in range(16)]
         run = driver.run(requests)
         assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 300 for r in requests}
         driver.run([(f"{tag}-flush", driver.prompt(8), greedy(1))])
         assert driver.compression.idle and driver.free_blocks() == driver.initial_free
-        return run, [driver.result(r[0])["decode_compactions"] for r in requests]
+        results = [driver.result(r[0]) for r in requests]
+        return run, [run.outputs[r[0]] for r in requests], [(r["decode_compactions"], r["decode_tokens_evicted"])
+                                                           for r in results]
 
     with monkeypatch.context() as patched:
         patched.setattr(DecodePressure, "requests_to_hurry", lambda self, *args: [])
-        scheduled, compactions = wave("dsched")
-    assert scheduled.preemptions > 0 and sum(compactions) == 0
-    forward, compactions = wave("dforward")
+        scheduled, _, compactions = wave("dsched")
+    assert scheduled.preemptions > 0 and sum(c for c, _ in compactions) == 0
+    forward, outputs, compactions = wave("dforward", 30.0)
     print(f"\n[brought forward] preemptions {scheduled.preemptions} -> {forward.preemptions}, decode-time compactions "
-          f"per request {compactions}")
+          f"per request {[c for c, _ in compactions]}")
     assert forward.preemptions == 0 and forward.peak_running == 16
-    assert 0 < sum(c > 0 for c in compactions)
+    assert 0 < sum(c > 0 for c, _ in compactions)
+    again, outputs_again, compactions_again = wave("dforward-again", -30.0)
+    assert untagged(again.batches, "dforward-again") == untagged(forward.batches, "dforward")
+    assert compactions_again == compactions and outputs_again == outputs
 
 
 def test_decode_time_compression_under_lazy_eviction_starts_after_the_prompts_compaction(driver):
     """Lazy eviction with decode_budget: six 900-token requests over a pool that holds four; those whose prompts the
     scheduler compacts under pressure are then compacted as they decode too (each compaction evicting what exceeds
-    the budget), the others decode whole; every block comes back and the worker holds nothing."""
+    the budget), the others decode whole; every block comes back and the worker holds nothing. The same wave again,
+    over a KV cache first filled with another value, runs the same forwards and decodes the same tokens with the
+    same compactions: no request read a slot that no forward or copy of its own wrote (a block handed on before its
+    KV was copied, a stale prefix-cache entry, a head page past what was copied)."""
     settings = dict(eviction="lazy", target_ratio=0.5, **DECODE)
-    requests = [(f"dlazy{i}", driver.prompt(900, offset=40 + i), greedy(120, **settings)) for i in range(6)]
-    run = driver.run(requests)
-    driver.run([("dflush-lazy", driver.prompt(8), greedy(1))])
-    assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 120 for r in requests}
-    results = [driver.result(r[0]) for r in requests]
+
+    def wave(tag, poison):
+        driver.poison_kv_cache(poison)
+        requests = [(f"{tag}-{i}", driver.prompt(900, offset=40 + i), greedy(120, **settings)) for i in range(6)]
+        run = driver.run(requests)
+        driver.run([(f"{tag}-flush", driver.prompt(8), greedy(1))])
+        assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 120 for r in requests}
+        assert driver.compression.idle and driver.free_blocks() == driver.initial_free
+        return untagged(run.batches, tag), [run.outputs[r[0]] for r in requests], [driver.result(r[0]) for r in requests]
+
+    batches, outputs, results = wave("dlazy", 30.0)
     compacted = [r for r in results if r["skipped_reason"] is None]
     assert compacted and len(compacted) < len(results)
     layers, heads = len(compacted[0]["kept"]), len(compacted[0]["kept"][0])
@@ -406,7 +455,14 @@ def test_decode_time_compression_under_lazy_eviction_starts_after_the_prompts_co
         assert result["lazy"] and result["decode_compactions"] >= 1
         assert 0 < result["decode_tokens_evicted"] <= result["decode_compactions"] * layers * heads * 32
     assert all(r["decode_compactions"] == 0 for r in results if r["skipped_reason"] is not None)
-    assert driver.compression.idle and driver.free_blocks() == driver.initial_free
+
+    batches_again, outputs_again, results_again = wave("dlazy-again", -30.0)
+    assert batches_again == batches
+    decided = ("skipped_reason", "compacted_at_tokens", "kept", "blocks_held", "decode_compactions",
+               "decode_tokens_evicted")
+    for first, second in zip(results, results_again):
+        assert {k: first[k] for k in decided} == {k: second[k] for k in decided}
+    assert outputs_again == outputs
 
 
 def test_decode_time_compression_of_a_prompt_too_short_to_compress(driver):
