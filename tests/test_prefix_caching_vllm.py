@@ -79,15 +79,23 @@ def test_a_request_sharing_a_long_prefix_is_served_from_cache_and_both_are_compr
 
 def test_shared_prefix_pages_decode_exactly_like_the_uncompressed_cache(engines):
     """Evicting nothing (budget 0) after a prefix hit: each head reads the shared blocks' pages, then its own copied
-    pages; the tokens must equal an uncompressed run of the same prompt with the same hit."""
+    pages; the tokens must equal an uncompressed run of the same prompt with the same hit. Both runs compute the same
+    forwards (the same hit, warmed alike, then the same chunk and steps), in whatever dtype the engine runs."""
     _, plugin = engines
     prefix = plugin.token_ids(800, offset=60)
-    plugin.run([("exact-warm", {"prompt_token_ids": prefix + plugin.token_ids(300, offset=5)}, greedy(4))])
+    warm = ("exact-warm", {"prompt_token_ids": prefix + plugin.token_ids(300, offset=5)}, greedy(4))
     prompt = {"prompt_token_ids": prefix + plugin.token_ids(500, offset=90)}
+    plugin.engine.reset_prefix_cache()
+    plugin.run([warm])
     kept_all = plugin.run([("exact-kept", prompt, greedy(32, target_ratio=0.0))])
+    # The kept run left its own prompt blocks in the prefix cache: warmed again from scratch, the uncompressed run
+    # hits the prefix only, as the kept run did, and computes the rest in the same chunk.
+    plugin.engine.reset_prefix_cache()
+    plugin.run([(f"{warm[0]}-2", *warm[1:])])
     plain = plugin.run([("exact-plain", prompt, greedy(32, method="none"))])
     result = plugin.result("exact-kept")
-    assert kept_all.cached_tokens["exact-kept"] == 800 // BLOCK * BLOCK
+    assert kept_all.cached_tokens["exact-kept"] == plain.cached_tokens["exact-plain"] == 800 // BLOCK * BLOCK
+    assert [list(b.values()) for b in kept_all.batches] == [list(b.values()) for b in plain.batches]
     assert result["skipped_reason"] is None and result["compression_ratio"] == 0.0
     assert result["blocks_held"] == -(-1300 // BLOCK)  # every token kept: as many blocks as the prompt
     assert kept_all.outputs["exact-kept"] == plain.outputs["exact-plain"]
