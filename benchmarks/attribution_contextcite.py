@@ -459,6 +459,8 @@ def run_contextcite(args) -> None:
         if time.perf_counter() - started > args.budget_s:
             break
         entry = item["levels"][level]
+        if "contextcite" in entry:  # --more-contextcite: done in an earlier stage
+            continue
         partitioner = FixedPartitioner(item["context"], [tuple(r) for r in entry["ranges"]])
         cc = ContextCiter(model, tokenizer, item["context"], item["question"], num_ablations=args.ablations,
                           prompt_template=PROMPT_TEMPLATE, partitioner=partitioner)
@@ -661,6 +663,8 @@ def main(argv=None) -> int:
     parser.add_argument("--raw", default=str(Path(tempfile.gettempdir()) / "attribution_contextcite_raw.json"),
                         help="where both stages' merged data is kept (--from-raw rebuilds the report from it)")
     parser.add_argument("--from-raw", action="store_true", help="skip both stages: report from --raw")
+    parser.add_argument("--more-contextcite", action="store_true",
+                        help="from --raw: run ContextCite (another --budget-s) on the prompts it did not reach, then report")
     parser.add_argument("--table", metavar="JSON", help="print the docs' markdown table of a result file and exit")
     args = parser.parse_args(argv)
     if args.stage == "contextcite":
@@ -686,6 +690,14 @@ def main(argv=None) -> int:
     from rcstat_vllm.model import default_model_dir, embedded_model_dtype
 
     model_dir = str(default_model_dir())
+    if args.more_contextcite:
+        raw = json.loads(Path(args.raw).read_text())
+        t = time.perf_counter()
+        raw["data"] = contextcite_stage(args, raw["data"])
+        raw["wall"] += time.perf_counter() - t
+        raw["env"]["contextcite_resumed"] = {"budget_s": args.budget_s, "load_avg_end": load_avg()}
+        Path(args.raw).write_text(json.dumps(raw))
+        args.from_raw = True
     if args.from_raw:
         raw = json.loads(Path(args.raw).read_text())
         return finish(args, path, raw["data"], raw["env"], raw["engine"], raw["families"], raw["dtype"],
@@ -702,20 +714,28 @@ def main(argv=None) -> int:
     import gc
 
     gc.collect()
-    with tempfile.TemporaryDirectory() as tmp:
-        stage_in, stage_out = Path(tmp, "in.json"), Path(tmp, "out.json")
-        stage_in.write_text(json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts}))
-        command = [args.contextcite_python, str(Path(__file__).resolve()), "--stage", "contextcite",
-                   "--input", str(stage_in), "--output", str(stage_out), "--ablations", str(args.ablations),
-                   "--budget-s", str(args.budget_s), "--threads", str(args.threads)]
-        print("ContextCite stage: " + " ".join(command[:2]), file=sys.stderr, flush=True)
-        subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        data = json.loads(stage_out.read_text())
+    data = contextcite_stage(args, {"model": model_dir, "dtype": dtype, "prompts": prompts})
     env = {**env, "load_avg_after_plugin": load_after_plugin, "load_avg_end": load_avg()}
     wall = time.perf_counter() - started
     Path(args.raw).write_text(json.dumps({"data": data, "env": env, "engine": engine, "families": families,
                                           "dtype": dtype, "plugin_wall": plugin_wall, "wall": wall}))
     return finish(args, path, data, env, engine, families, dtype, plugin_wall, wall)
+
+
+def contextcite_stage(args, data: dict) -> dict:
+    """Run the ContextCite stage in its own environment on ``data`` (prompts, answers, plugin scores)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stage_in, stage_out = Path(tmp, "in.json"), Path(tmp, "out.json")
+        stage_in.write_text(json.dumps(data))
+        command = [args.contextcite_python, str(Path(__file__).resolve()), "--stage", "contextcite",
+                   "--input", str(stage_in), "--output", str(stage_out), "--ablations", str(args.ablations),
+                   "--budget-s", str(args.budget_s), "--threads", str(args.threads)]
+        print("ContextCite stage: " + " ".join(command[:2]), file=sys.stderr, flush=True)
+        subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        out = json.loads(stage_out.read_text())
+    if "contextcite_env" in data:  # an earlier stage's: keep it, add this one's
+        out["contextcite_env"] = {**data["contextcite_env"], "more": out["contextcite_env"]}
+    return out
 
 
 def finish(args, path, data, env, engine, families, dtype, plugin_wall, wall) -> int:
