@@ -22,14 +22,18 @@ Metrics per family and level, on the answers that contain the asked value (``ans
 top-1 and top-3 source accuracy (ties split: the expected hit under a random order of tied sources) and the
 AUC of the scores over sources (right source against each other source, ties 0.5), averaged over answers.
 
-Cost per response. The plugin runs no extra forward pass: its cost is measured in the served path, as the
-same request's wall time with attribution minus without it (the same engine, ABBA order, two of each), plus
-the ``results()`` call that scores the sources. ContextCite runs one forward pass over prompt + answer per
-ablation (its default: 64, ``ablation_keep_prob`` 0.5, ``batch_size`` 1, LASSO) plus the fit. Smaller budgets
-use the first n of the 64 ablation masks: ContextCite seeds mask i with i, so these are exactly the masks
-``num_ablations=n`` draws; its time is n forwards at the measured mean plus the fit of n. The ablation count
-matched to the plugin is its overhead divided by ContextCite's mean forward time on the same machine (at
-least 1). Both run on the same 2 shared cores, one after the other.
+Cost per response. The plugin runs no extra forward pass. What it adds in the served path is timed where it
+runs (the engine is in-process): the q/k capture during the request (``AttributionCapture.plan`` / ``record``)
+and the ``results()`` call that finalizes the trace and scores the sources (:func:`plugin_cost_s`). The same
+request with and without attribution is timed too (``--timing-rounds`` of each, the order alternating), kept
+as ``plugin_ab_overhead_s``: on a shared machine that difference is mostly noise. ContextCite runs one forward
+pass over prompt + answer per ablation (its default: 64, ``ablation_keep_prob`` 0.5, ``batch_size`` 1, LASSO)
+plus the fit. Smaller budgets use the first n of the 64 ablation masks: ContextCite seeds mask i with i, so
+these are exactly the masks ``num_ablations=n`` draws; its time is n forwards at the measured mean plus the fit
+of n. The ablation count matched to the plugin is the ladder's n nearest the plugin's cost divided by
+ContextCite's mean forward time on the same machine. Both run on the same cores, one after the other; the
+ContextCite stage starts no prompt after ``--budget-s`` (round robin over families, document level first), and
+``--more-contextcite`` resumes it from the raw file.
 
 ContextCite needs spacy, datasets, pandas and scikit-learn, none of which the main .venv has: it runs in
 ``.venv-contextcite`` (``./rcstat bench`` sets it up: context-cite beside the main .venv's torch and
@@ -37,7 +41,8 @@ transformers through a .pth file, as .venv-kvpress). This script runs in the mai
 the ContextCite stage (``--stage contextcite``), whose imports are only torch, transformers and context_cite.
 
     python benchmarks/attribution_contextcite.py            # writes benchmarks/results/attribution_contextcite_cpu.json
-    python benchmarks/attribution_contextcite.py --quick    # 1 prompt per family, 16 ablations, a few minutes
+    python benchmarks/attribution_contextcite.py --quick    # 1 prompt per family, 16 ablations (~10 min when busy)
+    python benchmarks/attribution_contextcite.py --more-contextcite --budget-s 300   # ContextCite on what was cut
 """
 
 from __future__ import annotations
