@@ -1,6 +1,6 @@
 """Peak extra memory of compacting one long prompt, on the CPU, with no model.
 
-:func:`rcstat_vllm.compaction.compact_request` moves every (layer, KV head)'s kept tokens into head pages. It works
+:func:`rcstat_vllm.paging.compaction.compact_request` moves every (layer, KV head)'s kept tokens into head pages. It works
 one layer at a time, so what it allocates beyond the cache is one layer's kept keys and values plus their indices,
 also when the scheduler hands the request its own prompt blocks back as destinations (memory was short) and pooled
 pages would let one layer overwrite another's prompt KV still to be moved (see ``compaction_order``).
@@ -38,8 +38,8 @@ BLOCK = 16
 
 def build(tokens: int, layers: int, heads: int, head_dim: int, dtype: torch.dtype, destination: str, seed: int = 0):
     """A pooled cache holding one request's prompt, its keep masks and the destination blocks the scheduler gives."""
-    from rcstat_vllm.compaction import blocks_needed
-    from rcstat_vllm.page_space import cdiv, pooled_space_or_reason
+    from rcstat_vllm.paging.compaction import blocks_needed
+    from rcstat_vllm.paging.page_space import cdiv, pooled_space_or_reason
 
     g = torch.Generator().manual_seed(seed)
     prompt_blocks = cdiv(tokens, BLOCK)
@@ -60,7 +60,7 @@ def build(tokens: int, layers: int, heads: int, head_dim: int, dtype: torch.dtyp
 
 
 def measure(tokens: int, layers: int, heads: int, head_dim: int, dtype: str, destination: str) -> dict:
-    from rcstat_vllm.compaction import compact_request
+    from rcstat_vllm.paging.compaction import compact_request
 
     torch.set_num_threads(1)
     compact_request(*build(4 * BLOCK, layers, heads, head_dim, getattr(torch, dtype), destination)[:5])  # first calls' one-off allocations are not compaction's

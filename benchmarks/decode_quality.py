@@ -54,7 +54,7 @@ PRESETS = {
                     interval_study=(32, 512), interval_budget=512, greedy_tokens=1024),
 }
 #: Methods at every budget (interval ``interval``); name -> (scorer or "recent", selection). RC selects as the
-#: plugin's decode-time compression does (rcstat_vllm/decode_compression.py): each head's scores relative to its own
+#: plugin's decode-time compression does (rcstat_vllm/worker/decode_compression.py): each head's scores relative to its own
 #: mean, then the layer's top entries.
 METHODS = {"recent": ("recent", "head"), "rc": ("rc", "head_mean"), "snapkv": ("snapkv", "layer"),
            "tova": ("tova", "head"), "knorm": ("knorm", "layer")}

@@ -2,7 +2,7 @@
 cache from which each (layer, KV head) has evicted its own tokens. Shared by quality.py (value error rate)
 and accuracy.py (fidelity check against vLLM).
 
-How it maps onto the plugin (rcstat_vllm/compression.py):
+How it maps onto the plugin (rcstat_vllm/worker/prompt_compression.py):
 
 * Prefill runs uncompressed (the plugin compresses after the last prefill chunk), so the prompt's hidden
   states, its KV and the first generated token are those of the full cache. It uses torch SDPA (causal),
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.compression import scorer_options, select_keep_masks, window_queries
+from rcstat_vllm.worker.prompt_compression import scorer_options, select_keep_masks, window_queries
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.scoring import get_scorer
 

@@ -1,8 +1,8 @@
 """Step-plan memory and time at Llama-3.1-8B shapes, on the CPU, with no model and no GPU.
 
 Every step with a compressed request in the batch builds a plan: the compressed rows' head-as-sequence plan
-(:func:`rcstat_vllm.head_attention.make_head_plan`) and the other rows' sub-batch for vLLM's own kernels
-(:func:`rcstat_vllm.head_attention.plain_rows`). This benchmark builds both for a decode step of
+(:func:`rcstat_vllm.attention.cpu_head_attention.make_head_plan`) and the other rows' sub-batch for vLLM's own kernels
+(:func:`rcstat_vllm.attention.cpu_head_attention.plain_rows`). This benchmark builds both for a decode step of
 ``requests`` running requests of ``tokens`` tokens each, every other one compressed (the first one always), at
 Llama-3.1-8B's shapes (32 layers, 8 KV heads, block 16), and prints one JSON line per shape:
 
@@ -47,7 +47,7 @@ RESULTS = Path(__file__).parent / "results"
 
 @dataclass
 class SyntheticCompressed:
-    """What the planner reads of a compressed request (:class:`rcstat_vllm.head_pages.CompactedRequest`): kept counts
+    """What the planner reads of a compressed request (:class:`rcstat_vllm.paging.head_pages.CompactedRequest`): kept counts
     ``[L, H]``, the compacted prompt length, and its page table (a slot of the resident tables)."""
 
     kept: torch.Tensor
@@ -60,8 +60,8 @@ def build_step(num_requests: int, num_tokens: int, seed: int = 0):
     compressed rows (attached to one HeadPageTables) and the per-layer page space."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from rcstat_vllm.page_space import PageSpace
-    from rcstat_vllm.page_tables import HeadPageTables
+    from rcstat_vllm.paging.page_space import PageSpace
+    from rcstat_vllm.paging.page_tables import HeadPageTables
 
     generator = torch.Generator().manual_seed(seed)
     seq_len = num_tokens + 1  # the prompt and this step's token
@@ -103,7 +103,7 @@ def resident_bytes(tables) -> int:
 
 def plan_once(step):
     """What ``WorkerCompression.plan_step`` builds for a batch holding compressed rows."""
-    from rcstat_vllm.head_attention import make_head_plan, plain_rows
+    from rcstat_vllm.attention.cpu_head_attention import make_head_plan, plain_rows
 
     query_start, seq_lens, common, compressed, space, _ = step
     head_plan = make_head_plan(query_start, seq_lens, compressed, space, torch.device("cpu"))

@@ -1,11 +1,11 @@
 """Every hook into vLLM, one module per concern, each with the ``CONTRACTS`` of the private APIs it touches;
 :func:`install_all` installs them all. What the package reads of vLLM's internals itself goes through
-:mod:`rcstat_vllm.vllm_internals`, whose contracts are checked here too.
+:mod:`rcstat_vllm.vllm_private.internals`, whose contracts are checked here too.
 
 - ``platform``: validate the flag at start-up, choose the plugin's attention backend (CPU and CUDA).
 - ``attention_backends``: the vLLM backend classes the plugin's backends extend, and the kernels they call.
 - ``request_validation``: reject a bad per-request override (``vllm_xargs``) for that request only.
-- ``scheduler``: hand the scheduler's objects to :mod:`rcstat_vllm.block_exchange` (fresh blocks in, prompt
+- ``scheduler``: hand the scheduler's objects to :mod:`rcstat_vllm.engine.block_exchange` (fresh blocks in, prompt
   blocks back to the ``BlockPool``, compacted blocks out of the prefix cache).
 - ``model_runner``: give the backend the batch's request ids and settings; carry reports back.
 - ``runner_choice``: with the flag, workers build the V1 model runner (the hooked one); refuse to start otherwise.
@@ -17,7 +17,7 @@ point, calls :func:`install_all`).
 
 from __future__ import annotations
 
-from rcstat_vllm import vllm_internals
+from rcstat_vllm.vllm_private import internals as vllm_internals
 
 from . import (
     attention_backends,

@@ -1,12 +1,12 @@
 """Shared helpers for the patches: idempotent method wrapping; the contracts themselves are
-:mod:`rcstat_vllm.contract` (re-exported here for the patch modules)."""
+:mod:`rcstat_vllm.vllm_private.contract` (re-exported here for the patch modules)."""
 
 from __future__ import annotations
 
 import functools
 from typing import Callable
 
-from rcstat_vllm.contract import PINNED_VLLM, Contract, VLLMContractError
+from rcstat_vllm.vllm_private.contract import PINNED_VLLM, Contract, VLLMContractError
 
 __all__ = ["PINNED_VLLM", "Contract", "VLLMContractError", "is_wrapped", "wrap_method"]
 

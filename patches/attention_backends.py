@@ -1,6 +1,6 @@
 """The vLLM attention-backend classes the plugin's backends extend, and the kernels they call.
 
-``rcstat_vllm/backend.py`` (CPU) and ``rcstat_vllm/backend_cuda.py`` (CUDA) subclass vLLM's CPU and
+``rcstat_vllm/attention/cpu_backend.py`` (CPU) and ``rcstat_vllm/attention/cuda_backend.py`` (CUDA) subclass vLLM's CPU and
 FlashAttention backend, metadata builder and impl: they call the parent ``forward``/``build``/
 ``do_kv_cache_update`` unchanged for batches without compressed requests and wrap their results otherwise.
 The CUDA backend also asks for head-major KV blocks and calls FlashAttention's kernels directly over head

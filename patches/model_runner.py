@@ -2,7 +2,7 @@
 its compaction reports back to the scheduler.
 
 - ``initialize_kv_cache``: before vLLM builds the attention backends' metadata builders, start the worker's
-  :class:`~rcstat_vllm.worker.WorkerCompression` (the builders report to it); after vLLM allocated the KV
+  :class:`~rcstat_vllm.worker.driver.WorkerCompression` (the builders report to it); after vLLM allocated the KV
   cache, bind the layers' cache tensors (it decides whether head pages pool across layers).
 - ``_prepare_inputs``: vLLM's ``CommonAttentionMetadata`` has no request ids, settings or prompt lengths, which
   per-request compression needs; the runner's persistent batch has them once ``_prepare_inputs`` has ordered
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, fields
 from vllm.v1.outputs import ModelRunnerOutput
 
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.step import BatchRequest, StepInfo
-from rcstat_vllm.vllm_internals import forward_context
-from rcstat_vllm.worker import start_worker_compression, worker_compression_of
+from rcstat_vllm.worker.step import BatchRequest, StepInfo
+from rcstat_vllm.vllm_private.internals import forward_context
+from rcstat_vllm.worker.driver import start_worker_compression, worker_compression_of
 
 from ._contract import Contract, wrap_method
 

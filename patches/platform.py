@@ -18,8 +18,8 @@ from rcstat_vllm.log import logger
 
 from ._contract import Contract, wrap_method
 
-CPU_BACKEND_PATH = "rcstat_vllm.backend.RCStatCPUBackend"
-CUDA_BACKEND_PATH = "rcstat_vllm.backend_cuda.RCStatFlashBackend"
+CPU_BACKEND_PATH = "rcstat_vllm.attention.cpu_backend.RCStatCPUBackend"
+CUDA_BACKEND_PATH = "rcstat_vllm.attention.cuda_backend.RCStatFlashBackend"
 
 CONTRACTS = (
     Contract(
@@ -67,7 +67,7 @@ def _configure_engine(vllm_config, config, compression_off: bool = False) -> Non
     """What the flag changes in vLLM's config, on every platform (``compression_off``: the platform hook found the
     plugin's backend cannot serve this engine and said why; the engine runs uncompressed)."""
     # Prefix caching stays as the user set it: compaction copies kept KV into fresh blocks and never caches them
-    # (rcstat_vllm/block_exchange.py). The copy runs before the forward of the step after the scheduler freed the
+    # (rcstat_vllm/engine/block_exchange.py). The copy runs before the forward of the step after the scheduler freed the
     # prompt blocks; with asynchronous scheduling another step could be scheduled (and write them) before it.
     from .runner_choice import check_runner_choice
 
@@ -146,7 +146,7 @@ def _check_and_update_config(original, *, select_backend: bool = False):
             attention_config = vllm_config.attention_config
             reason = None
             if attention_config.backend is None:  # an explicit choice stands, whatever it is
-                from rcstat_vllm.backend_cuda import cuda_backend_unsupported_reason  # imports FlashAttention
+                from rcstat_vllm.attention.cuda_backend import cuda_backend_unsupported_reason  # imports FlashAttention
 
                 reason = cuda_backend_unsupported_reason(vllm_config, cls.get_device_capability())
             compression_off = not select_cuda_backend(attention_config, reason)

@@ -1,11 +1,11 @@
 """Scheduler hooks: hand vLLM's scheduler and KV cache managers to the block exchange
-(:mod:`rcstat_vllm.block_exchange`, where the state, the block swap and the prefix-cache invariants live).
+(:mod:`rcstat_vllm.engine.block_exchange`, where the state, the block swap and the prefix-cache invariants live).
 
 - ``Scheduler.update_from_output``: apply the worker's compaction reports (fresh blocks in, prompt blocks out).
 - ``Scheduler.schedule``: under lazy eviction, first compact parked requests if the blocks it is about to want (now,
   or within the decode-time lead) exceed the free ones (only before vLLM's schedule: see :func:`relieve_pressure`); then
   send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`), with the
-  requests whose decode-time compaction the workers bring forward (:mod:`rcstat_vllm.decode_pressure`).
+  requests whose decode-time compaction the workers bring forward (:mod:`rcstat_vllm.engine.decode_pressure`).
 - ``FullAttentionManager.cache_blocks``: a compacted request's blocks never become prefix-cache entries.
 - ``SingleTypeKVCacheManager.pop_blocks_for_free``: forget a request's compacted blocks when vLLM frees them.
 - ``KVCacheManager.get_computed_blocks``: clip a hit before the observation window; no hit returns a compacted block.
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from rcstat_vllm.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
+from rcstat_vllm.engine.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides, server_config
-from rcstat_vllm.decode_pressure import RunningRequest
+from rcstat_vllm.engine.decode_pressure import RunningRequest
 from rcstat_vllm.log import logger
-from rcstat_vllm.metrics import CompressionStats
-from rcstat_vllm.step import Compaction
+from rcstat_vllm.engine.metrics import CompressionStats
+from rcstat_vllm.worker.step import Compaction
 
 from ._contract import Contract, wrap_method
 from .model_runner import RCStatModelRunnerOutput
@@ -173,7 +173,7 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> None:
 
 def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
     """After a schedule: the running requests whose decode-time compaction the workers should bring forward, the
-    pool being about to run short (``rcstat_vllm/decode_pressure.py``)."""
+    pool being about to run short (``rcstat_vllm/engine/decode_pressure.py``)."""
     pressure, server = state.decode_pressure, state.config
     configs = [pressure.watch(request.request_id, request.num_tokens, lambda r=request: decode_config(server, r))
                for request in scheduler.running]

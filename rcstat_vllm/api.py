@@ -23,7 +23,7 @@ class RCStatWorkerExtension(AttributionWorkerMixin):
     """Mixed into vLLM's worker class: methods callable through ``collective_rpc``."""
 
     def _rcstat_worker(self):
-        from rcstat_vllm.worker import worker_compression_of
+        from rcstat_vllm.worker.driver import worker_compression_of
 
         return worker_compression_of(self.model_runner.vllm_config)
 

@@ -73,14 +73,14 @@ class EngineDriver:
 
     @property
     def compression(self):
-        """The worker's compression state (rcstat_vllm.worker.WorkerCompression), None without the flag."""
-        from rcstat_vllm.worker import worker_compression_of
+        """The worker's compression state (rcstat_vllm.worker.driver.WorkerCompression), None without the flag."""
+        from rcstat_vllm.worker.driver import worker_compression_of
 
         return worker_compression_of(self.worker.model_runner.vllm_config)
 
     @property
     def stats(self):
-        """The scheduler's logged totals (rcstat_vllm.metrics.CompressionStats)."""
+        """The scheduler's logged totals (rcstat_vllm.engine.metrics.CompressionStats)."""
         from rcstat_vllm.patches.scheduler import scheduler_stats
 
         return scheduler_stats(self.scheduler)

@@ -1,4 +1,4 @@
-"""The CUDA backend (rcstat_vllm/backend_cuda.py) on CPU tensors.
+"""The CUDA backend (rcstat_vllm/attention/cuda_backend.py) on CPU tensors.
 
 vLLM's CUDA build cannot run here, so its two FlashAttention kernels are replaced by torch references (the
 kernels are the only thing the CUDA path does not share with the CPU path): vLLM's own ``forward`` and
@@ -23,18 +23,18 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.backend_cuda import (  # noqa: E402
+from rcstat_vllm.attention.cuda_backend import (  # noqa: E402
     RCStatFlashBackend,
     RCStatFlashImpl,
     RCStatFlashMetadata,
     RCStatFlashMetadataBuilder,
     unsupported_reason,
 )
-from rcstat_vllm.head_attention_flash import TorchHeadPageKernels  # noqa: E402
-from rcstat_vllm.kv_layout import FLASH, flash_head_page_caches  # noqa: E402
-from rcstat_vllm.page_space import cdiv  # noqa: E402
-from rcstat_vllm.step import BatchRequest, Compaction, StepInfo  # noqa: E402
-from rcstat_vllm.worker import WorkerCompression, unsupported_layer_reason  # noqa: E402
+from rcstat_vllm.attention.flash_head_attention import TorchHeadPageKernels  # noqa: E402
+from rcstat_vllm.paging.kv_layout import FLASH, flash_head_page_caches  # noqa: E402
+from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
+from rcstat_vllm.worker.step import BatchRequest, Compaction, StepInfo  # noqa: E402
+from rcstat_vllm.worker.driver import WorkerCompression, unsupported_layer_reason  # noqa: E402
 
 BLOCK, HEADS, GROUP, DIM, LAYERS = 16, 2, 3, 32, 2
 SCALE = DIM**-0.5

@@ -309,7 +309,7 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
 def test_baseline_rows_at_rcs_window_observe_that_many_queries():
     import methods
 
-    from rcstat_vllm import compression
+    from rcstat_vllm.worker import prompt_compression as compression
     from rcstat_vllm.config import RCStatConfig
 
     settings = {s.label: s for s in methods.accuracy_settings()}

@@ -1,4 +1,4 @@
-"""The scheduler side of compaction (rcstat_vllm/block_exchange.py) against a fake block pool: no engine."""
+"""The scheduler side of compaction (rcstat_vllm/engine/block_exchange.py) against a fake block pool: no engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from rcstat_vllm.block_exchange import (
+from rcstat_vllm.engine.block_exchange import (
     BlockPool,
     EngineCompaction,
     engine_compaction,
@@ -84,7 +84,7 @@ def test_fake_pool_and_vllms_block_pool_have_what_the_exchange_uses():
     pytest.importorskip("vllm")
     from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
-    from rcstat_vllm.block_exchange import Block
+    from rcstat_vllm.engine.block_exchange import Block
 
     real = VllmBlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=BLOCK)
     members = _protocol_members(BlockPool)
@@ -455,12 +455,12 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
     import torch
 
     from fake_vllm import fake_vllm_config
-    from rcstat_vllm.compression import CompressionDecision, RequestCompressor
-    from rcstat_vllm.kv_layout import CPU_VEC
-    from rcstat_vllm.page_space import identity_pages
-    from rcstat_vllm.step import StepInfo
-    from rcstat_vllm.worker import WorkerCompression
-    from rcstat_vllm.worker_requests import Phase, WorkerRequest
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
+    from rcstat_vllm.paging.kv_layout import CPU_VEC
+    from rcstat_vllm.paging.page_space import identity_pages
+    from rcstat_vllm.worker.step import StepInfo
+    from rcstat_vllm.worker.driver import WorkerCompression
+    from rcstat_vllm.worker.requests import Phase, WorkerRequest
 
     layers, heads, dim, num_blocks = 3, 2, 8, 24
     g = torch.Generator().manual_seed(5)

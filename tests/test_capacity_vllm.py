@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
-from rcstat_vllm.page_space import cdiv  # noqa: E402
+from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
 

@@ -1,4 +1,4 @@
-"""Compaction one layer at a time (rcstat_vllm.compaction.compact_request): exact contents whatever blocks the
+"""Compaction one layer at a time (rcstat_vllm.paging.compaction.compact_request): exact contents whatever blocks the
 scheduler hands back, and the peak extra memory of compacting a long prompt (no engine, no vLLM kernels)."""
 
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcstat_vllm.compaction import assign_pages, blocks_needed, compact_request, compaction_order, recompact_request
-from rcstat_vllm.kv_layout import CPU_VEC
-from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason
+from rcstat_vllm.paging.compaction import assign_pages, blocks_needed, compact_request, compaction_order, recompact_request
+from rcstat_vllm.paging.kv_layout import CPU_VEC
+from rcstat_vllm.paging.page_space import PageSpace, cdiv, pooled_space_or_reason
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.compaction_memory import measure_in_fresh_process  # noqa: E402

@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
-from rcstat_vllm.page_space import cdiv  # noqa: E402
+from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -135,7 +135,7 @@ def test_lazy_eviction_keeps_the_full_cache_while_the_pool_holds_every_request(d
     compaction): both requests run the same forwards as with method none (the same batches, step for step), hold as
     many blocks at every step, are never scored, decode the same tokens, and their results say why they kept their
     full cache."""
-    from rcstat_vllm.compression import RequestCompressor
+    from rcstat_vllm.worker.prompt_compression import RequestCompressor
 
     scored = []
     score_window = RequestCompressor.score_window
@@ -282,7 +282,7 @@ def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewe
     the two waves run the same forwards (the same batches, step for step: every request fits either way), the kept
     tokens and the generated tokens are identical (attention reads the same KV from other pages), while the pooled
     requests hold fewer blocks."""
-    from rcstat_vllm.page_space import PageSpace
+    from rcstat_vllm.paging.page_space import PageSpace
 
     def wave(tag):
         driver.engine.reset_prefix_cache()  # both waves prefill every prompt in full, in the same chunks
@@ -400,7 +400,7 @@ def test_decode_time_compactions_are_brought_forward_before_the_pool_runs_short(
     tokens with the same compactions: no request read a slot its own forwards and copies did not write. (Not
     compared with the first wave's tokens: its batches differ, preempted requests recompute, and vLLM-CPU is not
     batch-invariant even in float32.)"""
-    from rcstat_vllm.decode_pressure import DecodePressure
+    from rcstat_vllm.engine.decode_pressure import DecodePressure
 
     settings = dict(decode_budget=64, decode_interval=256)
 

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 import vllm.v1.attention.backends.fa_utils as fa_utils  # noqa: E402
 
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.backend_cuda import SUPPORTED_FA_VERSIONS, unsupported_reason  # noqa: E402
+from rcstat_vllm.attention.cuda_backend import SUPPORTED_FA_VERSIONS, unsupported_reason  # noqa: E402
 
 
 def _config(block_size=16):
@@ -74,7 +74,7 @@ def test_flash_attention_versions_without_the_paged_varlen_call_are_refused(fa_v
 def test_builder_disables_compression_with_the_reason(fa_version, monkeypatch):
     """The builder's constructor passes its spec to the guard and disables the worker's compression with the reason
     (logged once); requests then run vLLM's FlashAttention path."""
-    from rcstat_vllm import backend_cuda
+    from rcstat_vllm.attention import cuda_backend as backend_cuda
 
     fa_version(4)
     disabled = []
@@ -90,8 +90,8 @@ def test_cache_tensors_without_a_head_page_view_disable_compression_when_bound()
     """The stride assumptions of the head-page view are checked when the caches are bound (start-up)."""
     import torch
 
-    from rcstat_vllm.kv_layout import FLASH
-    from rcstat_vllm.worker import WorkerCompression
+    from rcstat_vllm.paging.kv_layout import FLASH
+    from rcstat_vllm.worker.driver import WorkerCompression
 
     def worker(cache):
         config = fake_vllm_config({}, 16)

@@ -1,17 +1,17 @@
-"""Decode-time compression's worker-side mechanics (rcstat_vllm.decode_compression) on a pooled cache, no engine:
+"""Decode-time compression's worker-side mechanics (rcstat_vllm.worker.decode_compression) on a pooled cache, no engine:
 when a request is due, what its heads keep of their generated entries, and a second round over heads that hold
 different numbers of entries."""
 
 import pytest
 import torch
 
-from rcstat_vllm.compaction import blocks_needed, compact_request, recompact_request
-from rcstat_vllm.compression import scorer_options
+from rcstat_vllm.paging.compaction import blocks_needed, compact_request, recompact_request
+from rcstat_vllm.worker.prompt_compression import scorer_options
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.decode_compression import DecodeCompressor
-from rcstat_vllm.head_pages import CompactedRequest
-from rcstat_vllm.kv_layout import CPU_VEC
-from rcstat_vllm.page_space import cdiv, identity_pages, pooled_space_or_reason
+from rcstat_vllm.worker.decode_compression import DecodeCompressor
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.kv_layout import CPU_VEC
+from rcstat_vllm.paging.page_space import cdiv, identity_pages, pooled_space_or_reason
 
 LAYERS, BLOCKS, HEADS, QUERY_HEADS, BLOCK, DIM = 3, 96, 2, 4, 16, 8
 

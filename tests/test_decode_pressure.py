@@ -1,8 +1,8 @@
-"""The scheduler's side of decode-time compression under memory pressure (rcstat_vllm.decode_pressure): which running
+"""The scheduler's side of decode-time compression under memory pressure (rcstat_vllm.engine.decode_pressure): which running
 requests are asked to compact early, and when none are."""
 
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.decode_pressure import DecodePressure, RunningRequest
+from rcstat_vllm.engine.decode_pressure import DecodePressure, RunningRequest
 
 BLOCK = 16
 DECODE = RCStatConfig(window=8, decode_budget=64, decode_interval=64)  # lead: 8 queries + 2 steps

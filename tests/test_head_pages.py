@@ -8,18 +8,18 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from rcstat_vllm.head_attention import (  # noqa: E402
+from rcstat_vllm.attention.cpu_head_attention import (  # noqa: E402
     add_cpu_scheduler_metadata,
     head_sequence_attention,
     make_head_plan,
     write_head_sequence_kv,
 )
-from rcstat_vllm.compaction import blocks_needed, compact_layer, compact_request, gather_prompt  # noqa: E402
-from rcstat_vllm.kv_layout import head_page_caches, read_kv  # noqa: E402
-from rcstat_vllm.page_space import cdiv  # noqa: E402
-from rcstat_vllm.page_space import PageSpace  # noqa: E402
-from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
-from rcstat_vllm.cpu_kv_layout import layout_matches  # noqa: E402
+from rcstat_vllm.paging.compaction import blocks_needed, compact_layer, compact_request, gather_prompt  # noqa: E402
+from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv  # noqa: E402
+from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
+from rcstat_vllm.paging.page_space import PageSpace  # noqa: E402
+from rcstat_vllm.paging.page_tables import HeadPageTables  # noqa: E402
+from rcstat_vllm.paging.cpu_kv_layout import layout_matches  # noqa: E402
 
 ISA = "vec"
 BLOCK, HEADS, GROUP, DIM = 32, 3, 3, 64

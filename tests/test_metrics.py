@@ -2,7 +2,7 @@
 
 import pytest
 
-from rcstat_vllm.metrics import CompressionStats
+from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.reports import CompressionReport
 
 prometheus_client = pytest.importorskip("prometheus_client")

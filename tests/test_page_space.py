@@ -1,4 +1,4 @@
-"""Head pages pooled across layers (rcstat_vllm.page_space): the all-layers view, its preconditions, compaction
+"""Head pages pooled across layers (rcstat_vllm.paging.page_space): the all-layers view, its preconditions, compaction
 into one pool, the blocks a request keeps, and decode over it with vLLM-CPU's own kernels."""
 
 import pytest
@@ -6,16 +6,16 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from rcstat_vllm.head_attention import (  # noqa: E402
+from rcstat_vllm.attention.cpu_head_attention import (  # noqa: E402
     add_cpu_scheduler_metadata,
     head_sequence_attention,
     make_head_plan,
     write_head_sequence_kv,
 )
-from rcstat_vllm.compaction import blocks_needed, compact_request, gather_prompt  # noqa: E402
-from rcstat_vllm.kv_layout import head_page_caches, read_kv  # noqa: E402
-from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason  # noqa: E402
-from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
+from rcstat_vllm.paging.compaction import blocks_needed, compact_request, gather_prompt  # noqa: E402
+from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv  # noqa: E402
+from rcstat_vllm.paging.page_space import PageSpace, cdiv, pooled_space_or_reason  # noqa: E402
+from rcstat_vllm.paging.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.scoring import select_budget, select_budget_across_layers  # noqa: E402
 
 ISA = "vec"
@@ -230,7 +230,7 @@ def test_deferred_bound_covers_every_spread_of_the_budget_over_the_heads(seed):
     """Lazy eviction allocates before scoring: for any spread of the budget's kept entries over (layer, head)s, from
     the window and sinks up to every token, the blocks needed never exceed :func:`deferred_keep_blocks`; and the bound
     is tight (within one block of an even spread)."""
-    from rcstat_vllm.compression import deferred_keep_blocks
+    from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks
     from rcstat_vllm.config import RCStatConfig
 
     g = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Resident head-page tables (rcstat_vllm.page_tables) and the vectorised step plan built from them.
+"""Resident head-page tables (rcstat_vllm.paging.page_tables) and the vectorised step plan built from them.
 
 The plan must equal a straightforward per-row plan (the implementation it replaced, kept here as the reference)
 over steps mixing compressed and uncompressed rows, prefill chunks, decode growth across page and block
@@ -17,14 +17,14 @@ import torch
 pytest.importorskip("vllm")
 
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.head_attention import HeadSequencePlan, make_head_plan  # noqa: E402
-from rcstat_vllm.compaction import assign_pages, blocks_needed  # noqa: E402
-from rcstat_vllm.head_pages import CompactedRequest  # noqa: E402
-from rcstat_vllm.page_space import cdiv  # noqa: E402
-from rcstat_vllm.page_space import PageSpace  # noqa: E402
-from rcstat_vllm.page_tables import HeadPageTables  # noqa: E402
-from rcstat_vllm.step import BatchRequest, StepInfo  # noqa: E402
-from rcstat_vllm.worker_requests import Phase, WorkerRequest  # noqa: E402
+from rcstat_vllm.attention.cpu_head_attention import HeadSequencePlan, make_head_plan  # noqa: E402
+from rcstat_vllm.paging.compaction import assign_pages, blocks_needed  # noqa: E402
+from rcstat_vllm.paging.head_pages import CompactedRequest  # noqa: E402
+from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
+from rcstat_vllm.paging.page_space import PageSpace  # noqa: E402
+from rcstat_vllm.paging.page_tables import HeadPageTables  # noqa: E402
+from rcstat_vllm.worker.step import BatchRequest, StepInfo  # noqa: E402
+from rcstat_vllm.worker.requests import Phase, WorkerRequest  # noqa: E402
 
 LAYERS, HEADS, BLOCK, NUM_BLOCKS = 2, 2, 16, 400
 
@@ -255,8 +255,8 @@ def test_reserve_takes_host_block_ids_and_refuses_device_tensors():
 
 def _worker_with(seed: int, space: PageSpace):
     """A worker with one compressed request ("a"), set up as a compaction leaves it."""
-    from rcstat_vllm.kv_layout import CPU_VEC
-    from rcstat_vllm.worker import WorkerCompression
+    from rcstat_vllm.paging.kv_layout import CPU_VEC
+    from rcstat_vllm.worker.driver import WorkerCompression
 
     vllm_config = fake_vllm_config({"method": "rc"}, BLOCK)
     worker = WorkerCompression(vllm_config)
@@ -329,11 +329,11 @@ def test_a_step_scheduling_no_tokens_still_ends_the_requests_it_names_finished(m
     the worker those ids (else a server keeps their state and page-table slots for ever)."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-    import rcstat_vllm.worker
+    import rcstat_vllm.worker.driver
     from rcstat_vllm.patches.model_runner import HOOKS
 
     worker, _ = _worker_with(3, _space(pooled=False))
-    monkeypatch.setattr(rcstat_vllm.worker, "_current", worker)
+    monkeypatch.setattr(rcstat_vllm.worker.driver, "_current", worker)
     state = worker.requests.compressed_state("a")
     execute_model = HOOKS["execute_model"](lambda runner, scheduler_output: EMPTY_MODEL_RUNNER_OUTPUT)
     runner = SimpleNamespace(vllm_config=worker.vllm_config)
@@ -350,7 +350,7 @@ def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
     tokens, offsets, lengths, block-table rows (cut to the longest of them) and slots, nothing of the other rows."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from rcstat_vllm.head_attention import plain_rows
+    from rcstat_vllm.attention.cpu_head_attention import plain_rows
 
     starts, seq_lens = [0, 1, 21, 22, 25], [70, 40, 90, 30]  # rows 0 and 2 compressed (decode), 1 and 3 not
     block_table = torch.randint(1, 100, (4, 10), dtype=torch.int32)
@@ -402,9 +402,9 @@ def test_tables_stop_growing_at_max_num_seqs_and_max_model_len_within_their_stat
 def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(monkeypatch):
     """At max_num_seqs compressed requests, one finishing and another compacted in one step: the worker releases the
     finished one's slot before the compaction takes one (else the tables would need max_num_seqs + 1 slots)."""
-    from rcstat_vllm.kv_layout import CPU_VEC
-    from rcstat_vllm.step import Compaction
-    from rcstat_vllm.worker import WorkerCompression
+    from rcstat_vllm.paging.kv_layout import CPU_VEC
+    from rcstat_vllm.worker.step import Compaction
+    from rcstat_vllm.worker.driver import WorkerCompression
 
     worker = WorkerCompression(fake_vllm_config({"method": "rc"}, BLOCK, max_num_seqs=1))
     worker.attach_layers([f"l{i}" for i in range(LAYERS)], num_kv_heads=HEADS, block_size=BLOCK, layout=CPU_VEC)

@@ -32,14 +32,14 @@ for _name in ("_tiles_triton", "_rc_triton", "_snapkv_triton"):  # compiled-mode
     if _module in sys.modules:
         importlib.reload(sys.modules[_module])
 
-import rcstat_vllm.compression as compression  # noqa: E402
+import rcstat_vllm.worker.prompt_compression as compression  # noqa: E402
 import rcstat_vllm.kernels.rc_scoring as rc_scoring  # noqa: E402
 import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.compression import CompressionDecision, RequestCompressor, select_keep_masks, triton_scoring  # noqa: E402
+from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, select_keep_masks, triton_scoring  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
-from rcstat_vllm.compaction import gather_prompt  # noqa: E402
-from rcstat_vllm.kv_layout import CPU_VEC, FLASH  # noqa: E402
+from rcstat_vllm.paging.compaction import gather_prompt  # noqa: E402
+from rcstat_vllm.paging.kv_layout import CPU_VEC, FLASH  # noqa: E402
 from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
 
 # SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.
@@ -368,7 +368,7 @@ def test_start_up_warm_up_launches_the_servers_scoring_kernel_once_and_only_wher
     """The worker compiles the server's scoring kernel when the caches are bound (a GPU would otherwise stall on its
     first compressed request): one launch of RC's (or SnapKV's) kernel with the server's window, none for methods
     without a kernel, none on vLLM-CPU's layout, none when the engine runs uncompressed."""
-    from rcstat_vllm.compression import warm_up_scoring
+    from rcstat_vllm.worker.prompt_compression import warm_up_scoring
 
     kv_cache, _, _ = flash_request(40, group=3, seed=0)
     assert not warm_up_scoring(RCStatConfig(window=8), FLASH, kv_cache, 9)  # CPU tensors: Triton does not run there
@@ -385,7 +385,7 @@ def test_start_up_warm_up_launches_the_servers_scoring_kernel_once_and_only_wher
 def test_worker_warms_the_kernel_up_when_the_caches_are_bound(monkeypatch, spy_kernels):
     from types import SimpleNamespace
 
-    from rcstat_vllm.worker import WorkerCompression
+    from rcstat_vllm.worker.driver import WorkerCompression
 
     fake_cuda(monkeypatch)
     vllm_config = fake_vllm_config(

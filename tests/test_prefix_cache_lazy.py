@@ -57,7 +57,7 @@ def test_a_lazy_compaction_at_a_block_boundary_leaves_no_stale_prefix_cache_entr
     token fills a block); a follow-up whose prompt is that request's prompt and answer hits its freed blocks in the
     prefix cache, the last of them the one that token filled. The follow-up decodes exactly what it decodes with
     nothing cached (same engine, alone in its batch, float32)."""
-    from rcstat_vllm.decode_pressure import DecodePressure
+    from rcstat_vllm.engine.decode_pressure import DecodePressure
 
     original = DecodePressure.shortfall
     asked = []

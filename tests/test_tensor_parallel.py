@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rcstat_vllm.rank_agreement import max_over_ranks
-from rcstat_vllm.compaction import blocks_needed, compact_request
-from rcstat_vllm.page_space import cdiv
-from rcstat_vllm.page_space import PageSpace
+from rcstat_vllm.worker.rank_agreement import max_over_ranks
+from rcstat_vllm.paging.compaction import blocks_needed, compact_request
+from rcstat_vllm.paging.page_space import cdiv
+from rcstat_vllm.paging.page_space import PageSpace
 
 BLOCK, HEADS, DIM, N = 16, 2, 8, 100
 #: rank 0's heads keep few tokens, rank 1's many: they need different block counts

@@ -9,8 +9,8 @@ import torch
 pytest.importorskip("vllm")
 
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.kv_layout import CPU_VEC  # noqa: E402
-from rcstat_vllm.worker import (  # noqa: E402
+from rcstat_vllm.paging.kv_layout import CPU_VEC  # noqa: E402
+from rcstat_vllm.worker.driver import (  # noqa: E402
     WorkerCompression,
     engine_not_pooled_reason,
     start_worker_compression,
@@ -74,9 +74,9 @@ def test_a_second_kv_cache_group_turns_compression_off_with_a_reason():
 
 def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     """The global eviction ratio: tokens no (layer, head) kept; per layer: tokens no head of that layer kept."""
-    from rcstat_vllm.compression import CompressionDecision, RequestCompressor, select_keep_masks
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, select_keep_masks
     from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.page_space import PageSpace
+    from rcstat_vllm.paging.page_space import PageSpace
 
     n, heads, block = 64, 2, 16
     config = RCStatConfig(method="rc", target_ratio=0.6, window=4)
@@ -100,7 +100,7 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
 
 
 def test_a_prefix_cache_hit_stops_before_the_observation_window_of_requests_that_will_be_compressed():
-    from rcstat_vllm.compression import max_cached_prompt_tokens
+    from rcstat_vllm.worker.prompt_compression import max_cached_prompt_tokens
     from rcstat_vllm.config import RCStatConfig
 
     server = RCStatConfig()  # window 32

@@ -1,4 +1,4 @@
-"""The worker's request table (rcstat_vllm.worker_requests): phases, first-sight prefix-cache hits, order, and
+"""The worker's request table (rcstat_vllm.worker.requests): phases, first-sight prefix-cache hits, order, and
 transitions refused from the wrong phase."""
 
 from types import SimpleNamespace
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from fake_vllm import fake_vllm_config
-from rcstat_vllm.step import Compaction, StepInfo
-from rcstat_vllm.worker import WorkerCompression
-from rcstat_vllm.worker_requests import Phase, WorkerRequest, WorkerRequests
+from rcstat_vllm.worker.step import Compaction, StepInfo
+from rcstat_vllm.worker.driver import WorkerCompression
+from rcstat_vllm.worker.requests import Phase, WorkerRequest, WorkerRequests
 
 
 def test_prefix_cache_hits_are_the_computed_tokens_at_first_sight_only():

@@ -6,7 +6,7 @@ attribution logits processor is constructed in that process (``RCStatAttribution
 :meth:`AttributionCapture.activate`): before that, and for every step in which no request asked,
 :meth:`AttributionCapture.plan` returns None after one attribute check, and the backend records nothing.
 
-Backend wiring (the step plan in ``rcstat_vllm/worker.py``, then each backend)::
+Backend wiring (the step plan in ``rcstat_vllm/worker/driver.py``, then each backend)::
 
     # WorkerCompression.plan_step, after ``query_start = ...``:
     plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
@@ -145,7 +145,7 @@ class AttributionCapture:
         """Rows of this step's batch to record (None when no request asked: the backend does nothing).
 
         Args:
-            requests: the batch rows in attention-metadata order (``rcstat_vllm.step.BatchRequest``: req_id,
+            requests: the batch rows in attention-metadata order (``rcstat_vllm.worker.step.BatchRequest``: req_id,
                 num_prompt_tokens, num_computed_tokens, extra_args).
             query_start: row r's tokens are query rows query_start[r] .. query_start[r + 1] - 1.
             num_layers: attention layers of the model (as the backend numbers them).

@@ -45,7 +45,7 @@ from rcstat_vllm.attribution.report import assemble, plan_spans
 from rcstat_vllm.attribution.vllm_api import WORKER_METHOD
 from rcstat_vllm.config import ConfigError
 from rcstat_vllm.log import logger
-from rcstat_vllm.vllm_internals import every_workers_rpc
+from rcstat_vllm.vllm_private.internals import every_workers_rpc
 
 __all__ = ["RESPONSE_FIELD", "attribution_payload", "trace_id", "wrap_full_generator", "wrap_stream_generator"]
 

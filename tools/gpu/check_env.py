@@ -26,7 +26,7 @@ MODULES = (
     "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.v1.attention.backends.flash_attn",
     "vllm.v1.attention.backends.fa_utils", "vllm.model_executor.models.llama",
     "vllm.model_executor.model_loader.dummy_loader", "vllm.compilation.backends", "vllm.v1.core.sched.scheduler",
-    "rcstat_vllm", "rcstat_vllm.plugin", "rcstat_vllm.backend_cuda", "rcstat_vllm.kernels.rc_scoring",
+    "rcstat_vllm", "rcstat_vllm.plugin", "rcstat_vllm.attention.cuda_backend", "rcstat_vllm.kernels.rc_scoring",
     "rcstat_vllm.kernels.snapkv_scoring", "rcstat_vllm.api",
 )
 
@@ -132,7 +132,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001
         result["plugin_register"] = gpu_common.failure(exc)
     needed = ("vllm", "vllm._C_stable_libtorch", "vllm.entrypoints.llm", "vllm.v1.worker.gpu_model_runner",
-              "vllm.v1.attention.backends.flash_attn", "rcstat_vllm.plugin", "rcstat_vllm.backend_cuda")
+              "vllm.v1.attention.backends.flash_attn", "rcstat_vllm.plugin", "rcstat_vllm.attention.cuda_backend")
     bad = [n for n in needed if not result["imports"].get(n, {}).get("ok")]
     fa3 = isinstance(result.get("flash_attn"), dict) and result["flash_attn"].get("FA3_AVAILABLE")
     result["ok"] = not bad and bool(fa3) and result["plugin_register"].get("ok", False)

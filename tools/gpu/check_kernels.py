@@ -69,10 +69,10 @@ def part_live_path(n: int = 8192) -> dict:
     """observe_layer as the CUDA backend runs it (Triton) vs the same call on the torch path, bf16 on the GPU."""
     import torch
 
-    import rcstat_vllm.compression as compression
-    from rcstat_vllm.compression import CompressionDecision, RequestCompressor
+    import rcstat_vllm.worker.prompt_compression as compression
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
     from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.kv_layout import FLASH
+    from rcstat_vllm.paging.kv_layout import FLASH
 
     device = torch.device("cuda")
     extra = 5  # another request's query rows first in the step's query tensor

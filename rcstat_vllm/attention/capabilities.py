@@ -3,7 +3,7 @@ a reason (logged, compression turned off) or None."""
 
 from __future__ import annotations
 
-from rcstat_vllm.vllm_internals import (
+from rcstat_vllm.vllm_private.internals import (
     forward_context,
     impl_sinks,
     kv_offloading_size,

@@ -1,10 +1,10 @@
 """Head-as-sequence attention in vLLM's GPU cache layout (the CUDA backend's path), with torch reference kernels.
 
-The plan is the CPU path's (:func:`rcstat_vllm.head_attention.make_head_plan`): every compressed (request, KV head)
+The plan is the CPU path's (:func:`rcstat_vllm.attention.cpu_head_attention.make_head_plan`): every compressed (request, KV head)
 is a sequence of its own with one KV head, its G query heads, its page table and its length. On the GPU the pages
 are FlashAttention's paged cache shape, ``[num_blocks * H, N, 1, D]`` (:func:`flash_head_page_caches`, a view
 of head-major blocks), so vLLM's own cache-write and varlen attention kernels run it unchanged
-(``rcstat_vllm/backend_cuda.py`` binds them). :class:`TorchHeadPageKernels` is the same contract in plain
+(``rcstat_vllm/attention/cuda_backend.py`` binds them). :class:`TorchHeadPageKernels` is the same contract in plain
 torch: the reference the tests check the path against on CPU tensors.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rcstat_vllm.head_attention import HeadSequencePlan
-from rcstat_vllm.kv_layout import flash_head_page_caches
+from rcstat_vllm.attention.cpu_head_attention import HeadSequencePlan
+from rcstat_vllm.paging.kv_layout import flash_head_page_caches
 
 
 class HeadPageKernels:

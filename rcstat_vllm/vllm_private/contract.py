@@ -1,7 +1,7 @@
 """Contracts: the private vLLM symbols the plugin relies on, checked against the installed vLLM.
 
 Every private vLLM symbol the plugin touches is declared as a :class:`Contract`: by the hook modules in
-``patches/`` and, for what the package reads itself, by :mod:`rcstat_vllm.vllm_internals`. ``check()`` runs them
+``patches/`` and, for what the package reads itself, by :mod:`rcstat_vllm.vllm_private.internals`. ``check()`` runs them
 when the plugin registers and in ``tests/test_patch_contracts.py``: a vLLM release that renamed or reshaped one
 fails with a message naming the symbol, what was expected and the pinned version, instead of failing somewhere
 deep inside a request.

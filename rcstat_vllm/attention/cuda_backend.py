@@ -1,16 +1,16 @@
 """The plugin's attention backend for CUDA: vLLM's FlashAttention backend plus head pages.
 
 Registered as vLLM's ``CUSTOM`` attention backend and selected by the platform hook when the flag is on
-(``patches/platform.py``). It shares everything with the CPU backend (:mod:`rcstat_vllm.worker`: planning,
+(``patches/platform.py``). It shares everything with the CPU backend (:mod:`rcstat_vllm.worker.driver`: planning,
 scoring, compaction, page bookkeeping, reports) except the kernels:
 
 - it asks vLLM for head-major KV blocks (layout ``LBHNC``), so each (block, KV head) slice is one contiguous
   head page and ``[num_blocks * H, N, 1, D]`` is a view FlashAttention's paged kernels accept
-  (:func:`rcstat_vllm.kv_layout.flash_head_page_caches`);
+  (:func:`rcstat_vllm.paging.kv_layout.flash_head_page_caches`);
 - a batch without compressed requests runs FlashAttention exactly as vLLM does;
 - a batch with compressed requests runs its other rows as a sub-batch through vLLM's FlashAttention path
   (metadata built by vLLM's builder for those rows), and the compressed rows head-as-sequence
-  (:mod:`rcstat_vllm.head_attention_flash`): vLLM's ``reshape_and_cache_flash`` writes each (token, KV head) into
+  (:mod:`rcstat_vllm.attention.flash_head_attention`): vLLM's ``reshape_and_cache_flash`` writes each (token, KV head) into
   its head page and ``flash_attn_varlen_func`` attends with every (request, KV head) as a sequence of one KV head
   and its G query heads.
 
@@ -31,12 +31,12 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attention_sinks
-from rcstat_vllm.head_attention_flash import HeadPageKernels, flash_head_sequence_forward
-from rcstat_vllm.kv_layout import FLASH
-from rcstat_vllm.vllm_internals import backend_invalid_reasons, kv_scales
+from rcstat_vllm.attention.capabilities import engine_unsupported_reason, model_has_attention_sinks
+from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
+from rcstat_vllm.paging.kv_layout import FLASH
+from rcstat_vllm.vllm_private.internals import backend_invalid_reasons, kv_scales
 from rcstat_vllm.attribution.capture import record_layer
-from rcstat_vllm.worker import StepCompression, worker_compression
+from rcstat_vllm.worker.driver import StepCompression, worker_compression
 
 #: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
 HEAD_MAJOR_LAYOUT = KVCacheLayout.LBHNC
@@ -130,7 +130,7 @@ def unsupported_reason(vllm_config, layer_names, kv_cache_spec=None) -> str | No
 
 
 def cuda_backend_unsupported_reason(vllm_config, device_capability) -> str | None:
-    """Why the plugin's CUDA backend (FlashAttention with head pages, ``rcstat_vllm/backend_cuda.py``) cannot serve
+    """Why the plugin's CUDA backend (FlashAttention with head pages, ``rcstat_vllm/attention/cuda_backend.py``) cannot serve
     this engine, from its config and the GPU's compute capability (None: not known), or None when it can.
 
     Asked by the platform hook before vLLM chooses a backend: with a reason the engine runs the backend vLLM would

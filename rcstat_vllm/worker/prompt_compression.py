@@ -18,17 +18,17 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.compaction import blocks_needed, compact_request
-from rcstat_vllm.head_pages import CompactedRequest
-from rcstat_vllm.kv_layout import CacheLayout
-from rcstat_vllm.page_space import cdiv
+from rcstat_vllm.paging.compaction import blocks_needed, compact_request
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.kv_layout import CacheLayout
+from rcstat_vllm.paging.page_space import cdiv
 from rcstat_vllm.kernels.rc_scoring import triton_available
 from rcstat_vllm.log import logger
-from rcstat_vllm.page_space import PageSpace
+from rcstat_vllm.paging.page_space import PageSpace
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import SCORERS, get_scorer, select_budget, select_budget_across_layers, select_threshold
 from rcstat_vllm.scoring import PagedPrompt
-from rcstat_vllm.step import BatchRequest
+from rcstat_vllm.worker.step import BatchRequest
 
 
 @dataclass(frozen=True)

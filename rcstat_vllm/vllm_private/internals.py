@@ -1,5 +1,5 @@
 """Every private vLLM name the package reads itself (outside the hooks in ``patches/``), in one place, each with
-a :class:`~rcstat_vllm.contract.Contract` (checked with the patches' contracts when the plugin registers and in
+a :class:`~rcstat_vllm.vllm_private.contract.Contract` (checked with the patches' contracts when the plugin registers and in
 ``tests/test_patch_contracts.py``).
 
 The package's modules read vLLM's internals only through these functions; ``patches/`` imports this module for
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rcstat_vllm.contract import Contract
+from rcstat_vllm.vllm_private.contract import Contract
 
 _CPU = "vllm.v1.attention.backends.cpu_attn"
 _FLASH = "vllm.v1.attention.backends.flash_attn"
@@ -23,8 +23,8 @@ _VALIDATE_PARAMS = (
 )
 
 CONTRACTS = (
-    # vLLM-CPU's attention kernels: head-as-sequence attention (rcstat_vllm/head_attention.py) and the layout probe
-    # (rcstat_vllm/cpu_kv_layout.py)
+    # vLLM-CPU's attention kernels: head-as-sequence attention (rcstat_vllm/attention/cpu_head_attention.py) and the layout probe
+    # (rcstat_vllm/paging/cpu_kv_layout.py)
     Contract(
         "vllm._custom_ops:cpu_attn_reshape_and_cache",
         ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
@@ -38,13 +38,13 @@ CONTRACTS = (
     Contract(
         "vllm._custom_ops:cpu_attn_get_scheduler_metadata", ("num_reqs", "num_heads", "num_kv_heads"), platform="cpu"
     ),
-    # the CPU builder's ISA, set on its layers (rcstat_vllm/backend.py)
+    # the CPU builder's ISA, set on its layers (rcstat_vllm/attention/cpu_backend.py)
     Contract(f"{_CPU}:CPUAttentionMetadataBuilder._set_isa_to_layers", ("self", "layer_names"), platform="cpu"),
     # a layer's KV-cache quantisation scales, passed to the cache writes (both backends)
     Contract(
         "vllm.v1.attention.backend:AttentionLayer", attrs=("_k_scale", "_v_scale", "_k_scale_float", "_v_scale_float")
     ),
-    # the attention layers by name, and what the capability checks read on them (rcstat_vllm/capabilities.py)
+    # the attention layers by name, and what the capability checks read on them (rcstat_vllm/attention/capabilities.py)
     Contract("vllm.config.compilation:CompilationConfig", attrs=("static_forward_context",)),
     Contract(
         "vllm.model_executor.layers.attention.attention:Attention",
@@ -71,7 +71,7 @@ CONTRACTS = (
         attrs=("prefill_context_parallel_size", "decode_context_parallel_size"),
     ),
     Contract("vllm.config.kv_transfer:KVTransferConfig", attrs=("is_kv_transfer_instance",)),
-    # the process group on which TP ranks agree how many blocks a compressed request keeps (rcstat_vllm/worker.py)
+    # the process group on which TP ranks agree how many blocks a compressed request keeps (rcstat_vllm/worker/driver.py)
     Contract("vllm.distributed.parallel_state:get_tp_group", ()),
     Contract("vllm.distributed.parallel_state:GroupCoordinator", attrs=("cpu_group",)),
     # every engine's workers from the API server (attribution over data parallelism, rcstat_vllm/attribution/server.py)
@@ -82,7 +82,7 @@ CONTRACTS = (
 
 
 def __getattr__(name: str) -> Any:
-    # ``custom_ops``: vLLM's ``vllm._custom_ops`` module, imported on first use (``from rcstat_vllm.vllm_internals
+    # ``custom_ops``: vLLM's ``vllm._custom_ops`` module, imported on first use (``from rcstat_vllm.vllm_private.internals
     # import custom_ops as ops``), so that importing this module for its contracts loads no kernels.
     if name == "custom_ops":
         from vllm import _custom_ops

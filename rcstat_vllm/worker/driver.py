@@ -3,11 +3,11 @@
 vLLM's metadata builders are per-step factories and its attention impls are stateless; what lives longer than a
 step lives here, one object per worker (per model runner):
 
-- the page space (:mod:`rcstat_vllm.page_space`): head pages pooled across all layers, or per layer, decided
+- the page space (:mod:`rcstat_vllm.paging.page_space`): head pages pooled across all layers, or per layer, decided
   once when the KV cache is bound (:meth:`WorkerCompression.bind_kv_caches`);
 - one record per request it holds anything for, with the request's phase (prefill, scoring, selected, awaiting
-  blocks, compressed: :mod:`rcstat_vllm.worker_requests`), and the compressed requests' page tables, resident on
-  the cache's device (:class:`~rcstat_vllm.page_tables.HeadPageTables`);
+  blocks, compressed: :mod:`rcstat_vllm.worker.requests`), and the compressed requests' page tables, resident on
+  the cache's device (:class:`~rcstat_vllm.paging.page_tables.HeadPageTables`);
 - the tensor-parallel agreement, reports and results.
 
 A request is compressed over two steps (copy on compact, so that its prompt blocks can stay prefix-cache
@@ -17,7 +17,7 @@ scheduler allocates those blocks, gives the prompt blocks back to the pool (cach
 block ids with the next step, before whose forward :meth:`WorkerCompression.begin_step` copies the kept entries
 there. Nothing writes a block between the scheduler freeing it and that copy: vLLM-CPU schedules synchronously and
 the plugin turns asynchronous scheduling off (``patches/platform.py``). With ``decode_budget`` a request is compacted
-again as it decodes, the same way over two steps (:mod:`rcstat_vllm.decode_compression`).
+again as it decodes, the same way over two steps (:mod:`rcstat_vllm.worker.decode_compression`).
 
 Who calls what:
 
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from rcstat_vllm.attribution.capture import attribution_capture
-from rcstat_vllm.capabilities import engine_not_pooled_reason, engine_unsupported_reason, unsupported_layer_reason
-from rcstat_vllm.compression import (
+from rcstat_vllm.attention.capabilities import engine_not_pooled_reason, engine_unsupported_reason, unsupported_layer_reason
+from rcstat_vllm.worker.prompt_compression import (
     RequestCompressor,
     deferred_keep_blocks,
     plan_compression,
@@ -49,20 +49,20 @@ from rcstat_vllm.compression import (
     warm_up_scoring,
     window_queries,
 )
-from rcstat_vllm.compaction import recompact_request
+from rcstat_vllm.paging.compaction import recompact_request
 from rcstat_vllm.config import RCStatConfig, request_overrides, server_config
-from rcstat_vllm.decode_compression import DecodeCompressor
-from rcstat_vllm.head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
-from rcstat_vllm.head_pages import CompactedRequest
-from rcstat_vllm.kv_layout import CacheLayout
+from rcstat_vllm.worker.decode_compression import DecodeCompressor
+from rcstat_vllm.attention.cpu_head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.log import logger
-from rcstat_vllm.page_space import PageSpace, cdiv, pooled_space_or_reason
-from rcstat_vllm.page_tables import HeadPageTables
+from rcstat_vllm.paging.page_space import PageSpace, cdiv, pooled_space_or_reason
+from rcstat_vllm.paging.page_tables import HeadPageTables
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.step import Compaction, StepInfo
-from rcstat_vllm.rank_agreement import max_over_ranks, visible_on_any_rank
-from rcstat_vllm.vllm_internals import forward_context
-from rcstat_vllm.worker_requests import Phase, WorkerRequest, WorkerRequests
+from rcstat_vllm.worker.step import Compaction, StepInfo
+from rcstat_vllm.worker.rank_agreement import max_over_ranks, visible_on_any_rank
+from rcstat_vllm.vllm_private.internals import forward_context
+from rcstat_vllm.worker.requests import Phase, WorkerRequest, WorkerRequests
 
 #: How many finished requests' results the worker keeps for the Python API.
 MAX_RESULTS = 100_000
@@ -114,11 +114,11 @@ class WorkerCompression:
         #: keeps the max over ranks of the blocks its heads need (None: a single rank)
         self.block_agreement_group = None
         if vllm_config.parallel_config.tensor_parallel_size > 1 and self.disabled_reason is None:
-            from rcstat_vllm.vllm_internals import tensor_parallel_cpu_group
+            from rcstat_vllm.vllm_private.internals import tensor_parallel_cpu_group
 
             self.block_agreement_group = tensor_parallel_cpu_group()
         self._step: StepInfo | None = None
-        #: every request this worker holds something for, with its phase (rcstat_vllm.worker_requests)
+        #: every request this worker holds something for, with its phase (rcstat_vllm.worker.requests)
         self.requests = WorkerRequests()
         #: the compressed requests' page tables on the cache's device (created at the first compaction)
         self.page_tables: HeadPageTables | None = None

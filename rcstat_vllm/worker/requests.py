@@ -14,14 +14,14 @@ early: the request finishes, is preempted, or turns out not to be compressed):
 ``AWAITING_BLOCKS``
     the plan is with the scheduler, which answers in a later step with the blocks to copy into (or why not);
 ``COMPRESSED``
-    compacted: its heads read and write head pages (:class:`~rcstat_vllm.head_pages.CompactedRequest`). With
-    ``decode_budget`` set it may be compacted again as it decodes (:mod:`rcstat_vllm.decode_compression`): it stays
+    compacted: its heads read and write head pages (:class:`~rcstat_vllm.paging.head_pages.CompactedRequest`). With
+    ``decode_budget`` set it may be compacted again as it decodes (:mod:`rcstat_vllm.worker.decode_compression`): it stays
     in this phase, decoding, while that plan is with the scheduler.
 ``UNCOMPRESSED_DECODE``
     (outside the order above) a request whose prompt was not compressed (too short, nothing to evict) decoding with
     ``decode_budget`` set: its generated KV is watched; its first decode-time compaction makes it ``COMPRESSED``.
 
-:class:`WorkerRequests` owns the records; :class:`~rcstat_vllm.worker.WorkerCompression` moves them from phase to
+:class:`WorkerRequests` owns the records; :class:`~rcstat_vllm.worker.driver.WorkerCompression` moves them from phase to
 phase through its methods, each of which checks the phase it starts from.
 """
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from rcstat_vllm.compression import RequestCompressor
-from rcstat_vllm.decode_compression import DecodeCompressor
-from rcstat_vllm.head_pages import CompactedRequest
+from rcstat_vllm.worker.prompt_compression import RequestCompressor
+from rcstat_vllm.worker.decode_compression import DecodeCompressor
+from rcstat_vllm.paging.head_pages import CompactedRequest
 
 
 class Phase(enum.Enum):

@@ -4,7 +4,7 @@ vLLM's KV cache for one layer is ``[num_blocks, H, N, 2D]``: a block holds all H
 (``2 N D`` values per head: N keys, then N values). Viewed as ``[num_blocks * H, 2N, D]``, the same memory is
 ``num_blocks * H`` *head pages* of N single-head tokens each; page ``b * H + h`` is head ``h``'s slice of block
 ``b``. A :class:`CacheLayout` reads and writes tokens at (page, offset) in that view, whatever the backend's
-in-page layout; compaction (:mod:`rcstat_vllm.compaction`) and the scorers use nothing else.
+in-page layout; compaction (:mod:`rcstat_vllm.paging.compaction`) and the scorers use nothing else.
 
 Plain torch on whatever device the cache lives on; it does not import vLLM.
 """
@@ -19,7 +19,7 @@ def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     """Views of a CPU cache as head pages: keys ``[num_pages, D, N]`` and values ``[num_pages, N, D]``.
 
     vLLM's CPU kernels (ISAs ``vec``/``vec16``) store a page's keys transposed, channel-major (``[D, N]``),
-    and its values token-major (``[N, D]``); ``rcstat_vllm/cpu_kv_layout.py`` checks this on the installed
+    and its values token-major (``[N, D]``); ``rcstat_vllm/paging/cpu_kv_layout.py`` checks this on the installed
     vLLM before compression is enabled.
     """
     num_blocks, num_heads, block_size, two_d = kv_cache.shape

@@ -1,7 +1,7 @@
 """Scheduler side of decode-time compression under memory pressure: bring compactions forward before vLLM preempts.
 
 A request with ``decode_budget`` is compacted every ``decode_interval`` generated tokens, on a schedule the worker
-keeps (:class:`~rcstat_vllm.decode_compression.DecodeCompressor`). Requests that start together also grow together:
+keeps (:class:`~rcstat_vllm.worker.decode_compression.DecodeCompressor`). Requests that start together also grow together:
 in a pool that fills before their first compaction is due, vLLM has to preempt some of them (and recompute them
 later), although each holds generated KV its budget would evict. So after each schedule the scheduler looks
 ``lead`` steps ahead (a window of queries to save, plus the scoring step and the copy's): when the blocks the running

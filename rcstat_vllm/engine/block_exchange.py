@@ -5,7 +5,7 @@ Written against :class:`BlockPool`, the few members of vLLM's ``BlockPool`` it u
 (``req_to_blocks[req_id]`` of its KV cache manager), so it runs without an engine (``tests/test_block_exchange.py``);
 the scheduler hooks in ``patches/scheduler.py`` hand it vLLM's objects.
 
-The exchange (copy on compact; the worker side is ``rcstat_vllm/worker.py``):
+The exchange (copy on compact; the worker side is ``rcstat_vllm/worker/driver.py``):
 
 1. The step that runs a request's last prefill chunk reports a plan: ``keep_blocks`` blocks hold the kept KV.
 2. Here, after vLLM processed that step's output (so only requests still running): the request's prefix-cache
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, MutableSequence, Protocol
 
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.decode_pressure import DecodePressure
+from rcstat_vllm.engine.decode_pressure import DecodePressure
 from rcstat_vllm.log import logger
-from rcstat_vllm.metrics import CompressionStats
+from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.step import Compaction
+from rcstat_vllm.worker.step import Compaction
 
 
 class Block(Protocol):
@@ -231,7 +231,7 @@ class EngineCompaction:
         if not num_hit or self.config is None:
             return None
         # Imported here: the scheduler needs the scorer stack only when a prefix-cache hit meets the flag.
-        from rcstat_vllm.compression import max_cached_prompt_tokens
+        from rcstat_vllm.worker.prompt_compression import max_cached_prompt_tokens
 
         limit = max_cached_prompt_tokens(num_tokens, extra_args, self.config, block_size)
         return limit if limit is not None and num_hit > limit else None

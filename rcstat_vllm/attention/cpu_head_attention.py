@@ -4,10 +4,10 @@ A batch mixing compressed and uncompressed requests runs in two parts. The uncom
 vLLM's own backend runs unchanged (:func:`plain_rows`: their tokens and a ``CommonAttentionMetadata`` of their
 rows, from which the backend's own builder makes its metadata). The compressed rows run *head-as-sequence*: each
 (request, KV head) is a sequence of its own with one KV head, its G query heads, its own page table (head pages,
-see :mod:`rcstat_vllm.head_pages`) and its own length, through vLLM's paged attention kernels. No new attention
+see :mod:`rcstat_vllm.paging.head_pages`) and its own length, through vLLM's paged attention kernels. No new attention
 kernel is needed.
 
-The head sequences are the slots of the worker's resident page tables (:mod:`rcstat_vllm.page_tables`), in
+The head sequences are the slots of the worker's resident page tables (:mod:`rcstat_vllm.paging.page_tables`), in
 (slot, head) order: sequence ``s * H + h`` reads row ``s * H + h`` of layer l's table ``[S * H, P]``, which *is*
 the resident tensor, viewed, not copied. A slot whose request is not in this batch (or a free slot) is a sequence
 of no queries and length 0: the kernels skip it. So a step's plan holds only per-slot numbers (lengths
@@ -16,7 +16,7 @@ time follow the compressed rows' tokens and the slots, never batch x layers x he
 
 :func:`make_head_plan` does all per-step work once for every layer; :func:`add_cpu_scheduler_metadata` adds the
 CPU kernel's work split. The per-layer calls only index into it. The CUDA backend runs the same plan through
-FlashAttention (``rcstat_vllm/backend_cuda.py``). The host packs what it knows (query counts, lengths, slots,
+FlashAttention (``rcstat_vllm/attention/cuda_backend.py``). The host packs what it knows (query counts, lengths, slots,
 positions) into one copy; nothing is read back from the device.
 
 Step-plan memory, per step (``S`` resident slots, ``Tc`` compressed rows' tokens, ``L`` layers, ``H`` KV heads):
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from vllm import envs
 
-from rcstat_vllm.head_pages import CompactedRequest
-from rcstat_vllm.page_space import PageSpace
-from rcstat_vllm.page_tables import HeadPageTables, to_device
-from rcstat_vllm.vllm_internals import custom_ops as ops
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.page_space import PageSpace
+from rcstat_vllm.paging.page_tables import HeadPageTables, to_device
+from rcstat_vllm.vllm_private.internals import custom_ops as ops
 
 
 @dataclass
@@ -81,7 +81,7 @@ def make_head_plan(
 ) -> HeadSequencePlan:
     """Plan one step of the compressed rows (``compressed``: batch row -> its state, not empty).
 
-    Their page tables are read where they live, in the worker's :class:`~rcstat_vllm.page_tables.HeadPageTables`
+    Their page tables are read where they live, in the worker's :class:`~rcstat_vllm.paging.page_tables.HeadPageTables`
     on the cache's device (committed here first): the host sends only per-slot and per-token numbers, in one copy.
     """
     resident = resident_tables(compressed)

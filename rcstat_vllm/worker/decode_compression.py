@@ -8,14 +8,14 @@ the steps that computed them, as the prompt path keeps its window's), and select
 on average, different numbers per head (a layer's budget over all its heads, as ``select_budget`` does for prompts);
 the window itself is always kept, the prompt's kept entries are never rescored. The plan goes to the scheduler as a
 prompt's does; the next step copies the kept entries into the blocks it gives
-(:func:`~rcstat_vllm.compaction.recompact_request`; staged when they include the request's own, under pressure) and
+(:func:`~rcstat_vllm.paging.compaction.recompact_request`; staged when they include the request's own, under pressure) and
 the request's old blocks go back to the pool. A request whose prompt stayed whole is compacted the same way, the first
-time from its own blocks (:meth:`~rcstat_vllm.head_pages.CompactedRequest.uncompressed`). When the pool is about to run
-short the scheduler brings a compaction forward (:mod:`rcstat_vllm.decode_pressure`, :meth:`DecodeCompressor.hurry`):
+time from its own blocks (:meth:`~rcstat_vllm.paging.head_pages.CompactedRequest.uncompressed`). When the pool is about to run
+short the scheduler brings a compaction forward (:mod:`rcstat_vllm.engine.decode_pressure`, :meth:`DecodeCompressor.hurry`):
 due once a window of queries is saved, evicting what then exceeds the budget.
 
 One :class:`DecodeCompressor` per request with ``decode_budget`` on the worker, owned by its record
-(:mod:`rcstat_vllm.worker_requests`); the worker (:mod:`rcstat_vllm.worker`) drives it. Plain torch; no vLLM.
+(:mod:`rcstat_vllm.worker.requests`); the worker (:mod:`rcstat_vllm.worker.driver`) drives it. Plain torch; no vLLM.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rcstat_vllm.compaction import blocks_needed
-from rcstat_vllm.compression import scorer_options
+from rcstat_vllm.paging.compaction import blocks_needed
+from rcstat_vllm.worker.prompt_compression import scorer_options
 from rcstat_vllm.config import OBSERVING_METHODS, RCStatConfig
-from rcstat_vllm.decode_pressure import decode_queries
-from rcstat_vllm.head_pages import CompactedRequest
-from rcstat_vllm.kv_layout import CacheLayout
+from rcstat_vllm.engine.decode_pressure import decode_queries
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_budget
 
 
@@ -102,7 +102,7 @@ class DecodeCompressor:
         return self.pending is None and num_tokens >= self.next_due
 
     def hurry(self, num_tokens: int) -> None:
-        """The pool is about to run short (the scheduler says so, :mod:`rcstat_vllm.decode_pressure`): due once a
+        """The pool is about to run short (the scheduler says so, :mod:`rcstat_vllm.engine.decode_pressure`): due once a
         window of queries is saved from this step on (the step that brings the request to ``num_tokens``), unless
         due sooner, a plan is pending, or its heads would then hold too few generated entries to evict a window's
         worth beyond the budget (the scheduler's estimate counts tokens, the heads know)."""

@@ -1,7 +1,7 @@
 """Head pages of one compressed request: every (layer, KV head)'s page list and length, grown as it decodes.
 
-A head page is one KV head's slice of one block of one layer (:mod:`rcstat_vllm.kv_layout`); after compaction
-(:mod:`rcstat_vllm.compaction`) each (layer, head) of a request reads its kept tokens, then the tokens generated
+A head page is one KV head's slice of one block of one layer (:mod:`rcstat_vllm.paging.kv_layout`); after compaction
+(:mod:`rcstat_vllm.paging.compaction`) each (layer, head) of a request reads its kept tokens, then the tokens generated
 since, from its own page list, so heads keep different numbers of tokens. :class:`CompactedRequest` keeps that
 bookkeeping on the host; its page table is a :class:`PageTable` (the worker's resident tables once attached).
 
@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rcstat_vllm.page_space import PageSpace, cdiv
+from rcstat_vllm.paging.page_space import PageSpace, cdiv
 
 
 class PageTable(Protocol):
     """A compressed request's page table ``[L, H, P]``: its own on the host (:class:`HostPageTable`) until the worker
-    attaches it to its resident tables, then a slot there (:class:`rcstat_vllm.page_tables.ResidentTable`)."""
+    attaches it to its resident tables, then a slot there (:class:`rcstat_vllm.paging.page_tables.ResidentTable`)."""
 
     def pages(self, width: int) -> Tensor:
         """``[L, H, width]`` int64 page ids (-1 = no page), a host tensor."""
@@ -56,7 +56,7 @@ class CompactedRequest:
 
     Everything here lives on the host whatever the cache's device, and ``reserve`` reads nothing from the device, so
     the bookkeeping of a decode step never waits on the GPU. Its page table (``table``) is one object: its own on the
-    host until the worker attaches it to its :class:`~rcstat_vllm.page_tables.HeadPageTables`
+    host until the worker attaches it to its :class:`~rcstat_vllm.paging.page_tables.HeadPageTables`
     (:meth:`attach_to`), then a slot there, whose host mirror is committed to the device incrementally.
 
     A head's length is ``kept[l, h] + (num_tokens - num_compacted_tokens)``: every token written after
@@ -134,7 +134,7 @@ class CompactedRequest:
         return self.kept - self.num_compacted_tokens
 
     def attach_to(self, resident) -> None:
-        """Hand the page table to the worker's :class:`~rcstat_vllm.page_tables.HeadPageTables`: from now on it is a
+        """Hand the page table to the worker's :class:`~rcstat_vllm.paging.page_tables.HeadPageTables`: from now on it is a
         slot there (given back by the table's ``release``)."""
         self.table = resident.attach(self.tables, self.length_base)
 

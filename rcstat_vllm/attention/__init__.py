@@ -1,0 +1,1 @@
+"""The plugin's attention backends (CPU and CUDA), head-as-sequence attention, what they can serve."""

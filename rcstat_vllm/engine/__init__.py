@@ -1,0 +1,1 @@
+"""The engine (scheduler) side: block exchange, decode-time pressure, metrics."""

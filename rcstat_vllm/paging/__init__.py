@@ -1,0 +1,1 @@
+"""Head pages: page space, page tables, per-request page bookkeeping, compaction copies, KV layouts."""

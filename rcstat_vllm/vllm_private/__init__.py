@@ -1,0 +1,1 @@
+"""Every private vLLM symbol the package reads itself, each pinned by a contract."""

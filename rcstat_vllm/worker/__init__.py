@@ -1,0 +1,1 @@
+"""The worker side: per-step driver, request records, prompt and decode compression jobs."""
