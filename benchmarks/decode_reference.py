@@ -48,7 +48,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hf_reference as ref_lib  # noqa: E402
-from rcstat_vllm.worker.prompt_compression import scorer_options  # noqa: E402
+from rcstat_vllm.settings import scorer_options  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_threshold  # noqa: E402
 

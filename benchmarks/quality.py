@@ -39,7 +39,7 @@ import data  # noqa: E402
 from common import environment, load_avg, resolved_config, write_report  # noqa: E402
 import hf_reference as ref_lib  # noqa: E402
 import methods  # noqa: E402
-from rcstat_vllm.worker.prompt_compression import scorer_options, window_queries  # noqa: E402
+from rcstat_vllm.settings import scorer_options, window_queries  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

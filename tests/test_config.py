@@ -179,7 +179,7 @@ def test_request_overrides():
 
 
 def test_observation_window_sets_what_rc_and_snapkv_observe_and_nothing_else():
-    from rcstat_vllm.worker.prompt_compression import scorer_options, window_queries
+    from rcstat_vllm.settings import scorer_options, window_queries
     from rcstat_vllm.scoring import get_scorer
 
     def observed(**values):
@@ -198,7 +198,7 @@ def test_observation_window_sets_what_rc_and_snapkv_observe_and_nothing_else():
 
 def test_local_contrast_reaches_rcs_scorer_in_budget_mode_only():
     """Threshold mode is RCStat's own rule on RC's own scores (Eq. 9); the contrast is a budget's ranking."""
-    from rcstat_vllm.worker.prompt_compression import scorer_options
+    from rcstat_vllm.settings import scorer_options
     from rcstat_vllm.scoring import get_scorer
 
     def contrast(**values):

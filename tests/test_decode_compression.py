@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rcstat_vllm.paging.compaction import blocks_needed, compact_request, recompact_request
-from rcstat_vllm.worker.prompt_compression import scorer_options
+from rcstat_vllm.settings import scorer_options
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
 from rcstat_vllm.paging.head_pages import CompactedRequest

@@ -100,7 +100,7 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
 
 
 def test_a_prefix_cache_hit_stops_before_the_observation_window_of_requests_that_will_be_compressed():
-    from rcstat_vllm.worker.prompt_compression import max_cached_prompt_tokens
+    from rcstat_vllm.settings import max_cached_prompt_tokens
     from rcstat_vllm.config import RCStatConfig
 
     server = RCStatConfig()  # window 32

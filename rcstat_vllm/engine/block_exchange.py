@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, MutableSequence, Protocol
 
 from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.settings import max_cached_prompt_tokens
 from rcstat_vllm.engine.decode_pressure import DecodePressure
 from rcstat_vllm.log import logger
 from rcstat_vllm.engine.metrics import CompressionStats
@@ -230,9 +231,6 @@ class EngineCompaction:
         observation window of a request that will be compressed (whose queries exist only if computed)."""
         if not num_hit or self.config is None:
             return None
-        # Imported here: the scheduler needs the scorer stack only when a prefix-cache hit meets the flag.
-        from rcstat_vllm.worker.prompt_compression import max_cached_prompt_tokens
-
         limit = max_cached_prompt_tokens(num_tokens, extra_args, self.config, block_size)
         return limit if limit is not None and num_hit > limit else None
 

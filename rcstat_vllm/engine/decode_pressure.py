@@ -18,12 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.settings import decode_queries
 
-
-def decode_queries(config: RCStatConfig) -> int:
-    """Generated tokens' queries a decode-time compaction observes (and saves before it is due): the kept window, or
-    ``observation_window`` when larger."""
-    return max(config.observation_window or config.window, config.window)
 
 
 @dataclass

@@ -44,11 +44,10 @@ from rcstat_vllm.worker.prompt_compression import (
     RequestCompressor,
     deferred_keep_blocks,
     plan_compression,
-    request_config,
     triton_scoring,
     warm_up_scoring,
-    window_queries,
 )
+from rcstat_vllm.settings import request_config, window_queries
 from rcstat_vllm.paging.compaction import recompact_request
 from rcstat_vllm.config import RCStatConfig, request_overrides, server_config
 from rcstat_vllm.worker.decode_compression import DecodeCompressor

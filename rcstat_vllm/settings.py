@@ -1,0 +1,69 @@
+"""Settings arithmetic both sides need (the scheduler's engine process and the workers): a request's merged
+config, how many queries its scoring observes and keeps, its scorer's options, how far a prefix-cache hit may
+reach. Plain Python on :class:`~rcstat_vllm.config.RCStatConfig`: no torch, no scorer, no vLLM."""
+
+from __future__ import annotations
+
+from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
+
+
+def request_config(request, server: RCStatConfig) -> tuple[RCStatConfig, str | None]:
+    """The server config with the request's overrides, or the server config and why the overrides failed."""
+    try:
+        return server.merged(request_overrides(request.extra_args)), None
+    except ConfigError as exc:  # validated at admission already; never crash the batch over it
+        return server, f"invalid override: {exc}"
+
+
+def observed_queries(config: RCStatConfig) -> int:
+    """How many trailing prompt queries the scorer reads: ``observation_window`` when set, else RC's ``window``
+    (the paper's observation window is the kept window) or the baseline's published window."""
+    if config.observation_window is not None:
+        return config.observation_window
+    if config.method == "rc":
+        return config.window
+    from rcstat_vllm.scoring import SCORERS  # (torch: to be replaced by a torch-free method registry)
+
+    return SCORERS[config.method].default_window_size
+
+
+def window_queries(config: RCStatConfig) -> int:
+    """How many trailing prompt queries a compressed request keeps until scoring: the observed ones, and at
+    least the kept window (so a short prompt's saved queries cover it)."""
+    return max(observed_queries(config), config.window)
+
+
+def scorer_options(config: RCStatConfig) -> dict:
+    """The scorer's constructor options: the observed queries (:func:`observed_queries`) and RC's smoothing,
+    carry_forward, query_reduction and, in budget mode, local contrast; everything else at the method's published
+    defaults. Threshold mode is RCStat's own rule (Eq. 9: each head evicts what scores below ``c`` times its mean, so
+    heads and layers keep what their scores say); the contrast flattens the differences it adapts to (the capacity
+    test's layers kept 1.4-5.5x more in the fullest than the emptiest with it, 1.5-5.8x without) and was measured in
+    budget mode only, where it changes the ranking and not the share, so it applies to budgets only."""
+    if config.method == "rc":
+        return {"window_size": observed_queries(config), "smoothing": config.smoothing,
+                "carry_forward": config.carry_forward,
+                "local_contrast": config.local_contrast if config.budget_mode else 0.0,
+                "contrast_radius": config.contrast_radius, "query_reduction": config.query_reduction}
+    if config.observation_window is not None:
+        return {"window_size": config.observation_window}
+    return {}
+
+
+def max_cached_prompt_tokens(num_tokens: int, extra_args, server: RCStatConfig, block_size: int) -> int | None:
+    """The most prompt tokens a prefix-cache hit may cover for a request that will be compressed, None for no
+    limit: its observation window's queries exist only if those tokens are computed, so a hit stops at the last
+    whole block before the window (as vLLM itself always recomputes the last prompt token)."""
+    try:
+        config = server.merged(request_overrides(extra_args))
+    except ConfigError:
+        return None  # runs uncompressed (rejected at admission, or reported by the worker)
+    if not config.enabled or num_tokens < config.min_prompt_len:
+        return None
+    return max(num_tokens - window_queries(config), 0) // block_size * block_size
+
+
+def decode_queries(config: RCStatConfig) -> int:
+    """Generated tokens' queries a decode-time compaction observes (and saves before it is due): the kept window, or
+    ``observation_window`` when larger."""
+    return max(config.observation_window or config.window, config.window)
