@@ -1,8 +1,8 @@
 """Step-plan memory and time at Llama-3.1-8B shapes, on the CPU, with no model and no GPU.
 
 Every step with a compressed request in the batch builds a plan: the compressed rows' head-as-sequence plan
-(:func:`rcstat_vllm.attention.cpu_head_attention.make_head_plan`) and the other rows' sub-batch for vLLM's own kernels
-(:func:`rcstat_vllm.attention.cpu_head_attention.plain_rows`). This benchmark builds both for a decode step of
+(:func:`rcstat_vllm.attention.head_plan.make_head_plan`) and the other rows' sub-batch for vLLM's own kernels
+(:func:`rcstat_vllm.attention.head_plan.plain_rows`). This benchmark builds both for a decode step of
 ``requests`` running requests of ``tokens`` tokens each, every other one compressed (the first one always), at
 Llama-3.1-8B's shapes (32 layers, 8 KV heads, block 16), and prints one JSON line per shape:
 
@@ -103,7 +103,7 @@ def resident_bytes(tables) -> int:
 
 def plan_once(step):
     """What ``WorkerCompression.plan_step`` builds for a batch holding compressed rows."""
-    from rcstat_vllm.attention.cpu_head_attention import make_head_plan, plain_rows
+    from rcstat_vllm.attention.head_plan import make_head_plan, plain_rows
 
     query_start, seq_lens, common, compressed, space, _ = step
     head_plan = make_head_plan(query_start, seq_lens, compressed, space, torch.device("cpu"))

@@ -11,9 +11,9 @@ ops = pytest.importorskip("vllm._custom_ops")
 from rcstat_vllm.attention.cpu_head_attention import (  # noqa: E402
     add_cpu_scheduler_metadata,
     head_sequence_attention,
-    make_head_plan,
     write_head_sequence_kv,
 )
+from rcstat_vllm.attention.head_plan import make_head_plan  # noqa: E402
 from rcstat_vllm.paging.compaction import blocks_needed, compact_layer, compact_request, gather_prompt  # noqa: E402
 from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv  # noqa: E402
 from rcstat_vllm.paging.page_space import cdiv  # noqa: E402

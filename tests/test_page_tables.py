@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.attention.cpu_head_attention import HeadSequencePlan, make_head_plan  # noqa: E402
+from rcstat_vllm.attention.head_plan import HeadSequencePlan, make_head_plan  # noqa: E402
 from rcstat_vllm.paging.compaction import assign_pages, blocks_needed  # noqa: E402
 from rcstat_vllm.paging.head_pages import CompactedRequest  # noqa: E402
 from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
@@ -350,7 +350,7 @@ def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
     tokens, offsets, lengths, block-table rows (cut to the longest of them) and slots, nothing of the other rows."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from rcstat_vllm.attention.cpu_head_attention import plain_rows
+    from rcstat_vllm.attention.head_plan import plain_rows
 
     starts, seq_lens = [0, 1, 21, 22, 25], [70, 40, 90, 30]  # rows 0 and 2 compressed (decode), 1 and 3 not
     block_table = torch.randint(1, 100, (4, 10), dtype=torch.int32)

@@ -1,6 +1,6 @@
 """Head-as-sequence attention in vLLM's GPU cache layout (the CUDA backend's path), with torch reference kernels.
 
-The plan is the CPU path's (:func:`rcstat_vllm.attention.cpu_head_attention.make_head_plan`): every compressed (request, KV head)
+The plan is the CPU path's (:func:`rcstat_vllm.attention.head_plan.make_head_plan`): every compressed (request, KV head)
 is a sequence of its own with one KV head, its G query heads, its page table and its length. On the GPU the pages
 are FlashAttention's paged cache shape, ``[num_blocks * H, N, 1, D]`` (:func:`flash_head_page_caches`, a view
 of head-major blocks), so vLLM's own cache-write and varlen attention kernels run it unchanged
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rcstat_vllm.attention.cpu_head_attention import HeadSequencePlan
+from rcstat_vllm.attention.head_plan import HeadSequencePlan
 from rcstat_vllm.paging.kv_layout import flash_head_page_caches
 
 

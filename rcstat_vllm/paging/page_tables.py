@@ -14,7 +14,7 @@ instead one :class:`HeadPageTables` per worker keeps them on the device, like vL
 - writes (a compaction filling a slot, a head taking a page when it grows into a new one) land in the host mirror at
   once and are queued; :meth:`HeadPageTables.commit` ships the step's queued entries in one copy per tensor that
   changed and scatters them on the device (nothing when nothing changed);
-- the step plan (:func:`rcstat_vllm.attention.cpu_head_attention.make_head_plan`) reads the device tensors as they are;
+- the step plan (:func:`rcstat_vllm.attention.head_plan.make_head_plan`) reads the device tensors as they are;
   nothing is read back from the device.
 
 Memory: ``4 * L * S * H * P`` bytes on the host and as much on the device, ``S`` the slots (twice the most

@@ -38,6 +38,8 @@ CONTRACTS = (
     Contract(
         "vllm._custom_ops:cpu_attn_get_scheduler_metadata", ("num_reqs", "num_heads", "num_kv_heads"), platform="cpu"
     ),
+    # whether vLLM-CPU splits a sequence's KV across threads (its scheduler metadata's enable_kv_split)
+    Contract("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", platform="cpu"),
     # the CPU builder's ISA, set on its layers (rcstat_vllm/attention/cpu_backend.py)
     Contract(f"{_CPU}:CPUAttentionMetadataBuilder._set_isa_to_layers", ("self", "layer_names"), platform="cpu"),
     # a layer's KV-cache quantisation scales, passed to the cache writes (both backends)
@@ -89,6 +91,13 @@ def __getattr__(name: str) -> Any:
 
         return _custom_ops
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def cpu_attn_split_kv() -> bool:
+    """vLLM-CPU's ``VLLM_CPU_ATTN_SPLIT_KV`` setting, as its own CPU backend passes it to its scheduler metadata."""
+    from vllm import envs
+
+    return envs.VLLM_CPU_ATTN_SPLIT_KV
 
 
 def kv_scales(layer) -> tuple[Any, Any]:

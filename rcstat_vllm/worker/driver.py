@@ -51,7 +51,7 @@ from rcstat_vllm.settings import request_config, window_queries
 from rcstat_vllm.paging.compaction import recompact_request
 from rcstat_vllm.config import RCStatConfig, request_overrides, server_config
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
-from rcstat_vllm.attention.cpu_head_attention import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
+from rcstat_vllm.attention.head_plan import HeadSequencePlan, PlainRows, make_head_plan, plain_rows
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.log import logger
