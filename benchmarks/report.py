@@ -9,15 +9,16 @@ JSON in benchmarks/results/, each number named with its file, its setting as it 
 The block replaces what lies between the ``<!-- results:start -->`` and ``<!-- results:end -->`` markers of
 :data:`RESULTS_DOC`, the one file that holds them; links in it are relative to that file. Each part is drawn
 from whichever JSON exists (quality_cpu.json, accuracy_cpu.json, kvpress_reference_cpu.json, throughput_cpu.json,
-plugin_overhead_cpu.json, throughput_prefill_cpu.json), then a table of every result file's provenance. The README's
-blocks (:data:`README_BLOCKS`: the side-by-side table, "What you get", the value error at 0.8) are written between
-their ``<!-- name:start -->`` / ``<!-- name:end -->`` markers where the README has them.
+plugin_overhead_cpu.json, throughput_prefill_cpu.json), then a table of every result file's provenance. The other
+generated blocks (:data:`README_BLOCKS`: "What you get" in the README; the side-by-side table and the value error at
+0.8 in docs/benchmarks.md) are written between their ``<!-- name:start -->`` / ``<!-- name:end -->`` markers in
+whichever of the README and :data:`RESULTS_DOC` holds them.
 
 How each row ran: a row's config is what it recorded (``resolved``, with the engine's ``eviction``) or the plugin's
 defaults at the file's commit (benchmarks/provenance.py: the file's recorded commit, else git history) merged with
 its override; a row whose config as run differs from what its label gives today (a default changed since, or the
-label's settings are pinned differently now) is marked † with the reason. README figures outside the generated
-blocks are listed in :data:`FIGURES` with their files; ``--check`` (run by tests/test_benchmark_provenance.py) fails
+label's settings are pinned differently now) is marked † with the reason. Figures outside the generated
+blocks (in the README or docs/*.md) are listed in :data:`FIGURES` with their files; ``--check`` (run by tests/test_benchmark_provenance.py) fails
 when any of them, or any generated block, no longer matches.
 """
 
@@ -43,7 +44,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 #: The README's side-by-side table of the plugin's methods and kvpress's presses (:func:`side_by_side_table`).
 README = Path(__file__).resolve().parents[1] / "README.md"
 SIDE_START, SIDE_END = "<!-- side-by-side:start -->", "<!-- side-by-side:end -->"
-#: README figures outside the generated blocks are listed in :data:`FIGURES` (below) and checked by ``--check``.
+#: Figures outside the generated blocks are listed in :data:`FIGURES` (below) and checked by ``--check``.
 #: The plugin's rows of that table (accuracy.py labels), in order; missing labels are skipped.
 SIDE_BY_SIDE_PLUGIN = ("full", "default", "default_mean_contrast0", "rc_r0.5", "rc_r0.8", "rc_r0.8_mean_contrast0",
                        "rc_r0.8_contrast0", "rc_r0.8_mean", "snapkv_w64_r0.5",
@@ -625,7 +626,7 @@ def files_table() -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- README
 
-#: The README's generated blocks: (name, start marker, end marker); each made by the function of that name.
+#: The generated blocks besides the results block, each in the README or RESULTS_DOC (:func:`block_documents`).
 README_BLOCKS = ("side-by-side", "what-you-get", "value-error")
 #: throughput.py's run names and the flag each ran with (its plan; files before runs recorded their flag).
 THROUGHPUT_RUN_FLAGS = {"vanilla": None, "none": {"method": "none"}, "default": {}, "eager": {"eviction": "eager"},
@@ -829,9 +830,9 @@ def _kept_all(d: dict, label: str) -> int:
     return round(e["needle_kept_of_full"] * e["full_hits"])
 
 
-#: README figures outside the generated blocks: (file, values from it, the README's words with them). ``--check``
-#: formats each and finds the words in the README (line breaks read as spaces), so a figure that no longer matches
-#: its file, or whose words changed, is named. Each sentence also names its file and setting in the README.
+#: Figures outside the generated blocks: (file, values from it, the words with them). ``--check`` formats each and
+#: finds the words in the README or a page of docs/ (:func:`figure_documents`; line breaks read as spaces), so a
+#: figure that no longer matches its file, or whose words changed, is named. Each sentence also names its file.
 FIGURES = (
     ("throughput_cpu.json", lambda d: (d["runs"]["rc_c1"]["vs_vanilla"]["output_tok_per_s"], d["runs"]["rc_c1"]["mean_ratio"],
                                        d["runs"]["tova@rc_c1"]["vs_vanilla"]["output_tok_per_s"],
@@ -933,22 +934,35 @@ def three_seed_figures() -> tuple[int, int]:
     return kept, full
 
 
+def block_documents() -> list[Path]:
+    """Where the generated blocks of :func:`readme_blocks` may live: the README and RESULTS_DOC."""
+    return [README, RESULTS_DOC]
+
+
+def figure_documents() -> list[Path]:
+    """Where the figures of :data:`FIGURES` may be written: the README, RESULTS_DOC and the README's docs/ pages."""
+    docs = sorted((README.parent / "docs").glob("*.md"))
+    return list(dict.fromkeys(p for p in (README, RESULTS_DOC, *docs) if p.exists()))
+
+
 def check() -> list[str]:
-    """What is out of date: each generated block (docs/benchmarks.md's results, the README's) against what the
-    files give now, and each README figure of :data:`FIGURES` against its file. Empty when all match."""
+    """What is out of date: each generated block (docs/benchmarks.md's results, the others wherever they are) against
+    what the files give now, and each figure of :data:`FIGURES` against its file. Empty when all match."""
     problems = []
     doc = RESULTS_DOC.read_text()
     if render_block(doc, build_table(), START, END) != doc:
         problems.append(f"{RESULTS_DOC.name}: the results block differs from what the files give "
                         f"(python benchmarks/report.py)")
-    readme = README.read_text()
+    texts = {path: path.read_text() for path in block_documents()}
     for name, lines in readme_blocks().items():
         start, end = markers(name)
-        if lines and start in readme and render_block(readme, lines, start, end) != readme:
-            problems.append(f"README.md: the {name} block differs from what the files give")
-        elif lines and start not in readme:
-            problems.append(f"README.md: no {name} block")
-    flat = " ".join(readme.split())
+        holders = [path for path, text in texts.items() if start in text]
+        if lines and not holders:
+            problems.append(f"no {name} block in {' or '.join(p.name for p in texts)}")
+        for path in holders if lines else ():
+            if render_block(texts[path], lines, start, end) != texts[path]:
+                problems.append(f"{path.name}: the {name} block differs from what the files give")
+    flat = " ".join(" ".join(path.read_text().split()) for path in figure_documents())
     figures = [(name, get, words) for name, get, words in FIGURES]
     figures.append(("accuracy_cpu.json", lambda d: three_seed_figures(), "{} of {} over three seeds"))
     for name, get, words in figures:
@@ -956,10 +970,10 @@ def check() -> list[str]:
         try:
             shown = words.format(*get(data))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            problems.append(f"README figure from {name}: cannot read it ({type(exc).__name__}: {exc})")
+            problems.append(f"figure from {name}: cannot read it ({type(exc).__name__}: {exc})")
             continue
         if shown not in flat:
-            problems.append(f"README figure from {name}: the README does not say {shown!r}")
+            problems.append(f"figure from {name}: neither the README nor docs/ say {shown!r}")
     return problems
 
 
@@ -1006,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"print the block instead of writing it into {RESULTS_DOC.name}")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming each generated block (docs/benchmarks.md, README) that "
-                             "differs from what the files give and each README figure that does not match its file")
+                             "differs from what the files give and each figure (README, docs/) that does not match its file")
     parser.add_argument("--stale", nargs="+", metavar="FILE", default=None,
                         help="print, for these result files, where each was made and every row whose config as run "
                              "differs from what its label gives today, with the reason")
@@ -1015,7 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = check()
         for p in problems:
             print(p, file=sys.stderr)
-        print(f"{len(problems)} out of date" if problems else "generated blocks and README figures match the files",
+        print(f"{len(problems)} out of date" if problems else "generated blocks and figures match the files",
               file=sys.stderr)
         return 1 if problems else 0
     if args.stale:
@@ -1045,16 +1059,19 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
     else:
         write_results_doc(lines)
-        readme = README.read_text() if README.exists() else ""
+        blocks = readme_blocks()
         written = []
-        for name, block in readme_blocks().items():
-            start, end = markers(name)
-            if block and start in readme:  # the README holds the markers; nothing is appended to it
-                readme = render_block(readme, block, start, end)
-                written.append(name)
-        if written:
-            README.write_text(readme)
-        print(f"wrote the results block of {RESULTS_DOC}, the README's {', '.join(written) or 'no'} block(s) and "
+        for path in block_documents():
+            text = path.read_text() if path.exists() else ""
+            new = text
+            for name, block in blocks.items():
+                start, end = markers(name)
+                if block and start in new:  # the document holds the markers; nothing is appended to it
+                    new = render_block(new, block, start, end)
+                    written.append(f"{path.name}: {name}")
+            if new != text:
+                path.write_text(new)
+        print(f"wrote the results block of {RESULTS_DOC}, the {', '.join(written) or 'no other'} block(s) and "
               f"{len(list(RESULTS.glob('*.png')))} plots", file=sys.stderr)
     return 0
 

@@ -119,7 +119,7 @@ def test_an_accuracy_files_eviction_comes_from_its_engine_or_its_records():
 @pytest.mark.skipif(not provenance.history_available(), reason="old result files are dated by git history")
 def test_readme_figures_and_generated_blocks_match_their_files():
     """report.py --check: the generated blocks of docs/benchmarks.md and the README are what the result files give
-    now, and every README figure in report.FIGURES is the number its file holds."""
+    now, and every figure in report.FIGURES (README or docs/) is the number its file holds."""
     assert report.check() == []
 
 
@@ -137,9 +137,9 @@ def test_check_names_a_figure_that_no_longer_matches_its_file(tmp_path, monkeypa
     monkeypatch.setattr(report, "FIGURES", (("x.json", lambda d: (d["summary"]["a"]["ver"],), "error {:.3f} at 0.8"),))
     monkeypatch.setattr(report, "three_seed_figures", lambda: (0, 0))
     problems = report.check()
-    assert problems == ["README figure from accuracy_cpu.json: the README does not say '0 of 0 over three seeds'"]
+    assert problems == ["figure from accuracy_cpu.json: neither the README nor docs/ say '0 of 0 over three seeds'"]
     (tmp_path / "README.md").write_text("value error 0.124 at 0.8; 0 of 0 over three seeds\n")
-    assert report.check() == ["README figure from x.json: the README does not say 'error 0.123 at 0.8'"]
+    assert report.check() == ["figure from x.json: neither the README nor docs/ say 'error 0.123 at 0.8'"]
 
 
 def test_the_table_of_default_changes_ends_at_todays_defaults():

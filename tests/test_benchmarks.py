@@ -240,6 +240,14 @@ def test_report_puts_the_plugins_rows_beside_kvpress_in_the_readme(tmp_path, mon
     assert "| kvpress 0.5.5 | KVzip | 0.80 | 55/80 | 53/61 (86.9%) |" in text
     assert "a partial run, 2 of 3" in text
 
+    # The same block held by docs/benchmarks.md instead (where the repository keeps it) is written there.
+    readme.write_text("no markers here\n")
+    (tmp_path / "benchmarks.md").write_text(f"{report.SIDE_START}\nold\n{report.SIDE_END}\n")
+    assert report.main([]) == 0
+    assert readme.read_text() == "no markers here\n"
+    assert "| kvpress 0.5.5 | KVzip | 0.80 | 55/80 | 53/61 (86.9%) |" in (tmp_path / "benchmarks.md").read_text()
+    assert not [p for p in report.check() if "side-by-side" in p]  # found there, and as the files give it
+
 
 def test_generated_results_live_in_one_document():
     """The block report.py writes is in docs/benchmarks.md, and its markers are in no other Markdown file."""
