@@ -34,7 +34,9 @@ from rcstat_vllm.attention.flash_head_attention import TorchHeadPageKernels  # n
 from rcstat_vllm.paging.kv_layout import FLASH, flash_head_page_caches  # noqa: E402
 from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
 from rcstat_vllm.worker.step import BatchRequest, Compaction, StepInfo  # noqa: E402
-from rcstat_vllm.worker.driver import WorkerCompression, unsupported_layer_reason  # noqa: E402
+from rcstat_vllm.attention.capabilities import unsupported_layer_reason  # noqa: E402
+from rcstat_vllm.attention.head_plan import plan_head_attention  # noqa: E402
+from rcstat_vllm.worker.driver import WorkerCompression  # noqa: E402
 
 BLOCK, HEADS, GROUP, DIM, LAYERS = 16, 2, 3, 32, 2
 SCALE = DIM**-0.5
@@ -86,6 +88,13 @@ def _worker(rcstat: dict, layer_names, caches: dict) -> WorkerCompression:
     worker.attach_layers(layer_names, num_kv_heads=HEADS, block_size=BLOCK, layout=FLASH)
     worker.bind_kv_caches(caches)
     return worker
+
+
+def _planned(planner, common):
+    """A step's plan as the CUDA builder builds it: the worker's rows, then the head plan."""
+    plan = planner.plan_step(common)
+    plan_head_attention(plan, common)
+    return plan
 
 
 def _layer_caches(num_blocks: int, pooled: bool) -> list[torch.Tensor]:
@@ -163,7 +172,8 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
             max_query_len=max(scheduled), max_seq_len=max(seq_lens), block_table_tensor=block_table,
             slot_mapping=slot_mapping,
         )
-        plan = planner.plan_step(common)  # as RCStatFlashMetadataBuilder.build does (head plan included)
+        plan = planner.plan_step(common)  # as RCStatFlashMetadataBuilder.build does, head plan included
+        plan_head_attention(plan, common)
         if plan.plain is not None:  # the builder builds vLLM's metadata for the uncompressed rows
             plan.plain.metadata = _built(plan.plain.metadata)
         metadata = RCStatFlashMetadata(
@@ -347,7 +357,7 @@ def test_a_drafters_layers_run_vllms_path_and_speculative_decoding_turns_compres
                              slot_mapping=slot_mapping)
     metadata = RCStatFlashMetadata(
         num_actual_tokens=20, max_query_len=20, query_start_loc=torch.tensor([0, 20]), max_seq_len=20,
-        seq_lens=torch.tensor([20]), block_table=block_table, slot_mapping=slot_mapping, rcstat=planner.plan_step(common),
+        seq_lens=torch.tensor([20]), block_table=block_table, slot_mapping=slot_mapping, rcstat=_planned(planner, common),
     )
     g = torch.Generator().manual_seed(1)
     query = torch.randn(20, HEADS * GROUP, DIM, generator=g)

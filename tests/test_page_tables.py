@@ -24,7 +24,8 @@ from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
 from rcstat_vllm.paging.page_space import PageSpace  # noqa: E402
 from rcstat_vllm.paging.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.worker.step import BatchRequest, StepInfo  # noqa: E402
-from rcstat_vllm.worker.requests import Phase, WorkerRequest  # noqa: E402
+from rcstat_vllm.attention.head_plan import plan_head_attention  # noqa: E402
+from worker_fixtures import compressed  # noqa: E402
 
 LAYERS, HEADS, BLOCK, NUM_BLOCKS = 2, 2, 16, 400
 
@@ -262,10 +263,10 @@ def _worker_with(seed: int, space: PageSpace):
     worker = WorkerCompression(vllm_config)
     worker.attach_layers([f"l{i}" for i in range(LAYERS)], num_kv_heads=HEADS, block_size=BLOCK, layout=CPU_VEC)
     engine = Engine(space, torch.Generator().manual_seed(seed))
-    engine.resident = worker.page_tables = HeadPageTables(LAYERS, HEADS, "cpu")
+    engine.resident = worker.pages.tables = HeadPageTables(LAYERS, HEADS, "cpu")
     engine.add("a", 64)
     engine.compact("a", 0.5)
-    worker.requests.add(WorkerRequest("a", Phase.COMPRESSED, state=engine.states["a"]))
+    compressed(worker.requests, "a", engine.states["a"])
     return worker, engine
 
 
@@ -285,7 +286,8 @@ def test_worker_grows_from_the_step_infos_host_block_ids_and_reads_the_device_ta
             slot_mapping=block_table[0, position // BLOCK].long() * BLOCK + position % BLOCK,
         )
         plan = worker.plan_step(common)
-        expected = reference_plan([0, 1], [n], {0: worker.requests.compressed_state("a")}, worker.space, worker.page_tables)
+        plan_head_attention(plan, common)  # as the backends' builders do
+        expected = reference_plan([0, 1], [n], {0: worker.requests.compressed_state("a")}, worker.space, worker.pages.tables)
         assert_plans_equal(plan.head_plan, expected)
     state = worker.requests.compressed_state("a")
     assert state.absorbed_blocks == 6
@@ -409,15 +411,15 @@ def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(mo
     worker = WorkerCompression(fake_vllm_config({"method": "rc"}, BLOCK, max_num_seqs=1))
     worker.attach_layers([f"l{i}" for i in range(LAYERS)], num_kv_heads=HEADS, block_size=BLOCK, layout=CPU_VEC)
     engine = Engine(_space(pooled=True), torch.Generator().manual_seed(2))
-    engine.resident = worker.page_tables = HeadPageTables(LAYERS, HEADS, "cpu", slots=1, max_slots=1)
+    engine.resident = worker.pages.tables = HeadPageTables(LAYERS, HEADS, "cpu", slots=1, max_slots=1)
     engine.add("a", 64)
     engine.compact("a", 0.5)
-    worker.requests.add(WorkerRequest("a", Phase.COMPRESSED, state=engine.states["a"]))
+    compressed(worker.requests, "a", engine.states["a"])
     engine.add("b", 80)
 
     def run_compaction(compaction):  # what _run_compaction does to the tables: attach the new state
         engine.compact(compaction.req_id, 0.5)
-        worker.requests.add(WorkerRequest(compaction.req_id, Phase.COMPRESSED, state=engine.states[compaction.req_id]))
+        compressed(worker.requests, compaction.req_id, engine.states[compaction.req_id])
 
     monkeypatch.setattr(worker, "_run_compaction", run_compaction)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}, compactions=[Compaction("b", [])]))
@@ -426,4 +428,4 @@ def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(mo
     # A request compacted in the very step it is dropped in gives its slot back too.
     engine.add("c", 64)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"b", "c"}, compactions=[Compaction("c", [])]))
-    assert worker.idle and worker.page_tables._free_slots == [0]
+    assert worker.idle and worker.pages.tables._free_slots == [0]

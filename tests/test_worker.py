@@ -10,9 +10,9 @@ pytest.importorskip("vllm")
 
 from fake_vllm import fake_vllm_config  # noqa: E402
 from rcstat_vllm.paging.kv_layout import CPU_VEC  # noqa: E402
+from rcstat_vllm.attention.capabilities import engine_not_pooled_reason  # noqa: E402
 from rcstat_vllm.worker.driver import (  # noqa: E402
     WorkerCompression,
-    engine_not_pooled_reason,
     start_worker_compression,
     worker_compression,
     worker_compression_of,

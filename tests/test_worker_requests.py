@@ -1,14 +1,17 @@
-"""The worker's request table (rcstat_vllm.worker.requests): phases, first-sight prefix-cache hits, order, and
-transitions refused from the wrong phase."""
+"""The worker's request table (rcstat_vllm.worker.requests): phases, first-sight prefix-cache hits, order, the
+transitions a prompt job and a decode-time job go through, and transitions refused from the wrong phase."""
 
 from types import SimpleNamespace
 
 import pytest
 
 from fake_vllm import fake_vllm_config
-from rcstat_vllm.worker.step import Compaction, StepInfo
 from rcstat_vllm.worker.driver import WorkerCompression
-from rcstat_vllm.worker.requests import Phase, WorkerRequest, WorkerRequests
+from rcstat_vllm.worker.requests import Phase, WorkerRequests
+from rcstat_vllm.worker.step import Compaction, StepInfo
+from worker_fixtures import awaiting_blocks, compressed
+
+PROMPT, DECODE = SimpleNamespace(kind="prompt"), SimpleNamespace(kind="decode")
 
 
 def test_prefix_cache_hits_are_the_computed_tokens_at_first_sight_only():
@@ -19,27 +22,74 @@ def test_prefix_cache_hits_are_the_computed_tokens_at_first_sight_only():
     assert len(table) == 1 and "a" in table and table.with_saved_queries == set()
 
 
-def test_records_keep_first_seen_order_and_phases_filter_them():
+def test_a_prompt_job_goes_scoring_selected_awaiting_compressed_and_the_order_is_first_seen():
     table = WorkerRequests()
     for req_id in ("c", "a", "b"):
         table.seen_in_prefill(req_id, 0)
-    table.get("a").phase = Phase.SELECTED
-    table.get("b").phase = Phase.SELECTED
-    assert [r.req_id for r in table.in_phase(Phase.SELECTED)] == ["a", "b"]
+    for req_id in ("b", "a"):
+        table.start_job(table.in_prefill(req_id), PROMPT)
+    assert [r.req_id for r in table.in_phase(Phase.SCORING)] == ["a", "b"]  # the table's order, not the calls'
     assert [r.req_id for r in table.in_phase(Phase.PREFILL)] == ["c"]
+    record = table.get("a")
+    table.job_selected(record, 3)
+    assert record.phase is Phase.SELECTED and record.blocks_needed == 3
+    record.saved_queries = [None]
+    table.job_sent(record)
+    assert record.phase is Phase.AWAITING_BLOCKS and record.saved_queries is None  # sent: the window is spent
     assert table.compressed_state("a") is None and table.num_compressed == 0
+    pages = SimpleNamespace()
+    table.job_compacted(record, pages)
+    assert record.phase is Phase.COMPRESSED and record.job is None
+    assert table.compressed_state("a") is pages and table.num_compressed == 1
+
+
+def test_a_decode_job_keeps_the_pages_readable_and_a_cancelled_one_goes_back_to_decoding():
+    table = WorkerRequests()
+    pages = SimpleNamespace()
+    record = compressed(table, "a", pages)
+    table.watch_decode("a", SimpleNamespace())
+    table.start_job(record, DECODE)
+    assert record.phase is Phase.SCORING and table.compressed_state("a") is pages  # still decodes over its pages
+    table.job_selected(record, 2)
+    table.job_sent(record)
+    table.job_cancelled(record)
+    assert record.phase is Phase.COMPRESSED and "a" in table
+    uncompressed = table.watch_decode("b", SimpleNamespace())  # its prompt stayed whole
+    assert uncompressed.phase is Phase.UNCOMPRESSED_DECODE
+    table.start_job(uncompressed, DECODE)
+    table.job_selected(uncompressed, 1)
+    table.job_sent(uncompressed)
+    table.job_compacted(uncompressed, pages)
+    assert uncompressed.phase is Phase.COMPRESSED and table.num_compressed == 2
+
+
+def test_a_cancelled_prompt_job_drops_the_record():
+    table = WorkerRequests()
+    record = awaiting_blocks(table, "a", PROMPT)
+    table.job_cancelled(record)
+    assert "a" not in table and record.job is None
 
 
 def test_transitions_from_the_wrong_phase_are_refused_naming_both():
     table = WorkerRequests()
-    state = SimpleNamespace()
-    table.add(WorkerRequest("a", Phase.COMPRESSED, state=state))
-    assert table.compressed_state("a") is state and table.num_compressed == 1
-    with pytest.raises(RuntimeError, match="request a is compressed, expected prefill or scoring"):
-        table.in_prefill("a")  # a compressed request cannot save queries or start scoring again
-    with pytest.raises(RuntimeError, match="already tracked"):
-        table.add(WorkerRequest("a"))
-    assert table.in_prefill("new").phase is Phase.PREFILL  # never seen in prefill (e.g. one-step prompt): created
+    record = compressed(table, "a", SimpleNamespace())
+    with pytest.raises(RuntimeError, match="request a is compressed, expected prefill"):
+        table.in_prefill("a")  # a compressed request cannot save queries or start its prompt job again
+    with pytest.raises(RuntimeError, match="request a is compressed, expected prefill"):
+        table.start_job(record, PROMPT)
+    with pytest.raises(RuntimeError, match="request a is compressed, expected awaiting blocks"):
+        table.job_compacted(record, SimpleNamespace())
+    prefill = table.in_prefill("new")  # never seen in prefill (e.g. one-step prompt): created
+    assert prefill.phase is Phase.PREFILL
+    with pytest.raises(RuntimeError, match="request new is prefill, expected compressed or decoding uncompressed"):
+        table.start_job(prefill, DECODE)
+    with pytest.raises(RuntimeError, match="request new is prefill, expected scoring"):
+        table.job_selected(prefill, 1)
+    table.start_job(prefill, PROMPT)
+    with pytest.raises(RuntimeError, match="request new is scoring, expected selected"):
+        table.job_sent(prefill)
+    with pytest.raises(RuntimeError, match="request new is scoring, expected prefill or compressed"):
+        table.watch_decode("new", SimpleNamespace())
 
 
 def test_the_worker_refuses_blocks_for_a_request_without_a_plan_and_reports_one_dropped_while_waiting():
@@ -47,15 +97,18 @@ def test_the_worker_refuses_blocks_for_a_request_without_a_plan_and_reports_one_
     worker.requests.seen_in_prefill("a", 0)
     with pytest.raises(RuntimeError, match="request a, which has no plan"):
         worker.begin_step(StepInfo(requests=[], compactions=[Compaction("a", (1, 2))]))
-    recorded = []
-    worker._record = recorded.append
+    from rcstat_vllm.worker.jobs import PromptJob
+
     for req_id, eviction in (("a", "eager"), ("b", "lazy"), ("c", "lazy")):
-        worker.requests.seen_in_prefill(req_id, 0)
-        compressor = SimpleNamespace(config=SimpleNamespace(eviction=eviction), report=lambda reason=None: reason)
-        worker.requests.get(req_id).phase, worker.requests.get(req_id).compressor = Phase.AWAITING_BLOCKS, compressor
+        job = PromptJob.__new__(PromptJob)  # only its reasons are read: a compressor that reports them
+        job.compressor = SimpleNamespace(config=SimpleNamespace(eviction=eviction),
+                                         report=lambda reason=None, r=req_id: SimpleNamespace(req_id=r, reason=reason))
+        awaiting_blocks(worker.requests, req_id, job)
+    recorded = []
+    worker.results_log.record = recorded.append
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a", "b", "c"}, preempted_req_ids=frozenset({"c"})))
-    assert sorted(recorded) == [
-        "finished before its KV was compacted",
-        "lazy eviction: memory was not short while it ran, its full KV was kept",
-        "preempted before its KV was compacted (vLLM recomputes it when it resumes)",
+    assert sorted((report.req_id, report.reason) for report in recorded) == [
+        ("a", "finished before its KV was compacted"),
+        ("b", "lazy eviction: memory was not short while it ran, its full KV was kept"),
+        ("c", "preempted before its KV was compacted (vLLM recomputes it when it resumes)"),
     ] and worker.idle

@@ -34,7 +34,9 @@ from rcstat_vllm.paging.kv_layout import CPU_VEC, head_page_caches
 from rcstat_vllm.log import logger
 from rcstat_vllm.vllm_private.internals import kv_scales_float, set_cpu_layers_isa
 from rcstat_vllm.attribution.capture import record_layer
-from rcstat_vllm.worker.driver import StepCompression, worker_compression
+from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.worker.driver import worker_compression
+from rcstat_vllm.worker.step_plan import StepCompression
 
 
 class RCStatCPUBackend(CPUAttentionBackend):
@@ -73,6 +75,7 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         plan = self.rcstat.plan_step(common_attn_metadata)
+        plan_head_attention(plan, common_attn_metadata)
         if plan.plain is not None:
             plan.plain.metadata = super().build(0, plan.plain.metadata, fast_build)
         if plan.head_plan is not None:
@@ -117,7 +120,7 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 query[:num_tokens], key_pages, value_pages, output[:num_tokens], head_plan, layer_index,
                 scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, **scales,
             )
-        owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
+        owner.after_attention(plan, layer_index, query, kv_cache, self.scale)
         return output
 
     def _vllm_forward_rows(self, layer, query, key, value, kv_cache, rows, output):

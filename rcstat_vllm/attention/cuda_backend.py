@@ -36,7 +36,9 @@ from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_he
 from rcstat_vllm.paging.kv_layout import FLASH
 from rcstat_vllm.vllm_private.internals import backend_invalid_reasons, kv_scales
 from rcstat_vllm.attribution.capture import record_layer
-from rcstat_vllm.worker.driver import StepCompression, worker_compression
+from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.worker.driver import worker_compression
+from rcstat_vllm.worker.step_plan import StepCompression
 
 #: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
 HEAD_MAJOR_LAYOUT = KVCacheLayout.LBHNC
@@ -88,6 +90,7 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         plan = self.rcstat.plan_step(common_attn_metadata)
+        plan_head_attention(plan, common_attn_metadata)
         if plan.plain is not None:
             plan.plain.metadata = super().build(0, plan.plain.metadata, fast_build)
         return RCStatFlashMetadata(**vars(base), rcstat=plan)
@@ -258,7 +261,7 @@ class RCStatFlashImpl(FlashAttentionImpl):
                 layer=layer,
             )
         if layer_index is not None:
-            owner.after_attention(plan, layer_index, query, kv_cache, attn_metadata.block_table, self.scale)
+            owner.after_attention(plan, layer_index, query, kv_cache, self.scale)
         return output
 
     def _vllm_forward_rows(self, layer, query, key, value, kv_cache, rows, output):

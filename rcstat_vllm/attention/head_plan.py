@@ -249,3 +249,16 @@ def plain_rows(common_attn_metadata, compressed_rows, query_start: list[int], se
         split["mm_req_doc_ranges"] = {new_row[r]: v for r, v in common.mm_req_doc_ranges.items() if r in new_row}
     split.update({name: None for name in UNSPLIT_FIELDS if hasattr(common, name)})
     return PlainRows(token_index, replace(common, **split))
+
+
+def plan_head_attention(step_plan, common_attn_metadata) -> None:
+    """The builders' part of a step's plan (:class:`~rcstat_vllm.worker.step_plan.StepCompression`): when the batch
+    holds compressed rows, their head-as-sequence plan and the other rows' sub-batch for vLLM's own kernels."""
+    if not step_plan.compressed:
+        return
+    owner = step_plan.owner
+    query_start = common_attn_metadata.query_start_loc_cpu.tolist()
+    device = common_attn_metadata.block_table_tensor.device
+    step_plan.head_plan = make_head_plan(query_start, step_plan.seq_lens, step_plan.compressed, owner.space, device)
+    step_plan.plain = plain_rows(common_attn_metadata, step_plan.compressed, query_start, step_plan.seq_lens,
+                                 owner.block_size)

@@ -1,0 +1,196 @@
+"""One step's compression plan: what every row of the batch does, decided once per step for every layer.
+
+:class:`StepPlanner` (a part of the worker's :class:`~rcstat_vllm.worker.driver.WorkerCompression`) reads the step
+info and the batch's common attention metadata and, per row: a compressed request grows its head pages for this step;
+a prompt finishing its prefill starts its prompt job (or is reported skipped, and why); a non-final prefill chunk keeps
+its trailing queries; a decoding request with ``decode_budget`` is watched, and starts a decode-time job when one is
+due. Lengths come from the step info (computed + scheduled tokens), not from device tensors: on CUDA this costs no
+synchronisation. The head-as-sequence attention of the compressed rows is planned by the backends' builders from this
+plan (:mod:`rcstat_vllm.attention.head_plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rcstat_vllm.attribution.capture import attribution_capture
+from rcstat_vllm.config import request_overrides
+from rcstat_vllm.log import logger
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.page_space import cdiv
+from rcstat_vllm.settings import request_config, window_queries
+from rcstat_vllm.worker.decode_compression import DecodeCompressor
+from rcstat_vllm.worker.jobs import DecodeJob, PromptJob
+from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks, plan_compression
+from rcstat_vllm.worker.requests import Phase, WorkerRequest
+from rcstat_vllm.worker.step import StepInfo
+
+
+@dataclass
+class StepCompression:
+    """One step's compression plan, shared by every layer (built once per step by the metadata builder)."""
+
+    owner: Any
+    #: batch row -> head pages of the requests already compressed (their heads read and write head pages)
+    compressed: dict[int, CompactedRequest] = field(default_factory=dict)
+    #: the compressed rows' head-as-sequence plan (set by the builder when ``compressed`` is not empty), else None
+    head_plan: Any = None
+    #: the other rows as a sub-batch for vLLM's own kernels, when the batch holds compressed rows and others
+    plain: Any = None
+    #: records whose compaction job is scored in this step (a prompt's last chunk, a decode-time compaction due)
+    scoring: list[WorkerRequest] = field(default_factory=list)
+    #: (record, query start, query end, how many) of non-final prefill chunks whose queries are kept
+    to_save: list = field(default_factory=list)
+    #: rows of requests that asked for attribution (rcstat_vllm.attribution.capture), None if none did
+    attribution: list | None = None
+    #: per row, tokens in the cache after this step (from the step info: no device synchronisation)
+    seq_lens: list[int] = field(default_factory=list)
+    #: (DecodeCompressor, query start, query end) of rows whose queries a coming decode-time compaction observes
+    decode_queries: list = field(default_factory=list)
+
+
+class StepPlanner:
+    """The per-step planning part of the worker's owner (uses its layers, config, request table and results)."""
+
+    def plan_rows(self, step: StepInfo | None, common_attn_metadata) -> StepCompression:
+        plan = StepCompression(owner=self)
+        if step is None or len(step.requests) != common_attn_metadata.num_reqs:
+            if self.requests.num_compressed:
+                raise RuntimeError("rcstat: batch metadata without step info while requests are compressed")
+            return plan
+        block_table = common_attn_metadata.block_table_tensor
+        query_start = common_attn_metadata.query_start_loc_cpu.tolist()
+        plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
+        plan.seq_lens = [request.num_tokens_after_step for request in step.requests]
+        for row, request in enumerate(step.requests):
+            record = self.requests.get(request.req_id)
+            rows = (query_start[row], query_start[row + 1])
+            if record is not None and record.pages is not None:
+                block_ids = self._host_block_ids(step, request, record.pages, block_table, row)
+                record.pages.reserve(request.num_tokens_after_step, block_ids)
+                plan.compressed[row] = record.pages
+                if record.decode is not None and record.job is None:
+                    self._watch_decode(plan, record, request.num_tokens_after_step, *rows)
+            elif request.finishes_prefill:
+                self._plan_prompt(plan, record, request, *rows, block_table[row])
+            elif request.num_computed_tokens >= request.num_prompt_tokens:
+                self._plan_uncompressed_decode(plan, record, request, rows, lambda: self._own_blocks(
+                    step, request, block_table, row))
+            elif request.num_tokens_after_step < request.num_prompt_tokens:
+                # A non-final prefill chunk: keep its trailing queries in case the last chunk is short.
+                config, _ = request_config(request, self.config)
+                if config.enabled and request.num_prompt_tokens >= config.min_prompt_len:
+                    plan.to_save.append((self.requests.in_prefill(request.req_id), *rows, window_queries(config)))
+        return plan
+
+    def _plan_prompt(self, plan: StepCompression, record, request, start: int, end: int, block_row) -> None:
+        """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped."""
+        saved = None if record is None else record.saved_for(0)
+        decision = plan_compression(request, self.config, start, end, self.disabled_reason,
+                                    saved_queries=0 if saved is None else saved.shape[0])
+        if decision.skipped_reason is not None:
+            self.requests.drop(request.req_id)
+            report = decision.skipped_report(self.num_layers, self.num_heads, self.block_size)
+            report.num_cached_tokens = 0 if record is None else record.cached_tokens
+            self.results_log.record(report)
+            self.results_log.send(report)
+            return
+        record = self.requests.in_prefill(request.req_id)
+        job = PromptJob.start(decision, self.num_layers, block_row, self.layout, cached_tokens=record.cached_tokens,
+                              saved_queries=record.saved_queries,
+                              deferred_bound=self._deferred_bound(decision, record.cached_tokens))
+        self.requests.start_job(record, job)
+        plan.scoring.append(record)
+
+    def _deferred_bound(self, decision, cached_tokens: int) -> int | None:
+        """The blocks a lazily evicted request's kept KV needs at most, when it can be known before scoring (then
+        scoring waits for the compaction); None otherwise. Single-rank only: under tensor parallelism the ranks'
+        selections must agree in the step that selects."""
+        if self.block_agreement_group is not None:
+            return None
+        shared_blocks = cached_tokens // self.block_size
+        return deferred_keep_blocks(decision.config, decision.num_tokens, self.num_layers, self.space, shared_blocks)
+
+    def _plan_uncompressed_decode(self, plan: StepCompression, record, request, rows, own_blocks) -> None:
+        """A decoding request whose prompt stayed uncompressed: with ``decode_budget`` (server or request) its
+        generated KV is compressed too; it is watched from its first decode step (a record of its own) and, when due,
+        scored over its own blocks seen as head pages."""
+        if self.disabled_reason is not None or self.space is None:
+            return
+        if record is None:
+            decode = self._decode_watcher(request)
+            if decode is None:
+                return
+            record = self.requests.watch_decode(request.req_id, decode)
+        if record.phase is not Phase.UNCOMPRESSED_DECODE:
+            return  # lazy eviction's parked plan (the prompt's compaction comes first), or a job in flight
+        num_tokens = request.num_tokens_after_step
+        if self._watch_decode(plan, record, num_tokens, *rows, start_job=False):
+            # Every head keeps the whole prompt: its full blocks stay as they are (prefix-cache hits stay shared with
+            # the requests that hit them, its own prompt blocks stay cache entries), only the rest is copied.
+            source = CompactedRequest.uncompressed(num_tokens, self.space, own_blocks(),
+                                                   shared_blocks=request.num_prompt_tokens // self.block_size)
+            self._start_decode_job(plan, record, source, num_tokens)
+
+    def _decode_watcher(self, request) -> DecodeCompressor | None:
+        """Decode-time compression for a request whose prompt stayed whole, if it (or the server) asked for it."""
+        overrides = request_overrides(request.extra_args)
+        if self.config.decode_budget is None and (not overrides or "decode_budget" not in overrides):
+            return None  # nobody asked for it: decided every step without merging configs
+        config, invalid = request_config(request, self.config)
+        if invalid is not None or not config.decode_compression:
+            return None
+        prompt = torch.full((self.num_layers, self.num_heads), request.num_prompt_tokens, dtype=torch.int64)
+        # (a request recomputed after a preemption has generated tokens already)
+        generated = request.num_computed_tokens - request.num_prompt_tokens
+        return DecodeCompressor(config, prompt, request.num_computed_tokens, generated)
+
+    def _watch_decode(self, plan: StepCompression, record, num_tokens: int, start: int, end: int, *,
+                      start_job: bool = True) -> bool:
+        """Keep the row's queries when a decode-time compaction is near; when one is due (True), its job starts
+        (over the request's head pages, unless ``start_job`` is False). The scheduler brings a compaction forward
+        when the pool is about to run short."""
+        decode = record.decode
+        if record.req_id in self._step.decode_soon:
+            decode.hurry(num_tokens)
+        if decode.observing(num_tokens):
+            plan.decode_queries.append((decode, start, end))
+        if not decode.due(num_tokens):
+            return False
+        if start_job:
+            self._start_decode_job(plan, record, record.pages, num_tokens)
+        return True
+
+    def _start_decode_job(self, plan: StepCompression, record, source: CompactedRequest, num_tokens: int) -> None:
+        self.requests.start_job(record, DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout))
+        plan.scoring.append(record)
+
+    def _own_blocks(self, step: StepInfo, request, block_table: torch.Tensor, row: int) -> torch.Tensor:
+        """An uncompressed request's blocks holding its tokens after this step, on the host."""
+        used = cdiv(request.num_tokens_after_step, self.block_size)
+        if request.block_ids is not None and step.block_size == self.block_size:
+            # A copy: the host row is a read-only view vLLM rewrites for the next step.
+            return torch.from_numpy(np.array(request.block_ids[:used], dtype=np.int64))
+        return block_table[row, :used].cpu()
+
+    def _host_block_ids(self, step: StepInfo, request, state: CompactedRequest, block_table: torch.Tensor, row: int):
+        """The request's vLLM block ids on the host, for the blocks ``reserve`` turns into head pages.
+
+        The runner hook carries them from vLLM's host block table (``patches/model_runner.step_info``): nothing is
+        read from the device. Where it does not (a step info built without them, several KV-cache groups, vLLM
+        splitting its blocks into smaller kernel blocks than the ids name), the device row is read instead, only in
+        steps where the request grows into a new vLLM block: on CUDA that read synchronises (counted in
+        ``device_block_row_reads``).
+        """
+        if request.block_ids is not None and step.block_size == self.block_size:
+            return request.block_ids
+        if not state.blocks_to_absorb(request.num_tokens_after_step):
+            return None
+        if self.device_block_row_reads == 0:
+            logger.info("rcstat: no host block ids in the step info: reading the device block table as requests grow")
+        self.device_block_row_reads += 1
+        return block_table[row].cpu()
