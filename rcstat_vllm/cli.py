@@ -84,7 +84,7 @@ def serve_main(vllm_args: list[str]) -> int:
 
             vllm_args = [str(fetch_model()), *vllm_args]
     vllm_args = _embedded_model_dtype_args(vllm_args)
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from rcstat_vllm.vllm_private.internals import vllm_cli_main as vllm_main
 
     sys.argv = ["vllm", "serve", *vllm_args]
     vllm_main()

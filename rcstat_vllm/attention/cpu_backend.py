@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.v1.attention.backends.cpu_attn import (
+from rcstat_vllm.vllm_private.cpu_attention import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.v1.attention.backend import AttentionCGSupport
-from vllm.v1.attention.backends.flash_attn import (
+from rcstat_vllm.vllm_private.flash_attention import (
+    AttentionCGSupport,
     FlashAttentionBackend,
     FlashAttentionImpl,
     FlashAttentionMetadata,
     FlashAttentionMetadataBuilder,
+    KVCacheLayout,
+    flash_attn_varlen_func,
+    get_flash_attn_version,
+    reshape_and_cache_flash,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from rcstat_vllm.attention.capabilities import engine_unsupported_reason, model_has_attention_sinks
 from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
@@ -174,8 +177,6 @@ def cuda_backend_unsupported_reason(vllm_config, device_capability) -> str | Non
 
 def flash_attn_version(kv_cache_spec) -> int | None:
     """The FlashAttention version vLLM's builder picks for this spec (as ``FlashAttentionMetadataBuilder``)."""
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-
     return get_flash_attn_version(
         head_size=kv_cache_spec.head_size,
         head_size_v=getattr(kv_cache_spec, "head_size_v", None),
@@ -191,16 +192,12 @@ class FlashAttentionHeadPageKernels(HeadPageKernels):
         self.impl = impl
 
     def write(self, keys, values, key_pages, value_pages, slots, layer):
-        from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
-
-        reshape_and_cache_flash(
+            reshape_and_cache_flash(
             keys, values, key_pages, value_pages, slots, self.impl.kv_cache_dtype, *kv_scales(layer)
         )
 
     def attend(self, queries, key_pages, value_pages, out, plan, layer_index, *, scale, softcap, layer):
-        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-        flash_attn_varlen_func(
+            flash_attn_varlen_func(
             q=queries,
             k=key_pages,
             v=value_pages,

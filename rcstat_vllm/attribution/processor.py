@@ -19,11 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
 from rcstat_vllm.attribution.capture import REQUEST_KEY, attribution_capture, parse_request_options
 from rcstat_vllm.config import ConfigError
+from rcstat_vllm.vllm_private.logits_processors import (
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+    VLLMValidationError,
+)
 
 __all__ = ["RCStatAttributionProcessor", "PROCESSOR_PATH"]
 
@@ -41,9 +45,7 @@ class RCStatAttributionProcessor(LogitsProcessor):
         try:
             parsed = parse_request_options(_setting(sampling_params))
         except ConfigError as exc:
-            try:
-                from vllm.exceptions import VLLMValidationError
-            except ImportError:  # pragma: no cover - older vLLM
+            if VLLMValidationError is None:  # pragma: no cover - older vLLM
                 raise ValueError(str(exc)) from exc
             raise VLLMValidationError(str(exc), parameter=f"vllm_xargs.{REQUEST_KEY}") from exc
         if parsed is not None:

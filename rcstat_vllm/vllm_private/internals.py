@@ -80,6 +80,12 @@ CONTRACTS = (
     Contract("vllm.v1.engine.async_llm:AsyncLLM", attrs=("engine_core",)),
     Contract("vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async", ("self", "method")),
     Contract("vllm.v1.engine.core:EngineCore.collective_rpc", ("self", "method", "timeout", "args", "kwargs")),
+    # the attribution switch (rcstat_vllm/attribution/processor.py, through vllm_private/logits_processors.py)
+    Contract("vllm.v1.sample.logits_processor:LogitsProcessor", attrs=("validate_params", "update_state", "apply")),
+    Contract("vllm.v1.sample.logits_processor:BatchUpdate", attrs=("added", "removed", "moved")),
+    Contract("vllm.v1.sample.logits_processor.interface:MoveDirectionality.SWAP"),
+    # the `vllm` command (rcstat-vllm serve)
+    Contract("vllm.entrypoints.cli.main:main", ()),
 )
 
 
@@ -98,6 +104,13 @@ def cpu_attn_split_kv() -> bool:
     from vllm import envs
 
     return envs.VLLM_CPU_ATTN_SPLIT_KV
+
+
+def vllm_cli_main() -> None:
+    """The ``vllm`` command's entry point (``rcstat-vllm serve`` runs ``vllm serve`` with the embedded model)."""
+    from vllm.entrypoints.cli.main import main
+
+    main()
 
 
 def kv_scales(layer) -> tuple[Any, Any]:
