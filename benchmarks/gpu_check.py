@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from rcstat_vllm.kernels.rc_scoring import rc_scores_paged, rc_scores_paged_reference
-from rcstat_vllm.kernels.snapkv_scoring import snapkv_scores_paged, snapkv_scores_paged_reference
 from rcstat_vllm.scoring import PagedPrompt, RCScorer, SnapKVScorer
+from rcstat_vllm.scoring.methods.rc import rc_scores_paged, rc_scores_paged_reference
+from rcstat_vllm.scoring.methods.snapkv import snapkv_scores_paged, snapkv_scores_paged_reference
 
 #: name -> (query heads, KV heads, head size)
 SHAPES = {

@@ -130,11 +130,11 @@ def plugin_defaults() -> dict:
 
 
 def kvpress_windows() -> dict[str, int]:
-    """The baselines' published observation windows, as the plugin's scorers carry them (SnapKV 64 as kvpress's
-    SnapKVPress, kernel 5; TOVA 1: the last token's attention, as kvpress's TOVAPress)."""
-    from rcstat_vllm.scoring import SnapKVScorer, TOVAScorer
+    """The baselines' published observation windows, as the plugin's method registry lines carry them (SnapKV 64 as
+    kvpress's SnapKVPress, kernel 5; TOVA 1: the last token's attention, as kvpress's TOVAPress)."""
+    from rcstat_vllm.scoring.registry import REGISTRY  # torch-free
 
-    return {"snapkv": SnapKVScorer.default_window_size, "tova": TOVAScorer.default_window_size}
+    return {"snapkv": REGISTRY["snapkv"].window, "tova": REGISTRY["tova"].window}
 
 
 def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:

@@ -125,7 +125,7 @@ def plan(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device
         grouped = queries[:, -window:].reshape(NUM_KV_HEADS, group * window, HEAD_DIM)
         return lambda: torch.matmul(grouped, keys_t)
 
-    rc, snapkv = RCScorer(window_size=RC_WINDOW), SnapKVScorer(window_size=SNAPKV_WINDOW)
+    rc, snapkv = RCScorer.paper(window_size=RC_WINDOW), SnapKVScorer(window_size=SNAPKV_WINDOW)
     rows = [
         (f"matmul w={RC_WINDOW}", RC_WINDOW, None, matmul(RC_WINDOW)),
         ("rc torch", RC_WINDOW, f"matmul w={RC_WINDOW}", lambda: rc.score(q_rc, keys, keys, scale)),
@@ -133,8 +133,8 @@ def plan(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device
         ("snapkv torch", SNAPKV_WINDOW, f"matmul w={SNAPKV_WINDOW}", lambda: snapkv.score(queries, keys, keys, scale)),
     ]
     if device.type == "cuda":
-        from rcstat_vllm.kernels.rc_scoring import rc_scores_paged
-        from rcstat_vllm.kernels.snapkv_scoring import snapkv_scores_paged
+        from rcstat_vllm.scoring.methods.rc import rc_scores_paged
+        from rcstat_vllm.scoring.methods.snapkv import snapkv_scores_paged
 
         cache, table = paged_cache(keys)
         rows += [

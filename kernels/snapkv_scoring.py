@@ -1,16 +1,16 @@
-"""Paged SnapKV scoring (Triton, two passes) with its torch reference.
+"""Paged SnapKV attention (Triton, two passes) with its torch reference.
 
-Same numbers as :class:`rcstat_vllm.scoring.SnapKVScorer` for the non-window tokens: causal softmax of the
-w window queries over the prompt, mean over the window queries and the G query heads of each KV head, then
-average pooling along tokens.
+What SnapKV scores a non-window token by, before pooling: the causal softmax attention of the w window queries
+over the prompt, averaged over the window queries and the G query heads of each KV head. The pooling along tokens
+(and the scorer around it) is :class:`rcstat_vllm.scoring.methods.snapkv.SnapKVScorer`'s; this module holds only
+what reads the key cache, so it imports nothing from scoring.
 
 The softmax needs each window query's normaliser over *all* n keys before any weight is known, so the
 kernel is two passes over the keys, like attention without values:
 1. per tile, each query's log-sum-exp over the tile's non-window tokens (written, [Hkv, tiles, G*w]);
    torch merges the tiles with the window part (w x w causal logits, tiny) into one log-sum-exp per query;
 2. per tile, exp(logit - lse) summed over the G*w queries, written per token.
-Pooling (a 5-wide moving average over n floats) stays in torch. The [G*w, n] weights never hit memory;
-the price is reading the keys twice.
+The [G*w, n] weights never hit memory; the price is reading the keys twice.
 """
 
 from __future__ import annotations
@@ -18,34 +18,40 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rcstat_vllm.scoring.base import smooth_scores
-from rcstat_vllm.scoring.methods.snapkv import SnapKVScorer
-
 from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 
-__all__ = ["snapkv_scores_paged", "snapkv_scores_paged_reference"]
+__all__ = ["window_attention", "snapkv_attention_paged", "snapkv_attention_paged_reference"]
 
 
-def snapkv_scores_paged_reference(
-    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float, kernel_size: int = 5
-) -> Tensor:
-    """Torch reference: gather keys via the block table and run SnapKVScorer. Returns float32 [Hkv, n - w]."""
-    _, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
+def window_attention(queries: Tensor, keys: Tensor, scale: float) -> Tensor:
+    """Causal softmax attention of the w window queries over all n keys, float32 (dense; the scorer's torch path).
+
+    Args:
+        queries: [Hkv, G, w, d], the queries of positions n-w..n-1; keys: [Hkv, n, d].
+    Returns:
+        [Hkv, G, w, n]: window query j (absolute position n-w+j) sees keys 0..n-w+j.
+    """
+    w, n = queries.shape[2], keys.shape[1]
+    logits = torch.einsum("hgjd,hnd->hgjn", queries.float(), keys.float()) * scale
+    # Key i is in query j's future when i > n - w + j.
+    future = torch.ones(w, n, dtype=torch.bool, device=keys.device).triu(diagonal=n - w + 1)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+def snapkv_attention_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int,
+                                     scale: float) -> Tensor:
+    """Torch reference: gather the keys via the block table, :func:`window_attention`, the mean over the window
+    queries and the G query heads. Returns float32 [Hkv, n - w]."""
+    group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
     keys = gather_paged_tokens(key_cache, block_table, 0, num_tokens)
-    scorer = SnapKVScorer(window_size=w, kernel_size=kernel_size)
-    return scorer.score(q_window, keys, keys, scale)[:, : num_tokens - w]
+    queries = q_window.reshape(keys.shape[0], group, w, -1)
+    return window_attention(queries, keys, scale)[..., : num_tokens - w].mean(dim=(1, 2))
 
 
-def snapkv_scores_paged(
-    q_window: Tensor,
-    key_cache: Tensor,
-    block_table: Tensor,
-    num_tokens: int,
-    scale: float,
-    kernel_size: int = 5,
-    block_n: int = 32,
+def snapkv_attention_paged(
+    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float, block_n: int = 32,
 ) -> Tensor:
-    """Triton version of :func:`snapkv_scores_paged_reference` (same arguments): float32 [Hkv, n - w]."""
+    """Triton version of :func:`snapkv_attention_paged_reference` (same arguments): float32 [Hkv, n - w]."""
     group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
     from ._snapkv_triton import snapkv_mean_attention_kernel, snapkv_partial_logsumexp_kernel
 
@@ -80,4 +86,4 @@ def snapkv_scores_paged(
     snapkv_mean_attention_kernel[(num_tiles, num_kv_heads)](
         *common, lse, mean_attention, mean_attention.stride(0), num_scored, scale, **meta
     )
-    return smooth_scores(mean_attention, kernel_size)
+    return mean_attention

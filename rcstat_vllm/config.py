@@ -15,20 +15,23 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+# Both torch-free (this module runs in the scheduler's process): the methods by name, and RC's knobs (its defaults
+# and its QUERY_REDUCTIONS, how the window's queries combine into one score per token).
+from rcstat_vllm.scoring.rc_knobs import QUERY_REDUCTIONS, RC_DEFAULTS
+from rcstat_vllm.scoring.registry import REGISTRY, observing_methods
+
 #: Key of the plugin's section in ``additional_config`` and in ``SamplingParams.extra_args``.
 CONFIG_KEY = "rcstat"
 
-#: Scoring methods. ``none`` is the off switch: the plugin's backend runs but evicts nothing.
-METHODS = ("rc", "snapkv", "tova", "knorm", "streaming", "random", "none")
+#: Scoring methods (the registry's). ``none`` is the off switch: the plugin's backend runs but evicts nothing.
+METHODS = (*REGISTRY, "none")
 
 #: Methods that score the prompt with the attention of its trailing queries (an observation window).
-OBSERVING_METHODS = ("rc", "snapkv")
+OBSERVING_METHODS = observing_methods()
 
 #: Where a budget (``target_ratio``) applies: to each layer alone, or to the whole model at once.
 EVICTION_MODES = ("eager", "lazy")
 BUDGET_SCOPES = ("layer", "model")
-#: RC: how the observation window's queries combine into one score per token (mean = Eq. 6, the paper's).
-QUERY_REDUCTIONS = ("max", "mean")  # the scorers' own list: rcstat_vllm.scoring.rc (this module imports no torch)
 
 
 class ConfigError(ValueError):
@@ -95,24 +98,22 @@ class RCStatConfig:
     method: str = "rc"
     c: float = 1.0
     # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of 40% of the prompt KV, scored by
-    # RC with a 32-token window (the question, not only the chat template's tail) and 3-token smoothing, with the
-    # first 4 tokens (attention sinks) kept by every head; each score carried 8 tokens forward, so a value is kept
-    # with the key the window's queries find (docs/defaults.md, "Carrying scores forward"); each raw score divided by
-    # the square root of its neighbourhood's mean, against RC's drift towards the prompt's end (docs/defaults.md,
-    # "Local contrast"). Lazy eviction: a pool never short loses nothing (no eviction, no scoring), and it ran at
+    # RC at its defaults (RC_DEFAULTS, defined once for the config and the scorer, with why each: a 32-token window,
+    # smoothing, carrying forward, local contrast, the max over queries), with the first 4 tokens (attention sinks)
+    # kept by every head. Lazy eviction: a pool never short loses nothing (no eviction, no scoring), and it ran at
     # least as fast as eager on every workload measured (docs/defaults.md, "Lazy eviction by default").
-    window: int = 32
+    window: int = RC_DEFAULTS.window
     observation_window: int | None = None
     target_ratio: float | None = 0.4
     sink_tokens: int = 4
     min_prompt_len: int = 64
     budget_scope: str = "model"
     layer_floor: float = 0.0
-    smoothing: int = 3
-    carry_forward: int = 8
-    local_contrast: float = 0.5
-    contrast_radius: int = 256
-    query_reduction: str = "max"
+    smoothing: int = RC_DEFAULTS.smoothing
+    carry_forward: int = RC_DEFAULTS.carry_forward
+    local_contrast: float = RC_DEFAULTS.local_contrast
+    contrast_radius: int = RC_DEFAULTS.contrast_radius
+    query_reduction: str = RC_DEFAULTS.query_reduction
     eviction: str = "lazy"
     decode_budget: int | None = None
     decode_interval: int = 128

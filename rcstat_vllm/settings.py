@@ -5,6 +5,7 @@ reach. Plain Python on :class:`~rcstat_vllm.config.RCStatConfig`: no torch, no s
 from __future__ import annotations
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
+from rcstat_vllm.scoring.registry import REGISTRY
 
 
 def request_config(request, server: RCStatConfig) -> tuple[RCStatConfig, str | None]:
@@ -22,9 +23,7 @@ def observed_queries(config: RCStatConfig) -> int:
         return config.observation_window
     if config.method == "rc":
         return config.window
-    from rcstat_vllm.scoring import SCORERS  # (torch: to be replaced by a torch-free method registry)
-
-    return SCORERS[config.method].default_window_size
+    return REGISTRY[config.method].window  # the method's published window (its registry line: no torch)
 
 
 def window_queries(config: RCStatConfig) -> int:

@@ -49,7 +49,7 @@ def test_rc_scorer_hand_worked_and_window_marked():
     # keys [3, 0 | 1, 2], window queries [1, 2]: Y = {1, 2, 4}; token 0: X = {3, 6} -> 14 * 2/(4*3) = 7/3.
     keys = col([[3.0, 0.0, 1.0, 2.0]])
     queries = col([[1.0, 2.0]])
-    scores = RCScorer(window_size=2).score(queries, keys, unused_values(keys), scale=0.125)
+    scores = RCScorer.paper(window_size=2).score(queries, keys, unused_values(keys), scale=0.125)
     assert scores.dtype == torch.float32
     approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
 
@@ -57,10 +57,10 @@ def test_rc_scorer_hand_worked_and_window_marked():
 def test_rc_scorer_uses_trailing_window_queries_only():
     keys = col([[3.0, 0.0, 1.0, 2.0]])
     # Three queries given, window_size 2: the first (99) is ignored; the same result as above.
-    scores = RCScorer(window_size=2).score(col([[99.0, 1.0, 2.0]]), keys, unused_values(keys), 1.0)
+    scores = RCScorer.paper(window_size=2).score(col([[99.0, 1.0, 2.0]]), keys, unused_values(keys), 1.0)
     approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
     # Short prompt: window_size 8 but only 2 queries: uses those 2 (and marks 2 tokens).
-    scores = RCScorer().score(col([[1.0, 2.0]]), keys, unused_values(keys), 1.0)
+    scores = RCScorer.paper().score(col([[1.0, 2.0]]), keys, unused_values(keys), 1.0)
     approx_row(scores[0].tolist(), [7 / 3, 0.0, INF, INF])
 
 
@@ -70,7 +70,7 @@ def test_rc_gqa_mean_follows_vllm_head_grouping():
     queries = col([[2.0], [1.0], [3.0], [4.0]])
     # KV 0: q=2: Y={4}, X=[2, 6] -> [0, 2];  q=1: Y={2}, X=[1, 3] -> [0, 1].
     # KV 1: q=3: Y={3}, X=[15, 0] -> [12, 0]; q=4: Y={4}, X=[20, 0] -> [16, 0].
-    mean = RCScorer(window_size=1).score(queries, keys, unused_values(keys), 1.0)
+    mean = RCScorer.paper(window_size=1).score(queries, keys, unused_values(keys), 1.0)
     approx_row(mean[0].tolist(), [0.0, 1.5, INF])
     approx_row(mean[1].tolist(), [14.0, 0.0, INF])
 
@@ -115,9 +115,9 @@ def test_local_contrast_lets_a_peak_early_in_the_prompt_outrank_the_trend_at_its
 def test_rc_scorer_contrasts_its_scores_before_smoothing_and_carrying():
     keys, queries = torch.randn(2, 40, 8), torch.randn(2, 4, 8)
     values = unused_values(keys)
-    raw = RCScorer(window_size=4).score(queries, keys, values, 1.0)[:, :-4]
+    raw = RCScorer.paper(window_size=4).score(queries, keys, values, 1.0)[:, :-4]
     want = carry_forward(smooth_scores(local_contrast(raw, 0.5, 5), 3), 2)
-    got = RCScorer(window_size=4, smoothing=3, carry_forward=2, local_contrast=0.5, contrast_radius=5).score(
+    got = RCScorer.paper(window_size=4, smoothing=3, carry_forward=2, local_contrast=0.5, contrast_radius=5).score(
         queries, keys, values, 1.0)
     torch.testing.assert_close(got[:, :-4], want)
     assert torch.isinf(got[:, -4:]).all()
@@ -130,7 +130,7 @@ def test_rc_scorer_carries_scores_forward_before_the_window_is_marked():
     # the window tokens stay +inf and carry nothing back.
     keys = col([[3.0, 0.0, 1.0, 2.0]])
     queries = col([[1.0, 2.0]])
-    scores = RCScorer(window_size=2, carry_forward=1).score(queries, keys, unused_values(keys), 1.0)
+    scores = RCScorer.paper(window_size=2, carry_forward=1).score(queries, keys, unused_values(keys), 1.0)
     approx_row(scores[0].tolist(), [7 / 3, 7 / 3, INF, INF])
     with pytest.raises(ValueError, match="carry_forward"):
         RCScorer(carry_forward=-1)
@@ -139,7 +139,7 @@ def test_rc_scorer_carries_scores_forward_before_the_window_is_marked():
 def test_gqa_head_count_must_divide():
     keys = col([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
     with pytest.raises(ValueError, match="query heads"):
-        RCScorer(window_size=1).score(col([[1.0], [1.0], [1.0]]), keys, unused_values(keys), 1.0)
+        RCScorer.paper(window_size=1).score(col([[1.0], [1.0], [1.0]]), keys, unused_values(keys), 1.0)
 
 
 # --------------------------------------------------------------------------------------------- SnapKV
@@ -246,7 +246,9 @@ def test_random_is_seeded_and_uniform():
 def test_registry_defaults_and_options():
     assert sorted(SCORERS) == ["knorm", "random", "rc", "snapkv", "streaming", "tova"]
     defaults = {name: get_scorer(name).window_size for name in SCORERS}
-    assert defaults == {"rc": 8, "snapkv": 64, "tova": 1, "knorm": 0, "streaming": 0, "random": 0}
+    # RC's is the plugin's window (RC_DEFAULTS); the paper's 8 is RCScorer.paper()'s.
+    assert defaults == {"rc": 32, "snapkv": 64, "tova": 1, "knorm": 0, "streaming": 0, "random": 0}
+    assert RCScorer.paper().window_size == 8
     snap = get_scorer("snapkv", window_size=16, kernel_size=3)
     assert (snap.name, snap.window_size, snap.kernel_size) == ("snapkv", 16, 3)
     assert get_scorer("streaming").n_sink == 4
@@ -269,3 +271,30 @@ def test_every_scorer_returns_float32_per_kv_head_token(method):
     assert scores.shape == (2, 20)
     assert scores.dtype == torch.float32
     assert not torch.isnan(scores).any()
+
+
+def test_every_registry_line_loads_its_scorer_with_its_published_window():
+    """The torch-free registry is the one list: its lines load the scorers SCORERS holds, each named as its line,
+    each taking its published window from it; the config's methods are the lines and its off switch."""
+    from rcstat_vllm.config import METHODS, OBSERVING_METHODS
+    from rcstat_vllm.scoring.registry import REGISTRY
+
+    assert {name: line.load() for name, line in REGISTRY.items()} == SCORERS
+    for name, line in REGISTRY.items():
+        assert SCORERS[name].name == name and SCORERS[name].default_window_size == line.window
+    assert METHODS == (*REGISTRY, "none") and OBSERVING_METHODS == ("rc", "snapkv")
+
+
+def test_rc_scorer_defaults_are_the_configs_and_the_paper_preset_the_papers():
+    """RC's knobs are defined once (rc_knobs): RCScorer() is the scorer the default config builds, and
+    RCScorer.paper() Eq. 6 as the paper scores it (mean over an 8-query window, nothing after)."""
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.settings import scorer_options
+
+    knobs = ("window_size", "smoothing", "carry_forward", "local_contrast", "contrast_radius", "query_reduction")
+    configured = get_scorer("rc", **scorer_options(RCStatConfig()))
+    assert {k: getattr(RCScorer(), k) for k in knobs} == {k: getattr(configured, k) for k in knobs}
+    assert {k: getattr(RCScorer.paper(), k) for k in knobs} == {
+        "window_size": 8, "smoothing": 1, "carry_forward": 0, "local_contrast": 0.0, "contrast_radius": 256,
+        "query_reduction": "mean"}
+    assert RCScorer.paper(window_size=2).window_size == 2

@@ -246,3 +246,17 @@ def test_query_reductions_are_the_scorers():
     from rcstat_vllm.scoring.rc import QUERY_REDUCTIONS as SCORER_REDUCTIONS
 
     assert set(QUERY_REDUCTIONS) == set(SCORER_REDUCTIONS)
+
+
+def test_config_and_settings_import_no_torch():
+    """The scheduler's process reads methods, windows and RC's defaults through the torch-free registry: importing the
+    config and the settings, and asking what a baseline observes, leaves torch unimported (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rcstat_vllm.settings, rcstat_vllm.config; from rcstat_vllm.settings import observed_queries; "
+            "from rcstat_vllm.config import RCStatConfig; "
+            "assert [observed_queries(RCStatConfig(method=m)) for m in ('rc', 'snapkv', 'tova')] == [32, 64, 1]; "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

@@ -8,6 +8,7 @@ import torch
 from rcstat_vllm.paging.compaction import blocks_needed, compact_request, recompact_request
 from rcstat_vllm.settings import scorer_options
 from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.scoring.rc_knobs import RC_PAPER
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CPU_VEC
@@ -223,8 +224,8 @@ SHIPPED = scorer_options(RCStatConfig(window=8))
                                              ("rc", {"window_size": 8, "smoothing": 3, "carry_forward": 8,
                                                      "query_reduction": "max", "local_contrast": 0.5,
                                                      "contrast_radius": 5}),
-                                             ("rc", {"window_size": 8, "smoothing": 3, "carry_forward": 8}),
-                                             ("rc", {"window_size": 8}), ("snapkv", {"window_size": 8}),
+                                             ("rc", {**RC_PAPER.scorer_options(), "smoothing": 3, "carry_forward": 8}),
+                                             ("rc", RC_PAPER.scorer_options()), ("snapkv", {"window_size": 8}),
                                              ("tova", {}), ("streaming", {})],
                          ids=["rc-shipped-defaults", "rc-max-contrast-radius5", "rc-smoothed-carried", "rc-eq6",
                               "snapkv", "tova", "streaming"])

@@ -33,9 +33,12 @@ for _name in _JIT_MODULES:
         importlib.reload(sys.modules[_module])
 
 from rcstat_vllm.kernels.paged import gather_paged_tokens  # noqa: E402
-from rcstat_vllm.kernels.rc_scoring import rc_scores_paged, rc_scores_paged_reference  # noqa: E402
-from rcstat_vllm.kernels.snapkv_scoring import snapkv_scores_paged, snapkv_scores_paged_reference  # noqa: E402
+from rcstat_vllm.kernels.rc_scoring import rc_table_scores_paged, rc_table_scores_paged_reference  # noqa: E402
+from rcstat_vllm.kernels.snapkv_scoring import snapkv_attention_paged, snapkv_attention_paged_reference  # noqa: E402
 from rcstat_vllm.scoring import RCScorer, expected_rc  # noqa: E402
+from rcstat_vllm.scoring.methods.rc import rc_scores_paged, rc_scores_paged_reference  # noqa: E402
+from rcstat_vllm.scoring.methods.snapkv import snapkv_scores_paged, snapkv_scores_paged_reference  # noqa: E402
+from rcstat_vllm.scoring.rc import window_self_logits  # noqa: E402
 
 
 def paged_request(num_kv_heads, head_dim, num_tokens, block_size, seed, dtype=torch.float32, num_blocks=12):
@@ -102,12 +105,42 @@ def test_rc_reference_equals_scorer_on_gathered_keys():
     key_cache, block_table, gen = paged_request(2, 8, 21, 4, seed=3, dtype=torch.float64)
     q_window = torch.randn(6, 8, 8, generator=gen, dtype=torch.float64).to(DEVICE)
     keys = gather_paged_tokens(key_cache, block_table, 0, 21)
-    scorer_scores = RCScorer(window_size=8).score(q_window, keys, keys, 1.0)
+    scorer_scores = RCScorer.paper(window_size=8).score(q_window, keys, keys, 1.0)
     paged = rc_scores_paged_reference(q_window, key_cache, block_table, 21)
     torch.testing.assert_close(paged.float(), scorer_scores[:, :13], rtol=1e-6, atol=1e-6)
     # And for G = 1 the paged reference is plain expected_rc on the gathered keys.
     single = rc_scores_paged_reference(q_window[::3], key_cache, block_table, 21)
     torch.testing.assert_close(single, expected_rc(q_window[::3], keys), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("max_over_queries", [False, True])
+def test_rc_kernel_matches_its_own_torch_reference(max_over_queries):
+    """The kernel module's contract alone (a given table of sorted window self logits), against the reference beside
+    it, which sums every gap max(x - y, 0) by the definition."""
+    num_kv_heads, group, window, head_dim, num_tokens = 2, 3, 4, 24, 37
+    key_cache, block_table, gen = paged_request(num_kv_heads, head_dim, num_tokens, 8, seed=2)
+    q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen).to(DEVICE)
+    window_keys = gather_paged_tokens(key_cache, block_table, num_tokens - window, num_tokens)
+    table = window_self_logits(q_window.reshape(num_kv_heads, group, window, head_dim), window_keys)
+    args = (q_window, key_cache, block_table, num_tokens, table.sorted, table.prefix, table.center, max_over_queries)
+    got = rc_table_scores_paged(*args, block_n=16)
+    want = rc_table_scores_paged_reference(*args)
+    assert got.shape == want.shape == (num_kv_heads, num_tokens - window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # And the scorer's wrapper is that table and that kernel (Eq. 6, or its max over queries).
+    reduction = "max" if max_over_queries else "mean"
+    torch.testing.assert_close(rc_scores_paged(q_window, key_cache, block_table, num_tokens, query_reduction=reduction),
+                               want, rtol=1e-5, atol=1e-5)
+
+
+def test_snapkv_kernel_matches_its_own_torch_reference():
+    """The mean window attention the kernel writes (before the scorer's pooling), against the reference beside it."""
+    key_cache, block_table, gen = paged_request(2, 24, 45, 16, seed=4)
+    q_window = torch.randn(6, 8, 24, generator=gen).to(DEVICE)
+    got = snapkv_attention_paged(q_window, key_cache, block_table, 45, scale=0.4, block_n=16)
+    want = snapkv_attention_paged_reference(q_window, key_cache, block_table, 45, scale=0.4)
+    assert got.shape == want.shape == (2, 45 - 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 HALF = [

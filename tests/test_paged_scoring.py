@@ -41,6 +41,7 @@ from rcstat_vllm.config import RCStatConfig  # noqa: E402
 from rcstat_vllm.paging.compaction import gather_prompt  # noqa: E402
 from rcstat_vllm.paging.kv_layout import CPU_VEC, FLASH  # noqa: E402
 from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
+from rcstat_vllm.scoring.rc_knobs import RC_PAPER  # noqa: E402
 
 # SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.
 KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 64, 16, 12
@@ -66,7 +67,7 @@ def compressor(config, num_tokens, block_row, num_layers=1):
 
 @pytest.fixture
 def spy_kernels(monkeypatch):
-    """Counts the launches of the paged kernels (the scorers import them from these modules when they run)."""
+    """Counts the launches of the paged kernels (the scorers call them through these modules)."""
     calls = {"rc": 0, "snapkv": 0}
 
     def counting(name, kernel):
@@ -76,8 +77,9 @@ def spy_kernels(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(rc_scoring, "rc_scores_paged", counting("rc", rc_scoring.rc_scores_paged))
-    monkeypatch.setattr(snapkv_scoring, "snapkv_scores_paged", counting("snapkv", snapkv_scoring.snapkv_scores_paged))
+    monkeypatch.setattr(rc_scoring, "rc_table_scores_paged", counting("rc", rc_scoring.rc_table_scores_paged))
+    monkeypatch.setattr(snapkv_scoring, "snapkv_attention_paged",
+                        counting("snapkv", snapkv_scoring.snapkv_attention_paged))
     return calls
 
 
@@ -155,14 +157,19 @@ def test_triton_path_on_half_caches_is_close_to_the_float32_reference(monkeypatc
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * scale)
 
 
+#: RC's knobs as the paper scores (RCScorer.paper()), the base the RC cases below vary from.
+PAPER = RC_PAPER.scorer_options()
+
 #: Every registered method with its defaults and with other values of its knobs (as kvpress's presses drive its
 #: tests): the scorer contract below runs on each. A new method (or knob) needs a case here.
 SCORER_CASES = [
     ("rc", {}),
-    ("rc", {"window_size": 4, "smoothing": 3}),
-    ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5}),
-    ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5, "query_reduction": "max"}),
-    ("rc", {"window_size": 4, "smoothing": 3, "carry_forward": 5, "local_contrast": 0.5, "contrast_radius": 7}),
+    ("rc", PAPER),
+    ("rc", {**PAPER, "window_size": 4, "smoothing": 3}),
+    ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5}),
+    ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "query_reduction": "max"}),
+    ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "local_contrast": 0.5,
+            "contrast_radius": 7}),
     ("snapkv", {}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
     ("tova", {}),
@@ -172,7 +179,15 @@ SCORER_CASES = [
     ("random", {}),
     ("random", {"seed": 5}),
 ]
-CASE_IDS = [method + "".join(f"-{k}={v}" for k, v in knobs.items()) for method, knobs in SCORER_CASES]
+
+
+def case_id(method: str, knobs: dict) -> str:
+    """``rc-paper-window_size=4``: the method, the paper preset if the case starts from it, the knobs it sets."""
+    base = PAPER if method == "rc" and PAPER.keys() <= knobs.keys() else {}
+    return method + ("-paper" if base else "") + "".join(f"-{k}={v}" for k, v in knobs.items() if base.get(k) != v)
+
+
+CASE_IDS = [case_id(method, knobs) for method, knobs in SCORER_CASES]
 
 
 def test_scorer_cases_cover_every_registered_method_and_knob():

@@ -319,7 +319,8 @@ def _rows(kind: str, generator: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["normal", "outlier", "ties", "constant"])
 def test_count_below_equals_searchsorted_whatever_the_spread(kind):
     """Random x, x equal to y values (a tie counts nothing: side="left"), beyond both ends, infinite and NaN x."""
-    from rcstat_vllm.scoring.rc import WindowSelfLogits, _BinnedSearch
+    from rcstat_vllm.scoring.binned_search import BinnedSearch as _BinnedSearch
+    from rcstat_vllm.scoring.rc import WindowSelfLogits
 
     g = torch.Generator().manual_seed(1)
     sorted_y = _rows(kind, g)

@@ -28,6 +28,8 @@ from torch import Tensor
 
 from rcstat_vllm.kernels.paged import gather_paged_tokens
 
+from .registry import REGISTRY
+
 __all__ = [
     "Scorer",
     "PagedPrompt",
@@ -175,9 +177,9 @@ class Scorer(ABC):
 
     Attributes:
         window_size: how many trailing prompt queries :meth:`score` needs (0 = none; None = the method's
-            ``default_window_size``). Given fewer (short prompt), a scorer uses what it gets; given more, it uses
-            the last ``window_size``.
-        name: registry name (see :data:`rcstat_vllm.scoring.SCORERS`).
+            ``default_window_size``, its registry line's ``window``). Given fewer (short prompt), a scorer uses what
+            it gets; given more, it uses the last ``window_size``.
+        name: registry name (its line in :data:`rcstat_vllm.scoring.registry.REGISTRY`).
         needs_keys, needs_values: whether :meth:`score` reads the prompt's keys / values; :meth:`score_paged`
             gathers nothing else (no method here reads values: a value-aware one would set ``needs_values``).
     """
@@ -188,6 +190,14 @@ class Scorer(ABC):
     needs_values: ClassVar[bool] = False
 
     window_size: int | None = None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # The published window is defined once, on the method's registry line (the torch-free settings read it
+        # there); a scorer with no line (a test's own) keeps the one it declares.
+        line = REGISTRY.get(getattr(cls, "name", None))
+        if line is not None:
+            cls.default_window_size = line.window
 
     def __post_init__(self) -> None:
         requested = self.window_size

@@ -87,9 +87,9 @@ def worker(spec: dict) -> dict:
 
         return run
 
-    # The scorers look the kernels up in these modules when they run (as tests/test_paged_scoring.py's spy).
-    rc_scoring.rc_scores_paged = counting("rc", rc_scoring.rc_scores_paged)
-    snapkv_scoring.snapkv_scores_paged = counting("snapkv", snapkv_scoring.snapkv_scores_paged)
+    # The scorers call the kernel launchers through these modules (as tests/test_paged_scoring.py's spy).
+    rc_scoring.rc_table_scores_paged = counting("rc", rc_scoring.rc_table_scores_paged)
+    snapkv_scoring.snapkv_attention_paged = counting("snapkv", snapkv_scoring.snapkv_attention_paged)
 
     def result_of(request_id: str):
         owner = worker_compression_of(runner.vllm_config)

@@ -1,32 +1,16 @@
 """The scoring methods, one per module, each a :class:`~rcstat_vllm.scoring.base.Scorer` dataclass whose fields
-are its knobs; :data:`SCORERS` registers them by the config's method name (``none``, the config's off switch, is
-not a scorer: the caller skips scoring altogether)."""
+are its knobs. Which exist, and where: :data:`rcstat_vllm.scoring.registry.REGISTRY` (torch-free); here they are
+loaded (``none``, the config's off switch, is not a scorer: the caller skips scoring altogether)."""
 
 from __future__ import annotations
 
 from ..base import Scorer
-from .knorm import KnormScorer
-from .random import RandomScorer
-from .rc import RCScorer
-from .snapkv import SnapKVScorer
-from .streaming import StreamingLLMScorer
-from .tova import TOVAScorer
+from ..registry import REGISTRY, method as registered
 
-__all__ = [
-    "SCORERS",
-    "get_scorer",
-    "RCScorer",
-    "SnapKVScorer",
-    "TOVAScorer",
-    "KnormScorer",
-    "StreamingLLMScorer",
-    "RandomScorer",
-]
+__all__ = ["SCORERS", "get_scorer"]
 
-SCORERS: dict[str, type[Scorer]] = {
-    cls.name: cls
-    for cls in (RCScorer, SnapKVScorer, TOVAScorer, KnormScorer, StreamingLLMScorer, RandomScorer)
-}
+#: The scorer class of every registered method, by name.
+SCORERS: dict[str, type[Scorer]] = {name: line.load() for name, line in REGISTRY.items()}
 
 
 def get_scorer(method: str, **options) -> Scorer:
@@ -36,12 +20,8 @@ def get_scorer(method: str, **options) -> Scorer:
         ValueError: unknown method (the message lists the allowed ones), or an option the method does not have
             (the message lists its options).
     """
-    try:
-        scorer_cls = SCORERS[method]
-    except KeyError:
-        raise ValueError(
-            f"unknown scoring method {method!r}; allowed: {', '.join(sorted(SCORERS))}"
-        ) from None
+    registered(method)  # the unknown-method error, listing the allowed names
+    scorer_cls = SCORERS[method]
     unknown = sorted(set(options) - set(scorer_cls.options()))
     if unknown:
         raise ValueError(

@@ -15,7 +15,6 @@ class KnormScorer(Scorer):
     """Knorm: score = -||k_i||_2 (no queries)."""
 
     name = "knorm"
-    default_window_size = 0
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         return -torch.linalg.vector_norm(keys.float(), dim=-1)

@@ -22,7 +22,6 @@ class RandomScorer(Scorer):
     """
 
     name = "random"
-    default_window_size = 0
     needs_keys = False
 
     seed: int = 0

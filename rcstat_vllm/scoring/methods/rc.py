@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+from rcstat_vllm.kernels import rc_scoring as rc_kernel
+from rcstat_vllm.kernels.paged import check_paged_inputs, gather_paged_tokens
 
 from ..base import (
     PagedPrompt,
@@ -16,7 +20,10 @@ from ..base import (
     mark_window_kept,
     smooth_scores,
 )
-from ..rc import check_query_reduction, expected_rc_grouped
+from ..rc import check_query_reduction, expected_rc_grouped, window_self_logits
+from ..rc_knobs import RC_DEFAULTS, RC_PAPER
+
+__all__ = ["RCScorer", "rc_scores_paged", "rc_scores_paged_reference"]
 
 
 @dataclass(eq=False)
@@ -42,13 +49,20 @@ class RCScorer(Scorer):
     """
 
     name = "rc"
-    default_window_size = 8
 
-    smoothing: int = 1
-    carry_forward: int = 0
-    local_contrast: float = 0.0
-    contrast_radius: int = 256
-    query_reduction: str = "mean"
+    # The plugin's defaults (RC_DEFAULTS, the config's too), so RCScorer() scores as RCStatConfig() does; the
+    # paper's scores: RCScorer.paper().
+    smoothing: int = RC_DEFAULTS.smoothing
+    carry_forward: int = RC_DEFAULTS.carry_forward
+    local_contrast: float = RC_DEFAULTS.local_contrast
+    contrast_radius: int = RC_DEFAULTS.contrast_radius
+    query_reduction: str = RC_DEFAULTS.query_reduction
+
+    @classmethod
+    def paper(cls, **knobs) -> "RCScorer":
+        """The RCStat paper's scorer (:data:`~rcstat_vllm.scoring.rc_knobs.RC_PAPER`: Eq. 6 over an 8-query window,
+        no contrast, smoothing or carrying), with ``knobs`` changed."""
+        return cls(**{**RC_PAPER.scorer_options(), **knobs})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,11 +110,51 @@ class RCScorer(Scorer):
         return prompt.kernel_dtype
 
     def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
-        # lazy: the kernels module imports scoring
-        from rcstat_vllm.kernels.rc_scoring import rc_scores_paged
-
         queries = self._paged_window(q_window, prompt)
         # [Hkv, n - w'] for the non-window tokens, already the GQA mean; RC is scale-free (no ``scale``).
         scores = rc_scores_paged(queries, prompt.keys, prompt.block_table, prompt.num_tokens,
                                  query_reduction=self.query_reduction)
         return self._finish(scores, queries.shape[1])
+
+
+def rc_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int,
+                              query_reduction: str = "mean") -> Tensor:
+    """Torch reference of :func:`rc_scores_paged`: gather the request's keys via the block table, then
+    :func:`~rcstat_vllm.scoring.rc.expected_rc_grouped` and the GQA mean.
+
+    Args:
+        q_window:    [Hq, w, d] queries of the last w prompt positions.
+        key_cache:   [num_blocks, Hkv, block_size, d] (strided views fine).
+        block_table: [pages] int32 block ids of this request, in token order.
+        num_tokens:  n, prompt length.
+        query_reduction: ``mean`` (Eq. 6) or ``max`` over the window's queries.
+    Returns:
+        float32 [Hkv, n - w] (float64 for float64 inputs).
+    """
+    group, _ = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
+    keys = gather_paged_tokens(key_cache, block_table, 0, num_tokens)
+    queries = q_window.reshape(keys.shape[0], group, *q_window.shape[1:])
+    return expected_rc_grouped(queries, keys, query_reduction).mean(dim=1)
+
+
+def rc_scores_paged(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, block_n: int = 64,
+                    query_reduction: str = "mean") -> Tensor:
+    """RC's scores of the non-window tokens read in place (same arguments as the reference): float32 [Hkv, n - w].
+
+    What is small is done here in torch: the window's w keys are gathered, its w(w+1)/2 causal self logits per query
+    head sorted and prefix-summed (:func:`~rcstat_vllm.scoring.rc.window_self_logits`); the paged kernel
+    (:func:`rcstat_vllm.kernels.rc_scoring.rc_table_scores_paged`) then scores every token against that table. The
+    queries are cast to the cache's dtype first, the table made from the cast ones: the kernel's logits are too.
+    """
+    group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
+    check_query_reduction(query_reduction)
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+    num_scored = num_tokens - w
+    if num_scored == 0:
+        return torch.empty(num_kv_heads, 0, dtype=torch.float32, device=key_cache.device)
+    queries = q_window.to(key_cache.dtype)
+    window_keys = gather_paged_tokens(key_cache, block_table, num_scored, num_tokens)
+    table = window_self_logits(queries.float().reshape(num_kv_heads, group, w, head_dim), window_keys.float())
+    # Through the module, so a test's or a GPU check's spy on the launcher sees each launch.
+    return rc_kernel.rc_table_scores_paged(queries, key_cache, block_table, num_tokens, table.sorted, table.prefix,
+                                           table.center, max_over_queries=query_reduction == "max", block_n=block_n)

@@ -7,22 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rcstat_vllm.kernels import snapkv_scoring as snapkv_kernel
+from rcstat_vllm.kernels.paged import check_paged_inputs, gather_paged_tokens
+from rcstat_vllm.kernels.snapkv_scoring import window_attention
+
 from ..base import PagedPrompt, Scorer, check_odd, mark_window_kept, smooth_scores
 
-
-def window_attention(queries: Tensor, keys: Tensor, scale: float) -> Tensor:
-    """Causal softmax attention of the w window queries over all n keys, float32.
-
-    Args:
-        queries: [Hkv, G, w, d], the queries of positions n-w..n-1; keys: [Hkv, n, d].
-    Returns:
-        [Hkv, G, w, n]: window query j (absolute position n-w+j) sees keys 0..n-w+j.
-    """
-    w, n = queries.shape[2], keys.shape[1]
-    logits = torch.einsum("hgjd,hnd->hgjn", queries.float(), keys.float()) * scale
-    # Key i is in query j's future when i > n - w + j.
-    future = torch.ones(w, n, dtype=torch.bool, device=keys.device).triu(diagonal=n - w + 1)
-    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+__all__ = ["SnapKVScorer", "snapkv_scores_paged", "snapkv_scores_paged_reference"]
 
 
 @dataclass(eq=False)
@@ -39,7 +30,6 @@ class SnapKVScorer(Scorer):
     """
 
     name = "snapkv"
-    default_window_size = 64
 
     kernel_size: int = 5
 
@@ -63,12 +53,31 @@ class SnapKVScorer(Scorer):
         return prompt.kernel_dtype
 
     def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
-        # lazy: it imports this module
-        from rcstat_vllm.kernels.snapkv_scoring import snapkv_scores_paged
-
         queries = self._paged_window(q_window, prompt)
         # Softmax of logits * scale (the kernel takes the layer's scale, as :meth:`score`), pooled: [Hkv, n - w'].
         scores = snapkv_scores_paged(
             queries, prompt.keys, prompt.block_table, prompt.num_tokens, scale, self.kernel_size
         )
         return mark_window_kept(scores, queries.shape[1])
+
+
+def snapkv_scores_paged_reference(
+    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float, kernel_size: int = 5
+) -> Tensor:
+    """Torch reference of :func:`snapkv_scores_paged`: gather keys via the block table and run SnapKVScorer.
+    Returns float32 [Hkv, n - w]."""
+    _, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
+    keys = gather_paged_tokens(key_cache, block_table, 0, num_tokens)
+    scorer = SnapKVScorer(window_size=w, kernel_size=kernel_size)
+    return scorer.score(q_window, keys, keys, scale)[:, : num_tokens - w]
+
+
+def snapkv_scores_paged(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float,
+                        kernel_size: int = 5, block_n: int = 32) -> Tensor:
+    """SnapKV's scores of the non-window tokens read in place: the paged kernel's mean window attention
+    (:func:`rcstat_vllm.kernels.snapkv_scoring.snapkv_attention_paged`), pooled along tokens in torch (a
+    ``kernel_size``-wide moving average over n floats). Same arguments as the reference: float32 [Hkv, n - w]."""
+    # Through the module, so a test's or a GPU check's spy on the launcher sees each launch.
+    mean_attention = snapkv_kernel.snapkv_attention_paged(q_window, key_cache, block_table, num_tokens, scale,
+                                                          block_n=block_n)
+    return smooth_scores(mean_attention, kernel_size)

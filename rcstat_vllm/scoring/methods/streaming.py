@@ -23,7 +23,6 @@ class StreamingLLMScorer(Scorer):
     """
 
     name = "streaming"
-    default_window_size = 0
     needs_keys = False  # positions only
 
     n_sink: int = 4

@@ -19,7 +19,6 @@ class TOVAScorer(Scorer):
     """
 
     name = "tova"
-    default_window_size = 1
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         if self.window_size < 1:
