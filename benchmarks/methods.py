@@ -63,7 +63,7 @@ def rc_label(c: float) -> str:
     return f"rc_c{c:g}"
 
 
-#: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (README, "Defaults"):
+#: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (docs/defaults.md):
 #: Eq. 6's mean over an 8-token window's queries, no smoothing, no carrying, no local contrast, no sinks, a per-layer
 #: budget. Every field a default has ever changed is spelled out, so a row that pins it keeps its meaning.
 PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "carry_forward": 0, "budget_scope": "layer",
@@ -217,7 +217,7 @@ def _rc_variant(window: int, scope: str, smoothing: int, sinks: int = 0, carry_f
             **extra}
 
 
-#: RC variants of the high-compression ablation (README, "Moving the 0.8 cliff"): label -> settings on top of
+#: RC variants of the high-compression ablation (benchmarks/results/accuracy_cliff*.json): label -> settings on top of
 #: {"method": "rc", "target_ratio": r}.
 CLIFF_VARIANTS = {
     "rc_layer_w8": _rc_variant(8, "layer", 1),
@@ -227,7 +227,7 @@ CLIFF_VARIANTS = {
     "rc_model_w16_s5": _rc_variant(16, "model", 5),
     "rc_model_w32_s3": _rc_variant(32, "model", 3),
     "rc_model_w32_s5": _rc_variant(32, "model", 5),
-    # The 0.5 default's three changes one at a time (README, "Defaults"): rc_model_w32_s3 was that default,
+    # The 0.5 default's three changes one at a time (docs/defaults.md): rc_model_w32_s3 was that default,
     # rc_model_w32 drops the smoothing, these two drop the window and the model-wide budget.
     "rc_model_w8_s3": _rc_variant(8, "model", 3),
     "rc_layer_w32_s3": _rc_variant(32, "layer", 3),

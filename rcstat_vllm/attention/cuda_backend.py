@@ -15,7 +15,7 @@ scoring, compaction, page bookkeeping, reports) except the kernels:
   and its G query heads.
 
 Verified on CPU tensors against torch references (tests/test_backend_cuda.py); vLLM's CUDA build cannot run on
-the machines this was written on, so nothing here has run inside a CUDA vLLM (see README, "CUDA").
+the machines this was written on, so nothing here has run inside a CUDA vLLM (see docs/design.md, "CUDA").
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     # over vLLM's logical block table would read a compressed request's freed prompt blocks: attention runs
     # eager. vLLM then turns its default FULL_AND_PIECEWISE into PIECEWISE (graphs for everything but attention),
     # for every batch, method "none" included; an explicit FULL mode fails at start-up (vLLM's own check).
-    # See README, "CUDA graphs", for what that costs and the alternative not built.
+    # See docs/design.md, "CUDA graphs", for what that costs and the alternative not built.
     _cudagraph_support = AttentionCGSupport.NEVER
     # Metadata must be built per KV-cache group from the step's plan, never copied with a new block table.
     supports_update_block_table = False

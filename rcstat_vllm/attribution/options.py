@@ -33,7 +33,7 @@ class AttributionOptions:
             ``mean`` is Eq. 10 as the paper writes it; the others choose tokens of the span first. Default
             ``window``: Eq. 10 as written averages a long chunk's one relevant sentence over all its tokens
             (benchmarks/attribution.py, long chunks: top-1 chunk 0.57 with ``mean``, 0.97 with ``window``
-            of 8 tokens, on the tuning set; README "Attribution").
+            of 8 tokens, on the tuning set; docs/attribution.md, "How the default was chosen").
         span_window: tokens of the ``window`` / ``top`` selections (a shorter span uses all its tokens).
     """
 

@@ -128,7 +128,7 @@ def host_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [c.view(t.shape).to(t.dtype) for c, t in zip(copies, tensors)]
 
 
-#: How a model-wide budget makes layers' scores comparable (measured against the others: README, "Which mode").
+#: How a model-wide budget makes layers' scores comparable (measured against the others: docs/defaults.md, "Which mode").
 MODEL_BUDGET_COMPARABLE = "layer_mean"
 
 
