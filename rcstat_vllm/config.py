@@ -97,7 +97,7 @@ class RCStatConfig:
 
     method: str = "rc"
     c: float = 1.0
-    # Defaults chosen by measurement (README, "Defaults"): a model-wide budget of 40% of the prompt KV, scored by
+    # Defaults chosen by measurement (docs/defaults.md): a model-wide budget of 40% of the prompt KV, scored by
     # RC at its defaults (RC_DEFAULTS, defined once for the config and the scorer, with why each: a 32-token window,
     # smoothing, carrying forward, local contrast, the max over queries), with the first 4 tokens (attention sinks)
     # kept by every head. Lazy eviction: a pool never short loses nothing (no eviction, no scoring), and it ran at

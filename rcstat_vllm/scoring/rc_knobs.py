@@ -39,7 +39,7 @@ class RCKnobs:
         return options
 
 
-#: The plugin's defaults, chosen by measurement (README, "Defaults"; docs/defaults.md): a 32-token window (the
+#: The plugin's defaults, chosen by measurement (docs/defaults.md): a 32-token window (the
 #: question, not only the chat template's tail), 3-token smoothing; each score carried 8 tokens forward, so a value
 #: is kept with the key the window's queries find ("Carrying scores forward"); each raw score divided by the square
 #: root of its neighbourhood's mean (radius 256), against RC's drift towards the prompt's end ("Local contrast");
