@@ -7,8 +7,12 @@
   send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`), with the
   requests whose decode-time compaction the workers bring forward (:mod:`rcstat_vllm.engine.decode_pressure`).
 - ``FullAttentionManager.cache_blocks``: a compacted request's blocks never become prefix-cache entries.
-- ``SingleTypeKVCacheManager.pop_blocks_for_free``: forget a request's compacted blocks when vLLM frees them.
+- ``SingleTypeKVCacheManager.pop_blocks_for_free``: forget the request (its record) when vLLM frees its blocks.
 - ``KVCacheManager.get_computed_blocks``: clip a hit before the observation window; no hit returns a compacted block.
+
+Adapters only: they read vLLM's objects into the pressure policy's snapshot (:mod:`rcstat_vllm.engine.pressure_policy`,
+where the decisions are made) and hand its decisions and vLLM's block lists to the engine's state (its request
+table: :mod:`rcstat_vllm.engine.requests`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from rcstat_vllm.engine.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides, server_config
-from rcstat_vllm.engine.decode_pressure import RunningRequest
+from rcstat_vllm.engine import pressure_policy
+from rcstat_vllm.engine.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
+from rcstat_vllm.engine.pressure_policy import RunningRequest
+from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.log import logger
 from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.worker.step import Compaction
@@ -101,28 +107,33 @@ def running_request_blocks(scheduler, req_id: str) -> list | None:
     return request_blocks(scheduler.kv_cache_manager, req_id) if is_running(scheduler, req_id) else None
 
 
-def running_request_tokens(scheduler, req_id: str) -> tuple[list, int] | None:
-    """A running request's block list and the tokens in its cache (lazy eviction compacts them); None otherwise."""
-    if not is_running(scheduler, req_id):
-        return None
+def running_request_tokens(scheduler, req_id: str) -> tuple[list, int]:
+    """A running request's block list and the tokens in its cache (lazy eviction compacts them)."""
     return request_blocks(scheduler.kv_cache_manager, req_id), scheduler.requests[req_id].num_computed_tokens
 
 
-def blocks_wanted(scheduler) -> tuple[int, str]:
-    """The blocks the coming schedule is about to take (an upper bound), and what wants them: each running request's
-    blocks up to its next token (the rest of its prompt for a prefill in chunks), and the first waiting request's
-    whole prompt (its prefix-cache hits not counted)."""
+def block_size(scheduler) -> int:
+    return scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
+
+
+def running_snapshot(scheduler, state: EngineCompaction | None = None) -> tuple[RunningRequest, ...]:
+    """vLLM's running requests as the pressure policy reads them (with their records' decode-time data)."""
     manager = scheduler.kv_cache_manager
-    block_size = manager.coordinator.single_type_managers[0].block_size
-    growth = 0
-    for request in scheduler.running:
-        held = len(request_blocks(manager, request.request_id))
-        growth += max(0, -(-request.num_tokens // block_size) - held)
-    waiting = 0
-    if len(scheduler.waiting):
-        waiting = -(-scheduler.waiting.peek_request().num_tokens // block_size)
-    reason = f"{growth} blocks for running requests' growth and {waiting} for the first waiting request"
-    return growth + waiting, reason
+    held = [(r.request_id, r.num_tokens, len(request_blocks(manager, r.request_id))) for r in scheduler.running]
+    if state is None:
+        return tuple(RunningRequest(*request) for request in held)
+    return tuple(state.decode_pressure.running(*request) for request in held)
+
+
+def first_waiting_tokens(scheduler) -> int:
+    return scheduler.waiting.peek_request().num_tokens if len(scheduler.waiting) else 0
+
+
+def blocks_wanted(scheduler) -> tuple[int, str]:
+    """The blocks the coming schedule is about to take (an upper bound), and what wants them
+    (:func:`~rcstat_vllm.engine.pressure_policy.blocks_wanted`)."""
+    return pressure_policy.blocks_wanted(running_snapshot(scheduler), first_waiting_tokens(scheduler),
+                                         block_size(scheduler))
 
 
 def decode_config(server: RCStatConfig, request) -> RCStatConfig | None:
@@ -135,55 +146,43 @@ def decode_config(server: RCStatConfig, request) -> RCStatConfig | None:
     return config if config.decode_compression else None
 
 
-def running_requests(scheduler, configs: list) -> list[RunningRequest] | None:
-    """The running requests as the pressure checks read them (``configs``: each one's config when it compresses
-    generated KV, else None), None when none does."""
-    if all(config is None for config in configs):
-        return None
-    manager = scheduler.kv_cache_manager
-    return [
-        RunningRequest(request.request_id, request.num_tokens, len(request_blocks(manager, request.request_id)), config)
-        for request, config in zip(scheduler.running, configs)
-    ]
-
-
 def relieve_pressure(scheduler, state: EngineCompaction) -> None:
     """Lazy eviction, before a schedule: compact parked requests when the blocks the schedule is about to want, or
-    those the running requests will want within the decode-time lead, exceed the free ones.
+    those the running requests will want within the decode-time lead, exceed the free ones
+    (:func:`~rcstat_vllm.engine.pressure_policy.relief`).
 
     Only here, never after vLLM's schedule: until then a running request's ``num_computed_tokens`` counts only tokens
     whose KV is written. After it, it counts the step's in-flight token too, and ``allocate_slots`` has already made
     the block that token fills a prefix-cache entry: compacting then would hand that block back with its hash while
     the token's KV goes to head pages (a cache entry over a slot never written)."""
     pool = scheduler.kv_cache_manager.block_pool
-    free = pool.get_num_free_blocks()
-    wanted, reason = blocks_wanted(scheduler)
-    short, reason = wanted - free, f"{wanted} blocks wanted, {free} free ({reason})"
-    pressure = state.decode_pressure
     # (configs as the last schedule's check merged them: every request running now was running then)
-    running = running_requests(scheduler, [pressure.configs.get(r.request_id) for r in scheduler.running])
-    if running is not None:
-        block_size = scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
-        decode_short, _, decode_reason = pressure.shortfall(running, free, block_size)
-        if decode_short > short:
-            short, reason = decode_short, f"decode-time compression: {decode_reason}"
-    if short > 0:
-        state.relieve_pressure(pool, free + short, lambda req_id: running_request_tokens(scheduler, req_id), reason)
+    running = running_snapshot(scheduler, state)
+    snapshot = pressure_policy.PoolSnapshot(
+        pool.get_num_free_blocks(), block_size(scheduler), running, first_waiting_tokens(scheduler),
+        state.parked(lambda req_id: is_running(scheduler, req_id)),
+    )
+    decode = None
+    if any(r.config is not None for r in running):
+        short, _, reason = state.decode_pressure.shortfall(list(running), snapshot.free_blocks, snapshot.block_size)
+        decode = short, reason
+    relief = pressure_policy.relief(snapshot, decode)
+    if relief.compact:
+        state.relieve_pressure(pool, relief, lambda req_id: running_request_tokens(scheduler, req_id))
 
 
 def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
     """After a schedule: the running requests whose decode-time compaction the workers should bring forward, the
     pool being about to run short (``rcstat_vllm/engine/decode_pressure.py``)."""
     pressure, server = state.decode_pressure, state.config
-    configs = [pressure.watch(request.request_id, request.num_tokens, lambda r=request: decode_config(server, r))
-               for request in scheduler.running]
-    running = running_requests(scheduler, configs)  # (merged once per request: one lookup per request, step)
-    if running is None:
+    watched = [pressure.watch(r.request_id, r.num_tokens, lambda r=r: decode_config(server, r)) is not None
+               for r in scheduler.running]  # (merged once per request: one lookup per request, step)
+    if not any(watched):
         return []
-    manager = scheduler.kv_cache_manager
-    block_size = manager.coordinator.single_type_managers[0].block_size
-    short, lead, reason = pressure.shortfall(running, manager.block_pool.get_num_free_blocks(), block_size)
-    chosen = pressure.requests_to_hurry(running, short, lead, block_size)
+    running = list(running_snapshot(scheduler, state))
+    size = block_size(scheduler)
+    short, lead, reason = pressure.shortfall(running, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(), size)
+    chosen = pressure.requests_to_hurry(running, short, lead, size)
     if chosen:
         logger.debug("rcstat: decode-time compaction brought forward (%d requests; %s): %s", len(chosen), reason,
                      ", ".join(chosen))
@@ -212,11 +211,11 @@ def _schedule(original):
                 return original(self, *args, **kwargs)
             state = engine_compaction(self.kv_cache_manager.block_pool)
             state.config = config
-        if state.pending:
+        if state.requests.any_in_phase(Phase.PLANNED):
             relieve_pressure(self, state)
         output = original(self, *args, **kwargs)
         decode_soon = bring_decode_compactions_forward(self, state)
-        compactions = state.take_outgoing(lambda req_id: is_running(self, req_id)) if state.outgoing else []
+        compactions = state.take_outgoing(lambda req_id: is_running(self, req_id))
         if not compactions and not decode_soon:
             return output
         return RCStatSchedulerOutput(**{f.name: getattr(output, f.name) for f in fields(output)},
@@ -259,7 +258,7 @@ def _get_computed_blocks(original):
             if limit is not None:
                 blocks = type(blocks)((list(blocks.blocks[0][: limit // block_size]),))
                 result = (blocks, limit, *result[2:])
-        if state.compacted_blocks:
+        if state.requests.compacted_blocks:
             state.check_hit(request.request_id, (i for group in result[0].get_block_ids() for i in group))
         return result
 

@@ -15,9 +15,27 @@ from rcstat_vllm.engine.block_exchange import (
     swap_in_fresh_blocks,
 )
 from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.engine.pressure_policy import cover
+from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.reports import CompressionReport
 
 BLOCK = 16
+
+
+def queued(state: EngineCompaction) -> list:
+    """The compactions waiting for the next scheduler output, in the order queued."""
+    return [r.compaction for r in state.requests.in_phase(Phase.AWAITING_COMPACTION)]
+
+
+def parked(state: EngineCompaction) -> set[str]:
+    return {r.req_id for r in state.requests.in_phase(Phase.PLANNED)}
+
+
+def relieve(state: EngineCompaction, pool, blocks_wanted: int, running, reason: str) -> int:
+    """Lazy eviction as the scheduler hook applies it, for ``blocks_wanted`` blocks: the policy's choice among the
+    parked plans of running requests (``running(req_id)`` None: not running), compacted."""
+    plans = state.parked(lambda req_id: running(req_id) is not None)
+    return state.relieve_pressure(pool, cover(blocks_wanted - pool.get_num_free_blocks(), reason, plans), running)
 
 
 @dataclass(eq=False)
@@ -236,9 +254,9 @@ def test_apply_reports_swaps_records_and_counts():
     skipped = CompressionReport("c", 4 * BLOCK, "rc", 4, skipped_reason="method none", block_size=BLOCK)
     finished = report(1, 4 * BLOCK, req_id="gone")
     state.apply_reports(pool, [report(2, 4 * BLOCK, req_id="a"), skipped, finished], lists.get)
-    assert [c.req_id for c in state.outgoing] == ["a"]
-    assert state.compacted == {"a": state.outgoing[0].block_ids}
-    assert state.compacted_blocks == set(state.outgoing[0].block_ids)
+    assert [c.req_id for c in queued(state)] == ["a"]
+    assert state.compacted == {"a": queued(state)[0].block_ids}
+    assert state.compacted_blocks == set(queued(state)[0].block_ids)
     assert state.stats.requests_compressed == 1 and state.stats.requests_skipped == 1
     assert state.stats.blocks_freed == 2
 
@@ -250,7 +268,7 @@ def test_apply_reports_counts_a_refusal_as_skipped():
         block.ref_cnt += 1
     state = EngineCompaction()
     state.apply_reports(pool, [report(2, 4 * BLOCK, req_id="a")], {"a": blocks}.get)
-    assert state.outgoing[0].cancelled_reason is not None
+    assert queued(state)[0].cancelled_reason is not None
     assert state.compacted == {} and state.stats.requests_skipped == 1
 
 
@@ -260,7 +278,7 @@ def test_take_outgoing_drops_requests_no_longer_running():
     state = EngineCompaction()
     state.apply_reports(pool, [report(1, 4 * BLOCK, req_id="a"), report(1, 4 * BLOCK, req_id="b")], lists.get)
     assert [c.req_id for c in state.take_outgoing(lambda req_id: req_id == "b")] == ["b"]
-    assert state.outgoing == []
+    assert queued(state) == [] and state.take_outgoing(lambda req_id: True) == []
 
 
 def test_compacted_blocks_are_never_cached_and_a_hit_on_one_raises():
@@ -289,6 +307,45 @@ def test_prefix_hit_stops_before_the_observation_window():
     assert EngineCompaction().prefix_hit_limit(96, 100, None, BLOCK) is None  # no flag
 
 
+def test_each_request_goes_through_its_phases_and_a_wrong_transition_names_it():
+    """The request table: an eager plan is queued, then compacted when sent; a decode-time compaction queues it
+    again; a refused copy goes back to where it came from; a lazy plan is parked first. A transition from the wrong
+    phase raises, naming the request, its phase and the one expected; forget drops one record."""
+    pool, full = FakePool(40), FakePool(5)
+    lists = {"eager": allocate(pool, 4), "refused": allocate(full, 4), "lazy": allocate(pool, 6)}
+    for block in lists["refused"]:
+        block.ref_cnt += 1  # shared with another request: freeing them frees nothing
+    state = EngineCompaction(config=RCStatConfig())
+    phase = lambda req_id: state.requests.get(req_id).phase  # noqa: E731
+    state.apply_reports(pool, [report(1, 4 * BLOCK, req_id="eager"), lazy_report(2, 96, "lazy")], lists.get)
+    assert phase("eager") is Phase.AWAITING_COMPACTION and phase("lazy") is Phase.PLANNED
+    state.apply_reports(full, [report(2, 4 * BLOCK, req_id="refused")], lists.get)
+    assert phase("refused") is Phase.AWAITING_COMPACTION and state.may_cache("refused")
+    with pytest.raises(RuntimeError, match="request eager is awaiting compaction, expected whole or compacted"):
+        state._compact(pool, CompressionReport("eager", 5 * BLOCK, "rc", 1, block_size=BLOCK, decode=True),
+                       lists["eager"])  # (a decode-time plan while the last one waits: nothing touched)
+    assert [c.req_id for c in state.take_outgoing(lambda req_id: True)] == ["eager", "refused"]
+    assert phase("eager") is Phase.COMPACTED and phase("refused") is Phase.WHOLE and phase("lazy") is Phase.PLANNED
+
+    state._compact(pool, CompressionReport("eager", 4 * BLOCK, "rc", 1, block_size=BLOCK, decode=True), lists["eager"])
+    assert phase("eager") is Phase.AWAITING_COMPACTION
+    with pytest.raises(RuntimeError, match="request lazy is planned, expected whole"):
+        state.apply_reports(pool, [lazy_report(2, 96, "lazy")], lists.get)
+    with pytest.raises(RuntimeError, match="request lazy is planned, expected whole or compacted"):
+        state._compact(pool, CompressionReport("lazy", 6 * BLOCK, "rc", 2, block_size=BLOCK, decode=True),
+                       lists["lazy"])
+    with pytest.raises(RuntimeError, match="request eager is awaiting compaction, expected planned"):
+        state.requests.take_plan("eager")
+    with pytest.raises(RuntimeError, match="request gone is not tracked, expected planned"):
+        state.requests.take_plan("gone")
+    assert relieve(state, pool, pool.get_num_free_blocks() + 1, lambda req_id: (lists[req_id], 96), "short") == 4
+    assert [c.req_id for c in queued(state)] == ["eager", "lazy"]  # in the order queued
+    state.forget("lazy")
+    assert "lazy" not in state.requests and len(state.requests) == 2
+    assert [c.req_id for c in state.take_outgoing(lambda req_id: True)] == ["eager"]
+    assert phase("eager") is Phase.COMPACTED
+
+
 def test_one_state_per_block_pool():
     pool, other = FakePool(2), FakePool(2)
     assert existing_engine_compaction(pool) is None
@@ -309,18 +366,18 @@ def test_lazy_plans_wait_until_the_scheduler_wants_more_blocks_than_are_free():
     state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
     plans = [lazy_report(3, 64, "small"), lazy_report(2, 160, "big"), lazy_report(2, 96, "mid")]  # free 1, 8, 4
     state.apply_reports(pool, plans, lambda req_id: lists[req_id])
-    assert set(state.pending) == {"small", "big", "mid"} and not state.outgoing
+    assert parked(state) == {"small", "big", "mid"} and not queued(state)
     assert pool.get_num_free_blocks() == 19
     tokens = {"small": 64, "big": 160, "mid": 96}
     running = lambda req_id: (lists[req_id], tokens[req_id])  # noqa: E731
 
-    assert state.relieve_pressure(pool, 19, running, "no shortfall") == 0 and not state.outgoing
-    gained = state.relieve_pressure(pool, 22, running, "3 short")  # the biggest gain alone covers it
-    assert gained == 8 and [c.req_id for c in state.outgoing] == ["big"]
-    assert set(state.pending) == {"small", "mid"} and pool.get_num_free_blocks() == 27
-    assert state.outgoing[0].reason == "3 short" and state.outgoing[0].num_tokens == 0  # compacted at its prompt
-    gained = state.relieve_pressure(pool, 32, running, "5 short")  # mid (4) is not enough: small (1) too
-    assert gained == 5 and [c.req_id for c in state.outgoing[1:]] == ["mid", "small"] and not state.pending
+    assert relieve(state, pool, 19, running, "no shortfall") == 0 and not queued(state)
+    gained = relieve(state, pool, 22, running, "3 short")  # the biggest gain alone covers it
+    assert gained == 8 and [c.req_id for c in queued(state)] == ["big"]
+    assert parked(state) == {"small", "mid"} and pool.get_num_free_blocks() == 27
+    assert queued(state)[0].reason == "3 short" and queued(state)[0].num_tokens == 0  # compacted at its prompt
+    gained = relieve(state, pool, 32, running, "5 short")  # mid (4) is not enough: small (1) too
+    assert gained == 5 and [c.req_id for c in queued(state)[1:]] == ["mid", "small"] and not parked(state)
 
 
 def test_a_lazy_compaction_after_decoding_keeps_the_generated_tokens_and_frees_what_the_plan_said():
@@ -333,8 +390,8 @@ def test_a_lazy_compaction_after_decoding_keeps_the_generated_tokens_and_frees_w
     state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
     state.apply_reports(pool, [lazy_report(4, 150, "r")], lambda req_id: blocks)
     free = pool.get_num_free_blocks()
-    assert state.relieve_pressure(pool, free + 1, lambda req_id: (blocks, 200), "short") == 6
-    (compaction,) = state.outgoing
+    assert relieve(state, pool, free + 1, lambda req_id: (blocks, 200), "short") == 6
+    (compaction,) = queued(state)
     assert len(compaction.block_ids) == 7 and compaction.num_tokens == 200 and compaction.tail_block_ids == tail
     assert len(blocks) == 13 and [b.block_id for b in blocks[:7]] == list(compaction.block_ids)
     assert all(b.is_null for b in blocks[7:])
@@ -348,8 +405,8 @@ def test_tokens_generated_into_the_prompts_last_block_before_a_lazy_compaction_a
     blocks = allocate(pool, 10)  # 155 tokens
     state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
     state.apply_reports(pool, [lazy_report(4, 150, "r")], lambda req_id: blocks)
-    assert state.relieve_pressure(pool, pool.get_num_free_blocks() + 1, lambda req_id: (blocks, 155), "short") == 6
-    (compaction,) = state.outgoing
+    assert relieve(state, pool, pool.get_num_free_blocks() + 1, lambda req_id: (blocks, 155), "short") == 6
+    (compaction,) = queued(state)
     assert compaction.num_tokens == 155 and compaction.tail_block_ids == () and len(compaction.block_ids) == 4
 
 
@@ -358,9 +415,9 @@ def test_a_parked_request_that_is_not_running_is_skipped_and_forgotten_with_its_
     blocks = allocate(pool, 6)
     state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
     state.apply_reports(pool, [lazy_report(2, 96, "r")], lambda req_id: blocks)
-    assert state.relieve_pressure(pool, 100, lambda req_id: None, "short") == 0 and state.pending
+    assert relieve(state, pool, 100, lambda req_id: None, "short") == 0 and parked(state)
     state.forget("r")  # vLLM freed its blocks (finished or preempted)
-    assert not state.pending
+    assert not parked(state)
 
 
 def test_blocks_wanted_counts_running_growth_and_the_first_waiting_prompt():
@@ -407,13 +464,14 @@ def test_a_decode_time_compaction_replaces_every_own_block_and_the_compacted_set
     shared[0].ref_cnt += 1  # another request reads it too
     request = [*shared, *allocate(pool, 5)]
     state._compact(pool, report(4, 6 * BLOCK, cached_tokens=BLOCK), request)  # the prompt's compaction
+    state.take_outgoing(lambda req_id: True)  # sent with the next step
     first = set(state.compacted["r"])
     request.extend(allocate(pool, 2))  # decode growth
     free_before = pool.get_num_free_blocks()
 
     freed = state._compact(pool, decode_report(5, 8 * BLOCK, cached_tokens=BLOCK), request)
 
-    compaction = state.outgoing[-1]
+    compaction = queued(state)[-1]
     assert compaction.cancelled_reason is None and len(compaction.block_ids) == 4
     assert request[0] is shared[0] and [b.block_id for b in request[1:5]] == list(compaction.block_ids)
     assert all(b.is_null for b in request[5:]) and len(request) == 8
@@ -433,15 +491,16 @@ def test_a_decode_time_compaction_under_pressure_reuses_the_requests_own_blocks_
     own = {b.block_id for b in request}
     assert pool.get_num_free_blocks() == 1
     freed = state._compact(pool, decode_report(3, 6 * BLOCK), request)
-    compaction = state.outgoing[-1]
+    compaction = queued(state)[-1]
     assert compaction.cancelled_reason is None and compaction.reuses_own_blocks
     assert set(compaction.block_ids) & own and freed == 3 and pool.get_num_free_blocks() == 4
     assert state.stats.decode_compactions == 1
+    state.take_outgoing(lambda req_id: True)
 
     roomy = FakePool(20)
     request = allocate(roomy, 6)
     state._compact(roomy, decode_report(3, 6 * BLOCK), request)
-    assert not state.outgoing[-1].reuses_own_blocks
+    assert not queued(state)[-1].reuses_own_blocks
 
 
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
@@ -491,12 +550,12 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
 
     state = EngineCompaction(config=worker.config)
     state.apply_reports(pool, plans, lists.get)  # the scheduler's part, in one step: a, then b
-    a, b = state.outgoing
+    a, b = queued(state)
     assert a.cancelled_reason is None and b.cancelled_reason is None
     reused = set(b.block_ids) & set(rows["a"].tolist())
     assert reused and reused.isdisjoint(a.block_ids)  # b writes where a's kept prompt KV is read from
 
-    worker.begin_step(StepInfo(requests=[], compactions=list(state.outgoing)))
+    worker.begin_step(StepInfo(requests=[], compactions=state.take_outgoing(lambda req_id: True)))
 
     for req_id, row in rows.items():
         compacted = worker.requests.compressed_state(req_id)

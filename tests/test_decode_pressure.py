@@ -1,22 +1,26 @@
-"""The scheduler's side of decode-time compression under memory pressure (rcstat_vllm.engine.decode_pressure): which running
-requests are asked to compact early, and when none are."""
+"""The scheduler's side of decode-time compression under memory pressure (rcstat_vllm.engine.decode_pressure over the
+engine's request table): which running requests are asked to compact early, and when none are."""
 
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.engine.decode_pressure import DecodePressure, RunningRequest
+from rcstat_vllm.engine.decode_pressure import DecodePressure
+from rcstat_vllm.engine.pressure_policy import expected_gain
 
 BLOCK = 16
 DECODE = RCStatConfig(window=8, decode_budget=64, decode_interval=64)  # lead: 8 queries + 2 steps
 
 
 def _running(pressure, req_id, prompt, generated, config=DECODE, held=None):
-    """A request seen from its start (``prompt`` tokens), now ``generated`` tokens further, holding its blocks."""
+    """A request seen from its start (``prompt`` tokens), now ``generated`` tokens further, holding its blocks:
+    (request id, tokens, blocks held), read with its record at each check (:meth:`DecodePressure.running`)."""
     pressure.watch(req_id, prompt, lambda: config)
     num_tokens = prompt + generated
-    return RunningRequest(req_id, num_tokens, held if held is not None else -(-num_tokens // BLOCK), config)
+    return req_id, num_tokens, held if held is not None else -(-num_tokens // BLOCK)
 
 
-def _hurry(pressure, running, free_blocks):
-    """One check as the scheduler makes it: the shortfall within the lead, then the requests to ask."""
+def _hurry(pressure, requests, free_blocks):
+    """One check as the scheduler makes it: the running requests read with their records, the shortfall within the
+    lead, then the requests to ask."""
+    running = [pressure.running(*request) for request in requests]
     short, lead, reason = pressure.shortfall(running, free_blocks, BLOCK)
     return pressure.requests_to_hurry(running, short, lead, BLOCK), reason if short > 0 else ""
 
@@ -50,23 +54,24 @@ def test_after_a_compaction_the_gain_counts_from_it_and_a_refused_plan_may_be_as
     pressure = DecodePressure()
     a = _running(pressure, "a", 100, 150)
     assert _hurry(pressure, [a], 0)[0] == ["a"]
-    pressure.compacted("a", None)  # refused (no free blocks): may be asked again
+    pressure.requests.decode_compacted("a", None)  # refused (no free blocks): may be asked again
     assert _hurry(pressure, [a], 0)[0] == ["a"]
-    pressure.compacted("a", a.num_tokens)  # copied: each head holds the budget, 10 more by the due step
-    assert pressure.expected_gain(a, lead=10, block_size=BLOCK) == 0
+    req_id, num_tokens, held = a
+    pressure.requests.decode_compacted("a", num_tokens)  # copied: each head holds the budget, 10 more by the due step
+    assert expected_gain(pressure.running(*a), lead=10, block_size=BLOCK) == 0
     assert _hurry(pressure, [a], 0)[0] == []
-    later = RunningRequest("a", a.num_tokens + 60, a.blocks_held + 4, DECODE)
-    assert pressure.expected_gain(later, lead=10, block_size=BLOCK) == 70 // BLOCK
+    later = pressure.running("a", num_tokens + 60, held + 4)
+    assert expected_gain(later, lead=10, block_size=BLOCK) == 70 // BLOCK
 
 
 def test_a_recomputed_request_counts_its_generated_kv_from_its_restart():
     """After a preemption the workers count generated KV from what the request recomputed, its new prompt."""
     pressure = DecodePressure()
     first = _running(pressure, "a", 100, 150)
-    assert pressure.expected_gain(first, lead=10, block_size=BLOCK) == 6
-    pressure.forget("a")  # preempted
+    assert expected_gain(pressure.running(*first), lead=10, block_size=BLOCK) == 6
+    pressure.requests.forget("a")  # preempted
     again = _running(pressure, "a", 250, 20)
-    assert pressure.expected_gain(again, lead=10, block_size=BLOCK) == 0
+    assert expected_gain(pressure.running(*again), lead=10, block_size=BLOCK) == 0
 
 
 def test_a_request_whose_worker_declined_is_asked_again_after_twice_the_lead():

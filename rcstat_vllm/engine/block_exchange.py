@@ -18,12 +18,13 @@ The exchange (copy on compact; the worker side is ``rcstat_vllm/worker/driver.py
 3. The next scheduler output carries the block ids (``RCStatSchedulerOutput``); the worker copies the kept
    entries there before that step's forward, so before any other request can write a freed prompt block.
 
-Lazy eviction (``eviction: lazy``): step 2 waits. The plan is parked (:attr:`EngineCompaction.pending`) while the
-request decodes over its full cache; before each schedule, when the blocks the scheduler is about to want exceed
-the free ones (:meth:`EngineCompaction.relieve_pressure`), parked requests are compacted, those freeing most first,
-until the shortfall is covered. The tokens generated meanwhile are kept whole: a request compacted at ``t`` tokens
-needs ``cdiv(t, N) - cdiv(n, N)`` more blocks than its plan at ``n`` prompt tokens said (every head keeps them,
-so each head's page count grows by exactly that), and frees as many blocks as the plan did.
+Lazy eviction (``eviction: lazy``): step 2 waits. The plan is parked (phase ``PLANNED`` of the request table,
+:mod:`rcstat_vllm.engine.requests`) while the request decodes over its full cache; before each schedule, when the
+blocks the scheduler is about to want exceed the free ones, parked requests are compacted, those freeing most
+first, until the shortfall is covered (the choice: :func:`rcstat_vllm.engine.pressure_policy.relief`; applied by
+:meth:`EngineCompaction.relieve_pressure`). The tokens generated meanwhile are kept whole: a request compacted at
+``t`` tokens needs ``cdiv(t, N) - cdiv(n, N)`` more blocks than its plan at ``n`` prompt tokens said (every head
+keeps them, so each head's page count grows by exactly that), and frees as many blocks as the plan did.
 
 Invariants, enforced here: a compacted request's blocks are never cached (:meth:`EngineCompaction.may_cache`), a
 prefix-cache hit never returns a compacted block (:meth:`EngineCompaction.check_hit`, on every lookup), and every
@@ -39,6 +40,8 @@ from typing import Callable, Iterable, MutableSequence, Protocol
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.settings import max_cached_prompt_tokens
 from rcstat_vllm.engine.decode_pressure import DecodePressure
+from rcstat_vllm.engine.pressure_policy import ParkedPlan, Relief
+from rcstat_vllm.engine.requests import EngineRequests, Phase
 from rcstat_vllm.log import logger
 from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.reports import CompressionReport
@@ -108,25 +111,31 @@ def swap_in_fresh_blocks(
 @dataclass
 class EngineCompaction:
     """Scheduler-side state of one engine (keyed by its block pool, which the scheduler and the KV cache managers
-    share): what it logs and exports, the compacted requests' blocks, the compactions to send."""
+    share): what it logs and exports, and its request table (plans parked, compactions to send, compacted blocks)."""
 
     #: the server's flag (set by the first schedule)
     config: RCStatConfig | None = None
     stats: CompressionStats = field(default_factory=CompressionStats)
-    #: request id -> the blocks its kept KV was copied into (never prefix-cacheable)
-    compacted: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    compacted_blocks: set[int] = field(default_factory=set)
-    outgoing: list[Compaction] = field(default_factory=list)
-    #: lazy eviction: request id -> its plan, parked until the scheduler needs blocks
-    pending: dict[str, CompressionReport] = field(default_factory=dict)
-    #: decode-time compactions brought forward when the pool is about to run short
-    decode_pressure: DecodePressure = field(default_factory=DecodePressure)
+    requests: EngineRequests = field(default_factory=EngineRequests)
+    #: decode-time compactions brought forward when the pool is about to run short (over the same table)
+    decode_pressure: DecodePressure = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decode_pressure = DecodePressure(self.requests)
+
+    @property
+    def compacted(self) -> dict[str, tuple[int, ...]]:
+        """Request id -> the blocks its kept KV went to (a read-only view of the table)."""
+        return self.requests.compacted()
+
+    @property
+    def compacted_blocks(self) -> set[int]:
+        """Every compacted request's blocks (a read-only view of the table)."""
+        return self.requests.compacted_blocks
 
     def forget(self, req_id: str) -> None:
         """The request's blocks go back to the pool (vLLM frees them)."""
-        self.compacted_blocks.difference_update(self.compacted.pop(req_id, ()))
-        self.pending.pop(req_id, None)
-        self.decode_pressure.forget(req_id)
+        self.requests.forget(req_id)
 
     def apply_reports(
         self,
@@ -143,50 +152,46 @@ class EngineCompaction:
                 if blocks is None:
                     continue
                 if report.lazy:
-                    self.pending[report.req_id] = report
+                    self.requests.park(report.req_id, report)
                     continue
                 self._compact(pool, report, blocks)
             else:
                 self.stats.observe(report, 0)
         self.stats.maybe_log(pool.get_num_free_blocks())
 
+    def parked(self, is_running: Callable[[str], bool]) -> tuple[ParkedPlan, ...]:
+        """The parked plans of running requests, in the order parked (a request waiting, preempted, is skipped:
+        vLLM frees its blocks and :meth:`forget` drops its plan)."""
+        return tuple(ParkedPlan(r.req_id, r.plan.blocks_freed)
+                     for r in self.requests.in_phase(Phase.PLANNED) if is_running(r.req_id))
+
     def relieve_pressure(
-        self,
-        pool: BlockPool,
-        blocks_wanted: int,
-        running: Callable[[str], tuple[MutableSequence[Block], int] | None],
-        reason: str,
+        self, pool: BlockPool, relief: Relief, running: Callable[[str], tuple[MutableSequence[Block], int]],
     ) -> int:
-        """Lazy eviction, before a schedule: when the scheduler is about to want more blocks than are free, compact
-        parked requests (``running(req_id)``: their block list and tokens in the cache, None when not running), the
-        ones freeing most blocks first, until the shortfall is covered or none is left. Returns the blocks freed."""
-        short = blocks_wanted - pool.get_num_free_blocks()
+        """Lazy eviction, before a schedule: compact the parked requests the policy chose (``running(req_id)``: their
+        block list and tokens in the cache), and more when they freed less than their plans said, until the
+        shortfall is covered or none is left. Returns the blocks freed."""
         gained = 0
-        for req_id in sorted(self.pending, key=lambda r: -self.pending[r].blocks_freed):
-            if short <= gained:
-                break
-            view = running(req_id)
-            if view is None:  # waiting (preempted): vLLM frees its blocks; forget() drops the plan
-                continue
-            blocks, num_tokens = view
-            gained += self._compact(pool, self.pending.pop(req_id), blocks, num_tokens, reason)
+        while relief.compact:
+            freed = 0
+            for req_id in relief.compact:
+                blocks, num_tokens = running(req_id)
+                freed += self._compact(pool, self.requests.take_plan(req_id), blocks, num_tokens, relief.reason)
+            gained += freed
+            relief = relief.after(freed)
         if gained:
             self.stats.maybe_log(pool.get_num_free_blocks())
         return gained
 
     def _compact(self, pool: BlockPool, report: CompressionReport, blocks, num_tokens: int = 0, reason=None) -> int:
         """Swap fresh blocks into the request's list, queue the copy, count and log; the blocks freed."""
+        self.requests.expect(report.req_id, Phase.WHOLE, Phase.COMPACTED)
         compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason)
-        self.outgoing.append(compaction)
-        if compaction.cancelled_reason is None:
-            # (a request compacted again, decode-time: its earlier compacted blocks went back to the pool)
-            self.compacted_blocks.difference_update(self.compacted.get(report.req_id, ()))
-            self.compacted[report.req_id] = compaction.block_ids
-            self.compacted_blocks.update(compaction.block_ids)
+        self.requests.queue(compaction)
         if report.decode:
             self.stats.observe_decode(report, freed, compaction.cancelled_reason is None)
             copied = compaction.cancelled_reason is None
-            self.decode_pressure.compacted(report.req_id, report.num_prompt_tokens if copied else None)
+            self.requests.decode_compacted(report.req_id, report.num_prompt_tokens if copied else None)
             logger.debug("rcstat: request %s: decode-time compaction at %d tokens: %d generated entries evicted, "
                          "%d blocks freed, %d free now%s", report.req_id, report.num_prompt_tokens,
                          report.decode_tokens_evicted, freed, pool.get_num_free_blocks(),
@@ -215,16 +220,15 @@ class EngineCompaction:
         return freed
 
     def take_outgoing(self, is_running: Callable[[str], bool]) -> list[Compaction]:
-        """The compactions for the next scheduler output, emptied; a request preempted by this very schedule gave
-        its fresh blocks back, so its copy must not run (``is_running`` False)."""
-        compactions = [c for c in self.outgoing if is_running(c.req_id)]
-        self.outgoing.clear()
-        return compactions
+        """The compactions for the next scheduler output, in the order queued (a copy may write blocks an earlier
+        one read); a request preempted by this very schedule gave its fresh blocks back, so its copy must not run
+        (``is_running`` False)."""
+        return self.requests.take_outgoing(is_running)
 
     def may_cache(self, req_id: str) -> bool:
         """Whether the request's blocks may become prefix-cache entries: never once compacted (its blocks hold head
         pages, not the tokens their position's hash names)."""
-        return req_id not in self.compacted
+        return self.requests.may_cache(req_id)
 
     def prefix_hit_limit(self, num_hit: int, num_tokens: int, extra_args, block_size: int) -> int | None:
         """The tokens a prefix-cache hit of ``num_hit`` may keep, when fewer (else None): a hit stops before the
@@ -236,9 +240,10 @@ class EngineCompaction:
 
     def check_hit(self, req_id: str, hit_block_ids: Iterable[int]) -> None:
         """Raise when a prefix-cache hit returned a compacted block (its KV is another request's head pages)."""
-        if not self.compacted_blocks:
+        compacted = self.requests.compacted_blocks
+        if not compacted:
             return
-        hits = set(hit_block_ids) & self.compacted_blocks
+        hits = set(hit_block_ids) & compacted
         if hits:
             raise RuntimeError(
                 f"rcstat: a prefix-cache hit of request {req_id} returned compacted blocks "

@@ -1,0 +1,173 @@
+"""What the scheduler does when its block pool is about to run short: plain functions over a snapshot of the pool
+and the running requests, returning decisions (no vLLM objects; ``patches/scheduler.py`` reads vLLM's scheduler into
+a :class:`PoolSnapshot` and applies what comes back).
+
+Two decisions:
+
+- **Lazy eviction** (:func:`relief`, before each schedule): when the blocks the schedule is about to want (every
+  running request up to its next token, the rest of a prompt in chunks, the first waiting prompt), or those the
+  running requests will want within the decode-time lead, exceed the free ones, compact parked plans, those freeing
+  most blocks first, until their blocks cover the shortfall.
+- **Decode-time compactions brought forward** (:func:`decode_shortfall`, :func:`requests_to_hurry`, after each
+  schedule): requests that start together grow together, and a pool can fill before their first decode-time
+  compaction is due (vLLM would preempt some, each holding generated KV its ``decode_budget`` would evict). Looking
+  ``lead`` steps ahead (a window of queries to save, the scoring step and the copy's), when the running requests'
+  growth exceeds the free blocks, the requests holding most generated KV beyond their budget are asked to compact
+  now, until what they are expected to free covers the shortfall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.settings import decode_queries
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """What the pressure checks read of a running request."""
+
+    req_id: str
+    #: its tokens (in its cache, and the one it computes next)
+    num_tokens: int
+    #: entries of its block list (vLLM allocates by position: a compacted request's list keeps its length)
+    blocks_held: int
+    #: its config when its generated KV is compressed (``decode_budget``), else None
+    config: RCStatConfig | None = None
+    #: tokens when it started running (the workers count its generated KV from there; None: from now)
+    started_at: int | None = None
+    #: tokens in its cache at its last decode-time compaction
+    compacted_at: int | None = None
+    #: asked to compact early and not compacted yet: (the blocks it is expected to free, the check that asked)
+    hurried: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ParkedPlan:
+    """A running request's parked plan (lazy eviction) and the blocks compacting it frees."""
+
+    req_id: str
+    blocks_freed: int
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    free_blocks: int
+    block_size: int
+    running: tuple[RunningRequest, ...] = ()
+    #: the first waiting request's tokens (0: none waits); its prefix-cache hits are not counted
+    first_waiting_tokens: int = 0
+    #: parked plans of running requests, in the order they were parked
+    parked: tuple[ParkedPlan, ...] = ()
+
+
+def blocks_wanted(running: Sequence[RunningRequest], first_waiting_tokens: int, block_size: int) -> tuple[int, str]:
+    """The blocks the coming schedule is about to take (an upper bound), and what wants them: each running request's
+    blocks up to its next token (the rest of its prompt for a prefill in chunks), and the first waiting request's
+    whole prompt."""
+    growth = sum(max(0, cdiv(r.num_tokens, block_size) - r.blocks_held) for r in running)
+    waiting = cdiv(first_waiting_tokens, block_size)
+    return growth + waiting, f"{growth} blocks for running requests' growth and {waiting} for the first waiting request"
+
+
+def decode_shortfall(running: Sequence[RunningRequest], free_blocks: int, block_size: int) -> tuple[int, int, str]:
+    """The blocks the running requests will lack within ``lead`` steps (a window of queries to save, the scoring
+    step and the copy's; <= 0: none), the lead, and why; ``(0, 0, "")`` when none compresses generated KV."""
+    watched = [r.config for r in running if r.config is not None]
+    if not watched:
+        return 0, 0, ""
+    lead = max(decode_queries(config) for config in watched) + 2
+    wanted = sum(max(0, cdiv(r.num_tokens + lead, block_size) - r.blocks_held) for r in running)
+    return wanted - free_blocks, lead, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"
+
+
+def expected_gain(request: RunningRequest, lead: int, block_size: int) -> int:
+    """Blocks a decode-time compaction ``lead`` tokens from now is expected to free: the generated entries per head
+    beyond the budget then (after a compaction each head holds ``decode_budget`` on average), in whole blocks."""
+    budget = request.config.decode_budget
+    due_at = request.num_tokens + lead
+    start = request.num_tokens if request.started_at is None else request.started_at
+    generated = due_at - start if request.compacted_at is None else budget + due_at - request.compacted_at
+    return max(0, generated - budget) // block_size
+
+
+@dataclass(frozen=True)
+class Hurry:
+    """The decode-time compactions to bring forward, and the earlier requests no longer counted on."""
+
+    #: (request id, the blocks it is expected to free), most first
+    chosen: tuple[tuple[str, int], ...] = ()
+    #: asked more than ``2 * lead`` checks ago and not compacted (a worker declines when its heads hold too little)
+    expired: tuple[str, ...] = ()
+
+
+def requests_to_hurry(running: Sequence[RunningRequest], short: int, lead: int, block_size: int, check: int) -> Hurry:
+    """The requests to compact now, given the :func:`decode_shortfall` within ``lead`` steps at the ``check``-th check:
+    none when it is <= 0 or when the requests asked earlier are expected to cover it; else those expected to free
+    most, until their gains cover it (none expected to free nothing)."""
+    watched = [r for r in running if r.config is not None]
+    expired = tuple(r.req_id for r in watched if r.hurried is not None and check - r.hurried[1] > 2 * lead)
+    asked = {r.req_id: r.hurried[0] for r in watched if r.hurried is not None and r.req_id not in expired}
+    covered = sum(asked.values())
+    if short <= covered:
+        return Hurry((), expired)
+    chosen = []
+    gains = [(expected_gain(r, lead, block_size), r.req_id) for r in watched if r.req_id not in asked]
+    for gain, req_id in sorted(gains, key=lambda g: -g[0]):
+        if gain <= 0 or covered >= short:
+            break
+        covered += gain
+        chosen.append((req_id, gain))
+    return Hurry(tuple(chosen), expired)
+
+
+def parked_to_compact(short: int, parked: Sequence[ParkedPlan]) -> tuple[tuple[str, ...], tuple[ParkedPlan, ...]]:
+    """The parked plans to compact for a shortfall of ``short`` blocks: those freeing most first (ties: parked
+    first), until what they free covers it; and the others, in that order."""
+    ordered = sorted(parked, key=lambda p: -p.blocks_freed)
+    covered, taken = 0, 0
+    while taken < len(ordered) and covered < short:
+        covered += ordered[taken].blocks_freed
+        taken += 1
+    return tuple(p.req_id for p in ordered[:taken]), tuple(ordered[taken:])
+
+
+@dataclass(frozen=True)
+class Relief:
+    """Lazy eviction's decision before a schedule: the blocks short (<= 0: none), why, the parked requests to compact
+    now, and the parked plans left."""
+
+    short: int
+    reason: str
+    compact: tuple[str, ...] = ()
+    rest: tuple[ParkedPlan, ...] = ()
+
+    def after(self, freed: int) -> Relief:
+        """The relief still needed once :attr:`compact` freed ``freed`` blocks: fewer than their plans said when
+        blocks became shared since, or a copy was refused."""
+        compact, rest = parked_to_compact(self.short - freed, self.rest)
+        return replace(self, short=self.short - freed, compact=compact, rest=rest)
+
+
+def relief(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> Relief:
+    """Lazy eviction before a schedule: the shortfall is the larger of the schedule's own (:func:`blocks_wanted`) and
+    ``decode``, the decode-time forecast's (:func:`decode_shortfall`'s shortfall and reason; None when no running
+    request compresses generated KV); parked plans cover it (:func:`parked_to_compact`)."""
+    free = snapshot.free_blocks
+    wanted, why = blocks_wanted(snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size)
+    short, reason = wanted - free, f"{wanted} blocks wanted, {free} free ({why})"
+    if decode is not None and decode[0] > short:
+        short, reason = decode[0], f"decode-time compression: {decode[1]}"
+    return cover(short, reason, snapshot.parked)
+
+
+def cover(short: int, reason: str, parked: Sequence[ParkedPlan]) -> Relief:
+    """The relief for a shortfall of ``short`` blocks (none when <= 0) from the ``parked`` plans."""
+    compact, rest = parked_to_compact(short, parked)
+    return Relief(short, reason, compact, rest)

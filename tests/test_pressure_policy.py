@@ -1,0 +1,140 @@
+"""The pressure policy (rcstat_vllm/engine/pressure_policy.py) on constructed snapshots: no engine, no vLLM, no torch.
+Each case states the exact decision; most would fail with another choice order or an off-by-one in the shortfall."""
+
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.engine.pressure_policy import (
+    ParkedPlan,
+    PoolSnapshot,
+    RunningRequest,
+    blocks_wanted,
+    decode_shortfall,
+    expected_gain,
+    relief,
+    requests_to_hurry,
+)
+
+BLOCK = 16
+DECODE = RCStatConfig(window=8, decode_budget=64, decode_interval=64)  # lead: 8 queries + 2 steps = 10
+
+
+def running(req_id, num_tokens, held=None, config=None, **decode) -> RunningRequest:
+    """A running request holding the blocks its tokens fill (or ``held``)."""
+    return RunningRequest(req_id, num_tokens, -(-num_tokens // BLOCK) if held is None else held, config, **decode)
+
+
+def parked(**blocks_freed) -> tuple[ParkedPlan, ...]:
+    return tuple(ParkedPlan(req_id, freed) for req_id, freed in blocks_freed.items())
+
+
+# Lazy eviction: the shortfall before a schedule and the parked plans that cover it.
+
+
+def test_blocks_wanted_counts_each_running_requests_next_block_and_the_first_waiting_prompt():
+    requests = [
+        running("at-boundary", 4 * BLOCK),          # its 4 blocks hold its next token's slot: 0
+        running("crosses", 4 * BLOCK + 1, held=4),  # its next token starts a 5th block: 1
+        running("chunked", 10 * BLOCK, held=2),     # the rest of its prompt: 8
+    ]
+    assert blocks_wanted(requests, 0, BLOCK)[0] == 9
+    wanted, reason = blocks_wanted(requests, 100, BLOCK)  # a 100-token prompt waits: 7 blocks
+    assert wanted == 16 and reason == "9 blocks for running requests' growth and 7 for the first waiting request"
+
+
+def test_no_relief_while_the_free_blocks_hold_what_the_schedule_wants():
+    snapshot = PoolSnapshot(free_blocks=7, block_size=BLOCK, first_waiting_tokens=7 * BLOCK, parked=parked(a=3))
+    decision = relief(snapshot)
+    assert decision.short == 0 and decision.compact == ()
+    assert relief(PoolSnapshot(6, BLOCK, first_waiting_tokens=7 * BLOCK, parked=parked(a=3))).compact == ("a",)
+
+
+def test_plans_freeing_most_go_first_until_their_blocks_cover_the_shortfall():
+    plans = parked(small=1, big=8, mid=4)
+    # 3 short: the biggest alone (ascending order would take small and mid, parked order small and big).
+    decision = relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=3 * BLOCK, parked=plans))
+    assert decision.short == 3 and decision.compact == ("big",) and decision.rest == parked(mid=4, small=1)
+    assert decision.reason == "3 blocks wanted, 0 free (0 blocks for running requests' growth and 3 for the first " \
+                              "waiting request)"
+    # 9 short: big (8) is one short, mid covers it; small stays parked.
+    assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=9 * BLOCK, parked=plans)).compact == ("big", "mid")
+    # 8 short: big covers it exactly.
+    assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=8 * BLOCK, parked=plans)).compact == ("big",)
+    # More than all of them free: every one, most first.
+    assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=20 * BLOCK, parked=plans)).compact == \
+        ("big", "mid", "small")
+
+
+def test_equal_plans_go_in_the_order_they_were_parked_and_plans_freeing_nothing_still_count():
+    assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=BLOCK, parked=parked(x=4, y=4))).compact == ("x",)
+    assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=BLOCK, parked=parked(y=4, x=4))).compact == ("y",)
+    decision = relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=2 * BLOCK, parked=parked(z=0, w=1)))
+    assert decision.compact == ("w", "z") and decision.rest == ()
+
+
+def test_plans_that_freed_less_than_they_said_are_followed_by_more():
+    """A chosen plan may free fewer blocks than its plan said (blocks became shared since, or the copy was refused):
+    the rest of the shortfall is covered by the next plans in the same order."""
+    decision = relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=3 * BLOCK, parked=parked(small=1, big=8, mid=4)))
+    assert decision.compact == ("big",)
+    after = decision.after(2)  # big freed 2: 1 still short
+    assert after.short == 1 and after.compact == ("mid",) and after.rest == parked(small=1)
+    assert after.reason == decision.reason
+    assert decision.after(3).compact == () and decision.after(8).compact == ()
+    assert after.after(0).compact == ("small",)  # mid refused: small is all that is left
+    assert after.after(0).after(0).compact == ()
+
+
+def test_the_decode_time_forecast_calls_for_relief_when_it_is_the_larger_shortfall():
+    plans = parked(a=2, b=5)
+    snapshot = PoolSnapshot(4, BLOCK, first_waiting_tokens=5 * BLOCK, parked=plans)  # the schedule: 1 short
+    decision = relief(snapshot, decode=(3, "7 blocks wanted within 10 steps, 4 free"))
+    assert decision.short == 3 and decision.compact == ("b",)
+    assert decision.reason == "decode-time compression: 7 blocks wanted within 10 steps, 4 free"
+    decision = relief(snapshot, decode=(1, "equal"))  # not larger: the schedule's own reason
+    assert decision.short == 1 and decision.reason.startswith("5 blocks wanted, 4 free")
+    assert relief(PoolSnapshot(9, BLOCK, parked=plans), decode=(-2, "none")).compact == ()
+
+
+# Decode-time compactions brought forward.
+
+
+def test_the_decode_lead_is_the_largest_window_of_queries_plus_two_steps():
+    wide = RCStatConfig(window=8, observation_window=20, decode_budget=64, decode_interval=64)
+    requests = [running("a", 100, config=DECODE), running("b", 90, config=wide), running("plain", 250)]
+    # Within 22 steps: a 100 -> 122 (7 held, 8 wanted), b 90 -> 112 (6 held, 7), plain 250 -> 272 (16 held, 17).
+    assert decode_shortfall(requests, 1, BLOCK) == (2, 22, "3 blocks wanted within 22 steps, 1 free")
+    assert decode_shortfall([running("a", 100, config=DECODE)], 0, BLOCK)[:2] == (0, 10)  # 110 fits in 7 blocks
+    assert decode_shortfall([running("plain", 250)], 0, BLOCK) == (0, 0, "")
+
+
+def test_expected_gain_counts_generated_entries_beyond_the_budget_from_the_start_or_the_last_compaction():
+    # Started at 100, at 250: by the due step (+10) 160 generated, 96 beyond the budget: 6 whole blocks.
+    assert expected_gain(running("a", 250, config=DECODE, started_at=100), 10, BLOCK) == 6
+    assert expected_gain(running("a", 250, config=DECODE, started_at=107), 10, BLOCK) == 5  # 89 beyond
+    assert expected_gain(running("a", 250, config=DECODE), 10, BLOCK) == 0  # first seen now: 10 generated
+    # Compacted at 250: each head holds the budget, 60 more since and 10 by the due step: 70 beyond, 4 blocks.
+    assert expected_gain(running("a", 310, config=DECODE, started_at=100, compacted_at=250), 10, BLOCK) == 4
+
+
+def test_requests_with_most_to_free_are_asked_until_their_gains_cover_the_shortfall():
+    requests = [
+        running("b", 208, config=DECODE, started_at=100),  # 3 blocks
+        running("a", 250, config=DECODE, started_at=100),  # 6 blocks
+        running("c", 160, config=DECODE, started_at=100),  # 0 blocks: never asked
+        running("d", 230, config=DECODE, started_at=100),  # 76 beyond: 4 blocks
+        running("plain", 440, started_at=300),             # does not compress generated KV
+    ]
+    assert requests_to_hurry(requests, 0, 10, BLOCK, check=1).chosen == ()
+    assert requests_to_hurry(requests, 6, 10, BLOCK, check=1).chosen == (("a", 6),)
+    assert requests_to_hurry(requests, 7, 10, BLOCK, check=1).chosen == (("a", 6), ("d", 4))
+    assert requests_to_hurry(requests, 11, 10, BLOCK, check=1).chosen == (("a", 6), ("d", 4), ("b", 3))
+    assert requests_to_hurry(requests, 99, 10, BLOCK, check=1).chosen == (("a", 6), ("d", 4), ("b", 3))
+
+
+def test_requests_asked_earlier_cover_the_shortfall_until_twice_the_lead_has_passed():
+    a = running("a", 250, config=DECODE, started_at=100, hurried=(6, 1))
+    b = running("b", 208, config=DECODE, started_at=100)
+    assert requests_to_hurry([a, b], 6, 10, BLOCK, check=21) == requests_to_hurry([a, b], 6, 10, BLOCK, check=2)
+    assert requests_to_hurry([a, b], 6, 10, BLOCK, check=21).chosen == ()  # 20 checks since: still counted on
+    assert requests_to_hurry([a, b], 7, 10, BLOCK, check=21).chosen == (("b", 3),)  # a is not asked twice
+    expired = requests_to_hurry([a, b], 6, 10, BLOCK, check=22)  # 21 checks since: asked again
+    assert expired.expired == ("a",) and expired.chosen == (("a", 6),)
