@@ -519,7 +519,8 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
     from rcstat_vllm.paging.page_space import identity_pages
     from rcstat_vllm.worker.step import StepInfo
     from rcstat_vllm.worker.driver import WorkerCompression
-    from rcstat_vllm.worker.requests import Phase, WorkerRequest
+    from rcstat_vllm.worker.jobs import PromptJob
+    from worker_fixtures import awaiting_blocks
 
     layers, heads, dim, num_blocks = 3, 2, 8, 24
     g = torch.Generator().manual_seed(5)
@@ -533,7 +534,7 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
     worker.attach_layers(names, num_kv_heads=heads, block_size=BLOCK, layout=CPU_VEC)
     worker.bind_kv_caches(dict(zip(names, caches)))
     assert worker.space.is_pooled == pooled
-    worker._layer_caches = list(caches)  # what each layer's forward records (after_attention) before a compaction
+    worker.pages.layer_caches = list(caches)  # what each layer's forward records (after_attention) before a compaction
 
     pool = FakePool(num_blocks)
     lists = {"a": allocate(pool, 6), "b": allocate(pool, 5)}
@@ -545,7 +546,7 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
         compressor.scores = [torch.rand(heads, n, generator=g) for _ in range(layers)]
         compressor.keep_blocks = compressor.select(worker.space)
         masks[req_id] = [mask.clone() for mask in compressor.masks]
-        worker.requests.add(WorkerRequest(req_id, Phase.AWAITING_BLOCKS, compressor=compressor))
+        awaiting_blocks(worker.requests, req_id, PromptJob(compressor, CPU_VEC))
         plans.append(compressor.report())
 
     state = EngineCompaction(config=worker.config)
