@@ -28,7 +28,7 @@ from rcstat_vllm.engine.pressure_policy import RunningRequest
 from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.log import logger
 from rcstat_vllm.engine.metrics import CompressionStats
-from rcstat_vllm.worker.step import Compaction
+from rcstat_vllm.reports import Compaction
 
 from ._contract import Contract, wrap_method
 from .model_runner import RCStatModelRunnerOutput

@@ -1,8 +1,11 @@
-"""What the worker tells the scheduler (and the user) about one request's compression."""
+"""The messages the two sides exchange about a request's compaction: the worker's :class:`CompressionReport` (its plan,
+or outcome, for the scheduler and the user) and the scheduler's answer, :class:`Compaction` (the blocks to copy into,
+or why not). Plain dataclasses: no torch, no vLLM."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 
 @dataclass
 class CompressionReport:
@@ -113,3 +116,23 @@ class CompressionReport:
     def from_dict(cls, result: dict) -> "CompressionReport":
         """The report behind a :meth:`to_dict` result (derived fields are recomputed)."""
         return cls(**{name: result[name] for name in cls.__dataclass_fields__ if name in result})
+
+@dataclass(frozen=True)
+class Compaction:
+    """The scheduler's answer to a worker's compression plan (``rcstat_vllm/engine/block_exchange.py``), carried to the workers
+    in the next step's scheduler output: the blocks to copy the request's kept KV into, or why it stays
+    uncompressed (its prompt blocks untouched)."""
+
+    req_id: str
+    block_ids: tuple[int, ...] = ()
+    cancelled_reason: str | None = None
+    #: tokens whose KV is compacted: 0 = the prompt's (compacted right after its prefill); more under lazy eviction,
+    #: the generated tokens since being kept whole
+    num_tokens: int = 0
+    #: under lazy eviction, the request's blocks after its prompt's, up to ``num_tokens`` (the copy's sources there)
+    tail_block_ids: tuple[int, ...] = ()
+    #: why it was compacted now (lazy eviction: the memory pressure that called for it)
+    reason: str | None = None
+    #: some fresh blocks are blocks the request itself just gave back (the pool was short): the copy reads every
+    #: kept entry before writing any
+    reuses_own_blocks: bool = False

@@ -33,7 +33,8 @@ from rcstat_vllm.attention.cuda_backend import (  # noqa: E402
 from rcstat_vllm.attention.flash_head_attention import TorchHeadPageKernels  # noqa: E402
 from rcstat_vllm.paging.kv_layout import FLASH, flash_head_page_caches  # noqa: E402
 from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
-from rcstat_vllm.worker.step import BatchRequest, Compaction, StepInfo  # noqa: E402
+from rcstat_vllm.worker.step import BatchRequest, StepInfo  # noqa: E402
+from rcstat_vllm.reports import Compaction  # noqa: E402
 from rcstat_vllm.attention.capabilities import unsupported_layer_reason  # noqa: E402
 from rcstat_vllm.attention.head_plan import plan_head_attention  # noqa: E402
 from rcstat_vllm.worker.driver import WorkerCompression  # noqa: E402

@@ -405,7 +405,7 @@ def test_a_request_finishing_frees_its_slot_for_a_compaction_in_the_same_step(mo
     """At max_num_seqs compressed requests, one finishing and another compacted in one step: the worker releases the
     finished one's slot before the compaction takes one (else the tables would need max_num_seqs + 1 slots)."""
     from rcstat_vllm.paging.kv_layout import CPU_VEC
-    from rcstat_vllm.worker.step import Compaction
+    from rcstat_vllm.reports import Compaction
     from rcstat_vllm.worker.driver import WorkerCompression
 
     worker = WorkerCompression(fake_vllm_config({"method": "rc"}, BLOCK, max_num_seqs=1))

@@ -8,7 +8,8 @@ import pytest
 from fake_vllm import fake_vllm_config
 from rcstat_vllm.worker.driver import WorkerCompression
 from rcstat_vllm.worker.requests import Phase, WorkerRequests
-from rcstat_vllm.worker.step import Compaction, StepInfo
+from rcstat_vllm.worker.step import StepInfo
+from rcstat_vllm.reports import Compaction
 from worker_fixtures import awaiting_blocks, compressed
 
 PROMPT, DECODE = SimpleNamespace(kind="prompt"), SimpleNamespace(kind="decode")

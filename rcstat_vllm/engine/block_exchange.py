@@ -45,7 +45,7 @@ from rcstat_vllm.engine.requests import EngineRequests, Phase
 from rcstat_vllm.log import logger
 from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.worker.step import Compaction
+from rcstat_vllm.reports import Compaction
 
 
 class Block(Protocol):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 if TYPE_CHECKING:  # (annotations only)
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.reports import CompressionReport
-    from rcstat_vllm.worker.step import Compaction
+    from rcstat_vllm.reports import Compaction
 
 
 class Phase(enum.Enum):

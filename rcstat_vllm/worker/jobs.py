@@ -27,7 +27,7 @@ from rcstat_vllm.paging.page_space import PageSpace
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
 from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
-from rcstat_vllm.worker.step import Compaction
+from rcstat_vllm.reports import Compaction
 
 
 class CompactionJob(ABC):
