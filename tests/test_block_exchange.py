@@ -380,6 +380,28 @@ def test_lazy_plans_wait_until_the_scheduler_wants_more_blocks_than_are_free():
     assert gained == 5 and [c.req_id for c in queued(state)[1:]] == ["mid", "small"] and not parked(state)
 
 
+def test_lazy_plans_are_counted_planned_compacted_or_never_compacted_and_ratios_only_where_known():
+    """Metrics say what lazy eviction did: a parked plan is planned, not compressed; compacted under pressure it is
+    compressed, but its ratio (scored at the copy) is unknown here, so the mean ratio is not dragged to 0 by it; a
+    parked request that leaves uncompacted is counted apart; an eager plan's known ratio is averaged."""
+    pool = FakePool(40)
+    lists = {"small": allocate(pool, 4), "big": allocate(pool, 10), "eager": allocate(pool, 4)}
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    state.apply_reports(pool, [lazy_report(3, 64, "small"), lazy_report(2, 160, "big")], lambda req_id: lists[req_id])
+    stats = state.stats
+    assert (stats.requests_planned, stats.requests_compressed, stats.requests_skipped) == (2, 0, 0)
+    running = lambda req_id: (lists[req_id], {"small": 64, "big": 160}[req_id])  # noqa: E731
+    assert relieve(state, pool, pool.get_num_free_blocks() + 3, running, "3 short") == 8  # big alone covers it
+    assert stats.requests_compressed == 1 and stats.ratio_count == 0 and stats.mean_ratio == 0.0
+    state.forget("small")  # finished before memory was short: its full cache was kept
+    state.forget("big")  # compacted: not "never compacted"
+    assert stats.requests_never_compacted == 1
+    eager = CompressionReport("eager", 4 * BLOCK, "rc", 2, kept=[[BLOCK, 3 * BLOCK]], block_size=BLOCK)
+    state.apply_reports(pool, [eager], lambda req_id: lists[req_id])
+    assert stats.requests_compressed == 2 and stats.ratio_count == 1
+    assert stats.mean_ratio == pytest.approx(eager.compression_ratio) == pytest.approx(0.5)
+
+
 def test_a_lazy_compaction_after_decoding_keeps_the_generated_tokens_and_frees_what_the_plan_said():
     """Compacted at 200 tokens, a 150-token prompt's plan (keep 4 of 10 blocks) needs cdiv(200, 16) - cdiv(150, 16)
     = 3 more fresh blocks for the 50 generated tokens, which every head keeps; the copy reads them from the

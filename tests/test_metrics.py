@@ -38,3 +38,25 @@ def test_observed_reports_move_the_prometheus_counters():
     # A second stats object (a second scheduler in the process) shares the registered metrics.
     CompressionStats().observe(compressed, blocks_freed=1)
     assert _value("rcstat:kv_blocks_freed_total") - before["rcstat:kv_blocks_freed_total"] == 15.0
+
+
+def test_lazy_plans_and_compactions_have_counters_of_their_own():
+    names = ("rcstat:requests_planned_total", "rcstat:requests_never_compacted_total",
+             "rcstat:requests_compressed_total", "rcstat:compression_ratio_count",
+             "rcstat:kv_blocks_freed_per_compaction_count", "rcstat:kv_blocks_freed_per_compaction_sum")
+    before = {name: _value(name) for name in names}
+    stats = CompressionStats()
+    stats.observe_planned()
+    stats.observe_planned()
+    stats.observe_never_compacted()
+    deferred = CompressionReport("a", 640, "rc", keep_blocks=6, block_size=32, lazy=True)  # scored at its copy
+    stats.observe(deferred, blocks_freed=14)
+    delta = {name: _value(name) - before[name] for name in names}
+    assert delta == {
+        "rcstat:requests_planned_total": 2.0,
+        "rcstat:requests_never_compacted_total": 1.0,
+        "rcstat:requests_compressed_total": 1.0,
+        "rcstat:compression_ratio_count": 0.0,  # its ratio is not known on the scheduler side: not observed as 0
+        "rcstat:kv_blocks_freed_per_compaction_count": 1.0,
+        "rcstat:kv_blocks_freed_per_compaction_sum": 14.0,
+    }

@@ -134,7 +134,10 @@ class EngineCompaction:
         return self.requests.compacted_blocks
 
     def forget(self, req_id: str) -> None:
-        """The request's blocks go back to the pool (vLLM frees them)."""
+        """The request's blocks go back to the pool (vLLM frees them); a parked plan is counted as never compacted."""
+        record = self.requests.get(req_id)
+        if record is not None and record.phase is Phase.PLANNED:
+            self.stats.observe_never_compacted()
         self.requests.forget(req_id)
 
     def apply_reports(
@@ -153,6 +156,7 @@ class EngineCompaction:
                     continue
                 if report.lazy:
                     self.requests.park(report.req_id, report)
+                    self.stats.observe_planned()
                     continue
                 self._compact(pool, report, blocks)
             else:

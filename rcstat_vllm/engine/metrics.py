@@ -5,10 +5,16 @@ Per request the worker logs at DEBUG (ratio, kept counts, predicted blocks freed
 
 Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
 
-    rcstat:requests_compressed_total      requests whose prompt KV was compressed
+    rcstat:requests_compressed_total      requests whose prompt KV was compacted (eagerly, or lazily under pressure)
     rcstat:requests_uncompressed_total    requests the plugin ran uncompressed (method none, too short, ...)
+    rcstat:requests_planned_total         lazy eviction: plans parked until the scheduler needs their blocks
+    rcstat:requests_never_compacted_total lazy eviction: parked plans whose request left before memory was short
+                                          (it kept its full cache: neither compressed nor skipped)
     rcstat:kv_blocks_freed_total          KV blocks returned to vLLM's pool after compaction
-    rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request
+    rcstat:kv_blocks_freed_per_compaction histogram of the blocks one compaction (prompt or decode-time) returned
+    rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request whose
+                                          ratio the scheduler knows (a lazy plan scored at its copy reports its
+                                          ratio in the worker's results, not here)
     rcstat:global_eviction_ratio          histogram of the share of prompt tokens evicted from every head of
                                           every layer per compressed request (the quality cliff's early warning)
     rcstat:decode_compactions_total       decode-time compactions (``decode_budget``) that ran
@@ -38,7 +44,10 @@ RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 class PrometheusMetrics:
     requests_compressed: object
     requests_uncompressed: object
+    requests_planned: object
+    requests_never_compacted: object
     kv_blocks_freed: object
+    kv_blocks_freed_per_compaction: object
     compression_ratio: object
     global_eviction_ratio: object
     decode_compactions: object
@@ -56,7 +65,12 @@ def prometheus_metrics() -> PrometheusMetrics | None:
     return PrometheusMetrics(
         Counter("rcstat:requests_compressed", "Requests whose prompt KV cache rcstat compressed."),
         Counter("rcstat:requests_uncompressed", "Requests rcstat ran uncompressed (method none, too short, ...)."),
+        Counter("rcstat:requests_planned", "Lazy eviction: compression plans parked until memory is short."),
+        Counter("rcstat:requests_never_compacted", "Lazy eviction: parked plans whose request left before memory "
+                "was short (full cache kept)."),
         Counter("rcstat:kv_blocks_freed", "KV cache blocks rcstat returned to vLLM's block pool."),
+        Histogram("rcstat:kv_blocks_freed_per_compaction", "KV cache blocks one rcstat compaction returned.",
+                  buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
         Histogram("rcstat:compression_ratio", "Evicted / prompt KV entries per compressed request.",
                   buckets=RATIO_BUCKETS),
         Histogram("rcstat:global_eviction_ratio",
@@ -72,7 +86,12 @@ def prometheus_metrics() -> PrometheusMetrics | None:
 class CompressionStats:
     requests_compressed: int = 0
     requests_skipped: int = 0
+    #: lazy eviction: plans parked, and parked plans whose request left uncompacted (neither compressed nor skipped)
+    requests_planned: int = 0
+    requests_never_compacted: int = 0
     blocks_freed: int = 0
+    #: compressed requests whose ratio the scheduler knows (a lazy plan scored at its copy reports none here)
+    ratio_count: int = 0
     ratio_sum: float = 0.0
     global_eviction_sum: float = 0.0
     #: prompt tokens of compressed requests served from the prefix cache
@@ -87,13 +106,16 @@ class CompressionStats:
     prometheus: PrometheusMetrics | None = field(default_factory=prometheus_metrics)
 
     def observe(self, report: CompressionReport, blocks_freed: int) -> None:
+        """A prompt's compaction ran (``blocks_freed`` returned to the pool), or the request runs uncompressed."""
         if report.skipped_reason is not None:
             self.requests_skipped += 1
         else:
             self.requests_compressed += 1
-            self.ratio_sum += report.compression_ratio
-            self.global_eviction_sum += report.global_eviction_ratio
             self.cached_tokens += report.num_cached_tokens
+            if report.kept:  # (a deferred plan is scored at the copy: its ratio is not known here)
+                self.ratio_count += 1
+                self.ratio_sum += report.compression_ratio
+                self.global_eviction_sum += report.global_eviction_ratio
         self.blocks_freed += blocks_freed
         self._dirty = True
         if self.prometheus is not None:
@@ -101,11 +123,30 @@ class CompressionStats:
                 self.prometheus.requests_uncompressed.inc()
             else:
                 self.prometheus.requests_compressed.inc()
-                self.prometheus.compression_ratio.observe(report.compression_ratio)
-                self.prometheus.global_eviction_ratio.observe(report.global_eviction_ratio)
-            # Negative when the request's prompt blocks stay held by other running requests that share them
-            # (its fresh blocks are then extra until those requests finish): a counter only counts gains.
-            self.prometheus.kv_blocks_freed.inc(max(blocks_freed, 0))
+                self._count_freed(blocks_freed)
+                if report.kept:
+                    self.prometheus.compression_ratio.observe(report.compression_ratio)
+                    self.prometheus.global_eviction_ratio.observe(report.global_eviction_ratio)
+
+    def observe_planned(self) -> None:
+        """Lazy eviction parked a plan."""
+        self.requests_planned += 1
+        self._dirty = True
+        if self.prometheus is not None:
+            self.prometheus.requests_planned.inc()
+
+    def observe_never_compacted(self) -> None:
+        """A parked plan's request left (finished, aborted or preempted) before memory was short."""
+        self.requests_never_compacted += 1
+        self._dirty = True
+        if self.prometheus is not None:
+            self.prometheus.requests_never_compacted.inc()
+
+    def _count_freed(self, blocks_freed: int) -> None:
+        # Negative when the request's prompt blocks stay held by other running requests that share them (its fresh
+        # blocks are then extra until those requests finish): a counter only counts gains.
+        self.prometheus.kv_blocks_freed.inc(max(blocks_freed, 0))
+        self.prometheus.kv_blocks_freed_per_compaction.observe(max(blocks_freed, 0))
 
     def observe_decode(self, report: CompressionReport, blocks_freed: int, ran: bool) -> None:
         """A decode-time compaction planned (``ran``: its blocks were swapped in) or skipped."""
@@ -119,25 +160,29 @@ class CompressionStats:
         if self.prometheus is not None:
             self.prometheus.decode_compactions.inc()
             self.prometheus.decode_tokens_evicted.inc(report.decode_tokens_evicted)
-            self.prometheus.kv_blocks_freed.inc(max(blocks_freed, 0))
+            self._count_freed(blocks_freed)
 
     @property
     def mean_ratio(self) -> float:
-        return self.ratio_sum / self.requests_compressed if self.requests_compressed else 0.0
+        """Over the compressed requests whose ratio is known here."""
+        return self.ratio_sum / self.ratio_count if self.ratio_count else 0.0
 
     def maybe_log(self, free_blocks: int, force: bool = False) -> None:
         now = time.monotonic()
         if not self._dirty or (not force and now - self._last_log < LOG_INTERVAL_S):
             return
         logger.info(
-            "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f, "
-            "%d of their prompt tokens from the prefix cache), %d run uncompressed; %d KV blocks freed in total; "
-            "%d blocks free now%s",
+            "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f over the %d "
+            "scored at their plan, %d of their prompt tokens from the prefix cache), %d run uncompressed%s; %d KV "
+            "blocks freed in total; %d blocks free now%s",
             self.requests_compressed,
             self.mean_ratio,
-            self.global_eviction_sum / self.requests_compressed if self.requests_compressed else 0.0,
+            self.global_eviction_sum / self.ratio_count if self.ratio_count else 0.0,
+            self.ratio_count,
             self.cached_tokens,
             self.requests_skipped,
+            f"; lazy eviction: {self.requests_planned} plans parked, {self.requests_never_compacted} left with their "
+            "full cache" if self.requests_planned else "",
             self.blocks_freed,
             free_blocks,
             f"; {self.decode_compactions} decode-time compactions ({self.decode_tokens_evicted} generated entries "
