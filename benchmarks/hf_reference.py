@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.worker.prompt_compression import select_keep_masks
+from rcstat_vllm.scoring.selection import select_keep_masks
 from rcstat_vllm.settings import scorer_options, window_queries
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.scoring import get_scorer

@@ -1,9 +1,9 @@
 """Every hook into vLLM, one module per concern, each with the ``CONTRACTS`` of the private APIs it touches;
 :func:`install_all` installs them all. What the package reads of vLLM's internals itself goes through
-:mod:`rcstat_vllm.vllm_private.internals`, whose contracts are checked here too.
+:mod:`rcstat_vllm.vllm_private` (its ``internals`` and the backend classes of ``attention_contracts``), whose contracts
+are checked here too.
 
 - ``platform``: validate the flag at start-up, choose the plugin's attention backend (CPU and CUDA).
-- ``attention_backends``: the vLLM backend classes the plugin's backends extend, and the kernels they call.
 - ``request_validation``: reject a bad per-request override (``vllm_xargs``) for that request only.
 - ``scheduler``: hand the scheduler's objects to :mod:`rcstat_vllm.engine.block_exchange` (fresh blocks in, prompt
   blocks back to the ``BlockPool``, compacted blocks out of the prefix cache).
@@ -17,10 +17,10 @@ point, calls :func:`install_all`).
 
 from __future__ import annotations
 
+from rcstat_vllm.vllm_private import attention_contracts
 from rcstat_vllm.vllm_private import internals as vllm_internals
 
 from . import (
-    attention_backends,
     model_runner,
     openai_chat,
     platform,
@@ -36,9 +36,9 @@ MODULES = (
     scheduler,
     model_runner,
     runner_choice,
-    attention_backends,
     openai_chat,
     vllm_internals,
+    attention_contracts,
 )
 
 

@@ -36,7 +36,8 @@ import rcstat_vllm.worker.prompt_compression as compression  # noqa: E402
 import rcstat_vllm.kernels.rc_scoring as rc_scoring  # noqa: E402
 import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
 from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, select_keep_masks, triton_scoring  # noqa: E402
+from rcstat_vllm.scoring.selection import select_keep_masks  # noqa: E402
+from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, triton_scoring  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 from rcstat_vllm.paging.compaction import gather_prompt  # noqa: E402
 from rcstat_vllm.paging.kv_layout import CPU_VEC, FLASH  # noqa: E402

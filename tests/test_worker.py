@@ -74,7 +74,8 @@ def test_a_second_kv_cache_group_turns_compression_off_with_a_reason():
 
 def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     """The global eviction ratio: tokens no (layer, head) kept; per layer: tokens no head of that layer kept."""
-    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, select_keep_masks
+    from rcstat_vllm.scoring.selection import select_keep_masks
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.paging.page_space import PageSpace
 

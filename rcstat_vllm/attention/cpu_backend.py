@@ -9,9 +9,10 @@ Per step:
   (metadata built by vLLM's builder for those rows), and the compressed rows *head-as-sequence*: every
   (request, KV head) becomes its own sequence with one KV head and its G query heads, over the head-page view
   of the cache (see :mod:`rcstat_vllm.paging.head_pages`), through vLLM's own CPU attention and cache-write kernels;
-- after each layer's attention, requests finishing their prefill are scored; after the last layer's they are
-  selected and compacted in all layers at once; after the forward the worker decides how many blocks each
-  request keeps and reports it to the scheduler (rcstat_vllm/engine/block_exchange.py frees the rest).
+- after each layer's attention, the step's compaction jobs are scored (or, deferred, keep their window's
+  queries); after the last layer's each selects what its heads keep and the worker reports the blocks that takes
+  to the scheduler (rcstat_vllm/engine/block_exchange.py swaps in fresh blocks and frees the rest); the kept
+  entries are copied before a later step's forward.
 
 The planning and compaction are shared with the CUDA backend (:mod:`rcstat_vllm.worker.driver`); only the kernels
 and the cache layout differ.
@@ -21,20 +22,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rcstat_vllm.attention.cpu_head_attention import (
+    add_cpu_scheduler_metadata,
+    head_sequence_attention,
+    write_head_sequence_kv,
+)
+from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.attribution.capture import record_layer
+from rcstat_vllm.log import logger
+from rcstat_vllm.paging.cpu_kv_layout import layout_matches
+from rcstat_vllm.paging.kv_layout import CPU_VEC, head_page_caches
 from rcstat_vllm.vllm_private.cpu_attention import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-
-from rcstat_vllm.paging.cpu_kv_layout import layout_matches
-from rcstat_vllm.attention.cpu_head_attention import add_cpu_scheduler_metadata, head_sequence_attention, write_head_sequence_kv
-from rcstat_vllm.paging.kv_layout import CPU_VEC, head_page_caches
-from rcstat_vllm.log import logger
 from rcstat_vllm.vllm_private.internals import kv_scales_float, set_cpu_layers_isa
-from rcstat_vllm.attribution.capture import record_layer
-from rcstat_vllm.attention.head_plan import plan_head_attention
 from rcstat_vllm.worker.driver import worker_compression
 from rcstat_vllm.worker.step_plan import StepCompression
 

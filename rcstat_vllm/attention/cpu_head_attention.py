@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from rcstat_vllm.attention.head_plan import HeadSequencePlan
-from rcstat_vllm.vllm_private.internals import cpu_attn_split_kv, custom_ops as ops
+from rcstat_vllm.vllm_private.internals import cpu_attn_split_kv
+from rcstat_vllm.vllm_private.internals import custom_ops as ops
 
 
 def add_cpu_scheduler_metadata(plan: HeadSequencePlan, *, group: int, head_dim: int, dtype: torch.dtype, isa: str):

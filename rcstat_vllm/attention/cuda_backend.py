@@ -22,6 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rcstat_vllm.attention.capabilities import engine_unsupported_reason, model_has_attention_sinks
+from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
+from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.attribution.capture import record_layer
+from rcstat_vllm.paging.kv_layout import FLASH
 from rcstat_vllm.vllm_private.flash_attention import (
     AttentionCGSupport,
     FlashAttentionBackend,
@@ -33,13 +38,7 @@ from rcstat_vllm.vllm_private.flash_attention import (
     get_flash_attn_version,
     reshape_and_cache_flash,
 )
-
-from rcstat_vllm.attention.capabilities import engine_unsupported_reason, model_has_attention_sinks
-from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
-from rcstat_vllm.paging.kv_layout import FLASH
 from rcstat_vllm.vllm_private.internals import backend_invalid_reasons, kv_scales
-from rcstat_vllm.attribution.capture import record_layer
-from rcstat_vllm.attention.head_plan import plan_head_attention
 from rcstat_vllm.worker.driver import worker_compression
 from rcstat_vllm.worker.step_plan import StepCompression
 

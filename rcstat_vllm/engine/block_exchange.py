@@ -38,14 +38,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, MutableSequence, Protocol
 
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.settings import max_cached_prompt_tokens
 from rcstat_vllm.engine.decode_pressure import DecodePressure
+from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.engine.pressure_policy import ParkedPlan, Relief
 from rcstat_vllm.engine.requests import EngineRequests, Phase
 from rcstat_vllm.log import logger
-from rcstat_vllm.engine.metrics import CompressionStats
-from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.reports import Compaction
+from rcstat_vllm.reports import Compaction, CompressionReport
+from rcstat_vllm.settings import max_cached_prompt_tokens
 
 
 class Block(Protocol):

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:  # (annotations only)
     from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.reports import CompressionReport
-    from rcstat_vllm.reports import Compaction
+    from rcstat_vllm.reports import Compaction, CompressionReport
 
 
 class Phase(enum.Enum):

@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # (annotations only)
+    from rcstat_vllm.config import RCStatConfig
 
 __all__ = [
     "KeepSet",
@@ -296,3 +300,24 @@ def select_budget_across_layers(
     num_layers, num_heads, n = comparable_scores.shape
     keep = select_budget(comparable_scores.view(num_layers * num_heads, n), window, ratio, sink_tokens)
     return list(keep.mask.view(num_layers, num_heads, n).unbind(0))
+
+
+#: How a model-wide budget makes layers' scores comparable (measured against the others: docs/defaults.md, "Which mode").
+MODEL_BUDGET_COMPARABLE = "layer_mean"
+
+
+def select_keep_masks(scores: list[Tensor], config: RCStatConfig, comparable: str | None = None) -> list[Tensor]:
+    """Per layer, the ``[H, n]`` keep mask from the layers' scores: threshold mode (Eq. 9, per head) or budget
+    mode, per layer or across the whole model (``config.budget_scope``)."""
+    if config.budget_mode and config.budget_scope == "model":
+        return select_budget_across_layers(
+            scores,
+            config.window,
+            config.target_ratio,
+            config.sink_tokens,
+            comparable or MODEL_BUDGET_COMPARABLE,
+            layer_floor=config.layer_floor,
+        )
+    if config.budget_mode:
+        return [select_budget(s, config.window, config.target_ratio, config.sink_tokens).mask for s in scores]
+    return [select_threshold(s, config.window, config.c, config.sink_tokens).mask for s in scores]

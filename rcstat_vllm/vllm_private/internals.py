@@ -59,7 +59,7 @@ CONTRACTS = (
         attrs=("kv_offloading_size", "cache_dtype", "block_size", "user_specified_block_size"),
     ),
     # whether vLLM's FlashAttention backend can serve the engine, asked before any layer exists
-    # (rcstat_vllm/backend_cuda.cuda_backend_unsupported_reason): its own check, with the selector's arguments
+    # (rcstat_vllm/attention/cuda_backend.cuda_backend_unsupported_reason): its own check, with the selector's arguments
     Contract("vllm.v1.attention.backend:AttentionBackend.validate_configuration", _VALIDATE_PARAMS),
     Contract("vllm.v1.attention.backend:AttentionType.DECODER"),
     Contract("vllm.platforms.interface:DeviceCapability"),
@@ -73,6 +73,16 @@ CONTRACTS = (
         attrs=("prefill_context_parallel_size", "decode_context_parallel_size"),
     ),
     Contract("vllm.config.kv_transfer:KVTransferConfig", attrs=("is_kv_transfer_instance",)),
+    # the batch's common attention metadata, read by the step plan (rcstat_vllm/worker/step_plan.py) and split into the
+    # uncompressed rows' sub-batch (rcstat_vllm/attention/head_plan.plain_rows, dataclasses.replace over these fields)
+    Contract(
+        "vllm.v1.attention.backend:CommonAttentionMetadata",
+        attrs=("query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens", "max_query_len",
+               "max_seq_len", "block_table_tensor", "slot_mapping", "positions", "is_prefilling", "req_idx",
+               "mm_req_doc_ranges", "logits_indices_padded", "num_logits_indices", "max_logits_per_req",
+               "encoder_seq_lens", "encoder_seq_lens_cpu", "dcp_local_seq_lens", "dcp_local_seq_lens_cpu_upper_bound",
+               "rswa_prefix_lens"),
+    ),
     # the process group on which TP ranks agree how many blocks a compressed request keeps (rcstat_vllm/worker/driver.py)
     Contract("vllm.distributed.parallel_state:get_tp_group", ()),
     Contract("vllm.distributed.parallel_state:GroupCoordinator", attrs=("cpu_group",)),

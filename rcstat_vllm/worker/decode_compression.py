@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rcstat_vllm.paging.compaction import blocks_needed
-from rcstat_vllm.settings import scorer_options
 from rcstat_vllm.config import OBSERVING_METHODS, RCStatConfig
-from rcstat_vllm.settings import decode_queries
+from rcstat_vllm.paging.compaction import blocks_needed
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_budget
+from rcstat_vllm.settings import decode_queries, scorer_options
 
 
 @dataclass

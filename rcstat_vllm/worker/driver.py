@@ -31,13 +31,13 @@ from __future__ import annotations
 import torch
 
 from rcstat_vllm.config import server_config
+from rcstat_vllm.reports import Compaction
 from rcstat_vllm.worker.layers import CompressedLayers
 from rcstat_vllm.worker.prompt_compression import plan_compression
 from rcstat_vllm.worker.rank_agreement import max_over_ranks, visible_on_any_rank
 from rcstat_vllm.worker.requests import Phase, WorkerRequests
 from rcstat_vllm.worker.results import MAX_RESULTS, ResultsLog  # noqa: F401  (MAX_RESULTS: the API's documented cap)
 from rcstat_vllm.worker.step import StepInfo
-from rcstat_vllm.reports import Compaction
 from rcstat_vllm.worker.step_plan import StepCompression, StepPlanner
 
 

@@ -24,10 +24,9 @@ from rcstat_vllm.paging.compaction import recompact_request
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.paging.page_space import PageSpace
-from rcstat_vllm.reports import CompressionReport
+from rcstat_vllm.reports import Compaction, CompressionReport
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
 from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
-from rcstat_vllm.reports import Compaction
 
 
 class CompactionJob(ABC):

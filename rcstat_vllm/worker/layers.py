@@ -14,8 +14,11 @@ from typing import Mapping
 
 import torch
 
-from rcstat_vllm.attention.capabilities import engine_not_pooled_reason, engine_unsupported_reason, \
-    unsupported_layer_reason
+from rcstat_vllm.attention.capabilities import (
+    engine_not_pooled_reason,
+    engine_unsupported_reason,
+    unsupported_layer_reason,
+)
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.log import logger
 from rcstat_vllm.paging.kv_layout import CacheLayout

@@ -1,5 +1,6 @@
-"""Per-request compression: decide whether a request is compressed, then score it layer by layer during the
-forward of its last prefill chunk and select and compact all layers after the last one.
+"""A prompt's compression: decide whether a request is compressed, score it layer by layer during the forward of
+its last prefill chunk (or, lazily, at its compaction), select after the last layer, and copy the kept entries into
+the scheduler's blocks before a later step's forward (driven by :class:`~rcstat_vllm.worker.jobs.PromptJob`).
 
 Backend-agnostic: works on cache tensors ``[num_blocks, H, N, 2D]`` through a :class:`CacheLayout` and the
 request's block row, so the CPU and CUDA backends share it (only the attention kernels differ). Scoring reads
@@ -18,17 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.settings import request_config, scorer_options, window_queries
+from rcstat_vllm.kernels.rc_scoring import triton_available
+from rcstat_vllm.log import logger
 from rcstat_vllm.paging.compaction import blocks_needed, compact_request
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
-from rcstat_vllm.paging.page_space import cdiv
-from rcstat_vllm.kernels.rc_scoring import triton_available
-from rcstat_vllm.log import logger
-from rcstat_vllm.paging.page_space import PageSpace
+from rcstat_vllm.paging.page_space import PageSpace, cdiv
 from rcstat_vllm.reports import CompressionReport
-from rcstat_vllm.scoring import get_scorer, select_budget, select_budget_across_layers, select_threshold
-from rcstat_vllm.scoring import PagedPrompt
+from rcstat_vllm.scoring import PagedPrompt, get_scorer
+from rcstat_vllm.scoring.selection import select_keep_masks
+from rcstat_vllm.settings import request_config, scorer_options, window_queries
 from rcstat_vllm.worker.step import BatchRequest
 
 
@@ -53,11 +53,6 @@ class CompressionDecision:
             skipped_reason=self.skipped_reason,
             block_size=block_size,
         )
-
-
-
-
-
 
 
 def plan_compression(
@@ -126,27 +121,6 @@ def host_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
     flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()
     copies = flat.split([t.numel() for t in tensors])
     return [c.view(t.shape).to(t.dtype) for c, t in zip(copies, tensors)]
-
-
-#: How a model-wide budget makes layers' scores comparable (measured against the others: docs/defaults.md, "Which mode").
-MODEL_BUDGET_COMPARABLE = "layer_mean"
-
-
-def select_keep_masks(scores: list[torch.Tensor], config: RCStatConfig, comparable: str | None = None) -> list[torch.Tensor]:
-    """Per layer, the ``[H, n]`` keep mask from the layers' scores: threshold mode (Eq. 9, per head) or budget
-    mode, per layer or across the whole model (``config.budget_scope``)."""
-    if config.budget_mode and config.budget_scope == "model":
-        return select_budget_across_layers(
-            scores,
-            config.window,
-            config.target_ratio,
-            config.sink_tokens,
-            comparable or MODEL_BUDGET_COMPARABLE,
-            layer_floor=config.layer_floor,
-        )
-    if config.budget_mode:
-        return [select_budget(s, config.window, config.target_ratio, config.sink_tokens).mask for s in scores]
-    return [select_threshold(s, config.window, config.c, config.sink_tokens).mask for s in scores]
 
 
 def deferred_keep_blocks(config: RCStatConfig, num_tokens: int, num_layers: int, space: PageSpace,

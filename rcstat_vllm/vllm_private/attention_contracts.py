@@ -1,4 +1,6 @@
-"""The vLLM attention-backend classes the plugin's backends extend, and the kernels they call.
+"""The contracts of the vLLM attention-backend classes the plugin's backends extend, and of the kernels they call
+(imported through :mod:`rcstat_vllm.vllm_private.cpu_attention` and :mod:`rcstat_vllm.vllm_private.flash_attention`;
+strings only here, so that every platform can check them without importing either backend).
 
 ``rcstat_vllm/attention/cpu_backend.py`` (CPU) and ``rcstat_vllm/attention/cuda_backend.py`` (CUDA) subclass vLLM's CPU and
 FlashAttention backend, metadata builder and impl: they call the parent ``forward``/``build``/
@@ -10,7 +12,7 @@ are checked here too; the kernels only on CUDA builds.
 
 from __future__ import annotations
 
-from ._contract import Contract
+from rcstat_vllm.vllm_private.contract import Contract
 
 _LAYER_FORWARD = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
 _KV_UPDATE = ("self", "layer", "key", "value", "kv_cache", "slot_mapping")
