@@ -27,7 +27,7 @@ from rcstat_vllm.attention.cpu_head_attention import (
     head_sequence_attention,
     write_head_sequence_kv,
 )
-from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.attention.head_plan import plan_step_for_builder
 from rcstat_vllm.attribution.capture import record_layer
 from rcstat_vllm.log import logger
 from rcstat_vllm.paging.cpu_kv_layout import layout_matches
@@ -78,10 +78,8 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        plan = self.rcstat.plan_step(common_attn_metadata)
-        plan_head_attention(plan, common_attn_metadata)
-        if plan.plain is not None:
-            plan.plain.metadata = super().build(0, plan.plain.metadata, fast_build)
+        parent_build = super().build
+        plan = plan_step_for_builder(self.rcstat, common_attn_metadata, lambda rows: parent_build(0, rows, fast_build))
         if plan.head_plan is not None:
             add_cpu_scheduler_metadata(
                 plan.head_plan,

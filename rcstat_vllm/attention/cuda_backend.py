@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from rcstat_vllm.attention.capabilities import engine_unsupported_reason, model_has_attention_sinks
 from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
-from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.attention.head_plan import plan_step_for_builder
 from rcstat_vllm.attribution.capture import record_layer
 from rcstat_vllm.paging.kv_layout import FLASH
 from rcstat_vllm.vllm_private.flash_attention import (
@@ -91,10 +91,8 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        plan = self.rcstat.plan_step(common_attn_metadata)
-        plan_head_attention(plan, common_attn_metadata)
-        if plan.plain is not None:
-            plan.plain.metadata = super().build(0, plan.plain.metadata, fast_build)
+        parent_build = super().build
+        plan = plan_step_for_builder(self.rcstat, common_attn_metadata, lambda rows: parent_build(0, rows, fast_build))
         return RCStatFlashMetadata(**vars(base), rcstat=plan)
 
 

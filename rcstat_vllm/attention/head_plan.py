@@ -262,3 +262,14 @@ def plan_head_attention(step_plan, common_attn_metadata) -> None:
     step_plan.head_plan = make_head_plan(query_start, step_plan.seq_lens, step_plan.compressed, owner.space, device)
     step_plan.plain = plain_rows(common_attn_metadata, step_plan.compressed, query_start, step_plan.seq_lens,
                                  owner.block_size)
+
+
+def plan_step_for_builder(owner, common_attn_metadata, build_plain):
+    """A metadata builder's step plan: the worker's rows (``owner.plan_step``), the compressed rows' head-as-sequence
+    plan, and vLLM's own metadata for the other rows (``build_plain``: the parent builder's ``build`` of a
+    ``CommonAttentionMetadata``), shared by both backends' builders."""
+    plan = owner.plan_step(common_attn_metadata)
+    plan_head_attention(plan, common_attn_metadata)
+    if plan.plain is not None:
+        plan.plain.metadata = build_plain(plan.plain.metadata)
+    return plan

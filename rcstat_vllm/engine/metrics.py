@@ -130,17 +130,17 @@ class CompressionStats:
 
     def observe_planned(self) -> None:
         """Lazy eviction parked a plan."""
-        self.requests_planned += 1
-        self._dirty = True
-        if self.prometheus is not None:
-            self.prometheus.requests_planned.inc()
+        self._count_lazy("requests_planned")
 
     def observe_never_compacted(self) -> None:
         """A parked plan's request left (finished, aborted or preempted) before memory was short."""
-        self.requests_never_compacted += 1
+        self._count_lazy("requests_never_compacted")
+
+    def _count_lazy(self, name: str) -> None:
+        setattr(self, name, getattr(self, name) + 1)
         self._dirty = True
         if self.prometheus is not None:
-            self.prometheus.requests_never_compacted.inc()
+            getattr(self.prometheus, name).inc()
 
     def _count_freed(self, blocks_freed: int) -> None:
         # Negative when the request's prompt blocks stay held by other running requests that share them (its fresh
