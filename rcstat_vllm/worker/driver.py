@@ -95,7 +95,6 @@ class WorkerCompression(CompressedLayers, StepPlanner):
                         scale: float) -> None:
         """After a layer's attention: save the queries later scoring reads, score this step's jobs and, once a job
         has seen every layer, select what its heads keep."""
-        self.pages.remember(layer_index, kv_cache)
         for record, start, end, count in plan.to_save:
             if record.saved_queries is None:
                 record.saved_queries = [None] * self.num_layers
@@ -105,6 +104,8 @@ class WorkerCompression(CompressedLayers, StepPlanner):
             record.saved_queries[layer_index] = joined[-count:]
         for decode, start, end in plan.decode_queries:
             decode.save_queries(layer_index, query[start:end])
+        if plan.scoring:
+            self.pages.remember(layer_index, kv_cache)  # the cache a later step's copy reads and writes
         for record in plan.scoring:
             record.job.observe_layer(layer_index, query, kv_cache, scale)
             if record.job.fully_observed:

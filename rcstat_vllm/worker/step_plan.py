@@ -78,8 +78,7 @@ class StepPlanner:
             elif request.finishes_prefill:
                 self._plan_prompt(plan, record, request, *rows, block_table[row])
             elif request.num_computed_tokens >= request.num_prompt_tokens:
-                self._plan_uncompressed_decode(plan, record, request, rows, lambda: self._own_blocks(
-                    step, request, block_table, row))
+                self._plan_uncompressed_decode(plan, record, request, rows, block_table, row)
             elif request.num_tokens_after_step < request.num_prompt_tokens:
                 # A non-final prefill chunk: keep its trailing queries in case the last chunk is short.
                 config, _ = request_config(request, self.config)
@@ -115,7 +114,7 @@ class StepPlanner:
         shared_blocks = cached_tokens // self.block_size
         return deferred_keep_blocks(decision.config, decision.num_tokens, self.num_layers, self.space, shared_blocks)
 
-    def _plan_uncompressed_decode(self, plan: StepCompression, record, request, rows, own_blocks) -> None:
+    def _plan_uncompressed_decode(self, plan: StepCompression, record, request, rows, block_table, row: int) -> None:
         """A decoding request whose prompt stayed uncompressed: with ``decode_budget`` (server or request) its
         generated KV is compressed too; it is watched from its first decode step (a record of its own) and, when due,
         scored over its own blocks seen as head pages."""
@@ -132,7 +131,7 @@ class StepPlanner:
         if self._watch_decode(plan, record, num_tokens, *rows, start_job=False):
             # Every head keeps the whole prompt: its full blocks stay as they are (prefix-cache hits stay shared with
             # the requests that hit them, its own prompt blocks stay cache entries), only the rest is copied.
-            source = CompactedRequest.uncompressed(num_tokens, self.space, own_blocks(),
+            source = CompactedRequest.uncompressed(num_tokens, self.space, self._own_blocks(request, block_table, row),
                                                    shared_blocks=request.num_prompt_tokens // self.block_size)
             self._start_decode_job(plan, record, source, num_tokens)
 
@@ -169,10 +168,10 @@ class StepPlanner:
         self.requests.start_job(record, DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout))
         plan.scoring.append(record)
 
-    def _own_blocks(self, step: StepInfo, request, block_table: torch.Tensor, row: int) -> torch.Tensor:
+    def _own_blocks(self, request, block_table: torch.Tensor, row: int) -> torch.Tensor:
         """An uncompressed request's blocks holding its tokens after this step, on the host."""
         used = cdiv(request.num_tokens_after_step, self.block_size)
-        if request.block_ids is not None and step.block_size == self.block_size:
+        if request.block_ids is not None and self._step.block_size == self.block_size:
             # A copy: the host row is a read-only view vLLM rewrites for the next step.
             return torch.from_numpy(np.array(request.block_ids[:used], dtype=np.int64))
         return block_table[row, :used].cpu()
