@@ -23,7 +23,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.worker.step import BatchRequest, StepInfo
-from rcstat_vllm.vllm_private.internals import forward_context
+from rcstat_vllm.vllm_private.internals import forward_context, kv_cache_groups
 from rcstat_vllm.worker.driver import start_worker_compression, worker_compression_of
 
 from ._contract import Contract, wrap_method
@@ -75,12 +75,18 @@ def step_info(runner, scheduler_output) -> StepInfo:
 
     Each row carries its block ids from vLLM's host block table (``InputBatch.block_table``, rows in batch order
     once ``_prepare_inputs`` ran), a read-only view: a compressed request growing into a new block takes its pages
-    from there instead of reading the device table. Only with a single KV-cache group (the plugin's); otherwise none
-    are carried and the worker falls back to the device table (``WorkerCompression._host_block_ids``).
+    from there instead of reading the device table: the table of the KV-cache group the plugin compresses (the only
+    one, or a hybrid model's full-attention group). Where the group is not known, none are carried and the worker
+    falls back to the device table (``WorkerCompression._host_block_ids``).
     """
     batch = runner.input_batch
     group_tables = getattr(batch.block_table, "block_tables", ())
-    host_table = group_tables[0] if len(group_tables) == 1 else None
+    owner = worker_compression_of(runner.vllm_config)
+    choice = owner.group_choice if owner is not None else None
+    if choice is not None and choice.index is not None and choice.index < len(group_tables):
+        host_table = group_tables[choice.index]
+    else:
+        host_table = group_tables[0] if len(group_tables) == 1 else None
     requests = []
     for index, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
         state = runner.requests.get(req_id)
@@ -132,9 +138,9 @@ def _compactions(scheduler_output) -> list:
 
 
 def _initialize_kv_cache(original):
-    def wrapper(self, *args, **kwargs):
-        owner = start_worker_compression(self.vllm_config)
-        result = original(self, *args, **kwargs)
+    def wrapper(self, kv_cache_config, *args, **kwargs):
+        owner = start_worker_compression(self.vllm_config, kv_cache_groups(kv_cache_config))
+        result = original(self, kv_cache_config, *args, **kwargs)
         if owner is not None:
             owner.bind_kv_caches(kv_cache_tensors(self))
         return result

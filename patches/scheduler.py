@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from rcstat_vllm.attention.capabilities import choose_compressed_group
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides, server_config
 from rcstat_vllm.engine import pressure_policy
 from rcstat_vllm.engine.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
@@ -29,6 +30,7 @@ from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.log import logger
 from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.reports import Compaction
+from rcstat_vllm.vllm_private.internals import kv_cache_groups
 
 from ._contract import Contract, wrap_method
 from .model_runner import RCStatModelRunnerOutput
@@ -62,7 +64,7 @@ CONTRACTS = (
         attrs=("req_to_blocks", "block_pool", "block_size"),
     ),
     Contract("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks", ("self", "request")),
-    Contract("vllm.v1.core.kv_cache_manager:KVCacheManager", attrs=("block_pool", "coordinator")),
+    Contract("vllm.v1.core.kv_cache_manager:KVCacheManager", attrs=("block_pool", "coordinator", "kv_cache_config")),
     Contract("vllm.v1.core.kv_cache_manager:KVCacheBlocks.get_block_ids", ("self",)),
     Contract("vllm.v1.core.kv_cache_manager:KVCacheBlocks", attrs=("blocks",)),
     Contract("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", attrs=("single_type_managers",)),
@@ -87,12 +89,23 @@ def scheduler_stats(scheduler) -> CompressionStats:
     return engine_compaction(scheduler.kv_cache_manager.block_pool).stats
 
 
+def compressed_group(kv_cache_manager) -> int | None:
+    """The KV cache group the plugin compresses: the only one, or a hybrid model's full-attention group, chosen from
+    the same ``KVCacheConfig`` the workers choose from (None: none, the engine serves uncompressed)."""
+    return choose_compressed_group(kv_cache_groups(kv_cache_manager.kv_cache_config)).index
+
+
+def compressed_manager(kv_cache_manager):
+    """The KV cache manager of the compressed group (its block lists are the ones compaction swaps)."""
+    state = existing_engine_compaction(kv_cache_manager.block_pool)
+    group = state.group if state is not None and state.group is not None else 0
+    return kv_cache_manager.coordinator.single_type_managers[group]
+
+
 def request_blocks(kv_cache_manager, req_id: str) -> list:
-    """The request's block list (the plugin's backend serves one KV-cache group)."""
-    holders = [m for m in kv_cache_manager.coordinator.single_type_managers if req_id in m.req_to_blocks]
-    if len(holders) != 1:
-        raise RuntimeError(f"rcstat: request {req_id} has blocks in {len(holders)} KV-cache groups, expected 1")
-    return holders[0].req_to_blocks[req_id]
+    """The request's block list in the compressed group (other groups, a hybrid model's sliding-window layers, stay
+    as vLLM manages them)."""
+    return compressed_manager(kv_cache_manager).req_to_blocks[req_id]
 
 
 def is_running(scheduler, req_id: str) -> bool:
@@ -113,7 +126,7 @@ def running_request_tokens(scheduler, req_id: str) -> tuple[list, int]:
 
 
 def block_size(scheduler) -> int:
-    return scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
+    return compressed_manager(scheduler.kv_cache_manager).block_size
 
 
 def running_snapshot(scheduler, state: EngineCompaction | None = None) -> tuple[RunningRequest, ...]:
@@ -211,6 +224,9 @@ def _schedule(original):
                 return original(self, *args, **kwargs)
             state = engine_compaction(self.kv_cache_manager.block_pool)
             state.config = config
+            state.group = compressed_group(self.kv_cache_manager)
+        if state.group is None:  # no group compressed (the workers said why at start-up)
+            return original(self, *args, **kwargs)
         if state.requests.any_in_phase(Phase.PLANNED):
             relieve_pressure(self, state)
         output = original(self, *args, **kwargs)
@@ -251,12 +267,17 @@ def _get_computed_blocks(original):
         if state is None or state.config is None:
             return result
         blocks, num_hit = result[0], result[1]
-        if num_hit and len(blocks.blocks) == 1:
-            block_size = self.coordinator.single_type_managers[0].block_size
+        if num_hit and state.group is not None:
+            block_size = compressed_manager(self).block_size
             extra_args = request.sampling_params and request.sampling_params.extra_args
             limit = state.prefix_hit_limit(num_hit, request.num_tokens, extra_args, block_size)
+            if limit is not None and len(blocks.blocks) > 1:
+                # A hybrid model's sliding-window group holds only its window's blocks of the hit (null blocks
+                # before): a shorter hit would end without them. vLLM finds hits valid for every group; the plugin
+                # cannot, so the request recomputes its prompt.
+                limit = 0
             if limit is not None:
-                blocks = type(blocks)((list(blocks.blocks[0][: limit // block_size]),))
+                blocks = type(blocks)(tuple(list(group[: limit // block_size]) for group in blocks.blocks))
                 result = (blocks, limit, *result[2:])
         if state.requests.compacted_blocks:
             state.check_hit(request.request_id, (i for group in result[0].get_block_ids() for i in group))

@@ -460,7 +460,7 @@ def test_blocks_wanted_counts_running_growth_and_the_first_waiting_prompt():
     )
     waiting = [request("next", 100)]
     scheduler = SimpleNamespace(
-        kv_cache_manager=SimpleNamespace(coordinator=manager),
+        kv_cache_manager=SimpleNamespace(coordinator=manager, block_pool=type("Pool", (), {})()),  # no engine state: group 0
         running=[request("full", 4 * BLOCK), request("grows", 4 * BLOCK + 1), request("chunked", 10 * BLOCK)],
         waiting=type("Queue", (), {"__len__": lambda self: len(waiting), "peek_request": lambda self: waiting[0]})(),
     )

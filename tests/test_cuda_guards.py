@@ -78,7 +78,7 @@ def test_builder_disables_compression_with_the_reason(fa_version, monkeypatch):
 
     fa_version(4)
     disabled = []
-    owner = SimpleNamespace(attach_layers=lambda *a, **k: None, disable=disabled.append)
+    owner = SimpleNamespace(attach_layers=lambda *a, **k: True, disable=disabled.append)
     monkeypatch.setattr(backend_cuda, "worker_compression", lambda vllm_config: owner)
     monkeypatch.setattr(backend_cuda.FlashAttentionMetadataBuilder, "__init__", lambda self, *args: None)
     spec = SimpleNamespace(num_kv_heads=2, **vars(_spec(head_size=256)))

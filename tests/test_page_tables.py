@@ -314,7 +314,7 @@ def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
         block_table=tables, req_ids=["y", "x"], num_reqs=2, num_prompt_tokens=np.array([20, 40]),
         num_computed_tokens_cpu=np.array([19, 40]),
     )
-    runner = SimpleNamespace(input_batch=batch, requests={})
+    runner = SimpleNamespace(input_batch=batch, requests={}, vllm_config=None)  # no worker state: one group
     scheduler_output = SimpleNamespace(
         num_scheduled_tokens={"x": 1, "y": 1}, finished_req_ids=set(), preempted_req_ids=None,
         scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),

@@ -3,12 +3,86 @@ a reason (logged, compression turned off) or None."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Sequence
+
 from rcstat_vllm.vllm_private.internals import (
     forward_context,
     impl_sinks,
+    kv_cache_spec_kind,
     kv_offloading_size,
     shares_kv_cache,
 )
+
+#: KV cache groups whose size vLLM bounds by itself (a window): left as vLLM manages them beside the compressed
+#: full-attention group (their KV does not grow with the context, so evicting from it frees little)
+BOUNDED_KINDS = ("sliding window", "chunked local attention")
+#: why the plugin cannot compress a KV cache group of each kind it refuses (the engine then serves uncompressed)
+REFUSED_KINDS = {
+    "MLA": "one latent vector per token serves every head: there is no per-head KV to evict",
+    "Mamba / linear attention state": "a fixed-size recurrent state, not a per-token KV cache",
+    "cross-attention": "the encoder's KV is not a prompt the decoder's observation window scores",
+    "encoder-only attention": "nothing is decoded: no KV cache outlives the forward",
+    "static sink tokens": "vLLM's static sink-token cache (SinkFullAttentionSpec) is not paged per head",
+}
+
+
+@dataclass(frozen=True)
+class GroupChoice:
+    """Which of the engine's KV cache groups the plugin compresses, and which it leaves to vLLM."""
+
+    #: the compressed group's index in ``KVCacheConfig.kv_cache_groups`` (None: nothing is compressed)
+    index: int | None
+    #: why nothing is compressed (None when ``index`` is set)
+    reason: str | None = None
+    #: the compressed group's layers
+    layer_names: tuple[str, ...] = ()
+    #: the groups left as vLLM manages them: (kind, number of layers)
+    left_to_vllm: tuple[tuple[str, int], ...] = ()
+
+    def describe(self) -> str:
+        """The start-up line: which layers are compressed and which are not, and why."""
+        if self.index is None:
+            return f"no layer compressed: {self.reason}"
+        text = f"compressing the {len(self.layer_names)} full-attention layers (KV cache group {self.index})"
+        if self.left_to_vllm:
+            left = ", ".join(f"{n} {kind} layers" for kind, n in self.left_to_vllm)
+            text += f"; left to vLLM, uncompressed: {left} (their KV is bounded by their window)"
+        return text
+
+
+def choose_compressed_group(groups: Sequence[tuple[Sequence[str], Any, bool]]) -> GroupChoice:
+    """The KV cache group to compress among an engine's groups ``(layer names, spec, drafter's group)``
+    (:func:`~rcstat_vllm.vllm_private.internals.kv_cache_groups`): the one group of plain full-attention layers,
+    with every other group bounded by a window (sliding-window and chunked local layers of hybrid models, which
+    vLLM's hybrid allocator keeps in groups of their own). Any other kind of group turns compression off, by name.
+
+    Engine and workers read the same ``KVCacheConfig``, so both sides choose the same group."""
+    full, bounded = [], []
+    for index, (layer_names, spec, drafter) in enumerate(groups):
+        kind = kv_cache_spec_kind(spec)
+        if drafter:
+            return GroupChoice(None, "speculative decoding: a drafter's KV cache group")
+        if kind == "full attention":
+            full.append(index)
+        elif kind in BOUNDED_KINDS:
+            bounded.append((kind, len(layer_names)))
+        else:
+            why = REFUSED_KINDS.get(kind, "a KV cache the plugin does not know how to page per head")
+            return GroupChoice(None, f"{kind} layers are not supported ({why})")
+    if not full:
+        return GroupChoice(None, "no full-attention layer: every layer's KV is bounded by a window")
+    if len(full) > 1:
+        return GroupChoice(
+            None,
+            f"the full-attention layers are split over {len(full)} KV cache groups (vLLM's hybrid allocator groups "
+            "layers in equal numbers): one block table per request is compacted",
+        )
+    merged: dict[str, int] = {}
+    for kind, count in bounded:
+        merged[kind] = merged.get(kind, 0) + count
+    index = full[0]
+    return GroupChoice(index, None, tuple(groups[index][0]), tuple(merged.items()))
 
 
 def engine_unsupported_reason(vllm_config) -> str | None:
@@ -50,9 +124,9 @@ def model_has_attention_sinks(model_config) -> bool:
     return any(bool(getattr(config, flag, False)) for flag in SINK_CONFIG_FLAGS)
 
 
-def unsupported_layer_reason(vllm_config, layer_names) -> str | None:
-    """Attention features head-as-sequence does not reproduce (it passes no ALiBi slopes, sinks or window to
-    the kernels), found on the layers' vLLM impls; None when there are none."""
+def unsupported_layer_reason(vllm_config, layer_names, *, sinks: bool = False) -> str | None:
+    """Attention features head-as-sequence does not reproduce (it passes no ALiBi slopes or window to the kernels;
+    sinks only where the backend says so, ``sinks``), found on the layers' vLLM impls; None when there are none."""
     context = forward_context(vllm_config.compilation_config)
     for name in layer_names:
         impl = getattr(context.get(name), "impl", None)
@@ -60,8 +134,8 @@ def unsupported_layer_reason(vllm_config, layer_names) -> str | None:
             continue
         if getattr(impl, "alibi_slopes", None) is not None:
             return "ALiBi attention layers are not supported"
-        if impl_sinks(impl) is not None:
-            return "attention sinks are not supported"
+        if impl_sinks(impl) is not None and not sinks:
+            return "attention sinks are not supported by this backend's head-as-sequence attention"
         if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
             return "sliding-window attention layers are not supported"
     return None

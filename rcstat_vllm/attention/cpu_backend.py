@@ -66,7 +66,13 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.rcstat = worker_compression(vllm_config)
-        self.rcstat.attach_layers(layer_names, num_kv_heads=self.num_kv_heads, block_size=self.block_size, layout=CPU_VEC)
+        #: whether this builder's layers are the ones compressed (False: a hybrid model's sliding-window group, whose
+        #: layers run vLLM's CPU path untouched, AMX included)
+        self.compresses = self.rcstat.attach_layers(
+            layer_names, num_kv_heads=self.num_kv_heads, block_size=self.block_size, layout=CPU_VEC, sinks=True
+        )
+        if not self.compresses:
+            return
         if self.isa == "amx" and self.rcstat.config.enabled:
             # AMX prepacks KV blocks; head pages need plain rows. The vec kernels read plain rows on any
             # x86 CPU. With method "none" server-wide, vLLM's own choice stays (bit-identical to vanilla).
@@ -78,6 +84,8 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not self.compresses:
+            return RCStatCPUMetadata(**vars(base), rcstat=None)
         parent_build = super().build
         plan = plan_step_for_builder(self.rcstat, common_attn_metadata, lambda rows: parent_build(0, rows, fast_build))
         if plan.head_plan is not None:
@@ -98,9 +106,9 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
         if not isinstance(attn_metadata, RCStatCPUMetadata):
             raise TypeError(f"rcstat backend got {type(attn_metadata).__name__} metadata")
         plan = attn_metadata.rcstat
-        owner = plan.owner
-        layer_index = owner.tracked_layer(layer.layer_name)
-        if layer_index is None:  # not a layer the plugin compresses (a drafter's): vLLM's path, nothing recorded
+        owner = None if plan is None else plan.owner
+        layer_index = None if owner is None else owner.tracked_layer(layer.layer_name)
+        if layer_index is None:  # not a layer the plugin compresses (sliding-window, a drafter's): vLLM's path
             return self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         record_layer(plan.attribution, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
@@ -120,7 +128,7 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 )
             head_sequence_attention(
                 query[:num_tokens], key_pages, value_pages, output[:num_tokens], head_plan, layer_index,
-                scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, **scales,
+                scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, sinks=self.sinks, **scales,
             )
         owner.after_attention(plan, layer_index, query, kv_cache, self.scale)
         return output

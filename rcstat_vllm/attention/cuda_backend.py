@@ -82,15 +82,20 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.rcstat = worker_compression(vllm_config)
-        self.rcstat.attach_layers(
+        #: whether this builder's layers are the ones compressed (False: a hybrid model's sliding-window group)
+        self.compresses = self.rcstat.attach_layers(
             layer_names, num_kv_heads=kv_cache_spec.num_kv_heads, block_size=kv_cache_spec.block_size, layout=FLASH
         )
+        if not self.compresses:
+            return
         reason = unsupported_reason(vllm_config, layer_names, kv_cache_spec)
         if reason is not None:
             self.rcstat.disable(reason)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not self.compresses:
+            return base  # FlashAttention's own metadata: the impl runs vLLM's path for these layers
         parent_build = super().build
         plan = plan_step_for_builder(self.rcstat, common_attn_metadata, lambda rows: parent_build(0, rows, fast_build))
         return RCStatFlashMetadata(**vars(base), rcstat=plan)

@@ -114,6 +114,9 @@ class EngineCompaction:
 
     #: the server's flag (set by the first schedule)
     config: RCStatConfig | None = None
+    #: the KV cache group whose block lists compaction swaps (set by the first schedule: a hybrid model's
+    #: full-attention group; None: no group is compressed and the hooks pass through)
+    group: int | None = 0
     stats: CompressionStats = field(default_factory=CompressionStats)
     requests: EngineRequests = field(default_factory=EngineRequests)
     #: decode-time compactions brought forward when the pool is about to run short (over the same table)

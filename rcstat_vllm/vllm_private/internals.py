@@ -15,6 +15,18 @@ from rcstat_vllm.vllm_private.contract import Contract
 _CPU = "vllm.v1.attention.backends.cpu_attn"
 _FLASH = "vllm.v1.attention.backends.flash_attn"
 _IMPL_FEATURES = ("alibi_slopes", "sinks", "sliding_window")
+#: vLLM's KV-cache spec classes by the kind of layer they hold (:func:`kv_cache_spec_kind`), most derived first
+_SPEC_CLASSES = {
+    "SlidingWindowMLASpec": "MLA",
+    "SinkFullAttentionSpec": "static sink tokens",
+    "MLAAttentionSpec": "MLA",
+    "SlidingWindowSpec": "sliding window",
+    "ChunkedLocalAttentionSpec": "chunked local attention",
+    "CrossAttentionSpec": "cross-attention",
+    "EncoderOnlyAttentionSpec": "encoder-only attention",
+    "MambaSpec": "Mamba / linear attention state",
+    "FullAttentionSpec": "full attention",
+}
 #: ``AttentionBackend.validate_configuration``'s parameters, as vLLM's selector passes them (by keyword)
 _VALIDATE_PARAMS = (
     "cls", "head_size", "dtype", "kv_cache_dtype", "block_size", "use_mla", "has_sink", "use_sparse", "use_mm_prefix",
@@ -96,6 +108,11 @@ CONTRACTS = (
     Contract("vllm.v1.sample.logits_processor.interface:MoveDirectionality.SWAP"),
     # the `vllm` command (rcstat-vllm serve)
     Contract("vllm.entrypoints.cli.main:main", ()),
+    # the KV cache groups and the spec classes the group choice reads (rcstat_vllm/attention/capabilities.py)
+    Contract("vllm.v1.kv_cache_interface:KVCacheConfig", attrs=("kv_cache_groups",)),
+    Contract("vllm.v1.kv_cache_interface:KVCacheGroupSpec", attrs=("layer_names", "kv_cache_spec", "is_eagle_group")),
+    Contract("vllm.v1.kv_cache_interface:FullAttentionSpec", attrs=("sliding_window", "attention_chunk_size")),
+    *(Contract(f"vllm.v1.kv_cache_interface:{name}") for name in _SPEC_CLASSES),
 )
 
 
@@ -209,3 +226,26 @@ async def every_workers_rpc(engine_client, method: str, args: tuple) -> list[Any
         return await engine_client.collective_rpc(method, args=args)
     per_engine = await ask_every_engine("collective_rpc", method, None, args, None)
     return [reply for replies in per_engine for reply in replies]
+
+
+def kv_cache_groups(kv_cache_config) -> list[tuple[list[str], Any, bool]]:
+    """The KV cache groups of an engine's ``KVCacheConfig``: (layer names, spec, whether a drafter's group)."""
+    return [(list(g.layer_names), g.kv_cache_spec, bool(g.is_eagle_group)) for g in kv_cache_config.kv_cache_groups]
+
+
+def kv_cache_spec_kind(spec) -> str:
+    """What a KV cache group holds, in words: "full attention" for plain full attention only (a full-attention spec
+    that records a sliding window or chunk -- vLLM without its hybrid allocator -- is "sliding window" /
+    "chunked local attention"); the spec's class name for a kind this list does not know."""
+    import vllm.v1.kv_cache_interface as interface
+
+    for name, kind in _SPEC_CLASSES.items():
+        if isinstance(spec, getattr(interface, name)):
+            if kind == "full attention" and getattr(spec, "sliding_window", None) is not None:
+                return "sliding window"
+            if kind == "full attention" and getattr(spec, "attention_chunk_size", None) is not None:
+                return "chunked local attention"
+            if kind == "full attention" and type(spec) is not interface.FullAttentionSpec:
+                return type(spec).__name__
+            return kind
+    return type(spec).__name__

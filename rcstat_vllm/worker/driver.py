@@ -44,8 +44,8 @@ from rcstat_vllm.worker.step_plan import StepCompression, StepPlanner
 class WorkerCompression(CompressedLayers, StepPlanner):
     """Per-request compression state of one worker (see the module docstring)."""
 
-    def __init__(self, vllm_config, disabled_reason: str | None = None):
-        super().__init__(vllm_config, disabled_reason)
+    def __init__(self, vllm_config, disabled_reason: str | None = None, kv_cache_groups=None):
+        super().__init__(vllm_config, disabled_reason, kv_cache_groups)
         #: tensor-parallel ranks hold different KV heads but share the scheduler's block table: every request
         #: keeps the max over ranks of the blocks its heads need (None: a single rank)
         self.block_agreement_group = None
@@ -207,11 +207,15 @@ class WorkerCompression(CompressedLayers, StepPlanner):
 _current: WorkerCompression | None = None
 
 
-def start_worker_compression(vllm_config) -> WorkerCompression | None:
-    """A fresh owner for a model runner setting up its KV cache (``patches/model_runner.py``); None when the
-    flag is off. The builders vLLM creates next find it with :func:`worker_compression`."""
+def start_worker_compression(vllm_config, kv_cache_groups=None) -> WorkerCompression | None:
+    """A fresh owner for a model runner setting up its KV cache (``patches/model_runner.py``; ``kv_cache_groups``:
+    its KV cache groups, of which one is compressed); None when the flag is off. The builders vLLM creates next
+    find it with :func:`worker_compression`."""
     global _current
-    _current = WorkerCompression(vllm_config) if server_config(vllm_config.additional_config) is not None else None
+    if server_config(vllm_config.additional_config) is None:
+        _current = None
+    else:
+        _current = WorkerCompression(vllm_config, kv_cache_groups=kv_cache_groups)
     return _current
 
 

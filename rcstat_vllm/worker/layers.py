@@ -15,6 +15,8 @@ from typing import Mapping
 import torch
 
 from rcstat_vllm.attention.capabilities import (
+    GroupChoice,
+    choose_compressed_group,
     engine_not_pooled_reason,
     engine_unsupported_reason,
     unsupported_layer_reason,
@@ -30,7 +32,11 @@ from rcstat_vllm.worker.prompt_compression import triton_scoring, warm_up_scorin
 
 
 class CompressedLayers:
-    def __init__(self, vllm_config, disabled_reason: str | None = None):
+    def __init__(self, vllm_config, disabled_reason: str | None = None, kv_cache_groups=None):
+        """``kv_cache_groups``: the engine's KV cache groups ``(layer names, spec, drafter's)``
+        (:func:`~rcstat_vllm.vllm_private.internals.kv_cache_groups`), when the runner hook knows them: the plugin
+        compresses one (:func:`~rcstat_vllm.attention.capabilities.choose_compressed_group`). None: the first
+        builder's layers are compressed (unit tests' fakes)."""
         self.vllm_config = vllm_config
         self.config: RCStatConfig = server_config(vllm_config.additional_config) or RCStatConfig()
         self.layer_names: list[str] = []
@@ -42,9 +48,17 @@ class CompressedLayers:
         #: the compressed requests' pages and the layers' caches (created when the layers attach)
         self.pages: PageStore | None = None
         self.disabled_reason: str | None = None
+        #: the KV cache group compressed and those left to vLLM (None: not known, see above)
+        self.group_choice: GroupChoice | None = None
         disabled_reason = disabled_reason or engine_unsupported_reason(vllm_config)
         if disabled_reason is not None:
             self.disable(disabled_reason)
+        elif kv_cache_groups is not None:
+            self.group_choice = choose_compressed_group(kv_cache_groups)
+            if self.group_choice.index is None:
+                self.disable(self.group_choice.reason)
+            elif self.group_choice.left_to_vllm:
+                logger.info("rcstat: %s", self.group_choice.describe())
 
     def disable(self, reason: str, *, warn: bool = True) -> None:
         """Run every request uncompressed (each logs ``reason`` in its report); ``warn=False`` logs it as information
@@ -66,13 +80,25 @@ class CompressedLayers:
         """The tensor this layer's head-page ids index (the all-layers view when pages are pooled)."""
         return self.space.cache(layer_index, kv_cache)
 
-    def attach_layers(self, layer_names: list[str], *, num_kv_heads: int, block_size: int, layout: CacheLayout):
-        """A metadata builder's layers (vLLM builds one builder per KV-cache group, sometimes several)."""
+    def compresses_group(self, layer_names) -> bool:
+        """Whether a builder's layers are the KV cache group this worker compresses (True when not known: the first
+        builder's layers are taken). A group left to vLLM (a hybrid model's sliding-window layers) runs vLLM's path."""
+        choice = self.group_choice
+        return choice is None or choice.index is None or set(layer_names) == set(choice.layer_names)
+
+    def attach_layers(
+        self, layer_names: list[str], *, num_kv_heads: int, block_size: int, layout: CacheLayout, sinks: bool = False
+    ) -> bool:
+        """A metadata builder's layers (vLLM builds one builder per KV-cache group, sometimes several); whether
+        they are the layers this worker compresses (False: the builder plans nothing, its layers run vLLM's path).
+        ``sinks``: whether the backend's head-as-sequence attention takes attention sinks."""
+        if not self.compresses_group(layer_names):
+            return False
         if self.layer_names and list(layer_names) != self.layer_names:
             self.disable("several KV-cache groups use the plugin's backend (one block table per group)")
-            return
+            return False
         if self.layer_names:
-            return
+            return True
         self.layer_names = list(layer_names)
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.num_heads, self.block_size, self.layout = num_kv_heads, block_size, layout
@@ -80,10 +106,11 @@ class CompressedLayers:
         max_width = cdiv(self.vllm_config.model_config.max_model_len, block_size)
         self.pages = PageStore(len(layer_names), num_kv_heads, self.vllm_config.scheduler_config.max_num_seqs,
                                max_width)
-        layer_reason = unsupported_layer_reason(self.vllm_config, layer_names)
+        layer_reason = unsupported_layer_reason(self.vllm_config, layer_names, sinks=sinks)
         if layer_reason is not None:
             self.disable(layer_reason)
         logger.info("rcstat: attention backend active for %d layers", len(layer_names))
+        return True
 
     def bind_kv_caches(self, caches: Mapping[str, torch.Tensor]) -> None:
         """Decide the page space from the layers' cache tensors (layer name -> ``[B, H, N, 2D]``), once, and say
