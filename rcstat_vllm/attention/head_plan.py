@@ -59,6 +59,9 @@ class HeadSequencePlan:
     max_seq_lens: list[int] | None = None
     #: per layer, the CPU kernel's work split for these lengths (add_cpu_scheduler_metadata)
     scheduler_metadata: list[torch.Tensor] | None = None
+    #: per KV head, its sequences' query rows and offsets (models with attention sinks run one call per KV head;
+    #: computed at the first such layer, ``cpu_head_attention.kv_head_subsets``)
+    kv_head_subsets: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
