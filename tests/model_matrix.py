@@ -49,7 +49,16 @@ MODELS: dict[str, tuple[dict, str]] = {
                      swiglu_limit=7.0, rope_scaling={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "original_max_position_embeddings": 4096,
                                                      "truncate": False}), "full"),
+    # DeepSeek-V2: MLA (multi-head latent attention), refused by name. vLLM-CPU runs MLA from bf16 weights only.
+    "deepseek_v2": (dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", num_hidden_layers=2,
+                         rms_norm_eps=1e-6, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=4, first_k_dense_replace=2,
+                         moe_intermediate_size=64, n_shared_experts=1, num_experts_per_tok=2, topk_method="greedy",
+                         moe_layer_freq=1, rope_scaling=None), "MLA layers are not supported"),
 }
+
+#: engine arguments a model needs besides the matrix's (tests/model_matrix_runner.py)
+ENGINE_OVERRIDES: dict[str, dict] = {"deepseek_v2": {"dtype": "bfloat16"}}
 
 
 def write_model(name: str, root: Path, seed: int = 0) -> Path:

@@ -116,11 +116,12 @@ def lazy_under_pressure(model: Path) -> dict:
 
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from model_matrix import write_model
+    from model_matrix import ENGINE_OVERRIDES, write_model
     from vllm import SamplingParams
 
     name, root = sys.argv[1], Path(sys.argv[2])
     model = write_model(name, root)
+    ENGINE.update(ENGINE_OVERRIDES.get(name, {}))
     if sys.argv[3:] == ["lazy"]:
         print("RESULT " + json.dumps(lazy_under_pressure(model)), flush=True)
         return

@@ -167,8 +167,10 @@ def cuda_backend_unsupported_reason(vllm_config, device_capability) -> str | Non
     if not RCStatFlashBackend.supports_head_size(model.get_head_size()):
         return f"head size {model.get_head_size()}: not one FlashAttention supports"
     if model_has_attention_sinks(model):
-        # Head-as-sequence passes no sinks to FlashAttention (and FlashAttention has them only from FA3, sm90).
-        return "attention sinks in the model's attention layers: the plugin's FlashAttention backend cannot serve them"
+        # FlashAttention takes one sink per head of a call, the same for every sequence (and only from FA3, sm90): the
+        # CPU backend's answer, one call per KV head with that head's sinks, is not written for FlashAttention.
+        return ("attention sinks in the model's attention layers: the plugin's FlashAttention head-as-sequence does "
+                "not pass them (the CPU backend does)")
     if device_capability is None:
         return None
     invalid = backend_invalid_reasons(RCStatFlashBackend, vllm_config, device_capability, has_sink=False)
