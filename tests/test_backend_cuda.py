@@ -309,7 +309,8 @@ def test_unsupported_configurations_are_named():
     windowed = SimpleNamespace(alibi_slopes=None, sinks=None, sliding_window=(4095, 0))
     assert "sliding-window" in unsupported_layer_reason(_config(impl=windowed), ["attn"])
     sinks = SimpleNamespace(alibi_slopes=None, sinks=torch.zeros(6), sliding_window=(-1, -1))
-    assert "sinks" in unsupported_layer_reason(_config(impl=sinks), ["attn"])
+    assert "sinks" in unsupported_layer_reason(_config(impl=sinks), ["attn"])  # the FlashAttention path
+    assert unsupported_layer_reason(_config(impl=sinks), ["attn"], sinks=True) is None  # the CPU path takes them
     # The CPU backend's impls use an int window (-1: none): the same check serves both backends.
     assert unsupported_layer_reason(_config(impl=SimpleNamespace(sliding_window=-1)), ["attn"]) is None
     assert "sliding-window" in unsupported_layer_reason(_config(impl=SimpleNamespace(sliding_window=512)), ["attn"])
