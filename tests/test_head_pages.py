@@ -26,10 +26,13 @@ BLOCK, HEADS, GROUP, DIM = 32, 3, 3, 64
 SCALE = DIM**-0.5
 
 
-def _dense_attention(q, keys, values, sinks=None):
+def _dense_attention(q, keys, values, sinks=None, softcap=0.0):
     """q [G, D], keys/values [n, D] -> [G, D], float32 softmax attention; ``sinks`` [G]: a logit per query head
-    that takes softmax mass and gives no value (gpt-oss's attention sinks)."""
+    that takes softmax mass and gives no value (gpt-oss's attention sinks); ``softcap``: Gemma 2's logit soft-capping
+    ``softcap * tanh(logits / softcap)``."""
     logits = q.float() @ keys.float().T * SCALE
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     if sinks is not None:
         logits = torch.cat([logits, sinks.float().unsqueeze(1)], dim=1)
     weights = torch.softmax(logits, dim=-1)[:, : keys.shape[0]]
@@ -111,15 +114,16 @@ def test_blocks_needed_cover_the_largest_layer_and_the_tokens_until_the_next_blo
     assert used <= set(dest.tolist()) | {int(row[cdiv(n, BLOCK)])}
 
 
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("variant", ["plain", "sinks", "softcap"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_compacted_decode_equals_dense_masked_reference(dtype, atol, with_sinks):
+def test_compacted_decode_equals_dense_masked_reference(dtype, atol, variant):
     """Several requests of different lengths, GQA, heads keeping very different counts (down to the
     window only), several decode steps with page growth; an uncompressed request in the same batch is left to
     vLLM's kernels (its output and cache untouched by head-as-sequence). With sinks: a different sink per query head
-    (each KV head's sequences then run with their own G sinks)."""
+    (each KV head's sequences then run with their own G sinks); with soft-capping (Gemma 2), a cap low enough to bite."""
     g = torch.Generator().manual_seed(3)
-    sinks = (torch.randn(HEADS * GROUP, generator=g) * 2).float() if with_sinks else None
+    sinks = (torch.randn(HEADS * GROUP, generator=g) * 2).float() if variant == "sinks" else None
+    softcap = 1.5 if variant == "softcap" else 0.0
     num_blocks = 120
     kv = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=g).to(dtype)
     blocks = torch.randperm(num_blocks - 1, generator=g) + 1
@@ -170,7 +174,9 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol, with_sinks)
 
         query = torch.randn(len(lengths), HEADS * GROUP, DIM, generator=g).to(dtype)
         output = torch.zeros_like(query)
-        head_sequence_attention(query, *head_page_caches(kv), output, plan, 0, scale=SCALE, isa=ISA, sinks=sinks)
+        head_sequence_attention(
+            query, *head_page_caches(kv), output, plan, 0, scale=SCALE, isa=ISA, sinks=sinks, softcap=softcap
+        )
         assert not output[2].any()  # the uncompressed row: vLLM's kernels fill it
 
         for i in states:
@@ -181,7 +187,7 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol, with_sinks)
                 k = torch.cat([keys[h, kept], gen_k[h]])
                 v = torch.cat([values[h, kept], gen_v[h]])
                 q = query[i].view(HEADS, GROUP, DIM)[h]
-                expected = _dense_attention(q, k, v, None if sinks is None else sinks.view(HEADS, GROUP)[h])
+                expected = _dense_attention(q, k, v, None if sinks is None else sinks.view(HEADS, GROUP)[h], softcap)
                 got = output[i].view(HEADS, GROUP, DIM)[h].float()
                 torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
     # The window-only head of request 1 keeps 8 tokens; the full head all of them.
