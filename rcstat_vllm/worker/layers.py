@@ -120,6 +120,8 @@ class CompressedLayers:
             # --attention-backend, or the platform hook found the plugin's cannot serve this engine and said why).
             self.disable(f"vLLM's own attention backend serves every layer ({self._vllm_impls()})", warn=False)
             return
+        if self.disabled_reason is not None:  # said once already; no page space to decide or describe
+            return
         for name in self.layer_names:
             unusable = None if name not in caches else self.layout.unsupported_reason(caches[name])
             if unusable is not None:
