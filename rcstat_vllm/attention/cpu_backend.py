@@ -38,7 +38,7 @@ from rcstat_vllm.vllm_private.cpu_attention import (
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-from rcstat_vllm.vllm_private.internals import kv_scales_float, set_cpu_layers_isa
+from rcstat_vllm.vllm_private.internals import impl_sinks, kv_scales_float, set_cpu_layers_isa
 from rcstat_vllm.worker.driver import worker_compression
 from rcstat_vllm.worker.step_plan import StepCompression
 
@@ -128,7 +128,7 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
                 )
             head_sequence_attention(
                 query[:num_tokens], key_pages, value_pages, output[:num_tokens], head_plan, layer_index,
-                scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, sinks=self.sinks, **scales,
+                scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, sinks=impl_sinks(self), **scales,
             )
         owner.after_attention(plan, layer_index, query, kv_cache, self.scale)
         return output
