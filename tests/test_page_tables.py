@@ -376,6 +376,46 @@ def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
     assert plain_rows(common, {0: "a", 1: "b", 2: "c", 3: "d"}, starts, seq_lens, BLOCK) is None
 
 
+class _SameDeviceIndexing(torch.overrides.TorchFunctionMode):
+    """index_select with its input and index on different devices raises, as CUDA does (the CPU and meta devices
+    let some such mixes through)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.index_select, torch.Tensor.index_select):
+            tensor, index = args[0], args[2] if len(args) > 2 else kwargs["index"]
+            if tensor.device != index.device:
+                raise RuntimeError(f"index_select: input on {tensor.device}, index on {index.device}")
+        return func(*args, **kwargs)
+
+
+def test_plain_rows_index_each_field_on_its_own_device():
+    """On the GPU runner vLLM keeps ``is_prefilling`` (and ``query_start_loc_cpu``) on the host while the block
+    table, slots and positions live on the device: each field is indexed where it lives and stays there (the first
+    H200 run stopped on "index is on cuda:0, different from other tensors on cpu"). 'meta' stands for the device."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from rcstat_vllm.attention.head_plan import plain_rows
+
+    device = torch.device("meta")
+    starts, seq_lens = [0, 1, 21, 22, 25], [70, 40, 90, 30]
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        query_start_loc_cpu=torch.tensor(starts), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        num_reqs=4, num_actual_tokens=25, max_query_len=20, max_seq_len=90,
+        block_table_tensor=torch.zeros(4, 10, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(28, dtype=torch.int64, device=device), positions=torch.zeros(28, device=device),
+        is_prefilling=torch.tensor([False, True, False, True]),
+    )
+    with _SameDeviceIndexing():
+        rows = plain_rows(common, {0: "a", 2: "b"}, starts, seq_lens, BLOCK).metadata
+    assert rows.is_prefilling.device.type == "cpu" and rows.is_prefilling.tolist() == [True, True]
+    assert rows.query_start_loc_cpu.device.type == "cpu" and rows.seq_lens_cpu_upper_bound.device.type == "cpu"
+    for name in ("block_table_tensor", "slot_mapping", "positions", "query_start_loc", "seq_lens"):
+        assert getattr(rows, name).device == device, name
+    assert rows.block_table_tensor.shape == (2, cdiv(40, BLOCK)) and rows.slot_mapping.shape == (23,)
+
+
 def test_tables_stop_growing_at_max_num_seqs_and_max_model_len_within_their_stated_bound():
     """Slots double up to max_slots, widths up to max_width (not past them), the tables then take exactly the bound
     the worker logs at start-up, and a request past either limit is refused with the reason (a bookkeeping bug)."""

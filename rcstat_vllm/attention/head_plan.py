@@ -226,8 +226,14 @@ def plain_rows(common_attn_metadata, compressed_rows, query_start: list[int], se
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(counts, out=offsets[1:])
     width = min(common.block_table_tensor.shape[1], -(-int(lengths.max()) // block_size))
-    packed = to_device(torch.from_numpy(np.concatenate([tokens, row_array])), device)
-    token_index, row_index = packed.split([tokens.size, len(rows)])
+    host_index = torch.from_numpy(np.concatenate([tokens, row_array]))
+    token_index, row_index = to_device(host_index, device).split([tokens.size, len(rows)])
+    host_tokens, host_rows = host_index.split([tokens.size, len(rows)])
+
+    def take(tensor, index, host):
+        # vLLM keeps some per-row fields on the host (is_prefilling, on the GPU runner): index each on its own device
+        return tensor.index_select(0, index if tensor.device == index.device else host.to(tensor.device))
+
     offsets_cpu, lengths_cpu = torch.from_numpy(offsets), torch.from_numpy(lengths)
     split = dict(
         query_start_loc=to_device(offsets_cpu, device),
@@ -237,14 +243,14 @@ def plain_rows(common_attn_metadata, compressed_rows, query_start: list[int], se
         num_actual_tokens=int(tokens.size),
         max_query_len=int(counts.max()),
         max_seq_len=int(lengths.max()),
-        block_table_tensor=common.block_table_tensor.index_select(0, row_index)[:, :width],
-        slot_mapping=common.slot_mapping.index_select(0, token_index),
+        block_table_tensor=take(common.block_table_tensor, row_index, host_rows)[:, :width],
+        slot_mapping=take(common.slot_mapping, token_index, host_tokens),
         seq_lens_cpu_upper_bound=lengths_cpu,
     )
     if getattr(common, "positions", None) is not None:
-        split["positions"] = common.positions.index_select(0, token_index)
+        split["positions"] = take(common.positions, token_index, host_tokens)
     if getattr(common, "is_prefilling", None) is not None:
-        split["is_prefilling"] = common.is_prefilling.index_select(0, row_index)
+        split["is_prefilling"] = take(common.is_prefilling, row_index, host_rows)
     if getattr(common, "req_idx", None) is not None:
         split["req_idx"] = common.req_idx[row_array]
     if getattr(common, "mm_req_doc_ranges", None) is not None:

@@ -74,7 +74,16 @@ BASE_ENV = {
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
+    # FlashInfer is not carried: vLLM's sampler imports it unless this is 0 (it then samples natively)
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
 }
+
+#: Engine subprocesses run here, not in the repository: vLLM's model inspection runs ``python -m`` in the engine's
+#: working directory, which puts that directory first on ``sys.path``; in the repository root it finds the source
+#: tree's ``rcstat_vllm`` (without ``patches``/``kernels``, which only the installed plugin maps into it) before the
+#: installed plugin, and the plugin's registration fails there (first H200 run: "No module named
+#: 'rcstat_vllm.patches'", then "LlamaForCausalLM failed to be inspected").
+ENGINE_CWD = RESULTS
 
 
 def kv_bytes_per_token(config: dict = LLAMA_31_8B, dtype_bytes: int = 2) -> int:
@@ -225,12 +234,12 @@ def run_worker(script: Path, spec: dict, env_extra: dict, log_name: str, timeout
     env = dict(os.environ)
     env.update(BASE_ENV)
     env.update(env_extra)
-    cmd = [sys.executable, str(script), "--worker", json.dumps(spec)]
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s,
-                                  cwd=str(REPO))
+                                  cwd=str(ENGINE_CWD))
             stdout, code = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as exc:
             stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
