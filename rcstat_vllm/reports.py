@@ -136,3 +136,22 @@ class Compaction:
     #: some fresh blocks are blocks the request itself just gave back (the pool was short): the copy reads every
     #: kept entry before writing any
     reuses_own_blocks: bool = False
+
+
+@dataclass(frozen=True)
+class StepCompactions:
+    """The worker's compaction work in one step (the copies it ran before the forward, scheduler answers that were
+    refusals not counted), carried to the scheduler with the step's output beside the reports; the engine's metrics
+    (``rcstat:step_compaction_seconds``, ``rcstat:compactions_per_step``, ``rcstat:compaction_seconds``) read it.
+
+    Host time: on CPU the copy is synchronous, on CUDA it measures the launches, not the kernels."""
+
+    #: one (kind: "prompt" or "decode", seconds) per copy, in the order run
+    copies: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def seconds(self) -> float:
+        return sum(seconds for _, seconds in self.copies)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, _ in self.copies if k == kind)
