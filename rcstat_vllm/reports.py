@@ -140,7 +140,7 @@ class Compaction:
 
 @dataclass(frozen=True)
 class StepCompactions:
-    """The worker's compaction work in one step (the copies it ran before the forward, scheduler answers that were
+    """The worker's compaction work in one step and the size of its request table (the copies it ran before the forward, scheduler answers that were
     refusals not counted), carried to the scheduler with the step's output beside the reports; the engine's metrics
     (``rcstat:step_compaction_seconds``, ``rcstat:compactions_per_step``, ``rcstat:compaction_seconds``) read it.
 
@@ -148,6 +148,9 @@ class StepCompactions:
 
     #: one (kind: "prompt" or "decode", seconds) per copy, in the order run
     copies: tuple[tuple[str, float], ...] = ()
+    #: requests in the worker's table after the step began (sent when it changed; None: not sent): 0 once a server is
+    #: idle, or a leak (``rcstat:worker_requests``)
+    worker_requests: int | None = None
 
     @property
     def seconds(self) -> float:

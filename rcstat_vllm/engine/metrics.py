@@ -24,6 +24,7 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
                                           _count is the compactions the worker ran, by kind
     rcstat:step_compaction_seconds        histogram of the worker's time compacting in one step (steps with a copy)
     rcstat:compactions_per_step           histogram of the copies one step ran (1: spread out; more: bunched)
+    rcstat:worker_requests                gauge: requests in the worker's table (0 when the server is idle: else a leak)
 
 Each request is counted once in one of: compressed (its prompt compacted), uncompressed (skipped, with a reason), or,
 under lazy eviction, planned and then either compressed when memory ran short or never compacted. The times come from
@@ -67,6 +68,7 @@ class PrometheusMetrics:
     compaction_seconds: object
     step_compaction_seconds: object
     compactions_per_step: object
+    worker_requests: object
 
 
 @functools.cache
@@ -74,7 +76,7 @@ def prometheus_metrics() -> PrometheusMetrics | None:
     """The plugin's metrics in prometheus_client's registry of this process, created once (the registry is
     process-wide and rejects a second registration of a name); None without prometheus_client."""
     try:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
     except ImportError:
         return None
     return PrometheusMetrics(
@@ -101,6 +103,8 @@ def prometheus_metrics() -> PrometheusMetrics | None:
                   "at least one compaction).", buckets=SECONDS_BUCKETS),
         Histogram("rcstat:compactions_per_step", "rcstat compactions one step ran (steps with at least one).",
                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64)),
+        Gauge("rcstat:worker_requests", "Requests in the rcstat worker's table (rank 0; 0 when idle).",
+              multiprocess_mode="livemostrecent"),
     )
 
 
@@ -128,6 +132,8 @@ class CompressionStats:
     compaction_steps: int = 0
     compaction_seconds: float = 0.0
     max_step_compaction_seconds: float = 0.0
+    #: requests in the worker's table, as last sent
+    worker_requests: int = 0
     _last_log: float = field(default_factory=time.monotonic)
     _dirty: bool = False
 
@@ -194,7 +200,11 @@ class CompressionStats:
             self._count_freed(blocks_freed)
 
     def observe_step(self, step: StepCompactions) -> None:
-        """The copies the worker ran in one step, and their time."""
+        """The copies the worker ran in one step, their time, and the worker's table size when it changed."""
+        if step.worker_requests is not None:
+            self.worker_requests = step.worker_requests
+            if self.prometheus is not None:
+                self.prometheus.worker_requests.set(step.worker_requests)
         if not step.copies:
             return
         seconds = step.seconds

@@ -63,6 +63,8 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self.device_block_row_reads = 0
         #: this step's copies, (kind, seconds) each, until the runner hook collects them (:meth:`pop_step_compactions`)
         self._copies: list[tuple[str, float]] = []
+        #: the request-table size last sent (sent again when it changes)
+        self._tracked_sent = 0
 
     @property
     def results(self):
@@ -124,11 +126,15 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         return self.results_log.pop_outgoing()
 
     def pop_step_compactions(self) -> StepCompactions | None:
-        """The copies run since the last call (this step's), for the engine's metrics; None when there were none."""
-        if not self._copies:
+        """The copies run since the last call (this step's) and the request table's size when it changed, for the
+        engine's metrics; None when there is neither."""
+        tracked = len(self.requests)
+        if not self._copies and tracked == self._tracked_sent:
             return None
         copies, self._copies = tuple(self._copies), []
-        return StepCompactions(copies)
+        changed = tracked != self._tracked_sent
+        self._tracked_sent = tracked
+        return StepCompactions(copies, tracked if changed else None)
 
     # ---- the Python API (rcstat_vllm/api.py) and tests ----
 
