@@ -151,6 +151,9 @@ class StepCompactions:
     #: requests in the worker's table after the step began (sent when it changed; None: not sent): 0 once a server is
     #: idle, or a leak (``rcstat:worker_requests``)
     worker_requests: int | None = None
+    #: (compression ratio, global eviction ratio) of each prompt compacted here whose plan was scored at its copy
+    #: (lazy eviction, budget mode): the scheduler saw no ratio in its plan
+    scored_at_copy: tuple[tuple[float, float], ...] = ()
 
     @property
     def seconds(self) -> float:

@@ -125,17 +125,19 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
     released = []
     worker.pages = SimpleNamespace(layer_caches=[], attach=attached.append, release=released.append)
 
-    def job(req_id, seconds):
+    def job(req_id, seconds, deferred_bound):
         def compact(caches, compaction, space):
             time.sleep(seconds)
             return SimpleNamespace(req_id=req_id)
 
+        outcome = CompressionReport(req_id, 64, "rc", keep_blocks=1, kept=[[16, 32]], global_eviction_ratio=0.25)
         return SimpleNamespace(kind="prompt", compact=compact, decode_watcher=lambda pages: None,
-                               outcome=lambda compaction: CompressionReport(req_id, 64, "rc", keep_blocks=1),
-                               cancelled=lambda reason: None)
+                               outcome=lambda compaction: outcome, cancelled=lambda reason: None,
+                               deferred_bound=deferred_bound)
 
-    for req_id, seconds in (("a", 0.02), ("b", 0.0), ("c", 0.0)):
-        awaiting_blocks(worker.requests, req_id, job(req_id, seconds))
+    # a: a lazy plan (scored at its copy: its ratio goes with the step), c: scored at its plan (the scheduler has it)
+    for req_id, seconds, deferred in (("a", 0.02, 2), ("b", 0.0, 2), ("c", 0.0, None)):
+        awaiting_blocks(worker.requests, req_id, job(req_id, seconds, deferred))
     assert worker.pop_step_compactions() == StepCompactions((), worker_requests=3)  # the table grew: no copy yet
     assert worker.pop_step_compactions() is None
     worker.begin_step(StepInfo(requests=[], compactions=[
@@ -145,6 +147,7 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
     assert step.count("prompt") == 2 and step.count("decode") == 0
     assert step.copies[0][1] >= 0.02 and step.seconds >= 0.02
     assert [pages.req_id for pages in attached] == ["a", "c"]
+    assert step.scored_at_copy == ((1 - 48 / 128, 0.25),)  # a's only (b was refused, c's ratio was in its plan)
     assert step.worker_requests == 2  # b, refused, left the table; a and c are compressed
     assert worker.pop_step_compactions() is None  # handed over once
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a", "b", "c"}))

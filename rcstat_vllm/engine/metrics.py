@@ -12,9 +12,9 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
                                           (it kept its full cache: neither compressed nor skipped)
     rcstat:kv_blocks_freed_total          KV blocks returned to vLLM's pool after compaction
     rcstat:kv_blocks_freed_per_compaction histogram of the blocks one compaction (prompt or decode-time) returned
-    rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request whose
-                                          ratio the scheduler knows (a lazy plan scored at its copy reports its
-                                          ratio in the worker's results, not here)
+    rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request (compacted
+                                          ones only: from its plan, or, for a plan scored at its copy under lazy
+                                          eviction, from the worker's step output after the copy)
     rcstat:global_eviction_ratio          histogram of the share of prompt tokens evicted from every head of
                                           every layer per compressed request (the quality cliff's early warning)
     rcstat:decode_compactions_total       decode-time compactions (``decode_budget``) that ran
@@ -116,7 +116,7 @@ class CompressionStats:
     requests_planned: int = 0
     requests_never_compacted: int = 0
     blocks_freed: int = 0
-    #: compressed requests whose ratio the scheduler knows (a lazy plan scored at its copy reports none here)
+    #: compressed requests whose ratio is known: from the plan, or from the worker after the copy (scored there)
     ratio_count: int = 0
     ratio_sum: float = 0.0
     global_eviction_sum: float = 0.0
@@ -207,6 +207,13 @@ class CompressionStats:
                 self.prometheus.worker_requests.set(step.worker_requests)
         if not step.copies:
             return
+        for ratio, global_eviction in step.scored_at_copy:
+            self.ratio_count += 1
+            self.ratio_sum += ratio
+            self.global_eviction_sum += global_eviction
+            if self.prometheus is not None:
+                self.prometheus.compression_ratio.observe(ratio)
+                self.prometheus.global_eviction_ratio.observe(global_eviction)
         seconds = step.seconds
         self.prompt_copies += step.count("prompt")
         self.decode_copies += step.count("decode")
@@ -231,7 +238,7 @@ class CompressionStats:
             return
         logger.info(
             "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f over the %d "
-            "scored at their plan, %d of their prompt tokens from the prefix cache), %d run uncompressed%s; %d KV "
+            "whose ratio is known, %d of their prompt tokens from the prefix cache), %d run uncompressed%s; %d KV "
             "blocks freed in total; %d blocks free now%s%s",
             self.requests_compressed,
             self.mean_ratio,

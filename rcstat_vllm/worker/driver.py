@@ -65,6 +65,8 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self._copies: list[tuple[str, float]] = []
         #: the request-table size last sent (sent again when it changes)
         self._tracked_sent = 0
+        #: this step's prompts scored at their copy: (compression ratio, global eviction ratio) each
+        self._scored_at_copy: list[tuple[float, float]] = []
 
     @property
     def results(self):
@@ -132,9 +134,10 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         if not self._copies and tracked == self._tracked_sent:
             return None
         copies, self._copies = tuple(self._copies), []
+        scored, self._scored_at_copy = tuple(self._scored_at_copy), []
         changed = tracked != self._tracked_sent
         self._tracked_sent = tracked
-        return StepCompactions(copies, tracked if changed else None)
+        return StepCompactions(copies, tracked if changed else None, scored)
 
     # ---- the Python API (rcstat_vllm/api.py) and tests ----
 
@@ -195,7 +198,10 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self.pages.attach(pages)
         self.requests.job_compacted(record, pages)
         if job.kind == "prompt":
-            self.results_log.record(job.outcome(compaction))
+            outcome = job.outcome(compaction)
+            self.results_log.record(outcome)
+            if getattr(job, "deferred_bound", None) is not None and outcome.kept:  # its plan carried no ratio
+                self._scored_at_copy.append((outcome.compression_ratio, outcome.global_eviction_ratio))
             watcher = job.decode_watcher(pages)
             if watcher is not None:
                 self.requests.watch_decode(record.req_id, watcher)
