@@ -57,6 +57,7 @@ def test_the_soak_fails_on_any_5xx_wrong_rejection_unfinished_request_leak_or_gr
     assert [f.split(":")[0].split(" (")[0] for f in failures] == [
         "request 5", "request 6", "request 7", "request 8", "request 9", "at the end rcstat", "server RSS grew 10.0% after warm-up",
         "1 method-none requests differ from vanilla"]
+    assert failures[0].startswith("request 5 (plain): HTTP 500")  # a server error, named as one
     assert "rcstat:worker_requests missing" in serving.soak_checks(good, {k: v for k, v in IDLE.items()
                                                                           if k != "rcstat:worker_requests"},
                                                                    [], [], 0.08)["failures"][0]
