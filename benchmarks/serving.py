@@ -14,9 +14,12 @@ model folder), ``--num-prompts`` prompts of ``input_len`` tokens (+-``range_rati
 each (``ignore_eos``, greedy), Poisson arrivals at each request rate of the preset (fractions of vanilla's saturation
 throughput, probed once) and all at once (``inf``: saturation), through a KV pool that holds a quarter of the prompts
 (``pool_requests`` requests of ``input_len + output_len`` tokens): at saturation vanilla runs a quarter of them at a
-time. Short requests (320 +- 20% prompt tokens, 72 output tokens, 8 per run) keep the default run near 10-15 minutes
-on a 2-core CPU, where vLLM binds the engine to one core; p99 over 8 requests' TTFT is their slowest. 72 output
-tokens: decode_budget's smallest setting (32, interval 32: the window) compacts once 64 tokens were generated.
+time. A run at rate r takes num_prompts / r seconds at least, so on a 2-core CPU (vLLM binds the engine to one core;
+vanilla saturates near 0.2-0.4 req/s here) the default keeps to 6 short requests per run (320 +- 20% prompt tokens,
+72 output tokens; a pool of 1.5 of them) and two rates, 0.5x saturation and inf: about 10-12 minutes; p99 over 6
+requests' TTFT is their slowest, ITL percentiles are over ~400 gaps. 72 output tokens: decode_budget's smallest
+setting (32, interval 32: the window) compacts once 64 tokens were generated. ``--quick`` (~4 min): one round at
+saturation only.
 
 Every setting's server starts once, all together (vLLM binds each engine to a core; an idle engine waits), and
 answers one warm-up request. Rounds are interleaved: each round runs every setting, in an order rotated by one per
@@ -27,7 +30,7 @@ the plugin's compactions, their time per step (``rcstat:step_compaction_seconds`
 compressed / planned / never compacted, and blocks freed.
 
     python benchmarks/serving.py                  # default: writes benchmarks/results/serving_cpu.json (+ .png)
-    python benchmarks/serving.py --quick          # ~4-5 min: one round, two rates, *_quick.json
+    python benchmarks/serving.py --quick          # ~4 min: one round at saturation, *_quick.json
     python benchmarks/serving.py --soak 20        # the HTTP soak (tests/test_serving_soak.py) for 20 minutes
 
 ``--soak MINUTES``: the OpenAI server with the bare flag and ``decode_budget`` (float32, attribution processor on)
@@ -66,10 +69,10 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: once on the warm vanilla server before the rounds (a probe run at "inf", recorded): what "below saturation" means
 #: on whatever machine runs it. ``pool_requests``: requests of input_len + output_len tokens the KV pool holds.
 PRESETS = {
-    "quick": dict(num_prompts=8, input_len=320, range_ratio=0.2, output_len=72, pool_requests=2,
-                  rates=("0.5x", "inf"), rounds=1, decode_budget=32, decode_interval=32),
-    "default": dict(num_prompts=8, input_len=320, range_ratio=0.2, output_len=72, pool_requests=2,
-                    rates=("0.3x", "0.6x", "inf"), rounds=2, decode_budget=32, decode_interval=32),
+    "quick": dict(num_prompts=6, input_len=320, range_ratio=0.2, output_len=72, pool_requests=1.5,
+                  rates=("inf",), rounds=1, decode_budget=32, decode_interval=32),
+    "default": dict(num_prompts=6, input_len=320, range_ratio=0.2, output_len=72, pool_requests=1.5,
+                    rates=("0.5x", "inf"), rounds=2, decode_budget=32, decode_interval=32),
 }
 
 #: name, extra environment, the rcstat flag (None: absent); decode_budget filled from the preset
@@ -271,9 +274,10 @@ def counter_deltas(before: dict, after: dict) -> dict:
 
 
 def start_setting(name: str, env: dict, rcstat: dict | None, cfg: dict, model: str, log_dir: Path) -> Server:
-    kv_tokens = cfg["pool_requests"] * (cfg["input_len"] + cfg["output_len"])
-    max_model_len = -(-int(cfg["input_len"] * (1 + cfg["range_ratio"]) + cfg["output_len"] + 64) // 256) * 256
-    kv_tokens = max(kv_tokens, max_model_len)
+    kv_tokens = int(cfg["pool_requests"] * (cfg["input_len"] + cfg["output_len"]))
+    max_model_len = -(-int(cfg["input_len"] * (1 + cfg["range_ratio"]) + cfg["output_len"] + 32) // 128) * 128
+    # vLLM refuses a pool that cannot hold one max_model_len request (with its own rounding: a little slack)
+    kv_tokens = max(kv_tokens, max_model_len + 2 * BLOCK_SIZE)
     server = Server(server_kwargs(model, rcstat, kv_tokens, max_model_len), env, log_dir / f"{name}.log")
     server.kv_tokens, server.started = kv_tokens, time.monotonic()
     return server
@@ -392,7 +396,33 @@ def serving_benchmark(args) -> int:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    rounds, servers, startup = [], {}, {}
+    rounds, servers, startup, probe = [], {}, {}, None
+    suffix = "_quick" if args.quick else ""
+    path = Path(args.json) if args.json else RESULTS_DIR / f"serving_cpu{suffix}.json"
+
+    def write(final: bool) -> None:
+        """The report so far: rewritten after every round (a run cut short keeps its complete rounds)."""
+        rates = [str(r) for r in cfg["rates"]]
+        summary = summarise(rounds, names, rates)
+        report = {
+            "benchmark": "serving", "preset": preset, "complete": final,
+            "workload": {k: v for k, v in cfg.items()} | {"rates": rates, "rates_requested": requested_rates},
+            "saturation_probe": probe,
+            "settings": {n: {"env": e, "rcstat": r, "resolved": None if r is None else resolved_config(r)}
+                         for n, e, r in settings},
+            "summary": summary, "rounds": rounds, "startup_s": startup, "wall_s": round(time.monotonic() - t0, 1),
+            "servers": {n: {"kv_tokens": s.kv_tokens, **{k: v for k, v in s.kwargs.items() if k != "model"}}
+                        for n, s in servers.items()},
+            "environment": environment(), "note": "medians over rounds; vs_vanilla: ratio within a round, then median",
+        }
+        write_report(report, path, print_table)
+        env = report["environment"]
+        title = (f"vllm bench serve, random {cfg['input_len']}+{cfg['output_len']} tok, pool = {cfg['pool_requests']} "
+                 f"of {cfg['num_prompts']} requests, {len(rounds)} rounds; {env['machine'].get('cpu')} x{env['cores']}, "
+                 f"commit {(env['git'].get('commit') or '')[:10]}")
+        plot(summary, rates, path.with_suffix(".png"), title)
+        print(f"wrote {path.with_suffix('.png')}", file=sys.stderr)
+
     try:
         # Every setting's server starts once, all at once (each engine runs on the core vLLM binds it to, idle while
         # another is measured), then warms up; rounds run every setting in an order rotated by one per round.
@@ -402,42 +432,20 @@ def serving_benchmark(args) -> int:
             server.wait_healthy()
             startup[name] = round(time.monotonic() - server.started, 1)
             warm_up_completion(server)
-        probe = None
         if any(str(r).endswith("x") for r in cfg["rates"]):
             probe = bench_serve(servers["vanilla"], cfg, "inf", seed=1)
             saturation = probe["request_throughput"]
             cfg["rates"] = tuple(r if not str(r).endswith("x") else round(float(r[:-1]) * saturation, 3)
                                  for r in cfg["rates"])
             print(f"vanilla saturates at {saturation:.3f} req/s: rates {cfg['rates']}", file=sys.stderr, flush=True)
-        rates = [str(r) for r in cfg["rates"]]
         for i in range(cfg["rounds"]):
             order = names[i % len(names):] + names[: i % len(names)]
             rounds.append({name: measure_setting(name, servers[name], cfg, i) for name in order})
             rounds[-1]["order"] = order
+            write(final=i == cfg["rounds"] - 1)
     finally:
         for server in servers.values():
             server.close()
-    summary = summarise(rounds, names, rates)
-    suffix = "_quick" if args.quick else ""
-    path = Path(args.json) if args.json else RESULTS_DIR / f"serving_cpu{suffix}.json"
-    report = {
-        "benchmark": "serving", "preset": preset,
-        "workload": {k: v for k, v in cfg.items()} | {"rates": rates, "rates_requested": requested_rates},
-        "saturation_probe": probe,
-        "settings": {n: {"env": e, "rcstat": r, "resolved": None if r is None else resolved_config(r)}
-                     for n, e, r in settings},
-        "summary": summary, "rounds": rounds, "startup_s": startup, "wall_s": round(time.monotonic() - t0, 1),
-        "servers": {n: {"kv_tokens": s.kv_tokens, **{k: v for k, v in s.kwargs.items() if k != "model"}}
-                   for n, s in servers.items()},
-        "environment": environment(), "note": "medians over rounds; vs_vanilla: ratio within a round, then median",
-    }
-    write_report(report, path, print_table)
-    env = report["environment"]
-    title = (f"vllm bench serve, random {cfg['input_len']}+{cfg['output_len']} tok, pool = {cfg['pool_requests']} of "
-             f"{cfg['num_prompts']} requests; {env['machine'].get('cpu')} x{env['cores']}, "
-             f"commit {(env['git'].get('commit') or '')[:10]}")
-    plot(summary, rates, path.with_suffix(".png"), title)
-    print(f"wrote {path.with_suffix('.png')}", file=sys.stderr)
     return 0
 
 
@@ -709,7 +717,7 @@ def soak_benchmark(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one round, two rates (~4 min)")
+    parser.add_argument("--quick", action="store_true", help="one round at saturation (~4 min)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: the preset's)")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: the preset's)")
     parser.add_argument("--rates", nargs="*", default=None,
