@@ -21,7 +21,9 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
     rcstat:decode_compactions_skipped_total decode-time compactions planned but not run (no free blocks for the copy)
     rcstat:decode_tokens_evicted_total    generated KV entries (layer x KV head x token) they evicted
     rcstat:compaction_seconds{kind}       histogram of the worker's time for one copy (kind: prompt, decode); its
-                                          _count is the compactions the worker ran, by kind
+                                          _count is the compactions the worker ran, by kind. A plan scored at its
+                                          copy (lazy eviction: the bare flag) is scored and selected there too: the
+                                          time includes its scoring
     rcstat:step_compaction_seconds        histogram of the worker's time compacting in one step (steps with a copy)
     rcstat:compactions_per_step           histogram of the copies one step ran (1: spread out; more: bunched)
     rcstat:worker_requests                gauge: requests in the worker's table (0 when the server is idle: else a leak)
