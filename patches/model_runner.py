@@ -7,8 +7,8 @@ its compaction reports back to the scheduler.
 - ``_prepare_inputs``: vLLM's ``CommonAttentionMetadata`` has no request ids, settings or prompt lengths, which
   per-request compression needs; the runner's persistent batch has them once ``_prepare_inputs`` has ordered
   it.
-- ``execute_model`` / ``sample_tokens``: the step's reports travel to the scheduler in
-  :class:`RCStatModelRunnerOutput`, a ``ModelRunnerOutput`` with one more field (it pickles between processes
+- ``execute_model`` / ``sample_tokens``: the step's reports (and the time its copies took) travel to the scheduler in
+  :class:`RCStatModelRunnerOutput`, a ``ModelRunnerOutput`` with two more fields (it pickles between processes
   like its base; ``patches/scheduler.py`` reads it). A step that schedules no tokens never reaches
   ``_prepare_inputs``: ``execute_model`` hands the worker what it ends (:func:`idle_step_info`).
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.outputs import ModelRunnerOutput
 
-from rcstat_vllm.reports import CompressionReport
+from rcstat_vllm.reports import CompressionReport, StepCompactions
 from rcstat_vllm.worker.step import BatchRequest, StepInfo
 from rcstat_vllm.vllm_private.internals import forward_context, kv_cache_groups
 from rcstat_vllm.worker.driver import start_worker_compression, worker_compression_of
@@ -56,6 +56,8 @@ class RCStatModelRunnerOutput(ModelRunnerOutput):
     """vLLM's step output plus the compression reports of the requests compacted in that step."""
 
     rcstat_reports: list[CompressionReport] = field(default_factory=list)
+    #: the copies the worker ran before this step's forward and their time (None: none ran)
+    rcstat_step: StepCompactions | None = None
 
 
 def kv_cache_tensors(runner) -> dict:
@@ -164,10 +166,11 @@ def attach_reports(runner, output):
     owner = worker_compression_of(runner.vllm_config)
     if owner is None or type(output) is not ModelRunnerOutput:
         return output
-    reports = owner.pop_reports()
-    if not reports:
+    reports, step = owner.pop_reports(), owner.pop_step_compactions()
+    if not reports and step is None:
         return output
-    return RCStatModelRunnerOutput(**{f.name: getattr(output, f.name) for f in fields(output)}, rcstat_reports=reports)
+    return RCStatModelRunnerOutput(**{f.name: getattr(output, f.name) for f in fields(output)}, rcstat_reports=reports,
+                                   rcstat_step=step)
 
 
 def _execute_model(original):

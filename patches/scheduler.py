@@ -205,6 +205,8 @@ def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list
 def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
+        if isinstance(model_runner_output, RCStatModelRunnerOutput) and model_runner_output.rcstat_step is not None:
+            scheduler_stats(self).observe_step(model_runner_output.rcstat_step)
         if isinstance(model_runner_output, RCStatModelRunnerOutput) and model_runner_output.rcstat_reports:
             pool = self.kv_cache_manager.block_pool
             engine_compaction(pool).apply_reports(

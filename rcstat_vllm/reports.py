@@ -136,3 +136,28 @@ class Compaction:
     #: some fresh blocks are blocks the request itself just gave back (the pool was short): the copy reads every
     #: kept entry before writing any
     reuses_own_blocks: bool = False
+
+
+@dataclass(frozen=True)
+class StepCompactions:
+    """The worker's compaction work in one step and the size of its request table (the copies it ran before the forward, scheduler answers that were
+    refusals not counted), carried to the scheduler with the step's output beside the reports; the engine's metrics
+    (``rcstat:step_compaction_seconds``, ``rcstat:compactions_per_step``, ``rcstat:compaction_seconds``) read it.
+
+    Host time: on CPU the copy is synchronous, on CUDA it measures the launches, not the kernels."""
+
+    #: one (kind: "prompt" or "decode", seconds) per copy, in the order run
+    copies: tuple[tuple[str, float], ...] = ()
+    #: requests in the worker's table after the step began (sent when it changed; None: not sent): 0 once a server is
+    #: idle, or a leak (``rcstat:worker_requests``)
+    worker_requests: int | None = None
+    #: (compression ratio, global eviction ratio) of each prompt compacted here whose plan was scored at its copy
+    #: (lazy eviction, budget mode): the scheduler saw no ratio in its plan
+    scored_at_copy: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def seconds(self) -> float:
+        return sum(seconds for _, seconds in self.copies)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, _ in self.copies if k == kind)

@@ -60,3 +60,46 @@ def test_lazy_plans_and_compactions_have_counters_of_their_own():
         "rcstat:kv_blocks_freed_per_compaction_count": 1.0,
         "rcstat:kv_blocks_freed_per_compaction_sum": 14.0,
     }
+
+
+def test_the_workers_copies_per_step_reach_time_and_count_histograms():
+    from rcstat_vllm.reports import StepCompactions
+
+    names = ('rcstat:compaction_seconds_count{kind="prompt"}', 'rcstat:compaction_seconds_count{kind="decode"}',
+             "rcstat:step_compaction_seconds_count", "rcstat:step_compaction_seconds_sum",
+             "rcstat:compactions_per_step_count", "rcstat:compactions_per_step_sum",
+             'rcstat:compactions_per_step_bucket{le="1.0"}', "rcstat:decode_compactions_skipped_total",
+             "rcstat:compression_ratio_count", "rcstat:compression_ratio_sum", "rcstat:global_eviction_ratio_sum")
+
+    def value(name):
+        metric, _, labels = name.partition("{")
+        labels = dict(kv.split("=") for kv in labels.rstrip("}").split(",")) if labels else {}
+        return prometheus_client.REGISTRY.get_sample_value(
+            metric, {k: v.strip('"') for k, v in labels.items()}) or 0.0
+
+    before = {name: value(name) for name in names}
+    stats = CompressionStats()
+    stats.observe_step(StepCompactions((("prompt", 0.25), ("prompt", 0.125), ("decode", 0.5)),
+                                       scored_at_copy=((0.75, 0.5),)))
+    stats.observe_step(StepCompactions((("decode", 0.0625),)))
+    stats.observe_step(StepCompactions())  # a step with no copy is not a compaction step
+    stats.observe_decode(CompressionReport("d", 64, "rc", keep_blocks=2, decode=True), 0, ran=False)
+    delta = {name: value(name) - before[name] for name in names}
+    assert delta == {
+        'rcstat:compaction_seconds_count{kind="prompt"}': 2.0,
+        'rcstat:compaction_seconds_count{kind="decode"}': 2.0,
+        "rcstat:step_compaction_seconds_count": 2.0,
+        "rcstat:step_compaction_seconds_sum": 0.9375,
+        "rcstat:compactions_per_step_count": 2.0,
+        "rcstat:compactions_per_step_sum": 4.0,
+        'rcstat:compactions_per_step_bucket{le="1.0"}': 1.0,  # one step ran one copy, the other three at once
+        "rcstat:decode_compactions_skipped_total": 1.0,
+        # a lazy plan's ratio, known after its copy, counted once there (its plan carried none)
+        "rcstat:compression_ratio_count": 1.0,
+        "rcstat:compression_ratio_sum": 0.75,
+        "rcstat:global_eviction_ratio_sum": 0.5,
+    }
+    assert (stats.prompt_copies, stats.decode_copies, stats.compaction_steps) == (2, 2, 2)
+    assert stats.compaction_seconds == 0.9375 and stats.max_step_compaction_seconds == 0.875
+    assert stats.decode_skipped == 1 and stats.decode_compactions == 0
+    assert stats.ratio_count == 1 and stats.mean_ratio == 0.75

@@ -113,3 +113,80 @@ def test_the_worker_refuses_blocks_for_a_request_without_a_plan_and_reports_one_
         ("b", "lazy eviction: memory was not short while it ran, its full KV was kept"),
         ("c", "preempted before its KV was compacted (vLLM recomputes it when it resumes)"),
     ] and worker.idle
+
+
+def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
+    import time
+
+    from rcstat_vllm.reports import CompressionReport, StepCompactions
+
+    worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
+    attached = []
+    released = []
+    worker.pages = SimpleNamespace(layer_caches=[], attach=attached.append, release=released.append)
+
+    def job(req_id, seconds, deferred_bound):
+        def compact(caches, compaction, space):
+            time.sleep(seconds)
+            return SimpleNamespace(req_id=req_id)
+
+        outcome = CompressionReport(req_id, 64, "rc", keep_blocks=1, kept=[[16, 32]], global_eviction_ratio=0.25)
+        return SimpleNamespace(kind="prompt", compact=compact, decode_watcher=lambda pages: None,
+                               outcome=lambda compaction: outcome, cancelled=lambda reason: None,
+                               deferred_bound=deferred_bound)
+
+    # a: a lazy plan (scored at its copy: its ratio goes with the step), c: scored at its plan (the scheduler has it)
+    for req_id, seconds, deferred in (("a", 0.02, 2), ("b", 0.0, 2), ("c", 0.0, None)):
+        awaiting_blocks(worker.requests, req_id, job(req_id, seconds, deferred))
+    assert worker.pop_step_compactions() == StepCompactions((), worker_requests=3)  # the table grew: no copy yet
+    assert worker.pop_step_compactions() is None
+    worker.begin_step(StepInfo(requests=[], compactions=[
+        Compaction("a", (1, 2)), Compaction("b", cancelled_reason="no free blocks"), Compaction("c", (3,))]))
+    step = worker.pop_step_compactions()
+    assert [kind for kind, _ in step.copies] == ["prompt", "prompt"]  # the refusal is no copy
+    assert step.count("prompt") == 2 and step.count("decode") == 0
+    assert step.copies[0][1] >= 0.02 and step.seconds >= 0.02
+    assert [pages.req_id for pages in attached] == ["a", "c"]
+    assert step.scored_at_copy == ((1 - 48 / 128, 0.25),)  # a's only (b was refused, c's ratio was in its plan)
+    assert step.worker_requests == 2  # b, refused, left the table; a and c are compressed
+    assert worker.pop_step_compactions() is None  # handed over once
+    worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a", "b", "c"}))
+    assert worker.pop_step_compactions() == StepCompactions((), worker_requests=0)  # idle: the table is empty
+    assert [pages.req_id for pages in released] == ["a", "c"]
+
+
+def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_without_reports(monkeypatch):
+    """The one worker -> scheduler channel (``RCStatModelRunnerOutput``) carries the copies' time; a step whose
+    output has no report still carries it, and the scheduler's update hook counts it once."""
+    import prometheus_client
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    import rcstat_vllm.worker.driver
+    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.patches.model_runner import RCStatModelRunnerOutput, attach_reports
+    from rcstat_vllm.patches.scheduler import _update_from_output
+    from rcstat_vllm.reports import StepCompactions
+
+    worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
+    monkeypatch.setattr(rcstat_vllm.worker.driver, "_current", worker)
+    runner = SimpleNamespace(vllm_config=worker.vllm_config)
+    plain = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    assert attach_reports(runner, plain) is plain  # nothing to carry
+    worker._copies.extend([("prompt", 0.5), ("decode", 0.25)])
+    worker.requests.seen_in_prefill("a", 0)
+    output = attach_reports(runner, plain)
+    assert isinstance(output, RCStatModelRunnerOutput) and output.rcstat_reports == []
+    assert output.rcstat_step == StepCompactions((("prompt", 0.5), ("decode", 0.25)), worker_requests=1)
+
+    class Pool:  # a block pool: the engine state is keyed by it (weakly)
+        pass
+
+    pool = Pool()
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool))
+    update = _update_from_output(lambda self, scheduler_output, model_runner_output: "vllm's result")
+    assert update(scheduler, None, output) == "vllm's result"
+    update(scheduler, None, plain)
+    stats = engine_compaction(pool).stats
+    assert (stats.prompt_copies, stats.decode_copies, stats.compaction_steps, stats.compaction_seconds) == (1, 1, 1, 0.75)
+    assert stats.worker_requests == 1
+    assert prometheus_client.REGISTRY.get_sample_value("rcstat:worker_requests") == 1.0

@@ -12,13 +12,26 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
                                           (it kept its full cache: neither compressed nor skipped)
     rcstat:kv_blocks_freed_total          KV blocks returned to vLLM's pool after compaction
     rcstat:kv_blocks_freed_per_compaction histogram of the blocks one compaction (prompt or decode-time) returned
-    rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request whose
-                                          ratio the scheduler knows (a lazy plan scored at its copy reports its
-                                          ratio in the worker's results, not here)
+    rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request (compacted
+                                          ones only: from its plan, or, for a plan scored at its copy under lazy
+                                          eviction, from the worker's step output after the copy)
     rcstat:global_eviction_ratio          histogram of the share of prompt tokens evicted from every head of
                                           every layer per compressed request (the quality cliff's early warning)
     rcstat:decode_compactions_total       decode-time compactions (``decode_budget``) that ran
+    rcstat:decode_compactions_skipped_total decode-time compactions planned but not run (no free blocks for the copy)
     rcstat:decode_tokens_evicted_total    generated KV entries (layer x KV head x token) they evicted
+    rcstat:compaction_seconds{kind}       histogram of the worker's time for one copy (kind: prompt, decode); its
+                                          _count is the compactions the worker ran, by kind. A plan scored at its
+                                          copy (lazy eviction: the bare flag) is scored and selected there too: the
+                                          time includes its scoring
+    rcstat:step_compaction_seconds        histogram of the worker's time compacting in one step (steps with a copy)
+    rcstat:compactions_per_step           histogram of the copies one step ran (1: spread out; more: bunched)
+    rcstat:worker_requests                gauge: requests in the worker's table (0 when the server is idle: else a leak)
+
+Each request is counted once in one of: compressed (its prompt compacted), uncompressed (skipped, with a reason), or,
+under lazy eviction, planned and then either compressed when memory ran short or never compacted. The times come from
+the worker (rank 0) with the step's output (``StepCompactions``), host time: synchronous copies on CPU, the launches on
+CUDA.
 
 The scheduler runs in vLLM's engine-core process; ``vllm serve``'s ``/metrics`` (API-server process) shows these
 only in prometheus_client's multiprocess mode, which ``rcstat-vllm serve`` turns on
@@ -32,12 +45,13 @@ import time
 from dataclasses import dataclass, field
 
 from rcstat_vllm.log import logger
-from rcstat_vllm.reports import CompressionReport
+from rcstat_vllm.reports import CompressionReport, StepCompactions
 
 LOG_INTERVAL_S = 10.0
 
 
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass(frozen=True)
@@ -51,7 +65,12 @@ class PrometheusMetrics:
     compression_ratio: object
     global_eviction_ratio: object
     decode_compactions: object
+    decode_compactions_skipped: object
     decode_tokens_evicted: object
+    compaction_seconds: object
+    step_compaction_seconds: object
+    compactions_per_step: object
+    worker_requests: object
 
 
 @functools.cache
@@ -59,7 +78,7 @@ def prometheus_metrics() -> PrometheusMetrics | None:
     """The plugin's metrics in prometheus_client's registry of this process, created once (the registry is
     process-wide and rejects a second registration of a name); None without prometheus_client."""
     try:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
     except ImportError:
         return None
     return PrometheusMetrics(
@@ -77,8 +96,17 @@ def prometheus_metrics() -> PrometheusMetrics | None:
                   "Share of prompt tokens evicted from every KV head of every layer, per compressed request.",
                   buckets=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)),
         Counter("rcstat:decode_compactions", "Decode-time compactions of generated KV that rcstat ran."),
+        Counter("rcstat:decode_compactions_skipped", "Decode-time compactions planned but not run (no free blocks)."),
         Counter("rcstat:decode_tokens_evicted", "Generated KV entries (layer x KV head x token) decode-time "
                 "compactions evicted."),
+        Histogram("rcstat:compaction_seconds", "Worker time of one rcstat KV copy (compaction), by kind.",
+                  ["kind"], buckets=SECONDS_BUCKETS),
+        Histogram("rcstat:step_compaction_seconds", "Worker time rcstat spent compacting in one step (steps with "
+                  "at least one compaction).", buckets=SECONDS_BUCKETS),
+        Histogram("rcstat:compactions_per_step", "rcstat compactions one step ran (steps with at least one).",
+                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64)),
+        Gauge("rcstat:worker_requests", "Requests in the rcstat worker's table (rank 0; 0 when idle).",
+              multiprocess_mode="livemostrecent"),
     )
 
 
@@ -90,7 +118,7 @@ class CompressionStats:
     requests_planned: int = 0
     requests_never_compacted: int = 0
     blocks_freed: int = 0
-    #: compressed requests whose ratio the scheduler knows (a lazy plan scored at its copy reports none here)
+    #: compressed requests whose ratio is known: from the plan, or from the worker after the copy (scored there)
     ratio_count: int = 0
     ratio_sum: float = 0.0
     global_eviction_sum: float = 0.0
@@ -100,6 +128,14 @@ class CompressionStats:
     decode_compactions: int = 0
     decode_skipped: int = 0
     decode_tokens_evicted: int = 0
+    #: the worker's copies (by kind), the steps that ran any, their total and the longest step's time (seconds)
+    prompt_copies: int = 0
+    decode_copies: int = 0
+    compaction_steps: int = 0
+    compaction_seconds: float = 0.0
+    max_step_compaction_seconds: float = 0.0
+    #: requests in the worker's table, as last sent
+    worker_requests: int = 0
     _last_log: float = field(default_factory=time.monotonic)
     _dirty: bool = False
 
@@ -152,6 +188,9 @@ class CompressionStats:
         """A decode-time compaction planned (``ran``: its blocks were swapped in) or skipped."""
         if not ran:
             self.decode_skipped += 1
+            self._dirty = True
+            if self.prometheus is not None:
+                self.prometheus.decode_compactions_skipped.inc()
             return
         self.decode_compactions += 1
         self.decode_tokens_evicted += report.decode_tokens_evicted
@@ -161,6 +200,34 @@ class CompressionStats:
             self.prometheus.decode_compactions.inc()
             self.prometheus.decode_tokens_evicted.inc(report.decode_tokens_evicted)
             self._count_freed(blocks_freed)
+
+    def observe_step(self, step: StepCompactions) -> None:
+        """The copies the worker ran in one step, their time, and the worker's table size when it changed."""
+        if step.worker_requests is not None:
+            self.worker_requests = step.worker_requests
+            if self.prometheus is not None:
+                self.prometheus.worker_requests.set(step.worker_requests)
+        if not step.copies:
+            return
+        for ratio, global_eviction in step.scored_at_copy:
+            self.ratio_count += 1
+            self.ratio_sum += ratio
+            self.global_eviction_sum += global_eviction
+            if self.prometheus is not None:
+                self.prometheus.compression_ratio.observe(ratio)
+                self.prometheus.global_eviction_ratio.observe(global_eviction)
+        seconds = step.seconds
+        self.prompt_copies += step.count("prompt")
+        self.decode_copies += step.count("decode")
+        self.compaction_steps += 1
+        self.compaction_seconds += seconds
+        self.max_step_compaction_seconds = max(self.max_step_compaction_seconds, seconds)
+        self._dirty = True
+        if self.prometheus is not None:
+            for kind, copy_seconds in step.copies:
+                self.prometheus.compaction_seconds.labels(kind=kind).observe(copy_seconds)
+            self.prometheus.step_compaction_seconds.observe(seconds)
+            self.prometheus.compactions_per_step.observe(len(step.copies))
 
     @property
     def mean_ratio(self) -> float:
@@ -173,8 +240,8 @@ class CompressionStats:
             return
         logger.info(
             "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f over the %d "
-            "scored at their plan, %d of their prompt tokens from the prefix cache), %d run uncompressed%s; %d KV "
-            "blocks freed in total; %d blocks free now%s",
+            "whose ratio is known, %d of their prompt tokens from the prefix cache), %d run uncompressed%s; %d KV "
+            "blocks freed in total; %d blocks free now%s%s",
             self.requests_compressed,
             self.mean_ratio,
             self.global_eviction_sum / self.ratio_count if self.ratio_count else 0.0,
@@ -188,5 +255,8 @@ class CompressionStats:
             f"; {self.decode_compactions} decode-time compactions ({self.decode_tokens_evicted} generated entries "
             f"evicted, {self.decode_skipped} skipped for want of free blocks)"
             if self.decode_compactions or self.decode_skipped else "",
+            f"; worker copies: {self.prompt_copies} prompt, {self.decode_copies} decode in {self.compaction_steps} "
+            f"steps, {self.compaction_seconds * 1e3:.1f} ms in all, longest step {self.max_step_compaction_seconds * 1e3:.1f} ms"
+            if self.compaction_steps else "",
         )
         self._last_log, self._dirty = now, False

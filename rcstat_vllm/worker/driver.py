@@ -28,10 +28,12 @@ A step, as the hooks drive it:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rcstat_vllm.config import server_config
-from rcstat_vllm.reports import Compaction
+from rcstat_vllm.reports import Compaction, StepCompactions
 from rcstat_vllm.worker.layers import CompressedLayers
 from rcstat_vllm.worker.prompt_compression import plan_compression
 from rcstat_vllm.worker.rank_agreement import max_over_ranks, visible_on_any_rank
@@ -59,6 +61,12 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         #: reads of a row of the device block table because the step info carried no host block ids (see
         #: :meth:`StepPlanner._host_block_ids`; on CUDA each one synchronises)
         self.device_block_row_reads = 0
+        #: this step's copies, (kind, seconds) each, until the runner hook collects them (:meth:`pop_step_compactions`)
+        self._copies: list[tuple[str, float]] = []
+        #: the request-table size last sent (sent again when it changes)
+        self._tracked_sent = 0
+        #: this step's prompts scored at their copy: (compression ratio, global eviction ratio) each
+        self._scored_at_copy: list[tuple[float, float]] = []
 
     @property
     def results(self):
@@ -73,7 +81,10 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self._agree()
         self._release_pages(info.dropped_req_ids)  # first: their table slots serve this step's compactions
         for compaction in info.compactions:
-            self._run_compaction(compaction)
+            start = time.perf_counter()
+            kind = self._run_compaction(compaction)
+            if kind is not None:
+                self._copies.append((kind, time.perf_counter() - start))
         self._release_pages(info.dropped_req_ids)  # a request compacted in this very step and gone with it
         for req_id in info.dropped_req_ids:
             record = self.requests.drop(req_id)
@@ -116,6 +127,18 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self._agree()
         return self.results_log.pop_outgoing()
 
+    def pop_step_compactions(self) -> StepCompactions | None:
+        """The copies run since the last call (this step's) and the request table's size when it changed, for the
+        engine's metrics; None when there is neither."""
+        tracked = len(self.requests)
+        if not self._copies and tracked == self._tracked_sent:
+            return None
+        copies, self._copies = tuple(self._copies), []
+        scored, self._scored_at_copy = tuple(self._scored_at_copy), []
+        changed = tracked != self._tracked_sent
+        self._tracked_sent = tracked
+        return StepCompactions(copies, tracked if changed else None, scored)
+
     # ---- the Python API (rcstat_vllm/api.py) and tests ----
 
     def compression_results(self) -> dict[str, dict]:
@@ -156,8 +179,9 @@ class WorkerCompression(CompressedLayers, StepPlanner):
                 self.requests.job_sent(record)
                 self.results_log.send(record.job.plan_report(keep_blocks))
 
-    def _run_compaction(self, compaction: Compaction) -> None:
-        """The scheduler's answer to a plan: copy the kept entries into its fresh blocks, or go on without."""
+    def _run_compaction(self, compaction: Compaction) -> str | None:
+        """The scheduler's answer to a plan: copy the kept entries into its fresh blocks, or go on without. Returns
+        the kind of the copy run ("prompt" or "decode"), None for a refusal."""
         record = self.requests.get(compaction.req_id)
         if record is None or record.phase is not Phase.AWAITING_BLOCKS:
             raise RuntimeError(f"rcstat: the scheduler sent blocks for request {compaction.req_id}, which has no plan")
@@ -167,19 +191,23 @@ class WorkerCompression(CompressedLayers, StepPlanner):
             self.requests.job_cancelled(record)
             if outcome is not None:
                 self.results_log.record(outcome)
-            return
+            return None
         pages = job.compact(self.pages.layer_caches, compaction, self.space)
         if record.pages is not None:
             self.pages.release(record.pages)
         self.pages.attach(pages)
         self.requests.job_compacted(record, pages)
         if job.kind == "prompt":
-            self.results_log.record(job.outcome(compaction))
+            outcome = job.outcome(compaction)
+            self.results_log.record(outcome)
+            if getattr(job, "deferred_bound", None) is not None and outcome.kept:  # its plan carried no ratio
+                self._scored_at_copy.append((outcome.compression_ratio, outcome.global_eviction_ratio))
             watcher = job.decode_watcher(pages)
             if watcher is not None:
                 self.requests.watch_decode(record.req_id, watcher)
         else:
             self.results_log.decode_compacted(record.req_id, job.decode.compactions, job.decode.tokens_evicted)
+        return job.kind
 
     def _release_pages(self, req_ids) -> None:
         for req_id in req_ids:

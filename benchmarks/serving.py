@@ -1,0 +1,739 @@
+"""Serving under load, measured as ``vllm serve`` users measure it: ``rcstat-vllm serve`` driven by vLLM 0.32's own
+serving benchmark (``vllm.benchmarks.serve``, the code behind ``vllm bench serve``), side by side.
+
+Settings, each its own server (``rcstat-vllm serve``, ``--enforce-eager``, block size 32, vLLM's defaults otherwise:
+prefix caching on, chunked prefill):
+  vanilla         VLLM_PLUGINS=__none__ (the plugin is not loaded)
+  default         the bare flag ({"rcstat": {}}: lazy eviction, compacted when the pool is short)
+  rc_0.8          {"method": "rc", "target_ratio": 0.8}
+  tova_0.8        {"method": "tova", "target_ratio": 0.8}
+  default_decode  the bare flag with decode_budget (generated KV compacted too)
+
+Workload (KV-bound on purpose): vLLM's ``random`` dataset (random token ids, no download, the tokenizer is the local
+model folder), ``--num-prompts`` prompts of ``input_len`` tokens (+-``range_ratio``), ``output_len`` output tokens
+each (``ignore_eos``, greedy), Poisson arrivals at each request rate of the preset (fractions of vanilla's saturation
+throughput, probed once) and all at once (``inf``: saturation), through a KV pool that holds a quarter of the prompts
+(``pool_requests`` requests of ``input_len + output_len`` tokens): at saturation vanilla runs a quarter of them at a
+time. A run at rate r takes num_prompts / r seconds at least, so on a 2-core CPU (vLLM binds the engine to one core;
+vanilla saturates near 0.2-0.4 req/s here) the default keeps to 6 short requests per run (320 +- 20% prompt tokens,
+72 output tokens; a pool of 1.5 of them) and two rates, 0.5x saturation and inf: about 10-12 minutes; p99 over 6
+requests' TTFT is their slowest, ITL percentiles are over ~400 gaps. 72 output tokens: decode_budget's smallest
+setting (32, interval 32: the window) compacts once 64 tokens were generated. ``--quick`` (~4 min): one round at
+saturation only.
+
+Every setting's server starts once, all together (vLLM binds each engine to a core; an idle engine waits), and
+answers one warm-up request. Rounds are interleaved: each round runs every setting, in an order rotated by one per
+round, at every rate; numbers are medians over rounds, and each setting's ratio to
+vanilla is taken within a round, then the median. Per run: request throughput, output tokens/s, TTFT and ITL
+p50/p90/p99 (vLLM's benchmark), and from the server's ``/metrics`` over the run: preemptions (``vllm:num_preemptions``),
+the plugin's compactions, their time per step (``rcstat:step_compaction_seconds``), copies per step, requests
+compressed / planned / never compacted, and blocks freed.
+
+    python benchmarks/serving.py                  # default: writes benchmarks/results/serving_cpu.json (+ .png)
+    python benchmarks/serving.py --quick          # ~4 min: one round at saturation, *_quick.json
+    python benchmarks/serving.py --soak 20        # the HTTP soak (tests/test_serving_soak.py) for 20 minutes
+
+``--soak MINUTES``: the OpenAI server with the bare flag and ``decode_budget`` (float32, attribution processor on)
+under bounded concurrent clients (:func:`soak`): mixed prompt and output lengths over shared prefixes, streaming and
+not, ~10% disconnecting mid-stream, invalid ``vllm_xargs`` overrides (400 naming the field), ``n > 1``, attribution,
+method ``none`` replayed on a vanilla server for token identity; the checks (:func:`soak_checks`) written to
+``benchmarks/results/serving_soak_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, environment, load_avg, resolved_config, write_report  # noqa: E402
+from throughput import BLOCK_SIZE, KV_BYTES_PER_TOKEN_SMOLLM2  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+#: Rates: "inf" (all at once: saturation) or "<f>x", a fraction of vanilla's request throughput at saturation measured
+#: once on the warm vanilla server before the rounds (a probe run at "inf", recorded): what "below saturation" means
+#: on whatever machine runs it. ``pool_requests``: requests of input_len + output_len tokens the KV pool holds.
+PRESETS = {
+    "quick": dict(num_prompts=6, input_len=320, range_ratio=0.2, output_len=72, pool_requests=1.5,
+                  rates=("inf",), rounds=1, decode_budget=32, decode_interval=32),
+    "default": dict(num_prompts=6, input_len=320, range_ratio=0.2, output_len=72, pool_requests=1.5,
+                    rates=("0.5x", "inf"), rounds=2, decode_budget=32, decode_interval=32),
+}
+
+#: name, extra environment, the rcstat flag (None: absent); decode_budget filled from the preset
+SETTINGS = (
+    ("vanilla", {"VLLM_PLUGINS": "__none__"}, None),
+    ("default", {}, {}),
+    ("rc_0.8", {}, {"method": "rc", "target_ratio": 0.8}),
+    ("tova_0.8", {}, {"method": "tova", "target_ratio": 0.8}),
+    ("default_decode", {}, {"decode_budget": None, "decode_interval": None}),
+)
+PERCENTILES = (50, 90, 99)
+#: Prometheus series summed over their labels, read before and after each run (the run's deltas are reported)
+COUNTERS = (
+    "vllm:num_preemptions_total", "vllm:request_success_total", "rcstat:requests_compressed_total",
+    "rcstat:requests_uncompressed_total", "rcstat:requests_planned_total", "rcstat:requests_never_compacted_total",
+    "rcstat:kv_blocks_freed_total", "rcstat:decode_compactions_total", "rcstat:decode_compactions_skipped_total",
+    "rcstat:step_compaction_seconds_sum", "rcstat:step_compaction_seconds_count", "rcstat:compactions_per_step_sum",
+    "rcstat:compactions_per_step_count", "rcstat:compaction_seconds_sum", "rcstat:compaction_seconds_count",
+)
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "rcstat:worker_requests")
+
+
+# ---- one server ----
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_kwargs(model: str, rcstat: dict | None, kv_tokens: int, max_model_len: int, dtype: str | None = None) -> dict:
+    """The engine's options, sized in tokens: a bf16 budget (``with_embedded_dtype`` doubles it in float32)."""
+    from rcstat_vllm.model import with_embedded_dtype
+
+    kwargs = dict(model=model, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
+                  kv_cache_memory_bytes=kv_tokens * KV_BYTES_PER_TOKEN_SMOLLM2, block_size=BLOCK_SIZE, seed=0)
+    if rcstat is not None:
+        kwargs["additional_config"] = {"rcstat": rcstat}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+        if dtype == "float32":
+            kwargs["kv_cache_memory_bytes"] *= 2
+    return with_embedded_dtype(kwargs)
+
+
+class Server:
+    """``rcstat-vllm serve`` on the loopback address, its output in ``log_path``; a process group of its own."""
+
+    def __init__(self, kwargs: dict, env: dict, log_path: Path, extra_args: tuple[str, ...] = ()):
+        self.kwargs, self.port = kwargs, free_port()
+        self.url, self.model, self.log_path = f"http://127.0.0.1:{self.port}", kwargs["model"], log_path
+        cmd = [sys.executable, "-m", "rcstat_vllm.cli", "serve", kwargs["model"], "--host", "127.0.0.1",
+               "--port", str(self.port), "--enforce-eager", "--compilation-config",
+               json.dumps(kwargs["compilation_config"]), "--max-model-len", str(kwargs["max_model_len"]),
+               "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]), "--block-size",
+               str(kwargs["block_size"]), "--seed", str(kwargs["seed"]), *extra_args]
+        if "dtype" in kwargs:
+            cmd += ["--dtype", kwargs["dtype"]]
+        if "additional_config" in kwargs:
+            cmd += ["--additional-config", json.dumps(kwargs["additional_config"])]
+        full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        full_env.update(env)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log_tail(self, n: int = 6000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"server not healthy after {timeout} s\n{self.log_tail()}")
+
+    def post(self, path: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            raw = err.read() or b"{}"
+            try:
+                return err.code, json.loads(raw)
+            except json.JSONDecodeError:
+                return err.code, {"raw": raw.decode(errors="replace")}
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics``: every sample summed over its labels (histogram buckets left out), by sample name."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    continue
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's process tree (API server, engine core)."""
+        pids, total = _process_tree(self.proc.pid), 0
+        for pid in pids:
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return total
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+
+def _process_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+# ---- vLLM's serving benchmark against one server ----
+
+
+def bench_serve(server: Server, cfg: dict, rate, seed: int) -> dict:
+    """One ``vllm bench serve`` run (in this process, vLLM's own code) at ``rate``; its summary."""
+    from vllm.benchmarks.serve import add_cli_args, main
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # pragma: no cover - older layouts
+        from vllm.utils import FlexibleArgumentParser
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model,
+        "--tokenizer", server.model, "--dataset-name", "random", "--num-prompts", str(cfg["num_prompts"]),
+        "--random-input-len", str(cfg["input_len"]), "--random-output-len", str(cfg["output_len"]),
+        "--random-range-ratio", str(cfg["range_ratio"]), "--request-rate", str(rate), "--seed", str(seed),
+        "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", ",".join(map(str, PERCENTILES)), "--disable-tqdm", "--num-warmups", "0",
+    ])
+    result = main(args)
+    keep = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "output_throughput", "max_concurrent_requests"]
+    for metric in ("ttft", "itl", "tpot", "e2el"):
+        keep.append(f"mean_{metric}_ms")
+        keep += [f"p{p}_{metric}_ms" for p in PERCENTILES]
+    out = {k: result.get(k) for k in keep}
+    out["errors"] = sorted({e for e in result.get("errors", []) if e})[:5]
+    return out
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    out = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTERS}
+    steps = out["rcstat:step_compaction_seconds_count"]
+    out["compaction_ms_per_step"] = 1e3 * out["rcstat:step_compaction_seconds_sum"] / steps if steps else 0.0
+    out["copies_per_step"] = out["rcstat:compactions_per_step_sum"] / steps if steps else 0.0
+    copies = out["rcstat:compaction_seconds_count"]
+    out["ms_per_copy"] = 1e3 * out["rcstat:compaction_seconds_sum"] / copies if copies else 0.0
+    return out
+
+
+def start_setting(name: str, env: dict, rcstat: dict | None, cfg: dict, model: str, log_dir: Path) -> Server:
+    kv_tokens = int(cfg["pool_requests"] * (cfg["input_len"] + cfg["output_len"]))
+    max_model_len = -(-int(cfg["input_len"] * (1 + cfg["range_ratio"]) + cfg["output_len"] + 32) // 128) * 128
+    # vLLM refuses a pool that cannot hold one max_model_len request (with its own rounding: a little slack)
+    kv_tokens = max(kv_tokens, max_model_len + 2 * BLOCK_SIZE)
+    server = Server(server_kwargs(model, rcstat, kv_tokens, max_model_len), env, log_dir / f"{name}.log")
+    server.kv_tokens, server.started = kv_tokens, time.monotonic()
+    return server
+
+
+def measure_setting(name: str, server: Server, cfg: dict, round_index: int) -> dict:
+    """Every rate of the preset against one warm server; the benchmark's summary and ``/metrics`` deltas per rate."""
+    runs = {}
+    for rate in cfg["rates"]:
+        before = server.metrics()
+        t0, load0 = time.monotonic(), load_avg()
+        summary = bench_serve(server, cfg, rate, seed=cfg.get("seed", 0))
+        after = server.metrics()
+        runs[str(rate)] = {**summary, "metrics": counter_deltas(before, after),
+                           "gauges_after": {g: after.get(g) for g in GAUGES}, "wall_s": round(time.monotonic() - t0, 1),
+                           "load_avg_before": load0, "load_avg_after": load_avg()}
+        m = runs[str(rate)]["metrics"]
+        print(f"[{name} r{round_index}] rate {rate}: {summary['request_throughput']:.3f} req/s, "
+              f"{summary['output_throughput']:.1f} tok/s, TTFT p99 {summary['p99_ttft_ms']:.0f} ms, "
+              f"ITL p99 {summary['p99_itl_ms']:.0f} ms, preemptions {m['vllm:num_preemptions_total']:.0f}, "
+              f"compaction {m['compaction_ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)
+    return {"runs": runs, "rss_bytes": server.rss_bytes()}
+
+
+def warm_up_completion(server: Server) -> None:
+    status, reply = server.post("/v1/completions", {"model": server.model, "prompt": "Hello, my name is",
+                                                    "max_tokens": 8, "temperature": 0})
+    if status != 200:
+        raise RuntimeError(f"warm-up failed: {status} {reply}")
+
+
+REPORTED = ("request_throughput", "output_throughput", *(f"p{p}_{m}_ms" for m in ("ttft", "itl") for p in PERCENTILES),
+            "mean_ttft_ms", "mean_itl_ms")
+REPORTED_METRICS = ("vllm:num_preemptions_total", "compaction_ms_per_step", "copies_per_step", "ms_per_copy",
+                    "rcstat:step_compaction_seconds_count", "rcstat:requests_compressed_total",
+                    "rcstat:requests_planned_total", "rcstat:requests_never_compacted_total",
+                    "rcstat:decode_compactions_total", "rcstat:kv_blocks_freed_total")
+
+
+def summarise(rounds: list[dict], names: list[str], rates: list[str]) -> dict:
+    """Medians over rounds per setting and rate, and each setting's ratio to vanilla's within a round (then the
+    median): throughput ratios > 1 and latency ratios < 1 favour the setting."""
+    out = {}
+    for name in names:
+        per_rate = {}
+        for rate in rates:
+            runs = [r[name]["runs"][rate] for r in rounds if name in r]
+            med = {k: statistics.median(run[k] for run in runs) for k in REPORTED}
+            med.update({k: statistics.median(run["metrics"][k] for run in runs) for k in REPORTED_METRICS})
+            if name != "vanilla":
+                ratios = {}
+                for k in ("request_throughput", "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
+                          "p99_itl_ms"):
+                    vals = [r[name]["runs"][rate][k] / r["vanilla"]["runs"][rate][k] for r in rounds
+                            if name in r and "vanilla" in r and r["vanilla"]["runs"][rate][k]]
+                    ratios[k] = statistics.median(vals) if vals else None
+                med["vs_vanilla"] = ratios
+            per_rate[rate] = med
+        out[name] = per_rate
+    return out
+
+
+def plot(summary: dict, rates: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, per_rate in summary.items():
+        xs = [per_rate[r]["request_throughput"] for r in rates]
+        for ax, key in zip(axes, ("p99_ttft_ms", "p99_itl_ms")):
+            ax.plot(xs, [per_rate[r][key] for r in rates], marker="o", label=name)
+    for ax, label in zip(axes, ("TTFT p99 (ms)", "ITL p99 (ms)")):
+        ax.set_xlabel("request throughput (req/s; points: request rates " + ", ".join(rates) + ")")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(report: dict) -> None:
+    for name, per_rate in report["summary"].items():
+        for rate, row in per_rate.items():
+            ratio = row.get("vs_vanilla") or {}
+            extra = "" if not ratio else (f"  vs vanilla: req/s x{ratio['request_throughput']:.3f}, TTFT p99 "
+                                          f"x{ratio['p99_ttft_ms']:.3f}, ITL p99 x{ratio['p99_itl_ms']:.3f}")
+            print(f"{name:15s} rate {rate:>4s}: {row['request_throughput']:.3f} req/s {row['output_throughput']:7.1f} "
+                  f"tok/s TTFT p50/p90/p99 {row['p50_ttft_ms']:.0f}/{row['p90_ttft_ms']:.0f}/{row['p99_ttft_ms']:.0f} "
+                  f"ITL p50/p90/p99 {row['p50_itl_ms']:.0f}/{row['p90_itl_ms']:.0f}/{row['p99_itl_ms']:.0f} ms "
+                  f"preempt {row['vllm:num_preemptions_total']:.0f} compaction {row['compaction_ms_per_step']:.2f} "
+                  f"ms/step{extra}")
+
+
+def serving_benchmark(args) -> int:
+    preset = "quick" if args.quick else "default"
+    cfg = dict(PRESETS[preset])
+    if args.rounds is not None:
+        cfg["rounds"] = args.rounds
+    if args.num_prompts is not None:
+        cfg["num_prompts"] = args.num_prompts
+    if args.rates:
+        cfg["rates"] = tuple(r if r == "inf" or r.endswith("x") else float(r) for r in args.rates)
+    from rcstat_vllm.model import default_model_dir
+
+    model = str(args.model or default_model_dir())
+    settings = [(n, e, dict(r, decode_budget=cfg["decode_budget"], decode_interval=cfg["decode_interval"])
+                 if r is not None and "decode_budget" in r else r) for n, e, r in SETTINGS
+                if not args.settings or n in args.settings]
+    names = [n for n, _, _ in settings]
+    requested_rates = list(cfg["rates"])
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    rounds, servers, startup, probe = [], {}, {}, None
+    suffix = "_quick" if args.quick else ""
+    path = Path(args.json) if args.json else RESULTS_DIR / f"serving_cpu{suffix}.json"
+
+    def write(final: bool) -> None:
+        """The report so far: rewritten after every round (a run cut short keeps its complete rounds)."""
+        rates = [str(r) for r in cfg["rates"]]
+        summary = summarise(rounds, names, rates)
+        report = {
+            "benchmark": "serving", "preset": preset, "complete": final,
+            "workload": {k: v for k, v in cfg.items()} | {"rates": rates, "rates_requested": requested_rates},
+            "saturation_probe": probe,
+            "settings": {n: {"env": e, "rcstat": r, "resolved": None if r is None else resolved_config(r)}
+                         for n, e, r in settings},
+            "summary": summary, "rounds": rounds, "startup_s": startup, "wall_s": round(time.monotonic() - t0, 1),
+            "servers": {n: {"kv_tokens": s.kv_tokens, **{k: v for k, v in s.kwargs.items() if k != "model"}}
+                        for n, s in servers.items()},
+            "environment": environment(), "note": "medians over rounds; vs_vanilla: ratio within a round, then median",
+        }
+        write_report(report, path, print_table)
+        env = report["environment"]
+        title = (f"vllm bench serve, random {cfg['input_len']}+{cfg['output_len']} tok, pool = {cfg['pool_requests']} "
+                 f"of {cfg['num_prompts']} requests, {len(rounds)} rounds; {env['machine'].get('cpu')} x{env['cores']}, "
+                 f"commit {(env['git'].get('commit') or '')[:10]}")
+        plot(summary, rates, path.with_suffix(".png"), title)
+        print(f"wrote {path.with_suffix('.png')}", file=sys.stderr)
+
+    try:
+        # Every setting's server starts once, all at once (each engine runs on the core vLLM binds it to, idle while
+        # another is measured), then warms up; rounds run every setting in an order rotated by one per round.
+        for name, env, rcstat in settings:
+            servers[name] = start_setting(name, env, rcstat, cfg, model, log_dir)
+        for name, server in servers.items():
+            server.wait_healthy()
+            startup[name] = round(time.monotonic() - server.started, 1)
+            warm_up_completion(server)
+        if any(str(r).endswith("x") for r in cfg["rates"]):
+            probe = bench_serve(servers["vanilla"], cfg, "inf", seed=1)
+            saturation = probe["request_throughput"]
+            cfg["rates"] = tuple(r if not str(r).endswith("x") else round(float(r[:-1]) * saturation, 3)
+                                 for r in cfg["rates"])
+            print(f"vanilla saturates at {saturation:.3f} req/s: rates {cfg['rates']}", file=sys.stderr, flush=True)
+        for i in range(cfg["rounds"]):
+            order = names[i % len(names):] + names[: i % len(names)]
+            rounds.append({name: measure_setting(name, servers[name], cfg, i) for name in order})
+            rounds[-1]["order"] = order
+            write(final=i == cfg["rounds"] - 1)
+    finally:
+        for server in servers.values():
+            server.close()
+    return 0
+
+
+# ---- the HTTP soak ----
+
+SOAK_PREFIXES = 3
+#: the clients' mix, one kind per request in turn (every kind within the first 20 requests): 10% disconnecting
+#: mid-stream, 5% invalid overrides, 10% n = 2, 5% attribution, 10% method none (greedy), 30% streaming, 30% plain
+SOAK_KINDS = ("plain", "stream", "disconnect", "none_greedy", "n2", "plain", "stream", "invalid", "plain", "stream",
+              "attribution", "plain", "stream", "disconnect", "none_greedy", "n2", "plain", "stream", "plain", "stream")
+INVALID_OVERRIDES = (("method", {"method": "bogus"}), ("window", {"window": 0}), ("budget", {"budget": 3}))
+
+
+def soak_server_kwargs(model: str, rcstat: dict | None) -> dict:
+    """The soak's server: float32 (method none is compared token for token with a vanilla server), a pool of 1280
+    tokens: about two of its longest requests (~440 prompt + 160 output tokens) of the six running at once, so lazy
+    eviction, decode-time compaction and preemption run under pressure."""
+    return server_kwargs(model, rcstat, kv_tokens=1280, max_model_len=1024, dtype="float32")
+
+
+SOAK_RCSTAT = {"decode_budget": 32, "decode_interval": 32}  # compacts at 64 generated tokens (outputs of 64, 160)
+ATTRIBUTION_ARGS = ("--logits-processors", "rcstat_vllm.attribution.processor:RCStatAttributionProcessor")
+
+
+class SoakClients:
+    """Bounded concurrent clients (threads, httpx) over one server, until ``duration_s`` has passed; one record per
+    request: its kind, HTTP status, what came back (complete, cancelled by the client), and for method ``none``
+    greedy requests the token ids (replayed later on a vanilla server)."""
+
+    def __init__(self, server: Server, concurrency: int = 6, seed: int = 0):
+        from rcstat_vllm.demo import ESSAY
+
+        self.server, self.concurrency, self.rng = server, concurrency, random.Random(seed)
+        words = ESSAY.split()
+        self.prefixes = [" ".join(words[: n]) for n in (40, 160, 320)][:SOAK_PREFIXES]
+        self.records: list[dict] = []
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def next_request(self) -> dict:
+        with self._lock:
+            i = self._count
+            self._count += 1
+            rng = random.Random(self.rng.random())
+        prefix = rng.choice(self.prefixes)
+        prompt = f"{prefix}\n(#{i}) Question {rng.randint(0, 10_000)}: what happened next?\nAnswer:"
+        max_tokens = rng.choice([4, 8, 16, 32, 64, 160])
+        kind = SOAK_KINDS[i % len(SOAK_KINDS)]
+        body = {"model": self.server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        req = {"i": i, "kind": kind, "path": "/v1/completions", "body": body, "stream": False}
+        if kind in ("stream", "disconnect"):
+            req["stream"] = True
+            body["stream"] = True
+            if rng.random() < 0.5:  # half of them as chats
+                req["path"] = "/v1/chat/completions"
+                body.pop("prompt")
+                body["messages"] = [{"role": "user", "content": prompt}]
+        elif kind == "invalid":
+            field, override = INVALID_OVERRIDES[i % len(INVALID_OVERRIDES)]
+            body["vllm_xargs"] = {"rcstat": json.dumps(override)}
+            req["field"] = field
+        elif kind == "n2":
+            body.update(n=2, temperature=0.8, seed=i)
+        elif kind == "attribution":
+            req["path"] = "/v1/chat/completions"
+            body.pop("prompt")
+            body["messages"] = [{"role": "user", "content": prompt}]
+            body["max_tokens"] = min(max_tokens, 32)
+            body["vllm_xargs"] = {"rcstat_attribution": "1"}
+        elif kind == "none_greedy":
+            body["max_tokens"] = min(max_tokens, 24)
+            body["vllm_xargs"] = {"rcstat": json.dumps({"method": "none"})}
+            body["return_token_ids"] = True
+        return req
+
+    def send(self, client, req: dict) -> dict:
+        rec = {"i": req["i"], "kind": req["kind"], "status": None, "outcome": None}
+        if "field" in req:
+            rec["field"] = req["field"]
+        url = self.server.url + req["path"]
+        try:
+            if req["stream"]:
+                with client.stream("POST", url, json=req["body"]) as resp:
+                    rec["status"] = resp.status_code
+                    if resp.status_code != 200:
+                        rec["error"] = resp.read().decode(errors="replace")[:500]
+                        rec["outcome"] = "error"
+                        return rec
+                    chunks, finish = 0, None
+                    for line in resp.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[len("data: "):]
+                        if data == "[DONE]":
+                            rec["outcome"] = "completed" if finish else "no_finish_reason"
+                            break
+                        chunks += 1
+                        for choice in json.loads(data).get("choices", []):
+                            finish = choice.get("finish_reason") or finish
+                        if req["kind"] == "disconnect" and chunks >= 2:
+                            rec["outcome"] = "cancelled"  # the client goes away mid-stream
+                            break
+                    else:
+                        rec["outcome"] = rec["outcome"] or "truncated"
+                    rec["chunks"] = chunks
+            else:
+                resp = client.post(url, json=req["body"])
+                rec["status"] = resp.status_code
+                reply = resp.json() if resp.content else {}
+                if resp.status_code != 200:
+                    rec["error"] = json.dumps(reply)[:500]
+                    rec["outcome"] = "error"
+                    return rec
+                choices = reply.get("choices", [])
+                rec["outcome"] = "completed" if choices and all(c.get("finish_reason") for c in choices) else "incomplete"
+                rec["choices"] = len(choices)
+                if req["kind"] == "attribution":
+                    rec["attribution"] = "rcstat_attribution" in reply
+                if req["kind"] == "none_greedy":
+                    rec["prompt"] = req["body"]["prompt"]
+                    rec["max_tokens"] = req["body"]["max_tokens"]
+                    rec["token_ids"] = choices[0].get("token_ids") if choices else None
+        except Exception as exc:  # noqa: BLE001 - a transport error is a finding, recorded
+            rec["outcome"] = "transport_error"
+            rec["error"] = repr(exc)[:500]
+        return rec
+
+    def run(self, duration_s: float, on_progress=None) -> list[dict]:
+        import httpx
+
+        deadline = time.monotonic() + duration_s
+
+        def worker():
+            with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
+                while time.monotonic() < deadline:
+                    rec = self.send(client, self.next_request())
+                    with self._lock:
+                        self.records.append(rec)
+                    if on_progress is not None:
+                        on_progress(len(self.records))
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            for future in [pool.submit(worker) for _ in range(self.concurrency)]:
+                future.result()
+        return self.records
+
+
+def wait_idle(server: Server, timeout: float = 120) -> dict:
+    """Poll ``/metrics`` until no request runs or waits (a cancelled stream is aborted within a step or two)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if (m.get("vllm:num_requests_running", 1) == 0 and m.get("vllm:num_requests_waiting", 1) == 0
+                and m.get("rcstat:worker_requests", 0) == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(1)
+
+
+def replay_none(vanilla: Server, records: list[dict]) -> list[dict]:
+    """The method-none greedy requests sent again to a vanilla server (plugin not loaded); mismatches listed."""
+    mismatches = []
+    for rec in records:
+        if rec["kind"] != "none_greedy" or rec.get("outcome") != "completed":
+            continue
+        status, reply = vanilla.post("/v1/completions", {"model": vanilla.model, "prompt": rec["prompt"],
+                                                          "max_tokens": rec["max_tokens"], "temperature": 0.0,
+                                                          "return_token_ids": True})
+        want = reply["choices"][0].get("token_ids") if status == 200 else None
+        if want != rec["token_ids"]:
+            mismatches.append({"i": rec["i"], "status": status, "plugin": rec["token_ids"], "vanilla": want})
+    return mismatches
+
+
+def soak_checks(records: list[dict], final: dict, rss: list[tuple[int, int]], mismatches: list[dict],
+                rss_tolerance: float) -> dict:
+    """What the soak asserts, as data: every failure listed (an empty ``failures`` list passes)."""
+    failures = []
+    by_kind: dict[str, int] = {}
+    for rec in records:
+        by_kind[rec["kind"]] = by_kind.get(rec["kind"], 0) + 1
+        status = rec["status"]
+        if status is not None and status >= 500:
+            failures.append(f"request {rec['i']} ({rec['kind']}): HTTP {status} {rec.get('error', '')[:200]}")
+        elif rec["outcome"] == "transport_error":
+            failures.append(f"request {rec['i']} ({rec['kind']}): {rec['error'][:200]}")
+        elif rec["kind"] == "invalid":
+            if status != 400 or f"'{rec['field']}'" not in rec.get("error", ""):
+                failures.append(f"request {rec['i']}: invalid override {rec['field']!r} got {status}, "
+                                f"{rec.get('error', '')[:200]}")
+        elif rec["kind"] == "disconnect":
+            if rec["outcome"] not in ("cancelled", "completed"):
+                failures.append(f"request {rec['i']} (disconnect): {rec['outcome']}")
+        elif rec["outcome"] != "completed":
+            failures.append(f"request {rec['i']} ({rec['kind']}): {rec['outcome']} {rec.get('error', '')[:200]}")
+        elif rec["kind"] == "n2" and rec.get("choices") != 2:
+            failures.append(f"request {rec['i']} (n=2): {rec.get('choices')} choices")
+        elif rec["kind"] == "attribution" and not rec.get("attribution"):
+            failures.append(f"request {rec['i']} (attribution): no rcstat_attribution in the reply")
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "rcstat:worker_requests"):
+        if final.get(gauge, 0.0) != 0.0:
+            failures.append(f"at the end {gauge} = {final.get(gauge)} (expected 0)")
+    if "rcstat:worker_requests" not in final:
+        failures.append("rcstat:worker_requests missing from /metrics")
+    growth = None
+    if len(rss) >= 2:
+        after_warmup, last = rss[0][1], rss[-1][1]
+        growth = (last - after_warmup) / after_warmup
+        if growth > rss_tolerance:
+            failures.append(f"server RSS grew {growth:.1%} after warm-up ({after_warmup >> 20} -> {last >> 20} MiB; "
+                            f"tolerance {rss_tolerance:.0%})")
+    if mismatches:
+        failures.append(f"{len(mismatches)} method-none requests differ from vanilla: {mismatches[:2]}")
+    completed_none = sum(1 for r in records if r["kind"] == "none_greedy" and r["outcome"] == "completed")
+    return {"requests": len(records), "by_kind": by_kind, "none_compared": completed_none,
+            "rss_mib": [(n, b >> 20) for n, b in rss], "rss_growth": growth, "failures": failures,
+            "final_gauges": {g: final.get(g) for g in GAUGES},
+            "final_counters": {c: final.get(c) for c in COUNTERS}}
+
+
+def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency: int = 6,
+         rss_tolerance: float = 0.08) -> dict:
+    """The HTTP soak: a vanilla server and the plugin's (bare flag + decode_budget) start together; clients run
+    against the plugin's for ``duration_s``; then the checks. RSS is sampled once warm (after 40% of the time: every
+    kind of request and the largest batches have run by then) and every 10 s after."""
+    from rcstat_vllm.model import default_model_dir
+
+    model = str(model or default_model_dir())
+    log_dir.mkdir(parents=True, exist_ok=True)
+    plugin = Server(soak_server_kwargs(model, SOAK_RCSTAT), {}, log_dir / "soak_plugin.log", ATTRIBUTION_ARGS)
+    vanilla = Server(soak_server_kwargs(model, None), {"VLLM_PLUGINS": "__none__"}, log_dir / "soak_vanilla.log")
+    try:
+        plugin.wait_healthy()
+        clients = SoakClients(plugin, concurrency)
+        rss: list[tuple[int, int]] = []
+        start = time.monotonic()
+        next_sample = [start + 0.4 * duration_s]
+
+        def progress(n):
+            if time.monotonic() >= next_sample[0]:
+                next_sample[0] = time.monotonic() + 10
+                with clients._lock:
+                    rss.append((n, plugin.rss_bytes()))
+
+        records = clients.run(duration_s, progress)
+        final = wait_idle(plugin)
+        rss.append((len(records), plugin.rss_bytes()))
+        vanilla.wait_healthy()
+        mismatches = replay_none(vanilla, records)
+        checks = soak_checks(records, final, rss, mismatches, rss_tolerance)
+        checks["duration_s"] = round(time.monotonic() - start, 1)
+        checks["plugin_log_tail"] = plugin.log_tail(3000) if checks["failures"] else ""
+        return checks
+    finally:
+        plugin.close()
+        vanilla.close()
+
+
+def soak_benchmark(args) -> int:
+    t0 = time.monotonic()
+    checks = soak(args.soak * 60, Path(args.log_dir), args.model, args.concurrency)
+    path = Path(args.json) if args.json else RESULTS_DIR / "serving_soak_cpu.json"
+    report = {"benchmark": "serving_soak", "minutes": args.soak, "concurrency": args.concurrency,
+              "rcstat": SOAK_RCSTAT, "checks": checks, "wall_s": round(time.monotonic() - t0, 1)}
+    write_report(report, path, lambda r: print(json.dumps({k: v for k, v in r["checks"].items()
+                                                           if k != "plugin_log_tail"}, indent=1)))
+    return 0 if not checks["failures"] else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one round at saturation (~4 min)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: the preset's)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: the preset's)")
+    parser.add_argument("--rates", nargs="*", default=None,
+                        help="request rates: req/s, 'inf' (all at once) or '<f>x' (f x vanilla's saturation)")
+    parser.add_argument("--settings", nargs="*", default=None, help="a subset of: " + ", ".join(n for n, _, _ in SETTINGS))
+    parser.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                        help="run the HTTP soak for MINUTES instead (20 for the documented run)")
+    parser.add_argument("--concurrency", type=int, default=6, help="soak clients at once")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--log-dir", default="/tmp/rcstat-serving-logs")
+    args = parser.parse_args(argv)
+    if args.settings and "vanilla" not in args.settings:
+        args.settings = ["vanilla", *args.settings]
+    return soak_benchmark(args) if args.soak is not None else serving_benchmark(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
