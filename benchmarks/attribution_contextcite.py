@@ -495,51 +495,62 @@ def run_contextcite(args) -> None:
     ladder = [n for n in LADDER if n <= args.ablations]
     units = contextcite_units(data["prompts"], args.contextcite_on)
     started = time.perf_counter()
-    for i, level in units:
-        item = data["prompts"][i]
-        if time.perf_counter() - started > args.budget_s:
-            break
-        entry = item["levels"][level]
-        if "contextcite" in entry:  # --more-contextcite: done in an earlier stage
-            continue
-        partitioner = FixedPartitioner(item["context"], [tuple(r) for r in entry["ranges"]])
-        cc = ContextCiter(model, tokenizer, item["context"], item["question"], num_ablations=args.ablations,
-                          prompt_template=PROMPT_TEMPLATE, partitioner=partitioner)
-        prompt_ids, prompt = cc._get_prompt_ids(return_prompt=True)
-        if prompt != item["prompt"]:
-            raise ValueError("ContextCite's prompt differs from the plugin's")
-        # The served answer as ContextCite's response (what its own generate() would have cached).
-        cc._cache["output"] = prompt + tokenizer.decode(item["answer_ids"])
-        if len(cc._response_ids) != len(item["answer_ids"]):
-            print(f"note: response re-tokenized to {len(cc._response_ids)} tokens (served {len(item['answer_ids'])})",
-                  file=sys.stderr)
-        t, c = time.perf_counter(), time.process_time()
-        with torch.no_grad():
-            full = cc.get_attributions(verbose=False)
-        total, total_cpu = time.perf_counter() - t, time.process_time() - c
-        masks, logit_probs = cc._masks, cc._logit_probs
-        a, b = cc._indices_to_token_indices(None, None)  # the token range get_attributions() scored
-        fits = {}
-        for n in ladder:
-            t = time.perf_counter()
-            outputs = aggregate_logit_probs(logit_probs[:n, a:b])
-            weight, _ = cc.solver.fit(masks[:n], outputs, b - a)
-            fits[str(n)] = {"scores": [round(float(w), 6) for w in weight], "fit_s": round(time.perf_counter() - t, 4)}
-        assert np.allclose(fits[str(args.ablations)]["scores"], full, atol=1e-5)
-        fit_s = fits[str(args.ablations)]["fit_s"]
-        entry["contextcite"] = {"ablations": args.ablations, "wall_s": round(total, 3), "load_avg": os.getloadavg()[0],
-                                "forward_s": round((total - fit_s) / args.ablations, 4), "cpu_s": round(total_cpu, 3),
-                                "forward_cpu_s": round((total_cpu - fit_s) / args.ablations, 4),
-                                "response_tokens": len(cc._response_ids), "fits": fits}
-        top = int(np.argmax(full))
-        print(f"[contextcite {time.perf_counter() - started:6.0f}s] {item['family']} #{item['index']} {level}: "
-              f"{total:.1f}s for {args.ablations} ablations, top {top} (target {entry['target']})",
-              file=sys.stderr, flush=True)
+    import signal
+
+    def stop(signum, frame):  # SIGTERM: keep what is done (the unit under way is dropped), as a budget cut does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    stopped = False
+    try:
+        for i, level in units:
+            item = data["prompts"][i]
+            if time.perf_counter() - started > args.budget_s:
+                break
+            entry = item["levels"][level]
+            if "contextcite" in entry:  # --more-contextcite: done in an earlier stage
+                continue
+            partitioner = FixedPartitioner(item["context"], [tuple(r) for r in entry["ranges"]])
+            cc = ContextCiter(model, tokenizer, item["context"], item["question"], num_ablations=args.ablations,
+                              prompt_template=PROMPT_TEMPLATE, partitioner=partitioner)
+            prompt_ids, prompt = cc._get_prompt_ids(return_prompt=True)
+            if prompt != item["prompt"]:
+                raise ValueError("ContextCite's prompt differs from the plugin's")
+            # The served answer as ContextCite's response (what its own generate() would have cached).
+            cc._cache["output"] = prompt + tokenizer.decode(item["answer_ids"])
+            if len(cc._response_ids) != len(item["answer_ids"]):
+                print(f"note: response re-tokenized to {len(cc._response_ids)} tokens (served {len(item['answer_ids'])})",
+                      file=sys.stderr)
+            t, c = time.perf_counter(), time.process_time()
+            with torch.no_grad():
+                full = cc.get_attributions(verbose=False)
+            total, total_cpu = time.perf_counter() - t, time.process_time() - c
+            masks, logit_probs = cc._masks, cc._logit_probs
+            a, b = cc._indices_to_token_indices(None, None)  # the token range get_attributions() scored
+            fits = {}
+            for n in ladder:
+                t = time.perf_counter()
+                outputs = aggregate_logit_probs(logit_probs[:n, a:b])
+                weight, _ = cc.solver.fit(masks[:n], outputs, b - a)
+                fits[str(n)] = {"scores": [round(float(w), 6) for w in weight], "fit_s": round(time.perf_counter() - t, 4)}
+            assert np.allclose(fits[str(args.ablations)]["scores"], full, atol=1e-5)
+            fit_s = fits[str(args.ablations)]["fit_s"]
+            entry["contextcite"] = {"ablations": args.ablations, "wall_s": round(total, 3), "load_avg": os.getloadavg()[0],
+                                    "forward_s": round((total - fit_s) / args.ablations, 4), "cpu_s": round(total_cpu, 3),
+                                    "forward_cpu_s": round((total_cpu - fit_s) / args.ablations, 4),
+                                    "response_tokens": len(cc._response_ids), "fits": fits}
+            top = int(np.argmax(full))
+            print(f"[contextcite {time.perf_counter() - started:6.0f}s] {item['family']} #{item['index']} {level}: "
+                  f"{total:.1f}s for {args.ablations} ablations, top {top} (target {entry['target']})",
+                  file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        stopped = True
+        print("ContextCite stage stopped: keeping the prompts done (--more-contextcite resumes)", file=sys.stderr)
     data["contextcite_env"] = {"context_cite": version("context-cite"), "transformers": version("transformers"),
                                "torch": torch.__version__, "scikit-learn": version("scikit-learn"),
                                "threads": args.threads, "dtype": data["dtype"], "batch_size": 1,
                                "ablation_keep_prob": 0.5, "solver": "LassoRegression(alpha=0.01)",
-                               "budget_s": args.budget_s, "on": args.contextcite_on,
+                               "budget_s": args.budget_s, "on": args.contextcite_on, "stopped": stopped,
                                "wall_s": round(time.perf_counter() - started, 1)}
     Path(args.output).write_text(json.dumps(data))
 
