@@ -275,12 +275,29 @@ def target_source(example: dict, context: str, ranges: Sequence[tuple[int, int]]
     return hits[0] if len(hits) == 1 else None
 
 
-def build_prompts(tokenizer, families: Sequence[str], count: int, seed: int) -> list[dict]:
+def examples_per_family(spec: str | int, families: Sequence[str]) -> dict[str, int]:
+    """``--examples``: one count for every family (``"5"``) or per family (``"short=30,debfaq:c=90"``; a family
+    not named gets the bare count if one is given, else 5)."""
+    text = str(spec)
+    counts, default = {}, 5
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.rpartition("=")
+        if not sep:
+            default = int(value)
+            continue
+        if name not in FAMILIES:
+            raise ValueError(f"unknown family {name!r} in --examples {text!r}")
+        counts[name] = int(value)
+    return {family: counts.get(family, default) for family in families}
+
+
+def build_prompts(tokenizer, families: Sequence[str], count: int | dict[str, int], seed: int) -> list[dict]:
     from rcstat_vllm.attribution.hf import chat_prompt
 
     prompts = []
     for family in families:
-        for index, example in enumerate(family_examples(family, tokenizer, count, seed)):
+        n = count[family] if isinstance(count, dict) else count
+        for index, example in enumerate(family_examples(family, tokenizer, n, seed)):
             context = context_of(example["docs"])
             user = PROMPT_TEMPLATE.format(context=context, query=example["question"])
             prompt = chat_prompt(tokenizer, user)
@@ -303,18 +320,22 @@ def build_prompts(tokenizer, families: Sequence[str], count: int, seed: int) -> 
 # --------------------------------------------------------------------------------------------------------
 
 
-def engine_kwargs(model_dir: str, max_tokens: int) -> dict:
+def engine_kwargs(model_dir: str, max_tokens: int, dtype: str | None = None) -> dict:
+    """The engine's settings; ``dtype`` (``float32`` / ``bfloat16``) overrides the embedded model's default."""
     from rcstat_vllm.attribution.processor import RCStatAttributionProcessor
     from rcstat_vllm.model import with_embedded_dtype
 
-    return with_embedded_dtype(dict(
+    return with_embedded_dtype(dict(({"dtype": dtype} if dtype else {}),
         model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=4096,
         kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, seed=0,
         additional_config={"rcstat": {"method": "none"}}, logits_processors=[RCStatAttributionProcessor],
     ))
 
 
-def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int = 1) -> dict:
+def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int = 1, dtype: str | None = None,
+               ab_prompts: int | None = None) -> dict:
+    """Serve every prompt with attribution (and, for the first ``ab_prompts`` of each family, None = all, the same
+    request without it: the A/B timing), score its sources; fills the prompts' plugin fields in place."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # results() in-process
     from vllm import LLM, SamplingParams
 
@@ -339,7 +360,7 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
 
     capture.AttributionCapture.plan = timed(capture.AttributionCapture.plan)
     capture.AttributionCapture.record = timed(capture.AttributionCapture.record)
-    kwargs = engine_kwargs(model_dir, max_tokens)
+    kwargs = engine_kwargs(model_dir, max_tokens, dtype)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start = time.perf_counter() - t0
@@ -353,8 +374,10 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
                  "capture_asking": []}
         cpu = {key: [] for key in times}  # this process's CPU time (the engine runs in it): less load-sensitive
         answers = set()
+        with_plain = ab_prompts is None or item["index"] < ab_prompts
         for round_ in range(rounds):  # plain and asking, the order alternating (ABBA over two rounds or prompts)
-            for kind in (("plain", "asking") if (round_ + n) % 2 == 0 else ("asking", "plain")):
+            kinds = ("plain", "asking") if (round_ + n) % 2 == 0 else ("asking", "plain")
+            for kind in (kinds if with_plain else ("asking",)):
                 t, c = time.perf_counter(), time.process_time()
                 spent["s"] = 0.0
                 out = llm.generate([item["prompt"]], asking if kind == "asking" else plain, use_tqdm=False)[0]
@@ -382,21 +405,22 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
                     item["prompt_tokens"] = len(out.prompt_token_ids)
         item["same_answer_with_and_without"] = len(answers) == 1
         item["answered"] = item["expected"].lower() in item["answer"].lower()
-        gen = statistics.mean(times["asking"]) - statistics.mean(times["plain"])
-        gen_cpu = statistics.mean(cpu["asking"]) - statistics.mean(cpu["plain"])
+        # Without the plain request (beyond --ab-prompts) there is no A/B difference: the capture time stands in.
+        gen = statistics.mean(times["asking"]) - statistics.mean(times["plain"]) if with_plain else statistics.mean(times["capture_asking"])
+        gen_cpu = statistics.mean(cpu["asking"]) - statistics.mean(cpu["plain"]) if with_plain else None
         item["plugin_time"] = {key: [round(v, 4) for v in values] for key, values in times.items()}
         item["plugin_cpu"] = {key: [round(v, 4) for v in values] for key, values in cpu.items()}
         item["plugin_overhead_s"] = {lvl: round(gen + statistics.mean(times[f"results_{lvl}"]), 4)
                                      for lvl in ("document", "sentence")}
         item["plugin_overhead_cpu_s"] = {lvl: round(gen_cpu + statistics.mean(cpu[f"results_{lvl}"]), 4)
-                                         for lvl in ("document", "sentence")}
+                                         for lvl in ("document", "sentence")} if with_plain else None
+        item["ab_timed"] = with_plain
         # The headline cost: recording during the request + the results() call(s) that score the sources.
         item["plugin_cost_s"] = {lvl: round(plugin_cost_s(item, lvl), 4) for lvl in ("document", "sentence")}
         print(f"[plugin {n + 1}/{len(prompts)}] {item['family']} #{item['index']} answered={item['answered']} "
-              f"plain {statistics.mean(times['plain']):.2f}s cost doc {item['plugin_cost_s']['document']:.3f}s "
+              f"asking {statistics.mean(times['asking']):.2f}s cost doc {item['plugin_cost_s']['document']:.3f}s "
               f"sent {item['plugin_cost_s']['sentence']:.3f}s (capture {statistics.mean(times['capture_asking']):.3f}s); A/B doc "
-              f"{item['plugin_overhead_s']['document']:.3f}s (cpu {item['plugin_overhead_cpu_s']['document']:.3f}s) "
-              f"sent {item['plugin_overhead_s']['sentence']:.3f}s (cpu {item['plugin_overhead_cpu_s']['sentence']:.3f}s) top doc "
+              f"{item['plugin_overhead_s']['document']:.3f}s sent {item['plugin_overhead_s']['sentence']:.3f}s top doc "
               f"{max(range(4), key=lambda i: item['levels']['document']['plugin']['scores'][i])} "
               f"(target {item['levels']['document']['target']}) {item['answer'][:50]!r}", file=sys.stderr, flush=True)
     from common import engine_options
@@ -407,6 +431,21 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
 # --------------------------------------------------------------------------------------------------------
 # ContextCite stage (.venv-contextcite: torch, transformers, context_cite only)
 # --------------------------------------------------------------------------------------------------------
+
+
+def contextcite_units(prompts: Sequence[dict], on: str = "answered") -> list[tuple[int, str]]:
+    """The (prompt, level) pairs ContextCite attributes, in the order it runs them: the prompts whose answer holds
+    the asked value (``on="answered"``, where the accuracies are read) or all, round robin over families (the
+    j-th such prompt of every family, at document level, then at sentence level), so a budget cut leaves each
+    family and level about as many."""
+    rank: dict[int, int] = {}
+    seen: dict[str, int] = {}
+    for i, item in enumerate(prompts):
+        if on == "all" or item.get("answered"):
+            rank[i] = seen.get(item["family"], 0)
+            seen[item["family"]] = rank[i] + 1
+    return sorted(((i, level) for i in rank for level in ("document", "sentence")),
+                  key=lambda u: (rank[u[0]], u[1] != "document", u[0]))
 
 
 def run_contextcite(args) -> None:
@@ -454,56 +493,65 @@ def run_contextcite(args) -> None:
     tokenizer.padding_side = "left"  # as ContextCiter.from_pretrained sets it
     model = AutoModelForCausalLM.from_pretrained(data["model"], dtype=dtype).eval()
     ladder = [n for n in LADDER if n <= args.ablations]
-    # Round robin: each prompt index over every family at document level, then at sentence level; a budget cut
-    # leaves each family and level about as many prompts.
-    units = sorted(((i, level) for i in range(len(data["prompts"])) for level in ("document", "sentence")),
-                   key=lambda u: (data["prompts"][u[0]]["index"], u[1] != "document", u[0]))
+    units = contextcite_units(data["prompts"], args.contextcite_on)
     started = time.perf_counter()
-    for i, level in units:
-        item = data["prompts"][i]
-        if time.perf_counter() - started > args.budget_s:
-            break
-        entry = item["levels"][level]
-        if "contextcite" in entry:  # --more-contextcite: done in an earlier stage
-            continue
-        partitioner = FixedPartitioner(item["context"], [tuple(r) for r in entry["ranges"]])
-        cc = ContextCiter(model, tokenizer, item["context"], item["question"], num_ablations=args.ablations,
-                          prompt_template=PROMPT_TEMPLATE, partitioner=partitioner)
-        prompt_ids, prompt = cc._get_prompt_ids(return_prompt=True)
-        if prompt != item["prompt"]:
-            raise ValueError("ContextCite's prompt differs from the plugin's")
-        # The served answer as ContextCite's response (what its own generate() would have cached).
-        cc._cache["output"] = prompt + tokenizer.decode(item["answer_ids"])
-        if len(cc._response_ids) != len(item["answer_ids"]):
-            print(f"note: response re-tokenized to {len(cc._response_ids)} tokens (served {len(item['answer_ids'])})",
-                  file=sys.stderr)
-        t, c = time.perf_counter(), time.process_time()
-        with torch.no_grad():
-            full = cc.get_attributions(verbose=False)
-        total, total_cpu = time.perf_counter() - t, time.process_time() - c
-        masks, logit_probs = cc._masks, cc._logit_probs
-        a, b = cc._indices_to_token_indices(None, None)  # the token range get_attributions() scored
-        fits = {}
-        for n in ladder:
-            t = time.perf_counter()
-            outputs = aggregate_logit_probs(logit_probs[:n, a:b])
-            weight, _ = cc.solver.fit(masks[:n], outputs, b - a)
-            fits[str(n)] = {"scores": [round(float(w), 6) for w in weight], "fit_s": round(time.perf_counter() - t, 4)}
-        assert np.allclose(fits[str(args.ablations)]["scores"], full, atol=1e-5)
-        fit_s = fits[str(args.ablations)]["fit_s"]
-        entry["contextcite"] = {"ablations": args.ablations, "wall_s": round(total, 3), "load_avg": os.getloadavg()[0],
-                                "forward_s": round((total - fit_s) / args.ablations, 4), "cpu_s": round(total_cpu, 3),
-                                "forward_cpu_s": round((total_cpu - fit_s) / args.ablations, 4),
-                                "response_tokens": len(cc._response_ids), "fits": fits}
-        top = int(np.argmax(full))
-        print(f"[contextcite {time.perf_counter() - started:6.0f}s] {item['family']} #{item['index']} {level}: "
-              f"{total:.1f}s for {args.ablations} ablations, top {top} (target {entry['target']})",
-              file=sys.stderr, flush=True)
+    import signal
+
+    def stop(signum, frame):  # SIGTERM: keep what is done (the unit under way is dropped), as a budget cut does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    stopped = False
+    try:
+        for i, level in units:
+            item = data["prompts"][i]
+            if time.perf_counter() - started > args.budget_s:
+                break
+            entry = item["levels"][level]
+            if "contextcite" in entry:  # --more-contextcite: done in an earlier stage
+                continue
+            partitioner = FixedPartitioner(item["context"], [tuple(r) for r in entry["ranges"]])
+            cc = ContextCiter(model, tokenizer, item["context"], item["question"], num_ablations=args.ablations,
+                              prompt_template=PROMPT_TEMPLATE, partitioner=partitioner)
+            prompt_ids, prompt = cc._get_prompt_ids(return_prompt=True)
+            if prompt != item["prompt"]:
+                raise ValueError("ContextCite's prompt differs from the plugin's")
+            # The served answer as ContextCite's response (what its own generate() would have cached).
+            cc._cache["output"] = prompt + tokenizer.decode(item["answer_ids"])
+            if len(cc._response_ids) != len(item["answer_ids"]):
+                print(f"note: response re-tokenized to {len(cc._response_ids)} tokens (served {len(item['answer_ids'])})",
+                      file=sys.stderr)
+            t, c = time.perf_counter(), time.process_time()
+            with torch.no_grad():
+                full = cc.get_attributions(verbose=False)
+            total, total_cpu = time.perf_counter() - t, time.process_time() - c
+            masks, logit_probs = cc._masks, cc._logit_probs
+            a, b = cc._indices_to_token_indices(None, None)  # the token range get_attributions() scored
+            fits = {}
+            for n in ladder:
+                t = time.perf_counter()
+                outputs = aggregate_logit_probs(logit_probs[:n, a:b])
+                weight, _ = cc.solver.fit(masks[:n], outputs, b - a)
+                fits[str(n)] = {"scores": [round(float(w), 6) for w in weight], "fit_s": round(time.perf_counter() - t, 4)}
+            assert np.allclose(fits[str(args.ablations)]["scores"], full, atol=1e-5)
+            fit_s = fits[str(args.ablations)]["fit_s"]
+            entry["contextcite"] = {"ablations": args.ablations, "wall_s": round(total, 3), "load_avg": os.getloadavg()[0],
+                                    "forward_s": round((total - fit_s) / args.ablations, 4), "cpu_s": round(total_cpu, 3),
+                                    "forward_cpu_s": round((total_cpu - fit_s) / args.ablations, 4),
+                                    "response_tokens": len(cc._response_ids), "fits": fits}
+            top = int(np.argmax(full))
+            print(f"[contextcite {time.perf_counter() - started:6.0f}s] {item['family']} #{item['index']} {level}: "
+                  f"{total:.1f}s for {args.ablations} ablations, top {top} (target {entry['target']})",
+                  file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        stopped = True
+        print("ContextCite stage stopped: keeping the prompts done (--more-contextcite resumes)", file=sys.stderr)
     data["contextcite_env"] = {"context_cite": version("context-cite"), "transformers": version("transformers"),
                                "torch": torch.__version__, "scikit-learn": version("scikit-learn"),
                                "threads": args.threads, "dtype": data["dtype"], "batch_size": 1,
                                "ablation_keep_prob": 0.5, "solver": "LassoRegression(alpha=0.01)",
-                               "budget_s": args.budget_s, "wall_s": round(time.perf_counter() - started, 1)}
+                               "budget_s": args.budget_s, "on": args.contextcite_on, "stopped": stopped,
+                               "wall_s": round(time.perf_counter() - started, 1)}
     Path(args.output).write_text(json.dumps(data))
 
 
@@ -543,10 +591,12 @@ def report(data: dict) -> dict:
                                                          lambda e: e["plugin"]["scores"]))
             entry["plugin"] = summarize(rows(answered, lambda e: e["plugin"]["scores"]))
             entry["plugin_all_answers"] = summarize(rows(both, lambda e: e["plugin"]["scores"]))
-            overhead = [p["plugin_overhead_s"][level] for p in items]
-            overhead_cpu = [p["plugin_overhead_cpu_s"][level] for p in items]
-            plain = [statistics.mean(p["plugin_time"]["plain"]) for p in items]
-            plain_cpu = [statistics.mean(p["plugin_cpu"]["plain"]) for p in items]
+            timed = [p for p in items if p["plugin_time"]["plain"]]  # the A/B-timed prompts (--ab-prompts)
+            overhead = [p["plugin_overhead_s"][level] for p in timed]
+            overhead_cpu = [p["plugin_overhead_cpu_s"][level] for p in timed]
+            plain = [statistics.mean(p["plugin_time"]["plain"]) for p in timed]
+            plain_cpu = [statistics.mean(p["plugin_cpu"]["plain"]) for p in timed]
+            asking = [statistics.mean(p["plugin_time"]["asking"]) for p in items]
             scoring = [statistics.mean(p["plugin_time"][f"results_{level}"]) for p in items]
             cost_s = [plugin_cost_s(p, level) for p in items]
             entry["plugin_cost"] = {
@@ -554,8 +604,11 @@ def report(data: dict) -> dict:
                 "cost_s_mean": round(statistics.mean(cost_s), 4),
                 "cost_s_median": round(statistics.median(cost_s), 4),
                 "capture_s_mean": round(statistics.mean(statistics.mean(p["plugin_time"]["capture_asking"]) for p in items), 4),
-                "capture_plain_s_mean": round(statistics.mean(statistics.mean(p["plugin_time"]["capture_plain"]) for p in items), 4),
-                "cost_of_request": round(statistics.mean(cost_s) / statistics.mean(plain), 4),
+                "capture_plain_s_mean": round(statistics.mean(statistics.mean(p["plugin_time"]["capture_plain"]) for p in timed), 4),
+                "cost_of_request": round(statistics.mean(cost_s) / (statistics.mean(asking) - statistics.mean(
+                    statistics.mean(p["plugin_time"]["capture_asking"]) for p in items)), 4),
+                "ab_timed_prompts": len(timed),
+                "asking_request_s_mean": round(statistics.mean(asking), 4),
                 "overhead_s_mean": round(statistics.mean(overhead), 4),
                 "overhead_s_median": round(statistics.median(overhead), 4),
                 "overhead_cpu_s_mean": round(statistics.mean(overhead_cpu), 4),
@@ -572,8 +625,8 @@ def report(data: dict) -> dict:
                 wall_s = statistics.mean(c["wall_s"] for c in cc)
                 forward_cpu = statistics.mean(c["forward_cpu_s"] for c in cc)
                 cc_cpu = statistics.mean(c["cpu_s"] for c in cc)
-                plugin_overhead = statistics.mean(p["plugin_overhead_s"][level] for p in both)
-                plugin_cpu = statistics.mean(p["plugin_overhead_cpu_s"][level] for p in both)
+                plugin_overhead = statistics.mean(p["plugin_overhead_s"][level] for p in timed)
+                plugin_cpu = statistics.mean(p["plugin_overhead_cpu_s"][level] for p in timed)
                 plugin_cost = statistics.mean(plugin_cost_s(p, level) for p in both)
                 # Matched on the plugin's timed work (capture + results()) against ContextCite's mean forward.
                 matched = matched_ablations(plugin_cost, forward_s, [int(n) for n in cc[0]["fits"]])
@@ -651,13 +704,22 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 prompt per family, 16 ablations")
     parser.add_argument("--families", default=",".join(DEFAULT_FAMILIES),
                         help=f"comma-separated, of {', '.join(FAMILIES)}")
-    parser.add_argument("--examples", type=int, default=5, help="prompts per family (the plugin runs all)")
+    parser.add_argument("--examples", default="5",
+                        help="prompts per family (the plugin runs all): a count, or family=count pairs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ablations", type=int, default=64, help="ContextCite's num_ablations (its default: 64)")
     parser.add_argument("--budget-s", type=float, default=1000.0,
                         help="ContextCite stage: start no prompt after this many seconds (round robin over families)")
     parser.add_argument("--threads", type=int, default=1, help="ContextCite's torch threads")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="the embedded model's dtype on both sides (auto: the engines' default, float32 only "
+                             "without native bf16)")
+    parser.add_argument("--contextcite-on", default="answered", choices=("answered", "all"),
+                        help="ContextCite on the answered prompts only (where the accuracies are read) or on all")
+    parser.add_argument("--ab-prompts", type=int, default=3,
+                        help="plugin: the first n prompts of each family also run without attribution (A/B timing); "
+                             "-1: all")
     parser.add_argument("--timing-rounds", type=int, default=1,
                         help="plugin: requests with and without attribution per prompt (order alternating)")
     parser.add_argument("--contextcite-python", default=os.environ.get("RCSTAT_CONTEXTCITE_PY",
@@ -679,7 +741,7 @@ def main(argv=None) -> int:
         print(markdown_table(json.loads(Path(args.table).read_text())))
         return 0
     if args.quick:
-        args.examples, args.ablations, args.budget_s = 1, 16, min(args.budget_s, 240.0)
+        args.examples, args.ablations, args.budget_s = "1", 16, min(args.budget_s, 240.0)
     families = [f for f in args.families.split(",") if f]
     for family in families:
         if family not in FAMILIES:
@@ -710,10 +772,11 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     started = time.perf_counter()
     env = environment(load_avg_start=load_avg())
-    prompts = build_prompts(tokenizer, families, args.examples, args.seed)
-    dtype = embedded_model_dtype() or "bfloat16"
+    prompts = build_prompts(tokenizer, families, examples_per_family(args.examples, families), args.seed)
+    dtype = (embedded_model_dtype() or "bfloat16") if args.dtype == "auto" else args.dtype
     t = time.perf_counter()
-    engine = run_plugin(prompts, model_dir, args.max_tokens, args.timing_rounds)
+    engine = run_plugin(prompts, model_dir, args.max_tokens, args.timing_rounds, dtype,
+                        None if args.ab_prompts < 0 else args.ab_prompts)
     plugin_wall = time.perf_counter() - t
     load_after_plugin = load_avg()
     import gc
@@ -734,7 +797,8 @@ def contextcite_stage(args, data: dict) -> dict:
         stage_in.write_text(json.dumps(data))
         command = [args.contextcite_python, str(Path(__file__).resolve()), "--stage", "contextcite",
                    "--input", str(stage_in), "--output", str(stage_out), "--ablations", str(args.ablations),
-                   "--budget-s", str(args.budget_s), "--threads", str(args.threads)]
+                   "--budget-s", str(args.budget_s), "--threads", str(args.threads),
+                   "--contextcite-on", args.contextcite_on]
         print("ContextCite stage: " + " ".join(command[:2]), file=sys.stderr, flush=True)
         subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         out = json.loads(stage_out.read_text())

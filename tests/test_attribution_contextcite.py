@@ -113,3 +113,23 @@ def test_debian_faq_family():
         assert example["fact"] in example["docs"][example["target"]]
         others = [d for i, d in enumerate(example["docs"]) if i != example["target"]]
         assert not any(example["answer"].lower() in d.lower() for d in others)
+
+
+def test_examples_per_family():
+    families = ["short", "essays-b:b", "debfaq:c"]
+    assert bench.examples_per_family("5", families) == {"short": 5, "essays-b:b": 5, "debfaq:c": 5}
+    assert bench.examples_per_family(7, ["short"]) == {"short": 7}
+    assert bench.examples_per_family("short=30,debfaq:c=90", families) == {"short": 30, "essays-b:b": 5, "debfaq:c": 90}
+    assert bench.examples_per_family("12,debfaq:c=90", families) == {"short": 12, "essays-b:b": 12, "debfaq:c": 90}
+    with pytest.raises(ValueError):
+        bench.examples_per_family("nosuch=3", families)
+
+
+def test_contextcite_units_round_robin_over_answered():
+    prompts = [{"family": "a", "answered": True}, {"family": "a", "answered": False}, {"family": "a", "answered": True},
+               {"family": "b", "answered": False}, {"family": "b", "answered": True}]
+    # the j-th answered prompt of every family, document level before sentence level
+    assert bench.contextcite_units(prompts, "answered") == [
+        (0, "document"), (4, "document"), (0, "sentence"), (4, "sentence"), (2, "document"), (2, "sentence")]
+    assert bench.contextcite_units(prompts, "all")[:4] == [(0, "document"), (3, "document"), (0, "sentence"), (3, "sentence")]
+    assert len(bench.contextcite_units(prompts, "all")) == 10
