@@ -185,7 +185,9 @@ def stale_lines(data: dict, rows: dict[str, dict] | None = None, labels=None) ->
 
 def machine_words(data: dict) -> str:
     env = data.get("environment") or {}
-    m = env.get("machine") or {}
+    if "cuda" in str(env.get("torch_cuda") or "") or "NVIDIA" in str(env.get("device") or ""):
+        return str(env["device"])  # tools/gpu's files: environment.machine is the architecture ("x86_64")
+    m = env.get("machine") if isinstance(env.get("machine"), dict) else {}
     cpu = m.get("cpu") or env.get("cpu") or "?"
     cap = m.get("cpu_capability") or env.get("cpu_capability")
     isa = m.get("isa")
