@@ -9,7 +9,10 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 
 def _value(name: str) -> float:
-    return prometheus_client.REGISTRY.get_sample_value(name) or 0.0
+    """A sample's value by its exposition name, labels included (``metric{k="v"}``); 0 before the first sample."""
+    metric, _, labels = name.partition("{")
+    labels = dict(kv.split("=") for kv in labels.rstrip("}").split(",")) if labels else {}
+    return prometheus_client.REGISTRY.get_sample_value(metric, {k: v.strip('"') for k, v in labels.items()}) or 0.0
 
 
 def test_observed_reports_move_the_prometheus_counters():
@@ -71,20 +74,14 @@ def test_the_workers_copies_per_step_reach_time_and_count_histograms():
              'rcstat:compactions_per_step_bucket{le="1.0"}', "rcstat:decode_compactions_skipped_total",
              "rcstat:compression_ratio_count", "rcstat:compression_ratio_sum", "rcstat:global_eviction_ratio_sum")
 
-    def value(name):
-        metric, _, labels = name.partition("{")
-        labels = dict(kv.split("=") for kv in labels.rstrip("}").split(",")) if labels else {}
-        return prometheus_client.REGISTRY.get_sample_value(
-            metric, {k: v.strip('"') for k, v in labels.items()}) or 0.0
-
-    before = {name: value(name) for name in names}
+    before = {name: _value(name) for name in names}
     stats = CompressionStats()
     stats.observe_step(StepCompactions((("prompt", 0.25), ("prompt", 0.125), ("decode", 0.5)),
                                        scored_at_copy=((0.75, 0.5),)))
     stats.observe_step(StepCompactions((("decode", 0.0625),)))
     stats.observe_step(StepCompactions())  # a step with no copy is not a compaction step
     stats.observe_decode(CompressionReport("d", 64, "rc", keep_blocks=2, decode=True), 0, ran=False)
-    delta = {name: value(name) - before[name] for name in names}
+    delta = {name: _value(name) - before[name] for name in names}
     assert delta == {
         'rcstat:compaction_seconds_count{kind="prompt"}': 2.0,
         'rcstat:compaction_seconds_count{kind="decode"}': 2.0,
