@@ -31,13 +31,18 @@ compressed / planned / never compacted, and blocks freed.
 
     python benchmarks/serving.py                  # default: writes benchmarks/results/serving_cpu.json (+ .png)
     python benchmarks/serving.py --quick          # ~4 min: one round at saturation, *_quick.json
-    python benchmarks/serving.py --soak 20        # the HTTP soak (tests/test_serving_soak.py) for 20 minutes
+    python benchmarks/serving.py --soak [MINUTES] # the HTTP soak (tests/test_serving_soak.py), 45 minutes by default
 
-``--soak MINUTES``: the OpenAI server with the bare flag and ``decode_budget`` (float32, attribution processor on)
+``--soak [MINUTES]``: the OpenAI server with the bare flag and ``decode_budget`` (float32, attribution processor on)
 under bounded concurrent clients (:func:`soak`): mixed prompt and output lengths over shared prefixes, streaming and
 not, ~10% disconnecting mid-stream, invalid ``vllm_xargs`` overrides (400 naming the field), ``n > 1``, attribution,
 method ``none`` replayed on a vanilla server for token identity; the checks (:func:`soak_checks`) written to
-``benchmarks/results/serving_soak_cpu.json``.
+``benchmarks/results/serving_soak_cpu.json``. Memory: once a minute (``samples``), each process of the plugin
+server's tree by name (API server, ``VLLM::EngineCore``, ``VLLM::Worker``: :func:`server_processes`) with its RSS and
+anonymous RSS, the plugin's tables that ``/metrics`` exports (:data:`TABLE_SERIES`; those it does not are named in
+``tables_not_exported``) and the counters; per process (``memory``) RSS at warm-up's end and at the end and the
+least-squares slope after warm-up in percent per 10 minutes, against :data:`RSS_SLOPE_TARGET` (reported, not a
+failure).
 """
 
 from __future__ import annotations
@@ -213,6 +218,69 @@ class Server:
                 except subprocess.TimeoutExpired:
                     continue
         self._log.close()
+
+
+def process_name(cmdline: str, root: bool = False) -> str:
+    """A server process's name from its command line (``/proc/PID/cmdline``, NULs as spaces): vLLM's process title
+    when it set one (``VLLM::EngineCore``, ``VLLM::Worker_TP0``: setproctitle rewrites the command line), else
+    ``api_server`` for the server's root process (``python -m rcstat_vllm.cli serve``: the API server), else
+    ``resource_tracker`` for multiprocessing's, else the program's file name (with ``-m MODULE`` when run so)."""
+    words = cmdline.replace("\0", " ").split()
+    if words and words[0].startswith("VLLM::"):
+        return words[0]
+    if root:
+        return "api_server"
+    if any("resource_tracker" in w for w in words):
+        return "resource_tracker"
+    if not words:
+        return "?"
+    name = Path(words[0]).name
+    if "-m" in words[1:-1]:
+        name += " -m " + words[words.index("-m", 1) + 1]
+    return name
+
+
+def name_processes(processes: list[tuple[int, str]], root: int) -> dict[int, str]:
+    """pid -> :func:`process_name` for a process tree ((pid, command line) pairs); a name that repeats gets ``#2``,
+    ``#3``, ... in pid order (the first keeps it bare)."""
+    names: dict[int, str] = {}
+    seen: dict[str, int] = {}
+    for pid, cmdline in sorted(processes):
+        name = process_name(cmdline, root=pid == root)
+        seen[name] = seen.get(name, 0) + 1
+        names[pid] = name if seen[name] == 1 else f"{name}#{seen[name]}"
+    return names
+
+
+def process_memory(pid: int) -> dict[str, int] | None:
+    """``VmRSS`` and ``RssAnon`` (the anonymous part: heap, arenas, tensors) of one process in bytes; None if gone."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key = {"VmRSS:": "rss", "RssAnon:": "rss_anon"}.get(line.split(":", 1)[0] + ":")
+            if key:
+                out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return out if "rss" in out else None
+
+
+def server_processes(root: int) -> dict[str, dict]:
+    """The server's process tree by name (:func:`name_processes`): pid, command line, RSS and anonymous RSS."""
+    found = []
+    for pid in _process_tree(root):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").strip()
+        except OSError:
+            continue
+        found.append((pid, cmdline))
+    names = name_processes(found, root)
+    out = {}
+    for pid, cmdline in found:
+        memory = process_memory(pid)
+        if memory is not None:
+            out[names[pid]] = {"pid": pid, "cmdline": cmdline[:200], **memory}
+    return out
 
 
 def _process_tree(root: int) -> list[int]:
@@ -451,6 +519,8 @@ def serving_benchmark(args) -> int:
 
 # ---- the HTTP soak ----
 
+#: ``--soak`` without MINUTES
+SOAK_MINUTES = 45.0
 SOAK_PREFIXES = 3
 #: the clients' mix, one kind per request in turn (every kind within the first 20 requests): 10% disconnecting
 #: mid-stream, 5% invalid overrides, 10% n = 2, 5% attribution, 10% method none (greedy), 30% streaming, 30% plain
@@ -666,11 +736,97 @@ def soak_checks(records: list[dict], final: dict, rss: list[tuple[int, int]], mi
             "final_counters": {c: final.get(c) for c in COUNTERS}}
 
 
+#: The soak's warm-up: 40% of the run (every kind of request and the largest batches have run by then), at most 10
+#: minutes. The server tree's RSS is checked from its end (``rss_tolerance``); the per-minute samples after it give
+#: each process's slope (:func:`rss_slope`).
+SOAK_WARMUP_MAX_S = 600.0
+SOAK_SAMPLE_S = 60.0
+#: the target for each process's RSS after warm-up: a least-squares slope below this, in percent per 10 minutes
+RSS_SLOPE_TARGET = 1.0
+#: the plugin's tables exported on ``/metrics`` (read once per sample), and those that are not (named in the results)
+TABLE_SERIES = ("rcstat:worker_requests",)
+TABLES_NOT_EXPORTED = {
+    "scheduler: EngineRequests._records (rcstat_vllm/engine/requests.py)":
+        "a record per request the scheduler side tracks (running, parked plans, compactions in flight); dropped by "
+        "forget() when vLLM frees the request's blocks; no gauge",
+    "scheduler: EngineRequests._compacted_blocks": "block ids of compacted requests' kept KV; no gauge",
+    "worker: ResultsLog.results (rcstat_vllm/worker/results.py)":
+        "each reported request's CompressionReport for the Python API, kept after the request finishes, up to "
+        "MAX_RESULTS = 100000 (not dropped on finish by design); no gauge: its size is at most the requests counted "
+        "compressed + uncompressed",
+    "worker: AttributionCapture.traces (rcstat_vllm/attribution/capture.py)":
+        "attribution traces, popped when the server reads the result; capped at 256 traces / 1 GiB; no gauge",
+    "worker: RCStatAttributionProcessor.asking": "batch index -> setting of rows that asked for attribution; no gauge",
+}
+
+
+def soak_warmup_s(duration_s: float) -> float:
+    return min(0.4 * duration_s, SOAK_WARMUP_MAX_S)
+
+
+def soak_sample_times(duration_s: float, warmup_s: float, every_s: float = SOAK_SAMPLE_S) -> list[float]:
+    """When the soak samples each process's RSS and the plugin's tables (seconds from the clients' start): every
+    ``every_s`` during the warm-up, at its end, then every ``every_s`` after it until ``duration_s``."""
+    times = [every_s * k for k in range(1, int(warmup_s // every_s) + 1) if every_s * k < warmup_s]
+    t = warmup_s
+    while t <= duration_s + 1e-9:
+        times.append(round(t, 3))
+        t += every_s
+    return times
+
+
+def rss_slope(samples: list[tuple[float, int]]) -> float | None:
+    """Least-squares slope of ``(seconds, bytes)`` samples, in percent of the first sample's bytes per 10 minutes
+    (rounded to 4 decimals); None with fewer than two samples or no spread in time."""
+    if len(samples) < 2 or not samples[0][1]:
+        return None
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_y = sum(y for _, y in samples) / n
+    sxx = sum((t - mean_t) ** 2 for t, _ in samples)
+    if sxx == 0:
+        return None
+    per_s = sum((t - mean_t) * (y - mean_y) for t, y in samples) / sxx
+    return round(per_s * 600 / samples[0][1] * 100, 4)
+
+
+def memory_summary(samples: list[dict], end: dict | None, target: float = RSS_SLOPE_TARGET) -> dict:
+    """Per process, from the per-minute samples (``{"t_s", "warm", "processes": {name: {"rss", "rss_anon"}}}``):
+    RSS at the warm-up's end (the first warm sample), at the end (``end``, sampled once the server is idle; else
+    the last sample), the growth between them, and the least-squares slopes (RSS and anonymous RSS) over the warm
+    samples in percent per 10 minutes; ``holds``: every process's RSS slope below ``target``."""
+    warm = [s for s in samples if s["warm"]]
+    names = list(dict.fromkeys(name for s in samples for name in s["processes"]))
+    out: dict = {"target_pct_per_10min": target, "warm_samples": len(warm), "processes": {}}
+    last = end or (samples[-1] if samples else None)
+    for name in names:
+        series = [(s["t_s"], s["processes"][name]) for s in warm if name in s["processes"]]
+        if not series:
+            continue
+        start, final = series[0][1], (last or {}).get("processes", {}).get(name, series[-1][1])
+        slope = rss_slope([(t, m["rss"]) for t, m in series])
+        out["processes"][name] = {
+            "rss_mib_warm": round(start["rss"] / 2**20, 1), "rss_mib_end": round(final["rss"] / 2**20, 1),
+            "growth_pct": round((final["rss"] - start["rss"]) / start["rss"] * 100, 2),
+            "slope_pct_per_10min": slope,
+            "anon_mib_warm": round(start.get("rss_anon", 0) / 2**20, 1),
+            "anon_mib_end": round(final.get("rss_anon", 0) / 2**20, 1),
+            "anon_slope_pct_per_10min": rss_slope([(t, m["rss_anon"]) for t, m in series if m.get("rss_anon")]),
+            "samples": len(series)}
+    slopes = [p["slope_pct_per_10min"] for p in out["processes"].values()]
+    out["holds"] = bool(slopes) and all(v is not None and v < target for v in slopes)
+    out["over_target"] = [n for n, p in out["processes"].items()
+                          if p["slope_pct_per_10min"] is not None and p["slope_pct_per_10min"] >= target]
+    return out
+
+
 def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency: int = 6,
          rss_tolerance: float = 0.08) -> dict:
     """The HTTP soak: a vanilla server and the plugin's (bare flag + decode_budget) start together; clients run
-    against the plugin's for ``duration_s``; then the checks. RSS is sampled once warm (after 40% of the time: every
-    kind of request and the largest batches have run by then) and every 10 s after."""
+    against the plugin's for ``duration_s``; then the checks. The server tree's RSS is sampled once warm
+    (:func:`soak_warmup_s`: every kind of request and the largest batches have run by then) and every 10 s after;
+    a sampler thread records each process's RSS and the plugin's exported tables (:data:`TABLE_SERIES`) with the
+    counters at :func:`soak_sample_times` (per minute), and once more when the server is idle at the end."""
     from rcstat_vllm.model import default_model_dir
 
     model = str(model or default_model_dir())
@@ -681,8 +837,11 @@ def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency
         plugin.wait_healthy()
         clients = SoakClients(plugin, concurrency)
         rss: list[tuple[int, int]] = []
+        warmup_s = soak_warmup_s(duration_s)
+        samples: list[dict] = []
+        stop = threading.Event()
         start = time.monotonic()
-        next_sample = [start + 0.4 * duration_s]
+        next_sample = [start + warmup_s]
 
         def progress(n):
             if time.monotonic() >= next_sample[0]:
@@ -690,13 +849,59 @@ def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency
                 with clients._lock:
                     rss.append((n, plugin.rss_bytes()))
 
-        records = clients.run(duration_s, progress)
+        def sample(t_s: float, warm: bool) -> dict:
+            processes = server_processes(plugin.proc.pid)
+            try:
+                metrics = plugin.metrics()
+            except Exception as exc:  # noqa: BLE001 - a sample without metrics says why
+                metrics = {"error": repr(exc)[:200]}
+            with clients._lock:
+                kinds: dict[str, int] = {}
+                for rec in clients.records:
+                    kinds[rec["kind"]] = kinds.get(rec["kind"], 0) + 1
+                n = len(clients.records)
+            return {"t_s": round(t_s, 1), "warm": warm, "requests": n, "by_kind": kinds,
+                    "processes": {name: {"rss": p["rss"], "rss_anon": p.get("rss_anon", 0)}
+                                  for name, p in processes.items()},
+                    "tables": {k: metrics.get(k) for k in TABLE_SERIES},
+                    "gauges": {k: metrics.get(k) for k in GAUGES},
+                    "counters": {k: metrics.get(k) for k in COUNTERS},
+                    **({"metrics_error": metrics["error"]} if "error" in metrics else {})}
+
+        def sampler():
+            for t in soak_sample_times(duration_s, warmup_s):
+                if stop.wait(max(0.0, start + t - time.monotonic())):
+                    return
+                samples.append(sample(t, t >= warmup_s))
+                print(f"[soak] {t / 60:.1f} min: " + ", ".join(
+                    f"{name} {p['rss'] >> 20} MiB" for name, p in samples[-1]["processes"].items())
+                      + f"; {samples[-1]['requests']} requests; tables {samples[-1]['tables']}",
+                      file=sys.stderr, flush=True)
+
+        thread = threading.Thread(target=sampler, daemon=True)
+        thread.start()
+        try:
+            records = clients.run(duration_s, progress)
+        finally:
+            stop.set()
+            thread.join()
         final = wait_idle(plugin)
         rss.append((len(records), plugin.rss_bytes()))
+        end_sample = sample(time.monotonic() - start, True)
+        processes = {name: {"pid": p["pid"], "cmdline": p["cmdline"]}
+                     for name, p in server_processes(plugin.proc.pid).items()}
         vanilla.wait_healthy()
         mismatches = replay_none(vanilla, records)
         checks = soak_checks(records, final, rss, mismatches, rss_tolerance)
         checks["duration_s"] = round(time.monotonic() - start, 1)
+        checks["warmup_s"] = warmup_s
+        checks["memory"] = memory_summary(samples, end_sample)
+        checks["memory"]["process_cmdlines"] = processes
+        checks["tables_not_exported"] = TABLES_NOT_EXPORTED
+        checks["samples"] = [{**s, "processes": {name: {"rss_mib": round(m["rss"] / 2**20, 1),
+                                                         "anon_mib": round(m["rss_anon"] / 2**20, 1)}
+                                                  for name, m in s["processes"].items()}}
+                             for s in [*samples, {**end_sample, "end": True}]]
         checks["plugin_log_tail"] = plugin.log_tail(3000) if checks["failures"] else ""
         return checks
     finally:
@@ -711,7 +916,7 @@ def soak_benchmark(args) -> int:
     report = {"benchmark": "serving_soak", "minutes": args.soak, "concurrency": args.concurrency,
               "rcstat": SOAK_RCSTAT, "checks": checks, "wall_s": round(time.monotonic() - t0, 1)}
     write_report(report, path, lambda r: print(json.dumps({k: v for k, v in r["checks"].items()
-                                                           if k != "plugin_log_tail"}, indent=1)))
+                                                           if k not in ("plugin_log_tail", "samples")}, indent=1)))
     return 0 if not checks["failures"] else 1
 
 
@@ -723,8 +928,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rates", nargs="*", default=None,
                         help="request rates: req/s, 'inf' (all at once) or '<f>x' (f x vanilla's saturation)")
     parser.add_argument("--settings", nargs="*", default=None, help="a subset of: " + ", ".join(n for n, _, _ in SETTINGS))
-    parser.add_argument("--soak", type=float, default=None, metavar="MINUTES",
-                        help="run the HTTP soak for MINUTES instead (20 for the documented run)")
+    parser.add_argument("--soak", type=float, nargs="?", const=SOAK_MINUTES, default=None, metavar="MINUTES",
+                        help=f"run the HTTP soak for MINUTES instead (default {SOAK_MINUTES:g}: the documented run)")
     parser.add_argument("--concurrency", type=int, default=6, help="soak clients at once")
     parser.add_argument("--model", default=None)
     parser.add_argument("--json", default=None)
