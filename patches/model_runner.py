@@ -111,6 +111,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
         requests=requests,
         dropped_req_ids=_dropped_req_ids(scheduler_output),
         preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+        finished_req_ids=frozenset(scheduler_output.finished_req_ids),
         compactions=_compactions(scheduler_output),
         block_size=None if host_table is None else host_table.block_size,
         decode_soon=frozenset(getattr(scheduler_output, "rcstat_decode_soon", None) or ()),
@@ -123,7 +124,8 @@ def idle_step_info(scheduler_output) -> StepInfo:
     to run (``Scheduler.has_finished_requests``): the one that names them finished, before it idles."""
     return StepInfo(
         requests=[], dropped_req_ids=_dropped_req_ids(scheduler_output),
-        preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()), compactions=_compactions(scheduler_output)
+        preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+        finished_req_ids=frozenset(scheduler_output.finished_req_ids), compactions=_compactions(scheduler_output),
     )
 
 

@@ -47,7 +47,7 @@ CONTRACTS = (
     Contract("vllm.v1.core.sched.request_queue:RequestQueue.peek_request", ("self",)),
     Contract(
         "vllm.v1.request:Request",
-        attrs=("request_id", "status", "num_tokens", "num_computed_tokens", "sampling_params"),
+        attrs=("request_id", "status", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "sampling_params"),
     ),
     Contract("vllm.v1.core.sched.output:SchedulerOutput"),
     Contract("vllm.v1.request:RequestStatus.RUNNING"),
@@ -129,13 +129,29 @@ def block_size(scheduler) -> int:
     return compressed_manager(scheduler.kv_cache_manager).block_size
 
 
+def other_group_managers(kv_cache_manager) -> list:
+    """The KV cache managers of the groups the plugin does not compress (a hybrid model's sliding-window layers):
+    they allocate from the same block pool."""
+    managers = kv_cache_manager.coordinator.single_type_managers
+    compressed = compressed_manager(kv_cache_manager)
+    return [manager for manager in managers if manager is not compressed]
+
+
 def running_snapshot(scheduler, state: EngineCompaction | None = None) -> tuple[RunningRequest, ...]:
-    """vLLM's running requests as the pressure policy reads them (with their records' decode-time data)."""
+    """vLLM's running requests as the pressure policy reads them (with their records' decode-time data), their block
+    lists in every KV cache group."""
     manager = scheduler.kv_cache_manager
-    held = [(r.request_id, r.num_tokens, len(request_blocks(manager, r.request_id))) for r in scheduler.running]
+    others = other_group_managers(manager)
+    held = [(r.request_id, r.num_tokens, len(request_blocks(manager, r.request_id)),
+             tuple((m.block_size, len(m.req_to_blocks.get(r.request_id, ()))) for m in others))
+            for r in scheduler.running]
     if state is None:
-        return tuple(RunningRequest(*request) for request in held)
+        return tuple(RunningRequest(*request[:3], other_groups=request[3]) for request in held)
     return tuple(state.decode_pressure.running(*request) for request in held)
+
+
+def other_block_sizes(scheduler) -> tuple[int, ...]:
+    return tuple(m.block_size for m in other_group_managers(scheduler.kv_cache_manager))
 
 
 def first_waiting_tokens(scheduler) -> int:
@@ -146,7 +162,7 @@ def blocks_wanted(scheduler) -> tuple[int, str]:
     """The blocks the coming schedule is about to take (an upper bound), and what wants them
     (:func:`~rcstat_vllm.engine.pressure_policy.blocks_wanted`)."""
     return pressure_policy.blocks_wanted(running_snapshot(scheduler), first_waiting_tokens(scheduler),
-                                         block_size(scheduler))
+                                         block_size(scheduler), other_block_sizes(scheduler))
 
 
 def decode_config(server: RCStatConfig, request) -> RCStatConfig | None:
@@ -173,7 +189,8 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> None:
     running = running_snapshot(scheduler, state)
     snapshot = pressure_policy.PoolSnapshot(
         pool.get_num_free_blocks(), block_size(scheduler), running, first_waiting_tokens(scheduler),
-        state.parked(lambda req_id: is_running(scheduler, req_id)),
+        state.parked(lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id) else None),
+        other_block_sizes(scheduler),
     )
     decode = None
     if any(r.config is not None for r in running):
@@ -206,7 +223,7 @@ def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         if isinstance(model_runner_output, RCStatModelRunnerOutput) and model_runner_output.rcstat_step is not None:
-            scheduler_stats(self).observe_step(model_runner_output.rcstat_step)
+            engine_compaction(self.kv_cache_manager.block_pool).observe_step(model_runner_output.rcstat_step)
         if isinstance(model_runner_output, RCStatModelRunnerOutput) and model_runner_output.rcstat_reports:
             pool = self.kv_cache_manager.block_pool
             engine_compaction(pool).apply_reports(
@@ -272,7 +289,7 @@ def _get_computed_blocks(original):
         if num_hit and state.group is not None:
             block_size = compressed_manager(self).block_size
             extra_args = request.sampling_params and request.sampling_params.extra_args
-            limit = state.prefix_hit_limit(num_hit, request.num_tokens, extra_args, block_size)
+            limit = state.prefix_hit_limit(num_hit, request.num_prompt_tokens, extra_args, block_size)
             if limit is not None and len(blocks.blocks) > 1:
                 # A hybrid model's sliding-window group holds only its window's blocks of the hit (null blocks
                 # before): a shorter hit would end without them. vLLM finds hits valid for every group; the plugin

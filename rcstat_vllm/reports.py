@@ -5,6 +5,7 @@ or why not). Plain dataclasses: no torch, no vLLM."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -46,6 +47,11 @@ class CompressionReport:
     #: decode-time compactions the request went through, and the generated entries they evicted (all layers, heads)
     decode_compactions: int = 0
     decode_tokens_evicted: int = 0
+    #: why this pass of the request ended before it finished ("preempted": vLLM recomputes it; "session continued": a
+    #: streaming-input session's next chunk arrived), None while it is the request's current pass
+    ended: str | None = None
+    #: the request's earlier passes, oldest first (each one's :meth:`to_dict`, ``ended`` saying why it ended)
+    earlier_passes: list[dict] = field(default_factory=list)
 
     @property
     def prompt_blocks(self) -> int:
@@ -110,6 +116,9 @@ class CompressionReport:
             "compaction_reason": self.compaction_reason,
             "decode_compactions": self.decode_compactions,
             "decode_tokens_evicted": self.decode_tokens_evicted,
+            "ended": self.ended,
+            "passes": len(self.earlier_passes) + 1,
+            "earlier_passes": self.earlier_passes,
         }
 
     @classmethod
@@ -138,6 +147,14 @@ class Compaction:
     reuses_own_blocks: bool = False
 
 
+class CopyRun(NamedTuple):
+    """One copy the worker ran: whose, which kind ("prompt" or "decode"), and its host time in seconds."""
+
+    req_id: str
+    kind: str
+    seconds: float
+
+
 @dataclass(frozen=True)
 class StepCompactions:
     """The worker's compaction work in one step and the size of its request table (the copies it ran before the forward, scheduler answers that were
@@ -146,8 +163,9 @@ class StepCompactions:
 
     Host time: on CPU the copy is synchronous, on CUDA it measures the launches, not the kernels."""
 
-    #: one (kind: "prompt" or "decode", seconds) per copy, in the order run
-    copies: tuple[tuple[str, float], ...] = ()
+    #: one per copy, in the order run (the scheduler counts a compaction when its copy ran, not when it was granted:
+    #: vLLM may preempt the request first, and the copy is then never sent)
+    copies: tuple[CopyRun, ...] = ()
     #: requests in the worker's table after the step began (sent when it changed; None: not sent): 0 once a server is
     #: idle, or a leak (``rcstat:worker_requests``)
     worker_requests: int | None = None
@@ -157,7 +175,7 @@ class StepCompactions:
 
     @property
     def seconds(self) -> float:
-        return sum(seconds for _, seconds in self.copies)
+        return sum(copy.seconds for copy in self.copies)
 
     def count(self, kind: str) -> int:
-        return sum(1 for k, _ in self.copies if k == kind)
+        return sum(1 for copy in self.copies if copy.kind == kind)

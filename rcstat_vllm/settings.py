@@ -49,17 +49,21 @@ def scorer_options(config: RCStatConfig) -> dict:
     return {}
 
 
-def max_cached_prompt_tokens(num_tokens: int, extra_args, server: RCStatConfig, block_size: int) -> int | None:
+def max_cached_prompt_tokens(num_prompt_tokens: int, extra_args, server: RCStatConfig, block_size: int) -> int | None:
     """The most prompt tokens a prefix-cache hit may cover for a request that will be compressed, None for no
     limit: its observation window's queries exist only if those tokens are computed, so a hit stops at the last
-    whole block before the window (as vLLM itself always recomputes the last prompt token)."""
+    whole block before the prompt's window (as vLLM itself always recomputes the last prompt token).
+
+    Counted from the prompt, never from the request's tokens: a request resumed after a preemption has generated
+    tokens too, and a hit reaching past its prompt would skip the step that finishes its prefill, where it is
+    compressed again (it would run with its full KV under the very pressure that preempted it)."""
     try:
         config = server.merged(request_overrides(extra_args))
     except ConfigError:
         return None  # runs uncompressed (rejected at admission, or reported by the worker)
-    if not config.enabled or num_tokens < config.min_prompt_len:
+    if not config.enabled or num_prompt_tokens < config.min_prompt_len:
         return None
-    return max(num_tokens - window_queries(config), 0) // block_size * block_size
+    return max(num_prompt_tokens - window_queries(config), 0) // block_size * block_size
 
 
 def decode_queries(config: RCStatConfig) -> int:

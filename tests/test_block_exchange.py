@@ -17,7 +17,7 @@ from rcstat_vllm.engine.block_exchange import (
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.pressure_policy import cover
 from rcstat_vllm.engine.requests import Phase
-from rcstat_vllm.reports import CompressionReport
+from rcstat_vllm.reports import CompressionReport, CopyRun, StepCompactions
 
 BLOCK = 16
 
@@ -34,8 +34,13 @@ def parked(state: EngineCompaction) -> set[str]:
 def relieve(state: EngineCompaction, pool, blocks_wanted: int, running, reason: str) -> int:
     """Lazy eviction as the scheduler hook applies it, for ``blocks_wanted`` blocks: the policy's choice among the
     parked plans of running requests (``running(req_id)`` None: not running), compacted."""
-    plans = state.parked(lambda req_id: running(req_id) is not None)
+    plans = state.parked(running)
     return state.relieve_pressure(pool, cover(blocks_wanted - pool.get_num_free_blocks(), reason, plans), running)
+
+
+def copied(state: EngineCompaction, *req_ids: str, kind: str = "prompt") -> None:
+    """The worker ran these requests' copies (its step output reaches the scheduler: what counts them)."""
+    state.observe_step(StepCompactions(tuple(CopyRun(req_id, kind, 0.0) for req_id in req_ids)))
 
 
 @dataclass(eq=False)
@@ -257,8 +262,12 @@ def test_apply_reports_swaps_records_and_counts():
     assert [c.req_id for c in queued(state)] == ["a"]
     assert state.compacted == {"a": queued(state)[0].block_ids}
     assert state.compacted_blocks == set(queued(state)[0].block_ids)
-    assert state.stats.requests_compressed == 1 and state.stats.requests_skipped == 1
-    assert state.stats.blocks_freed == 2
+    assert state.stats.requests_compressed == 0 and state.stats.requests_skipped == 1  # granted, not copied yet
+    state.take_outgoing(lambda req_id: True)
+    copied(state, "a")
+    assert state.stats.requests_compressed == 1 and state.stats.blocks_freed == 2
+    copied(state, "a")  # (a copy is counted once)
+    assert state.stats.requests_compressed == 1
 
 
 def test_apply_reports_counts_a_refusal_as_skipped():
@@ -392,12 +401,16 @@ def test_lazy_plans_are_counted_planned_compacted_or_never_compacted_and_ratios_
     assert (stats.requests_planned, stats.requests_compressed, stats.requests_skipped) == (2, 0, 0)
     running = lambda req_id: (lists[req_id], {"small": 64, "big": 160}[req_id])  # noqa: E731
     assert relieve(state, pool, pool.get_num_free_blocks() + 3, running, "3 short") == 8  # big alone covers it
+    assert stats.requests_compressed == 0  # granted: counted when its copy runs
+    state.take_outgoing(lambda req_id: True)
+    copied(state, "big")
     assert stats.requests_compressed == 1 and stats.ratio_count == 0 and stats.mean_ratio == 0.0
     state.forget("small")  # finished before memory was short: its full cache was kept
     state.forget("big")  # compacted: not "never compacted"
     assert stats.requests_never_compacted == 1
     eager = CompressionReport("eager", 4 * BLOCK, "rc", 2, kept=[[BLOCK, 3 * BLOCK]], block_size=BLOCK)
     state.apply_reports(pool, [eager], lambda req_id: lists[req_id])
+    copied(state, "eager")
     assert stats.requests_compressed == 2 and stats.ratio_count == 1
     assert stats.mean_ratio == pytest.approx(eager.compression_ratio) == pytest.approx(0.5)
 
@@ -487,6 +500,7 @@ def test_a_decode_time_compaction_replaces_every_own_block_and_the_compacted_set
     request = [*shared, *allocate(pool, 5)]
     state._compact(pool, report(4, 6 * BLOCK, cached_tokens=BLOCK), request)  # the prompt's compaction
     state.take_outgoing(lambda req_id: True)  # sent with the next step
+    copied(state, "r")
     first = set(state.compacted["r"])
     request.extend(allocate(pool, 2))  # decode growth
     free_before = pool.get_num_free_blocks()
@@ -499,6 +513,7 @@ def test_a_decode_time_compaction_replaces_every_own_block_and_the_compacted_set
     assert all(b.is_null for b in request[5:]) and len(request) == 8
     assert freed == pool.get_num_free_blocks() - free_before == 5 - 4  # 3 compacted + 2 appended back, 4 taken
     assert set(state.compacted["r"]) == set(compaction.block_ids) and not (first & state.compacted_blocks)
+    copied(state, "r", kind="decode")
     assert state.stats.decode_compactions == 1 and state.stats.decode_tokens_evicted == 96
     assert state.stats.requests_compressed == 1  # the decode-time compaction is not a request compressed
 
@@ -516,6 +531,7 @@ def test_a_decode_time_compaction_under_pressure_reuses_the_requests_own_blocks_
     compaction = queued(state)[-1]
     assert compaction.cancelled_reason is None and compaction.reuses_own_blocks
     assert set(compaction.block_ids) & own and freed == 3 and pool.get_num_free_blocks() == 4
+    copied(state, "r", kind="decode")
     assert state.stats.decode_compactions == 1
     state.take_outgoing(lambda req_id: True)
 
@@ -597,3 +613,96 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
     untouched = torch.ones(num_blocks, dtype=torch.bool)
     untouched[list(a.block_ids + b.block_ids)] = False
     assert torch.equal(backing.view(layers, num_blocks, -1)[:, untouched], original.view(layers, num_blocks, -1)[:, untouched])
+
+
+# ---- issue 50: lifecycles the exchange must follow ----
+
+
+def test_a_lazy_relief_never_takes_more_blocks_than_it_gives_back_once_its_prompt_is_shared():
+    """FakePool(20), an 8-block request whose parked plan keeps 3 (5 freed when parked); then another request hits its
+    prompt (every block touched once more, as ``BlockPool.touch`` does). Compacting it now would take 3 fresh blocks
+    and release none (11 -> 8 free, on main): the relief sees what it frees now and passes it over, so free blocks
+    never drop; with only half its blocks shared it frees what is left, no more than that."""
+    pool = FakePool(20)
+    blocks = allocate(pool, 8)
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    state.apply_reports(pool, [lazy_report(3, 8 * BLOCK, "r")], {"r": blocks}.get)
+    assert parked(state) == {"r"} and pool.get_num_free_blocks() == 11
+    for block in blocks:
+        block.ref_cnt += 1  # a later request's prefix-cache hit
+    running = lambda req_id: (blocks, 8 * BLOCK)  # noqa: E731
+    assert state.parked(running)[0].blocks_freed == -3
+    assert relieve(state, pool, 12, running, "1 short") == 0
+    assert pool.get_num_free_blocks() == 11 and parked(state) == {"r"} and not queued(state)
+
+    for block in blocks[4:]:
+        block.ref_cnt -= 1  # the other request finished: half of the prompt is this request's alone again
+    assert state.parked(running)[0].blocks_freed == 4 - 3
+    assert relieve(state, pool, 12, running, "1 short") == 1 and pool.get_num_free_blocks() == 12
+
+
+def test_a_relief_skips_a_chosen_plan_that_an_earlier_compaction_left_freeing_nothing():
+    """The check is made again right before each swap: a plan the policy chose that frees nothing by then stays
+    parked, and the relief goes on with the next plan."""
+    pool = FakePool(30)
+    lists = {"a": allocate(pool, 6), "b": allocate(pool, 6)}
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    state.apply_reports(pool, [lazy_report(2, 6 * BLOCK, "a"), lazy_report(2, 6 * BLOCK, "b")], lists.get)
+    running = lambda req_id: (lists[req_id], 6 * BLOCK)  # noqa: E731
+    plans = state.parked(running)
+    for block in lists["a"]:
+        block.ref_cnt += 1  # shared after the policy's snapshot
+    free = pool.get_num_free_blocks()
+    assert state.relieve_pressure(pool, cover(4, "4 short", plans), running) == 4
+    assert parked(state) == {"a"} and [c.req_id for c in queued(state)] == ["b"]
+    assert pool.get_num_free_blocks() == free + 4
+
+
+def test_compactions_are_counted_when_their_copy_runs_never_when_vllm_preempts_first():
+    """The exchange grants a compaction (fresh blocks swapped in) a step before the worker copies. vLLM often preempts
+    ``running[-1]``, the request just compacted: its copy is then never sent, and neither requests_compressed nor
+    kv_blocks_freed may count it (a lazy one is a plan never compacted); the one whose copy ran is counted once, so
+    requests_compressed equals the prompt copies the worker timed."""
+    pool = FakePool(40)
+    lists = {"kept": allocate(pool, 4), "preempted": allocate(pool, 4), "lazy": allocate(pool, 6)}
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    state.apply_reports(pool, [report(1, 4 * BLOCK, req_id="kept"), report(1, 4 * BLOCK, req_id="preempted"),
+                               lazy_report(2, 6 * BLOCK, "lazy")], lists.get)
+    running = lambda req_id: (lists[req_id], 6 * BLOCK)  # noqa: E731
+    assert relieve(state, pool, pool.get_num_free_blocks() + 1, running, "short") == 4
+    assert state.stats.requests_compressed == 0 and state.stats.blocks_freed == 0
+    state.forget("preempted")  # vLLM's schedule preempts it: its blocks go back, before the copy is sent
+    state.forget("lazy")
+    sent = state.take_outgoing(lambda req_id: req_id in lists)
+    assert [c.req_id for c in sent] == ["kept"]
+    copied(state, "kept")
+    stats = state.stats
+    assert (stats.requests_compressed, stats.blocks_freed, stats.requests_never_compacted) == (1, 3, 1)
+    assert stats.requests_compressed == stats.prompt_copies == 1
+
+
+def test_the_forecast_sums_every_kv_cache_group_as_vllm_allocates():
+    """A hybrid model (one full-attention group, compressed, and one sliding-window group, both block size 16): a
+    running request at 33 tokens (2 blocks in each group) and a waiting one of 100 tokens. vLLM's
+    ``get_num_blocks_to_allocate`` sums the groups: 1 + 1 for the running one, 7 + 7 for the waiting one: 16 (the
+    forecast said 8 on main, and relief did not fire while the waiting request stalled)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from rcstat_vllm.patches.scheduler import blocks_wanted, running_snapshot
+
+    def manager(lists):
+        return SimpleNamespace(block_size=BLOCK, req_to_blocks=lists)
+
+    full, sliding = manager({"run": [0, 0]}), manager({"run": [0, 0]})
+    waiting = [SimpleNamespace(request_id="next", num_tokens=100)]
+    scheduler = SimpleNamespace(
+        kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=[full, sliding]),
+                                         block_pool=type("Pool", (), {})()),  # no engine state: group 0
+        running=[SimpleNamespace(request_id="run", num_tokens=33)],
+        waiting=type("Queue", (), {"__len__": lambda self: len(waiting), "peek_request": lambda self: waiting[0]})(),
+    )
+    (snapshot,) = running_snapshot(scheduler)
+    assert snapshot.blocks_held == 2 and snapshot.other_groups == ((BLOCK, 2),)
+    wanted, reason = blocks_wanted(scheduler)
+    assert wanted == 16 and "2 blocks for running" in reason and "14 for the first waiting" in reason

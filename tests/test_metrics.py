@@ -66,7 +66,7 @@ def test_lazy_plans_and_compactions_have_counters_of_their_own():
 
 
 def test_the_workers_copies_per_step_reach_time_and_count_histograms():
-    from rcstat_vllm.reports import StepCompactions
+    from rcstat_vllm.reports import CopyRun, StepCompactions
 
     names = ('rcstat:compaction_seconds_count{kind="prompt"}', 'rcstat:compaction_seconds_count{kind="decode"}',
              "rcstat:step_compaction_seconds_count", "rcstat:step_compaction_seconds_sum",
@@ -76,9 +76,9 @@ def test_the_workers_copies_per_step_reach_time_and_count_histograms():
 
     before = {name: _value(name) for name in names}
     stats = CompressionStats()
-    stats.observe_step(StepCompactions((("prompt", 0.25), ("prompt", 0.125), ("decode", 0.5)),
-                                       scored_at_copy=((0.75, 0.5),)))
-    stats.observe_step(StepCompactions((("decode", 0.0625),)))
+    stats.observe_step(StepCompactions((CopyRun("a", "prompt", 0.25), CopyRun("b", "prompt", 0.125),
+                                        CopyRun("c", "decode", 0.5)), scored_at_copy=((0.75, 0.5),)))
+    stats.observe_step(StepCompactions((CopyRun("c", "decode", 0.0625),)))
     stats.observe_step(StepCompactions())  # a step with no copy is not a compaction step
     stats.observe_decode(CompressionReport("d", 64, "rc", keep_blocks=2, decode=True), 0, ran=False)
     delta = {name: _value(name) - before[name] for name in names}

@@ -63,11 +63,15 @@ def test_plans_freeing_most_go_first_until_their_blocks_cover_the_shortfall():
         ("big", "mid", "small")
 
 
-def test_equal_plans_go_in_the_order_they_were_parked_and_plans_freeing_nothing_still_count():
+def test_equal_plans_go_in_the_order_they_were_parked_and_plans_freeing_nothing_are_passed_over():
+    """A plan that frees nothing now (its prompt blocks shared since it was parked: <= 0) is never chosen, even when
+    the shortfall is not covered: it would take fresh blocks and give none back; the relief names it (logged)."""
     assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=BLOCK, parked=parked(x=4, y=4))).compact == ("x",)
     assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=BLOCK, parked=parked(y=4, x=4))).compact == ("y",)
-    decision = relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=2 * BLOCK, parked=parked(z=0, w=1)))
-    assert decision.compact == ("w", "z") and decision.rest == ()
+    decision = relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=2 * BLOCK, parked=parked(z=0, w=1, v=-3)))
+    assert decision.compact == ("w",) and decision.rest == () and decision.freeing_nothing == ("z", "v")
+    assert decision.after(1).compact == ()
+    assert relief(PoolSnapshot(9, BLOCK, first_waiting_tokens=BLOCK, parked=parked(z=0))).freeing_nothing == ()
 
 
 def test_plans_that_freed_less_than_they_said_are_followed_by_more():

@@ -132,3 +132,16 @@ def test_engine_features_the_plugin_cannot_serve_run_uncompressed_naming_why(fea
     assert owner is not None and words in owner.disabled_reason
     assert words in caplog.text
     assert WorkerCompression(_config({"method": "rc"})).disabled_reason is None
+
+
+def test_a_prefix_hit_never_reaches_past_the_prompt_of_a_request_resumed_after_preemption():
+    """vLLM recomputes a preempted request from its prompt and generated tokens; a hit capped from all its tokens
+    reached past the prompt (a 512-token prompt resumed at 712 tokens: 672 on main), so the step that finishes its
+    prefill never came and it ran uncompressed. The cap counts the prompt only."""
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.engine.block_exchange import EngineCompaction
+    from rcstat_vllm.settings import max_cached_prompt_tokens
+
+    assert max_cached_prompt_tokens(512, None, RCStatConfig(), 16) == 480  # (512 - 32) // 16 * 16
+    state = EngineCompaction(config=RCStatConfig())
+    assert state.prefix_hit_limit(704, 512, None, 16) == 480  # a hit of 704 (generated blocks cached) is cut

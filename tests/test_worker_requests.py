@@ -143,9 +143,9 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
     worker.begin_step(StepInfo(requests=[], compactions=[
         Compaction("a", (1, 2)), Compaction("b", cancelled_reason="no free blocks"), Compaction("c", (3,))]))
     step = worker.pop_step_compactions()
-    assert [kind for kind, _ in step.copies] == ["prompt", "prompt"]  # the refusal is no copy
+    assert [(c.req_id, c.kind) for c in step.copies] == [("a", "prompt"), ("c", "prompt")]  # the refusal is no copy
     assert step.count("prompt") == 2 and step.count("decode") == 0
-    assert step.copies[0][1] >= 0.02 and step.seconds >= 0.02
+    assert step.copies[0].seconds >= 0.02 and step.seconds >= 0.02
     assert [pages.req_id for pages in attached] == ["a", "c"]
     assert step.scored_at_copy == ((1 - 48 / 128, 0.25),)  # a's only (b was refused, c's ratio was in its plan)
     assert step.worker_requests == 2  # b, refused, left the table; a and c are compressed
@@ -165,18 +165,19 @@ def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_with
     from rcstat_vllm.engine.block_exchange import engine_compaction
     from rcstat_vllm.patches.model_runner import RCStatModelRunnerOutput, attach_reports
     from rcstat_vllm.patches.scheduler import _update_from_output
-    from rcstat_vllm.reports import StepCompactions
+    from rcstat_vllm.reports import CopyRun, StepCompactions
 
     worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
     monkeypatch.setattr(rcstat_vllm.worker.driver, "_current", worker)
     runner = SimpleNamespace(vllm_config=worker.vllm_config)
     plain = ModelRunnerOutput(req_ids=[], req_id_to_index={})
     assert attach_reports(runner, plain) is plain  # nothing to carry
-    worker._copies.extend([("prompt", 0.5), ("decode", 0.25)])
+    worker._copies.extend([CopyRun("a", "prompt", 0.5), CopyRun("b", "decode", 0.25)])
     worker.requests.seen_in_prefill("a", 0)
     output = attach_reports(runner, plain)
     assert isinstance(output, RCStatModelRunnerOutput) and output.rcstat_reports == []
-    assert output.rcstat_step == StepCompactions((("prompt", 0.5), ("decode", 0.25)), worker_requests=1)
+    assert output.rcstat_step == StepCompactions((CopyRun("a", "prompt", 0.5), CopyRun("b", "decode", 0.25)),
+                                                 worker_requests=1)
 
     class Pool:  # a block pool: the engine state is keyed by it (weakly)
         pass

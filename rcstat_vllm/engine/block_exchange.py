@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, MutableSequence, Protocol
+from typing import Callable, Iterable, MutableSequence, Protocol, Sequence
 
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.decode_pressure import DecodePressure
@@ -43,7 +43,7 @@ from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.engine.pressure_policy import ParkedPlan, Relief
 from rcstat_vllm.engine.requests import EngineRequests, Phase
 from rcstat_vllm.log import logger
-from rcstat_vllm.reports import Compaction, CompressionReport
+from rcstat_vllm.reports import Compaction, CompressionReport, StepCompactions
 from rcstat_vllm.settings import max_cached_prompt_tokens
 
 
@@ -67,6 +67,31 @@ class BlockPool(Protocol):
     def get_num_free_blocks(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """The sizes of one exchange over a request's block list: the blocks it computed (``blocks[shared:end]``), those
+    of them only it holds (freed for good when it lets them go), and the fresh blocks its kept KV takes."""
+
+    shared: int
+    end: int
+    released: int
+    num_fresh: int
+
+    @property
+    def gain(self) -> int:
+        """Free blocks after the exchange minus before (< 0: it takes more than it gives back)."""
+        return self.released - self.num_fresh
+
+
+def exchange_sizes(blocks: Sequence[Block], report: CompressionReport, num_tokens: int = 0) -> Exchange:
+    """What exchanging the request's blocks for ``report``'s kept KV takes and gives back now: computed from its
+    block list as it is (a block another request hit since the plan was made is not released, only its reference)."""
+    shared, prompt_end = report.shared_blocks, report.prompt_blocks
+    end = max(prompt_end, -(-num_tokens // report.block_size)) if report.block_size else prompt_end
+    released = sum(1 for block in blocks[shared:end] if not block.is_null and block.ref_cnt == 1)
+    return Exchange(shared, end, released, report.keep_blocks + (end - prompt_end) - shared)
+
+
 def swap_in_fresh_blocks(
     pool: BlockPool, blocks: MutableSequence[Block], report: CompressionReport, num_tokens: int = 0,
     reason: str | None = None,
@@ -83,14 +108,12 @@ def swap_in_fresh_blocks(
 
     A decode-time compaction (``report.decode``) is the same exchange over all the request's own blocks; when it
     reuses them (``Compaction.reuses_own_blocks``) the worker stages its copy."""
-    shared, prompt_end = report.shared_blocks, report.prompt_blocks
-    end = max(prompt_end, -(-num_tokens // report.block_size)) if report.block_size else prompt_end
+    sizes = exchange_sizes(blocks, report, num_tokens)
+    shared, end, num_fresh = sizes.shared, sizes.end, sizes.num_fresh
     computed = blocks[shared:end]  # the blocks this request computed (its prefix-cache hits stay as they are)
-    tail = tuple(block.block_id for block in blocks[prompt_end:end])
-    num_fresh = report.keep_blocks + (end - prompt_end) - shared
+    tail = tuple(block.block_id for block in blocks[report.prompt_blocks:end])
     before = pool.get_num_free_blocks()
-    released = sum(1 for block in computed if not block.is_null and block.ref_cnt == 1)
-    if num_fresh > before + released:
+    if num_fresh > before + sizes.released:
         return Compaction(report.req_id, cancelled_reason="no free blocks to copy the kept KV into"), 0
     fresh = pool.get_new_blocks(num_fresh) if num_fresh <= before else None
     pool.free_blocks(reversed(computed))  # tail first: evicted first, as vLLM frees a request
@@ -121,6 +144,9 @@ class EngineCompaction:
     requests: EngineRequests = field(default_factory=EngineRequests)
     #: decode-time compactions brought forward when the pool is about to run short (over the same table)
     decode_pressure: DecodePressure = field(init=False)
+    #: compactions granted (fresh blocks swapped in) whose copy the worker has not reported yet: (request id, kind)
+    #: -> the plan and the blocks it freed, counted when the copy runs (:meth:`observe_step`)
+    _uncounted: dict[tuple[str, str], tuple[CompressionReport, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.decode_pressure = DecodePressure(self.requests)
@@ -136,11 +162,34 @@ class EngineCompaction:
         return self.requests.compacted_blocks
 
     def forget(self, req_id: str) -> None:
-        """The request's blocks go back to the pool (vLLM frees them); a parked plan is counted as never compacted."""
+        """The request's blocks go back to the pool (vLLM frees them); a parked plan, or a lazy compaction whose copy
+        was never sent, is counted as never compacted (an eager one is compressed again when it is recomputed)."""
         record = self.requests.get(req_id)
         if record is not None and record.phase is Phase.PLANNED:
             self.stats.observe_never_compacted()
+        if record is not None and record.phase is Phase.AWAITING_COMPACTION:
+            self._never_copied(req_id)
         self.requests.forget(req_id)
+
+    def _never_copied(self, req_id: str) -> None:
+        """A granted compaction whose copy will never run (its request left before the copy was sent)."""
+        for kind in ("prompt", "decode"):
+            uncounted = self._uncounted.pop((req_id, kind), None)
+            if uncounted is not None and kind == "prompt" and uncounted[0].lazy:
+                self.stats.observe_never_compacted()
+
+    def observe_step(self, step: StepCompactions) -> None:
+        """The worker's copies in one step: each granted compaction is counted now that its copy ran."""
+        for copy in step.copies:
+            uncounted = self._uncounted.pop((copy.req_id, copy.kind), None)
+            if uncounted is None:
+                continue
+            report, freed = uncounted
+            if report.decode:
+                self.stats.observe_decode(report, freed, True)
+            else:
+                self.stats.observe(report, freed)
+        self.stats.observe_step(step)
 
     def apply_reports(
         self,
@@ -165,26 +214,45 @@ class EngineCompaction:
                 self.stats.observe(report, 0)
         self.stats.maybe_log(pool.get_num_free_blocks())
 
-    def parked(self, is_running: Callable[[str], bool]) -> tuple[ParkedPlan, ...]:
-        """The parked plans of running requests, in the order parked (a request waiting, preempted, is skipped:
-        vLLM frees its blocks and :meth:`forget` drops its plan)."""
-        return tuple(ParkedPlan(r.req_id, r.plan.blocks_freed)
-                     for r in self.requests.in_phase(Phase.PLANNED) if is_running(r.req_id))
+    def parked(
+        self, running: Callable[[str], tuple[Sequence[Block], int] | None],
+    ) -> tuple[ParkedPlan, ...]:
+        """The parked plans of running requests, in the order parked, each with what compacting it frees now
+        (``running(req_id)``: its block list and tokens in the cache; None: not running, a request waiting,
+        preempted, is skipped: vLLM frees its blocks and :meth:`forget` drops its plan)."""
+        plans = []
+        for record in self.requests.in_phase(Phase.PLANNED):
+            held = running(record.req_id)
+            if held is not None:
+                plans.append(ParkedPlan(record.req_id, exchange_sizes(held[0], record.plan, held[1]).gain))
+        return tuple(plans)
 
     def relieve_pressure(
         self, pool: BlockPool, relief: Relief, running: Callable[[str], tuple[MutableSequence[Block], int]],
     ) -> int:
         """Lazy eviction, before a schedule: compact the parked requests the policy chose (``running(req_id)``: their
         block list and tokens in the cache), and more when they freed less than their plans said, until the
-        shortfall is covered or none is left. Returns the blocks freed."""
-        gained = 0
+        shortfall is covered or none is left. A plan that would free nothing now stays parked (checked again right
+        before its swap: an earlier compaction of this relief may have changed what it holds alone). Never takes
+        more blocks than it gives back. Returns the blocks freed."""
+        if relief.freeing_nothing:
+            logger.debug("rcstat: lazy relief (%s) passes over %d parked plans that free nothing now (their prompt "
+                         "blocks are shared with requests that hit them since): %s", relief.reason,
+                         len(relief.freeing_nothing), ", ".join(relief.freeing_nothing))
+        short, gained = relief.short, 0
         while relief.compact:
             freed = 0
             for req_id in relief.compact:
                 blocks, num_tokens = running(req_id)
+                if exchange_sizes(blocks, self.requests.get(req_id).plan, num_tokens).gain <= 0:
+                    logger.debug("rcstat: request %s: lazy compaction passed over: it frees nothing now", req_id)
+                    continue
                 freed += self._compact(pool, self.requests.take_plan(req_id), blocks, num_tokens, relief.reason)
             gained += freed
             relief = relief.after(freed)
+        if short > 0:
+            logger.debug("rcstat: lazy relief for %d blocks short: %d blocks freed, %d free now", short, gained,
+                         pool.get_num_free_blocks())
         if gained:
             self.stats.maybe_log(pool.get_num_free_blocks())
         return gained
@@ -194,10 +262,13 @@ class EngineCompaction:
         self.requests.expect(report.req_id, Phase.WHOLE, Phase.COMPACTED)
         compaction, freed = swap_in_fresh_blocks(pool, blocks, report, num_tokens, reason)
         self.requests.queue(compaction)
+        granted = compaction.cancelled_reason is None
+        if granted:
+            self._uncounted[(report.req_id, "decode" if report.decode else "prompt")] = (report, freed)
         if report.decode:
-            self.stats.observe_decode(report, freed, compaction.cancelled_reason is None)
-            copied = compaction.cancelled_reason is None
-            self.requests.decode_compacted(report.req_id, report.num_prompt_tokens if copied else None)
+            if not granted:
+                self.stats.observe_decode(report, freed, False)
+            self.requests.decode_compacted(report.req_id, report.num_prompt_tokens if granted else None)
             logger.debug("rcstat: request %s: decode-time compaction at %d tokens: %d generated entries evicted, "
                          "%d blocks freed, %d free now%s", report.req_id, report.num_prompt_tokens,
                          report.decode_tokens_evicted, freed, pool.get_num_free_blocks(),
@@ -208,7 +279,7 @@ class EngineCompaction:
                 report.req_id, report.num_prompt_tokens, report.method, report.prompt_blocks,
                 skipped_reason=compaction.cancelled_reason, block_size=report.block_size,
             )
-        self.stats.observe(report, freed)
+            self.stats.observe(report, freed)
         # A deferred plan (lazy eviction, budget mode) is scored by the worker's copy: its ratio is logged there.
         ratios = (f"compression ratio {report.compression_ratio:.3f}, global eviction ratio "
                   f"{report.global_eviction_ratio:.3f}" if report.kept else "scored at the copy")
@@ -228,20 +299,25 @@ class EngineCompaction:
     def take_outgoing(self, is_running: Callable[[str], bool]) -> list[Compaction]:
         """The compactions for the next scheduler output, in the order queued (a copy may write blocks an earlier
         one read); a request preempted by this very schedule gave its fresh blocks back, so its copy must not run
-        (``is_running`` False)."""
-        return self.requests.take_outgoing(is_running)
+        (``is_running`` False) and is never counted."""
+        queued = [r.req_id for r in self.requests.in_phase(Phase.AWAITING_COMPACTION)]
+        sent = self.requests.take_outgoing(is_running)
+        for req_id in set(queued) - {c.req_id for c in sent}:
+            self._never_copied(req_id)
+        return sent
 
     def may_cache(self, req_id: str) -> bool:
         """Whether the request's blocks may become prefix-cache entries: never once compacted (its blocks hold head
         pages, not the tokens their position's hash names)."""
         return self.requests.may_cache(req_id)
 
-    def prefix_hit_limit(self, num_hit: int, num_tokens: int, extra_args, block_size: int) -> int | None:
+    def prefix_hit_limit(self, num_hit: int, num_prompt_tokens: int, extra_args, block_size: int) -> int | None:
         """The tokens a prefix-cache hit of ``num_hit`` may keep, when fewer (else None): a hit stops before the
-        observation window of a request that will be compressed (whose queries exist only if computed)."""
+        prompt's observation window of a request that will be compressed (whose queries exist only if computed;
+        :func:`~rcstat_vllm.settings.max_cached_prompt_tokens`)."""
         if not num_hit or self.config is None:
             return None
-        limit = max_cached_prompt_tokens(num_tokens, extra_args, self.config, block_size)
+        limit = max_cached_prompt_tokens(num_prompt_tokens, extra_args, self.config, block_size)
         return limit if limit is not None and num_hit > limit else None
 
     def check_hit(self, req_id: str, hit_block_ids: Iterable[int]) -> None:

@@ -5,31 +5,38 @@ Per request the worker logs at DEBUG (ratio, kept counts, predicted blocks freed
 
 Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
 
-    rcstat:requests_compressed_total      requests whose prompt KV was compacted (eagerly, or lazily under pressure)
+    rcstat:requests_compressed_total      prompt compactions whose copy ran (eagerly, or lazily under pressure; a request
+                                          preempted and compressed again when recomputed counts once per copy)
     rcstat:requests_uncompressed_total    requests the plugin ran uncompressed (method none, too short, ...)
     rcstat:requests_planned_total         lazy eviction: plans parked until the scheduler needs their blocks
     rcstat:requests_never_compacted_total lazy eviction: parked plans whose request left before memory was short
                                           (it kept its full cache: neither compressed nor skipped)
-    rcstat:kv_blocks_freed_total          KV blocks returned to vLLM's pool after compaction
+    rcstat:kv_blocks_freed_total          KV blocks returned to vLLM's pool by compactions whose copy ran
     rcstat:kv_blocks_freed_per_compaction histogram of the blocks one compaction (prompt or decode-time) returned
     rcstat:compression_ratio              histogram of evicted / prompt KV entries per compressed request (compacted
                                           ones only: from its plan, or, for a plan scored at its copy under lazy
                                           eviction, from the worker's step output after the copy)
     rcstat:global_eviction_ratio          histogram of the share of prompt tokens evicted from every head of
                                           every layer per compressed request (the quality cliff's early warning)
-    rcstat:decode_compactions_total       decode-time compactions (``decode_budget``) that ran
+    rcstat:decode_compactions_total       decode-time compactions (``decode_budget``) whose copy ran
     rcstat:decode_compactions_skipped_total decode-time compactions planned but not run (no free blocks for the copy)
     rcstat:decode_tokens_evicted_total    generated KV entries (layer x KV head x token) they evicted
-    rcstat:compaction_seconds{kind}       histogram of the worker's time for one copy (kind: prompt, decode); its
-                                          _count is the compactions the worker ran, by kind. A plan scored at its
+    rcstat:compaction_seconds{kind}       histogram of the worker's host time for one copy (kind: prompt, decode); its
+                                          _count is the compactions the worker ran, by kind (equal to
+                                          requests_compressed_total, decode_compactions_total). A plan scored at its
                                           copy (lazy eviction: the bare flag) is scored and selected there too: the
-                                          time includes its scoring
+                                          time includes its scoring. On CUDA it times the kernel launches, not the
+                                          kernels (the copy is not synchronised)
     rcstat:step_compaction_seconds        histogram of the worker's time compacting in one step (steps with a copy)
     rcstat:compactions_per_step           histogram of the copies one step ran (1: spread out; more: bunched)
     rcstat:worker_requests                gauge: requests in the worker's table (0 when the server is idle: else a leak)
 
-Each request is counted once in one of: compressed (its prompt compacted), uncompressed (skipped, with a reason), or,
-under lazy eviction, planned and then either compressed when memory ran short or never compacted. The times come from
+Each pass of a request is counted once in one of: compressed (its prompt's copy ran), uncompressed (skipped, with a
+reason), or, under lazy eviction, planned and then either compressed when memory ran short or never compacted (its
+request left first, or was preempted before its copy was sent). The scheduler grants a compaction (fresh blocks
+swapped in) a step before the worker copies; it counts the compaction when the worker reports the copy
+(:meth:`CompressionStats.observe_step`, by request id), so a grant whose request vLLM preempts first is never
+counted as compressed. The times come from
 the worker (rank 0) with the step's output (``StepCompactions``), host time: synchronous copies on CPU, the launches on
 CUDA.
 
@@ -224,8 +231,8 @@ class CompressionStats:
         self.max_step_compaction_seconds = max(self.max_step_compaction_seconds, seconds)
         self._dirty = True
         if self.prometheus is not None:
-            for kind, copy_seconds in step.copies:
-                self.prometheus.compaction_seconds.labels(kind=kind).observe(copy_seconds)
+            for copy in step.copies:
+                self.prometheus.compaction_seconds.labels(kind=copy.kind).observe(copy.seconds)
             self.prometheus.step_compaction_seconds.observe(seconds)
             self.prometheus.compactions_per_step.observe(len(step.copies))
 

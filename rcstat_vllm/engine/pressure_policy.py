@@ -46,11 +46,22 @@ class RunningRequest:
     compacted_at: int | None = None
     #: asked to compact early and not compacted yet: (the blocks it is expected to free, the check that asked)
     hurried: tuple[int, int] | None = None
+    #: a hybrid model's other KV cache groups (sliding-window layers, ...): (block size, entries of its block list)
+    #: each; they allocate from the same pool (vLLM sums every group's blocks), compaction never touches them
+    other_groups: tuple[tuple[int, int], ...] = ()
+
+    def growth(self, num_tokens: int, block_size: int) -> int:
+        """The blocks it takes from the pool to hold ``num_tokens``, over every group (vLLM allocates by position:
+        a group's list keeps its length, skipped blocks as null blocks)."""
+        own = max(0, cdiv(num_tokens, block_size) - self.blocks_held)
+        return own + sum(max(0, cdiv(num_tokens, size) - held) for size, held in self.other_groups)
 
 
 @dataclass(frozen=True)
 class ParkedPlan:
-    """A running request's parked plan (lazy eviction) and the blocks compacting it frees."""
+    """A running request's parked plan (lazy eviction) and the blocks compacting it would free now (its blocks that
+    only it holds, less the fresh blocks its kept KV takes: fewer than when it was parked once other requests hit its
+    prompt blocks; <= 0 when compacting it would take more than it gives back)."""
 
     req_id: str
     blocks_freed: int
@@ -65,14 +76,18 @@ class PoolSnapshot:
     first_waiting_tokens: int = 0
     #: parked plans of running requests, in the order they were parked
     parked: tuple[ParkedPlan, ...] = ()
+    #: block sizes of a hybrid model's other KV cache groups (they share the pool)
+    other_block_sizes: tuple[int, ...] = ()
 
 
-def blocks_wanted(running: Sequence[RunningRequest], first_waiting_tokens: int, block_size: int) -> tuple[int, str]:
+def blocks_wanted(running: Sequence[RunningRequest], first_waiting_tokens: int, block_size: int,
+                  other_block_sizes: Sequence[int] = ()) -> tuple[int, str]:
     """The blocks the coming schedule is about to take (an upper bound), and what wants them: each running request's
     blocks up to its next token (the rest of its prompt for a prefill in chunks), and the first waiting request's
-    whole prompt."""
-    growth = sum(max(0, cdiv(r.num_tokens, block_size) - r.blocks_held) for r in running)
-    waiting = cdiv(first_waiting_tokens, block_size)
+    whole prompt; in every KV cache group, as vLLM's ``get_num_blocks_to_allocate`` sums them (a hybrid model's
+    sliding-window group takes blocks from the same pool)."""
+    growth = sum(r.growth(r.num_tokens, block_size) for r in running)
+    waiting = cdiv(first_waiting_tokens, block_size) + sum(cdiv(first_waiting_tokens, size) for size in other_block_sizes)
     return growth + waiting, f"{growth} blocks for running requests' growth and {waiting} for the first waiting request"
 
 
@@ -83,7 +98,7 @@ def decode_shortfall(running: Sequence[RunningRequest], free_blocks: int, block_
     if not watched:
         return 0, 0, ""
     lead = max(decode_queries(config) for config in watched) + 2
-    wanted = sum(max(0, cdiv(r.num_tokens + lead, block_size) - r.blocks_held) for r in running)
+    wanted = sum(r.growth(r.num_tokens + lead, block_size) for r in running)
     return wanted - free_blocks, lead, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"
 
 
@@ -129,8 +144,10 @@ def requests_to_hurry(running: Sequence[RunningRequest], short: int, lead: int, 
 
 def parked_to_compact(short: int, parked: Sequence[ParkedPlan]) -> tuple[tuple[str, ...], tuple[ParkedPlan, ...]]:
     """The parked plans to compact for a shortfall of ``short`` blocks: those freeing most first (ties: parked
-    first), until what they free covers it; and the others, in that order."""
-    ordered = sorted(parked, key=lambda p: -p.blocks_freed)
+    first), until what they free covers it; and the others, in that order. A plan that frees nothing now (its blocks
+    shared with requests that hit its prompt since it was parked) is never chosen: compacting it would take fresh
+    blocks and release none."""
+    ordered = sorted((p for p in parked if p.blocks_freed > 0), key=lambda p: -p.blocks_freed)
     covered, taken = 0, 0
     while taken < len(ordered) and covered < short:
         covered += ordered[taken].blocks_freed
@@ -147,6 +164,8 @@ class Relief:
     reason: str
     compact: tuple[str, ...] = ()
     rest: tuple[ParkedPlan, ...] = ()
+    #: parked plans passed over because compacting them now frees nothing (logged with the reason)
+    freeing_nothing: tuple[str, ...] = ()
 
     def after(self, freed: int) -> Relief:
         """The relief still needed once :attr:`compact` freed ``freed`` blocks: fewer than their plans said when
@@ -160,7 +179,8 @@ def relief(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> Rel
     ``decode``, the decode-time forecast's (:func:`decode_shortfall`'s shortfall and reason; None when no running
     request compresses generated KV); parked plans cover it (:func:`parked_to_compact`)."""
     free = snapshot.free_blocks
-    wanted, why = blocks_wanted(snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size)
+    wanted, why = blocks_wanted(snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size,
+                                snapshot.other_block_sizes)
     short, reason = wanted - free, f"{wanted} blocks wanted, {free} free ({why})"
     if decode is not None and decode[0] > short:
         short, reason = decode[0], f"decode-time compression: {decode[1]}"
@@ -170,4 +190,5 @@ def relief(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> Rel
 def cover(short: int, reason: str, parked: Sequence[ParkedPlan]) -> Relief:
     """The relief for a shortfall of ``short`` blocks (none when <= 0) from the ``parked`` plans."""
     compact, rest = parked_to_compact(short, parked)
-    return Relief(short, reason, compact, rest)
+    idle = tuple(p.req_id for p in parked if p.blocks_freed <= 0) if short > 0 else ()
+    return Relief(short, reason, compact, rest, idle)

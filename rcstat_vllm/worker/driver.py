@@ -33,7 +33,7 @@ import time
 import torch
 
 from rcstat_vllm.config import server_config
-from rcstat_vllm.reports import Compaction, StepCompactions
+from rcstat_vllm.reports import Compaction, CopyRun, StepCompactions
 from rcstat_vllm.worker.layers import CompressedLayers
 from rcstat_vllm.worker.prompt_compression import plan_compression
 from rcstat_vllm.worker.rank_agreement import max_over_ranks, visible_on_any_rank
@@ -61,12 +61,14 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         #: reads of a row of the device block table because the step info carried no host block ids (see
         #: :meth:`StepPlanner._host_block_ids`; on CUDA each one synchronises)
         self.device_block_row_reads = 0
-        #: this step's copies, (kind, seconds) each, until the runner hook collects them (:meth:`pop_step_compactions`)
-        self._copies: list[tuple[str, float]] = []
+        #: this step's copies until the runner hook collects them (:meth:`pop_step_compactions`)
+        self._copies: list[CopyRun] = []
         #: the request-table size last sent (sent again when it changes)
         self._tracked_sent = 0
         #: this step's prompts scored at their copy: (compression ratio, global eviction ratio) each
         self._scored_at_copy: list[tuple[float, float]] = []
+        #: requests preempted and not yet back in prefill (their prefix-cache hits will be their own blocks)
+        self._recomputing: set[str] = set()
 
     @property
     def results(self):
@@ -84,16 +86,22 @@ class WorkerCompression(CompressedLayers, StepPlanner):
             start = time.perf_counter()
             kind = self._run_compaction(compaction)
             if kind is not None:
-                self._copies.append((kind, time.perf_counter() - start))
+                self._copies.append(CopyRun(compaction.req_id, kind, time.perf_counter() - start))
         self._release_pages(info.dropped_req_ids)  # a request compacted in this very step and gone with it
         for req_id in info.dropped_req_ids:
             record = self.requests.drop(req_id)
             if record is not None and record.phase is Phase.AWAITING_BLOCKS and record.job.kind == "prompt":
                 reason = record.job.uncompacted_reason(req_id in info.preempted_req_ids)
                 self.results_log.record(record.job.cancelled(reason))
+        for req_id in info.preempted_req_ids:  # recomputed when resumed: compressed again, as a new pass
+            self.results_log.end_pass(req_id, "preempted")
+        self._recomputing.difference_update(info.finished_req_ids)
+        self._recomputing.update(info.preempted_req_ids)
         for request in info.requests:
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.requests.seen_in_prefill(request.req_id, request.num_computed_tokens)
+                own_hits = request.req_id in self._recomputing
+                self.requests.seen_in_prefill(request.req_id, request.num_computed_tokens, own_hits)
+                self._recomputing.discard(request.req_id)
         if not self.layer_names and self.disabled_reason is not None:
             self._report_unserved(info)
         self._step = info

@@ -113,10 +113,13 @@ class WorkerRequests:
 
     # ---- transitions ----
 
-    def seen_in_prefill(self, req_id: str, computed_tokens: int) -> None:
-        """A request in prefill: at first sight its computed tokens are its prefix-cache hits."""
+    def seen_in_prefill(self, req_id: str, computed_tokens: int, own_hits: bool = False) -> None:
+        """A request in prefill: at first sight its computed tokens are its prefix-cache hits, kept as they are
+        (shared with the requests that hit them), unless ``own_hits``: a request recomputed after a preemption hits
+        its own earlier blocks, and is compressed over them too (else it would keep its whole prompt under the very
+        pressure that preempted it)."""
         if req_id not in self._records:
-            self._records[req_id] = WorkerRequest(req_id, cached_tokens=computed_tokens)
+            self._records[req_id] = WorkerRequest(req_id, cached_tokens=0 if own_hits else computed_tokens)
 
     def in_prefill(self, req_id: str) -> WorkerRequest:
         """The record of a request in prefill (created if the runner's step info never showed it in prefill)."""

@@ -23,7 +23,14 @@ class ResultsLog:
         self._outgoing: list[CompressionReport] = []
 
     def record(self, report: CompressionReport) -> None:
-        """A request's outcome: compressed (after the copy) or not, and why; logged."""
+        """A request's outcome: compressed (after the copy) or not, and why; logged. A request whose earlier pass
+        ended (:meth:`end_pass`) keeps it in ``earlier_passes``: a preempted request is compressed again when it is
+        recomputed, and its result says what happened on each pass."""
+        earlier = self.results.pop(report.req_id, None)
+        if earlier is not None and earlier.ended is not None:
+            report.earlier_passes = [*earlier.earlier_passes, {**earlier.to_dict(), "earlier_passes": []}]
+        elif earlier is not None:  # (the same pass reported again: the last outcome stands)
+            report.earlier_passes = earlier.earlier_passes
         self.results[report.req_id] = report
         while len(self.results) > self.max_results:
             self.results.popitem(last=False)
@@ -39,6 +46,13 @@ class ResultsLog:
             report.blocks_freed,
             f" (skipped: {report.skipped_reason})" if report.skipped_reason else "",
         )
+
+    def end_pass(self, req_id: str, why: str) -> None:
+        """The request's current pass ended before it finished (``why``: "preempted", "session continued"); the
+        request's next outcome starts a new pass."""
+        result = self.results.get(req_id)
+        if result is not None and result.ended is None:
+            result.ended = why
 
     def send(self, report: CompressionReport) -> None:
         """A report for the scheduler with this step's output (a plan to allocate for, or a skipped request)."""

@@ -38,6 +38,8 @@ class StepInfo:
     dropped_req_ids: set[str] = field(default_factory=set)
     #: those of them preempted (vLLM recomputes them when they resume)
     preempted_req_ids: frozenset[str] = frozenset()
+    #: those of them finished (or aborted)
+    finished_req_ids: frozenset[str] = frozenset()
     #: compactions to run before this step's forward (their prompt blocks are no longer the request's)
     compactions: list[Compaction] = field(default_factory=list)
     #: tokens per block of the requests' ``block_ids`` (vLLM's KV-manager block size), None when they carry none
