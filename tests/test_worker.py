@@ -137,11 +137,27 @@ def test_engine_features_the_plugin_cannot_serve_run_uncompressed_naming_why(fea
 def test_a_prefix_hit_never_reaches_past_the_prompt_of_a_request_resumed_after_preemption():
     """vLLM recomputes a preempted request from its prompt and generated tokens; a hit capped from all its tokens
     reached past the prompt (a 512-token prompt resumed at 712 tokens: 672 on main), so the step that finishes its
-    prefill never came and it ran uncompressed. The cap counts the prompt only."""
-    from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.engine.block_exchange import EngineCompaction
-    from rcstat_vllm.settings import max_cached_prompt_tokens
+    prefill never came and it ran uncompressed. The scheduler hook caps the hit from the prompt only."""
+    from types import SimpleNamespace
 
-    assert max_cached_prompt_tokens(512, None, RCStatConfig(), 16) == 480  # (512 - 32) // 16 * 16
-    state = EngineCompaction(config=RCStatConfig())
-    assert state.prefix_hit_limit(704, 512, None, 16) == 480  # a hit of 704 (generated blocks cached) is cut
+    pytest.importorskip("vllm")
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.patches.scheduler import _get_computed_blocks
+
+    class Blocks:  # vLLM's KVCacheBlocks: one block list per KV cache group
+        def __init__(self, blocks):
+            self.blocks = blocks
+
+        def get_block_ids(self):
+            return tuple(list(group) for group in self.blocks)
+
+    pool = type("Pool", (), {})()
+    state = engine_compaction(pool)
+    state.config, state.group = RCStatConfig(), 0
+    manager = SimpleNamespace(block_pool=pool, coordinator=SimpleNamespace(
+        single_type_managers=[SimpleNamespace(block_size=16)]))
+    lookup = _get_computed_blocks(lambda self, request: (Blocks((list(range(1, 45)),)), 704))  # 44 cached blocks
+    resumed = SimpleNamespace(request_id="r", num_tokens=712, num_prompt_tokens=512, sampling_params=None)
+    blocks, num_hit = lookup(manager, resumed)[:2]
+    assert num_hit == 480 == (512 - 32) // 16 * 16 and len(blocks.blocks[0]) == 30
