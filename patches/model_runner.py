@@ -46,8 +46,9 @@ CONTRACTS = (
     Contract(
         "vllm.v1.core.sched.output:SchedulerOutput",
         attrs=("total_num_scheduled_tokens", "num_scheduled_tokens", "finished_req_ids", "preempted_req_ids",
-               "scheduled_cached_reqs"),
+               "scheduled_cached_reqs", "scheduled_new_reqs"),
     ),
+    Contract("vllm.v1.core.sched.output:NewRequestData", attrs=("req_id",)),
 )
 
 
@@ -112,6 +113,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
         dropped_req_ids=_dropped_req_ids(scheduler_output),
         preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
         finished_req_ids=frozenset(scheduler_output.finished_req_ids),
+        new_req_ids=frozenset(request.req_id for request in scheduler_output.scheduled_new_reqs),
         compactions=_compactions(scheduler_output),
         block_size=None if host_table is None else host_table.block_size,
         decode_soon=frozenset(getattr(scheduler_output, "rcstat_decode_soon", None) or ()),

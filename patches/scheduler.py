@@ -2,6 +2,7 @@
 (:mod:`rcstat_vllm.engine.block_exchange`, where the state, the block swap and the prefix-cache invariants live).
 
 - ``Scheduler.update_from_output``: apply the worker's compaction reports (fresh blocks in, prompt blocks out).
+- ``Scheduler._update_request_as_session``: a streaming-input session's next chunk makes a parked plan stale.
 - ``Scheduler.schedule``: under lazy eviction, first compact parked requests if the blocks it is about to want (now,
   or within the decode-time lead) exceed the free ones (only before vLLM's schedule: see :func:`relieve_pressure`); then
   send the compactions in the scheduler output (:class:`RCStatSchedulerOutput`), with the
@@ -41,6 +42,7 @@ CONTRACTS = (
         ("self", "scheduler_output", "model_runner_output"),
     ),
     Contract("vllm.v1.core.sched.scheduler:Scheduler.schedule", ("self",)),
+    Contract("vllm.v1.core.sched.scheduler:Scheduler._update_request_as_session", ("self", "session", "update")),
     Contract(
         "vllm.v1.core.sched.scheduler:Scheduler", attrs=("requests", "kv_cache_manager", "vllm_config", "running", "waiting")
     ),
@@ -259,6 +261,17 @@ def _schedule(original):
     return wrapper
 
 
+def _update_request_as_session(original):
+    def wrapper(self, session, *args, **kwargs):
+        result = original(self, session, *args, **kwargs)
+        state = existing_engine_compaction(self.kv_cache_manager.block_pool)
+        if state is not None:
+            state.continue_session(session.request_id)
+        return result
+
+    return wrapper
+
+
 def _cache_blocks(original):
     def wrapper(self, request, *args, **kwargs):
         state = existing_engine_compaction(self.block_pool)
@@ -312,6 +325,7 @@ def install() -> None:
 
     wrap_method(Scheduler, "update_from_output", _update_from_output)
     wrap_method(Scheduler, "schedule", _schedule)
+    wrap_method(Scheduler, "_update_request_as_session", _update_request_as_session)
     wrap_method(FullAttentionManager, "cache_blocks", _cache_blocks)
     wrap_method(SingleTypeKVCacheManager, "pop_blocks_for_free", _pop_blocks_for_free)
     wrap_method(KVCacheManager, "get_computed_blocks", _get_computed_blocks)

@@ -98,14 +98,15 @@ def test_a_preempted_request_is_compressed_again_when_recomputed(clean, eviction
     prompt's window, so the step that finishes its prefill comes again and compresses it again (eager: compacted;
     lazy: its plan parked again); its result holds both passes."""
     driver = clean
-    driver.engine.add_request("pre", driver.prompt(PROMPT), greedy(64, eviction=eviction))
-    step_until(driver, lambda: generated(driver, "pre") >= 48)
-    first = driver.result("pre")
+    name = f"preempted-{eviction}"
+    driver.engine.add_request(name, driver.prompt(PROMPT), greedy(64, eviction=eviction))
+    step_until(driver, lambda: generated(driver, name) >= 48)
+    first = driver.result(name)
     if eviction == "eager":
         assert first is not None and first["skipped_reason"] is None and first["blocks_freed"] > 0
     compressed_before = driver.stats.requests_compressed
-    preempt(driver, "pre")
-    rid = engine_id(driver, "pre")
+    preempt(driver, name)
+    rid = engine_id(driver, name)
     # the resumed prefill: the prefix hit stops before the prompt's window
     step_until(driver, lambda: driver.scheduler.requests[rid].num_computed_tokens > PROMPT)
     record = driver.compression.requests.get(rid)
@@ -114,8 +115,8 @@ def test_a_preempted_request_is_compressed_again_when_recomputed(clean, eviction
 
         assert record is not None and record.phase is Phase.AWAITING_BLOCKS and record.job.kind == "prompt"
     outputs = finish(driver)
-    assert len(outputs["pre"]) == 64
-    result = driver.result("pre")
+    assert len(outputs[name]) == 64
+    result = driver.result(name)
     assert result["passes"] == 2, result
     (earlier,) = result["earlier_passes"]
     assert earlier["ended"] == "preempted"
@@ -126,4 +127,80 @@ def test_a_preempted_request_is_compressed_again_when_recomputed(clean, eviction
         assert result["skipped_reason"] is None and result["blocks_freed"] > 0
         assert driver.stats.requests_compressed == compressed_before + 1
     else:
-        assert result["skipped_reason"] is not None, (result["compaction_reason"], result["compacted_at_tokens"], result["lazy"], result["earlier_passes"][0]["skipped_reason"])  # never compacted: the pool was never short
+        assert result["skipped_reason"] is not None, result  # never compacted: the pool was never short
+
+
+# ---- streaming-input sessions (vLLM 0.32's resumable requests: AsyncLLM.generate with a StreamingInput) ----
+
+
+def send_chunk(driver, session: str, token_ids: list[int] | None, max_tokens: int = 1, **rcstat) -> None:
+    """One input chunk of a streaming session, as ``AsyncLLM.generate`` sends it to the engine core (``None``: the
+    input stream closed, the session finishes)."""
+    from vllm.inputs import TokensPrompt
+
+    engine = driver.engine
+    request = engine.input_processor.process_inputs(
+        request_id=session, prompt=TokensPrompt(prompt_token_ids=token_ids or [0]), params=greedy(max_tokens, **rcstat),
+        supported_tasks=engine.get_supported_tasks(), resumable=token_ids is not None)
+    request.external_req_id = session
+    engine.engine_core.add_request(request)
+
+
+def turn(driver, session: str) -> list[int]:
+    """Step until the session's turn ends (the request waits for its next chunk, its blocks kept); its tokens."""
+    from vllm.v1.request import RequestStatus
+
+    request = driver.scheduler.requests[session]
+    step_until(driver, lambda: request.status == RequestStatus.WAITING_FOR_STREAMING_REQ)
+    return list(request.output_token_ids)
+
+
+def end_session(driver, session: str) -> None:
+    send_chunk(driver, session, None)
+    step_until(driver, lambda: session not in driver.scheduler.requests)
+
+
+def run_session(driver, session: str, first_tokens: int, second_chunk: int, **rcstat) -> tuple[list[int], list[int]]:
+    """A session of two chunks (300 tokens, then ``second_chunk``), ``first_tokens`` then 8 generated; each turn's
+    tokens. Starts from an empty prefix cache, so two sessions run the same forwards."""
+    assert driver.engine.reset_prefix_cache()
+    send_chunk(driver, session, driver.token_ids(300), first_tokens, **rcstat)
+    tokens_1 = turn(driver, session)
+    send_chunk(driver, session, driver.token_ids(second_chunk, offset=400), 8, **rcstat)
+    tokens_2 = turn(driver, session)
+    return tokens_1, tokens_2
+
+
+@pytest.mark.parametrize("eviction, first_tokens, second_chunk", [
+    ("lazy", 6, 100),  # a parked plan when the turn ends
+    ("lazy", 6, WINDOW // 2),  # the next chunk shorter than the window
+    ("eager", 1, 100),  # the turn ends in its prefill step: the plan still waits for blocks
+    ("eager", 6, 100),  # compacted in turn 1: the next chunk grows its head pages
+    ("eager", 6, WINDOW // 2),
+])
+def test_a_streaming_input_session_survives_its_next_chunk(clean, eviction, first_tokens, second_chunk):
+    """Two chunks of one session: the engine never dies (on main: "is awaiting blocks, expected prefill" in the
+    worker, or the scheduler's parked plan meeting a dropped record: "which has no plan"); when nothing was compacted
+    (lazy, the pool never short) both turns' tokens equal those of the same session run as vLLM runs it (method
+    ``none``: the plugin leaves the request alone; same chunks, same forwards); the session's result has a pass per
+    turn not compacted (a compacted one keeps its head pages and its result: the chunk grows them)."""
+    driver = clean
+    session = f"session-{eviction}-{first_tokens}-{second_chunk}"
+    tokens_1, tokens_2 = run_session(driver, session, first_tokens, second_chunk, eviction=eviction)
+    assert (len(tokens_1), len(tokens_2)) == (first_tokens, 8)
+    end_session(driver, session)
+    finish(driver)
+    result = driver.result(session)
+    compacted_in_turn_1 = eviction == "eager" and first_tokens > 1
+    if compacted_in_turn_1:
+        assert result["passes"] == 1 and result["skipped_reason"] is None and result["blocks_freed"] > 0
+    else:
+        assert result["passes"] == 2, result
+        (earlier,) = result["earlier_passes"]
+        assert earlier["ended"] == "session continued" and "next chunk arrived" in earlier["skipped_reason"]
+        # the second chunk compressed as a prompt over the first turn (eager; lazy: never short, never compacted)
+        assert (result["skipped_reason"] is None) == (eviction == "eager" and second_chunk > WINDOW)
+    if eviction == "lazy":
+        reference = run_session(driver, "reference", first_tokens, second_chunk, method="none")
+        end_session(driver, "reference")
+        assert reference == (tokens_1, tokens_2)

@@ -171,6 +171,13 @@ class EngineCompaction:
             self._never_copied(req_id)
         self.requests.forget(req_id)
 
+    def continue_session(self, req_id: str) -> None:
+        """A streaming-input session's next chunk arrived: a plan parked for its earlier prompt is dropped (the
+        worker cancels it too; the chunk's end plans again), counted as never compacted."""
+        if self.requests.continue_session(req_id) is not None:
+            self.stats.observe_never_compacted()
+            logger.debug("rcstat: request %s: streaming-input session continued: its parked plan is dropped", req_id)
+
     def _never_copied(self, req_id: str) -> None:
         """A granted compaction whose copy will never run (its request left before the copy was sent)."""
         for kind in ("prompt", "decode"):

@@ -123,6 +123,17 @@ class EngineRequests:
         plan, record.plan = record.plan, None
         return plan
 
+    def continue_session(self, req_id: str) -> CompressionReport | None:
+        """A streaming-input session's next chunk arrived: its parked plan (made for the earlier prompt) is dropped and
+        returned, the request is ``WHOLE`` again (or stays ``COMPACTED``), and its config is merged again (the chunk
+        brings its own sampling parameters)."""
+        record = self._records.get(req_id)
+        if record is None:
+            return None
+        plan = self.take_plan(req_id) if record.phase is Phase.PLANNED else None
+        record.watched, record.config, record.hurried = False, None, None
+        return plan
+
     def queue(self, compaction: Compaction) -> None:
         """The exchange gave the request fresh blocks (or refused): the compaction waits for the next output."""
         record = self._enter(self.track(compaction.req_id), Phase.AWAITING_COMPACTION, Phase.WHOLE, Phase.COMPACTED)

@@ -95,6 +95,9 @@ class WorkerCompression(CompressedLayers, StepPlanner):
                 self.results_log.record(record.job.cancelled(reason))
         for req_id in info.preempted_req_ids:  # recomputed when resumed: compressed again, as a new pass
             self.results_log.end_pass(req_id, "preempted")
+        for req_id in info.new_req_ids:
+            if req_id in self.requests or req_id in self.results_log.results:
+                self._continue_session(req_id)
         self._recomputing.difference_update(info.finished_req_ids)
         self._recomputing.update(info.preempted_req_ids)
         for request in info.requests:
@@ -216,6 +219,25 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         else:
             self.results_log.decode_compacted(record.req_id, job.decode.compactions, job.decode.tokens_evicted)
         return job.kind
+
+    def _continue_session(self, req_id: str) -> None:
+        """A streaming-input session's next chunk arrived (vLLM keeps the request's blocks and appends the chunk to its
+        prompt). A request whose KV was compacted keeps its head pages, which the chunk grows like generated tokens
+        (every head keeps it), and its result stands (a decode-time compaction waiting for blocks is stale: cancelled).
+        Any other request starts afresh: a compaction still waiting for blocks is stale (the scheduler dropped its
+        plan, ``patches/scheduler.py``) and cancelled, the earlier turns are the new prompt's prefix, kept as they are,
+        the chunk's end compresses what is new, and its result starts a new pass."""
+        record = self.requests.get(req_id)
+        stale = "the streaming-input session's next chunk arrived before the compaction"
+        if record is not None and record.job is not None:
+            outcome = record.job.cancelled(stale)
+            self.requests.job_cancelled(record)
+            if outcome is not None:
+                self.results_log.record(outcome)
+        if record is not None and record.pages is not None:
+            return
+        self.requests.drop(req_id)
+        self.results_log.end_pass(req_id, "session continued")
 
     def _release_pages(self, req_ids) -> None:
         for req_id in req_ids:

@@ -40,6 +40,9 @@ class StepInfo:
     preempted_req_ids: frozenset[str] = frozenset()
     #: those of them finished (or aborted)
     finished_req_ids: frozenset[str] = frozenset()
+    #: requests vLLM sends as new in this step: a streaming-input session's next chunk comes this way too, under the id
+    #: of a request the worker may know (``GPUModelRunner._update_streaming_request``)
+    new_req_ids: frozenset[str] = frozenset()
     #: compactions to run before this step's forward (their prompt blocks are no longer the request's)
     compactions: list[Compaction] = field(default_factory=list)
     #: tokens per block of the requests' ``block_ids`` (vLLM's KV-manager block size), None when they carry none
