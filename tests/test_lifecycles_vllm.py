@@ -204,3 +204,60 @@ def test_a_streaming_input_session_survives_its_next_chunk(clean, eviction, firs
         reference = run_session(driver, "reference", first_tokens, second_chunk, method="none")
         end_session(driver, "reference")
         assert reference == (tokens_1, tokens_2)
+
+
+# ---- aborts at any point, n > 1 ----
+
+
+def record_of(driver, request_id: str):
+    rid = engine_id(driver, request_id)
+    return driver.compression.requests.get(rid)
+
+
+def test_a_request_aborted_while_its_lazy_plan_is_parked_gives_everything_back(clean):
+    """Aborted with its plan parked (the worker waiting for blocks, the scheduler holding the plan): both forget it,
+    its blocks return, it counts as never compacted, and its result says why it kept its full cache."""
+    from rcstat_vllm.worker.requests import Phase
+
+    driver = clean
+    never_before = driver.stats.requests_never_compacted
+    driver.engine.add_request("parked", driver.prompt(PROMPT), greedy(64, eviction="lazy"))
+    step_until(driver, lambda: (r := record_of(driver, "parked")) is not None and r.phase is Phase.AWAITING_BLOCKS)
+    step_until(driver, lambda: generated(driver, "parked") >= 4)
+    driver.engine.abort_request([engine_id(driver, "parked")])
+    finish(driver)
+    assert driver.stats.requests_never_compacted == never_before + 1
+    assert "lazy eviction" in driver.result("parked")["skipped_reason"]
+
+
+def test_a_request_aborted_with_its_decode_time_compaction_in_flight_gives_everything_back(clean):
+    """Aborted while its decode-time compaction waits for blocks (the worker scored it, the scheduler has not answered,
+    or has and the copy is due next step): nothing is copied for it, every block returns, the table empties."""
+    driver = clean
+    driver.engine.add_request("decoding", driver.prompt(PROMPT),
+                              greedy(200, decode_budget=WINDOW, decode_interval=WINDOW))
+    step_until(driver, lambda: (r := record_of(driver, "decoding")) is not None and r.job is not None
+               and r.job.kind == "decode")
+    driver.engine.abort_request([engine_id(driver, "decoding")])
+    finish(driver)
+    assert driver.result("decoding")["skipped_reason"] is None  # its prompt was compacted before
+
+
+def test_n_samples_of_a_lazy_request_share_their_prompt_and_leak_nothing(clean):
+    """``n = 2``: vLLM runs two requests over one prompt, the second hitting the first's prompt blocks (shared); each
+    parks its own plan over the blocks it computed, both decode to the end, nothing leaks."""
+    driver = clean
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=2, temperature=0.8, seed=0, max_tokens=16, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"rcstat": {"eviction": "lazy"}})
+    driver.engine.add_request("twins", driver.prompt(PROMPT), params)
+    outputs = {}
+    for _ in range(500):
+        if not driver.engine.has_unfinished_requests():
+            break
+        for output in driver.engine.step():
+            if output.finished:
+                outputs[output.request_id] = [list(o.token_ids) for o in output.outputs]
+    (samples,) = outputs.values()
+    assert [len(sample) for sample in samples] == [16, 16]

@@ -109,7 +109,7 @@ def test_a_prefix_hit_into_the_window_is_cut_and_a_hybrids_dropped_whole(num_gro
         block_pool=pool, coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=32)] * num_groups)
     )
     hit = _Blocks(tuple(list(range(1, 11)) for _ in range(num_groups)))  # 10 blocks: 320 tokens
-    request = SimpleNamespace(request_id="r", num_tokens=330, sampling_params=None)
+    request = SimpleNamespace(request_id="r", num_tokens=330, num_prompt_tokens=330, sampling_params=None)
     blocks, num_hit = _get_computed_blocks(lambda self, request: (hit, 320))(manager, request)
     assert num_hit == kept and all(len(group) == kept // 32 for group in blocks.blocks)
 
