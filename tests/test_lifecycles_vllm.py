@@ -261,3 +261,37 @@ def test_n_samples_of_a_lazy_request_share_their_prompt_and_leak_nothing(clean):
                 outputs[output.request_id] = [list(o.token_ids) for o in output.outputs]
     (samples,) = outputs.values()
     assert [len(sample) for sample in samples] == [16, 16]
+
+
+def test_lazy_relief_never_leaves_fewer_free_blocks_with_a_shared_system_prompt(clean):
+    """A lazy soak in small: 12 requests behind one 1k-token system prompt (prefix-cache hits on its 32 blocks), more
+    than the pool holds, so relief runs again and again. The first request's plan covers the shared blocks (it
+    computed them), which every later request holds too: on main relief still took it first (it freed most when
+    parked) and took fresh blocks for nothing. Every relief here leaves at least as many free blocks as it found."""
+    from rcstat_vllm.engine.block_exchange import engine_compaction
+
+    driver = clean
+    state = engine_compaction(driver.pool)
+    reliefs = []
+    relieve = state.relieve_pressure
+
+    def recording(pool, relief, running):
+        before = pool.get_num_free_blocks()
+        gained = relieve(pool, relief, running)
+        reliefs.append((before, pool.get_num_free_blocks(), gained, relief.freeing_nothing))
+        return gained
+
+    state.relieve_pressure = recording  # this engine's state only
+    try:
+        system = driver.token_ids(1024)
+        requests = [(f"shared-{i}", {"prompt_token_ids": system + driver.token_ids(200, offset=1100 + 37 * i)},
+                     greedy(128, eviction="lazy")) for i in range(12)]
+        run = driver.run(requests)
+    finally:
+        del state.relieve_pressure
+    assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 128 for r in requests}
+    assert reliefs, "the pool was meant to run short"
+    print(f"\n[shared prompt] {len(reliefs)} reliefs, gains {[g for _, _, g, _ in reliefs]}, "
+          f"plans passed over {sum(len(p) for *_, p in reliefs)}")
+    assert all(after >= before and gained >= 0 for before, after, gained, _ in reliefs), reliefs
+    assert sum(gained for _, _, gained, _ in reliefs) > 0

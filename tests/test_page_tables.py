@@ -317,7 +317,7 @@ def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
     runner = SimpleNamespace(input_batch=batch, requests={}, vllm_config=None)  # no worker state: one group
     scheduler_output = SimpleNamespace(
         num_scheduled_tokens={"x": 1, "y": 1}, finished_req_ids=set(), preempted_req_ids=None,
-        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()), scheduled_new_reqs=[],
     )
     info = step_info(runner, scheduler_output)
     assert info.block_size == BLOCK
