@@ -112,7 +112,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
         requests=requests,
         dropped_req_ids=_dropped_req_ids(scheduler_output),
         preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
-        finished_req_ids=frozenset(scheduler_output.finished_req_ids),
+        resumed_req_ids=_resumed_req_ids(scheduler_output),
         new_req_ids=frozenset(request.req_id for request in scheduler_output.scheduled_new_reqs),
         compactions=_compactions(scheduler_output),
         block_size=None if host_table is None else host_table.block_size,
@@ -126,15 +126,18 @@ def idle_step_info(scheduler_output) -> StepInfo:
     to run (``Scheduler.has_finished_requests``): the one that names them finished, before it idles."""
     return StepInfo(
         requests=[], dropped_req_ids=_dropped_req_ids(scheduler_output),
-        preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
-        finished_req_ids=frozenset(scheduler_output.finished_req_ids), compactions=_compactions(scheduler_output),
+        preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()), compactions=_compactions(scheduler_output)
     )
+
+
+def _resumed_req_ids(scheduler_output) -> frozenset[str]:
+    return frozenset(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
 
 
 def _dropped_req_ids(scheduler_output) -> set[str]:
     dropped = set(scheduler_output.finished_req_ids)
     dropped |= set(scheduler_output.preempted_req_ids or ())
-    dropped |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+    dropped |= _resumed_req_ids(scheduler_output)
     return dropped
 
 

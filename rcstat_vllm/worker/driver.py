@@ -67,8 +67,6 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self._tracked_sent = 0
         #: this step's prompts scored at their copy: (compression ratio, global eviction ratio) each
         self._scored_at_copy: list[tuple[float, float]] = []
-        #: requests preempted and not yet back in prefill (their prefix-cache hits will be their own blocks)
-        self._recomputing: set[str] = set()
 
     @property
     def results(self):
@@ -98,13 +96,11 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         for req_id in info.new_req_ids:
             if req_id in self.requests or req_id in self.results_log.results:
                 self._continue_session(req_id)
-        self._recomputing.difference_update(info.finished_req_ids)
-        self._recomputing.update(info.preempted_req_ids)
         for request in info.requests:
             if request.num_computed_tokens < request.num_prompt_tokens:
-                own_hits = request.req_id in self._recomputing
+                # (a request resumed after a preemption is first seen again in the step that resumes it)
+                own_hits = request.req_id in info.resumed_req_ids
                 self.requests.seen_in_prefill(request.req_id, request.num_computed_tokens, own_hits)
-                self._recomputing.discard(request.req_id)
         if not self.layer_names and self.disabled_reason is not None:
             self._report_unserved(info)
         self._step = info

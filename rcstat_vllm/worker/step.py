@@ -38,8 +38,9 @@ class StepInfo:
     dropped_req_ids: set[str] = field(default_factory=set)
     #: those of them preempted (vLLM recomputes them when they resume)
     preempted_req_ids: frozenset[str] = frozenset()
-    #: those of them finished (or aborted)
-    finished_req_ids: frozenset[str] = frozenset()
+    #: those of them resumed after a preemption (recomputed from this step on: their prefix-cache hits are their own
+    #: earlier blocks)
+    resumed_req_ids: frozenset[str] = frozenset()
     #: requests vLLM sends as new in this step: a streaming-input session's next chunk comes this way too, under the id
     #: of a request the worker may know (``GPUModelRunner._update_streaming_request``)
     new_req_ids: frozenset[str] = frozenset()
