@@ -191,14 +191,18 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> None:
     running = running_snapshot(scheduler, state)
     snapshot = pressure_policy.PoolSnapshot(
         pool.get_num_free_blocks(), block_size(scheduler), running, first_waiting_tokens(scheduler),
-        state.parked(lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id) else None),
-        other_block_sizes(scheduler),
+        other_block_sizes=other_block_sizes(scheduler),
     )
     decode = None
     if any(r.config is not None for r in running):
         short, _, reason = state.decode_pressure.shortfall(list(running), snapshot.free_blocks, snapshot.block_size)
         decode = short, reason
-    relief = pressure_policy.relief(snapshot, decode)
+    short, reason = pressure_policy.shortfall(snapshot, decode)
+    if short <= 0:  # (most steps: the parked plans' gains, read from their block lists, are not needed)
+        return
+    parked = state.parked(lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id)
+                          else None)
+    relief = pressure_policy.cover(short, reason, parked)
     if relief.compact:
         state.relieve_pressure(pool, relief, lambda req_id: running_request_tokens(scheduler, req_id))
 

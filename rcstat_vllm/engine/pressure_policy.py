@@ -174,17 +174,22 @@ class Relief:
         return replace(self, short=self.short - freed, compact=compact, rest=rest)
 
 
-def relief(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> Relief:
-    """Lazy eviction before a schedule: the shortfall is the larger of the schedule's own (:func:`blocks_wanted`) and
-    ``decode``, the decode-time forecast's (:func:`decode_shortfall`'s shortfall and reason; None when no running
-    request compresses generated KV); parked plans cover it (:func:`parked_to_compact`)."""
+def shortfall(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> tuple[int, str]:
+    """The blocks short before a schedule (<= 0: none) and why: the larger of the schedule's own
+    (:func:`blocks_wanted`) and ``decode``, the decode-time forecast's (:func:`decode_shortfall`'s shortfall and reason;
+    None when no running request compresses generated KV)."""
     free = snapshot.free_blocks
     wanted, why = blocks_wanted(snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size,
                                 snapshot.other_block_sizes)
     short, reason = wanted - free, f"{wanted} blocks wanted, {free} free ({why})"
     if decode is not None and decode[0] > short:
         short, reason = decode[0], f"decode-time compression: {decode[1]}"
-    return cover(short, reason, snapshot.parked)
+    return short, reason
+
+
+def relief(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> Relief:
+    """Lazy eviction before a schedule: the :func:`shortfall`, covered by parked plans (:func:`parked_to_compact`)."""
+    return cover(*shortfall(snapshot, decode), snapshot.parked)
 
 
 def cover(short: int, reason: str, parked: Sequence[ParkedPlan]) -> Relief:
