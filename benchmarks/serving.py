@@ -98,7 +98,7 @@ COUNTERS = (
     "rcstat:compactions_per_step_count", "rcstat:compaction_seconds_sum", "rcstat:compaction_seconds_count",
 )
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "rcstat:worker_requests")
+          "rcstat:worker_requests", "rcstat:scheduler_requests", "rcstat:worker_results")
 
 
 # ---- one server ----
@@ -668,8 +668,9 @@ def wait_idle(server: Server, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        if (m.get("vllm:num_requests_running", 1) == 0 and m.get("vllm:num_requests_waiting", 1) == 0
-                and m.get("rcstat:worker_requests", 0) == 0) or time.monotonic() > deadline:
+        if ((m.get("vllm:num_requests_running", 1) == 0 and m.get("vllm:num_requests_waiting", 1) == 0
+                and m.get("rcstat:worker_requests", 0) == 0 and m.get("rcstat:scheduler_requests", 0) == 0)
+                or time.monotonic() > deadline):
             return m
         time.sleep(1)
 
@@ -715,11 +716,12 @@ def soak_checks(records: list[dict], final: dict, rss: list[tuple[int, int]], mi
         elif rec["kind"] == "attribution" and not rec.get("attribution"):
             failures.append(f"request {rec['i']} (attribution): no rcstat_attribution in the reply")
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                  "rcstat:worker_requests"):
+                  "rcstat:worker_requests", "rcstat:scheduler_requests"):
         if final.get(gauge, 0.0) != 0.0:
             failures.append(f"at the end {gauge} = {final.get(gauge)} (expected 0)")
-    if "rcstat:worker_requests" not in final:
-        failures.append("rcstat:worker_requests missing from /metrics")
+    for gauge in ("rcstat:worker_requests", "rcstat:scheduler_requests"):
+        if gauge not in final:
+            failures.append(f"{gauge} missing from /metrics")
     growth = None
     if len(rss) >= 2:
         after_warmup, last = rss[0][1], rss[-1][1]
@@ -744,16 +746,10 @@ SOAK_SAMPLE_S = 60.0
 #: the target for each process's RSS after warm-up: a least-squares slope below this, in percent per 10 minutes
 RSS_SLOPE_TARGET = 1.0
 #: the plugin's tables exported on ``/metrics`` (read once per sample), and those that are not (named in the results)
-TABLE_SERIES = ("rcstat:worker_requests",)
+TABLE_SERIES = ("rcstat:worker_requests", "rcstat:worker_results", "rcstat:scheduler_requests")
 TABLES_NOT_EXPORTED = {
-    "scheduler: EngineRequests._records (rcstat_vllm/engine/requests.py)":
-        "a record per request the scheduler side tracks (running, parked plans, compactions in flight); dropped by "
-        "forget() when vLLM frees the request's blocks; no gauge",
-    "scheduler: EngineRequests._compacted_blocks": "block ids of compacted requests' kept KV; no gauge",
-    "worker: ResultsLog.results (rcstat_vllm/worker/results.py)":
-        "each reported request's CompressionReport for the Python API, kept after the request finishes, up to "
-        "MAX_RESULTS = 100000 (not dropped on finish by design); no gauge: its size is at most the requests counted "
-        "compressed + uncompressed",
+    "scheduler: EngineRequests._compacted_blocks": "block ids of compacted requests' kept KV (their requests are in "
+        "rcstat:scheduler_requests); no gauge",
     "worker: AttributionCapture.traces (rcstat_vllm/attribution/capture.py)":
         "attribution traces, popped when the server reads the result; capped at 256 traces / 1 GiB; no gauge",
     "worker: RCStatAttributionProcessor.asking": "batch index -> setting of rows that asked for attribution; no gauge",

@@ -34,7 +34,7 @@ class RCStatWorkerExtension(AttributionWorkerMixin):
     def rcstat_clear_results(self) -> None:
         owner = self._rcstat_worker()
         if owner is not None:
-            owner.results.clear()
+            owner.results_log.clear()
 
     def rcstat_num_compressed_requests(self) -> int:
         """Requests whose compacted KV the worker still tracks (0 once every request has finished)."""

@@ -157,7 +157,7 @@ class CopyRun(NamedTuple):
 
 @dataclass(frozen=True)
 class StepCompactions:
-    """The worker's compaction work in one step and the size of its request table (the copies it ran before the forward, scheduler answers that were
+    """The worker's compaction work in one step and the sizes of its tables (the copies it ran before the forward, scheduler answers that were
     refusals not counted), carried to the scheduler with the step's output beside the reports; the engine's metrics
     (``rcstat:step_compaction_seconds``, ``rcstat:compactions_per_step``, ``rcstat:compaction_seconds``) read it.
 
@@ -169,6 +169,9 @@ class StepCompactions:
     #: requests in the worker's table after the step began (sent when it changed; None: not sent): 0 once a server is
     #: idle, or a leak (``rcstat:worker_requests``)
     worker_requests: int | None = None
+    #: requests' results the worker keeps for the Python API (sent when it changed; None: not sent), at most
+    #: ``MAX_RESULTS`` (``rcstat:worker_results``)
+    worker_results: int | None = None
     #: (compression ratio, global eviction ratio) of each prompt compacted here whose plan was scored at its copy
     #: (lazy eviction, budget mode): the scheduler saw no ratio in its plan
     scored_at_copy: tuple[tuple[float, float], ...] = ()

@@ -40,7 +40,7 @@ def _record(i, kind, status=200, outcome="completed", **extra):
 
 
 IDLE = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0, "vllm:kv_cache_usage_perc": 0.0,
-        "rcstat:worker_requests": 0.0}
+        "rcstat:worker_requests": 0.0, "rcstat:scheduler_requests": 0.0}
 
 
 def test_the_soak_fails_on_any_5xx_wrong_rejection_unfinished_request_leak_or_growth():
@@ -52,10 +52,12 @@ def test_the_soak_fails_on_any_5xx_wrong_rejection_unfinished_request_leak_or_gr
            _record(6, "invalid", status=400, field="method", error="'window'"),  # names another field
            _record(7, "stream", outcome="truncated"), _record(8, "n2", choices=1),
            _record(9, "attribution", attribution=False)]
-    failures = serving.soak_checks(good + bad, {**IDLE, "rcstat:worker_requests": 2.0}, [(10, 1000), (20, 1100)],
+    failures = serving.soak_checks(good + bad, {**IDLE, "rcstat:worker_requests": 2.0, "rcstat:scheduler_requests": 1.0},
+                                   [(10, 1000), (20, 1100)],
                                    [{"i": 3}], 0.08)["failures"]
     assert [f.split(":")[0].split(" (")[0] for f in failures] == [
-        "request 5", "request 6", "request 7", "request 8", "request 9", "at the end rcstat", "server RSS grew 10.0% after warm-up",
+        "request 5", "request 6", "request 7", "request 8", "request 9", "at the end rcstat", "at the end rcstat",
+        "server RSS grew 10.0% after warm-up",
         "1 method-none requests differ from vanilla"]
     assert failures[0].startswith("request 5 (plain): HTTP 500")  # a server error, named as one
     assert "rcstat:worker_requests missing" in serving.soak_checks(good, {k: v for k, v in IDLE.items()

@@ -149,6 +149,7 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
     assert [pages.req_id for pages in attached] == ["a", "c"]
     assert step.scored_at_copy == ((1 - 48 / 128, 0.25),)  # a's only (b was refused, c's ratio was in its plan)
     assert step.worker_requests == 2  # b, refused, left the table; a and c are compressed
+    assert step.worker_results == 2  # a's and c's outcomes, kept for the Python API (rcstat:worker_results)
     assert worker.pop_step_compactions() is None  # handed over once
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a", "b", "c"}))
     assert worker.pop_step_compactions() == StepCompactions((), worker_requests=0)  # idle: the table is empty

@@ -170,6 +170,7 @@ class EngineCompaction:
         if record is not None and record.phase is Phase.AWAITING_COMPACTION:
             self._never_copied(req_id)
         self.requests.forget(req_id)
+        self.stats.observe_tracked(len(self.requests))
 
     def continue_session(self, req_id: str) -> None:
         """A streaming-input session's next chunk arrived: a plan parked for its earlier prompt is dropped (the
@@ -311,6 +312,7 @@ class EngineCompaction:
         sent = self.requests.take_outgoing(is_running)
         for req_id in set(queued) - {c.req_id for c in sent}:
             self._never_copied(req_id)
+        self.stats.observe_tracked(len(self.requests))
         return sent
 
     def may_cache(self, req_id: str) -> bool:

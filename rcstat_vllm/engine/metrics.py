@@ -30,6 +30,10 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
     rcstat:step_compaction_seconds        histogram of the worker's time compacting in one step (steps with a copy)
     rcstat:compactions_per_step           histogram of the copies one step ran (1: spread out; more: bunched)
     rcstat:worker_requests                gauge: requests in the worker's table (0 when the server is idle: else a leak)
+    rcstat:worker_results                 gauge: requests' results the worker keeps for the Python API (at most
+                                          MAX_RESULTS, rcstat_vllm/worker/results.py; packed, ~1 KB each)
+    rcstat:scheduler_requests             gauge: requests the scheduler side tracks (running, parked plans, copies in
+                                          flight; 0 when the server is idle: else a leak)
 
 Each pass of a request is counted once in one of: compressed (its prompt's copy ran), uncompressed (skipped, with a
 reason), or, under lazy eviction, planned and then either compressed when memory ran short or never compacted (its
@@ -78,6 +82,8 @@ class PrometheusMetrics:
     step_compaction_seconds: object
     compactions_per_step: object
     worker_requests: object
+    worker_results: object
+    scheduler_requests: object
 
 
 @functools.cache
@@ -114,6 +120,10 @@ def prometheus_metrics() -> PrometheusMetrics | None:
                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64)),
         Gauge("rcstat:worker_requests", "Requests in the rcstat worker's table (rank 0; 0 when idle).",
               multiprocess_mode="livemostrecent"),
+        Gauge("rcstat:worker_results", "Requests' results the rcstat worker keeps for the Python API (rank 0, "
+              "bounded).", multiprocess_mode="livemostrecent"),
+        Gauge("rcstat:scheduler_requests", "Requests rcstat's scheduler side tracks (0 when idle).",
+              multiprocess_mode="livemostrecent"),
     )
 
 
@@ -143,6 +153,10 @@ class CompressionStats:
     max_step_compaction_seconds: float = 0.0
     #: requests in the worker's table, as last sent
     worker_requests: int = 0
+    #: results the worker keeps, as last sent
+    worker_results: int = 0
+    #: requests the scheduler side tracks, as last set
+    scheduler_requests: int = 0
     _last_log: float = field(default_factory=time.monotonic)
     _dirty: bool = False
 
@@ -208,12 +222,23 @@ class CompressionStats:
             self.prometheus.decode_tokens_evicted.inc(report.decode_tokens_evicted)
             self._count_freed(blocks_freed)
 
+    def observe_tracked(self, scheduler_requests: int) -> None:
+        """The scheduler side's request table size, once per schedule (set when it changed)."""
+        if scheduler_requests != self.scheduler_requests:
+            self.scheduler_requests = scheduler_requests
+            if self.prometheus is not None:
+                self.prometheus.scheduler_requests.set(scheduler_requests)
+
     def observe_step(self, step: StepCompactions) -> None:
         """The copies the worker ran in one step, their time, and the worker's table size when it changed."""
         if step.worker_requests is not None:
             self.worker_requests = step.worker_requests
             if self.prometheus is not None:
                 self.prometheus.worker_requests.set(step.worker_requests)
+        if step.worker_results is not None:
+            self.worker_results = step.worker_results
+            if self.prometheus is not None:
+                self.prometheus.worker_results.set(step.worker_results)
         if not step.copies:
             return
         for ratio, global_eviction in step.scored_at_copy:

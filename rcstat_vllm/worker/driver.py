@@ -65,12 +65,14 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self._copies: list[CopyRun] = []
         #: the request-table size last sent (sent again when it changes)
         self._tracked_sent = 0
+        #: the results log's size last sent
+        self._results_sent = 0
         #: this step's prompts scored at their copy: (compression ratio, global eviction ratio) each
         self._scored_at_copy: list[tuple[float, float]] = []
 
     @property
     def results(self):
-        """Finished requests' outcomes by request id (the Python API reads and clears it)."""
+        """Requests' outcomes by request id, read-only (the Python API reads them with :meth:`compression_results`)."""
         return self.results_log.results
 
     # ---- step protocol (patches/model_runner.py) ----
@@ -94,7 +96,7 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         for req_id in info.preempted_req_ids:  # recomputed when resumed: compressed again, as a new pass
             self.results_log.end_pass(req_id, "preempted")
         for req_id in info.new_req_ids:
-            if req_id in self.requests or req_id in self.results_log.results:
+            if req_id in self.requests or req_id in self.results:
                 self._continue_session(req_id)
         for request in info.requests:
             if request.num_computed_tokens < request.num_prompt_tokens:
@@ -135,16 +137,17 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         return self.results_log.pop_outgoing()
 
     def pop_step_compactions(self) -> StepCompactions | None:
-        """The copies run since the last call (this step's) and the request table's size when it changed, for the
-        engine's metrics; None when there is neither."""
-        tracked = len(self.requests)
-        if not self._copies and tracked == self._tracked_sent:
+        """The copies run since the last call (this step's) and the sizes of the request table and the results log
+        when they changed, for the engine's metrics; None when there is none of these."""
+        tracked, kept = len(self.requests), len(self.results_log)
+        if not self._copies and tracked == self._tracked_sent and kept == self._results_sent:
             return None
         copies, self._copies = tuple(self._copies), []
         scored, self._scored_at_copy = tuple(self._scored_at_copy), []
-        changed = tracked != self._tracked_sent
-        self._tracked_sent = tracked
-        return StepCompactions(copies, tracked if changed else None, scored)
+        step = StepCompactions(copies, worker_requests=tracked if tracked != self._tracked_sent else None,
+                               worker_results=kept if kept != self._results_sent else None, scored_at_copy=scored)
+        self._tracked_sent, self._results_sent = tracked, kept
+        return step
 
     # ---- the Python API (rcstat_vllm/api.py) and tests ----
 
