@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -225,13 +224,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException as exc:  # noqa: BLE001 - whatever happens, a JSON file saying what
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        if "--worker" in sys.argv:
-            raise
-        gpu_common.write_result("compress", {"check": "compress", **gpu_common.failure(exc)})
-        raise
-    sys.exit(code)
+    gpu_common.run_main(main, "compress")

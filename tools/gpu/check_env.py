@@ -13,7 +13,6 @@ import importlib
 import importlib.metadata as metadata
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -148,11 +147,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException as exc:  # noqa: BLE001 - whatever happens, a JSON file saying what
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        gpu_common.write_result("env", {"check": "env", **gpu_common.failure(exc)})
-        raise
-    sys.exit(code)
+    gpu_common.run_main(main, "env", worker=False)

@@ -189,11 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException as exc:  # noqa: BLE001 - whatever happens, a JSON file saying what
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        gpu_common.write_result("kernels", {"check": "kernels", **gpu_common.failure(exc)})
-        raise
-    sys.exit(code)
+    gpu_common.run_main(main, "kernels", worker=False)

@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -103,13 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException as exc:  # noqa: BLE001 - whatever happens, a JSON file saying what
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        if "--worker" in sys.argv:
-            raise
-        gpu_common.write_result("smollm2", {"check": "smollm2", **gpu_common.failure(exc)})
-        raise
-    sys.exit(code)
+    gpu_common.run_main(main, "smollm2")

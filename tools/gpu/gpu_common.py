@@ -269,6 +269,23 @@ def worker_main(fn) -> int:
     return 0
 
 
+def run_main(main, name: str, *, worker: bool = True) -> None:
+    """A check's ``if __name__ == "__main__"``: exit with ``main()``'s code. Whatever else ends it (an exception, a
+    non-zero ``SystemExit`` such as argparse's) first writes ``name``.json saying what, then goes on up unchanged.
+    ``worker``: the script has a ``--worker`` mode; a ``--worker`` process writes no JSON of its own (``run_worker``,
+    in the parent, reads its ``RESULT`` line or reports its exit)."""
+    try:
+        code = main()
+    except BaseException as exc:  # noqa: BLE001 - whatever happens, a JSON file saying what
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        if worker and "--worker" in sys.argv:
+            raise
+        write_result(name, {"check": name, **failure(exc)})
+        raise
+    sys.exit(code)
+
+
 def engine_core(llm):
     """The in-process engine core of an ``LLM`` (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     return llm.llm_engine.engine_core.engine_core

@@ -253,13 +253,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException as exc:  # noqa: BLE001 - whatever happens, a JSON file saying what
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        if "--worker" in sys.argv:
-            raise
-        gpu_common.write_result("throughput", {"check": "throughput", **gpu_common.failure(exc)})
-        raise
-    sys.exit(code)
+    gpu_common.run_main(main, "throughput")
