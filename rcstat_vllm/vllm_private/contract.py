@@ -62,11 +62,9 @@ class Contract:
         if self.params is not None:
             # Classmethods resolve bound: compare the underlying function's parameters (cls included).
             fn = inspect.unwrap(obj.__func__ if inspect.ismethod(obj) else obj)
-            got = tuple(inspect.signature(fn).parameters)[: len(self.params)]
-            if got != self.params:
-                raise VLLMContractError(
-                    self._message(f"has parameters {got}, expected {self.params}")
-                )
+            problem = parameters_problem(tuple(inspect.signature(fn).parameters), self.params)
+            if problem:
+                raise VLLMContractError(self._message(problem))
         missing = [name for name in self.attrs if not _declares(obj, name)]
         if missing:
             raise VLLMContractError(self._message(f"declares no attribute {', '.join(missing)}"))
@@ -81,11 +79,23 @@ class Contract:
         )
 
 
+def parameters_problem(got: tuple[str, ...], expected: tuple[str, ...]) -> str | None:
+    """What breaks a contract expecting ``expected`` in a callable whose parameter names are ``got`` (all of
+    them, in order), or None: its first ``len(expected)`` names must be ``expected``. Shared with the check from
+    source, ``tools/vllm_compat.py``."""
+    head = tuple(got)[: len(expected)]
+    return None if head == tuple(expected) else f"has parameters {head}, expected {tuple(expected)}"
+
+
+def assigns_attribute(source: str, name: str) -> bool:
+    """Whether a class's ``source`` assigns ``self.<name> =`` (an instance attribute; see :class:`Contract`)."""
+    return re.search(rf"\bself\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)", source) is not None
+
+
 def _declares(cls: Any, name: str) -> bool:
     """Whether instances of ``cls`` carry attribute ``name`` (see :class:`Contract`)."""
     if hasattr(cls, name):
         return True
-    assigned = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)")
     for klass in getattr(cls, "__mro__", ()):
         declared = vars(klass)
         if name in declared.get("__annotations__", {}) or name in (declared.get("__dataclass_fields__") or {}):
@@ -98,6 +108,6 @@ def _declares(cls: Any, name: str) -> bool:
             source = inspect.getsource(klass)
         except (OSError, TypeError):
             continue
-        if assigned.search(source):
+        if assigns_attribute(source, name):
             return True
     return False
