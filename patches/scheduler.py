@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from rcstat_vllm.attention.capabilities import choose_compressed_group
-from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides, server_config
+from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.engine import pressure_policy
 from rcstat_vllm.engine.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
 from rcstat_vllm.engine.pressure_policy import RunningRequest
@@ -167,14 +167,12 @@ def blocks_wanted(scheduler) -> tuple[int, str]:
                                          block_size(scheduler), other_block_sizes(scheduler))
 
 
-def decode_config(server: RCStatConfig, request) -> RCStatConfig | None:
-    """The request's config when its generated KV is compressed (``decode_budget``), else None."""
+def decode_config(state: EngineCompaction, request) -> RCStatConfig | None:
+    """The request's config when its generated KV is compressed (``decode_budget``), else None (also when its
+    overrides are invalid: validated at admission; the worker runs such a request uncompressed)."""
     extra_args = request.sampling_params and request.sampling_params.extra_args
-    try:
-        config = server.merged(request_overrides(extra_args))
-    except ConfigError:  # validated at admission; the worker runs such a request uncompressed
-        return None
-    return config if config.decode_compression else None
+    settings = state.settings_of(request.request_id, extra_args)
+    return settings.config if settings.invalid is None and settings.config.decode_compression else None
 
 
 def relieve_pressure(scheduler, state: EngineCompaction) -> None:
@@ -210,9 +208,9 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> None:
 def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
     """After a schedule: the running requests whose decode-time compaction the workers should bring forward, the
     pool being about to run short (``rcstat_vllm/engine/decode_pressure.py``)."""
-    pressure, server = state.decode_pressure, state.config
-    watched = [pressure.watch(r.request_id, r.num_tokens, lambda r=r: decode_config(server, r)) is not None
-               for r in scheduler.running]  # (merged once per request: one lookup per request, step)
+    pressure = state.decode_pressure
+    watched = [pressure.watch(r.request_id, r.num_tokens, lambda r=r: decode_config(state, r)) is not None
+               for r in scheduler.running]  # (resolved once per request: one lookup per request, step)
     if not any(watched):
         return []
     running = list(running_snapshot(scheduler, state))
@@ -306,7 +304,8 @@ def _get_computed_blocks(original):
         if num_hit and state.group is not None:
             block_size = compressed_manager(self).block_size
             extra_args = request.sampling_params and request.sampling_params.extra_args
-            limit = state.prefix_hit_limit(num_hit, request.num_prompt_tokens, extra_args, block_size)
+            limit = state.prefix_hit_limit(request.request_id, num_hit, request.num_prompt_tokens, extra_args,
+                                           block_size)
             if limit is not None and len(blocks.blocks) > 1:
                 # A hybrid model's sliding-window group holds only its window's blocks of the hit (null blocks
                 # before): a shorter hit would end without them. vLLM finds hits valid for every group; the plugin

@@ -10,6 +10,7 @@ bad request override fails that request only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -214,10 +215,21 @@ def is_number(value: Any) -> bool:
 
 
 def server_config(additional_config: Mapping[str, Any] | None) -> RCStatConfig | None:
-    """The server-wide config from ``VllmConfig.additional_config``, or None when the flag is absent."""
+    """The server-wide config from ``VllmConfig.additional_config``, or None when the flag is absent. Parsed once
+    per process for each distinct flag (the admission check asks for every request): the config is immutable."""
     if not additional_config or CONFIG_KEY not in additional_config:
         return None
-    return RCStatConfig.from_dict(additional_config[CONFIG_KEY])
+    section = additional_config[CONFIG_KEY]
+    try:
+        text = section if isinstance(section, str) else json.dumps(section, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON-like: parsed (and rejected, naming the field) as it is
+        return RCStatConfig.from_dict(section)
+    return _parsed_server_config(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_server_config(text: str) -> RCStatConfig:
+    return RCStatConfig.from_dict(text)
 
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> Mapping[str, Any] | None:

@@ -47,6 +47,10 @@ class CompressionReport:
     #: decode-time compactions the request went through, and the generated entries they evicted (all layers, heads)
     decode_compactions: int = 0
     decode_tokens_evicted: int = 0
+    #: the share of prompt KV evicted instead of ``target_ratio`` when the kept entries did not fit the blocks the
+    #: plan allocated (lazy eviction scores at the copy; only forced keeps, non-finite scores, can exceed the bound);
+    #: None when the budget was met as set
+    budget_tightened_to: float | None = None
     #: why this pass of the request ended before it finished ("preempted": vLLM recomputes it; "session continued": a
     #: streaming-input session's next chunk arrived), None while it is the request's current pass
     ended: str | None = None
@@ -116,6 +120,7 @@ class CompressionReport:
             "compaction_reason": self.compaction_reason,
             "decode_compactions": self.decode_compactions,
             "decode_tokens_evicted": self.decode_tokens_evicted,
+            "budget_tightened_to": self.budget_tightened_to,
             "ended": self.ended,
             "passes": len(self.earlier_passes) + 1,
             "earlier_passes": self.earlier_passes,

@@ -1,19 +1,53 @@
-"""Settings arithmetic both sides need (the scheduler's engine process and the workers): a request's merged
-config, how many queries its scoring observes and keeps, its scorer's options, how far a prefix-cache hit may
+"""Settings arithmetic both sides need (the scheduler's engine process and the workers): a request's settings
+(resolved once per process: :class:`RequestSettingsTable`), how many queries its scoring observes and keeps, its scorer's options, how far a prefix-cache hit may
 reach. Plain Python on :class:`~rcstat_vllm.config.RCStatConfig`: no torch, no scorer, no vLLM."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
 from rcstat_vllm.scoring.registry import REGISTRY
 
 
-def request_config(request, server: RCStatConfig) -> tuple[RCStatConfig, str | None]:
-    """The server config with the request's overrides, or the server config and why the overrides failed."""
-    try:
-        return server.merged(request_overrides(request.extra_args)), None
-    except ConfigError as exc:  # validated at admission already; never crash the batch over it
-        return server, f"invalid override: {exc}"
+@dataclass(frozen=True)
+class RequestSettings:
+    """A request's settings: the server config with its overrides, or the server config and why the overrides
+    failed (``invalid``: the request then runs uncompressed; admission rejects such requests already)."""
+
+    config: RCStatConfig
+    invalid: str | None = None
+
+    @classmethod
+    def resolve(cls, extra_args, server: RCStatConfig) -> "RequestSettings":
+        """Parse and validate the request's overrides (``SamplingParams.extra_args``) over the server config."""
+        try:
+            return cls(server.merged(request_overrides(extra_args)))
+        except ConfigError as exc:  # validated at admission already; never crash the batch over it
+            return cls(server, f"invalid override: {exc}")
+
+
+class RequestSettingsTable:
+    """Each request's :class:`RequestSettings`, resolved the first time a process side looks (the scheduler's, a
+    worker's) and kept until the request leaves it: a request's overrides are parsed once per process, not once per
+    prefill chunk, prefix lookup or decode step. The owner drops a request when vLLM does (finished, preempted: a
+    resumed request is resolved again) and when a streaming-input session's next chunk brings new parameters."""
+
+    def __init__(self, server: RCStatConfig):
+        self.server = server
+        self._by_request: dict[str, RequestSettings] = {}
+
+    def of(self, req_id: str, extra_args) -> RequestSettings:
+        settings = self._by_request.get(req_id)
+        if settings is None:
+            settings = self._by_request[req_id] = RequestSettings.resolve(extra_args, self.server)
+        return settings
+
+    def drop(self, req_id: str) -> None:
+        self._by_request.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._by_request)
 
 
 def observed_queries(config: RCStatConfig) -> int:
@@ -49,7 +83,7 @@ def scorer_options(config: RCStatConfig) -> dict:
     return {}
 
 
-def max_cached_prompt_tokens(num_prompt_tokens: int, extra_args, server: RCStatConfig, block_size: int) -> int | None:
+def max_cached_prompt_tokens(num_prompt_tokens: int, settings: RequestSettings, block_size: int) -> int | None:
     """The most prompt tokens a prefix-cache hit may cover for a request that will be compressed, None for no
     limit: its observation window's queries exist only if those tokens are computed, so a hit stops at the last
     whole block before the prompt's window (as vLLM itself always recomputes the last prompt token).
@@ -57,10 +91,9 @@ def max_cached_prompt_tokens(num_prompt_tokens: int, extra_args, server: RCStatC
     Counted from the prompt, never from the request's tokens: a request resumed after a preemption has generated
     tokens too, and a hit reaching past its prompt would skip the step that finishes its prefill, where it is
     compressed again (it would run with its full KV under the very pressure that preempted it)."""
-    try:
-        config = server.merged(request_overrides(extra_args))
-    except ConfigError:
+    if settings.invalid is not None:
         return None  # runs uncompressed (rejected at admission, or reported by the worker)
+    config = settings.config
     if not config.enabled or num_prompt_tokens < config.min_prompt_len:
         return None
     return max(num_prompt_tokens - window_queries(config), 0) // block_size * block_size

@@ -309,11 +309,11 @@ def test_compacted_blocks_are_never_cached_and_a_hit_on_one_raises():
 def test_prefix_hit_stops_before_the_observation_window():
     state = EngineCompaction(config=RCStatConfig.from_dict({"method": "rc", "window": 8, "min_prompt_len": 1}))
     # 100 prompt tokens, 8-token window: at most (100 - 8) // 16 * 16 = 80 tokens from the cache.
-    assert state.prefix_hit_limit(96, 100, None, BLOCK) == 80
-    assert state.prefix_hit_limit(80, 100, None, BLOCK) is None  # already short enough
-    assert state.prefix_hit_limit(0, 100, None, BLOCK) is None
-    assert state.prefix_hit_limit(96, 100, {"rcstat": {"method": "none"}}, BLOCK) is None  # runs uncompressed
-    assert EngineCompaction().prefix_hit_limit(96, 100, None, BLOCK) is None  # no flag
+    assert state.prefix_hit_limit("a", 96, 100, None, BLOCK) == 80
+    assert state.prefix_hit_limit("b", 80, 100, None, BLOCK) is None  # already short enough
+    assert state.prefix_hit_limit("c", 0, 100, None, BLOCK) is None
+    assert state.prefix_hit_limit("d", 96, 100, {"rcstat": {"method": "none"}}, BLOCK) is None  # runs uncompressed
+    assert EngineCompaction().prefix_hit_limit("e", 96, 100, None, BLOCK) is None  # no flag
 
 
 def test_each_request_goes_through_its_phases_and_a_wrong_transition_names_it():

@@ -101,18 +101,18 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
 
 
 def test_a_prefix_cache_hit_stops_before_the_observation_window_of_requests_that_will_be_compressed():
-    from rcstat_vllm.settings import max_cached_prompt_tokens
+    from rcstat_vllm.settings import RequestSettings, max_cached_prompt_tokens
     from rcstat_vllm.config import RCStatConfig
 
     server = RCStatConfig()  # window 32
-    assert max_cached_prompt_tokens(1200, None, server, 32) == (1200 - 32) // 32 * 32 == 1152
-    assert max_cached_prompt_tokens(1200, {"rcstat": {"window": 100}}, server, 32) == 1088
+    assert max_cached_prompt_tokens(1200, RequestSettings.resolve(None, server), 32) == (1200 - 32) // 32 * 32 == 1152
+    assert max_cached_prompt_tokens(1200, RequestSettings.resolve({"rcstat": {"window": 100}}, server), 32) == 1088
     # SnapKV scores with its own 64-query window (the larger of the two)
-    assert max_cached_prompt_tokens(1200, {"rcstat": {"method": "snapkv"}}, server, 32) == 1120
+    assert max_cached_prompt_tokens(1200, RequestSettings.resolve({"rcstat": {"method": "snapkv"}}, server), 32) == 1120
     # Requests that will not be compressed hit as far as vLLM allows.
-    assert max_cached_prompt_tokens(1200, {"rcstat": {"method": "none"}}, server, 32) is None
-    assert max_cached_prompt_tokens(40, None, server, 32) is None  # shorter than min_prompt_len
-    assert max_cached_prompt_tokens(1200, {"rcstat": {"method": "bogus"}}, server, 32) is None
+    assert max_cached_prompt_tokens(1200, RequestSettings.resolve({"rcstat": {"method": "none"}}, server), 32) is None
+    assert max_cached_prompt_tokens(40, RequestSettings.resolve(None, server), 32) is None  # shorter than min_prompt_len
+    assert max_cached_prompt_tokens(1200, RequestSettings.resolve({"rcstat": {"method": "bogus"}}, server), 32) is None
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ from rcstat_vllm.engine.pressure_policy import ParkedPlan, Relief
 from rcstat_vllm.engine.requests import EngineRequests, Phase
 from rcstat_vllm.log import logger
 from rcstat_vllm.reports import Compaction, CompressionReport, StepCompactions
-from rcstat_vllm.settings import max_cached_prompt_tokens
+from rcstat_vllm.settings import RequestSettings, RequestSettingsTable, max_cached_prompt_tokens
 
 
 class Block(Protocol):
@@ -148,8 +148,18 @@ class EngineCompaction:
     #: -> the plan and the blocks it freed, counted when the copy runs (:meth:`observe_step`)
     _uncounted: dict[tuple[str, str], tuple[CompressionReport, int]] = field(default_factory=dict)
 
+    #: each request's settings, resolved once (:meth:`settings_of`), dropped with the request (:meth:`forget`)
+    _settings: RequestSettingsTable | None = field(default=None, init=False)
+
     def __post_init__(self) -> None:
         self.decode_pressure = DecodePressure(self.requests)
+
+    def settings_of(self, req_id: str, extra_args) -> RequestSettings:
+        """The request's settings over the server's flag, parsed the first time the scheduler side asks (a prefix
+        lookup, the decode-time forecast) and kept until vLLM frees the request."""
+        if self._settings is None or self._settings.server is not self.config:
+            self._settings = RequestSettingsTable(self.config)
+        return self._settings.of(req_id, extra_args)
 
     @property
     def compacted(self) -> dict[str, tuple[int, ...]]:
@@ -170,11 +180,15 @@ class EngineCompaction:
         if record is not None and record.phase is Phase.AWAITING_COMPACTION:
             self._never_copied(req_id)
         self.requests.forget(req_id)
+        if self._settings is not None:
+            self._settings.drop(req_id)
         self.stats.observe_tracked(len(self.requests))
 
     def continue_session(self, req_id: str) -> None:
         """A streaming-input session's next chunk arrived: a plan parked for its earlier prompt is dropped (the
         worker cancels it too; the chunk's end plans again), counted as never compacted."""
+        if self._settings is not None:
+            self._settings.drop(req_id)  # (the chunk brings its own sampling parameters)
         if self.requests.continue_session(req_id) is not None:
             self.stats.observe_never_compacted()
             logger.debug("rcstat: request %s: streaming-input session continued: its parked plan is dropped", req_id)
@@ -320,13 +334,14 @@ class EngineCompaction:
         pages, not the tokens their position's hash names)."""
         return self.requests.may_cache(req_id)
 
-    def prefix_hit_limit(self, num_hit: int, num_prompt_tokens: int, extra_args, block_size: int) -> int | None:
+    def prefix_hit_limit(self, req_id: str, num_hit: int, num_prompt_tokens: int, extra_args,
+                         block_size: int) -> int | None:
         """The tokens a prefix-cache hit of ``num_hit`` may keep, when fewer (else None): a hit stops before the
         prompt's observation window of a request that will be compressed (whose queries exist only if computed;
         :func:`~rcstat_vllm.settings.max_cached_prompt_tokens`)."""
         if not num_hit or self.config is None:
             return None
-        limit = max_cached_prompt_tokens(num_prompt_tokens, extra_args, self.config, block_size)
+        limit = max_cached_prompt_tokens(num_prompt_tokens, self.settings_of(req_id, extra_args), block_size)
         return limit if limit is not None and num_hit > limit else None
 
     def check_hit(self, req_id: str, hit_block_ids: Iterable[int]) -> None:

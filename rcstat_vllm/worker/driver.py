@@ -34,6 +34,7 @@ import torch
 
 from rcstat_vllm.config import server_config
 from rcstat_vllm.reports import Compaction, CopyRun, StepCompactions
+from rcstat_vllm.settings import RequestSettingsTable
 from rcstat_vllm.worker.layers import CompressedLayers
 from rcstat_vllm.worker.prompt_compression import plan_compression
 from rcstat_vllm.worker.rank_agreement import max_over_ranks, visible_on_any_rank
@@ -58,6 +59,8 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self._step: StepInfo | None = None
         self.requests = WorkerRequests()
         self.results_log = ResultsLog()
+        #: each request's settings, resolved the first time a step shows it, dropped when it leaves
+        self.request_settings = RequestSettingsTable(self.config)
         #: reads of a row of the device block table because the step info carried no host block ids (see
         #: :meth:`StepPlanner._host_block_ids`; on CUDA each one synchronises)
         self.device_block_row_reads = 0
@@ -89,6 +92,7 @@ class WorkerCompression(CompressedLayers, StepPlanner):
                 self._copies.append(CopyRun(compaction.req_id, kind, time.perf_counter() - start))
         self._release_pages(info.dropped_req_ids)  # a request compacted in this very step and gone with it
         for req_id in info.dropped_req_ids:
+            self.request_settings.drop(req_id)  # (a resumed request is resolved again: it may run on new settings)
             record = self.requests.drop(req_id)
             if record is not None and record.phase is Phase.AWAITING_BLOCKS and record.job.kind == "prompt":
                 reason = record.job.uncompacted_reason(req_id in info.preempted_req_ids)
@@ -226,6 +230,7 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         Any other request starts afresh: a compaction still waiting for blocks is stale (the scheduler dropped its
         plan, ``patches/scheduler.py``) and cancelled, the earlier turns are the new prompt's prefix, kept as they are,
         the chunk's end compresses what is new, and its result starts a new pass."""
+        self.request_settings.drop(req_id)  # the chunk brings its own sampling parameters
         record = self.requests.get(req_id)
         stale = "the streaming-input session's next chunk arrived before the compaction"
         if record is not None and record.job is not None:
@@ -251,7 +256,8 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         block_size = self.vllm_config.cache_config.block_size
         for request in info.requests:
             if request.finishes_prefill:
-                decision = plan_compression(request, self.config, 0, 0, self.disabled_reason)
+                settings = self.request_settings.of(request.req_id, request.extra_args)
+                decision = plan_compression(request, settings, 0, 0, self.disabled_reason)
                 report = decision.skipped_report(0, 0, block_size)
                 record = self.requests.drop(request.req_id)
                 report.num_cached_tokens = 0 if record is None else record.cached_tokens

@@ -28,7 +28,7 @@ from rcstat_vllm.paging.page_space import PageSpace, cdiv
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import PagedPrompt, get_scorer
 from rcstat_vllm.scoring.selection import select_keep_masks
-from rcstat_vllm.settings import request_config, scorer_options, window_queries
+from rcstat_vllm.settings import RequestSettings, scorer_options, window_queries
 from rcstat_vllm.worker.step import BatchRequest
 
 
@@ -57,7 +57,7 @@ class CompressionDecision:
 
 def plan_compression(
     request: BatchRequest,
-    server: RCStatConfig,
+    settings: RequestSettings,
     query_start: int,
     query_end: int,
     disabled_reason: str | None = None,
@@ -67,8 +67,8 @@ def plan_compression(
 
     ``saved_queries``: trailing queries kept from earlier prefill chunks (chunked prefill).
     """
-    config, reason = request_config(request, server)
-    reason = disabled_reason or reason
+    config = settings.config
+    reason = disabled_reason or settings.invalid
     n = request.num_tokens_after_step
     if reason is None:
         if not config.enabled:
@@ -364,4 +364,6 @@ class RequestCompressor:
             global_eviction_ratio=float((~self.visible.any(dim=0)).float().mean()),
             num_cached_tokens=self.num_cached_tokens,
             lazy=self.config.eviction == "lazy",
+            budget_tightened_to=(self.config.target_ratio
+                                 if self.config.target_ratio != self.decision.config.target_ratio else None),
         )

@@ -18,11 +18,10 @@ import numpy as np
 import torch
 
 from rcstat_vllm.attribution.capture import attribution_capture
-from rcstat_vllm.config import request_overrides
 from rcstat_vllm.log import logger
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.page_space import cdiv
-from rcstat_vllm.settings import request_config, window_queries
+from rcstat_vllm.settings import window_queries
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
 from rcstat_vllm.worker.jobs import DecodeJob, PromptJob
 from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks, plan_compression
@@ -81,7 +80,7 @@ class StepPlanner:
                 self._plan_uncompressed_decode(plan, record, request, rows, block_table, row)
             elif request.num_tokens_after_step < request.num_prompt_tokens:
                 # A non-final prefill chunk: keep its trailing queries in case the last chunk is short.
-                config, _ = request_config(request, self.config)
+                config = self.request_settings.of(request.req_id, request.extra_args).config
                 if config.enabled and request.num_prompt_tokens >= config.min_prompt_len:
                     plan.to_save.append((self.requests.in_prefill(request.req_id), *rows, window_queries(config)))
         return plan
@@ -89,7 +88,8 @@ class StepPlanner:
     def _plan_prompt(self, plan: StepCompression, record, request, start: int, end: int, block_row) -> None:
         """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped."""
         saved = None if record is None else record.saved_for(0)
-        decision = plan_compression(request, self.config, start, end, self.disabled_reason,
+        settings = self.request_settings.of(request.req_id, request.extra_args)
+        decision = plan_compression(request, settings, start, end, self.disabled_reason,
                                     saved_queries=0 if saved is None else saved.shape[0])
         if decision.skipped_reason is not None:
             self.requests.drop(request.req_id)
@@ -137,12 +137,10 @@ class StepPlanner:
 
     def _decode_watcher(self, request) -> DecodeCompressor | None:
         """Decode-time compression for a request whose prompt stayed whole, if it (or the server) asked for it."""
-        overrides = request_overrides(request.extra_args)
-        if self.config.decode_budget is None and (not overrides or "decode_budget" not in overrides):
-            return None  # nobody asked for it: decided every step without merging configs
-        config, invalid = request_config(request, self.config)
-        if invalid is not None or not config.decode_compression:
+        settings = self.request_settings.of(request.req_id, request.extra_args)  # (resolved once: a lookup a step)
+        if settings.invalid is not None or not settings.config.decode_compression:
             return None
+        config = settings.config
         prompt = torch.full((self.num_layers, self.num_heads), request.num_prompt_tokens, dtype=torch.int64)
         # (a request recomputed after a preemption has generated tokens already)
         generated = request.num_computed_tokens - request.num_prompt_tokens
