@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-# Both torch-free (this module runs in the scheduler's process): the methods by name, and RC's knobs (its defaults
-# and its QUERY_REDUCTIONS, how the window's queries combine into one score per token).
-from rcstat_vllm.scoring.rc_knobs import QUERY_REDUCTIONS, RC_DEFAULTS
-from rcstat_vllm.scoring.registry import REGISTRY, observing_methods
+# Torch-free (this module runs in the scheduler's process): the methods by name, each with its own knobs.
+from rcstat_vllm.knobs import ConfigError, Knob, is_int, is_number
+from rcstat_vllm.scoring.registry import REGISTRY, method_knobs, observing_methods
+
+__all__ = ["CONFIG_KEY", "KNOBS", "METHODS", "ConfigError", "RCStatConfig", "is_int", "is_number",
+           "request_overrides", "server_config", "settings_table"]
 
 #: Key of the plugin's section in ``additional_config`` and in ``SamplingParams.extra_args``.
 CONFIG_KEY = "rcstat"
@@ -34,13 +35,37 @@ OBSERVING_METHODS = observing_methods()
 EVICTION_MODES = ("eager", "lazy")
 BUDGET_SCOPES = ("layer", "model")
 
+#: The general settings, in the README's order; each method's own follow (its registry line). Defaults chosen by
+#: measurement (docs/defaults.md): a model-wide budget of 40% of the prompt KV, scored by RC at its defaults, with
+#: the first 4 tokens (attention sinks) kept by every head; lazy eviction (a pool never short loses nothing, and it
+#: ran at least as fast as eager on every workload measured: docs/defaults.md, "Lazy eviction by default").
+GENERAL_KNOBS = (
+    Knob("method", "rc", "the scoring method: `rc` (RCStat) or a baseline; `none`: the plugin's backend on, nothing "
+         "evicted", kind="choice", choices=METHODS),
+    Knob("target_ratio", 0.4, "budget mode: evict this fraction of the prompt KV entries; `null` = threshold mode",
+         kind="number", minimum=0, maximum=1, open_maximum=True, nullable=True),
+    Knob("c", 1.0, "threshold mode (Eq. 9): evict a token scoring at most `c` x its head's mean; giving `c` without "
+         "`target_ratio` selects it", kind="number", minimum=0),
+    Knob("budget_scope", "model", "`model`: the budget across all layers and heads; `layer`: `target_ratio` of every "
+         "layer", kind="choice", choices=BUDGET_SCOPES),
+    Knob("layer_floor", 0.0, "model-wide budget: the share of each layer's equal part it keeps first", kind="number",
+         minimum=0, maximum=1),
+    Knob("window", REGISTRY["rc"].window, "the last `window` prompt tokens are always kept (RC: also the observation "
+         "window)", minimum=1),
+    Knob("observation_window", None, "RC and SnapKV: trailing queries that score the prompt (`null`: RC's `window`, "
+         "SnapKV's 64)", minimum=1, nullable=True),
+    Knob("sink_tokens", 4, "the first prompt tokens every head keeps (StreamingLLM's attention sinks too)",
+         minimum=0),
+    Knob("min_prompt_len", 64, "shorter prompts are not compressed", minimum=1),
+    Knob("eviction", "lazy", "`lazy`: compact only when the scheduler needs blocks; `eager`: right after the prefill",
+         kind="choice", choices=EVICTION_MODES),
+    Knob("decode_budget", None, "compress generated KV too, keeping this many generated tokens per head on average",
+         minimum="window", nullable=True),
+    Knob("decode_interval", 128, "generated tokens between two decode-time compactions", minimum="window"),
+)
 
-class ConfigError(ValueError):
-    """An invalid rcstat setting; the message names the field and what is allowed."""
-
-    def __init__(self, field: str, value: Any, allowed: str):
-        self.field = field
-        super().__init__(f"rcstat config field '{field}': got {value!r}, allowed: {allowed}")
+#: Every setting by name: the general ones, then each method's own (the config's fields, in this order).
+KNOBS: dict[str, Knob] = {knob.name: knob for knob in (*GENERAL_KNOBS, *method_knobs())}
 
 
 @dataclass(frozen=True)
@@ -84,6 +109,7 @@ class RCStatConfig:
             token's expected RC under the one window query that reads it most (a fact read by a single copy head's
             query is not averaged away by the window's other queries); ``mean`` = Eq. 6 over all of them, the
             paper's scores.
+        kernel_size: SnapKV only: the width of its average pooling along tokens (odd; 5 as published).
         eviction: when the selected entries are compacted and the freed blocks returned: ``eager`` right after the
             prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
             waiting request that does not fit, a running one that would be preempted), the requests freeing most
@@ -96,71 +122,34 @@ class RCStatConfig:
         decode_interval: generated tokens per head between two decode-time compactions (at least ``window``).
     """
 
-    method: str = "rc"
-    c: float = 1.0
-    # Defaults chosen by measurement (docs/defaults.md): a model-wide budget of 40% of the prompt KV, scored by
-    # RC at its defaults (RC_DEFAULTS, defined once for the config and the scorer, with why each: a 32-token window,
-    # smoothing, carrying forward, local contrast, the max over queries), with the first 4 tokens (attention sinks)
-    # kept by every head. Lazy eviction: a pool never short loses nothing (no eviction, no scoring), and it ran at
-    # least as fast as eager on every workload measured (docs/defaults.md, "Lazy eviction by default").
-    window: int = RC_DEFAULTS.window
-    observation_window: int | None = None
-    target_ratio: float | None = 0.4
-    sink_tokens: int = 4
-    min_prompt_len: int = 64
-    budget_scope: str = "model"
-    layer_floor: float = 0.0
-    smoothing: int = RC_DEFAULTS.smoothing
-    carry_forward: int = RC_DEFAULTS.carry_forward
-    local_contrast: float = RC_DEFAULTS.local_contrast
-    contrast_radius: int = RC_DEFAULTS.contrast_radius
-    query_reduction: str = RC_DEFAULTS.query_reduction
-    eviction: str = "lazy"
-    decode_budget: int | None = None
-    decode_interval: int = 128
+    method: str = KNOBS["method"].default
+    # Each field's default, allowed values and meaning are its Knob's (GENERAL_KNOBS above, a method's own on its
+    # registry line); __post_init__ checks each against its Knob, then the relations between fields.
+    c: float = KNOBS["c"].default
+    window: int = KNOBS["window"].default
+    observation_window: int | None = KNOBS["observation_window"].default
+    target_ratio: float | None = KNOBS["target_ratio"].default
+    sink_tokens: int = KNOBS["sink_tokens"].default
+    min_prompt_len: int = KNOBS["min_prompt_len"].default
+    budget_scope: str = KNOBS["budget_scope"].default
+    layer_floor: float = KNOBS["layer_floor"].default
+    smoothing: int = KNOBS["smoothing"].default
+    carry_forward: int = KNOBS["carry_forward"].default
+    local_contrast: float = KNOBS["local_contrast"].default
+    contrast_radius: int = KNOBS["contrast_radius"].default
+    query_reduction: str = KNOBS["query_reduction"].default
+    kernel_size: int = KNOBS["kernel_size"].default
+    eviction: str = KNOBS["eviction"].default
+    decode_budget: int | None = KNOBS["decode_budget"].default
+    decode_interval: int = KNOBS["decode_interval"].default
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError("method", self.method, " | ".join(METHODS))
-        if not is_number(self.c) or not math.isfinite(self.c) or self.c < 0:
-            raise ConfigError("c", self.c, "a finite number >= 0")
-        if not is_int(self.window) or self.window < 1:
-            raise ConfigError("window", self.window, "an integer >= 1")
-        if self.observation_window is not None:
-            if not is_int(self.observation_window) or self.observation_window < 1:
-                raise ConfigError("observation_window", self.observation_window, "null or an integer >= 1")
-            if self.method not in OBSERVING_METHODS and self.method != "none":
-                observers = " and ".join(OBSERVING_METHODS)
-                raise ConfigError("observation_window", self.observation_window,
-                                  f"null for method {self.method!r} (only {observers} observe a window)")
-        if self.target_ratio is not None and (
-            not is_number(self.target_ratio) or not 0 <= self.target_ratio < 1
-        ):
-            raise ConfigError("target_ratio", self.target_ratio, "null or a number in [0, 1)")
-        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
-            raise ConfigError("sink_tokens", self.sink_tokens, "an integer >= 0")
-        if not is_int(self.min_prompt_len) or self.min_prompt_len < 1:
-            raise ConfigError("min_prompt_len", self.min_prompt_len, "an integer >= 1")
-        if not is_int(self.smoothing) or self.smoothing < 1 or self.smoothing % 2 == 0:
-            raise ConfigError("smoothing", self.smoothing, "an odd integer >= 1")
-        if not is_int(self.carry_forward) or self.carry_forward < 0:
-            raise ConfigError("carry_forward", self.carry_forward, "an integer >= 0")
-        if not is_number(self.local_contrast) or not 0 <= self.local_contrast <= 1:
-            raise ConfigError("local_contrast", self.local_contrast, "a number in [0, 1]")
-        if not is_int(self.contrast_radius) or self.contrast_radius < 1:
-            raise ConfigError("contrast_radius", self.contrast_radius, "an integer >= 1")
-        if self.query_reduction not in QUERY_REDUCTIONS:
-            raise ConfigError("query_reduction", self.query_reduction, " | ".join(QUERY_REDUCTIONS))
-        if not is_number(self.layer_floor) or not 0 <= self.layer_floor <= 1:
-            raise ConfigError("layer_floor", self.layer_floor, "a number in [0, 1]")
-        if self.budget_scope not in BUDGET_SCOPES:
-            raise ConfigError("budget_scope", self.budget_scope, " | ".join(BUDGET_SCOPES))
-        if self.eviction not in EVICTION_MODES:
-            raise ConfigError("eviction", self.eviction, " | ".join(EVICTION_MODES))
-        if not is_int(self.decode_interval) or self.decode_interval < self.window:
-            raise ConfigError("decode_interval", self.decode_interval, f"an integer >= window ({self.window})")
-        if self.decode_budget is not None and (not is_int(self.decode_budget) or self.decode_budget < self.window):
-            raise ConfigError("decode_budget", self.decode_budget, f"null or an integer >= window ({self.window})")
+        for knob in KNOBS.values():  # (declared order: a field named as another's minimum is checked first)
+            knob.check(getattr(self, knob.name), self)
+        if self.observation_window is not None and self.method not in (*OBSERVING_METHODS, "none"):
+            observers = " and ".join(OBSERVING_METHODS)
+            raise ConfigError("observation_window", self.observation_window,
+                              f"null for method {self.method!r} (only {observers} observe a window)")
 
     @property
     def decode_compression(self) -> bool:
@@ -206,14 +195,6 @@ class RCStatConfig:
         return dataclasses.asdict(self)
 
 
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def server_config(additional_config: Mapping[str, Any] | None) -> RCStatConfig | None:
     """The server-wide config from ``VllmConfig.additional_config``, or None when the flag is absent. Parsed once
     per process for each distinct flag (the admission check asks for every request): the config is immutable."""
@@ -237,3 +218,12 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> Mapping[str, Any]
     if not extra_args:
         return None
     return extra_args.get(CONFIG_KEY)
+
+
+def settings_table() -> str:
+    """The README's settings table (Markdown), generated from the declarations: a test holds the README to it."""
+    rows = ["| field | default | meaning | allowed |", "|---|---|---|---|"]
+    for knob in KNOBS.values():
+        allowed = ", ".join(f"`{choice}`" for choice in knob.choices) if knob.choices else knob.allowed()
+        rows.append(f"| `{knob.name}` | `{json.dumps(knob.default)}` | {knob.doc} | {allowed} |")
+    return "\n".join(rows)

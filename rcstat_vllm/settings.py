@@ -67,20 +67,21 @@ def window_queries(config: RCStatConfig) -> int:
 
 
 def scorer_options(config: RCStatConfig) -> dict:
-    """The scorer's constructor options: the observed queries (:func:`observed_queries`) and RC's smoothing,
-    carry_forward, query_reduction and, in budget mode, local contrast; everything else at the method's published
-    defaults. Threshold mode is RCStat's own rule (Eq. 9: each head evicts what scores below ``c`` times its mean, so
-    heads and layers keep what their scores say); the contrast flattens the differences it adapts to (the capacity
-    test's layers kept 1.4-5.5x more in the fullest than the emptiest with it, 1.5-5.8x without) and was measured in
-    budget mode only, where it changes the ranking and not the share, so it applies to budgets only."""
-    if config.method == "rc":
-        return {"window_size": observed_queries(config), "smoothing": config.smoothing,
-                "carry_forward": config.carry_forward,
-                "local_contrast": config.local_contrast if config.budget_mode else 0.0,
-                "contrast_radius": config.contrast_radius, "query_reduction": config.query_reduction}
-    if config.observation_window is not None:
-        return {"window_size": config.observation_window}
-    return {}
+    """The scorer's constructor options, from its registry line: the observed queries (:func:`observed_queries`,
+    when the method observes a window), each of its own knobs (``Knob.option``) and the general settings it shares
+    (StreamingLLM's sinks). One rule on top: RC's local contrast applies in budget mode only. Threshold mode is
+    RCStat's own rule (Eq. 9: each head evicts what scores below ``c`` times its mean, so heads and layers keep what
+    their scores say); the contrast flattens the differences it adapts to (the capacity test's layers kept 1.4-5.5x
+    more in the fullest than the emptiest with it, 1.5-5.8x without) and was measured in budget mode only, where it
+    changes the ranking and not the share."""
+    line = REGISTRY[config.method]
+    options = {knob.option: getattr(config, knob.name) for knob in line.knobs if knob.option is not None}
+    options.update({option: getattr(config, field) for option, field in line.shared})
+    if line.observes and (config.method == "rc" or config.observation_window is not None):
+        options["window_size"] = observed_queries(config)
+    if config.method == "rc" and not config.budget_mode:
+        options["local_contrast"] = 0.0
+    return options
 
 
 def max_cached_prompt_tokens(num_prompt_tokens: int, settings: RequestSettings, block_size: int) -> int | None:

@@ -108,20 +108,6 @@ def local_contrast(scores: Tensor, strength: float, radius: int) -> Tensor:
     return contrasted.to(scores.dtype).reshape(scores.shape)
 
 
-def check_non_negative(name: str, value: int) -> int:
-    """A count of tokens: an integer >= 0."""
-    if value < 0 or int(value) != value:
-        raise ValueError(f"{name} must be an integer >= 0, got {value}")
-    return int(value)
-
-
-def check_odd(name: str, value: int) -> int:
-    """A same-length pooling width: an odd integer >= 1."""
-    if value < 1 or value % 2 == 0:
-        raise ValueError(f"{name} must be an odd integer >= 1 (same-length pooling), got {value}")
-    return int(value)
-
-
 #: Cache dtypes the Triton scoring kernels take (tensor-core dots on 16-bit inputs, IEEE products on float32);
 #: others (fp8 caches, float64 in tests) score in torch.
 PAGED_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -204,6 +190,21 @@ class Scorer(ABC):
         self.window_size = self.default_window_size if requested is None else int(requested)
         if self.window_size < 0:
             raise ValueError(f"window_size must be >= 0, got {requested}")
+        self._check_knobs()
+
+    def _check_knobs(self) -> None:
+        """Each field its registry line declares a knob for (its own, or a general setting it shares) is checked by
+        that declaration: the config and the scorer allow the same values (a ConfigError, a ValueError, naming it)."""
+        line = REGISTRY.get(getattr(self, "name", None))
+        if line is None:
+            return
+        from rcstat_vllm.config import KNOBS  # (the general settings' declarations; torch-free)
+
+        for knob in line.knobs:
+            if knob.option is not None:
+                knob.check(getattr(self, knob.option))
+        for option, field in line.shared:
+            KNOBS[field].check(getattr(self, option))
 
     @classmethod
     def options(cls) -> tuple[str, ...]:

@@ -6,7 +6,10 @@ class is imported only when :meth:`Method.load` asks for it (:data:`rcstat_vllm.
 :func:`rcstat_vllm.scoring.get_scorer`).
 
 Adding a method: its scorer module in :mod:`rcstat_vllm.scoring.methods` (a :class:`~rcstat_vllm.scoring.base.Scorer`
-dataclass whose ``name`` is the line's), and its line below. The scorer takes its published window from the line.
+dataclass whose ``name`` is the line's), and its line below. The scorer takes its published window from the line. A
+knob of its own is a :class:`~rcstat_vllm.knobs.Knob` on the line (``option``: the scorer's field it sets): the config
+gets the field, its check and its default, the scorer its check, and the README's settings table its row, from that
+one declaration (SnapKV's ``kernel_size`` below is the example).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from .rc_knobs import RC_DEFAULTS
+from rcstat_vllm.knobs import Knob
 
-__all__ = ["Method", "REGISTRY", "method", "observing_methods"]
+__all__ = ["Method", "REGISTRY", "RC_KNOBS", "knob_default", "method", "method_knobs", "observing_methods"]
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,17 @@ class Method:
         window: the trailing prompt queries it reads by default (its published observation window; 0 = none).
         observes: whether ``observation_window`` applies: it scores with the attention of an observation window
             whose length is a knob (TOVA reads the last query only, by definition, so it does not).
+        knobs: its own settings (config fields that only it reads; each sets the scorer field ``option``).
+        shared: general settings it reads too, as (scorer field, config field): StreamingLLM's sinks are the
+            config's ``sink_tokens``.
     """
 
     name: str
     scorer: str
     window: int
     observes: bool = False
+    knobs: tuple[Knob, ...] = ()
+    shared: tuple[tuple[str, str], ...] = ()
 
     def load(self) -> type:
         """The scorer class (imports its module, and torch)."""
@@ -44,14 +52,34 @@ class Method:
 
 _METHODS = "rcstat_vllm.scoring.methods"
 
+#: RC's knobs: the plugin's defaults, chosen by measurement (docs/defaults.md): 3-token smoothing; each score carried 8
+#: tokens forward, so a value is kept with the key the window's queries find ("Carrying scores forward"); each raw
+#: score divided by the square root of its neighbourhood's mean (radius 256), against RC's drift towards the prompt's
+#: end ("Local contrast"); the max over the window's queries, so a fact one copy head's query reads is not averaged
+#: away. The paper's own values: ``rc_knobs.RC_PAPER``.
+RC_KNOBS = (
+    Knob("smoothing", 3, "RC: scores averaged over this many neighbouring tokens (1 = RCStat's scores)",
+         minimum=1, odd=True, option="smoothing"),
+    Knob("carry_forward", 8, "RC: each score raised to the highest of the `carry_forward` tokens before it "
+         "(0 = RCStat's)", minimum=0, option="carry_forward"),
+    Knob("query_reduction", "max", "RC: `max` = the window query that reads a token most; `mean` = Eq. 6 "
+         "(RCStat's)", kind="choice", choices=("max", "mean"), option="query_reduction"),
+    Knob("local_contrast", 0.5, "RC, budget mode: each score divided by its neighbourhood's mean to this power "
+         "(0 = RCStat's)", kind="number", minimum=0, maximum=1, option="local_contrast"),
+    Knob("contrast_radius", 256, "RC: tokens on either side in that neighbourhood", minimum=1,
+         option="contrast_radius"),
+)
+
 #: Every scoring method, by name. ``none`` (the config's off switch) is not one: the caller skips scoring.
 REGISTRY: dict[str, Method] = {line.name: line for line in (
-    # RC's window is the plugin's default window (the paper observes the kept window; its own was 8: RC_PAPER).
-    Method("rc", f"{_METHODS}.rc:RCScorer", window=RC_DEFAULTS.window, observes=True),
-    Method("snapkv", f"{_METHODS}.snapkv:SnapKVScorer", window=64, observes=True),  # kvpress's SnapKVPress
+    # RC's window is the config's default window (the paper observes the kept window; its own was 8: RC_PAPER).
+    Method("rc", f"{_METHODS}.rc:RCScorer", window=32, observes=True, knobs=RC_KNOBS),
+    Method("snapkv", f"{_METHODS}.snapkv:SnapKVScorer", window=64, observes=True,  # kvpress's SnapKVPress
+           knobs=(Knob("kernel_size", 5, "SnapKV: the width of the average pooling along tokens (5 as published)",
+                       minimum=1, odd=True, option="kernel_size"),)),
     Method("tova", f"{_METHODS}.tova:TOVAScorer", window=1),  # the last prompt token's attention
     Method("knorm", f"{_METHODS}.knorm:KnormScorer", window=0),
-    Method("streaming", f"{_METHODS}.streaming:StreamingLLMScorer", window=0),
+    Method("streaming", f"{_METHODS}.streaming:StreamingLLMScorer", window=0, shared=(("n_sink", "sink_tokens"),)),
     Method("random", f"{_METHODS}.random:RandomScorer", window=0),
 )}
 
@@ -67,3 +95,13 @@ def method(name: str) -> Method:
 def observing_methods() -> tuple[str, ...]:
     """The methods whose observation window is a knob (``observation_window``)."""
     return tuple(name for name, line in REGISTRY.items() if line.observes)
+
+
+def method_knobs() -> tuple[Knob, ...]:
+    """Every method's own knobs, in registry order."""
+    return tuple(knob for line in REGISTRY.values() for knob in line.knobs)
+
+
+def knob_default(method_name: str, knob_name: str):
+    """The default of a method's own knob (a scorer's field default reads it here: declared once)."""
+    return next(knob.default for knob in REGISTRY[method_name].knobs if knob.name == knob_name)

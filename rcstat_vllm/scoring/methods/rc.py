@@ -14,8 +14,6 @@ from ..base import (
     PagedPrompt,
     Scorer,
     carry_forward,
-    check_non_negative,
-    check_odd,
     local_contrast,
     mark_window_kept,
     smooth_scores,
@@ -63,15 +61,6 @@ class RCScorer(Scorer):
         """The RCStat paper's scorer (:data:`~rcstat_vllm.scoring.rc_knobs.RC_PAPER`: Eq. 6 over an 8-query window,
         no contrast, smoothing or carrying), with ``knobs`` changed."""
         return cls(**{**RC_PAPER.scorer_options(), **knobs})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.smoothing = check_odd("smoothing", self.smoothing)
-        self.carry_forward = check_non_negative("carry_forward", self.carry_forward)
-        if not 0 <= self.local_contrast <= 1:
-            raise ValueError(f"local_contrast must be a number in [0, 1], got {self.local_contrast}")
-        self.contrast_radius = check_non_negative("contrast_radius", self.contrast_radius)
-        self.query_reduction = check_query_reduction(self.query_reduction)
 
     def _finish(self, scores: Tensor, window: int) -> Tensor:
         """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: contrasted with its neighbourhood, smoothed,

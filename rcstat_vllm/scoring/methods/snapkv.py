@@ -11,7 +11,8 @@ from rcstat_vllm.kernels import snapkv_scoring as snapkv_kernel
 from rcstat_vllm.kernels.paged import check_paged_inputs, gather_paged_tokens
 from rcstat_vllm.kernels.snapkv_scoring import window_attention
 
-from ..base import PagedPrompt, Scorer, check_odd, mark_window_kept, smooth_scores
+from ..base import PagedPrompt, Scorer, mark_window_kept, smooth_scores
+from ..registry import knob_default
 
 __all__ = ["SnapKVScorer", "snapkv_scores_paged", "snapkv_scores_paged_reference"]
 
@@ -31,11 +32,7 @@ class SnapKVScorer(Scorer):
 
     name = "snapkv"
 
-    kernel_size: int = 5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.kernel_size = check_odd("kernel_size", self.kernel_size)
+    kernel_size: int = knob_default("snapkv", "kernel_size")  # (declared on its registry line, as its check)
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         queries = self._trailing_window(q_window, keys)

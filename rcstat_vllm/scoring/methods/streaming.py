@@ -19,18 +19,14 @@ class StreamingLLMScorer(Scorer):
     c * mean position".
 
     Attributes:
-        n_sink: attention-sink tokens always kept; 4 as published.
+        n_sink: attention-sink tokens always kept; 4 as published (the config's ``sink_tokens``: the registry line
+            shares it, and its check).
     """
 
     name = "streaming"
     needs_keys = False  # positions only
 
     n_sink: int = 4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.n_sink < 0:
-            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         num_kv_heads, n = keys.shape[:2]
