@@ -22,14 +22,14 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from rcstat_vllm.attention.capabilities import choose_compressed_group
+from rcstat_vllm.capabilities import choose_compressed_group
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.engine import pressure_policy
 from rcstat_vllm.engine.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
+from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.engine.pressure_policy import RunningRequest
 from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.log import logger
-from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.reports import Compaction
 from rcstat_vllm.vllm_private.internals import kv_cache_groups
 

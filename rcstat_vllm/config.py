@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 # Torch-free (this module runs in the scheduler's process): the methods by name, each with its own knobs.
 from rcstat_vllm.knobs import ConfigError, Knob, is_int, is_number
-from rcstat_vllm.scoring.registry import REGISTRY, method_knobs, observing_methods
+from rcstat_vllm.scoring.registry import REGISTRY, SINK_TOKENS, method_knobs, observing_methods
 
 __all__ = ["CONFIG_KEY", "KNOBS", "METHODS", "ConfigError", "RCStatConfig", "is_int", "is_number",
            "request_overrides", "server_config", "settings_table"]
@@ -54,8 +54,7 @@ GENERAL_KNOBS = (
          "window)", minimum=1),
     Knob("observation_window", None, "RC and SnapKV: trailing queries that score the prompt (`null`: RC's `window`, "
          "SnapKV's 64)", minimum=1, nullable=True),
-    Knob("sink_tokens", 4, "the first prompt tokens every head keeps (StreamingLLM's attention sinks too)",
-         minimum=0),
+    SINK_TOKENS,  # (declared with the registry: StreamingLLM's sinks)
     Knob("min_prompt_len", 64, "shorter prompts are not compressed", minimum=1),
     Knob("eviction", "lazy", "`lazy`: compact only when the scheduler needs blocks; `eager`: right after the prefill",
          kind="choice", choices=EVICTION_MODES),

@@ -76,7 +76,7 @@ def scorer_options(config: RCStatConfig) -> dict:
     changes the ranking and not the share."""
     line = REGISTRY[config.method]
     options = {knob.option: getattr(config, knob.name) for knob in line.knobs if knob.option is not None}
-    options.update({option: getattr(config, field) for option, field in line.shared})
+    options.update({option: getattr(config, knob.name) for option, knob in line.shared})
     if line.observes and (config.method == "rc" or config.observation_window is not None):
         options["window_size"] = observed_queries(config)
     if config.method == "rc" and not config.budget_mode:

@@ -16,28 +16,27 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl  # noqa: E402
-from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from fake_vllm import fake_vllm_config
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
-
-from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.attention.cuda_backend import (  # noqa: E402
+from rcstat_vllm.capabilities import unsupported_layer_reason
+from rcstat_vllm.attention.cuda_backend import (
     RCStatFlashBackend,
     RCStatFlashImpl,
     RCStatFlashMetadata,
     RCStatFlashMetadataBuilder,
     unsupported_reason,
 )
-from rcstat_vllm.attention.flash_head_attention import TorchHeadPageKernels  # noqa: E402
-from rcstat_vllm.paging.kv_layout import FLASH, flash_head_page_caches  # noqa: E402
-from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
-from rcstat_vllm.worker.step import BatchRequest, StepInfo  # noqa: E402
-from rcstat_vllm.reports import Compaction  # noqa: E402
-from rcstat_vllm.attention.capabilities import unsupported_layer_reason  # noqa: E402
-from rcstat_vllm.attention.head_plan import plan_head_attention  # noqa: E402
-from rcstat_vllm.worker.driver import WorkerCompression  # noqa: E402
+from rcstat_vllm.attention.flash_head_attention import TorchHeadPageKernels
+from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.paging.kv_layout import FLASH, flash_head_page_caches
+from rcstat_vllm.paging.page_space import cdiv
+from rcstat_vllm.reports import Compaction
+from rcstat_vllm.worker.driver import WorkerCompression
+from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
 BLOCK, HEADS, GROUP, DIM, LAYERS = 16, 2, 3, 32, 2
 SCALE = DIM**-0.5

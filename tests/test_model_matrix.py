@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from model_matrix import ENGINE_OVERRIDES, MODELS
-from rcstat_vllm.attention.capabilities import choose_compressed_group
+
+from rcstat_vllm.capabilities import choose_compressed_group
 from rcstat_vllm.model import cpu_bf16_is_native
 
 HERE = Path(__file__).parent

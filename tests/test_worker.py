@@ -8,16 +8,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.paging.kv_layout import CPU_VEC  # noqa: E402
-from rcstat_vllm.attention.capabilities import engine_not_pooled_reason  # noqa: E402
-from rcstat_vllm.worker.driver import (  # noqa: E402
+from fake_vllm import fake_vllm_config
+
+from rcstat_vllm.capabilities import engine_not_pooled_reason
+from rcstat_vllm.paging.kv_layout import CPU_VEC
+from rcstat_vllm.worker.driver import (
     WorkerCompression,
     start_worker_compression,
     worker_compression,
     worker_compression_of,
 )
-
 
 _config = fake_vllm_config
 
@@ -74,10 +74,10 @@ def test_a_second_kv_cache_group_turns_compression_off_with_a_reason():
 
 def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     """The global eviction ratio: tokens no (layer, head) kept; per layer: tokens no head of that layer kept."""
-    from rcstat_vllm.scoring.selection import select_keep_masks
-    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.paging.page_space import PageSpace
+    from rcstat_vllm.scoring.selection import select_keep_masks
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
 
     n, heads, block = 64, 2, 16
     config = RCStatConfig(method="rc", target_ratio=0.6, window=4)
@@ -101,8 +101,8 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
 
 
 def test_a_prefix_cache_hit_stops_before_the_observation_window_of_requests_that_will_be_compressed():
-    from rcstat_vllm.settings import RequestSettings, max_cached_prompt_tokens
     from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.settings import RequestSettings, max_cached_prompt_tokens
 
     server = RCStatConfig()  # window 32
     assert max_cached_prompt_tokens(1200, RequestSettings.resolve(None, server), 32) == (1200 - 32) // 32 * 32 == 1152

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rcstat_vllm.attention.capabilities import engine_unsupported_reason, model_has_attention_sinks
+from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attention_sinks
 from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.attention.head_plan import plan_step_for_builder
 from rcstat_vllm.attribution.capture import record_layer

@@ -198,13 +198,11 @@ class Scorer(ABC):
         line = REGISTRY.get(getattr(self, "name", None))
         if line is None:
             return
-        from rcstat_vllm.config import KNOBS  # (the general settings' declarations; torch-free)
-
         for knob in line.knobs:
             if knob.option is not None:
                 knob.check(getattr(self, knob.option))
-        for option, field in line.shared:
-            KNOBS[field].check(getattr(self, option))
+        for option, knob in line.shared:
+            knob.check(getattr(self, option))
 
     @classmethod
     def options(cls) -> tuple[str, ...]:

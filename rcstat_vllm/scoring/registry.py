@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from rcstat_vllm.knobs import Knob
 
-__all__ = ["Method", "REGISTRY", "RC_KNOBS", "knob_default", "method", "method_knobs", "observing_methods"]
+__all__ = ["Method", "REGISTRY", "RC_KNOBS", "SINK_TOKENS", "knob_default", "method", "method_knobs", "observing_methods"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Method:
         observes: whether ``observation_window`` applies: it scores with the attention of an observation window
             whose length is a knob (TOVA reads the last query only, by definition, so it does not).
         knobs: its own settings (config fields that only it reads; each sets the scorer field ``option``).
-        shared: general settings it reads too, as (scorer field, config field): StreamingLLM's sinks are the
+        shared: general settings it reads too, as (scorer field, the setting's knob): StreamingLLM's sinks are the
             config's ``sink_tokens``.
     """
 
@@ -42,7 +42,7 @@ class Method:
     window: int
     observes: bool = False
     knobs: tuple[Knob, ...] = ()
-    shared: tuple[tuple[str, str], ...] = ()
+    shared: tuple[tuple[str, Knob], ...] = ()
 
     def load(self) -> type:
         """The scorer class (imports its module, and torch)."""
@@ -70,6 +70,11 @@ RC_KNOBS = (
          option="contrast_radius"),
 )
 
+#: A general setting a method reads too: StreamingLLM's attention sinks are the tokens every head keeps (the config
+#: lists it with its general settings).
+SINK_TOKENS = Knob("sink_tokens", 4, "the first prompt tokens every head keeps (StreamingLLM's attention sinks too)",
+                   minimum=0)
+
 #: Every scoring method, by name. ``none`` (the config's off switch) is not one: the caller skips scoring.
 REGISTRY: dict[str, Method] = {line.name: line for line in (
     # RC's window is the config's default window (the paper observes the kept window; its own was 8: RC_PAPER).
@@ -79,7 +84,7 @@ REGISTRY: dict[str, Method] = {line.name: line for line in (
                        minimum=1, odd=True, option="kernel_size"),)),
     Method("tova", f"{_METHODS}.tova:TOVAScorer", window=1),  # the last prompt token's attention
     Method("knorm", f"{_METHODS}.knorm:KnormScorer", window=0),
-    Method("streaming", f"{_METHODS}.streaming:StreamingLLMScorer", window=0, shared=(("n_sink", "sink_tokens"),)),
+    Method("streaming", f"{_METHODS}.streaming:StreamingLLMScorer", window=0, shared=(("n_sink", SINK_TOKENS),)),
     Method("random", f"{_METHODS}.random:RandomScorer", window=0),
 )}
 

@@ -8,7 +8,8 @@ its contracts (patches import the package, never the reverse).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from rcstat_vllm.vllm_private.contract import Contract
 
@@ -58,7 +59,7 @@ CONTRACTS = (
     Contract(
         "vllm.v1.attention.backend:AttentionLayer", attrs=("_k_scale", "_v_scale", "_k_scale_float", "_v_scale_float")
     ),
-    # the attention layers by name, and what the capability checks read on them (rcstat_vllm/attention/capabilities.py)
+    # the attention layers by name, and what the capability checks read on them (rcstat_vllm/capabilities.py)
     Contract("vllm.config.compilation:CompilationConfig", attrs=("static_forward_context",)),
     Contract(
         "vllm.model_executor.layers.attention.attention:Attention",
@@ -108,7 +109,7 @@ CONTRACTS = (
     Contract("vllm.v1.sample.logits_processor.interface:MoveDirectionality.SWAP"),
     # the `vllm` command (rcstat-vllm serve)
     Contract("vllm.entrypoints.cli.main:main", ()),
-    # the KV cache groups and the spec classes the group choice reads (rcstat_vllm/attention/capabilities.py)
+    # the KV cache groups and the spec classes the group choice reads (rcstat_vllm/capabilities.py)
     Contract("vllm.v1.kv_cache_interface:KVCacheConfig", attrs=("kv_cache_groups",)),
     Contract("vllm.v1.kv_cache_interface:KVCacheGroupSpec", attrs=("layer_names", "kv_cache_spec", "is_eagle_group")),
     Contract("vllm.v1.kv_cache_interface:FullAttentionSpec", attrs=("sliding_window", "attention_chunk_size")),

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from rcstat_vllm.attention.capabilities import (
+from rcstat_vllm.capabilities import (
     GroupChoice,
     choose_compressed_group,
     engine_not_pooled_reason,
@@ -35,7 +35,7 @@ class CompressedLayers:
     def __init__(self, vllm_config, disabled_reason: str | None = None, kv_cache_groups=None):
         """``kv_cache_groups``: the engine's KV cache groups ``(layer names, spec, drafter's)``
         (:func:`~rcstat_vllm.vllm_private.internals.kv_cache_groups`), when the runner hook knows them: the plugin
-        compresses one (:func:`~rcstat_vllm.attention.capabilities.choose_compressed_group`). None: the first
+        compresses one (:func:`~rcstat_vllm.capabilities.choose_compressed_group`). None: the first
         builder's layers are compressed (unit tests' fakes)."""
         self.vllm_config = vllm_config
         self.config: RCStatConfig = server_config(vllm_config.additional_config) or RCStatConfig()
