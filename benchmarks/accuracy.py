@@ -54,10 +54,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import data  # noqa: E402
-import methods  # noqa: E402
-from common import engine_options, environment, load_avg, write_report  # noqa: E402
-from common import resolved_config as merged_config  # noqa: E402
+import data
+import methods
+from common import engine_options, environment, load_avg, write_report
+from common import resolved_config as merged_config
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -267,15 +267,15 @@ def _mean(values) -> float:
 
 def fidelity_check(records: list[dict], samples: list[data.Sample], settings: list[methods.Setting],
                    labels: tuple[str, ...], num_samples: int, dtype: str, model_dir: str | None) -> dict:
+    import hf_reference as ref_lib
     import torch
     from tqdm import tqdm
 
-    import hf_reference as ref_lib
     from rcstat_vllm.config import RCStatConfig
 
     torch.set_num_threads(os.cpu_count() or 1)
     by_label = {s.label: s for s in settings}
-    labels = tuple(l for l in labels if l in by_label)
+    labels = tuple(label for label in labels if label in by_label)
     # The shortest prompts of the retrieval tasks first (the reference runs on the CPU too).
     chosen = sorted((s for s in samples if s.task != "summ"), key=lambda s: s.num_tokens)[:num_samples]
     vllm_rec = {(r["sample_id"], r["setting"]): r for r in records}

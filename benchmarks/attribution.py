@@ -39,12 +39,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from torch import Tensor
 
 from rcstat_vllm.attribution.estimators import bottom_heads, select_span_tokens, selected_span_scores, top_heads
-from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
 from rcstat_vllm.attribution.hf import chat_prompt, generate, load_model, trace_sequence
+from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
 from rcstat_vllm.attribution.spans import chunk_spans, prompt_offsets, token_spans
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -205,12 +204,11 @@ def _prose_passages(source: str) -> list[list[str]]:
         names = names[0::2] if source == "essays-a" else names[1::2]
         return [data.split_sentences(data.load_essays()[name]) for name in names]
     if source == "pydoc":
+        import pydoc_data.topics as topics
         import re
 
-        import pydoc_data.topics as topics
-
         passages = []
-        for name, text in sorted(topics.topics.items()):
+        for _name, text in sorted(topics.topics.items()):
             sentences = []
             for block in re.split(r"\n\s*\n", text):
                 lines = block.split("\n")

@@ -58,8 +58,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -154,8 +154,8 @@ def fact_family_c(rng: random.Random, count: int) -> list[tuple[str, str, str]]:
     if kind == "mentor":
         subjects, lasts = rng.sample(ROLES, count), rng.sample(LAST_C, count)
         firsts = [rng.choice(FIRST_C) for _ in range(count)]
-        return [(f"The new {s} is mentored by {f} {l}.", f"Who mentors the new {s}?", l)
-                for s, f, l in zip(subjects, firsts, lasts)]
+        return [(f"The new {s} is mentored by {f} {last}.", f"Who mentors the new {s}?", last)
+                for s, f, last in zip(subjects, firsts, lasts)]
     subjects, days = rng.sample(ITEMS, count), rng.sample(WEEKDAYS, count)
     return [(f"The shipment of {s} arrives every {d}.", f"On which day does the shipment of {s} arrive?", d)
             for s, d in zip(subjects, days)]
@@ -168,7 +168,8 @@ def debian_faq_passages(path: Path = DEBIAN_FAQ) -> list[list[str]]:
 
     if not path.exists():
         raise FileNotFoundError(f"{path} missing: apt-get install debian-faq (./rcstat bench installs it)")
-    text = gzip.open(path, "rt", encoding="utf-8", errors="replace").read()
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+        text = f.read()
     passages, current = [], []
     for block in re.split(r"\n\s*\n", text):
         lines = block.replace("\u00a0", " ").split("\n")
@@ -339,9 +340,7 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # results() in-process
     from vllm import LLM, SamplingParams
 
-    from rcstat_vllm.attribution import results
-
-    from rcstat_vllm.attribution import capture
+    from rcstat_vllm.attribution import capture, results
 
     # The plugin's own attribution work inside the served step, timed where it runs (in this process: the engine is
     # in-process): the per-step plan of which rows asked and the per-layer q/k recording. With results() (timed
@@ -449,15 +448,14 @@ def contextcite_units(prompts: Sequence[dict], on: str = "answered") -> list[tup
 
 
 def run_contextcite(args) -> None:
-    import numpy as np
-    import torch
     from importlib.metadata import version
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    import numpy as np
+    import torch
     from context_cite import ContextCiter
     from context_cite.context_partitioner import BaseContextPartitioner
     from context_cite.utils import aggregate_logit_probs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     class FixedPartitioner(BaseContextPartitioner):
         """The benchmark's sources (character ranges of the context), ablated as SimpleContextPartitioner does:
@@ -513,7 +511,7 @@ def run_contextcite(args) -> None:
             partitioner = FixedPartitioner(item["context"], [tuple(r) for r in entry["ranges"]])
             cc = ContextCiter(model, tokenizer, item["context"], item["question"], num_ablations=args.ablations,
                               prompt_template=PROMPT_TEMPLATE, partitioner=partitioner)
-            prompt_ids, prompt = cc._get_prompt_ids(return_prompt=True)
+            _prompt_ids, prompt = cc._get_prompt_ids(return_prompt=True)
             if prompt != item["prompt"]:
                 raise ValueError("ContextCite's prompt differs from the plugin's")
             # The served answer as ContextCite's response (what its own generate() would have cached).
@@ -751,9 +749,9 @@ def main(argv=None) -> int:
         return 2
     path = Path(args.json or RESULTS_DIR / f"attribution_contextcite_cpu{'_quick' if args.quick else ''}.json")
 
+    from common import environment, load_avg
     from transformers import AutoTokenizer
 
-    from common import environment, load_avg
     from rcstat_vllm.model import default_model_dir, embedded_model_dtype
 
     model_dir = str(default_model_dir())

@@ -12,6 +12,7 @@ their :func:`resolved_config`: the server flag merged with the request's overrid
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -19,8 +20,8 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 REPO = Path(__file__).resolve().parents[1]
 #: /proc/cpuinfo flags that decide which kernels run: bf16 natively (AVX512-BF16, AMX) or not (AVX2 only).
@@ -73,10 +74,8 @@ def machine() -> dict:
     except OSError:
         pass
     out = {"cpu": cpu, "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags]}
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         out["affinity"] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        pass
     imitation = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
     if imitation:
         out["isa_env"] = imitation

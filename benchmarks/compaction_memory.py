@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_memory import peak_extra_bytes, run_in_fresh_process  # noqa: E402
+from benchmarks.peak_memory import peak_extra_bytes, run_in_fresh_process
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16

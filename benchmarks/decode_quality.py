@@ -39,10 +39,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import data  # noqa: E402
-import decode_reference as dr  # noqa: E402
-import hf_reference as ref_lib  # noqa: E402
-from common import environment, load_avg, write_report  # noqa: E402
+import data
+import decode_reference as dr
+import hf_reference as ref_lib
+from common import environment, load_avg, write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROMPT_TOKENS = 256

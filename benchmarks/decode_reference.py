@@ -47,10 +47,11 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import hf_reference as ref_lib  # noqa: E402
-from rcstat_vllm.settings import scorer_options  # noqa: E402
-from rcstat_vllm.config import RCStatConfig  # noqa: E402
-from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_threshold  # noqa: E402
+import hf_reference as ref_lib
+
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_threshold
+from rcstat_vllm.settings import scorer_options
 
 ATTN_NAME = "rcstat_bench_decode"
 #: Trailing generated queries kept per layer: the widest window any scorer reads (SnapKV's 64).
@@ -169,7 +170,7 @@ def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | No
     ``keep``: [Hkv, g] current keep mask of the g generated positions; ``keys``/``values``: [Hkv, g, d] their
     K/V; ``queries``: [Hq, w, d] the last generated positions' queries (the observation window).
     """
-    num_kv, g = keep.shape
+    num_kv, _g = keep.shape
     counts = keep.sum(dim=1)
     over = int(counts.sum()) > num_kv * method.budget if method.selection in ("layer", "head_mean", "threshold") \
         else int(counts.max()) > method.budget

@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     print(f"\n{report['device']}, torch {report['torch']}, triton {report['triton']}")
     print(f"{'correctness case':<44} {'rel L2':>9} {'keep agr.':>9} {'written':>7}  ok")
     for c in checks:
-        print(f"{c.case:<44} {c.rel_l2:9.2e} {c.keep_agreement:9.4f} {str(c.all_written):>7}  {'ok' if c.passed else 'FAIL'}")
+        print(f"{c.case:<44} {c.rel_l2:9.2e} {c.keep_agreement:9.4f} {c.all_written!s:>7}  {'ok' if c.passed else 'FAIL'}")
     if "host_syncs" in report:
         print(f"host synchronisations: {report['host_syncs']}")
     if report.get("speed"):

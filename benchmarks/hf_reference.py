@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.scoring.selection import select_keep_masks
-from rcstat_vllm.settings import scorer_options, window_queries
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.scoring import get_scorer
+from rcstat_vllm.scoring.selection import select_keep_masks
+from rcstat_vllm.settings import scorer_options, window_queries
 
 ATTN_NAME = "rcstat_bench_masked"
 #: The widest window any scorer reads (SnapKV's 64); prefill keeps this many trailing queries per layer.

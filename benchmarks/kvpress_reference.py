@@ -30,14 +30,14 @@ import os
 import platform
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The prompts' own module (pure Python here: no vLLM, no plugin): the same string match as the plugin's rows.
-import data  # noqa: E402
-from data import answers_found as found_answers  # noqa: E402
+import data
+from data import answers_found as found_answers
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_JSON = RESULTS_DIR / "kvpress_reference_cpu.json"
@@ -260,11 +260,9 @@ def environment(dtype: str) -> dict:
     import transformers
 
     cpu = platform.processor()
-    try:
+    with suppress(OSError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     from common import git_state, machine
 
     return {"kvpress": version("kvpress"), "transformers": transformers.__version__, "torch": torch.__version__,

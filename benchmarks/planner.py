@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_memory import peak_extra_bytes, run_in_fresh_process  # noqa: E402
+from benchmarks.peak_memory import peak_extra_bytes, run_in_fresh_process
 
 LAYERS, KV_HEADS, BLOCK = 32, 8, 16
 REQUESTS = (1, 64, 256)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import data  # noqa: E402
-import methods  # noqa: E402
-from accuracy import engine_kwargs, resolved_config  # noqa: E402
-from common import engine_options, environment, load_avg, write_report  # noqa: E402
+import data
+import methods
+from accuracy import engine_kwargs, resolved_config
+from common import engine_options, environment, load_avg, write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODULES = ["collections", "itertools", "functools", "json", "csv", "email.message", "http.client", "argparse",

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +69,7 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_ancestor(older: str, newer: str) -> bool | None:
     try:
         out = subprocess.run(["git", "-C", str(REPO), "merge-base", "--is-ancestor", older, newer],
@@ -78,7 +79,7 @@ def _is_ancestor(older: str, newer: str) -> bool | None:
     return {0: True, 1: False}.get(out.returncode)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _last_commit(path: str) -> tuple[str, str] | None:
     out = _git("log", "-1", "--format=%H %cI", "--", path)
     return tuple(out.split()) if out else None  # type: ignore[return-value]

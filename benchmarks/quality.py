@@ -35,12 +35,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import data  # noqa: E402
-from common import environment, load_avg, resolved_config, write_report  # noqa: E402
-import hf_reference as ref_lib  # noqa: E402
-import methods  # noqa: E402
-from rcstat_vllm.settings import scorer_options, window_queries  # noqa: E402
-from rcstat_vllm.config import RCStatConfig  # noqa: E402
+import data
+import hf_reference as ref_lib
+import methods
+from common import environment, load_avg, resolved_config, write_report
+
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.settings import scorer_options, window_queries
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

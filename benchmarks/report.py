@@ -25,6 +25,7 @@ when any of them, or any generated block, no longer matches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -33,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import methods  # noqa: E402
-import provenance  # noqa: E402
-from methods import FAMILY_LABELS  # noqa: E402
+import methods
+import provenance
+from methods import FAMILY_LABELS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The document whose marked block this script writes (the README links to it).
@@ -88,10 +89,8 @@ def _ratios(labels) -> tuple[float, ...]:
     out = set()
     for label in labels:
         if "_r" in label and "@" not in label:
-            try:
+            with contextlib.suppress(ValueError):
                 out.add(float(label.rsplit("_r", 1)[1]))
-            except ValueError:
-                pass
     return tuple(sorted(out))
 
 
@@ -178,7 +177,7 @@ def stale_lines(data: dict, rows: dict[str, dict] | None = None, labels=None) ->
     if not groups:
         return []
     o = next(iter(rows.values()))["origin"]
-    parts = [f"{', '.join(f'`{l}`' for l in group)}: {'; '.join(reasons)}" for reasons, group in groups.items()]
+    parts = [f"{', '.join(f'`{label}`' for label in group)}: {'; '.join(reasons)}" for reasons, group in groups.items()]
     return [f"† Made under an older meaning (`{data.get('_file', '?')}`, {provenance.describe_origin(o)}): "
             + ". ".join(parts) + "."]
 
@@ -311,7 +310,7 @@ def quality_table(q: dict) -> list[str]:
             lines.append(f"| {label}{mark(label)} | {_f(e['ratio'])} | {_f(e['ver'])} | " + " | ".join(matched) + " |")
     stale = stale_lines(q, rows)
     if stale:
-        lines += [""] + stale
+        lines += ["", *stale]
     return lines
 
 
@@ -361,7 +360,7 @@ def engine_words(data: dict, evictions: set | None = None, with_machine: bool = 
     if data.get("benchmark") == "quality":
         return ", ".join([*bits, f"transformers, {data.get('dtype', 'float32')}"])
     if evictions and len(evictions) == 1:
-        server, source = server_flag(data)
+        _server, source = server_flag(data)
         bits.append(f"`eviction: {next(iter(evictions))}`" + ("" if source == "recorded" else f" ({source})"))
     pc = engine.get("enable_prefix_caching", False if data.get("benchmark") == "accuracy" or "accuracy" in
                     data.get("_file", "") else None)
@@ -425,7 +424,7 @@ def accuracy_table(a: dict) -> list[str]:
                      f"| {_f(e['same_as_full'], 2)} |")
     stale = stale_lines(a, rows)
     if stale:
-        lines += [""] + stale
+        lines += ["", *stale]
     fid = a.get("fidelity", {}).get("by_setting")
     if fid:
         rates = ", ".join(f"{k} {v['exact_match_rate']:.2f}" for k, v in fid.items())
@@ -526,7 +525,7 @@ def side_by_side_table(a: dict | None, k: dict | None) -> list[str]:
         planned = len(k.get("runs_planned", []))
         lines += ["", f"kvpress: a partial run, {len(k['rows'])} of {planned} press and ratio runs."]
     stale = stale_lines(a, configs, set(SIDE_BY_SIDE_PLUGIN)) if a is not None else []
-    return lines + ([""] + stale if stale else [])
+    return lines + (["", *stale] if stale else [])
 
 
 def throughput_table(t: dict) -> list[str]:
@@ -719,9 +718,9 @@ def what_you_get(a: dict | None, t: dict | None) -> list[str]:
         es = [s.get(label) for label in labels]
         if any(e is None for e in es):
             continue
-        marks = " †" if any(rows.get(l, {}).get("reasons") for l in labels) else ""
+        marks = " †" if any(rows.get(label, {}).get("reasons") for label in labels) else ""
         if labels == ("full",):
-            name = f"full cache (`{{\"method\": \"none\"}}`)"
+            name = "full cache (`{\"method\": \"none\"}`)"
         elif len(labels) == 1:
             name = f"{title} ({flag_text(es[0].get('rcstat'))})" if es[0].get("rcstat") else f"{title} `{{}}`"
             if es[0].get("family") == "default":
@@ -742,8 +741,8 @@ def what_you_get(a: dict | None, t: dict | None) -> list[str]:
         summ = join(lambda e: _f(e["by_task"].get("summ", {}).get("score")))
         tput = throughput_cell(t, run) if (t is not None and run) else ""
         lines.append(f"| {name}{marks} | {evicted} | {found} | {kept} | {summ} | {tput} |")
-    stale = stale_lines(a, rows, {l for labels, _, _ in WHAT_YOU_GET for l in labels})
-    return lines + ([""] + stale if stale else [])
+    stale = stale_lines(a, rows, {label for labels, _, _ in WHAT_YOU_GET for label in labels})
+    return lines + (["", *stale] if stale else [])
 
 
 #: The value-error sentence: (what, file, label); each row is named by its config as it ran.
@@ -1005,13 +1004,13 @@ def build_table() -> list[str]:
                        ("kvpress_reference_cpu.json", kvpress_table), ("throughput_cpu.json", throughput_table)):
         data = load(name)
         if data is not None:
-            parts += make(data) + [""]
+            parts += [*make(data), ""]
     if overhead is not None:
-        parts += overhead_line(overhead) + [""]
+        parts += [*overhead_line(overhead), ""]
     if prefill is not None:
-        parts += prefill_line(prefill) + [""]
+        parts += [*prefill_line(prefill), ""]
     if any(RESULTS.glob("*.json")):
-        parts += files_table() + [""]
+        parts += [*files_table(), ""]
     images = [p.name for p in sorted(RESULTS.glob("*.png"))]
     if images:
         folder = Path(os.path.relpath(RESULTS, RESULTS_DOC.parent)).as_posix()  # links relative to the document

@@ -21,9 +21,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm

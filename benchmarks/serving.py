@@ -65,8 +65,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, environment, load_avg, resolved_config, write_report  # noqa: E402
-from throughput import BLOCK_SIZE, KV_BYTES_PER_TOKEN_SMOLLM2  # noqa: E402
+from common import REPO, environment, load_avg, resolved_config, write_report
+from throughput import BLOCK_SIZE, KV_BYTES_PER_TOKEN_SMOLLM2
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -144,7 +144,7 @@ class Server:
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         full_env.update(env)
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - the server's log, open while it runs
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 

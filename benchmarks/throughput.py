@@ -59,6 +59,7 @@ plugin's kernels); vanilla's number is vLLM's own prefill.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -70,7 +71,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import engine_options, environment, load_avg, resolved_config, write_report  # noqa: E402
+from common import engine_options, environment, load_avg, resolved_config, write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -219,7 +220,7 @@ class StepSampler:
         running = [v.get("vllm:num_requests_running", 0) for _, v in self.samples]
         waiting = [v.get("vllm:num_requests_waiting", 0) for _, v in self.samples]
         usage = [v.get("vllm:kv_cache_usage_perc", 0.0) for _, v in self.samples]
-        durations = [b - a for a, b in zip(times, times[1:])]
+        durations = [b - a for a, b in itertools.pairwise(times)]
         total = sum(durations) or 1.0
         preempt = self.samples[-1][1].get("vllm:num_preemptions", 0) - self.base.get("vllm:num_preemptions", 0)
         return {

@@ -28,13 +28,13 @@ def snapkv_partial_logsumexp_kernel(
     """Pass 1: per (KV head, tile), each window query's log-sum-exp over the tile's non-window tokens."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    keys, tokens, tokens_valid = load_paged_key_tile(
+    keys, _tokens, tokens_valid = load_paged_key_tile(
         kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
         num_scored, BLOCK_N, PAGE, D, D_PAD,
     )
     out_row_ptr = partial_ptr + (kv_head * num_tiles + tile) * (NUM_ROW_BLOCKS * ROW_BLOCK)
     for row_block in tl.static_range(NUM_ROW_BLOCKS):
-        q, rows, rows_valid = load_group_queries(
+        q, rows, _rows_valid = load_group_queries(
             q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_block * ROW_BLOCK, G, W, ROW_BLOCK, D, D_PAD
         )
         logits = _scaled_logits(q, keys, tokens_valid, scale, IEEE)

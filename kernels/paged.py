@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gather_paged_tokens", "check_paged_inputs", "cdiv", "next_power_of_2", "row_blocking"]
+__all__ = ["cdiv", "check_paged_inputs", "gather_paged_tokens", "next_power_of_2", "row_blocking"]
 
 
 def check_paged_inputs(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[int, int]:

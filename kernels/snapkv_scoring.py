@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 
-__all__ = ["window_attention", "snapkv_attention_paged", "snapkv_attention_paged_reference"]
+__all__ = ["snapkv_attention_paged", "snapkv_attention_paged_reference", "window_attention"]
 
 
 def window_attention(queries: Tensor, keys: Tensor, scale: float) -> Tensor:

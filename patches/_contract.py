@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from rcstat_vllm.vllm_private.contract import PINNED_VLLM, Contract, VLLMContractError
 

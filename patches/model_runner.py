@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, fields
 from vllm.v1.outputs import ModelRunnerOutput
 
 from rcstat_vllm.reports import CompressionReport, StepCompactions
-from rcstat_vllm.worker.step import BatchRequest, StepInfo
 from rcstat_vllm.vllm_private.internals import forward_context, kv_cache_groups
 from rcstat_vllm.worker.driver import start_worker_compression, worker_compression_of
+from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
 from ._contract import Contract, wrap_method
 

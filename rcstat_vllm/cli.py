@@ -78,11 +78,12 @@ def serve_main(vllm_args: list[str]) -> int:
 
     metadata.version = version
     _prometheus_multiprocess()
-    if not vllm_args or vllm_args[0].startswith("-"):
-        if not any(a in ("-h", "--help") or a.startswith("--help=") for a in vllm_args):
-            from rcstat_vllm.model import fetch_model
+    if (not vllm_args or vllm_args[0].startswith("-")) and not any(
+        a in ("-h", "--help") or a.startswith("--help=") for a in vllm_args
+    ):
+        from rcstat_vllm.model import fetch_model
 
-            vllm_args = [str(fetch_model()), *vllm_args]
+        vllm_args = [str(fetch_model()), *vllm_args]
     vllm_args = _embedded_model_dtype_args(vllm_args)
     from rcstat_vllm.vllm_private.internals import vllm_cli_main as vllm_main
 

@@ -112,7 +112,10 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
     config = RCStatConfig.from_dict(rcstat)  # fail fast, before the engine starts, naming the field
     model_dir = str(fetch_model(model_dir))
 
-    log_path = None if verbose else tempfile.NamedTemporaryFile(prefix="rcstat-demo-", suffix=".log", delete=False).name
+    log_path = None
+    if not verbose:
+        with tempfile.NamedTemporaryFile(prefix="rcstat-demo-", suffix=".log", delete=False) as log_file:
+            log_path = log_file.name
     print(f"rcstat config: {json.dumps(config.to_dict())}", flush=True)
     dtype = engine_kwargs(model_dir, rcstat).get("dtype")
     if dtype:

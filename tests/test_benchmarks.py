@@ -254,7 +254,7 @@ def test_generated_results_live_in_one_document():
     import report
 
     root = Path(__file__).resolve().parents[1]
-    assert report.RESULTS_DOC == root / "docs" / "benchmarks.md"
+    assert root / "docs" / "benchmarks.md" == report.RESULTS_DOC
     holders = [p.relative_to(root).as_posix() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
                if report.START in p.read_text() or report.END in p.read_text()]
     assert holders == ["docs/benchmarks.md"]
@@ -317,8 +317,8 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
 def test_baseline_rows_at_rcs_window_observe_that_many_queries():
     import methods
 
-    from rcstat_vllm.worker import prompt_compression as compression
     from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.worker import prompt_compression as compression
 
     settings = {s.label: s for s in methods.accuracy_settings()}
     snapkv32 = RCStatConfig.from_dict(settings["snapkv_w32_r0.5"].rcstat)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.block_exchange import (
     BlockPool,
     EngineCompaction,
@@ -14,7 +15,6 @@ from rcstat_vllm.engine.block_exchange import (
     existing_engine_compaction,
     swap_in_fresh_blocks,
 )
-from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.pressure_policy import cover
 from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.reports import CompressionReport, CopyRun, StepCompactions
@@ -550,15 +550,15 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
     is written. (Run B's copy first and A reads B's KV.)"""
     pytest.importorskip("vllm")
     import torch
-
     from fake_vllm import fake_vllm_config
-    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
+    from worker_fixtures import awaiting_blocks
+
     from rcstat_vllm.paging.kv_layout import CPU_VEC
     from rcstat_vllm.paging.page_space import identity_pages
-    from rcstat_vllm.worker.step import StepInfo
     from rcstat_vllm.worker.driver import WorkerCompression
     from rcstat_vllm.worker.jobs import PromptJob
-    from worker_fixtures import awaiting_blocks
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
+    from rcstat_vllm.worker.step import StepInfo
 
     layers, heads, dim, num_blocks = 3, 2, 8, 24
     g = torch.Generator().manual_seed(5)

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
+from vllm import SamplingParams
 
-from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
+from rcstat_vllm.paging.page_space import cdiv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
 

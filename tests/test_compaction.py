@@ -7,12 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcstat_vllm.paging.compaction import assign_pages, blocks_needed, compact_request, compaction_order, recompact_request
+from rcstat_vllm.paging.compaction import (
+    assign_pages,
+    blocks_needed,
+    compact_request,
+    compaction_order,
+    recompact_request,
+)
 from rcstat_vllm.paging.kv_layout import CPU_VEC
 from rcstat_vllm.paging.page_space import PageSpace, cdiv, pooled_space_or_reason
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.compaction_memory import measure_in_fresh_process  # noqa: E402
+from benchmarks.compaction_memory import measure_in_fresh_process
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 5, 64, 2, 16, 8
 
@@ -88,7 +94,7 @@ def test_recompaction_keeps_each_heads_chosen_entries_from_its_own_pages(seed, s
     free = free[appended.numel() :]
     state.reserve(t, torch.cat([row, appended]))
     lengths = state.lengths(t)
-    before = {(l, h): _entries(space, state, l, h, int(lengths[l, h])) for l in range(LAYERS) for h in range(HEADS)}
+    before = {(layer, h): _entries(space, state, layer, h, int(lengths[layer, h])) for layer in range(LAYERS) for h in range(HEADS)}
     width = int(lengths.max())
     within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(2)  # [L, H, width]
     new_masks = [(torch.rand(HEADS, width, generator=g) < 0.4) & within[layer] for layer in range(LAYERS)]
@@ -118,7 +124,7 @@ def test_staged_recompaction_into_the_requests_own_blocks_is_exact(seed):
     """Under pressure the scheduler hands a decode-time compaction the request's own blocks back: staged, every head
     still reads back exactly the entries its mask names (all are read before any is written)."""
     g = torch.Generator().manual_seed(seed)
-    backing, caches, space = _pooled(g)
+    _backing, caches, space = _pooled(g)
     n = int(torch.randint(6 * BLOCK, 12 * BLOCK, (1,), generator=g))
     blocks = torch.randperm(BLOCKS - 1, generator=g) + 1
     row = blocks[: cdiv(n, BLOCK)]
@@ -127,7 +133,7 @@ def test_staged_recompaction_into_the_requests_own_blocks_is_exact(seed):
     own = blocks[cdiv(n, BLOCK) : cdiv(n, BLOCK) + keep]
     state = compact_request(caches, row, masks, own, space)
     lengths = state.lengths(n)
-    before = {(l, h): _entries(space, state, l, h, int(lengths[l, h])) for l in range(LAYERS) for h in range(HEADS)}
+    before = {(layer, h): _entries(space, state, layer, h, int(lengths[layer, h])) for layer in range(LAYERS) for h in range(HEADS)}
     width = int(lengths.max())
     within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(2)
     new_masks = [(torch.rand(HEADS, width, generator=g) < 0.5) & within[layer] for layer in range(LAYERS)]

@@ -16,15 +16,17 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from rcstat_vllm.attention.cuda_backend import RCStatFlashBackend  # noqa: E402
-from rcstat_vllm.attention.cuda_backend import cuda_backend_unsupported_reason  # noqa: E402
-from rcstat_vllm.patches import platform  # noqa: E402
-from rcstat_vllm.worker.step import BatchRequest, StepInfo  # noqa: E402
-from rcstat_vllm.vllm_private.internals import backend_invalid_reasons  # noqa: E402
-from rcstat_vllm.worker.driver import start_worker_compression  # noqa: E402
+from rcstat_vllm.attention.cuda_backend import (
+    RCStatFlashBackend,
+    cuda_backend_unsupported_reason,
+)
+from rcstat_vllm.patches import platform
+from rcstat_vllm.vllm_private.internals import backend_invalid_reasons
+from rcstat_vllm.worker.driver import start_worker_compression
+from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
 SM75, SM80, SM90 = DeviceCapability(7, 5), DeviceCapability(8, 0), DeviceCapability(9, 0)
 

@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import vllm.v1.attention.backends.fa_utils as fa_utils  # noqa: E402
+import vllm.v1.attention.backends.fa_utils as fa_utils
+from fake_vllm import fake_vllm_config
 
-from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.attention.cuda_backend import SUPPORTED_FA_VERSIONS, unsupported_reason  # noqa: E402
+from rcstat_vllm.attention.cuda_backend import SUPPORTED_FA_VERSIONS, unsupported_reason
 
 
 def _config(block_size=16):

@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_driver import FAST_START, TEXT  # noqa: E402
+from engine_driver import FAST_START, TEXT
 
-from rcstat_vllm.attribution.processor import RCStatAttributionProcessor  # noqa: E402
-from rcstat_vllm.model import default_model_dir, with_embedded_dtype  # noqa: E402
+from rcstat_vllm.attribution.processor import RCStatAttributionProcessor
+from rcstat_vllm.model import default_model_dir, with_embedded_dtype
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
@@ -54,8 +54,8 @@ async def _attribution_on_rank_1(engine):
     prompt = TEXT[:330]
     ids = engine.tokenizer.encode(prompt)
     params = SamplingParams(temperature=0, max_tokens=6, extra_args={"rcstat_attribution": True})
-    async for out in engine.generate({"prompt_token_ids": ids}, params, "attr", data_parallel_rank=1):
-        pass
+    async for out in engine.generate({"prompt_token_ids": ids}, params, "attr", data_parallel_rank=1):  # noqa: B007
+        pass  # (only the last output, the finished one, is read)
     return await attribution_payload(engine, out.request_id, prompt, ids, out.outputs[0].token_ids, engine.tokenizer, {})
 
 

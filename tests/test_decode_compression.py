@@ -5,14 +5,14 @@ different numbers of entries."""
 import pytest
 import torch
 
-from rcstat_vllm.paging.compaction import blocks_needed, compact_request, recompact_request
-from rcstat_vllm.settings import scorer_options
 from rcstat_vllm.config import RCStatConfig
-from rcstat_vllm.scoring.rc_knobs import RC_PAPER
-from rcstat_vllm.worker.decode_compression import DecodeCompressor
+from rcstat_vllm.paging.compaction import blocks_needed, compact_request, recompact_request
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CPU_VEC
 from rcstat_vllm.paging.page_space import cdiv, identity_pages, pooled_space_or_reason
+from rcstat_vllm.scoring.rc_knobs import RC_PAPER
+from rcstat_vllm.settings import scorer_options
+from rcstat_vllm.worker.decode_compression import DecodeCompressor
 
 LAYERS, BLOCKS, HEADS, QUERY_HEADS, BLOCK, DIM = 3, 96, 2, 4, 16, 8
 
@@ -146,7 +146,7 @@ def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method
 
 def test_a_cancelled_plan_is_due_again_after_a_new_window_of_queries():
     g = torch.Generator().manual_seed(2)
-    caches, space, state, row, blocks = _request(g)
+    caches, _space, state, row, blocks = _request(g)
     decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept,
                               state.num_compacted_tokens)
     t = decode.next_due
@@ -163,7 +163,7 @@ def test_a_compaction_brought_forward_is_due_once_a_window_of_queries_is_saved()
     and is due a window of queries later; never later than it was due anyway, not while a plan is pending, and not
     when its heads would hold too few generated entries to evict a window's worth beyond the budget."""
     g = torch.Generator().manual_seed(4)
-    caches, space, state, row, blocks = _request(g)
+    caches, _space, state, row, blocks = _request(g)
     decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept,
                               state.num_compacted_tokens)
     scheduled = decode.next_due  # 100 + 24 + 64
@@ -192,7 +192,7 @@ def test_tokens_generated_before_a_lazy_prompt_compaction_are_generated_kv():
     count as generated KV, due as soon as a window of queries is saved (40 >= budget + interval), and only they and
     the later tokens are evicted, down to the budget; the prompt's kept entries stay."""
     g = torch.Generator().manual_seed(6)
-    caches, space, state, row, blocks = _request(g, keep_last=40)
+    caches, _space, state, row, blocks = _request(g, keep_last=40)
     decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept - 40,
                               state.num_compacted_tokens, generated=40)
     t = decode.next_due

@@ -56,7 +56,7 @@ def test_after_a_compaction_the_gain_counts_from_it_and_a_refused_plan_may_be_as
     assert _hurry(pressure, [a], 0)[0] == ["a"]
     pressure.requests.decode_compacted("a", None)  # refused (no free blocks): may be asked again
     assert _hurry(pressure, [a], 0)[0] == ["a"]
-    req_id, num_tokens, held = a
+    _req_id, num_tokens, held = a
     pressure.requests.decode_compacted("a", num_tokens)  # copied: each head holds the budget, 10 more by the due step
     assert expected_gain(pressure.running(*a), lead=10, block_size=BLOCK) == 0
     assert _hurry(pressure, [a], 0)[0] == []

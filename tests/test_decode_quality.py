@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import decode_reference as dr  # noqa: E402
+import decode_reference as dr
 
 P, N = 40, 150  # prompt and "generated" tokens
 HKV = 2

@@ -15,11 +15,10 @@ from rcstat_vllm.attention.cpu_head_attention import (  # noqa: E402
 )
 from rcstat_vllm.attention.head_plan import make_head_plan  # noqa: E402
 from rcstat_vllm.paging.compaction import blocks_needed, compact_layer, compact_request, gather_prompt  # noqa: E402
-from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv  # noqa: E402
-from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
-from rcstat_vllm.paging.page_space import PageSpace  # noqa: E402
-from rcstat_vllm.paging.page_tables import HeadPageTables  # noqa: E402
 from rcstat_vllm.paging.cpu_kv_layout import layout_matches  # noqa: E402
+from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv  # noqa: E402
+from rcstat_vllm.paging.page_space import PageSpace, cdiv  # noqa: E402
+from rcstat_vllm.paging.page_tables import HeadPageTables  # noqa: E402
 
 ISA = "vec"
 BLOCK, HEADS, GROUP, DIM = 32, 3, 3, 64

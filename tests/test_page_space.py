@@ -77,7 +77,7 @@ def test_one_layer_keeping_everything_and_one_almost_nothing_hold_fewer_blocks_t
     masks[1][:, -8:] = True  # the window only
     masks[2] = torch.rand(HEADS, n, generator=g) < 0.3
     masks[2][:, -8:] = True
-    prompts = [gather_prompt(original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)[l], row, n) for l in range(LAYERS)]
+    prompts = [gather_prompt(original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)[layer], row, n) for layer in range(LAYERS)]
 
     kept = torch.stack([m.sum(1) for m in masks])
     pages = (kept + BLOCK - 1) // BLOCK
@@ -122,9 +122,9 @@ def test_pooled_decode_equals_dense_reference_with_page_growth(dtype, atol):
     for i, r in enumerate(rows):
         block_table[i, : len(r)] = r
     view = original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)
-    prompts = [[gather_prompt(view[l], rows[i], n) for l in range(LAYERS)] for i, n in enumerate(lengths)]
+    prompts = [[gather_prompt(view[layer], rows[i], n) for layer in range(LAYERS)] for i, n in enumerate(lengths)]
     fractions = torch.tensor([[0.95], [0.05], [0.4]])
-    masks = [torch.rand(HEADS, lengths[0], generator=g) < fractions[l] for l in range(LAYERS)]
+    masks = [torch.rand(HEADS, lengths[0], generator=g) < fractions[layer] for layer in range(LAYERS)]
     for m in masks:
         m[:, -8:] = True
     keep_blocks = blocks_needed(torch.stack([m.sum(1) for m in masks]), lengths[0], space)
@@ -230,8 +230,8 @@ def test_deferred_bound_covers_every_spread_of_the_budget_over_the_heads(seed):
     """Lazy eviction allocates before scoring: for any spread of the budget's kept entries over (layer, head)s, from
     the window and sinks up to every token, the blocks needed never exceed :func:`deferred_keep_blocks`; and the bound
     is tight (within one block of an even spread)."""
-    from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks
     from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks
 
     g = torch.Generator().manual_seed(seed)
     layers, heads, block = 6, 3, 16

@@ -16,16 +16,22 @@ import torch
 
 pytest.importorskip("vllm")
 
-from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.attention.head_plan import HeadSequencePlan, make_head_plan  # noqa: E402
-from rcstat_vllm.paging.compaction import assign_pages, blocks_needed  # noqa: E402
-from rcstat_vllm.paging.head_pages import CompactedRequest  # noqa: E402
-from rcstat_vllm.paging.page_space import cdiv  # noqa: E402
-from rcstat_vllm.paging.page_space import PageSpace  # noqa: E402
-from rcstat_vllm.paging.page_tables import HeadPageTables  # noqa: E402
-from rcstat_vllm.worker.step import BatchRequest, StepInfo  # noqa: E402
-from rcstat_vllm.attention.head_plan import plan_head_attention  # noqa: E402
-from worker_fixtures import compressed  # noqa: E402
+from fake_vllm import fake_vllm_config
+from worker_fixtures import compressed
+
+from rcstat_vllm.attention.head_plan import (
+    HeadSequencePlan,
+    make_head_plan,
+    plan_head_attention,
+)
+from rcstat_vllm.paging.compaction import assign_pages, blocks_needed
+from rcstat_vllm.paging.head_pages import CompactedRequest
+from rcstat_vllm.paging.page_space import (
+    PageSpace,
+    cdiv,
+)
+from rcstat_vllm.paging.page_tables import HeadPageTables
+from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
 LAYERS, HEADS, BLOCK, NUM_BLOCKS = 2, 2, 16, 400
 
@@ -364,7 +370,7 @@ def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
         positions=torch.arange(28), is_prefilling=torch.tensor([False, True, False, True]),
     )
     plain = plain_rows(common, {0: "a", 2: "b"}, starts, seq_lens, BLOCK)
-    tokens = list(range(1, 21)) + [22, 23, 24]
+    tokens = [*range(1, 21), 22, 23, 24]
     assert plain.token_index.tolist() == tokens
     rows = plain.metadata
     assert rows.query_start_loc.tolist() == rows.query_start_loc_cpu.tolist() == [0, 20, 23]

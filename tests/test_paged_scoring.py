@@ -32,17 +32,18 @@ for _name in ("_tiles_triton", "_rc_triton", "_snapkv_triton"):  # compiled-mode
     if _module in sys.modules:
         importlib.reload(sys.modules[_module])
 
-import rcstat_vllm.worker.prompt_compression as compression  # noqa: E402
+from fake_vllm import fake_vllm_config  # noqa: E402
+
 import rcstat_vllm.kernels.rc_scoring as rc_scoring  # noqa: E402
 import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
-from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.scoring.selection import select_keep_masks  # noqa: E402
-from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, triton_scoring  # noqa: E402
+import rcstat_vllm.worker.prompt_compression as compression  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 from rcstat_vllm.paging.compaction import gather_prompt  # noqa: E402
 from rcstat_vllm.paging.kv_layout import CPU_VEC, FLASH  # noqa: E402
 from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
 from rcstat_vllm.scoring.rc_knobs import RC_PAPER  # noqa: E402
+from rcstat_vllm.scoring.selection import select_keep_masks  # noqa: E402
+from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, triton_scoring  # noqa: E402
 
 # SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.
 KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 64, 16, 12

@@ -10,17 +10,17 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import vllm  # noqa: E402
+import vllm
 
-from rcstat_vllm import plugin  # noqa: E402
-from rcstat_vllm.patches import (  # noqa: E402
+from rcstat_vllm import plugin
+from rcstat_vllm.patches import (
     MODULES,
     Contract,
     VLLMContractError,
     all_contracts,
     check_contracts,
 )
-from rcstat_vllm.patches._contract import PINNED_VLLM, wrap_method  # noqa: E402
+from rcstat_vllm.patches._contract import PINNED_VLLM, wrap_method
 
 CONTRACTS = all_contracts()
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
+from vllm import SamplingParams
 
 pytestmark = pytest.mark.vllm
 

@@ -30,9 +30,9 @@ def brute_force_rc(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         total = 0.0
         for j in range(w):
             x = float(q_window[h, j] @ keys[h, i])
-            for l in range(w):
-                for k in range(l + 1):
-                    total += max(x - float(q_window[h, l] @ window_keys[h, k]), 0.0)
+            for ell in range(w):
+                for k in range(ell + 1):
+                    total += max(x - float(q_window[h, ell] @ window_keys[h, k]), 0.0)
         out[h, i] = 2 * total / (w * w * (w + 1))
     return out
 
@@ -90,14 +90,14 @@ def brute_force_rc_max(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tens
     window_keys = keys[:, n - w :]
     out = torch.zeros(num_heads, n - w, dtype=torch.float64)
     for h, i in itertools.product(range(num_heads), range(n - w)):
-        ys = [float(q_window[h, l] @ window_keys[h, k]) for l in range(w) for k in range(l + 1)]
+        ys = [float(q_window[h, ell] @ window_keys[h, k]) for ell in range(w) for k in range(ell + 1)]
         per_query = [sum(max(float(q_window[h, j] @ keys[h, i]) - y, 0.0) for y in ys) / len(ys) for j in range(w)]
         out[h, i] = max(per_query)
     return out
 
 
 # w = 20: m = 210 self logits, past the direct sum's limit: the counts come from the sorted Y (binned or searchsorted).
-@pytest.mark.parametrize("shape", SHAPES + [(2, 20, 45, 6)])
+@pytest.mark.parametrize("shape", [*SHAPES, (2, 20, 45, 6)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_expected_rc_max_over_queries_matches_brute_force(shape, seed):
     q, k = random_inputs(shape, seed)

@@ -13,18 +13,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import vllm.config.vllm as vllm_config_module  # noqa: E402
-from vllm import envs  # noqa: E402
-from vllm.config.vllm import VllmConfig  # noqa: E402
-from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2  # noqa: E402
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner as CPUModelRunnerV1  # noqa: E402
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2  # noqa: E402
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+import vllm.config.vllm as vllm_config_module
+from vllm import envs
+from vllm.config.vllm import VllmConfig
+from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner as CPUModelRunnerV1
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from rcstat_vllm import plugin  # noqa: E402
-from rcstat_vllm.patches import runner_choice  # noqa: E402
-from rcstat_vllm.patches._contract import is_wrapped  # noqa: E402
-from rcstat_vllm.patches.runner_choice import UnhookedRunnerError, check_runner  # noqa: E402
+from rcstat_vllm import plugin
+from rcstat_vllm.patches import runner_choice
+from rcstat_vllm.patches._contract import is_wrapped
+from rcstat_vllm.patches.runner_choice import UnhookedRunnerError, check_runner
 
 plugin.register()
 
@@ -113,6 +113,6 @@ def test_init_device_hooks_check_the_runner_built():
         built.append(self.model_runner)
 
     worker = SimpleNamespace(vllm_config=VllmConfig(additional_config=FLAG), model_runner=None)
-    with pytest.raises(UnhookedRunnerError, match="cpu.model_runner.CPUModelRunner"):
+    with pytest.raises(UnhookedRunnerError, match=r"cpu\.model_runner\.CPUModelRunner"):
         runner_choice._init_device(init_device)(worker)
     assert built

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import serving  # noqa: E402
+import serving
 
 
 def _run(req_s, ttft99, itl99, steps=0, seconds=0.0):

@@ -36,7 +36,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import serving  # noqa: E402
+import serving
 
 SOAK_S = 80
 
@@ -99,7 +99,7 @@ def test_memory_summary_takes_warm_samples_only_and_judges_every_process_against
     assert (core["rss_mib_warm"], core["rss_mib_end"], core["growth_pct"], core["slope_pct_per_10min"]) == (
         1000.0, 1025.0, 2.5, 10.0)
     assert out["holds"] is False and out["over_target"] == ["VLLM::EngineCore"]
-    flat = serving.memory_summary(samples[:2] + [s(120, True, 500, 1000)], None)
+    flat = serving.memory_summary([*samples[:2], s(120, True, 500, 1000)], None)
     assert flat["holds"] is True and flat["over_target"] == []
     assert flat["processes"]["VLLM::EngineCore"]["rss_mib_end"] == 1000.0  # no end sample: the last one
     # Fewer than two warm samples: no slope, so the target is not shown to hold.

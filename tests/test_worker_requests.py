@@ -4,13 +4,13 @@ transitions a prompt job and a decode-time job go through, and transitions refus
 from types import SimpleNamespace
 
 import pytest
-
 from fake_vllm import fake_vllm_config
+from worker_fixtures import awaiting_blocks, compressed
+
+from rcstat_vllm.reports import Compaction
 from rcstat_vllm.worker.driver import WorkerCompression
 from rcstat_vllm.worker.requests import Phase, WorkerRequests
 from rcstat_vllm.worker.step import StepInfo
-from rcstat_vllm.reports import Compaction
-from worker_fixtures import awaiting_blocks, compressed
 
 PROMPT, DECODE = SimpleNamespace(kind="prompt"), SimpleNamespace(kind="decode")
 

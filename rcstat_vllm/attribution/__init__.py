@@ -14,10 +14,10 @@
 from __future__ import annotations
 
 from rcstat_vllm.attribution.options import AttributionOptions
-from rcstat_vllm.attribution.trace import AttributionTrace, SpanScores
 from rcstat_vllm.attribution.report import AttributionResult
+from rcstat_vllm.attribution.trace import AttributionTrace, SpanScores
 
-__all__ = ["AttributionOptions", "AttributionTrace", "AttributionResult", "SpanScores", "results"]
+__all__ = ["AttributionOptions", "AttributionResult", "AttributionTrace", "SpanScores", "results"]
 
 
 def results(llm, request_output, **kwargs) -> AttributionResult | None:

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -36,15 +37,15 @@ from rcstat_vllm.config import ConfigError
 from rcstat_vllm.log import logger
 
 __all__ = [
-    "REQUEST_KEY",
     "PRESENTATION_KEYS",
+    "REQUEST_KEY",
     "AttributionCapture",
+    "AttributionWorkerMixin",
     "CaptureRow",
     "attribution_capture",
     "parse_request_options",
-    "worker_results",
     "trace_id",
-    "AttributionWorkerMixin",
+    "worker_results",
 ]
 
 #: Key of the per-request switch in ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP).

@@ -5,7 +5,7 @@ The notation and the cost are in :mod:`rcstat_vllm.attribution.trace`'s docstrin
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -213,7 +213,7 @@ def span_attention(
         [H, S] float32.
     """
     acc = accumulation_dtype(q_span.dtype)
-    num_heads, s, d = q_span.shape
+    _num_heads, s, d = q_span.shape
     m = k_prompt.shape[1]
     scale = d**-0.5 if scale is None else scale
     ranges = _as_ranges(spans, m, q_span.device)

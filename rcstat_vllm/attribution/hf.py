@@ -11,16 +11,17 @@ too (vLLM never computes them: its trace lacks that one token).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from rcstat_vllm.attribution.options import AttributionOptions
-from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.attribution.report import AttributionResult, build_result
+from rcstat_vllm.attribution.trace import AttributionTrace
 
-__all__ = ["load_model", "capture_qk", "generate", "attribute", "trace_sequence", "chat_prompt"]
+__all__ = ["attribute", "capture_qk", "chat_prompt", "generate", "load_model", "trace_sequence"]
 
 
 def load_model(model_dir: str | Path | None = None, dtype: torch.dtype = torch.float32):

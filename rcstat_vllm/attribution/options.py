@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from rcstat_vllm.attribution.estimators import SPAN_SCORES
 from rcstat_vllm.config import ConfigError, is_int, is_number
@@ -71,7 +72,7 @@ class AttributionOptions:
             raise ConfigError("span_window", self.span_window, "an integer >= 1")
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> "AttributionOptions":
+    def from_dict(cls, values: Mapping[str, Any] | None) -> AttributionOptions:
         """Validated options from a dict; unknown keys are errors naming the key."""
         if values is None:
             return cls()

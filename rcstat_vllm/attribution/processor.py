@@ -29,7 +29,7 @@ from rcstat_vllm.vllm_private.logits_processors import (
     VLLMValidationError,
 )
 
-__all__ = ["RCStatAttributionProcessor", "PROCESSOR_PATH"]
+__all__ = ["PROCESSOR_PATH", "RCStatAttributionProcessor"]
 
 PROCESSOR_PATH = "rcstat_vllm.attribution.processor:RCStatAttributionProcessor"
 

@@ -10,13 +10,21 @@ tokenizer and the texts are (the client):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
+from rcstat_vllm.attribution.spans import (
+    TextSpan,
+    decode_offsets,
+    prompt_offsets,
+    spans_for,
+    split_sentences,
+    token_spans,
+)
 from rcstat_vllm.attribution.trace import AttributionTrace
-from rcstat_vllm.attribution.spans import TextSpan, decode_offsets, prompt_offsets, spans_for, split_sentences, token_spans
 
-__all__ = ["AttributionResult", "GeneratedAttribution", "plan_spans", "score_spans", "assemble", "build_result"]
+__all__ = ["AttributionResult", "GeneratedAttribution", "assemble", "build_result", "plan_spans", "score_spans"]
 
 
 @dataclass
@@ -109,9 +117,9 @@ def score_spans(
         result = trace.span_scores(prompt_ranges, (int(a), int(b)), heads)
         scores.append(result.scores.tolist())
         degenerate.append(result.degenerate)
-    head_scores = [float(trace.head_scores[l, h]) for l, h in heads] if trace.head_scores is not None else []
+    head_scores = [float(trace.head_scores[layer, h]) for layer, h in heads] if trace.head_scores is not None else []
     return {
-        "heads": [[l, h] for l, h in heads],
+        "heads": [[layer, h] for layer, h in heads],
         "head_scores": head_scores,
         "estimator": "exact" if exact else "upper",
         "span_score": trace.options.span_score,

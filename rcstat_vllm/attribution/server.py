@@ -36,6 +36,7 @@ the chat hooks installed in the API-server process: ``patches/openai_chat.py`` (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -213,10 +214,8 @@ def wrap_stream_generator(original):
                 }
                 yield f"data: {json.dumps(chunk)}\n\n"
             elif not last and item.startswith("data: {"):  # id, created and model of the stream
-                try:
+                with contextlib.suppress(ValueError):
                     last = json.loads(item[len("data: "):])
-                except ValueError:
-                    pass
             yield item
 
     return chat_completion_stream_generator

@@ -13,19 +13,19 @@ initial) does not end a sentence; decimals (``3.5``) never do, as no space follo
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
 
 __all__ = [
     "TextSpan",
-    "split_sentences",
-    "chunk_spans",
-    "token_spans",
     "assign_tokens",
+    "chunk_spans",
     "decode_offsets",
     "prompt_offsets",
     "single_token_spans",
     "spans_for",
+    "split_sentences",
+    "token_spans",
 ]
 
 #: Chat-template markup: ChatML / Llama-3 style special tokens.
@@ -34,7 +34,7 @@ MARKUP = re.compile(
     r"|<\|start_header_id\|>[A-Za-z_]+<\|end_header_id\|>"  # Llama-3 role header
     r"|<\|[^|<>\s]{1,40}\|>|<s>|</s>"
 )
-_END = re.compile(r"[.!?]+[\"'”’)\]]*(?=\s)|\n")
+_END = re.compile(r"[.!?]+[\"'”’)\]]*(?=\s)|\n")  # noqa: RUF001 - closing curly quotes end a sentence too
 _ABBREVIATIONS = {
     "mr", "mrs", "ms", "dr", "prof", "st", "sr", "jr", "vs", "etc", "e.g", "i.e", "inc", "ltd", "co",
     "fig", "al", "approx", "dept", "est", "mt", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep",

@@ -46,8 +46,8 @@ candidates (always when n <= W or C >= L*Hq); all span scores of those heads are
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -63,7 +63,6 @@ from rcstat_vllm.attribution.estimators import (
     top_heads,
 )
 from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
-
 
 
 class _LayerStore:
@@ -232,7 +231,7 @@ class AttributionTrace:
     # ---- access ----
 
     def stored_heads(self) -> list[tuple[int, int]]:
-        return [(l, int(h)) for l, s in enumerate(self._layers) if s is not None for h in s.q_heads]
+        return [(layer, int(h)) for layer, s in enumerate(self._layers) if s is not None for h in s.q_heads]
 
     def head_tensors(self, heads: Sequence[tuple[int, int]], n: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Gathered q_gen [H, n, D], k_prompt [H, m, D], k_gen [H, n, D] of (layer, query head) rows."""
@@ -352,7 +351,7 @@ class AttributionTrace:
         keys: Sequence[Tensor],
         num_prompt_tokens: int,
         options: AttributionOptions | None = None,
-    ) -> "AttributionTrace":
+    ) -> AttributionTrace:
         """The reference (non-streaming) trace: every head kept, from per-layer q [T, Hq, D], k [T, Hkv, D]."""
         options = dataclasses.replace(options or AttributionOptions(), warmup_tokens=None)
         trace = cls(num_prompt_tokens, len(queries), options)

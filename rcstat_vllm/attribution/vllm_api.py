@@ -20,12 +20,13 @@ the request's trace (Eq. 10 with the top-k RC heads), frees the trace and return
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rcstat_vllm.attribution.capture import trace_id
 from rcstat_vllm.attribution.report import AttributionResult, assemble, plan_spans
 
-__all__ = ["results", "WORKER_METHOD"]
+__all__ = ["WORKER_METHOD", "results"]
 
 WORKER_METHOD = "rcstat_attribution_results"
 
@@ -42,7 +43,7 @@ def _call_worker(llm, req_id: str, prompt_ranges, generated_ranges, pop: bool) -
 
         try:
             return llm.collective_rpc(call, args=args)
-        except Exception as second:  # noqa: BLE001
+        except Exception as second:
             raise RuntimeError(
                 f"attribution results unreachable: the worker has no {WORKER_METHOD!r} ({first}) and a callable "
                 f"RPC failed too ({second}); the worker extension rcstat_vllm.api.RCStatWorkerExtension must "

@@ -34,8 +34,9 @@ block returns to the pool with its request (vLLM frees the request's list, which
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, MutableSequence, Protocol, Sequence
+from typing import Protocol
 
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.decode_pressure import DecodePressure
@@ -357,7 +358,7 @@ class EngineCompaction:
             )
 
 
-_ENGINES: "weakref.WeakKeyDictionary[object, EngineCompaction]" = weakref.WeakKeyDictionary()
+_ENGINES: weakref.WeakKeyDictionary[object, EngineCompaction] = weakref.WeakKeyDictionary()
 
 
 def engine_compaction(block_pool) -> EngineCompaction:

@@ -18,8 +18,8 @@ Two decisions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.settings import decode_queries

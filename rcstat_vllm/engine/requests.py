@@ -23,8 +23,9 @@ vLLM frees its blocks (finished, or preempted: a recomputed request starts afres
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (annotations only)
     from rcstat_vllm.config import RCStatConfig

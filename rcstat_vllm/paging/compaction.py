@@ -100,7 +100,7 @@ def compact_request(
     space: PageSpace,
     layout: CacheLayout = CPU_VEC,
     shared_blocks: int = 0,
-) -> "CompactedRequest":
+) -> CompactedRequest:
     """Copy each (layer, head)'s kept tokens (in order) from the request's uncompressed blocks into head pages of
     ``dest_blocks``, densely (copy on compact: the source blocks are never written, so blocks the prefix cache
     or another request still reads stay intact).

@@ -14,7 +14,7 @@ import functools
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layout_matches(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     """True when vLLM's cache writes land where kv_layout.read_kv expects them."""
     from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv
@@ -30,7 +30,7 @@ def layout_matches(isa: str, dtype: torch.dtype, block_size: int, head_dim: int)
     values = torch.randn(len(slots), 1, head_dim, generator=generator).to(dtype)
     try:
         ops.cpu_attn_reshape_and_cache(keys, values, key_pages, value_pages, slots, isa)
-    except Exception:  # an ISA this build cannot run
+    except Exception:  # noqa: BLE001 - an ISA this build cannot run
         return False
     got_keys, got_values = read_kv(kv_cache, slots // block_size, slots % block_size)
     return torch.equal(got_keys, keys[:, 0]) and torch.equal(got_values, values[:, 0])

@@ -17,8 +17,8 @@ a group of layers (one group of all layers, or one group per layer), and a base 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -46,11 +46,11 @@ class PageSpace:
     all_layers: Tensor | None = None
 
     @classmethod
-    def per_layer(cls, num_layers: int, num_heads: int, block_size: int) -> "PageSpace":
+    def per_layer(cls, num_layers: int, num_heads: int, block_size: int) -> PageSpace:
         return cls(num_heads, block_size, (0,) * num_layers, tuple((layer,) for layer in range(num_layers)))
 
     @classmethod
-    def pooled(cls, all_layers: Tensor, layer_base: Sequence[int], num_heads: int, block_size: int) -> "PageSpace":
+    def pooled(cls, all_layers: Tensor, layer_base: Sequence[int], num_heads: int, block_size: int) -> PageSpace:
         return cls(num_heads, block_size, tuple(layer_base), (tuple(range(len(layer_base))),), all_layers)
 
     @property

@@ -27,7 +27,7 @@ never waits on the device.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

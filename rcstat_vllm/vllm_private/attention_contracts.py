@@ -30,7 +30,7 @@ CONTRACTS = (
     Contract(f"{_CPU}:CPUAttentionMetadataBuilder.__init__", _BUILDER_INIT, platform="cpu"),
     Contract(f"{_CPU}:CPUAttentionMetadataBuilder.build", _BUILD, platform="cpu"),
     # CUDA backend (FlashAttention)
-    Contract(f"{_FLASH}:FlashAttentionImpl.forward", _LAYER_FORWARD + ("output_scale", "output_block_scale")),
+    Contract(f"{_FLASH}:FlashAttentionImpl.forward", (*_LAYER_FORWARD, "output_scale", "output_block_scale")),
     Contract(f"{_FLASH}:FlashAttentionImpl.do_kv_cache_update", _KV_UPDATE),
     Contract(f"{_FLASH}:FlashAttentionMetadataBuilder.__init__", _BUILDER_INIT),
     Contract(f"{_FLASH}:FlashAttentionMetadataBuilder.build", _BUILD),

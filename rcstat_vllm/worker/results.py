@@ -28,7 +28,7 @@ class PackedReport:
     """A :class:`CompressionReport` as the log keeps it: the report without its per-layer lists, which are held as
     numpy arrays (kept counts [layer, kv head] as int32, per-layer global eviction as float64: read back exactly)."""
 
-    __slots__ = ("report", "kept", "layer_global_eviction")
+    __slots__ = ("kept", "layer_global_eviction", "report")
 
     def __init__(self, report: CompressionReport):
         self.report = dataclasses.replace(report, kept=[], layer_global_eviction=[])

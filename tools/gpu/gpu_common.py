@@ -276,7 +276,7 @@ def run_main(main, name: str, *, worker: bool = True) -> None:
     in the parent, reads its ``RESULT`` line or reports its exit)."""
     try:
         code = main()
-    except BaseException as exc:  # noqa: BLE001 - whatever happens, a JSON file saying what
+    except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
             raise
         if worker and "--worker" in sys.argv:

