@@ -64,22 +64,47 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: default: 32 needle prompts (single: 3 lengths x 8 depths spread evenly over 5-95%; multi, three needles: 2
 #: lengths x 4 depths of the queried needle), 2 variable-tracking prompts and 6 essay summaries.
 ACCURACY_PRESETS = {
-    "quick": dict(base="quick", niah_lengths=[1024, 2048], niah_depths=[0.1, 0.9], niah_multi_lengths=[1024],
-                  niah_multi_depths=[0.5], vt_lengths=[1024], vt_per_length=1, summ=1, summ_tokens=1024,
-                  niah_multikey_lengths=[1024], niah_multikey_depths=[0.5], niah_multivalue_lengths=[1024],
-                  niah_multivalue_depths=[0.3]),
-    "default": dict(base="default", niah_lengths=[1024, 2048, 4096],
-                    niah_depths=[0.05, 0.18, 0.31, 0.44, 0.56, 0.69, 0.82, 0.95], niah_multi_lengths=[1024, 2048],
-                    niah_multi_depths=[0.1, 0.4, 0.6, 0.9], vt_lengths=[1024], vt_per_length=2,
-                    summ=6, summ_tokens=1024,
-                    # RULER's multi-key (4 keys, 3 distractors, ask one) and multi-value (4 values, one key)
-                    niah_multikey_lengths=[1024, 2048], niah_multikey_depths=[0.1, 0.4, 0.6, 0.9],
-                    niah_multivalue_lengths=[1024, 2048], niah_multivalue_depths=[0.1, 0.5, 0.9]),
+    "quick": dict(
+        base="quick",
+        niah_lengths=[1024, 2048],
+        niah_depths=[0.1, 0.9],
+        niah_multi_lengths=[1024],
+        niah_multi_depths=[0.5],
+        vt_lengths=[1024],
+        vt_per_length=1,
+        summ=1,
+        summ_tokens=1024,
+        niah_multikey_lengths=[1024],
+        niah_multikey_depths=[0.5],
+        niah_multivalue_lengths=[1024],
+        niah_multivalue_depths=[0.3],
+    ),
+    "default": dict(
+        base="default",
+        niah_lengths=[1024, 2048, 4096],
+        niah_depths=[0.05, 0.18, 0.31, 0.44, 0.56, 0.69, 0.82, 0.95],
+        niah_multi_lengths=[1024, 2048],
+        niah_multi_depths=[0.1, 0.4, 0.6, 0.9],
+        vt_lengths=[1024],
+        vt_per_length=2,
+        summ=6,
+        summ_tokens=1024,
+        # RULER's multi-key (4 keys, 3 distractors, ask one) and multi-value (4 values, one key)
+        niah_multikey_lengths=[1024, 2048],
+        niah_multikey_depths=[0.1, 0.4, 0.6, 0.9],
+        niah_multivalue_lengths=[1024, 2048],
+        niah_multivalue_depths=[0.1, 0.5, 0.9],
+    ),
 }
 #: --budget-scope-study: needles only, more of them (single: 3 lengths x 6 depths; multi: 2 lengths x 3 depths).
-BUDGET_SCOPE_PRESET = dict(base="default", tasks=["niah_single", "niah_multi"], niah_lengths=[1024, 2048, 4096],
-                           niah_depths=[0.05, 0.25, 0.4, 0.6, 0.75, 0.95], niah_multi_lengths=[1024, 2048],
-                           niah_multi_depths=[0.1, 0.5, 0.9])
+BUDGET_SCOPE_PRESET = dict(
+    base="default",
+    tasks=["niah_single", "niah_multi"],
+    niah_lengths=[1024, 2048, 4096],
+    niah_depths=[0.05, 0.25, 0.4, 0.6, 0.75, 0.95],
+    niah_multi_lengths=[1024, 2048],
+    niah_multi_depths=[0.1, 0.5, 0.9],
+)
 
 
 def study_preset(summaries: int = 0) -> dict:
@@ -95,8 +120,16 @@ def study_preset(summaries: int = 0) -> dict:
 
 #: methods.accuracy_settings arguments per preset.
 SETTINGS_PRESETS = {
-    "quick": dict(rc_ratios=(0.8,), baseline_ratios=(0.5,), paper_ratios=(0.5,), c_values=(), uncarried_ratios=(), mean_ratios=(),
-                  uncontrasted_ratios=(), mean_uncontrasted_ratios=()),
+    "quick": dict(
+        rc_ratios=(0.8,),
+        baseline_ratios=(0.5,),
+        paper_ratios=(0.5,),
+        c_values=(),
+        uncarried_ratios=(),
+        mean_ratios=(),
+        uncontrasted_ratios=(),
+        mean_uncontrasted_ratios=(),
+    ),
     "default": dict(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,), c_values=(1.0,)),
 }
 #: The transformers cross-check: the shortest retrieval prompts, a few settings (it is a check of the plugin's
@@ -114,14 +147,22 @@ def engine_kwargs(model_dir: str, max_model_len: int, kv_bytes: int, eviction: s
     requests ran beside it."""
     from rcstat_vllm.model import with_embedded_dtype
 
-    return with_embedded_dtype(dict(model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
-                kv_cache_memory_bytes=kv_bytes, seed=0,
-                # Every prompt runs under every setting: with prefix caching a repeat would be served its prompt
-                # from the cache, and the plugin compresses only the tokens a request computes.
-                enable_prefix_caching=False,
-                # The bare flag but for when it compacts: the "default" setting's requests override nothing, the
-                # others what they set.
-                additional_config={"rcstat": server_flag(eviction)}))
+    return with_embedded_dtype(
+        dict(
+            model=model_dir,
+            enforce_eager=True,
+            compilation_config={"mode": 0},
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_bytes,
+            seed=0,
+            # Every prompt runs under every setting: with prefix caching a repeat would be served its prompt
+            # from the cache, and the plugin compresses only the tokens a request computes.
+            enable_prefix_caching=False,
+            # The bare flag but for when it compacts: the "default" setting's requests override nothing, the
+            # others what they set.
+            additional_config={"rcstat": server_flag(eviction)},
+        )
+    )
 
 
 def server_flag(eviction: str = "eager") -> dict:
@@ -158,9 +199,11 @@ def run_wave(llm, jobs: list[tuple], desc: str) -> tuple[list[dict], float]:
     from rcstat_vllm.api import compression_results, match_outputs
 
     prompts = [TokensPrompt(prompt_token_ids=s.prompt_ids) for s, _, _ in jobs]
-    params = [SamplingParams(temperature=0.0, max_tokens=s.max_new_tokens, extra_args={"rcstat": o})
-              for s, _, o in jobs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=s.max_new_tokens, extra_args={"rcstat": o}) for s, _, o in jobs
+    ]
     t0 = time.perf_counter()
+
     def progress(*args, **kwargs):
         from tqdm import tqdm
 
@@ -172,18 +215,24 @@ def run_wave(llm, jobs: list[tuple], desc: str) -> tuple[list[dict], float]:
     matched = match_outputs(outputs, compression_results(llm))
     records = []
     for (sample, setting, override), out, res in zip(jobs, outputs, matched):
-        records.append({
-            "sample_id": sample.sample_id, "task": sample.task, "setting": setting.label,
-            "family": setting.family, "override": override,
-            "num_tokens": sample.num_tokens,
-            "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
-            "ratio": None if res is None else res.get("compression_ratio"),
-            "skipped_reason": None if res is None else res.get("skipped_reason"),
-            "blocks_freed": None if res is None else res.get("blocks_freed"),
-            "fragmentation": None if res is None else res.get("fragmentation"),
-            "kept": None if res is None else res.get("kept"),
-            "cached_tokens": out.num_cached_tokens or 0,
-        })
+        records.append(
+            {
+                "sample_id": sample.sample_id,
+                "task": sample.task,
+                "setting": setting.label,
+                "family": setting.family,
+                "override": override,
+                "num_tokens": sample.num_tokens,
+                "token_ids": list(out.outputs[0].token_ids),
+                "text": out.outputs[0].text,
+                "ratio": None if res is None else res.get("compression_ratio"),
+                "skipped_reason": None if res is None else res.get("skipped_reason"),
+                "blocks_freed": None if res is None else res.get("blocks_freed"),
+                "fragmentation": None if res is None else res.get("fragmentation"),
+                "kept": None if res is None else res.get("kept"),
+                "cached_tokens": out.num_cached_tokens or 0,
+            }
+        )
     return records, wall
 
 
@@ -194,8 +243,15 @@ def copy_records(records: list[dict], same: dict[str, str], settings: list[metho
     for label, source in same.items():
         for r in records:
             if r["setting"] == source:
-                extra.append({**r, "setting": label, "family": by_label[label].family,
-                              "override": dict(by_label[label].rcstat), "same_run_as": source})
+                extra.append(
+                    {
+                        **r,
+                        "setting": label,
+                        "family": by_label[label].family,
+                        "override": dict(by_label[label].rcstat),
+                        "same_run_as": source,
+                    }
+                )
     return extra
 
 
@@ -221,14 +277,23 @@ def summarize(records: list[dict], settings: list[methods.Setting], eviction: st
         rows = [r for r in records if r["setting"] == s.label]
         if not rows:
             continue
-        entry = {"family": s.family, "rcstat": s.rcstat, "matched_to": s.matched_to, "n": len(rows),
-                 "ratio": _mean(r["ratio"] for r in rows),
-                 "skipped": sum(1 for r in rows if r["skipped_reason"] and s.family != "full"),
-                 "same_as_full": _mean(float(r["same_as_full"]) for r in rows), "by_task": {}}
+        entry = {
+            "family": s.family,
+            "rcstat": s.rcstat,
+            "matched_to": s.matched_to,
+            "n": len(rows),
+            "ratio": _mean(r["ratio"] for r in rows),
+            "skipped": sum(1 for r in rows if r["skipped_reason"] and s.family != "full"),
+            "same_as_full": _mean(float(r["same_as_full"]) for r in rows),
+            "by_task": {},
+        }
         for task in sorted({r["task"] for r in rows}):
             t_rows = [r for r in rows if r["task"] == task]
-            entry["by_task"][task] = {"n": len(t_rows), "score": _mean(r["score"] for r in t_rows),
-                                      "ratio": _mean(r["ratio"] for r in t_rows)}
+            entry["by_task"][task] = {
+                "n": len(t_rows),
+                "score": _mean(r["score"] for r in t_rows),
+                "ratio": _mean(r["ratio"] for r in t_rows),
+            }
         needle = [r for r in rows if r["task"] in data.NEEDLE_TASKS]
         entry["needle_accuracy"] = _mean(r["score"] for r in needle)
         entry["needle_ratio"] = _mean(r["ratio"] for r in needle)
@@ -243,8 +308,11 @@ def summarize(records: list[dict], settings: list[methods.Setting], eviction: st
 def needle_counts(rows: list[dict], full_found: dict[str, list[bool]]) -> dict:
     """Needle values found (single and multi-key: one per prompt, multi: three, multi-value: four), per task and
     overall, and how many of the values the full cache found this setting found too."""
-    out = {"needle_prompts": len(rows), "needle_values": sum(len(r["found"]) for r in rows),
-           "needle_hits": sum(sum(r["found"]) for r in rows)}
+    out = {
+        "needle_prompts": len(rows),
+        "needle_values": sum(len(r["found"]) for r in rows),
+        "needle_hits": sum(sum(r["found"]) for r in rows),
+    }
     for task in data.NEEDLE_TASKS:
         t_rows = [r for r in rows if r["task"] == task]
         out[f"{task}_values"] = sum(len(r["found"]) for r in t_rows)
@@ -265,8 +333,15 @@ def _mean(values) -> float:
 # ----------------------------------------------------------------------------------------------- fidelity
 
 
-def fidelity_check(records: list[dict], samples: list[data.Sample], settings: list[methods.Setting],
-                   labels: tuple[str, ...], num_samples: int, dtype: str, model_dir: str | None) -> dict:
+def fidelity_check(
+    records: list[dict],
+    samples: list[data.Sample],
+    settings: list[methods.Setting],
+    labels: tuple[str, ...],
+    num_samples: int,
+    dtype: str,
+    model_dir: str | None,
+) -> dict:
     import hf_reference as ref_lib
     import torch
     from tqdm import tqdm
@@ -300,10 +375,16 @@ def fidelity_check(records: list[dict], samples: list[data.Sample], settings: li
                 if a != b:
                     break
                 prefix += 1
-            row = {"sample_id": sample.sample_id, "setting": label, "exact": hf_tokens == v_tokens,
-                   "prefix_fraction": prefix / max(len(hf_tokens), len(v_tokens), 1),
-                   "hf_tokens": hf_tokens, "vllm_tokens": v_tokens,
-                   "hf_ratio": ratio, "vllm_ratio": vr["ratio"]}
+            row = {
+                "sample_id": sample.sample_id,
+                "setting": label,
+                "exact": hf_tokens == v_tokens,
+                "prefix_fraction": prefix / max(len(hf_tokens), len(v_tokens), 1),
+                "hf_tokens": hf_tokens,
+                "vllm_tokens": v_tokens,
+                "hf_ratio": ratio,
+                "vllm_ratio": vr["ratio"],
+            }
             if kept is not None and vr.get("kept"):
                 pairs = [(a, b) for la, lb in zip(kept, vr["kept"]) for a, b in zip(la, lb)]
                 row["kept_count_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
@@ -314,18 +395,27 @@ def fidelity_check(records: list[dict], samples: list[data.Sample], settings: li
         lr = [r for r in rows if r["setting"] == label]
         if lr:
             summary[label] = {
-                "n": len(lr), "exact_match_rate": _mean(float(r["exact"]) for r in lr),
+                "n": len(lr),
+                "exact_match_rate": _mean(float(r["exact"]) for r in lr),
                 "prefix_agreement": _mean(r["prefix_fraction"] for r in lr),
                 "kept_count_agreement": _mean(r.get("kept_count_agreement") for r in lr),
-                "ratio_abs_diff": _mean(abs(r["hf_ratio"] - r["vllm_ratio"]) for r in lr
-                                        if r["vllm_ratio"] is not None),
+                "ratio_abs_diff": _mean(
+                    abs(r["hf_ratio"] - r["vllm_ratio"]) for r in lr if r["vllm_ratio"] is not None
+                ),
             }
-    overall = {"exact_match_rate": _mean(float(r["exact"]) for r in rows),
-               "prefix_agreement": _mean(r["prefix_fraction"] for r in rows)}
-    return {"dtype": dtype, "note": "keep-set equality between vLLM and transformers is not guaranteed (bf16 "
-            "paged keys and different kernels; near-ties in scores); reported: greedy token agreement and "
-            "per-(layer, KV head) kept-count agreement; the 'full' row is the numerical floor",
-            "overall": overall, "by_setting": summary, "rows": rows}
+    overall = {
+        "exact_match_rate": _mean(float(r["exact"]) for r in rows),
+        "prefix_agreement": _mean(r["prefix_fraction"] for r in rows),
+    }
+    return {
+        "dtype": dtype,
+        "note": "keep-set equality between vLLM and transformers is not guaranteed (bf16 "
+        "paged keys and different kernels; near-ties in scores); reported: greedy token agreement and "
+        "per-(layer, KV head) kept-count agreement; the 'full' row is the numerical floor",
+        "overall": overall,
+        "by_setting": summary,
+        "rows": rows,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -338,29 +428,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=data.DEFAULT_SEED)
     parser.add_argument("--model", default=None)
     parser.add_argument("--c", type=float, nargs="*", default=None, help="RC threshold mode (paper scoring) at these c")
-    parser.add_argument("--ratios", type=float, nargs="*", default=None,
-                        help="RC budgets with its defaults otherwise (default 0.5 0.7 0.8); the studies' ratios")
-    parser.add_argument("--baseline-ratios", type=float, nargs="*", default=None,
-                        help="SnapKV and TOVA budgets, each at kvpress's window and RC's (default 0.5 0.8)")
+    parser.add_argument(
+        "--ratios",
+        type=float,
+        nargs="*",
+        default=None,
+        help="RC budgets with its defaults otherwise (default 0.5 0.7 0.8); the studies' ratios",
+    )
+    parser.add_argument(
+        "--baseline-ratios",
+        type=float,
+        nargs="*",
+        default=None,
+        help="SnapKV and TOVA budgets, each at kvpress's window and RC's (default 0.5 0.8)",
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
-    parser.add_argument("--eviction", choices=["eager", "lazy"], default="eager",
-                        help="server-wide eviction (default eager: every setting compacts; lazy: the plugin's "
-                             "default, compacting only when the pool is short, e.g. with a small --kv-cache-gib)")
+    parser.add_argument(
+        "--eviction",
+        choices=["eager", "lazy"],
+        default="eager",
+        help="server-wide eviction (default eager: every setting compacts; lazy: the plugin's "
+        "default, compacting only when the pool is short, e.g. with a small --kv-cache-gib)",
+    )
     parser.add_argument("--fidelity-samples", type=int, default=None)
-    parser.add_argument("--fidelity-dtype", default=None, choices=["float32", "bfloat16"],
-                        help="the transformers reference's dtype (default: the engine's: float32 on CPUs without bf16)")
+    parser.add_argument(
+        "--fidelity-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the transformers reference's dtype (default: the engine's: float32 on CPUs without bf16)",
+    )
     parser.add_argument("--no-fidelity", action="store_true")
-    parser.add_argument("--budget-scope-study", action="store_true",
-                        help="needles only: RC budget per layer vs model-wide (the plugin's own comparison of layers) "
-                             "at --ratios (default 0.5 0.8); writes benchmarks/results/accuracy_budget_scope_cpu.json")
+    parser.add_argument(
+        "--budget-scope-study",
+        action="store_true",
+        help="needles only: RC budget per layer vs model-wide (the plugin's own comparison of layers) "
+        "at --ratios (default 0.5 0.8); writes benchmarks/results/accuracy_budget_scope_cpu.json",
+    )
     methods.add_cliff_arguments(parser, "accuracy_cliff_cpu.json")
-    parser.add_argument("--only", nargs="+", metavar="LABEL", default=None,
-                        help="run only these settings (labels as the table prints them; the full cache always runs: "
-                             "the others are scored against it)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="LABEL",
+        default=None,
+        help="run only these settings (labels as the table prints them; the full cache always runs: "
+        "the others are scored against it)",
+    )
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/accuracy_cpu.json)")
-    parser.add_argument("--write-prompts", metavar="PATH", default=None,
-                        help="write this run's prompts (with token ids) as JSON to PATH and stop: the input of "
-                             "benchmarks/kvpress_reference.py, so kvpress runs on exactly these prompts")
+    parser.add_argument(
+        "--write-prompts",
+        metavar="PATH",
+        default=None,
+        help="write this run's prompts (with token ids) as JSON to PATH and stop: the input of "
+        "benchmarks/kvpress_reference.py, so kvpress runs on exactly these prompts",
+    )
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "default"
     sp = dict(SETTINGS_PRESETS[preset])
@@ -373,9 +493,12 @@ def main(argv: list[str] | None = None) -> int:
         default_name = "accuracy_cliff_cpu.json"
     elif args.budget_scope_study:
         settings = methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)), comparables=())
-        settings += [methods.Setting(f"rc_model_r{r:g}", "rc_model",
-                                     {**methods.PAPER_RC, "target_ratio": float(r), "budget_scope": "model"})
-                     for r in (args.ratios or (0.5, 0.8))]
+        settings += [
+            methods.Setting(
+                f"rc_model_r{r:g}", "rc_model", {**methods.PAPER_RC, "target_ratio": float(r), "budget_scope": "model"}
+            )
+            for r in (args.ratios or (0.5, 0.8))
+        ]
         args.no_fidelity = True
         default_name = "accuracy_budget_scope_cpu.json"
     else:
@@ -394,28 +517,50 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     load_start = load_avg()
     tokenizer = data.load_tokenizer(model_dir)
-    ap = study_preset(args.summaries) if args.budget_scope_study or args.cliff_ablation else dict(ACCURACY_PRESETS[preset])
+    ap = (
+        study_preset(args.summaries)
+        if args.budget_scope_study or args.cliff_ablation
+        else dict(ACCURACY_PRESETS[preset])
+    )
     samples = data.build_suite(tokenizer, ap.pop("base"), args.seed, **ap)
     if args.write_prompts:
-        Path(args.write_prompts).write_text(json.dumps(
-            {"benchmark": "accuracy", "preset": preset, "seed": args.seed, "model": model_dir,
-             "samples": [s.to_dict(with_ids=True) for s in samples]}))
+        Path(args.write_prompts).write_text(
+            json.dumps(
+                {
+                    "benchmark": "accuracy",
+                    "preset": preset,
+                    "seed": args.seed,
+                    "model": model_dir,
+                    "samples": [s.to_dict(with_ids=True) for s in samples],
+                }
+            )
+        )
         print(f"{len(samples)} prompts written to {args.write_prompts}", file=sys.stderr)
         return 0
     by_id = {s.sample_id: s for s in samples}
     max_len = max(s.num_tokens + s.max_new_tokens for s in samples)
     max_model_len = max(2048, -(-max_len // 1024) * 1024)
-    print(f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens) x {len(settings)} settings",
-          file=sys.stderr)
+    print(
+        f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens) x {len(settings)} settings",
+        file=sys.stderr,
+    )
 
     from vllm import LLM
 
     same = run_plan(settings)
-    report: dict = {"benchmark": "accuracy", "preset": preset, "seed": args.seed, "model": model_dir,
-                    "plugin_defaults": methods.plugin_defaults(), "baseline_published_windows": methods.kvpress_windows(),
-                    "settings": [{**s.to_dict(), "resolved": resolved_config(s, args.eviction),
-                                  "same_run_as": same.get(s.label)} for s in settings],
-                    "samples": [s.to_dict() for s in samples]}
+    report: dict = {
+        "benchmark": "accuracy",
+        "preset": preset,
+        "seed": args.seed,
+        "model": model_dir,
+        "plugin_defaults": methods.plugin_defaults(),
+        "baseline_published_windows": methods.kvpress_windows(),
+        "settings": [
+            {**s.to_dict(), "resolved": resolved_config(s, args.eviction), "same_run_as": same.get(s.label)}
+            for s in settings
+        ],
+        "samples": [s.to_dict() for s in samples],
+    }
     kwargs = engine_kwargs(model_dir, max_model_len, int(args.kv_cache_gib * (1 << 30)), args.eviction)
     # How the numbers were made, before the run (a run cut short still says it): commit, machine, engine options.
     report["environment"] = environment()
@@ -423,8 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     report["engine_start_s"] = round(time.perf_counter() - t0, 1)
-    first = [(s, st, methods.resolve(st, {})) for st in settings if st.matched_to is None and st.label not in same
-             for s in samples]
+    first = [
+        (s, st, methods.resolve(st, {}))
+        for st in settings
+        if st.matched_to is None and st.label not in same
+        for s in samples
+    ]
     records, wall1 = run_wave(llm, first, "vLLM wave 1 (fixed settings)")
     matched = [st for st in settings if st.matched_to is not None]
     wall2 = 0.0
@@ -456,8 +605,9 @@ def main(argv: list[str] | None = None) -> int:
             from rcstat_vllm.model import embedded_model_dtype
 
             dtype = args.fidelity_dtype or embedded_model_dtype() or "bfloat16"
-            report["fidelity"] = fidelity_check(records, samples, settings, fid["settings"], fid["samples"],
-                                                dtype, model_dir)
+            report["fidelity"] = fidelity_check(
+                records, samples, settings, fid["settings"], fid["samples"], dtype, model_dir
+            )
             report["fidelity"]["seconds"] = round(time.perf_counter() - t0, 1)
         except Exception:  # noqa: BLE001 - keep the vLLM results even if the reference fails
             report["fidelity"] = {"error": traceback.format_exc()}
@@ -470,21 +620,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'setting':18s} {'ratio':>6s} {'single':>7s} {'multi':>7s} {'m-key':>7s} {'m-value':>7s} {'of full':>7s} "
-          f"{'vt':>6s} {'summ':>6s} {'=full':>6s}")
+    print(
+        f"{'setting':18s} {'ratio':>6s} {'single':>7s} {'multi':>7s} {'m-key':>7s} {'m-value':>7s} {'of full':>7s} "
+        f"{'vt':>6s} {'summ':>6s} {'=full':>6s}"
+    )
     for label, e in report["summary"].items():
         task = lambda t: e["by_task"].get(t, {}).get("score", float("nan"))  # noqa: E731
         count = lambda t: f"{e.get(t + '_hits', 0)}/{e.get(t + '_values', 0)}"  # noqa: E731
-        print(f"{label:18s} {e['ratio']:6.3f} {count('niah_single'):>7s} {count('niah_multi'):>7s} "
-              f"{count('niah_multikey'):>7s} {count('niah_multivalue'):>7s} "
-              f"{e.get('needle_kept_of_full', float('nan')):7.2f} {task('vt'):6.3f} {task('summ'):6.3f} "
-              f"{e['same_as_full']:6.2f}")
+        print(
+            f"{label:18s} {e['ratio']:6.3f} {count('niah_single'):>7s} {count('niah_multi'):>7s} "
+            f"{count('niah_multikey'):>7s} {count('niah_multivalue'):>7s} "
+            f"{e.get('needle_kept_of_full', float('nan')):7.2f} {task('vt'):6.3f} {task('summ'):6.3f} "
+            f"{e['same_as_full']:6.2f}"
+        )
     fid = report.get("fidelity", {})
     if "by_setting" in fid:
         print("fidelity (vLLM vs transformers, greedy):")
         for label, f in fid["by_setting"].items():
-            print(f"  {label:20s} exact {f['exact_match_rate']:.2f}  prefix {f['prefix_agreement']:.2f}  "
-                  f"kept-count agreement {f['kept_count_agreement']:.2f}")
+            print(
+                f"  {label:20s} exact {f['exact_match_rate']:.2f}  prefix {f['prefix_agreement']:.2f}  "
+                f"kept-count agreement {f['kept_count_agreement']:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -50,10 +50,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-FIRST = ["Anna", "Boris", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ingrid", "Jonas", "Keiko",
-         "Lars", "Mira", "Nikolai", "Olga", "Pavel", "Rosa", "Stefan", "Tamsin", "Umberto"]
-LAST = ["Kowalski", "Brandt", "Okafor", "Lindqvist", "Moreau", "Haddad", "Novak", "Castillo", "Petrov",
-        "Yamamoto", "Fischer", "Oduya", "Marchetti", "Svensson", "Dubois"]
+FIRST = [
+    "Anna",
+    "Boris",
+    "Clara",
+    "Dmitri",
+    "Elena",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ingrid",
+    "Jonas",
+    "Keiko",
+    "Lars",
+    "Mira",
+    "Nikolai",
+    "Olga",
+    "Pavel",
+    "Rosa",
+    "Stefan",
+    "Tamsin",
+    "Umberto",
+]
+LAST = [
+    "Kowalski",
+    "Brandt",
+    "Okafor",
+    "Lindqvist",
+    "Moreau",
+    "Haddad",
+    "Novak",
+    "Castillo",
+    "Petrov",
+    "Yamamoto",
+    "Fischer",
+    "Oduya",
+    "Marchetti",
+    "Svensson",
+    "Dubois",
+]
 JOBS = ["carpenter", "pilot", "dentist", "violinist", "beekeeper", "chemist", "librarian", "sculptor"]
 FOODS = ["lentil soup", "mango pie", "smoked trout", "pumpkin bread", "fig jam", "cabbage rolls"]
 PETS = ["Pepper", "Biscuit", "Marlowe", "Tofu", "Juniper", "Waffles", "Ziggy", "Clementine"]
@@ -68,40 +103,54 @@ ANIMALS = ["elephant", "giraffe", "tortoise", "camel", "rhinoceros", "hippo"]
 def _person(rng):
     name = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
     job, food, pet = rng.choice(JOBS), rng.choice(FOODS), rng.choice(PETS)
-    doc = (f"{name} works as a {job} in a small village. {name.split()[0]}'s favourite food is {food}. "
-           f"{name.split()[0]} has a cat named {pet}.")
-    questions = [(f"What is the name of {name}'s cat?", pet), (f"What is {name}'s favourite food?", food),
-                 (f"What does {name} work as?", job)]
+    doc = (
+        f"{name} works as a {job} in a small village. {name.split()[0]}'s favourite food is {food}. "
+        f"{name.split()[0]} has a cat named {pet}."
+    )
+    questions = [
+        (f"What is the name of {name}'s cat?", pet),
+        (f"What is {name}'s favourite food?", food),
+        (f"What does {name} work as?", job),
+    ]
     return name, doc, questions
 
 
 def _town(rng):
     town = rng.choice(TOWNS)
     famous, colour, bridges = rng.choice(FAMOUS), rng.choice(COLOURS), str(rng.randint(3, 19))
-    doc = (f"The town of {town} is famous for its {famous}. Every house in {town} has a {colour} door. "
-           f"There are {bridges} bridges in {town}.")
-    questions = [(f"What is the town of {town} famous for?", famous), (f"What colour are the doors in {town}?", colour),
-                 (f"How many bridges are there in {town}?", bridges)]
+    doc = (
+        f"The town of {town} is famous for its {famous}. Every house in {town} has a {colour} door. "
+        f"There are {bridges} bridges in {town}."
+    )
+    questions = [
+        (f"What is the town of {town} famous for?", famous),
+        (f"What colour are the doors in {town}?", colour),
+        (f"How many bridges are there in {town}?", bridges),
+    ]
     return town, doc, questions
 
 
 def _company(rng):
     company = rng.choice(COMPANIES)
     year, product, workers = str(rng.randint(1850, 1999)), rng.choice(PRODUCTS), str(rng.randint(20, 900))
-    doc = (f"{company} is a company that was founded in {year}. It makes {product}. "
-           f"{company} employs {workers} people.")
-    questions = [(f"In which year was {company} founded?", year), (f"What does {company} make?", product),
-                 (f"How many people does {company} employ?", workers)]
+    doc = f"{company} is a company that was founded in {year}. It makes {product}. {company} employs {workers} people."
+    questions = [
+        (f"In which year was {company} founded?", year),
+        (f"What does {company} make?", product),
+        (f"How many people does {company} employ?", workers),
+    ]
     return company, doc, questions
 
 
 def _animal(rng):
     animal, pet = rng.choice(ANIMALS), rng.choice(PETS)
     weight, keeper = str(rng.randint(100, 4000)), rng.choice(FIRST)
-    doc = (f"The zoo's {animal} is called {pet}. It weighs {weight} kilograms. "
-           f"Its keeper is a woman named {keeper}.")
-    questions = [(f"What is the zoo's {animal} called?", pet), (f"How much does the zoo's {animal} weigh?", weight),
-                 (f"Who is the keeper of the zoo's {animal}?", keeper)]
+    doc = f"The zoo's {animal} is called {pet}. It weighs {weight} kilograms. Its keeper is a woman named {keeper}."
+    questions = [
+        (f"What is the zoo's {animal} called?", pet),
+        (f"How much does the zoo's {animal} weigh?", weight),
+        (f"Who is the keeper of the zoo's {animal}?", keeper),
+    ]
     return animal, doc, questions
 
 
@@ -144,8 +193,16 @@ def user_message(example: dict) -> str:
 
 #: Planted facts: (fact sentence, question, value maker). Two disjoint families: ``a`` chooses the method,
 #: ``b`` is held out for reporting (with text the choice never saw).
-PLACES = ["storage room", "north gate", "server closet", "archive vault", "loading dock", "rooftop garden",
-          "print shop", "boiler room"]
+PLACES = [
+    "storage room",
+    "north gate",
+    "server closet",
+    "archive vault",
+    "loading dock",
+    "rooftop garden",
+    "print shop",
+    "boiler room",
+]
 SERVER_NAMES = ["Falcon", "Juniper", "Orion", "Tamarind", "Bellwether", "Quasar", "Marigold", "Sextant"]
 TEAMS = ["design", "billing", "security", "research", "support", "platform", "hiring", "legal"]
 SYSTEMS = ["payroll database", "mail relay", "build farm", "ticket tracker", "file archive", "backup cluster"]
@@ -161,28 +218,43 @@ def _fact_families():
 
     def server(rng):
         city, value = rng.choice(TOWNS), rng.choice(SERVER_NAMES)
-        return (f"The backup server in the {city} office is called {value}.",
-                f"What is the backup server in the {city} office called?", value)
+        return (
+            f"The backup server in the {city} office is called {value}.",
+            f"What is the backup server in the {city} office called?",
+            value,
+        )
 
     def room(rng):
         team, value = rng.choice(TEAMS), str(rng.randint(101, 499))
-        return (f"The {team} team meets every week in room {value}.", f"In which room does the {team} team meet?",
-                value)
+        return (
+            f"The {team} team meets every week in room {value}.",
+            f"In which room does the {team} team meet?",
+            value,
+        )
 
     def window(rng):
         system, value = rng.choice(SYSTEMS), str(rng.randint(1, 11))
-        return (f"The maintenance window for the {system} starts at {value} o'clock.",
-                f"At what time does the maintenance window for the {system} start?", value)
+        return (
+            f"The maintenance window for the {system} starts at {value} o'clock.",
+            f"At what time does the maintenance window for the {system} start?",
+            value,
+        )
 
     def codename(rng):
         product, value = rng.choice(PRODUCTS_B), rng.choice(CODENAMES)
-        return (f"The project codename for the new {product} is {value}.",
-                f"What is the project codename for the new {product}?", value)
+        return (
+            f"The project codename for the new {product} is {value}.",
+            f"What is the project codename for the new {product}?",
+            value,
+        )
 
     def calibrated(rng):
         device, first, last = rng.choice(DEVICES), rng.choice(FIRST), rng.choice(LAST)
-        return (f"The {device} in the lab was last calibrated by {first} {last}.",
-                f"Who last calibrated the {device} in the lab?", last)
+        return (
+            f"The {device} in the lab was last calibrated by {first} {last}.",
+            f"Who last calibrated the {device} in the lab?",
+            last,
+        )
 
     return {"a": (code, server, room), "b": (window, codename, calibrated)}
 
@@ -228,8 +300,16 @@ def _prose_passages(source: str) -> list[list[str]]:
 LONG_SOURCES = ("essays-a", "essays-b", "pydoc")
 
 
-def make_long_examples(tokenizer, count: int, seed: int = 0, source: str = "essays-a", facts: str = "a",
-                       docs_per_example: int = 4, min_tokens: int = 100, max_tokens: int = 300) -> list[dict]:
+def make_long_examples(
+    tokenizer,
+    count: int,
+    seed: int = 0,
+    source: str = "essays-a",
+    facts: str = "a",
+    docs_per_example: int = 4,
+    min_tokens: int = 100,
+    max_tokens: int = 300,
+) -> list[dict]:
     """Examples of ``docs_per_example`` documents of ``min_tokens``-``max_tokens`` tokens (the length of each
     drawn uniformly), each a run of consecutive sentences of a different passage of ``source``; one document
     (uniformly chosen) gets a planted fact of family ``facts`` at a random sentence boundary; the question
@@ -276,8 +356,17 @@ def make_long_examples(tokenizer, count: int, seed: int = 0, source: str = "essa
             docs.append(doc)
         if len(docs) < docs_per_example or any(value in d for i, d in enumerate(docs) if i != target):
             continue
-        examples.append({"docs": docs, "target": target, "question": question, "answer": value, "fact": fact,
-                         "source": source, "facts": facts})
+        examples.append(
+            {
+                "docs": docs,
+                "target": target,
+                "question": question,
+                "answer": value,
+                "fact": fact,
+                "source": source,
+                "facts": facts,
+            }
+        )
     return examples
 
 
@@ -287,9 +376,15 @@ def _argmax(values) -> int:
 
 #: span_score settings measured (the served options): (name, span_score, span_window)
 SPAN_SETTINGS = (
-    ("mean", "mean", 16), ("sum", "sum", 16), ("max", "max", 16),
-    ("top8", "top", 8), ("top16", "top", 16), ("top32", "top", 32),
-    ("window8", "window", 8), ("window16", "window", 16), ("window32", "window", 32),
+    ("mean", "mean", 16),
+    ("sum", "sum", 16),
+    ("max", "max", 16),
+    ("top8", "top", 8),
+    ("top16", "top", 16),
+    ("top32", "top", 32),
+    ("window8", "window", 8),
+    ("window16", "window", 16),
+    ("window32", "window", 32),
 )
 
 
@@ -329,16 +424,29 @@ def run_long(args) -> dict:
                 rows.append(_long_row(model, tokenizer, options, example, seed, args.max_new_tokens))
                 if args.verbose:
                     row = rows[-1]
-                    print(source, facts, seed, index, row["answered"], repr(row["answer"][:50]),
-                          {key: row["chunk"][key] == row["target"] for key in ("rc_default", "rc_top2pct:mean",
-                                                                           "attn_all:sum")}, flush=True)
+                    print(
+                        source,
+                        facts,
+                        seed,
+                        index,
+                        row["answered"],
+                        repr(row["answer"][:50]),
+                        {
+                            key: row["chunk"][key] == row["target"]
+                            for key in ("rc_default", "rc_top2pct:mean", "attn_all:sum")
+                        },
+                        flush=True,
+                    )
     elapsed = time.time() - started
     return {
         "benchmark": "attribution_long",
         # The record every result file has (commit, machine, versions), and its old top-level keys beside it.
         "environment": (env := environment(threads=args.threads, load_avg_end=load_avg())),
-        **{k: env[k] for k in ("device", "cpu", "cores", "python", "torch", "transformers", "vllm", "threads",
-                               "load_avg_end") if k in env},
+        **{
+            k: env[k]
+            for k in ("device", "cpu", "cores", "python", "torch", "transformers", "vllm", "threads", "load_avg_end")
+            if k in env
+        },
         "model": str(args.model or "SmolLM2-135M-Instruct (embedded)"),
         "documents_per_example": 4,
         "document_tokens": [100, 300],
@@ -366,8 +474,10 @@ def _long_row(model, tokenizer, options, example, seed, max_new_tokens) -> dict:
     target_sentence = next(i for i, (a, b) in enumerate(sentence_chars) if a <= fact_start < b)
     chunk_ranges = [(s.token_start, s.token_end) for s in chunks]
     sentence_ranges = [(s.token_start, s.token_end) for s in sentences]
-    groups = [[(s.token_start, s.token_end) for s, (a, b) in zip(sentences, sentence_chars) if c0 <= a and b <= c1]
-              for c0, c1 in chunk_ranges_chars]
+    groups = [
+        [(s.token_start, s.token_end) for s, (a, b) in zip(sentences, sentence_chars) if c0 <= a and b <= c1]
+        for c0, c1 in chunk_ranges_chars
+    ]
     trace = trace_sequence(model, prompt_ids, answer_ids, options)
     generated = (0, trace.num_generated)
     head_scores = trace.rank_heads()
@@ -377,8 +487,11 @@ def _long_row(model, tokenizer, options, example, seed, max_new_tokens) -> dict:
     default_heads = top_heads(head_scores, k2)
     chunk["rc_default"] = _argmax(trace.span_scores(chunk_ranges, generated, default_heads).scores)
     sentence["rc_default"] = _argmax(trace.span_scores(sentence_ranges, generated, default_heads).scores)
-    for name, heads in (("rc_top2pct", top_heads(head_scores, k2)), ("rc_top10", top_heads(head_scores, 10)),
-                        ("rc_bottom2pct", bottom_heads(head_scores, k2))):
+    for name, heads in (
+        ("rc_top2pct", top_heads(head_scores, k2)),
+        ("rc_top10", top_heads(head_scores, 10)),
+        ("rc_bottom2pct", bottom_heads(head_scores, k2)),
+    ):
         per_token = trace.token_scores(generated, heads)
         profile = per_token.sum(dim=0)
         for key, value in _level_choices(per_token, profile, chunk_ranges, groups).items():
@@ -391,13 +504,21 @@ def _long_row(model, tokenizer, options, example, seed, max_new_tokens) -> dict:
     for key, value in _level_choices(attention, attention[0], sentence_ranges).items():
         sentence[f"attn_all:{key}"] = value
     return {
-        "source": example["source"], "facts": example["facts"], "seed": seed,
-        "target": example["target"], "target_sentence": target_sentence,
-        "question": example["question"], "expected": example["answer"], "answer": answer,
+        "source": example["source"],
+        "facts": example["facts"],
+        "seed": seed,
+        "target": example["target"],
+        "target_sentence": target_sentence,
+        "question": example["question"],
+        "expected": example["answer"],
+        "answer": answer,
         "answered": example["answer"].lower() in answer.lower(),
-        "prompt_tokens": len(prompt_ids), "answer_tokens": len(answer_ids),
-        "chunk_tokens": [s.num_tokens for s in chunks], "k": k2,
-        "chunk": chunk, "sentence": sentence,
+        "prompt_tokens": len(prompt_ids),
+        "answer_tokens": len(answer_ids),
+        "chunk_tokens": [s.num_tokens for s in chunks],
+        "k": k2,
+        "chunk": chunk,
+        "sentence": sentence,
     }
 
 
@@ -408,9 +529,18 @@ def dump_long(result: dict) -> str:
     return head[:-2] + ',\n "rows": [\n' + rows + "\n ]\n}\n"
 
 
-def print_long(summary: dict, keys: tuple[str, ...] = ("rc_default", "rc_top2pct:mean", "rc_top2pct:window8",
-                                                      "rc_top10:mean", "rc_top10:window8", "attn_all:sum",
-                                                      "rc_bottom2pct:window8")) -> None:
+def print_long(
+    summary: dict,
+    keys: tuple[str, ...] = (
+        "rc_default",
+        "rc_top2pct:mean",
+        "rc_top2pct:window8",
+        "rc_top10:mean",
+        "rc_top10:window8",
+        "attn_all:sum",
+        "rc_bottom2pct:window8",
+    ),
+) -> None:
     for name, entry in summary.items():
         for level in ("chunk", "sentence"):
             cells = " ".join(f"{key}={entry[level][key]:.3f}" for key in keys if key in entry[level])
@@ -428,7 +558,9 @@ def summarize_long(rows: list[dict]) -> dict:
         entry = {"examples": len(subset), "answered": sum(r["answered"] for r in subset)}
         for level, target in (("chunk", "target"), ("sentence", "target_sentence")):
             keys = list(subset[0][level])
-            entry[level] = {key: round(sum(r[level][key] == r[target] for r in subset) / len(subset), 4) for key in keys}
+            entry[level] = {
+                key: round(sum(r[level][key] == r[target] for r in subset) / len(subset), 4) for key in keys
+            }
         out[name] = entry
     return out
 
@@ -483,10 +615,15 @@ def run(args) -> dict:
             estimator = "exact" if exact else "upper"
             sweep_scores = scores if options.use_exact(trace.num_generated) == exact else trace.rank_heads(exact)
             for sweep_k in SWEEP_K:
-                for name, heads in (("top", top_heads(sweep_scores, sweep_k)), ("bottom", bottom_heads(sweep_scores, sweep_k))):
+                for name, heads in (
+                    ("top", top_heads(sweep_scores, sweep_k)),
+                    ("bottom", bottom_heads(sweep_scores, sweep_k)),
+                ):
                     with_heads = trace.span_scores(ranges, generated, heads).scores
                     row["sweep"][f"rc_{name}{sweep_k}_{estimator}"] = int(torch.argmax(with_heads))
-        row["sweep"]["rc_all_heads"] = int(torch.argmax(trace.span_scores(ranges, generated, trace.stored_heads()).scores))
+        row["sweep"]["rc_all_heads"] = int(
+            torch.argmax(trace.span_scores(ranges, generated, trace.stored_heads()).scores)
+        )
         rows.append(row)
         if args.verbose:
             print(index, {m: row[m] == row["target"] for m in methods}, row["answered"], repr(answer[:60]), flush=True)
@@ -534,17 +671,27 @@ def _sets(text: str) -> list[tuple[str, str]]:
     for item in text.split(","):
         source, _, facts = item.partition(":")
         if source not in LONG_SOURCES or facts not in FACTS:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected SOURCE:FACTS with SOURCE in {LONG_SOURCES}, FACTS in {tuple(FACTS)}")
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected SOURCE:FACTS with SOURCE in {LONG_SOURCES}, FACTS in {tuple(FACTS)}"
+            )
         out.append((source, facts))
     return out
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--set", default="long", choices=("long", "short"),
-                        help="long: RAG-style documents of 100-300 tokens (default); short: 3-sentence documents")
-    parser.add_argument("--sets", type=_sets, default=_sets("essays-b:b,pydoc:b"),
-                        help="long set: text source and fact family pairs (default: the held-out ones)")
+    parser.add_argument(
+        "--set",
+        default="long",
+        choices=("long", "short"),
+        help="long: RAG-style documents of 100-300 tokens (default); short: 3-sentence documents",
+    )
+    parser.add_argument(
+        "--sets",
+        type=_sets,
+        default=_sets("essays-b:b,pydoc:b"),
+        help="long set: text source and fact family pairs (default: the held-out ones)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--examples", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)

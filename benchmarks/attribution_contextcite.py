@@ -136,12 +136,30 @@ def matched_ablations(plugin_overhead_s: float, forward_s: float, ladder: Sequen
 
 VEHICLES = ["delivery van", "forklift", "tractor", "minibus", "snowplough", "golf cart", "ambulance", "crane"]
 ROLES = ["archivist", "welder", "translator", "paramedic", "surveyor", "sommelier", "glazier", "cartographer"]
-ITEMS = ["copper wire", "printer paper", "glass jars", "oak planks", "rubber gloves", "light bulbs", "sand bags",
-         "paint tins"]
+ITEMS = [
+    "copper wire",
+    "printer paper",
+    "glass jars",
+    "oak planks",
+    "rubber gloves",
+    "light bulbs",
+    "sand bags",
+    "paint tins",
+]
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 FIRST_C = ["Agnes", "Bruno", "Celine", "Dario", "Edith", "Felix", "Gisela", "Henrik", "Iris", "Jakob"]
-LAST_C = ["Abernathy", "Bergstrom", "Cavanagh", "Delacroix", "Eriksen", "Fontaine", "Gallagher", "Hollis",
-          "Ivanova", "Jorgensen"]
+LAST_C = [
+    "Abernathy",
+    "Bergstrom",
+    "Cavanagh",
+    "Delacroix",
+    "Eriksen",
+    "Fontaine",
+    "Gallagher",
+    "Hollis",
+    "Ivanova",
+    "Jorgensen",
+]
 
 
 def fact_family_c(rng: random.Random, count: int) -> list[tuple[str, str, str]]:
@@ -149,16 +167,26 @@ def fact_family_c(rng: random.Random, count: int) -> list[tuple[str, str, str]]:
     kind = rng.choice(("locker", "mentor", "delivery"))
     if kind == "locker":
         subjects, values = rng.sample(VEHICLES, count), [str(v) for v in rng.sample(range(11, 99), count)]
-        return [(f"The spare keys for the {s} are kept in locker {v}.",
-                 f"In which locker are the spare keys for the {s} kept?", v) for s, v in zip(subjects, values)]
+        return [
+            (
+                f"The spare keys for the {s} are kept in locker {v}.",
+                f"In which locker are the spare keys for the {s} kept?",
+                v,
+            )
+            for s, v in zip(subjects, values)
+        ]
     if kind == "mentor":
         subjects, lasts = rng.sample(ROLES, count), rng.sample(LAST_C, count)
         firsts = [rng.choice(FIRST_C) for _ in range(count)]
-        return [(f"The new {s} is mentored by {f} {last}.", f"Who mentors the new {s}?", last)
-                for s, f, last in zip(subjects, firsts, lasts)]
+        return [
+            (f"The new {s} is mentored by {f} {last}.", f"Who mentors the new {s}?", last)
+            for s, f, last in zip(subjects, firsts, lasts)
+        ]
     subjects, days = rng.sample(ITEMS, count), rng.sample(WEEKDAYS, count)
-    return [(f"The shipment of {s} arrives every {d}.", f"On which day does the shipment of {s} arrive?", d)
-            for s, d in zip(subjects, days)]
+    return [
+        (f"The shipment of {s} arrives every {d}.", f"On which day does the shipment of {s} arrive?", d)
+        for s, d in zip(subjects, days)
+    ]
 
 
 def debian_faq_passages(path: Path = DEBIAN_FAQ) -> list[list[str]]:
@@ -185,15 +213,19 @@ def debian_faq_passages(path: Path = DEBIAN_FAQ) -> list[list[str]]:
         paragraph = re.sub(r"\s*(https?|ftp)://\S+", "", paragraph)
         if len(paragraph) < 80 or paragraph.endswith(":"):
             continue
-        current.extend(paragraph[a:b] for a, b in split_sentences(paragraph)
-                       if "://" not in paragraph[a:b] and "@" not in paragraph[a:b])
+        current.extend(
+            paragraph[a:b]
+            for a, b in split_sentences(paragraph)
+            if "://" not in paragraph[a:b] and "@" not in paragraph[a:b]
+        )
     if len(current) >= 5:
         passages.append(current)
     return passages
 
 
-def make_multi_fact_examples(tokenizer, count: int, seed: int = 0, docs_per_example: int = 4,
-                             min_tokens: int = 100, max_tokens: int = 200) -> list[dict]:
+def make_multi_fact_examples(
+    tokenizer, count: int, seed: int = 0, docs_per_example: int = 4, min_tokens: int = 100, max_tokens: int = 200
+) -> list[dict]:
     """Debian FAQ documents, each with one planted fact of one family-``c`` template; the question asks one."""
     rng = random.Random(f"{seed}-debfaq-c")
     passages = debian_faq_passages()
@@ -222,8 +254,16 @@ def make_multi_fact_examples(tokenizer, count: int, seed: int = 0, docs_per_exam
             continue
         if not all(min_tokens - 40 <= ntok(d) <= max_tokens + 40 for d in docs):
             continue
-        examples.append({"docs": docs, "target": target, "question": question, "answer": value, "fact": fact,
-                         "facts_in_prompt": [f[0] for f in facts]})
+        examples.append(
+            {
+                "docs": docs,
+                "target": target,
+                "question": question,
+                "answer": value,
+                "fact": fact,
+                "facts_in_prompt": [f[0] for f in facts],
+            }
+        )
     return examples
 
 
@@ -307,12 +347,25 @@ def build_prompts(tokenizer, families: Sequence[str], count: int | dict[str, int
             levels = {}
             for level in ("document", "sentence"):
                 ranges = sources_of(example["docs"], level)
-                levels[level] = {"ranges": [list(r) for r in ranges],
-                                 "target": target_source(example, context, ranges, level)}
-            prompts.append({"family": family, "index": index, "seed": seed, "docs": example["docs"],
-                            "question": example["question"], "expected": example["answer"],
-                            "fact": example.get("fact"), "context": context, "context_offset": offset,
-                            "prompt": prompt, "levels": levels})
+                levels[level] = {
+                    "ranges": [list(r) for r in ranges],
+                    "target": target_source(example, context, ranges, level),
+                }
+            prompts.append(
+                {
+                    "family": family,
+                    "index": index,
+                    "seed": seed,
+                    "docs": example["docs"],
+                    "question": example["question"],
+                    "expected": example["answer"],
+                    "fact": example.get("fact"),
+                    "context": context,
+                    "context_offset": offset,
+                    "prompt": prompt,
+                    "levels": levels,
+                }
+            )
     return prompts
 
 
@@ -326,15 +379,30 @@ def engine_kwargs(model_dir: str, max_tokens: int, dtype: str | None = None) -> 
     from rcstat_vllm.attribution.processor import RCStatAttributionProcessor
     from rcstat_vllm.model import with_embedded_dtype
 
-    return with_embedded_dtype(dict(({"dtype": dtype} if dtype else {}),
-        model=model_dir, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=4096,
-        kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, seed=0,
-        additional_config={"rcstat": {"method": "none"}}, logits_processors=[RCStatAttributionProcessor],
-    ))
+    return with_embedded_dtype(
+        dict(
+            ({"dtype": dtype} if dtype else {}),
+            model=model_dir,
+            enforce_eager=True,
+            compilation_config={"mode": 0},
+            max_model_len=4096,
+            kv_cache_memory_bytes=256 << 20,
+            enable_prefix_caching=False,
+            seed=0,
+            additional_config={"rcstat": {"method": "none"}},
+            logits_processors=[RCStatAttributionProcessor],
+        )
+    )
 
 
-def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int = 1, dtype: str | None = None,
-               ab_prompts: int | None = None) -> dict:
+def run_plugin(
+    prompts: list[dict],
+    model_dir: str,
+    max_tokens: int,
+    rounds: int = 1,
+    dtype: str | None = None,
+    ab_prompts: int | None = None,
+) -> dict:
     """Serve every prompt with attribution (and, for the first ``ab_prompts`` of each family, None = all, the same
     request without it: the A/B timing), score its sources; fills the prompts' plugin fields in place."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # results() in-process
@@ -355,6 +423,7 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
                 return fn(*a, **k)
             finally:
                 spent["s"] += time.perf_counter() - t
+
         return wrapper
 
     capture.AttributionCapture.plan = timed(capture.AttributionCapture.plan)
@@ -369,14 +438,20 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
     for n, item in enumerate(prompts):
         shift = item["context_offset"]
         chunks = {lvl: [[a + shift, b + shift] for a, b in item["levels"][lvl]["ranges"]] for lvl in item["levels"]}
-        times = {"plain": [], "asking": [], "results_document": [], "results_sentence": [], "capture_plain": [],
-                 "capture_asking": []}
+        times = {
+            "plain": [],
+            "asking": [],
+            "results_document": [],
+            "results_sentence": [],
+            "capture_plain": [],
+            "capture_asking": [],
+        }
         cpu = {key: [] for key in times}  # this process's CPU time (the engine runs in it): less load-sensitive
         answers = set()
         with_plain = ab_prompts is None or item["index"] < ab_prompts
         for round_ in range(rounds):  # plain and asking, the order alternating (ABBA over two rounds or prompts)
             kinds = ("plain", "asking") if (round_ + n) % 2 == 0 else ("asking", "plain")
-            for kind in (kinds if with_plain else ("asking",)):
+            for kind in kinds if with_plain else ("asking",):
                 t, c = time.perf_counter(), time.process_time()
                 spent["s"] = 0.0
                 out = llm.generate([item["prompt"]], asking if kind == "asking" else plain, use_tqdm=False)[0]
@@ -388,16 +463,20 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
                     continue
                 for level in ("document", "sentence"):
                     t, c = time.perf_counter(), time.process_time()
-                    got = results(llm, out, spans="chunks", chunks=chunks[level], generated_spans="all",
-                                  pop=level == "sentence")
+                    got = results(
+                        llm, out, spans="chunks", chunks=chunks[level], generated_spans="all", pop=level == "sentence"
+                    )
                     times[f"results_{level}"].append(time.perf_counter() - t)
                     cpu[f"results_{level}"].append(time.process_time() - c)
                     if round_ == 0:
                         assert [s.text for s in got.prompt_spans] == [
-                            item["context"][a:b] for a, b in item["levels"][level]["ranges"]]
+                            item["context"][a:b] for a, b in item["levels"][level]["ranges"]
+                        ]
                         item["levels"][level]["plugin"] = {
                             "scores": [round(float(s), 6) for s in got.generated[0].scores],
-                            "heads": [list(h) for h in got.heads], "warnings": list(got.warnings)}
+                            "heads": [list(h) for h in got.heads],
+                            "warnings": list(got.warnings),
+                        }
                 if round_ == 0:
                     item["answer_ids"] = list(out.outputs[0].token_ids)
                     item["answer"] = out.outputs[0].text
@@ -405,23 +484,35 @@ def run_plugin(prompts: list[dict], model_dir: str, max_tokens: int, rounds: int
         item["same_answer_with_and_without"] = len(answers) == 1
         item["answered"] = item["expected"].lower() in item["answer"].lower()
         # Without the plain request (beyond --ab-prompts) there is no A/B difference: the capture time stands in.
-        gen = statistics.mean(times["asking"]) - statistics.mean(times["plain"]) if with_plain else statistics.mean(times["capture_asking"])
+        gen = (
+            statistics.mean(times["asking"]) - statistics.mean(times["plain"])
+            if with_plain
+            else statistics.mean(times["capture_asking"])
+        )
         gen_cpu = statistics.mean(cpu["asking"]) - statistics.mean(cpu["plain"]) if with_plain else None
         item["plugin_time"] = {key: [round(v, 4) for v in values] for key, values in times.items()}
         item["plugin_cpu"] = {key: [round(v, 4) for v in values] for key, values in cpu.items()}
-        item["plugin_overhead_s"] = {lvl: round(gen + statistics.mean(times[f"results_{lvl}"]), 4)
-                                     for lvl in ("document", "sentence")}
-        item["plugin_overhead_cpu_s"] = {lvl: round(gen_cpu + statistics.mean(cpu[f"results_{lvl}"]), 4)
-                                         for lvl in ("document", "sentence")} if with_plain else None
+        item["plugin_overhead_s"] = {
+            lvl: round(gen + statistics.mean(times[f"results_{lvl}"]), 4) for lvl in ("document", "sentence")
+        }
+        item["plugin_overhead_cpu_s"] = (
+            {lvl: round(gen_cpu + statistics.mean(cpu[f"results_{lvl}"]), 4) for lvl in ("document", "sentence")}
+            if with_plain
+            else None
+        )
         item["ab_timed"] = with_plain
         # The headline cost: recording during the request + the results() call(s) that score the sources.
         item["plugin_cost_s"] = {lvl: round(plugin_cost_s(item, lvl), 4) for lvl in ("document", "sentence")}
-        print(f"[plugin {n + 1}/{len(prompts)}] {item['family']} #{item['index']} answered={item['answered']} "
-              f"asking {statistics.mean(times['asking']):.2f}s cost doc {item['plugin_cost_s']['document']:.3f}s "
-              f"sent {item['plugin_cost_s']['sentence']:.3f}s (capture {statistics.mean(times['capture_asking']):.3f}s); A/B doc "
-              f"{item['plugin_overhead_s']['document']:.3f}s sent {item['plugin_overhead_s']['sentence']:.3f}s top doc "
-              f"{max(range(4), key=lambda i: item['levels']['document']['plugin']['scores'][i])} "
-              f"(target {item['levels']['document']['target']}) {item['answer'][:50]!r}", file=sys.stderr, flush=True)
+        print(
+            f"[plugin {n + 1}/{len(prompts)}] {item['family']} #{item['index']} answered={item['answered']} "
+            f"asking {statistics.mean(times['asking']):.2f}s cost doc {item['plugin_cost_s']['document']:.3f}s "
+            f"sent {item['plugin_cost_s']['sentence']:.3f}s (capture {statistics.mean(times['capture_asking']):.3f}s); A/B doc "
+            f"{item['plugin_overhead_s']['document']:.3f}s sent {item['plugin_overhead_s']['sentence']:.3f}s top doc "
+            f"{max(range(4), key=lambda i: item['levels']['document']['plugin']['scores'][i])} "
+            f"(target {item['levels']['document']['target']}) {item['answer'][:50]!r}",
+            file=sys.stderr,
+            flush=True,
+        )
     from common import engine_options
 
     return {"engine": engine_options(kwargs), "engine_start_s": round(engine_start, 1)}
@@ -443,8 +534,10 @@ def contextcite_units(prompts: Sequence[dict], on: str = "answered") -> list[tup
         if on == "all" or item.get("answered"):
             rank[i] = seen.get(item["family"], 0)
             seen[item["family"]] = rank[i] + 1
-    return sorted(((i, level) for i in rank for level in ("document", "sentence")),
-                  key=lambda u: (rank[u[0]], u[1] != "document", u[0]))
+    return sorted(
+        ((i, level) for i in rank for level in ("document", "sentence")),
+        key=lambda u: (rank[u[0]], u[1] != "document", u[0]),
+    )
 
 
 def run_contextcite(args) -> None:
@@ -509,16 +602,25 @@ def run_contextcite(args) -> None:
             if "contextcite" in entry:  # --more-contextcite: done in an earlier stage
                 continue
             partitioner = FixedPartitioner(item["context"], [tuple(r) for r in entry["ranges"]])
-            cc = ContextCiter(model, tokenizer, item["context"], item["question"], num_ablations=args.ablations,
-                              prompt_template=PROMPT_TEMPLATE, partitioner=partitioner)
+            cc = ContextCiter(
+                model,
+                tokenizer,
+                item["context"],
+                item["question"],
+                num_ablations=args.ablations,
+                prompt_template=PROMPT_TEMPLATE,
+                partitioner=partitioner,
+            )
             _prompt_ids, prompt = cc._get_prompt_ids(return_prompt=True)
             if prompt != item["prompt"]:
                 raise ValueError("ContextCite's prompt differs from the plugin's")
             # The served answer as ContextCite's response (what its own generate() would have cached).
             cc._cache["output"] = prompt + tokenizer.decode(item["answer_ids"])
             if len(cc._response_ids) != len(item["answer_ids"]):
-                print(f"note: response re-tokenized to {len(cc._response_ids)} tokens (served {len(item['answer_ids'])})",
-                      file=sys.stderr)
+                print(
+                    f"note: response re-tokenized to {len(cc._response_ids)} tokens (served {len(item['answer_ids'])})",
+                    file=sys.stderr,
+                )
             t, c = time.perf_counter(), time.process_time()
             with torch.no_grad():
                 full = cc.get_attributions(verbose=False)
@@ -530,26 +632,47 @@ def run_contextcite(args) -> None:
                 t = time.perf_counter()
                 outputs = aggregate_logit_probs(logit_probs[:n, a:b])
                 weight, _ = cc.solver.fit(masks[:n], outputs, b - a)
-                fits[str(n)] = {"scores": [round(float(w), 6) for w in weight], "fit_s": round(time.perf_counter() - t, 4)}
+                fits[str(n)] = {
+                    "scores": [round(float(w), 6) for w in weight],
+                    "fit_s": round(time.perf_counter() - t, 4),
+                }
             assert np.allclose(fits[str(args.ablations)]["scores"], full, atol=1e-5)
             fit_s = fits[str(args.ablations)]["fit_s"]
-            entry["contextcite"] = {"ablations": args.ablations, "wall_s": round(total, 3), "load_avg": os.getloadavg()[0],
-                                    "forward_s": round((total - fit_s) / args.ablations, 4), "cpu_s": round(total_cpu, 3),
-                                    "forward_cpu_s": round((total_cpu - fit_s) / args.ablations, 4),
-                                    "response_tokens": len(cc._response_ids), "fits": fits}
+            entry["contextcite"] = {
+                "ablations": args.ablations,
+                "wall_s": round(total, 3),
+                "load_avg": os.getloadavg()[0],
+                "forward_s": round((total - fit_s) / args.ablations, 4),
+                "cpu_s": round(total_cpu, 3),
+                "forward_cpu_s": round((total_cpu - fit_s) / args.ablations, 4),
+                "response_tokens": len(cc._response_ids),
+                "fits": fits,
+            }
             top = int(np.argmax(full))
-            print(f"[contextcite {time.perf_counter() - started:6.0f}s] {item['family']} #{item['index']} {level}: "
-                  f"{total:.1f}s for {args.ablations} ablations, top {top} (target {entry['target']})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[contextcite {time.perf_counter() - started:6.0f}s] {item['family']} #{item['index']} {level}: "
+                f"{total:.1f}s for {args.ablations} ablations, top {top} (target {entry['target']})",
+                file=sys.stderr,
+                flush=True,
+            )
     except KeyboardInterrupt:
         stopped = True
         print("ContextCite stage stopped: keeping the prompts done (--more-contextcite resumes)", file=sys.stderr)
-    data["contextcite_env"] = {"context_cite": version("context-cite"), "transformers": version("transformers"),
-                               "torch": torch.__version__, "scikit-learn": version("scikit-learn"),
-                               "threads": args.threads, "dtype": data["dtype"], "batch_size": 1,
-                               "ablation_keep_prob": 0.5, "solver": "LassoRegression(alpha=0.01)",
-                               "budget_s": args.budget_s, "on": args.contextcite_on, "stopped": stopped,
-                               "wall_s": round(time.perf_counter() - started, 1)}
+    data["contextcite_env"] = {
+        "context_cite": version("context-cite"),
+        "transformers": version("transformers"),
+        "torch": torch.__version__,
+        "scikit-learn": version("scikit-learn"),
+        "threads": args.threads,
+        "dtype": data["dtype"],
+        "batch_size": 1,
+        "ablation_keep_prob": 0.5,
+        "solver": "LassoRegression(alpha=0.01)",
+        "budget_s": args.budget_s,
+        "on": args.contextcite_on,
+        "stopped": stopped,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
     Path(args.output).write_text(json.dumps(data))
 
 
@@ -575,8 +698,11 @@ def report(data: dict) -> dict:
     families = list(dict.fromkeys(p["family"] for p in data["prompts"]))
     for family in families:
         items = [p for p in data["prompts"] if p["family"] == family]
-        fam = {"prompts": len(items), "answered": sum(p["answered"] for p in items),
-               "prompt_tokens_mean": round(statistics.mean(p["prompt_tokens"] for p in items), 1)}
+        fam = {
+            "prompts": len(items),
+            "answered": sum(p["answered"] for p in items),
+            "prompt_tokens_mean": round(statistics.mean(p["prompt_tokens"] for p in items), 1),
+        }
         for level in ("document", "sentence"):
             both = [p for p in items if "contextcite" in p["levels"][level]]
             answered = [p for p in both if p["answered"]]
@@ -585,8 +711,9 @@ def report(data: dict) -> dict:
             def rows(subset, pick):
                 return [{"scores": pick(p["levels"][level]), "target": p["levels"][level]["target"]} for p in subset]
 
-            entry["plugin_all_prompts"] = summarize(rows([p for p in items if p["answered"]],
-                                                         lambda e: e["plugin"]["scores"]))
+            entry["plugin_all_prompts"] = summarize(
+                rows([p for p in items if p["answered"]], lambda e: e["plugin"]["scores"])
+            )
             entry["plugin"] = summarize(rows(answered, lambda e: e["plugin"]["scores"]))
             entry["plugin_all_answers"] = summarize(rows(both, lambda e: e["plugin"]["scores"]))
             timed = [p for p in items if p["plugin_time"]["plain"]]  # the A/B-timed prompts (--ab-prompts)
@@ -601,10 +728,20 @@ def report(data: dict) -> dict:
                 "extra_forward_passes": 0,
                 "cost_s_mean": round(statistics.mean(cost_s), 4),
                 "cost_s_median": round(statistics.median(cost_s), 4),
-                "capture_s_mean": round(statistics.mean(statistics.mean(p["plugin_time"]["capture_asking"]) for p in items), 4),
-                "capture_plain_s_mean": round(statistics.mean(statistics.mean(p["plugin_time"]["capture_plain"]) for p in timed), 4),
-                "cost_of_request": round(statistics.mean(cost_s) / (statistics.mean(asking) - statistics.mean(
-                    statistics.mean(p["plugin_time"]["capture_asking"]) for p in items)), 4),
+                "capture_s_mean": round(
+                    statistics.mean(statistics.mean(p["plugin_time"]["capture_asking"]) for p in items), 4
+                ),
+                "capture_plain_s_mean": round(
+                    statistics.mean(statistics.mean(p["plugin_time"]["capture_plain"]) for p in timed), 4
+                ),
+                "cost_of_request": round(
+                    statistics.mean(cost_s)
+                    / (
+                        statistics.mean(asking)
+                        - statistics.mean(statistics.mean(p["plugin_time"]["capture_asking"]) for p in items)
+                    ),
+                    4,
+                ),
                 "ab_timed_prompts": len(timed),
                 "asking_request_s_mean": round(statistics.mean(asking), 4),
                 "overhead_s_mean": round(statistics.mean(overhead), 4),
@@ -632,21 +769,30 @@ def report(data: dict) -> dict:
                 for n in cc[0]["fits"]:
                     summary = summarize(rows(answered, lambda e: e["contextcite"]["fits"][n]["scores"]))
                     fit = statistics.mean(p["levels"][level]["contextcite"]["fits"][n]["fit_s"] for p in both)
-                    ladder[n] = {**summary, "wall_s_est": round(int(n) * forward_s + fit, 3),
-                                 "cpu_s_est": round(int(n) * forward_cpu + fit, 3)}
+                    ladder[n] = {
+                        **summary,
+                        "wall_s_est": round(int(n) * forward_s + fit, 3),
+                        "cpu_s_est": round(int(n) * forward_cpu + fit, 3),
+                    }
                 entry["contextcite"] = {**ladder[str(ablations)], "ablations": ablations}
-                entry["contextcite_all_answers"] = summarize(rows(both, lambda e: e["contextcite"]["fits"][str(ablations)]["scores"]))
+                entry["contextcite_all_answers"] = summarize(
+                    rows(both, lambda e: e["contextcite"]["fits"][str(ablations)]["scores"])
+                )
                 entry["contextcite_matched"] = {**ladder[str(matched)], "ablations": matched}
                 entry["contextcite_ladder"] = ladder
                 entry["cost"] = {
                     "contextcite_forwards": ablations,
-                    "contextcite_forward_s": round(forward_s, 4), "contextcite_wall_s": round(wall_s, 3),
-                    "contextcite_forward_cpu_s": round(forward_cpu, 4), "contextcite_cpu_s": round(cc_cpu, 3),
-                    "plugin_forwards": 0, "plugin_cost_s": round(plugin_cost, 4),
+                    "contextcite_forward_s": round(forward_s, 4),
+                    "contextcite_wall_s": round(wall_s, 3),
+                    "contextcite_forward_cpu_s": round(forward_cpu, 4),
+                    "contextcite_cpu_s": round(cc_cpu, 3),
+                    "plugin_forwards": 0,
+                    "plugin_cost_s": round(plugin_cost, 4),
                     "plugin_forward_equivalents": round(plugin_cost / forward_s, 3),
                     "ratio": round(wall_s / plugin_cost, 1) if plugin_cost > 0 else None,
                     # The with/without differences (noisy on a shared machine); None where <= 0.
-                    "plugin_ab_overhead_s": round(plugin_overhead, 4), "plugin_ab_overhead_cpu_s": round(plugin_cpu, 4),
+                    "plugin_ab_overhead_s": round(plugin_overhead, 4),
+                    "plugin_ab_overhead_cpu_s": round(plugin_cpu, 4),
                     "ab_wall_ratio": round(wall_s / plugin_overhead, 1) if plugin_overhead > 0 else None,
                     "ab_cpu_ratio": round(cc_cpu / plugin_cpu, 1) if plugin_cpu > 0 else None,
                 }
@@ -664,22 +810,28 @@ def print_report(summary: dict) -> None:
             e = fam[level]
             matched = e.get("contextcite_matched")
             cost = e.get("cost", {})
-            print(f"{family:11s} {level:9s} {cell(e['plugin']):24s} {cell(e.get('contextcite')):24s} "
-                  f"{(cell(matched) + ' @' + str(matched['ablations'])) if matched else '-':30s} "
-                  f"plugin {e['plugin_cost']['cost_s_mean']:.3f}s (A/B {e['plugin_cost']['overhead_s_mean']:.2f}s) "
-                  f"vs CC {cost.get('contextcite_wall_s', '-')}s (x{cost.get('ratio', '-')}); "
-                  f"plugin on all {cell(e['plugin_all_prompts'])}")
+            print(
+                f"{family:11s} {level:9s} {cell(e['plugin']):24s} {cell(e.get('contextcite')):24s} "
+                f"{(cell(matched) + ' @' + str(matched['ablations'])) if matched else '-':30s} "
+                f"plugin {e['plugin_cost']['cost_s_mean']:.3f}s (A/B {e['plugin_cost']['overhead_s_mean']:.2f}s) "
+                f"vs CC {cost.get('contextcite_wall_s', '-')}s (x{cost.get('ratio', '-')}); "
+                f"plugin on all {cell(e['plugin_all_prompts'])}"
+            )
 
 
 def markdown_table(result: dict) -> str:
     """The docs' table from a result file: per family and level, top-1 / top-3 / AUC of the plugin and of
     ContextCite (its default and at the plugin's cost) on the answered prompts both ran, and the cost ratio."""
+
     def cell(s):
         return "-" if not s or s.get("top1") is None else f"{s['top1']:.2f} / {s['top3']:.2f} / {s['auc']:.2f}"
 
     abl = result["settings"]["contextcite"]["ablations"]
-    lines = [f"| family | sources | answered (both ran) | plugin | ContextCite, {abl} ablations | ContextCite at the "
-             "plugin's cost | plugin cost | ContextCite cost | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| family | sources | answered (both ran) | plugin | ContextCite, {abl} ablations | ContextCite at the "
+        "plugin's cost | plugin cost | ContextCite cost | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for family, fam in result["summary"].items():
         for level in ("document", "sentence"):
             e = fam[level]
@@ -692,7 +844,8 @@ def markdown_table(result: dict) -> str:
                 f"{e['plugin_all_answers']['n']} | {cell(e['plugin'])} | {cell(e['contextcite'])} | "
                 f"{cell(matched)} ({matched['ablations']} abl.) | 0 passes, {cost['plugin_cost_s']:.2f} s | "
                 f"{cost['contextcite_forwards']} passes, {cost['contextcite_wall_s']:.1f} s | "
-                f"{cost['ratio']:.0f}x |")
+                f"{cost['ratio']:.0f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -700,36 +853,64 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=("all", "contextcite"), default="all")
     parser.add_argument("--quick", action="store_true", help="1 prompt per family, 16 ablations")
-    parser.add_argument("--families", default=",".join(DEFAULT_FAMILIES),
-                        help=f"comma-separated, of {', '.join(FAMILIES)}")
-    parser.add_argument("--examples", default="5",
-                        help="prompts per family (the plugin runs all): a count, or family=count pairs")
+    parser.add_argument(
+        "--families", default=",".join(DEFAULT_FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}"
+    )
+    parser.add_argument(
+        "--examples", default="5", help="prompts per family (the plugin runs all): a count, or family=count pairs"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ablations", type=int, default=64, help="ContextCite's num_ablations (its default: 64)")
-    parser.add_argument("--budget-s", type=float, default=1000.0,
-                        help="ContextCite stage: start no prompt after this many seconds (round robin over families)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=1000.0,
+        help="ContextCite stage: start no prompt after this many seconds (round robin over families)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="ContextCite's torch threads")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
-                        help="the embedded model's dtype on both sides (auto: the engines' default, float32 only "
-                             "without native bf16)")
-    parser.add_argument("--contextcite-on", default="answered", choices=("answered", "all"),
-                        help="ContextCite on the answered prompts only (where the accuracies are read) or on all")
-    parser.add_argument("--ab-prompts", type=int, default=3,
-                        help="plugin: the first n prompts of each family also run without attribution (A/B timing); "
-                             "-1: all")
-    parser.add_argument("--timing-rounds", type=int, default=1,
-                        help="plugin: requests with and without attribution per prompt (order alternating)")
-    parser.add_argument("--contextcite-python", default=os.environ.get("RCSTAT_CONTEXTCITE_PY",
-                                                                       str(REPO / ".venv-contextcite/bin/python")))
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "auto"),
+        help="the embedded model's dtype on both sides (auto: the engines' default, float32 only without native bf16)",
+    )
+    parser.add_argument(
+        "--contextcite-on",
+        default="answered",
+        choices=("answered", "all"),
+        help="ContextCite on the answered prompts only (where the accuracies are read) or on all",
+    )
+    parser.add_argument(
+        "--ab-prompts",
+        type=int,
+        default=3,
+        help="plugin: the first n prompts of each family also run without attribution (A/B timing); -1: all",
+    )
+    parser.add_argument(
+        "--timing-rounds",
+        type=int,
+        default=1,
+        help="plugin: requests with and without attribution per prompt (order alternating)",
+    )
+    parser.add_argument(
+        "--contextcite-python",
+        default=os.environ.get("RCSTAT_CONTEXTCITE_PY", str(REPO / ".venv-contextcite/bin/python")),
+    )
     parser.add_argument("--input")
     parser.add_argument("--output")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--raw", default=str(Path(tempfile.gettempdir()) / "attribution_contextcite_raw.json"),
-                        help="where both stages' merged data is kept (--from-raw rebuilds the report from it)")
+    parser.add_argument(
+        "--raw",
+        default=str(Path(tempfile.gettempdir()) / "attribution_contextcite_raw.json"),
+        help="where both stages' merged data is kept (--from-raw rebuilds the report from it)",
+    )
     parser.add_argument("--from-raw", action="store_true", help="skip both stages: report from --raw")
-    parser.add_argument("--more-contextcite", action="store_true",
-                        help="from --raw: run ContextCite (another --budget-s) on the prompts it did not reach, then report")
+    parser.add_argument(
+        "--more-contextcite",
+        action="store_true",
+        help="from --raw: run ContextCite (another --budget-s) on the prompts it did not reach, then report",
+    )
     parser.add_argument("--table", metavar="JSON", help="print the docs' markdown table of a result file and exit")
     args = parser.parse_args(argv)
     if args.stage == "contextcite":
@@ -765,16 +946,26 @@ def main(argv=None) -> int:
         args.from_raw = True
     if args.from_raw:
         raw = json.loads(Path(args.raw).read_text())
-        return finish(args, path, raw["data"], raw["env"], raw["engine"], raw["families"], raw["dtype"],
-                      raw["plugin_wall"], raw["wall"])
+        return finish(
+            args,
+            path,
+            raw["data"],
+            raw["env"],
+            raw["engine"],
+            raw["families"],
+            raw["dtype"],
+            raw["plugin_wall"],
+            raw["wall"],
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     started = time.perf_counter()
     env = environment(load_avg_start=load_avg())
     prompts = build_prompts(tokenizer, families, examples_per_family(args.examples, families), args.seed)
     dtype = (embedded_model_dtype() or "bfloat16") if args.dtype == "auto" else args.dtype
     t = time.perf_counter()
-    engine = run_plugin(prompts, model_dir, args.max_tokens, args.timing_rounds, dtype,
-                        None if args.ab_prompts < 0 else args.ab_prompts)
+    engine = run_plugin(
+        prompts, model_dir, args.max_tokens, args.timing_rounds, dtype, None if args.ab_prompts < 0 else args.ab_prompts
+    )
     plugin_wall = time.perf_counter() - t
     load_after_plugin = load_avg()
     import gc
@@ -783,8 +974,19 @@ def main(argv=None) -> int:
     data = contextcite_stage(args, {"model": model_dir, "dtype": dtype, "prompts": prompts})
     env = {**env, "load_avg_after_plugin": load_after_plugin, "load_avg_end": load_avg()}
     wall = time.perf_counter() - started
-    Path(args.raw).write_text(json.dumps({"data": data, "env": env, "engine": engine, "families": families,
-                                          "dtype": dtype, "plugin_wall": plugin_wall, "wall": wall}))
+    Path(args.raw).write_text(
+        json.dumps(
+            {
+                "data": data,
+                "env": env,
+                "engine": engine,
+                "families": families,
+                "dtype": dtype,
+                "plugin_wall": plugin_wall,
+                "wall": wall,
+            }
+        )
+    )
     return finish(args, path, data, env, engine, families, dtype, plugin_wall, wall)
 
 
@@ -793,10 +995,24 @@ def contextcite_stage(args, data: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stage_in, stage_out = Path(tmp, "in.json"), Path(tmp, "out.json")
         stage_in.write_text(json.dumps(data))
-        command = [args.contextcite_python, str(Path(__file__).resolve()), "--stage", "contextcite",
-                   "--input", str(stage_in), "--output", str(stage_out), "--ablations", str(args.ablations),
-                   "--budget-s", str(args.budget_s), "--threads", str(args.threads),
-                   "--contextcite-on", args.contextcite_on]
+        command = [
+            args.contextcite_python,
+            str(Path(__file__).resolve()),
+            "--stage",
+            "contextcite",
+            "--input",
+            str(stage_in),
+            "--output",
+            str(stage_out),
+            "--ablations",
+            str(args.ablations),
+            "--budget-s",
+            str(args.budget_s),
+            "--threads",
+            str(args.threads),
+            "--contextcite-on",
+            args.contextcite_on,
+        ]
         print("ContextCite stage: " + " ".join(command[:2]), file=sys.stderr, flush=True)
         subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         out = json.loads(stage_out.read_text())
@@ -811,14 +1027,26 @@ def finish(args, path, data, env, engine, families, dtype, plugin_wall, wall) ->
     result = {
         "benchmark": "attribution_contextcite",
         "environment": env,
-        "settings": {"families": families, "examples_per_family": args.examples, "seed": args.seed,
-                     "max_tokens": args.max_tokens, "model": model_dir, "dtype": dtype,
-                     "plugin": {"rcstat": {"method": "none"}, "attribution": "defaults (AttributionOptions())",
-                                "statement": "the whole answer", "timing": f"{args.timing_rounds} with and {args.timing_rounds} without per prompt, order alternating"},
-                     "contextcite": data["contextcite_env"] | {"ablations": args.ablations},
-                     "quick": args.quick},
-        "engine": engine["engine"], "engine_start_s": engine["engine_start_s"],
-        "plugin_stage_s": round(plugin_wall, 1), "wall_s": round(wall, 1),
+        "settings": {
+            "families": families,
+            "examples_per_family": args.examples,
+            "seed": args.seed,
+            "max_tokens": args.max_tokens,
+            "model": model_dir,
+            "dtype": dtype,
+            "plugin": {
+                "rcstat": {"method": "none"},
+                "attribution": "defaults (AttributionOptions())",
+                "statement": "the whole answer",
+                "timing": f"{args.timing_rounds} with and {args.timing_rounds} without per prompt, order alternating",
+            },
+            "contextcite": data["contextcite_env"] | {"ablations": args.ablations},
+            "quick": args.quick,
+        },
+        "engine": engine["engine"],
+        "engine_start_s": engine["engine_start_s"],
+        "plugin_stage_s": round(plugin_wall, 1),
+        "wall_s": round(wall, 1),
         "summary": summary,
         "prompts": [{k: v for k, v in p.items() if k not in ("prompt", "context", "docs")} for p in data["prompts"]],
     }

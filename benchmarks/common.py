@@ -56,9 +56,13 @@ def git_state(max_files: int = 40) -> dict:
         return {"commit": None, "note": "not a git checkout"}
     status = _git("status", "--porcelain", "--untracked-files=no", strip=False) or ""
     changed = [line[3:] for line in status.splitlines() if line.strip()]
-    return {"commit": commit, "commit_date": _git("log", "-1", "--format=%cI", commit), "dirty": bool(changed),
-            "dirty_files": changed[:max_files], **({"dirty_files_more": len(changed) - max_files}
-                                                    if len(changed) > max_files else {})}
+    return {
+        "commit": commit,
+        "commit_date": _git("log", "-1", "--format=%cI", commit),
+        "dirty": bool(changed),
+        "dirty_files": changed[:max_files],
+        **({"dirty_files_more": len(changed) - max_files} if len(changed) > max_files else {}),
+    }
 
 
 def machine() -> dict:
@@ -122,8 +126,12 @@ def environment(**extra) -> dict:
     ``cores``, ``cpu_capability``, ``engine_dtype``, versions); ``git``, ``machine`` and ``plugin_defaults`` are
     the provenance ``benchmarks/report.py`` reads."""
     m = machine()
-    env = {"device": "cuda" if "gpu" in m else "cpu", "cpu": m["cpu"], "cores": m["cores"],
-           "python": platform.python_version()}
+    env = {
+        "device": "cuda" if "gpu" in m else "cpu",
+        "cpu": m["cpu"],
+        "cores": m["cores"],
+        "python": platform.python_version(),
+    }
     if "cpu_capability" in m:
         env["cpu_capability"] = m["cpu_capability"]
     try:

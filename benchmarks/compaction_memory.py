@@ -55,7 +55,9 @@ def build(tokens: int, layers: int, heads: int, head_dim: int, dtype: torch.dtyp
     masks = [torch.rand(heads, tokens, generator=g) < shares[layer] for layer in range(layers)]
     kept = torch.stack([mask.sum(1) for mask in masks])
     keep_blocks = blocks_needed(kept, tokens, space)
-    dest = free[:keep_blocks] if destination == "fresh" else row[torch.randperm(prompt_blocks, generator=g)[:keep_blocks]]
+    dest = (
+        free[:keep_blocks] if destination == "fresh" else row[torch.randperm(prompt_blocks, generator=g)[:keep_blocks]]
+    )
     return caches, row, masks, dest, space, kept
 
 
@@ -63,7 +65,9 @@ def measure(tokens: int, layers: int, heads: int, head_dim: int, dtype: str, des
     from rcstat_vllm.paging.compaction import compact_request
 
     torch.set_num_threads(1)
-    compact_request(*build(4 * BLOCK, layers, heads, head_dim, getattr(torch, dtype), destination)[:5])  # first calls' one-off allocations are not compaction's
+    compact_request(
+        *build(4 * BLOCK, layers, heads, head_dim, getattr(torch, dtype), destination)[:5]
+    )  # first calls' one-off allocations are not compaction's
     caches, row, masks, dest, space, kept = build(tokens, layers, heads, head_dim, getattr(torch, dtype), destination)
     peak, state = peak_extra_bytes(lambda: compact_request(caches, row, masks, dest, space))
     entry_bytes = 2 * head_dim * caches[0].element_size()  # one token's key and value in one head

@@ -45,14 +45,73 @@ DEFAULT_SEED = 0
 
 # Keys of the needles: "<adjective>-<noun>" drawn from these lists (RULER draws random words).
 ADJECTIVES = [
-    "amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "keen", "lively",
-    "mellow", "noisy", "odd", "proud", "quiet", "rapid", "silent", "tidy", "upset", "vivid", "wild", "young",
-    "zesty", "bitter", "clever", "damp", "early", "fuzzy", "grumpy", "happy", "itchy", "jagged", "kind",
+    "amber",
+    "brave",
+    "calm",
+    "dusty",
+    "eager",
+    "fancy",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lively",
+    "mellow",
+    "noisy",
+    "odd",
+    "proud",
+    "quiet",
+    "rapid",
+    "silent",
+    "tidy",
+    "upset",
+    "vivid",
+    "wild",
+    "young",
+    "zesty",
+    "bitter",
+    "clever",
+    "damp",
+    "early",
+    "fuzzy",
+    "grumpy",
+    "happy",
+    "itchy",
+    "jagged",
+    "kind",
 ]
 NOUNS = [
-    "apple", "bridge", "candle", "dolphin", "engine", "falcon", "garden", "harbor", "island", "jacket",
-    "kettle", "ladder", "mirror", "needle", "orchid", "pencil", "quarry", "rabbit", "saddle", "tunnel",
-    "umbrella", "violin", "wagon", "yogurt", "zebra", "anchor", "basket", "cactus", "donkey", "feather",
+    "apple",
+    "bridge",
+    "candle",
+    "dolphin",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "ladder",
+    "mirror",
+    "needle",
+    "orchid",
+    "pencil",
+    "quarry",
+    "rabbit",
+    "saddle",
+    "tunnel",
+    "umbrella",
+    "violin",
+    "wagon",
+    "yogurt",
+    "zebra",
+    "anchor",
+    "basket",
+    "cactus",
+    "donkey",
+    "feather",
 ]
 VT_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -115,8 +174,9 @@ def clean_text(text: str) -> str:
 @lru_cache(maxsize=1)
 def load_essays() -> dict[str, str]:
     """{name: cleaned text}, sorted by name (49 essays)."""
-    return {p.stem: clean_text(p.read_text(encoding="utf-8", errors="replace"))
-            for p in sorted(essay_dir().glob("*.txt"))}
+    return {
+        p.stem: clean_text(p.read_text(encoding="utf-8", errors="replace")) for p in sorted(essay_dir().glob("*.txt"))
+    }
 
 
 def split_sentences(text: str) -> list[str]:
@@ -265,13 +325,25 @@ def _random_value(rng: random.Random, used: set[str]) -> str:
 
 
 #: Needle tasks: name -> (needles in the prompt, whether they share one key, how many the question asks for).
-NEEDLE_TASKS = {"niah_single": (1, False, 1), "niah_multi": (3, False, 3), "niah_multikey": (4, False, 1),
-                "niah_multivalue": (4, True, 4)}
+NEEDLE_TASKS = {
+    "niah_single": (1, False, 1),
+    "niah_multi": (3, False, 3),
+    "niah_multikey": (4, False, 1),
+    "niah_multivalue": (4, True, 4),
+}
 
 
-def needle_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int, depth: float,
-                  num_needles: int = 1, sample_id: str = "", max_new_tokens: int | None = None,
-                  task: str | None = None) -> Sample:
+def needle_sample(
+    tokenizer,
+    rng: random.Random,
+    haystack: Haystack,
+    length: int,
+    depth: float,
+    num_needles: int = 1,
+    sample_id: str = "",
+    max_new_tokens: int | None = None,
+    task: str | None = None,
+) -> Sample:
     """A needle-in-a-haystack prompt of about ``length`` tokens; the first needle at ``depth`` in [0, 1].
 
     ``task`` is one of :data:`NEEDLE_TASKS` (default: niah_single for one needle, niah_multi for more). The
@@ -305,8 +377,10 @@ def needle_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int
 
     def build(sentences, counts):
         context = " ".join(insert_at_depths(sentences, counts, list(zip(depths, needles))))
-        user = (f"Some special magic numbers are hidden within the following text. Make sure to memorize "
-                f"them. I will quiz you about the numbers afterwards.\n{context}\n{question}")
+        user = (
+            f"Some special magic numbers are hidden within the following text. Make sure to memorize "
+            f"them. I will quiz you about the numbers afterwards.\n{context}\n{question}"
+        )
         return chat_prompt(tokenizer, user, prefix), context
 
     text, context, _n, names, _ = _fit_context(tokenizer, build, length, haystack, start)
@@ -321,14 +395,31 @@ def needle_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int
         prompt_ids=ids,
         answers=values[:asked],
         max_new_tokens=max_new_tokens,
-        meta={"target_tokens": length, "depth": depth, "depths": depths, "actual_depths": actual,
-              "needle_token_pos": needle_pos, "context_tokens": [ctx_start, ctx_end], "keys": keys,
-              "needles": needles, "distractors": values[asked:], "essays": sorted(names)},
+        meta={
+            "target_tokens": length,
+            "depth": depth,
+            "depths": depths,
+            "actual_depths": actual,
+            "needle_token_pos": needle_pos,
+            "context_tokens": [ctx_start, ctx_end],
+            "keys": keys,
+            "needles": needles,
+            "distractors": values[asked:],
+            "essays": sorted(names),
+        },
     )
 
 
-def vt_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int, num_hops: int = 2,
-              num_chains: int = 1, sample_id: str = "", max_new_tokens: int = 40) -> Sample:
+def vt_sample(
+    tokenizer,
+    rng: random.Random,
+    haystack: Haystack,
+    length: int,
+    num_hops: int = 2,
+    num_chains: int = 1,
+    sample_id: str = "",
+    max_new_tokens: int = 40,
+) -> Sample:
     """RULER variable tracking: chains ``VAR A = v``, ``VAR B = VAR A``, ... in a haystack; the first chain is
     queried ("which variables are assigned v?"); other chains (other values) are distractors."""
     used_names: set[str] = set()
@@ -348,8 +439,9 @@ def vt_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int, nu
         while value in used_values:
             value = str(rng.randint(10_000, 99_999))
         used_values.add(value)
-        statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}."
-                                                     for i in range(1, len(names))]
+        statements = [f"VAR {names[0]} = {value}."] + [
+            f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, len(names))
+        ]
         # Spread the chain over the context in order (RULER inserts its statements in order).
         points = sorted(rng.uniform(0.02, 0.98) for _ in statements)
         inserts += list(zip(points, statements))
@@ -363,15 +455,29 @@ def vt_sample(tokenizer, rng: random.Random, haystack: Haystack, length: int, nu
 
     def build(sentences, counts):
         context = " ".join(insert_at_depths(sentences, counts, inserts))
-        user = (f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-                f"{context}\nQuestion: {question}")
+        user = (
+            f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+            f"{context}\nQuestion: {question}"
+        )
         return chat_prompt(tokenizer, user, prefix), context
 
     text, _context, _n, essays, _ = _fit_context(tokenizer, build, length, haystack, start)
-    return Sample(task="vt", sample_id=sample_id, prompt=text, prompt_ids=encode(tokenizer, text),
-                  answers=names, max_new_tokens=max_new_tokens,
-                  meta={"target_tokens": length, "num_hops": num_hops, "num_chains": num_chains, "value": value,
-                        "chains": [list(c[0]) for c in chains], "essays": sorted(essays)})
+    return Sample(
+        task="vt",
+        sample_id=sample_id,
+        prompt=text,
+        prompt_ids=encode(tokenizer, text),
+        answers=names,
+        max_new_tokens=max_new_tokens,
+        meta={
+            "target_tokens": length,
+            "num_hops": num_hops,
+            "num_chains": num_chains,
+            "value": value,
+            "chains": [list(c[0]) for c in chains],
+            "essays": sorted(essays),
+        },
+    )
 
 
 def summ_sample(tokenizer, essay: str, max_tokens: int, sample_id: str = "", max_new_tokens: int = 64) -> Sample:
@@ -390,10 +496,21 @@ def summ_sample(tokenizer, essay: str, max_tokens: int, sample_id: str = "", max
         else:
             hi = mid - 1
     text = build(lo)
-    return Sample(task="summ", sample_id=sample_id, prompt=text, prompt_ids=encode(tokenizer, text), answers=[],
-                  max_new_tokens=max_new_tokens,
-                  meta={"essay": essay, "sentences": lo, "of_sentences": len(sentences), "max_tokens": max_tokens,
-                        "truncated": lo < len(sentences)})
+    return Sample(
+        task="summ",
+        sample_id=sample_id,
+        prompt=text,
+        prompt_ids=encode(tokenizer, text),
+        answers=[],
+        max_new_tokens=max_new_tokens,
+        meta={
+            "essay": essay,
+            "sentences": lo,
+            "of_sentences": len(sentences),
+            "max_tokens": max_tokens,
+            "truncated": lo < len(sentences),
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------- suites
@@ -401,19 +518,36 @@ def summ_sample(tokenizer, essay: str, max_tokens: int, sample_id: str = "", max
 #: Sizes per preset, chosen for the time budget on 2 CPU cores (see benchmarks/README in the module docs).
 PRESETS: dict[str, dict] = {
     "quick": {
-        "niah_lengths": [1024, 2048], "niah_depths": [0.0, 0.5, 1.0], "niah_multi_lengths": [1024],
-        "niah_multi_depths": [0.5], "vt_lengths": [1024], "vt_per_length": 1, "summ": 1, "summ_tokens": 1024,
+        "niah_lengths": [1024, 2048],
+        "niah_depths": [0.0, 0.5, 1.0],
+        "niah_multi_lengths": [1024],
+        "niah_multi_depths": [0.5],
+        "vt_lengths": [1024],
+        "vt_per_length": 1,
+        "summ": 1,
+        "summ_tokens": 1024,
     },
     "default": {
-        "niah_lengths": [1024, 2048, 4096, 6144], "niah_depths": [0.0, 0.25, 0.5, 0.75, 1.0],
-        "niah_multi_lengths": [1024, 2048, 4096], "niah_multi_depths": [0.1, 0.5, 0.9],
-        "vt_lengths": [1024, 2048], "vt_per_length": 3, "summ": 6, "summ_tokens": 2048,
+        "niah_lengths": [1024, 2048, 4096, 6144],
+        "niah_depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "niah_multi_lengths": [1024, 2048, 4096],
+        "niah_multi_depths": [0.1, 0.5, 0.9],
+        "vt_lengths": [1024, 2048],
+        "vt_per_length": 3,
+        "summ": 6,
+        "summ_tokens": 2048,
     },
 }
 
 
-def build_suite(tokenizer, preset: str = "default", seed: int = DEFAULT_SEED, tasks: list[str] | None = None,
-                progress: bool = True, **overrides) -> list[Sample]:
+def build_suite(
+    tokenizer,
+    preset: str = "default",
+    seed: int = DEFAULT_SEED,
+    tasks: list[str] | None = None,
+    progress: bool = True,
+    **overrides,
+) -> list[Sample]:
     """Every sample of a preset, deterministically from ``seed`` (same seed, same prompts)."""
     cfg = dict(PRESETS[preset])
     cfg.update({k: v for k, v in overrides.items() if v is not None})
@@ -443,8 +577,18 @@ def build_suite(tokenizer, preset: str = "default", seed: int = DEFAULT_SEED, ta
         sid = f"{task}-{length}-{arg}" if task != "summ" else f"summ-{arg}"
         exclude = set(summ_essays)  # haystacks never reuse the essays being summarised
         if task in NEEDLE_TASKS:
-            samples.append(needle_sample(tokenizer, rng, Haystack(tokenizer, rng, exclude), length, arg,
-                                         num_needles=1 if task == "niah_single" else 3, sample_id=sid, task=task))
+            samples.append(
+                needle_sample(
+                    tokenizer,
+                    rng,
+                    Haystack(tokenizer, rng, exclude),
+                    length,
+                    arg,
+                    num_needles=1 if task == "niah_single" else 3,
+                    sample_id=sid,
+                    task=task,
+                )
+            )
         elif task == "vt":
             samples.append(vt_sample(tokenizer, rng, Haystack(tokenizer, rng, exclude), length, sample_id=f"{sid}"))
         else:
@@ -495,9 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     samples = build_suite(tokenizer, "quick" if args.quick else args.preset, args.seed, args.tasks)
     for s in samples:
         depth = s.meta.get("actual_depths", [None])[0]
-        print(f"{s.sample_id:28s} {s.task:12s} tokens={s.num_tokens:5d}"
-              + (f" depth={s.meta['depth']:.2f} actual={depth:.3f}" if depth is not None else "")
-              + (f" answers={s.answers}" if s.answers else ""))
+        print(
+            f"{s.sample_id:28s} {s.task:12s} tokens={s.num_tokens:5d}"
+            + (f" depth={s.meta['depth']:.2f} actual={depth:.3f}" if depth is not None else "")
+            + (f" answers={s.answers}" if s.answers else "")
+        )
     for s in samples[: args.show]:
         print("-" * 80 + "\n" + s.prompt + "\n" + "-" * 80)
     if args.json:

@@ -48,16 +48,37 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROMPT_TOKENS = 256
 
 PRESETS = {
-    "quick": dict(text_spans=1, self_spans=1, generated=512, budgets=(128, 256), interval=128,
-                  interval_study=(), interval_budget=256, greedy_tokens=0),
-    "default": dict(text_spans=3, self_spans=1, generated=2048, budgets=(256, 512, 1024), interval=128,
-                    interval_study=(32, 512), interval_budget=512, greedy_tokens=1024),
+    "quick": dict(
+        text_spans=1,
+        self_spans=1,
+        generated=512,
+        budgets=(128, 256),
+        interval=128,
+        interval_study=(),
+        interval_budget=256,
+        greedy_tokens=0,
+    ),
+    "default": dict(
+        text_spans=3,
+        self_spans=1,
+        generated=2048,
+        budgets=(256, 512, 1024),
+        interval=128,
+        interval_study=(32, 512),
+        interval_budget=512,
+        greedy_tokens=1024,
+    ),
 }
 #: Methods at every budget (interval ``interval``); name -> (scorer or "recent", selection). RC selects as the
 #: plugin's decode-time compression does (rcstat_vllm/worker/decode_compression.py): each head's scores relative to its own
 #: mean, then the layer's top entries.
-METHODS = {"recent": ("recent", "head"), "rc": ("rc", "head_mean"), "snapkv": ("snapkv", "layer"),
-           "tova": ("tova", "head"), "knorm": ("knorm", "layer")}
+METHODS = {
+    "recent": ("recent", "head"),
+    "rc": ("rc", "head_mean"),
+    "snapkv": ("snapkv", "layer"),
+    "tova": ("tova", "head"),
+    "knorm": ("knorm", "layer"),
+}
 
 
 def label(name: str, budget: int, interval: int) -> str:
@@ -68,23 +89,32 @@ def build_methods(budgets, interval: int, interval_study, interval_budget: int) 
     """Every method at every budget; RC and the recent window at the other intervals; at ``interval_budget``, RC's
     threshold rule, RC with a uniform per-head budget (do uneven heads matter?) and RC's raw scores compared across
     the layer's heads (``rc_raw``, as its prompt budgets compare them)."""
-    out = [dr.DecodeMethod(label(n, b, interval), m, b, interval, selection=s)
-           for b in budgets for n, (m, s) in METHODS.items()]
+    out = [
+        dr.DecodeMethod(label(n, b, interval), m, b, interval, selection=s)
+        for b in budgets
+        for n, (m, s) in METHODS.items()
+    ]
     for i in interval_study:
-        out += [dr.DecodeMethod(label("rc", interval_budget, i), "rc", interval_budget, i, selection="head_mean"),
-                dr.DecodeMethod(label("recent", interval_budget, i), "recent", interval_budget, i, selection="head")]
-    out += [dr.DecodeMethod(label("rc_c1", interval_budget, interval), "rc", interval_budget, interval,
-                            selection="threshold", c=1.0),
-            dr.DecodeMethod(label("rc_head", interval_budget, interval), "rc", interval_budget, interval,
-                            selection="head"),
-            dr.DecodeMethod(label("rc_raw", interval_budget, interval), "rc", interval_budget, interval,
-                            selection="layer")]
+        out += [
+            dr.DecodeMethod(label("rc", interval_budget, i), "rc", interval_budget, i, selection="head_mean"),
+            dr.DecodeMethod(label("recent", interval_budget, i), "recent", interval_budget, i, selection="head"),
+        ]
+    out += [
+        dr.DecodeMethod(
+            label("rc_c1", interval_budget, interval), "rc", interval_budget, interval, selection="threshold", c=1.0
+        ),
+        dr.DecodeMethod(label("rc_head", interval_budget, interval), "rc", interval_budget, interval, selection="head"),
+        dr.DecodeMethod(label("rc_raw", interval_budget, interval), "rc", interval_budget, interval, selection="layer"),
+    ]
     return out
 
 
 def greedy_methods(budget: int, interval: int) -> list[dr.DecodeMethod]:
-    return [dr.DecodeMethod(label(n, budget, interval), m, budget, interval, selection=s)
-            for n, (m, s) in METHODS.items() if n != "knorm"]
+    return [
+        dr.DecodeMethod(label(n, budget, interval), m, budget, interval, selection=s)
+        for n, (m, s) in METHODS.items()
+        if n != "knorm"
+    ]
 
 
 # ----------------------------------------------------------------------------------------------- spans
@@ -109,7 +139,7 @@ def self_prompt(tokenizer, essay_ids: list[int], length: int = PROMPT_TOKENS) ->
 
 def distinct4(ids: list[int]) -> float:
     """Distinct 4-gram share: 1 = no 4-gram repeats, near 0 = one loop."""
-    grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+    grams = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
     return len(set(grams)) / max(len(grams), 1)
 
 
@@ -162,9 +192,12 @@ def greedy_compare(ref, tokenizer, prompt: list[int], full_tokens: list[int], me
         bar.set_postfix_str(f"greedy {method.label}")
         t0 = time.perf_counter()
         out = ref.generate(prompt, len(full_tokens), method)
-        rows[method.label] = {"common_prefix": common_prefix(out, full_tokens),
-                              "rouge_l": data.rouge_l(full_text, tokenizer.decode(out)),
-                              "distinct4": distinct4(out), "seconds": time.perf_counter() - t0}
+        rows[method.label] = {
+            "common_prefix": common_prefix(out, full_tokens),
+            "rouge_l": data.rouge_l(full_text, tokenizer.decode(out)),
+            "distinct4": distinct4(out),
+            "seconds": time.perf_counter() - t0,
+        }
         bar.update(1)
     return rows
 
@@ -177,8 +210,11 @@ def summarize(spans: list[dict], methods) -> dict:
     out = {}
     for source in sorted({s["source"] for s in spans}):
         rows = [s["settings"] for s in spans if s["source"] == source]
-        src = {"spans": len(rows), "nll_full": statistics.fmean(r["full"]["nll"] for r in rows),
-               "distinct4": statistics.fmean(s["distinct4"] for s in spans if s["source"] == source)}
+        src = {
+            "spans": len(rows),
+            "nll_full": statistics.fmean(r["full"]["nll"] for r in rows),
+            "distinct4": statistics.fmean(s["distinct4"] for s in spans if s["source"] == source),
+        }
         for m in methods:
             per = [r[m.label] for r in rows if m.label in r]
             if not per:
@@ -187,16 +223,26 @@ def summarize(spans: list[dict], methods) -> dict:
             for key in ("top1", "top1_after", "ver", "ver_all_layers", "ver_after", "dnll", "kept", "mean_visible"):
                 values = [p[key] for p in per if p[key] is not None]
                 entry[key] = statistics.fmean(values) if values else None
-            entry["kept_head_min_max"] = [min(p["kept_head_min_max"][0] for p in per if p["kept_head_min_max"]),
-                                          max(p["kept_head_min_max"][1] for p in per if p["kept_head_min_max"])] \
-                if any(p["kept_head_min_max"] for p in per) else None
+            entry["kept_head_min_max"] = (
+                [
+                    min(p["kept_head_min_max"][0] for p in per if p["kept_head_min_max"]),
+                    max(p["kept_head_min_max"][1] for p in per if p["kept_head_min_max"]),
+                ]
+                if any(p["kept_head_min_max"] for p in per)
+                else None
+            )
             src[m.label] = entry
         out[source] = src
     greedy = [s["greedy"] for s in spans if s.get("greedy")]
     if greedy:
-        out["greedy"] = {k: {"common_prefix": statistics.fmean(g[k]["common_prefix"] for g in greedy),
-                             "rouge_l": statistics.fmean(g[k]["rouge_l"] for g in greedy),
-                             "distinct4": statistics.fmean(g[k]["distinct4"] for g in greedy)} for k in greedy[0]}
+        out["greedy"] = {
+            k: {
+                "common_prefix": statistics.fmean(g[k]["common_prefix"] for g in greedy),
+                "rouge_l": statistics.fmean(g[k]["rouge_l"] for g in greedy),
+                "distinct4": statistics.fmean(g[k]["distinct4"] for g in greedy),
+            }
+            for k in greedy[0]
+        }
     return out
 
 
@@ -208,17 +254,23 @@ def print_table(report: dict) -> None:
             for k, e in src.items():
                 print(f"{k:22s} {e['common_prefix']:7.1f} {e['rouge_l']:8.3f} {e['distinct4']:6.3f}")
             continue
-        print(f"\n{source}: {src['spans']} span(s), {report['generated']} generated tokens, full-cache NLL "
-              f"{src['nll_full']:.3f}, distinct 4-grams {src['distinct4']:.3f}")
-        print(f"{'setting':22s} {'kept':>6s} {'visible':>7s} {'head min-max':>12s} {'top1':>6s} {'top1 aft':>8s} {'VER':>6s} "
-              f"{'VER aft':>7s} {'VER allL':>8s} {'dNLL':>7s}")
+        print(
+            f"\n{source}: {src['spans']} span(s), {report['generated']} generated tokens, full-cache NLL "
+            f"{src['nll_full']:.3f}, distinct 4-grams {src['distinct4']:.3f}"
+        )
+        print(
+            f"{'setting':22s} {'kept':>6s} {'visible':>7s} {'head min-max':>12s} {'top1':>6s} {'top1 aft':>8s} {'VER':>6s} "
+            f"{'VER aft':>7s} {'VER allL':>8s} {'dNLL':>7s}"
+        )
         for k, e in src.items():
             if not isinstance(e, dict):
                 continue
             f = lambda x, w, p: f"{x:{w}.{p}f}" if x is not None else " " * (w - 1) + "-"  # noqa: E731
             spread = "{}-{}".format(*e["kept_head_min_max"]) if e["kept_head_min_max"] else "-"
-            print(f"{k:22s} {f(e['kept'], 6, 0)} {f(e['mean_visible'], 7, 0)} {spread:>12s} {f(e['top1'], 6, 3)} {f(e['top1_after'], 8, 3)} "
-                  f"{f(e['ver'], 6, 3)} {f(e['ver_after'], 7, 3)} {f(e['ver_all_layers'], 8, 3)} {f(e['dnll'], 7, 3)}")
+            print(
+                f"{k:22s} {f(e['kept'], 6, 0)} {f(e['mean_visible'], 7, 0)} {spread:>12s} {f(e['top1'], 6, 3)} {f(e['top1_after'], 8, 3)} "
+                f"{f(e['ver'], 6, 3)} {f(e['ver_after'], 7, 3)} {f(e['ver_all_layers'], 8, 3)} {f(e['dnll'], 7, 3)}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-spans", type=int, default=None)
     parser.add_argument("--self-spans", type=int, default=None)
     parser.add_argument("--no-greedy", action="store_true", help="skip the compressed greedy generations")
-    parser.add_argument("--json", default=None, help="output (default benchmarks/results/decode_quality_cpu.json; "
-                        "decode_quality_cpu_quick.json with --quick)")
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="output (default benchmarks/results/decode_quality_cpu.json; decode_quality_cpu_quick.json with --quick)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     preset = "quick" if args.quick else "default"
@@ -241,8 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg[key] = getattr(args, key)
     if args.no_greedy:
         cfg["greedy_tokens"] = 0
-    out_path = Path(args.json) if args.json else RESULTS_DIR / (
-        "decode_quality_cpu_quick.json" if args.quick else "decode_quality_cpu.json")
+    out_path = (
+        Path(args.json)
+        if args.json
+        else RESULTS_DIR / ("decode_quality_cpu_quick.json" if args.quick else "decode_quality_cpu.json")
+    )
     t_start, load_start = time.time(), load_avg()
     tokenizer = data.load_tokenizer(args.model)
     ref = dr.DecodeReference(args.model)
@@ -250,19 +308,33 @@ def main(argv: list[str] | None = None) -> int:
     greedy = greedy_methods(cfg["budgets"][0], cfg["interval"]) if cfg["greedy_tokens"] else []
     n = cfg["generated"]
     essays = long_essays(tokenizer, PROMPT_TOKENS + n, args.seed)
-    plan = [("text", name, ids[:PROMPT_TOKENS], ids[PROMPT_TOKENS:PROMPT_TOKENS + n])
-            for name, ids in essays[: cfg["text_spans"]]]
-    plan += [("self", name, self_prompt(tokenizer, ids), None)
-             for name, ids in essays[cfg["text_spans"]: cfg["text_spans"] + cfg["self_spans"]]]
+    plan = [
+        ("text", name, ids[:PROMPT_TOKENS], ids[PROMPT_TOKENS : PROMPT_TOKENS + n])
+        for name, ids in essays[: cfg["text_spans"]]
+    ]
+    plan += [
+        ("self", name, self_prompt(tokenizer, ids), None)
+        for name, ids in essays[cfg["text_spans"] : cfg["text_spans"] + cfg["self_spans"]]
+    ]
     steps = len(plan) * (1 + len(methods)) + cfg["self_spans"] * (1 + len(greedy))
-    print(f"{len(plan)} spans ({PROMPT_TOKENS} + {n} tokens), {len(methods)} settings, {len(greedy)} greedy",
-          file=sys.stderr)
+    print(
+        f"{len(plan)} spans ({PROMPT_TOKENS} + {n} tokens), {len(methods)} settings, {len(greedy)} greedy",
+        file=sys.stderr,
+    )
 
-    report = {"benchmark": "decode_quality", "preset": preset, "seed": args.seed,
-              "model": str(args.model or "SmolLM2-135M-Instruct (embedded)"), "dtype": "float32",
-              "prompt_tokens": PROMPT_TOKENS, "generated": n, "greedy_tokens": cfg["greedy_tokens"],
-              "settings": [m.to_dict() for m in methods], "greedy_settings": [m.to_dict() for m in greedy],
-              "environment": environment(torch_threads=torch.get_num_threads())}
+    report = {
+        "benchmark": "decode_quality",
+        "preset": preset,
+        "seed": args.seed,
+        "model": str(args.model or "SmolLM2-135M-Instruct (embedded)"),
+        "dtype": "float32",
+        "prompt_tokens": PROMPT_TOKENS,
+        "generated": n,
+        "greedy_tokens": cfg["greedy_tokens"],
+        "settings": [m.to_dict() for m in methods],
+        "greedy_settings": [m.to_dict() for m in greedy],
+        "environment": environment(torch_threads=torch.get_num_threads()),
+    }
     spans = []
     bar = tqdm(total=steps, desc="decode quality", unit="run")
     for source, name, prompt, tokens in plan:
@@ -281,8 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         span["seconds"] = time.perf_counter() - t0
         spans.append(span)
         # Written after every span: a partial run still leaves its numbers.
-        report.update(wall_s=round(time.time() - t_start, 1), load_avg=[load_start, load_avg()],
-                      complete=len(spans) == len(plan), summary=summarize(spans, methods), spans=spans)
+        report.update(
+            wall_s=round(time.time() - t_start, 1),
+            load_avg=[load_start, load_avg()],
+            complete=len(spans) == len(plan),
+            summary=summarize(spans, methods),
+            spans=spans,
+        )
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(report, indent=1))
     bar.close()

@@ -82,9 +82,15 @@ class DecodeMethod:
         return get_scorer(self.method, **(default_options(self.method) if self.options is None else self.options))
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "method": self.method, "budget": self.budget, "interval": self.interval,
-                "selection": self.selection, "c": self.c if self.selection == "threshold" else None,
-                "options": default_options(self.method) if self.options is None else self.options}
+        return {
+            "label": self.label,
+            "method": self.method,
+            "budget": self.budget,
+            "interval": self.interval,
+            "selection": self.selection,
+            "c": self.c if self.selection == "threshold" else None,
+            "options": default_options(self.method) if self.options is None else self.options,
+        }
 
 
 def default_options(method: str) -> dict:
@@ -117,8 +123,9 @@ class _Cache:
 _ACTIVE: list[_Cache] = []  # the cache the current forward reads (a list: set/cleared around each call)
 
 
-def _decode_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling: float,
-                      dropout: float = 0.0, **kwargs):
+def _decode_attention(
+    module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling: float, dropout: float = 0.0, **kwargs
+):
     """transformers attention interface: query [1, Hq, T, d], key/value [1, Hkv, T, d] of the T new positions
     (RoPE applied). Appends them to the cache and attends over the kept old positions plus the new ones causally."""
     cache = _ACTIVE[-1]
@@ -163,8 +170,9 @@ def _top(priority: Tensor, count: int) -> Tensor:
     return mask
 
 
-def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | None, method: DecodeMethod,
-                scorer, scale: float) -> Tensor | None:
+def evict_layer(
+    keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | None, method: DecodeMethod, scorer, scale: float
+) -> Tensor | None:
     """New keep mask [Hkv, g] of one layer's generated region, or None when the layer is within budget.
 
     ``keep``: [Hkv, g] current keep mask of the g generated positions; ``keys``/``values``: [Hkv, g, d] their
@@ -172,8 +180,11 @@ def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | No
     """
     num_kv, _g = keep.shape
     counts = keep.sum(dim=1)
-    over = int(counts.sum()) > num_kv * method.budget if method.selection in ("layer", "head_mean", "threshold") \
+    over = (
+        int(counts.sum()) > num_kv * method.budget
+        if method.selection in ("layer", "head_mean", "threshold")
         else int(counts.max()) > method.budget
+    )
     if not over:
         return None
     if method.method == "recent":
@@ -184,11 +195,15 @@ def evict_layer(keep: Tensor, keys: Tensor, values: Tensor, queries: Tensor | No
         rows = list(scorer.score(queries, keys[:, idx[0]], values[:, idx[0]], scale).unbind(0))
     else:  # compacted per head: head h with its G query heads
         group = queries.shape[0] // num_kv
-        rows = [scorer.score(queries[h * group:(h + 1) * group], keys[h:h + 1, idx[h]], values[h:h + 1, idx[h]],
-                             scale)[0] for h in range(num_kv)]
+        rows = [
+            scorer.score(
+                queries[h * group : (h + 1) * group], keys[h : h + 1, idx[h]], values[h : h + 1, idx[h]], scale
+            )[0]
+            for h in range(num_kv)
+        ]
     rows = [r.clone() for r in rows]
     for r in rows:
-        r[-method.keep_window:] = float("inf")  # the newest tokens stay, whatever the method
+        r[-method.keep_window :] = float("inf")  # the newest tokens stay, whatever the method
     if method.selection == "threshold":
         chosen = [select_threshold(r[None], 0, method.c).mask[0] for r in rows]
     elif method.selection == "head":
@@ -266,8 +281,12 @@ class DecodeReference:
     def _forward(self, cache: _Cache, ids: list[int], start: int, last_only: bool = False) -> Tensor:
         _ACTIVE.append(cache)
         try:
-            out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
-                             use_cache=False, logits_to_keep=1 if last_only else 0)
+            out = self.model(
+                input_ids=torch.tensor([ids]),
+                position_ids=torch.arange(start, start + len(ids))[None],
+                use_cache=False,
+                logits_to_keep=1 if last_only else 0,
+            )
         finally:
             _ACTIVE.pop()
         return out.logits[0].float()
@@ -278,8 +297,15 @@ class DecodeReference:
         for layer in range(self.num_layers):
             end = cache.length[layer]
             keep = cache.keep[layer][:, p:end]
-            new = evict_layer(keep, cache.keys[layer][:, p:end], cache.values[layer][:, p:end],
-                              cache.queries.get(layer), method, scorer, self.scale)
+            new = evict_layer(
+                keep,
+                cache.keys[layer][:, p:end],
+                cache.values[layer][:, p:end],
+                cache.queries.get(layer),
+                method,
+                scorer,
+                self.scale,
+            )
             if new is not None:
                 if bool((new & ~keep).any()):
                     raise AssertionError("an eviction re-admitted an evicted token")
@@ -290,7 +316,7 @@ class DecodeReference:
     def kept_generated(self, cache: _Cache) -> Tensor:
         """[L, Hkv] kept generated tokens per (layer, KV head)."""
         p = cache.prompt_len
-        return torch.stack([cache.keep[layer][:, p:cache.length[layer]].sum(1) for layer in range(self.num_layers)])
+        return torch.stack([cache.keep[layer][:, p : cache.length[layer]].sum(1) for layer in range(self.num_layers)])
 
     def _prefill(self, prompt_ids: list[int], capacity: int) -> tuple[_Cache, Tensor]:
         cache = _Cache(capacity=capacity, prompt_len=len(prompt_ids))
@@ -299,8 +325,15 @@ class DecodeReference:
         return cache, last
 
     @torch.no_grad()
-    def replay(self, prompt_ids: list[int], tokens: list[int], method: DecodeMethod, all_layers: bool = False,
-               return_logits: bool = False, on_chunk=None) -> Replay:
+    def replay(
+        self,
+        prompt_ids: list[int],
+        tokens: list[int],
+        method: DecodeMethod,
+        all_layers: bool = False,
+        return_logits: bool = False,
+        on_chunk=None,
+    ) -> Replay:
         """Teacher-force ``tokens`` after ``prompt_ids`` with eviction every ``method.interval`` tokens."""
         scorer = method.scorer()
         cache, _ = self._prefill(prompt_ids, len(prompt_ids) + len(tokens))
@@ -308,19 +341,20 @@ class DecodeReference:
         argmax, logprob, logits_all, attn = [], [], [], []
         evictions, first_eviction, peak, visible = [], None, 0, 0.0
         for s in range(0, n, method.interval):
-            chunk = tokens[s:s + method.interval]
+            chunk = tokens[s : s + method.interval]
             before = float(self.kept_generated(cache).float().mean()) if s else 0.0
             visible += len(chunk) * before + len(chunk) * (len(chunk) + 1) / 2  # query j sees before + j + 1
             logits = self._forward(cache, chunk, p + s)
             argmax.append(logits.argmax(-1))
-            nxt = tokens[s + 1:s + 1 + len(chunk)]  # one short at the end of the span
-            lp = torch.log_softmax(logits, -1)[:len(nxt)].gather(1, torch.tensor(nxt)[:, None])[:, 0]
+            nxt = tokens[s + 1 : s + 1 + len(chunk)]  # one short at the end of the span
+            lp = torch.log_softmax(logits, -1)[: len(nxt)].gather(1, torch.tensor(nxt)[:, None])[:, 0]
             logprob.append(torch.cat([lp, torch.full((len(chunk) - len(nxt),), float("nan"))]))
             if return_logits:
                 logits_all.append(logits)
             outs = cache.outputs
-            attn.append(torch.stack([outs[i] for i in range(self.num_layers)]) if all_layers
-                        else outs[self.num_layers - 1])
+            attn.append(
+                torch.stack([outs[i] for i in range(self.num_layers)]) if all_layers else outs[self.num_layers - 1]
+            )
             cache.outputs = {}
             peak = max(peak, int(self.kept_generated(cache).max()))
             if scorer is not None or method.method == "recent":
@@ -331,14 +365,21 @@ class DecodeReference:
                         first_eviction = s + len(chunk)
             if on_chunk is not None:
                 on_chunk(len(chunk))
-        return Replay(argmax=torch.cat(argmax), target_logprob=torch.cat(logprob),
-                      logits=torch.cat(logits_all) if return_logits else None,
-                      attn=torch.cat(attn, dim=1 if all_layers else 0), first_eviction=first_eviction,
-                      evictions=evictions, peak_kept=peak, mean_visible=visible / n)
+        return Replay(
+            argmax=torch.cat(argmax),
+            target_logprob=torch.cat(logprob),
+            logits=torch.cat(logits_all) if return_logits else None,
+            attn=torch.cat(attn, dim=1 if all_layers else 0),
+            first_eviction=first_eviction,
+            evictions=evictions,
+            peak_kept=peak,
+            mean_visible=visible / n,
+        )
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, method: DecodeMethod,
-                 stop_at_eos: bool = False) -> list[int]:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, method: DecodeMethod, stop_at_eos: bool = False
+    ) -> list[int]:
         """Greedy decode one token at a time, evicting after every ``method.interval`` generated tokens (the same
         schedule as :meth:`replay`: an eviction follows the forward pass of G[k * interval - 1])."""
         scorer = method.scorer()

@@ -49,8 +49,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: (label, method, window, query reduction)
 METHODS = [("rc_default", "rc", 32, "max"), ("rc_paper", "rc", 8, "mean"), ("snapkv", "snapkv", 64, None)]
 #: The plugin's defaults (config.py): what a server scores with.
-DEFAULT_RC = dict(window_size=32, smoothing=3, carry_forward=8, local_contrast=0.5, contrast_radius=256,
-                  query_reduction="max")
+DEFAULT_RC = dict(
+    window_size=32, smoothing=3, carry_forward=8, local_contrast=0.5, contrast_radius=256, query_reduction="max"
+)
 KEEP_SHARE = 0.2  # compression 0.8
 
 
@@ -244,24 +245,33 @@ def speed(device, sizes, page, block_ns, progress) -> list[dict]:
 
         plan = [
             ("window matmul w=32", window_matmul(32)),
-            ("rc kernel w=32 max (default)", lambda: rc_scores_paged(q_all[:, -32:], cache, table, n,
-                                                                      query_reduction="max")),
+            (
+                "rc kernel w=32 max (default)",
+                lambda: rc_scores_paged(q_all[:, -32:], cache, table, n, query_reduction="max"),
+            ),
             ("rc kernel w=8 mean (paper)", lambda: rc_scores_paged(q_all[:, -8:], cache, table, n)),
-            ("rc default scorer (kernel + contrast + smoothing + carry)",
-             lambda: default_rc.score_paged(q_all[:, -32:], prompt, d**-0.5, use_triton=True)),
+            (
+                "rc default scorer (kernel + contrast + smoothing + carry)",
+                lambda: default_rc.score_paged(q_all[:, -32:], prompt, d**-0.5, use_triton=True),
+            ),
             ("snapkv kernel w=64", lambda: snapkv_scores_paged(q_all, cache, table, n, d**-0.5)),
             ("snapkv scorer", lambda: snapkv.score_paged(q_all, prompt, d**-0.5, use_triton=True)),
         ]
-        plan += [(f"rc kernel w=32 max block_n={bn}",
-                  (lambda bn=bn: rc_scores_paged(q_all[:, -32:], cache, table, n, block_n=bn, query_reduction="max")))
-                 for bn in block_ns]
+        plan += [
+            (
+                f"rc kernel w=32 max block_n={bn}",
+                (lambda bn=bn: rc_scores_paged(q_all[:, -32:], cache, table, n, block_n=bn, query_reduction="max")),
+            )
+            for bn in block_ns
+        ]
         if device.type == "cuda":
             q_layer = torch.randn(1, hq, n, d, device=device, dtype=dtype)
             kv_layer = torch.randn(2, 1, hkv, n, d, device=device, dtype=dtype)
 
             def attention():
-                return torch.nn.functional.scaled_dot_product_attention(q_layer, kv_layer[0], kv_layer[1],
-                                                                        is_causal=True, enable_gqa=True)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q_layer, kv_layer[0], kv_layer[1], is_causal=True, enable_gqa=True
+                )
 
             # A whole decoder layer's prefill work (Llama-3.1-8B: hidden 4096, MLP 14336): the QKV and output
             # projections, the attention and the gated MLP's three products, on stand-in activations. The scorer runs
@@ -283,15 +293,18 @@ def speed(device, sizes, page, block_ns, progress) -> list[dict]:
                 def run():
                     layer()
                     return scorer_call()
+
                 return run
 
             default_call = plan[3][1] if plan[3][0].startswith("rc default scorer") else None
             assert default_call is not None
             snapkv_call = next(fn for label, fn in plan if label == "snapkv scorer")
             plan.insert(0, ("layer prefill attention (sdpa, causal, GQA)", attention))
-            plan += [("decoder layer prefill (projections, attention, MLP)", layer),
-                     ("decoder layer + rc default scorer", layer_and(default_call)),
-                     ("decoder layer + snapkv scorer", layer_and(snapkv_call))]
+            plan += [
+                ("decoder layer prefill (projections, attention, MLP)", layer),
+                ("decoder layer + rc default scorer", layer_and(default_call)),
+                ("decoder layer + snapkv scorer", layer_and(snapkv_call)),
+            ]
         timings, graphed = {}, {}
         for label, fn in plan:
             progress(f"n={n} {label}")
@@ -302,26 +315,38 @@ def speed(device, sizes, page, block_ns, progress) -> list[dict]:
         key_bytes = hkv * n * d * keys.element_size()
         for label, ms in timings.items():
             graph_ms = graphed[label]
-            rows.append({
-                "n": n, "what": label, "ms_median": round(ms, 4),
-                "vs_layer_attention": None if base is None else round(ms / base, 4),
-                "graph_ms_median": None if graph_ms is None else round(graph_ms, 4),
-                "graph_vs_layer_attention": None if graph_base is None else round(graph_ms / graph_base, 4),
-                # The keys each scoring kernel must read once, over the time: how close to memory bandwidth it runs.
-                "key_read_GBps": round(key_bytes / (min(ms, graph_ms or ms) * 1e-3) / 1e9, 1)
-                if "kernel" in label else None,
-            })
-        layer_ms, layer_graph_ms = timings.get("decoder layer prefill (projections, attention, MLP)"), \
-            graphed.get("decoder layer prefill (projections, attention, MLP)")
+            rows.append(
+                {
+                    "n": n,
+                    "what": label,
+                    "ms_median": round(ms, 4),
+                    "vs_layer_attention": None if base is None else round(ms / base, 4),
+                    "graph_ms_median": None if graph_ms is None else round(graph_ms, 4),
+                    "graph_vs_layer_attention": None if graph_base is None else round(graph_ms / graph_base, 4),
+                    # The keys each scoring kernel must read once, over the time: how close to memory bandwidth it runs.
+                    "key_read_GBps": round(key_bytes / (min(ms, graph_ms or ms) * 1e-3) / 1e9, 1)
+                    if "kernel" in label
+                    else None,
+                }
+            )
+        layer_ms, layer_graph_ms = (
+            timings.get("decoder layer prefill (projections, attention, MLP)"),
+            graphed.get("decoder layer prefill (projections, attention, MLP)"),
+        )
         for label in ("decoder layer + rc default scorer", "decoder layer + snapkv scorer"):
             if layer_ms is not None:
-                rows.append({"n": n, "what": f"added by the scorer: {label.split(' + ')[1]}",
-                             "ms_median": round(timings[label] - layer_ms, 4),
-                             "vs_layer_attention": round(timings[label] / layer_ms - 1, 4),
-                             "graph_ms_median": round(graphed[label] - layer_graph_ms, 4),
-                             "graph_vs_layer_attention": round(graphed[label] / layer_graph_ms - 1, 4),
-                             "key_read_GBps": None,
-                             "note": "ms: layer + scorer minus layer; ratio columns: share of the layer's time"})
+                rows.append(
+                    {
+                        "n": n,
+                        "what": f"added by the scorer: {label.split(' + ')[1]}",
+                        "ms_median": round(timings[label] - layer_ms, 4),
+                        "vs_layer_attention": round(timings[label] / layer_ms - 1, 4),
+                        "graph_ms_median": round(graphed[label] - layer_graph_ms, 4),
+                        "graph_vs_layer_attention": round(graphed[label] / layer_graph_ms - 1, 4),
+                        "key_read_GBps": None,
+                        "note": "ms: layer + scorer minus layer; ratio columns: share of the layer's time",
+                    }
+                )
         plan.clear()  # the closures hold this size's tensors
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -332,8 +357,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None, help="where the results go (default: print only)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, fp32 and fp16 only: checks the script")
-    parser.add_argument("--parts", default="correctness,syncs,speed",
-                        help="comma-separated: correctness (kernels and scorers against references), syncs, speed")
+    parser.add_argument(
+        "--parts",
+        default="correctness,syncs,speed",
+        help="comma-separated: correctness (kernels and scorers against references), syncs, speed",
+    )
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     parser.add_argument("--shapes", type=lambda t: t.split(","), default=list(SHAPES), help=f"of {list(SHAPES)}")
     parser.add_argument("--dtypes", type=lambda t: t.split(","), default=list(DTYPES), help=f"of {list(DTYPES)}")
@@ -388,14 +416,20 @@ def main(argv=None) -> int:
     print(f"\n{report['device']}, torch {report['torch']}, triton {report['triton']}")
     print(f"{'correctness case':<44} {'rel L2':>9} {'keep agr.':>9} {'written':>7}  ok")
     for c in checks:
-        print(f"{c.case:<44} {c.rel_l2:9.2e} {c.keep_agreement:9.4f} {c.all_written!s:>7}  {'ok' if c.passed else 'FAIL'}")
+        print(
+            f"{c.case:<44} {c.rel_l2:9.2e} {c.keep_agreement:9.4f} {c.all_written!s:>7}  {'ok' if c.passed else 'FAIL'}"
+        )
     if "host_syncs" in report:
         print(f"host synchronisations: {report['host_syncs']}")
     if report.get("speed"):
-        print(f"{'':8} {'one layer, Llama-3.1-8B shapes':<58} {'eager ms':>9} {'x attn':>7} {'graph ms':>9} {'x attn':>7}")
+        print(
+            f"{'':8} {'one layer, Llama-3.1-8B shapes':<58} {'eager ms':>9} {'x attn':>7} {'graph ms':>9} {'x attn':>7}"
+        )
     for row in report.get("speed", []):
-        cells = [f"{row[k]:9.3f}" if isinstance(row[k], float) else f"{'-':>9}"
-                 for k in ("ms_median", "vs_layer_attention", "graph_ms_median", "graph_vs_layer_attention")]
+        cells = [
+            f"{row[k]:9.3f}" if isinstance(row[k], float) else f"{'-':>9}"
+            for k in ("ms_median", "vs_layer_attention", "graph_ms_median", "graph_vs_layer_attention")
+        ]
         bw = "" if row["key_read_GBps"] is None else f"  {row['key_read_GBps']:7.1f} GB/s"
         print(f"n={row['n']:>6} {row['what']:<58} {cells[0]} {cells[1]:>7} {cells[2]} {cells[3]:>7}{bw}")
     failed = [c.case for c in checks if not c.passed]

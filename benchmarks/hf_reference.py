@@ -61,8 +61,9 @@ class _State:
 _STATE = _State()
 
 
-def _masked_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling: float,
-                      dropout: float = 0.0, **kwargs):
+def _masked_attention(
+    module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling: float, dropout: float = 0.0, **kwargs
+):
     """transformers attention interface: query [1, Hq, T, d], key/value [1, Hkv, T, d] (RoPE applied)."""
     st = _STATE
     layer = module.layer_idx
@@ -73,7 +74,7 @@ def _masked_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     if st.mode == "prefill":
         st.keys[layer] = key[0]
         st.values[layer] = value[0]
-        st.queries[layer] = query[0, :, -st.keep_queries:]
+        st.queries[layer] = query[0, :, -st.keep_queries :]
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
     if st.mode != "decode":
@@ -102,7 +103,7 @@ def _masked_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     if mask is not None:
         visible[:, :, :, :n] = mask[:, None, None, :]
     causal = torch.ones(t, t, dtype=torch.bool).tril()
-    visible[:, :, :, n + extra:] = causal
+    visible[:, :, :, n + extra :] = causal
     logits = logits.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("hgts,hsd->hgtd", probs, values.float())  # [Hkv, G, T, d]
@@ -158,7 +159,7 @@ class ReferenceModel:
         self.num_kv_heads = cfg.num_key_value_heads
         self.num_q_heads = cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
@@ -171,14 +172,22 @@ class ReferenceModel:
             out = self.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
         finally:
             st.mode = "off"
-        result = Prefill(ids=list(ids), keys=dict(st.keys), values=dict(st.values), queries=dict(st.queries),
-                         first_token=int(out.logits[0, -1].argmax()), scale=self.scale, num_layers=self.num_layers)
+        result = Prefill(
+            ids=list(ids),
+            keys=dict(st.keys),
+            values=dict(st.values),
+            queries=dict(st.queries),
+            first_token=int(out.logits[0, -1].argmax()),
+            scale=self.scale,
+            num_layers=self.num_layers,
+        )
         st.__init__()
         return result
 
     @torch.no_grad()
-    def decode(self, prefill: Prefill, tokens: list[int], masks: list[Tensor] | None = None,
-               all_layers: bool = False) -> tuple[Tensor, Tensor]:
+    def decode(
+        self, prefill: Prefill, tokens: list[int], masks: list[Tensor] | None = None, all_layers: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """Teacher-force ``tokens`` at positions n.. over the (masked) prompt KV.
 
         Returns (logits [T, V], attention outputs [T, Hq, d] of the last layer, or [L, T, Hq, d] with
@@ -189,8 +198,9 @@ class ReferenceModel:
         st.mode, st.prompt_keys, st.prompt_values, st.masks = "decode", prefill.keys, prefill.values, masks
         n = prefill.n
         try:
-            out = self.model(input_ids=torch.tensor([tokens]), position_ids=torch.arange(n, n + len(tokens))[None],
-                             use_cache=False)
+            out = self.model(
+                input_ids=torch.tensor([tokens]), position_ids=torch.arange(n, n + len(tokens))[None], use_cache=False
+            )
         finally:
             st.mode = "off"
         if all_layers:
@@ -201,8 +211,9 @@ class ReferenceModel:
         return out.logits[0].float(), attn.float()
 
     @torch.no_grad()
-    def greedy(self, prefill: Prefill, max_new_tokens: int, masks: list[Tensor] | None = None,
-               stop_at_eos: bool = True) -> list[int]:
+    def greedy(
+        self, prefill: Prefill, max_new_tokens: int, masks: list[Tensor] | None = None, stop_at_eos: bool = True
+    ) -> list[int]:
         """Greedy decode under the masks: the first token comes from the (uncompressed) prefill."""
         st = _STATE
         st.__init__()
@@ -213,8 +224,9 @@ class ReferenceModel:
             while len(tokens) < max_new_tokens and not (stop_at_eos and tokens[-1] in self.eos_ids):
                 st.mode = "decode"
                 pos = n + len(tokens) - 1
-                out = self.model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pos]]),
-                                 use_cache=False)
+                out = self.model(
+                    input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pos]]), use_cache=False
+                )
                 tokens.append(int(out.logits[0, -1].argmax()))
         finally:
             st.__init__()
@@ -261,4 +273,6 @@ def keep_masks(prefill: Prefill, config: RCStatConfig) -> KeepMasks:
 
 def value_error(reference: Tensor, compressed: Tensor, eps: float = 1e-12) -> Tensor:
     """||v* - v^|| / ||v*|| per (token, head) over the last dim: [..., d] -> [...]."""
-    return torch.linalg.vector_norm(reference - compressed, dim=-1) / torch.linalg.vector_norm(reference, dim=-1).clamp_min(eps)
+    return torch.linalg.vector_norm(reference - compressed, dim=-1) / torch.linalg.vector_norm(
+        reference, dim=-1
+    ).clamp_min(eps)

@@ -46,7 +46,9 @@ PRESSES = {
     "snapkv": lambda kvpress, r: kvpress.SnapKVPress(compression_ratio=r),
     "tova": lambda kvpress, r: kvpress.TOVAPress(compression_ratio=r),
     "expected_attention": lambda kvpress, r: kvpress.ExpectedAttentionPress(compression_ratio=r),
-    "adakv_expected_attention": lambda kvpress, r: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=r)),
+    "adakv_expected_attention": lambda kvpress, r: kvpress.AdaKVPress(
+        kvpress.ExpectedAttentionPress(compression_ratio=r)
+    ),
     "kvzip": lambda kvpress, r: kvpress.KVzipPress(compression_ratio=r),
     "knorm": lambda kvpress, r: kvpress.KnormPress(compression_ratio=r),
     "streaming_llm": lambda kvpress, r: kvpress.StreamingLLMPress(compression_ratio=r),
@@ -60,22 +62,37 @@ SCORED_TASKS = [*NEEDLE_TASKS, "vt"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", required=True, help="prompts JSON from accuracy.py --write-prompts or data.py --json")
+    parser.add_argument(
+        "--prompts", required=True, help="prompts JSON from accuracy.py --write-prompts or data.py --json"
+    )
     parser.add_argument("--model", required=True, help="the model folder (the converted SmolLM2-135M-Instruct)")
     parser.add_argument("--presses", nargs="+", default=DEFAULT_PRESSES, choices=sorted(PRESSES))
     parser.add_argument("--ratios", nargs="+", type=float, default=DEFAULT_RATIOS, help="kvpress compression_ratio")
     parser.add_argument("--tasks", nargs="+", default=SCORED_TASKS, choices=[*SCORED_TASKS, "summ"])
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts only (a smoke run)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="model dtype (default float32: exact on every CPU; bfloat16 on CPUs with AVX512-BF16/AMX)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype (default float32: exact on every CPU; bfloat16 on CPUs with AVX512-BF16/AMX)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the runs the output JSON already holds for these prompts and dtype; run the rest")
-    parser.add_argument("--json", default=None, help=f"output (default {DEFAULT_JSON.relative_to(RESULTS_DIR.parents[1])})")
-    parser.add_argument("--keep-masks", metavar="PATH", default=None,
-                        help="instead of generating: prefill each prompt under each masking press (kvzip, adakv_*) "
-                             "and save what every (layer, KV head) keeps to PATH (torch), the input of "
-                             "quality.py --kvpress-masks (the value error of kvpress's presses)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs the output JSON already holds for these prompts and dtype; run the rest",
+    )
+    parser.add_argument(
+        "--json", default=None, help=f"output (default {DEFAULT_JSON.relative_to(RESULTS_DIR.parents[1])})"
+    )
+    parser.add_argument(
+        "--keep-masks",
+        metavar="PATH",
+        default=None,
+        help="instead of generating: prefill each prompt under each masking press (kvzip, adakv_*) "
+        "and save what every (layer, KV head) keeps to PATH (torch), the input of "
+        "quality.py --kvpress-masks (the value error of kvpress's presses)",
+    )
     args = parser.parse_args(argv)
     if any(not 0 < r < 1 for r in args.ratios):
         parser.error("--ratios must lie in (0, 1)")
@@ -86,8 +103,9 @@ def load_samples(path: str | Path, tasks: list[str], limit: int | None = None) -
     """(the file's header, its samples of ``tasks``): accepts accuracy.py's {..., "samples": [...]} and data.py's
     bare list."""
     raw = json.loads(Path(path).read_text())
-    header, samples = ({k: v for k, v in raw.items() if k != "samples"}, raw["samples"]) if isinstance(raw, dict) \
-        else ({}, raw)
+    header, samples = (
+        ({k: v for k, v in raw.items() if k != "samples"}, raw["samples"]) if isinstance(raw, dict) else ({}, raw)
+    )
     missing = [s.get("sample_id") for s in samples if "prompt_ids" not in s]
     if missing:
         raise SystemExit(f"{path}: samples without prompt_ids ({missing[:3]}...): write them with ids")
@@ -99,18 +117,26 @@ def totals(outputs: list[dict], full_found: dict[str, list[bool]] | None) -> dic
     """Values found (all scored tasks, and needles alone, per task) and, against the full cache's outputs, how many
     of the needle values it found this run found too. ``outputs``: {"sample_id", "task", "found"} per sample."""
     needle = [o for o in outputs if o["task"] in NEEDLE_TASKS]
-    out = {"prompts": len(outputs), "values": sum(len(o["found"]) for o in outputs),
-           "hits": sum(sum(o["found"]) for o in outputs),
-           "needle_values": sum(len(o["found"]) for o in needle), "needle_hits": sum(sum(o["found"]) for o in needle),
-           "by_task": {}}
+    out = {
+        "prompts": len(outputs),
+        "values": sum(len(o["found"]) for o in outputs),
+        "hits": sum(sum(o["found"]) for o in outputs),
+        "needle_values": sum(len(o["found"]) for o in needle),
+        "needle_hits": sum(sum(o["found"]) for o in needle),
+        "by_task": {},
+    }
     for task in sorted({o["task"] for o in outputs}):
         rows = [o for o in outputs if o["task"] == task]
-        out["by_task"][task] = {"values": sum(len(o["found"]) for o in rows), "hits": sum(sum(o["found"]) for o in rows)}
+        out["by_task"][task] = {
+            "values": sum(len(o["found"]) for o in rows),
+            "hits": sum(sum(o["found"]) for o in rows),
+        }
     if full_found is not None:
         full_hits = sum(sum(full_found.get(o["sample_id"], [])) for o in needle)
         kept = sum(a and b for o in needle for a, b in zip(o["found"], full_found.get(o["sample_id"], [])))
-        out.update(full_needle_hits=full_hits, kept_of_full=kept,
-                   kept_of_full_share=kept / full_hits if full_hits else None)
+        out.update(
+            full_needle_hits=full_hits, kept_of_full=kept, kept_of_full_share=kept / full_hits if full_hits else None
+        )
     return out
 
 
@@ -175,8 +201,9 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, press
         tokens = [int(logits[0, -1].argmax())]
         position = len(prompt_ids)  # true positions: a pruned cache is shorter than the prompt
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                        position_ids=torch.tensor([[position]]))
+            out = model(
+                input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=torch.tensor([[position]])
+            )
             tokens.append(int(out.logits[0, -1].argmax()))
             position += 1
     return tokenizer.decode(tokens, skip_special_tokens=True), evicted
@@ -189,13 +216,27 @@ def run_press(model, tokenizer, kvpress, samples: list[dict], press_name: str | 
         press = PRESSES[press_name](kvpress, ratio) if press_name else None
         t1 = time.perf_counter()
         text, evicted = generate(model, tokenizer, s["prompt_ids"], s["max_new_tokens"], press)
-        outputs.append({"sample_id": s["sample_id"], "task": s["task"], "num_tokens": len(s["prompt_ids"]),
-                        "text": text, "answers": s["answers"], "found": found_answers(s["answers"], text),
-                        "evicted": round(evicted, 4), "seconds": round(time.perf_counter() - t1, 2)})
+        outputs.append(
+            {
+                "sample_id": s["sample_id"],
+                "task": s["task"],
+                "num_tokens": len(s["prompt_ids"]),
+                "text": text,
+                "answers": s["answers"],
+                "found": found_answers(s["answers"], text),
+                "evicted": round(evicted, 4),
+                "seconds": round(time.perf_counter() - t1, 2),
+            }
+        )
         bar.update()
-    return {"label": row_label(press_name, ratio), "press": press_name, "ratio": ratio,
-            "evicted": round(sum(o["evicted"] for o in outputs) / max(len(outputs), 1), 4),
-            "seconds": round(time.perf_counter() - t0, 1), "samples": outputs}
+    return {
+        "label": row_label(press_name, ratio),
+        "press": press_name,
+        "ratio": ratio,
+        "evicted": round(sum(o["evicted"] for o in outputs) / max(len(outputs), 1), 4),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "samples": outputs,
+    }
 
 
 #: Presses that keep the whole prompt in the cache and mask evicted entries per head (``masked_key_indices``): what
@@ -216,8 +257,10 @@ def prefill_keep_mask(model, prompt_ids: list[int], press):
     keep = torch.ones(config.num_hidden_layers, config.num_key_value_heads, n, dtype=torch.bool)
     for layer, (cache_layer, block) in enumerate(zip(cache.layers, model.model.layers)):
         if cache_layer.keys.shape[2] != n:
-            raise SystemExit(f"--keep-masks: {press!r} pruned layer {layer}'s cache to {cache_layer.keys.shape[2]} "
-                             f"of {n} entries; only masking presses ({', '.join(MASKING_PRESSES)}) can be read back")
+            raise SystemExit(
+                f"--keep-masks: {press!r} pruned layer {layer}'s cache to {cache_layer.keys.shape[2]} "
+                f"of {n} entries; only masking presses ({', '.join(MASKING_PRESSES)}) can be read back"
+            )
         masked = getattr(block.self_attn, "masked_key_indices", None)
         if masked is not None:
             batch, heads, positions = (index.cpu() for index in masked)
@@ -225,8 +268,9 @@ def prefill_keep_mask(model, prompt_ids: list[int], press):
     return keep
 
 
-def export_keep_masks(model, kvpress, samples: list[dict], presses: list[str], ratios: list[float], path: Path,
-                      env: dict) -> None:
+def export_keep_masks(
+    model, kvpress, samples: list[dict], presses: list[str], ratios: list[float], path: Path, env: dict
+) -> None:
     """Save every masking press's keep masks per prompt: {"environment", "masks": {label: {sample_id: [L, H, n]
     bool}}, "prompt_lengths": {sample_id: n}}."""
     import torch
@@ -245,7 +289,9 @@ def export_keep_masks(model, kvpress, samples: list[dict], presses: list[str], r
                 bar.set_description(label)
                 masks = out["masks"][label] = {}
                 for s in samples:
-                    masks[s["sample_id"]] = prefill_keep_mask(model, s["prompt_ids"], PRESSES[press_name](kvpress, ratio))
+                    masks[s["sample_id"]] = prefill_keep_mask(
+                        model, s["prompt_ids"], PRESSES[press_name](kvpress, ratio)
+                    )
                     bar.update()
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)
@@ -261,16 +307,29 @@ def environment(dtype: str) -> dict:
 
     cpu = platform.processor()
     with suppress(OSError, StopIteration):
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     from common import git_state, machine
 
-    return {"kvpress": version("kvpress"), "transformers": transformers.__version__, "torch": torch.__version__,
-            "python": platform.python_version(), "dtype": dtype, "attn_implementation": "sdpa", "cpu": cpu,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "kvpress_path": str(Path(kvpress.__file__).parent),
-            # How it was made, as every result file records it (benchmarks/common.py): no plugin, no vLLM here.
-            "machine": machine(), "git": git_state(), "argv": [Path(sys.argv[0]).name, *sys.argv[1:]]}
+    return {
+        "kvpress": version("kvpress"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dtype": dtype,
+        "attn_implementation": "sdpa",
+        "cpu": cpu,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "kvpress_path": str(Path(kvpress.__file__).parent),
+        # How it was made, as every result file records it (benchmarks/common.py): no plugin, no vLLM here.
+        "machine": machine(),
+        "git": git_state(),
+        "argv": [Path(sys.argv[0]).name, *sys.argv[1:]],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,26 +343,43 @@ def main(argv: list[str] | None = None) -> int:
     header, samples = load_samples(args.prompts, args.tasks, args.limit)
     model, tokenizer = load_model(args.model, args.dtype)
     if args.keep_masks:
-        export_keep_masks(model, kvpress, samples, args.presses, args.ratios, Path(args.keep_masks),
-                          environment(args.dtype))
+        export_keep_masks(
+            model, kvpress, samples, args.presses, args.ratios, Path(args.keep_masks), environment(args.dtype)
+        )
         return 0
     runs = [(None, 0.0)] + [(p, r) for p in args.presses for r in args.ratios]
-    report = {"benchmark": "kvpress_reference", "environment": environment(args.dtype), "model": args.model,
-              "prompts": {"path": str(args.prompts), **{k: header[k] for k in ("preset", "seed") if k in header},
-                          "n": len(samples), "tokens": sum(len(s["prompt_ids"]) for s in samples),
-                          "tasks": sorted({s["task"] for s in samples})},
-              "presses": {p: repr(PRESSES[p](kvpress, 0.5)) for p in args.presses}, "rows": []}
-    print(f"{len(samples)} prompts ({report['prompts']['tokens']} tokens) x {len(runs)} runs, "
-          f"kvpress {report['environment']['kvpress']}, transformers {report['environment']['transformers']}, "
-          f"{args.dtype}", file=sys.stderr)
+    report = {
+        "benchmark": "kvpress_reference",
+        "environment": environment(args.dtype),
+        "model": args.model,
+        "prompts": {
+            "path": str(args.prompts),
+            **{k: header[k] for k in ("preset", "seed") if k in header},
+            "n": len(samples),
+            "tokens": sum(len(s["prompt_ids"]) for s in samples),
+            "tasks": sorted({s["task"] for s in samples}),
+        },
+        "presses": {p: repr(PRESSES[p](kvpress, 0.5)) for p in args.presses},
+        "rows": [],
+    }
+    print(
+        f"{len(samples)} prompts ({report['prompts']['tokens']} tokens) x {len(runs)} runs, "
+        f"kvpress {report['environment']['kvpress']}, transformers {report['environment']['transformers']}, "
+        f"{args.dtype}",
+        file=sys.stderr,
+    )
     out = Path(args.json) if args.json else DEFAULT_JSON
     out.parent.mkdir(parents=True, exist_ok=True)
     report["runs_planned"] = [row_label(p, r) for p, r in runs]
     previous = {}
     if args.resume and out.exists():
         previous = resumable_rows(json.loads(out.read_text()), samples, args.dtype, report["environment"]["kvpress"])
-        print(f"resuming: {len(previous)} runs kept from {out}" if previous else
-              f"--resume: {out} holds no runs of these prompts, dtype and kvpress; running all", file=sys.stderr)
+        print(
+            f"resuming: {len(previous)} runs kept from {out}"
+            if previous
+            else f"--resume: {out} holds no runs of these prompts, dtype and kvpress; running all",
+            file=sys.stderr,
+        )
     full_found, full_texts = None, {}
     bar = tqdm(total=len(runs) * len(samples), unit="prompt")
     for press_name, ratio in runs:
@@ -325,12 +401,17 @@ def main(argv: list[str] | None = None) -> int:
         # After every run, with the earlier output's runs not reached yet: a long run cut short keeps what it did
         # and loses nothing it resumed from.
         done = {r["label"] for r in report["rows"]}
-        out.write_text(json.dumps({**report, "rows": report["rows"] + [r for label, r in previous.items()
-                                                                          if label not in done]}, indent=1))
+        out.write_text(
+            json.dumps(
+                {**report, "rows": report["rows"] + [r for label, r in previous.items() if label not in done]}, indent=1
+            )
+        )
         t = row["totals"]
-        bar.write(f"{label}: needle values {t['needle_hits']}/{t['needle_values']}, of the full cache's "
-                  f"{t['kept_of_full']}/{t['full_needle_hits']}, evicted {row['evicted']:.3f}, {row['seconds']:.0f} s"
-                  + (" (kept from the earlier run)" if label in previous else ""))
+        bar.write(
+            f"{label}: needle values {t['needle_hits']}/{t['needle_values']}, of the full cache's "
+            f"{t['kept_of_full']}/{t['full_needle_hits']}, evicted {row['evicted']:.3f}, {row['seconds']:.0f} s"
+            + (" (kept from the earlier run)" if label in previous else "")
+        )
     bar.close()
     print(f"wrote {out}", file=sys.stderr)
     return 0

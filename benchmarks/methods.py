@@ -55,8 +55,13 @@ class Setting:
     comparable: str | None = None
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "family": self.family, "rcstat": dict(self.rcstat), "matched_to": self.matched_to,
-                "comparable": self.comparable}
+        return {
+            "label": self.label,
+            "family": self.family,
+            "rcstat": dict(self.rcstat),
+            "matched_to": self.matched_to,
+            "comparable": self.comparable,
+        }
 
 
 def rc_label(c: float) -> str:
@@ -66,16 +71,32 @@ def rc_label(c: float) -> str:
 #: The RCStat paper's scoring in budget mode, as RC was measured before the defaults changed (docs/defaults.md):
 #: Eq. 6's mean over an 8-token window's queries, no smoothing, no carrying, no local contrast, no sinks, a per-layer
 #: budget. Every field a default has ever changed is spelled out, so a row that pins it keeps its meaning.
-PAPER_RC = {"method": "rc", "window": 8, "smoothing": 1, "carry_forward": 0, "budget_scope": "layer",
-            "sink_tokens": 0, "query_reduction": "mean", "local_contrast": 0.0}
+PAPER_RC = {
+    "method": "rc",
+    "window": 8,
+    "smoothing": 1,
+    "carry_forward": 0,
+    "budget_scope": "layer",
+    "sink_tokens": 0,
+    "query_reduction": "mean",
+    "local_contrast": 0.0,
+}
 #: What kvpress's presses do beside their scoring, pinned for the baselines of build_settings: a per-layer budget,
 #: no sink tokens (the plugin's defaults became model-wide with 4 sinks; a baseline row must not follow them).
 KVPRESS_BUDGET = {"budget_scope": "layer", "sink_tokens": 0}
 
 
-def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=BASELINES,
-                   rc_budget: bool = True, matched_c=(), matched_methods=("rc_budget", "snapkv", "tova"),
-                   window: int = 8, default_ratios=(), undone_ratios=()) -> list[Setting]:
+def build_settings(
+    c_values=(0.05, 0.5, 1.0, 1.5),
+    ratios=(0.5, 0.8),
+    baselines=BASELINES,
+    rc_budget: bool = True,
+    matched_c=(),
+    matched_methods=("rc_budget", "snapkv", "tova"),
+    window: int = 8,
+    default_ratios=(),
+    undone_ratios=(),
+) -> list[Setting]:
     """Full cache, the bare flag's default, RC at each c, and each budget family at each ratio; plus matched
     settings for matched_c. RC rows (``rc_c*``, ``rc_budget_*``, ``rc_budget@*``) pin the RCStat paper's own
     scoring (:data:`PAPER_RC` at ``window``: Eq. 6's mean, no smoothing, carrying or local contrast, no sinks,
@@ -89,26 +110,39 @@ def build_settings(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.5, 0.8), baselines=
     with the defaults but both scoring changes undone (``rc_r<r>_mean_contrast0``: Eq. 6's mean, no contrast)."""
     paper = {k: v for k, v in PAPER_RC.items() if k not in ("method", "window")}
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
-    settings += [Setting(f"rc_r{r:g}", "rc_defaults", {"method": "rc", "target_ratio": float(r)})
-                 for r in default_ratios]
+    settings += [
+        Setting(f"rc_r{r:g}", "rc_defaults", {"method": "rc", "target_ratio": float(r)}) for r in default_ratios
+    ]
     undone, _ = DEFAULTS_UNDONE["mean_contrast0"]
-    settings += [Setting(f"rc_r{r:g}_mean_contrast0", "rc_mean_contrast0",
-                         {"method": "rc", "target_ratio": float(r), **undone}) for r in undone_ratios]
-    settings += [Setting(rc_label(c), "rc", {"method": "rc", "c": float(c), "window": window, **paper})
-                 for c in c_values]
+    settings += [
+        Setting(f"rc_r{r:g}_mean_contrast0", "rc_mean_contrast0", {"method": "rc", "target_ratio": float(r), **undone})
+        for r in undone_ratios
+    ]
+    settings += [
+        Setting(rc_label(c), "rc", {"method": "rc", "c": float(c), "window": window, **paper}) for c in c_values
+    ]
     families = (["rc_budget"] if rc_budget else []) + list(baselines)
     for family in families:
         method = "rc" if family == "rc_budget" else family
         for r in ratios:
             extra = paper if method == "rc" else KVPRESS_BUDGET
-            settings.append(Setting(f"{family}_r{r:g}", family,
-                                    {"method": method, "target_ratio": float(r), "window": window, **extra}))
+            settings.append(
+                Setting(
+                    f"{family}_r{r:g}", family, {"method": method, "target_ratio": float(r), "window": window, **extra}
+                )
+            )
     for c in matched_c:
         for family in matched_methods:
             method = "rc" if family == "rc_budget" else family
             extra = paper if method == "rc" else KVPRESS_BUDGET
-            settings.append(Setting(f"{family}@{rc_label(c)}", family, {"method": method, "window": window, **extra},
-                                    matched_to=rc_label(c)))
+            settings.append(
+                Setting(
+                    f"{family}@{rc_label(c)}",
+                    family,
+                    {"method": method, "window": window, **extra},
+                    matched_to=rc_label(c),
+                )
+            )
     return settings
 
 
@@ -117,8 +151,13 @@ QUALITY_SETTINGS = {
     "quick": dict(c_values=(0.05, 1.0), ratios=(0.5, 0.8), matched_c=(1.0,), default_ratios=(0.8,)),
     # RC budget rows twice: with the paper's scoring (rc_budget_*, pinned) and with the plugin's defaults (rc_r*),
     # and at 0.8 with the defaults but Eq. 6's scores (rc_r0.8_mean_contrast0).
-    "default": dict(c_values=(0.05, 0.5, 1.0, 1.5), ratios=(0.3, 0.5, 0.7, 0.8, 0.9), matched_c=(0.05, 0.5, 1.0, 1.5),
-                    default_ratios=(0.3, 0.5, 0.7, 0.8, 0.9), undone_ratios=(0.8,)),
+    "default": dict(
+        c_values=(0.05, 0.5, 1.0, 1.5),
+        ratios=(0.3, 0.5, 0.7, 0.8, 0.9),
+        matched_c=(0.05, 0.5, 1.0, 1.5),
+        default_ratios=(0.3, 0.5, 0.7, 0.8, 0.9),
+        undone_ratios=(0.8,),
+    ),
 }
 
 
@@ -143,13 +182,26 @@ def baseline(method: str, ratio: float, window: int, sinks: int = 0) -> dict:
     from rcstat_vllm.config import OBSERVING_METHODS
 
     observed = {"observation_window": window} if method in OBSERVING_METHODS else {}
-    return {"method": method, "target_ratio": float(ratio), "window": window, **observed, "sink_tokens": sinks,
-            "budget_scope": "layer"}
+    return {
+        "method": method,
+        "target_ratio": float(ratio),
+        "window": window,
+        **observed,
+        "sink_tokens": sinks,
+        "budget_scope": "layer",
+    }
 
 
-def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), paper_ratios=(0.5,),
-                      c_values=(1.0,), uncarried_ratios=(0.8,), mean_ratios=(0.8,),
-                      uncontrasted_ratios=(0.8,), mean_uncontrasted_ratios=(0.8,)) -> list[Setting]:
+def accuracy_settings(
+    rc_ratios=(0.5, 0.7, 0.8),
+    baseline_ratios=(0.5, 0.8),
+    paper_ratios=(0.5,),
+    c_values=(1.0,),
+    uncarried_ratios=(0.8,),
+    mean_ratios=(0.8,),
+    uncontrasted_ratios=(0.8,),
+    mean_uncontrasted_ratios=(0.8,),
+) -> list[Setting]:
     """The main accuracy benchmark's settings: full cache; the bare flag (``{}``, i.e. the plugin's defaults);
     RC at each budget in ``rc_ratios`` with its defaults otherwise, and at ``uncarried_ratios`` (and the bare flag,
     when any) also with its scores not carried forward (``carry_forward: 0``), and at ``mean_ratios`` (and the bare
@@ -168,22 +220,36 @@ def accuracy_settings(rc_ratios=(0.5, 0.7, 0.8), baseline_ratios=(0.5, 0.8), pap
     settings = [Setting("full", "full", {"method": "none"}), Setting("default", "default", {})]
     # Each of DEFAULTS_UNDONE at the bare flag (when asked at any ratio) and at those ratios:
     # suffix -> (override, ratios).
-    ratios_of = {"carry0": uncarried_ratios, "mean": mean_ratios, "contrast0": uncontrasted_ratios,
-                 "mean_contrast0": mean_uncontrasted_ratios}
+    ratios_of = {
+        "carry0": uncarried_ratios,
+        "mean": mean_ratios,
+        "contrast0": uncontrasted_ratios,
+        "mean_contrast0": mean_uncontrasted_ratios,
+    }
     ablations = {name: (override, ratios_of[name]) for name, (override, _) in DEFAULTS_UNDONE.items()}
-    settings += [Setting(f"default_{name}", f"default_{name}", override)
-                 for name, (override, ratios) in ablations.items() if ratios]
+    settings += [
+        Setting(f"default_{name}", f"default_{name}", override)
+        for name, (override, ratios) in ablations.items()
+        if ratios
+    ]
     settings += [Setting(f"rc_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r)}) for r in rc_ratios]
-    settings += [Setting(f"rc_r{r:g}_{name}", f"rc_{name}", {"method": "rc", "target_ratio": float(r), **override})
-                 for name, (override, ratios) in ablations.items() for r in ratios]
+    settings += [
+        Setting(f"rc_r{r:g}_{name}", f"rc_{name}", {"method": "rc", "target_ratio": float(r), **override})
+        for name, (override, ratios) in ablations.items()
+        for r in ratios
+    ]
     settings += [Setting(f"rc_paper_r{r:g}", "rc_paper", {**PAPER_RC, "target_ratio": float(r)}) for r in paper_ratios]
     settings += [Setting(rc_label(c), "rc", {**PAPER_RC, "c": float(c)}) for c in c_values]
     for method in ("snapkv", "tova"):
         # kvpress's presses keep no sink tokens; at RC's window they also keep RC's sinks.
-        for family, window, sinks in ((method, published[method], 0),
-                                      (f"{method}_rc_window", rc_window, defaults["sink_tokens"])):
-            settings += [Setting(f"{method}_w{window}_r{r:g}", family, baseline(method, r, window, sinks))
-                         for r in baseline_ratios]
+        for family, window, sinks in (
+            (method, published[method], 0),
+            (f"{method}_rc_window", rc_window, defaults["sink_tokens"]),
+        ):
+            settings += [
+                Setting(f"{method}_w{window}_r{r:g}", family, baseline(method, r, window, sinks))
+                for r in baseline_ratios
+            ]
     return settings
 
 
@@ -196,25 +262,43 @@ def resolve(setting: Setting, rc_ratios: dict[str, float]) -> dict:
     return {**setting.rcstat, "target_ratio": min(max(float(ratio), 0.0), 0.999)}
 
 
-def budget_scope_settings(ratios=(0.5, 0.8), comparables=("head_mean", "layer_mean", "layer_rank", "depthkv"),
-                          window: int = 8) -> list[Setting]:
+def budget_scope_settings(
+    ratios=(0.5, 0.8), comparables=("head_mean", "layer_mean", "layer_rank", "depthkv"), window: int = 8
+) -> list[Setting]:
     """RC budget mode per layer vs over the whole model, the latter with each way of comparing layers; the paper's
     scoring otherwise (:data:`PAPER_RC`: pinned, so the rows keep their meaning when the defaults change)."""
     settings = [Setting("full", "full", {"method": "none"})]
     for r in ratios:
         base = {**PAPER_RC, "target_ratio": float(r), "window": window}
         settings.append(Setting(f"rc_budget_r{r:g}", "rc_budget", {**base, "budget_scope": "layer"}))
-        settings += [Setting(f"rc_model_{name}_r{r:g}", "rc_model", {**base, "budget_scope": "model"}, comparable=name)
-                     for name in comparables]
+        settings += [
+            Setting(f"rc_model_{name}_r{r:g}", "rc_model", {**base, "budget_scope": "model"}, comparable=name)
+            for name in comparables
+        ]
     return settings
 
 
-def _rc_variant(window: int, scope: str, smoothing: int, sinks: int = 0, carry_forward: int = 0,
-                query_reduction: str = "mean", local_contrast: float = 0.0, **extra) -> dict:
+def _rc_variant(
+    window: int,
+    scope: str,
+    smoothing: int,
+    sinks: int = 0,
+    carry_forward: int = 0,
+    query_reduction: str = "mean",
+    local_contrast: float = 0.0,
+    **extra,
+) -> dict:
     """An RC variant's settings, every field the defaults have changed spelled out so a label keeps its meaning."""
-    return {"window": window, "budget_scope": scope, "smoothing": smoothing, "sink_tokens": sinks,
-            "carry_forward": carry_forward, "query_reduction": query_reduction, "local_contrast": local_contrast,
-            **extra}
+    return {
+        "window": window,
+        "budget_scope": scope,
+        "smoothing": smoothing,
+        "sink_tokens": sinks,
+        "carry_forward": carry_forward,
+        "query_reduction": query_reduction,
+        "local_contrast": local_contrast,
+        **extra,
+    }
 
 
 #: RC variants of the high-compression ablation (benchmarks/results/accuracy_cliff*.json): label -> settings on top of
@@ -242,8 +326,9 @@ CLIFF_VARIANTS = {
     # ... and each token scored by the window query that reads it most.
     "rc_model_w32_s3_k4_c8_max": _rc_variant(32, "model", 3, sinks=4, carry_forward=8, query_reduction="max"),
     # ... and each score divided by the square root of its 256 neighbours' mean: the current default's settings.
-    "rc_model_w32_s3_k4_c8_max_lc0.5": _rc_variant(32, "model", 3, sinks=4, carry_forward=8, query_reduction="max",
-                                                   local_contrast=0.5, contrast_radius=256),
+    "rc_model_w32_s3_k4_c8_max_lc0.5": _rc_variant(
+        32, "model", 3, sinks=4, carry_forward=8, query_reduction="max", local_contrast=0.5, contrast_radius=256
+    ),
     # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
     "rc_model_w32_o8_s3_k4": _rc_variant(32, "model", 3, sinks=4, observation_window=8),
     "rc_layer_w8_k4": _rc_variant(8, "layer", 1, sinks=4),
@@ -257,25 +342,42 @@ def cliff_ablation_settings(ratios=(0.5, 0.8), variants=None, baselines=("tova",
     for r in ratios:
         chosen = {k: v for k, v in CLIFF_VARIANTS.items() if variants is None or k in variants}
         for label, extra in chosen.items():
-            settings.append(Setting(f"{label}_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r), **extra}))
+            settings.append(
+                Setting(f"{label}_r{r:g}", "rc_budget", {"method": "rc", "target_ratio": float(r), **extra})
+            )
         # The baselines' published scoring windows; the kept window is RC's 32 and, as in kvpress, no sinks.
-        settings += [Setting(f"{b}_r{r:g}", b, {"method": b, "target_ratio": float(r), "window": 32, "sink_tokens": 0,
-                                                 "budget_scope": "layer"})
-                     for b in baselines]
+        settings += [
+            Setting(
+                f"{b}_r{r:g}",
+                b,
+                {"method": b, "target_ratio": float(r), "window": 32, "sink_tokens": 0, "budget_scope": "layer"},
+            )
+            for b in baselines
+        ]
     return settings
 
 
 def add_cliff_arguments(parser, output_name: str) -> None:
     """``--cliff-ablation`` and ``--variants``, as accuracy.py and quality.py take them."""
     parser.add_argument("--variants", nargs="*", default=None, help="--cliff-ablation: only these RC variants")
-    parser.add_argument("--with-baselines", action="store_true",
-                        help="--cliff-ablation with --variants: also TOVA and SnapKV at their published windows")
-    parser.add_argument("--cliff-ablation", action="store_true",
-                        help="RC variants (window, model-wide budget, smoothing) and baselines at --ratios "
-                             f"(default 0.5 0.8); writes benchmarks/results/{output_name}")
-    parser.add_argument("--summaries", type=int, default=0,
-                        help="--cliff-ablation / --budget-scope-study: also this many essay summaries (1024 tokens, "
-                             "scored by ROUGE-L vs the full cache's output)")
+    parser.add_argument(
+        "--with-baselines",
+        action="store_true",
+        help="--cliff-ablation with --variants: also TOVA and SnapKV at their published windows",
+    )
+    parser.add_argument(
+        "--cliff-ablation",
+        action="store_true",
+        help="RC variants (window, model-wide budget, smoothing) and baselines at --ratios "
+        f"(default 0.5 0.8); writes benchmarks/results/{output_name}",
+    )
+    parser.add_argument(
+        "--summaries",
+        type=int,
+        default=0,
+        help="--cliff-ablation / --budget-scope-study: also this many essay summaries (1024 tokens, "
+        "scored by ROUGE-L vs the full cache's output)",
+    )
 
 
 def cliff_settings_from_args(args) -> list[Setting]:

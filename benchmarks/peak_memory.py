@@ -42,7 +42,10 @@ def run_in_fresh_process(script: str, args: list[str], *, measuring: bool = True
     """Run ``script args`` in a new Python process (with :data:`MEASURING_ENV` when ``measuring``) and return the
     JSON object it printed last; raises with its stderr if it failed."""
     done = subprocess.run(
-        [sys.executable, script, *args], check=False, capture_output=True, text=True,
+        [sys.executable, script, *args],
+        check=False,
+        capture_output=True,
+        text=True,
         env=MEASURING_ENV if measuring else None,
     )
     if done.returncode != 0:

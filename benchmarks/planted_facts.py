@@ -29,14 +29,70 @@ from accuracy import engine_kwargs, resolved_config
 from common import engine_options, environment, load_avg, write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-MODULES = ["collections", "itertools", "functools", "json", "csv", "email.message", "http.client", "argparse",
-           "logging", "pathlib", "shutil", "subprocess", "threading", "asyncio.tasks", "decimal", "fractions",
-           "statistics", "textwrap", "difflib", "sqlite3", "zipfile", "tarfile", "urllib.parse", "heapq", "bisect",
-           "calendar", "datetime", "string", "struct", "codecs", "unittest.case", "doctest", "pdb", "socket"]
-PLACES = ["north annex", "copper lab", "river depot", "glass tower", "old mill", "harbor office", "cedar hall",
-          "east hangar", "salt warehouse", "quarry gate", "signal room", "orchard shed"]
-WORDS = ["Marigold", "Tamarind", "Obsidian", "Halcyon", "Juniper", "Vermilion", "Saffron", "Peregrine", "Lantern",
-         "Cobalt", "Mistral", "Quartz"]
+MODULES = [
+    "collections",
+    "itertools",
+    "functools",
+    "json",
+    "csv",
+    "email.message",
+    "http.client",
+    "argparse",
+    "logging",
+    "pathlib",
+    "shutil",
+    "subprocess",
+    "threading",
+    "asyncio.tasks",
+    "decimal",
+    "fractions",
+    "statistics",
+    "textwrap",
+    "difflib",
+    "sqlite3",
+    "zipfile",
+    "tarfile",
+    "urllib.parse",
+    "heapq",
+    "bisect",
+    "calendar",
+    "datetime",
+    "string",
+    "struct",
+    "codecs",
+    "unittest.case",
+    "doctest",
+    "pdb",
+    "socket",
+]
+PLACES = [
+    "north annex",
+    "copper lab",
+    "river depot",
+    "glass tower",
+    "old mill",
+    "harbor office",
+    "cedar hall",
+    "east hangar",
+    "salt warehouse",
+    "quarry gate",
+    "signal room",
+    "orchard shed",
+]
+WORDS = [
+    "Marigold",
+    "Tamarind",
+    "Obsidian",
+    "Halcyon",
+    "Juniper",
+    "Vermilion",
+    "Saffron",
+    "Peregrine",
+    "Lantern",
+    "Cobalt",
+    "Mistral",
+    "Quartz",
+]
 #: label -> request override on the bare-flag engine (baselines at kvpress's published defaults).
 SETTINGS = {
     "full": {"method": "none"},
@@ -114,36 +170,58 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = engine_kwargs(model_dir, 4096, 2 << 30)
     llm = LLM(**kwargs)
     jobs = [(pid, ids, answer, label) for pid, ids, answer in prompts for label in SETTINGS]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _, _ in jobs],
-                           [SamplingParams(temperature=0.0, max_tokens=16, extra_args={"rcstat": SETTINGS[label]})
-                            for *_, label in jobs])
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids) for _, ids, _, _ in jobs],
+        [SamplingParams(temperature=0.0, max_tokens=16, extra_args={"rcstat": SETTINGS[label]}) for *_, label in jobs],
+    )
     results = match_outputs(outputs, compression_results(llm))
-    records = [{"prompt": pid, "setting": label, "answer": answer, "text": out.outputs[0].text,
-                "found": answer.lower() in out.outputs[0].text.lower(),
-                "ratio": (res or {}).get("compression_ratio") or 0.0}
-               for (pid, _, answer, label), out, res in zip(jobs, outputs, results)]
+    records = [
+        {
+            "prompt": pid,
+            "setting": label,
+            "answer": answer,
+            "text": out.outputs[0].text,
+            "found": answer.lower() in out.outputs[0].text.lower(),
+            "ratio": (res or {}).get("compression_ratio") or 0.0,
+        }
+        for (pid, _, answer, label), out, res in zip(jobs, outputs, results)
+    ]
     full = {r["prompt"] for r in records if r["setting"] == "full" and r["found"]}
     summary = {}
     for label in SETTINGS:
         mine = [r for r in records if r["setting"] == label]
-        summary[label] = {"rcstat": SETTINGS[label],
-                          # as it ran: the engine's flag (eager eviction) merged with the override
-                          "resolved": resolved_config(methods.Setting(label, label, SETTINGS[label])),
-                          "ratio": sum(r["ratio"] for r in mine) / len(mine),
-                          "found": sum(r["found"] for r in mine), "prompts": len(mine),
-                          "found_of_full": sum(r["found"] for r in mine if r["prompt"] in full), "full": len(full)}
-    report = {"benchmark": "planted_facts", "seed": args.seed, "settings": SETTINGS, "summary": summary,
-              "records": records, "environment": environment(), "engine": engine_options(kwargs),
-              "wall_s": round(time.time() - t_start, 1),
-              "load_avg": [load_start, load_avg()]}
+        summary[label] = {
+            "rcstat": SETTINGS[label],
+            # as it ran: the engine's flag (eager eviction) merged with the override
+            "resolved": resolved_config(methods.Setting(label, label, SETTINGS[label])),
+            "ratio": sum(r["ratio"] for r in mine) / len(mine),
+            "found": sum(r["found"] for r in mine),
+            "prompts": len(mine),
+            "found_of_full": sum(r["found"] for r in mine if r["prompt"] in full),
+            "full": len(full),
+        }
+    report = {
+        "benchmark": "planted_facts",
+        "seed": args.seed,
+        "settings": SETTINGS,
+        "summary": summary,
+        "records": records,
+        "environment": environment(),
+        "engine": engine_options(kwargs),
+        "wall_s": round(time.time() - t_start, 1),
+        "load_avg": [load_start, load_avg()],
+    }
 
     def table(rep: dict) -> None:
         for label, s in rep["summary"].items():
-            print(f"{label:14s} evicted {s['ratio']:.2f}  found {s['found']}/{s['prompts']}  "
-                  f"of the full cache's {s['found_of_full']}/{s['full']}")
+            print(
+                f"{label:14s} evicted {s['ratio']:.2f}  found {s['found']}/{s['prompts']}  "
+                f"of the full cache's {s['found_of_full']}/{s['full']}"
+            )
 
-    write_report(report, Path(args.json) if args.json else RESULTS_DIR / f"planted_facts_seed{args.seed}_cpu.json",
-                 table)
+    write_report(
+        report, Path(args.json) if args.json else RESULTS_DIR / f"planted_facts_seed{args.seed}_cpu.json", table
+    )
     return 0
 
 

@@ -39,26 +39,53 @@ class DefaultChange:
 DEFAULT_CHANGES = (
     DefaultChange("77911f5", "2026-11-23T21:31:09+00:00", "window", 8, 32, "window 8 -> 32"),
     DefaultChange("77911f5", "2026-11-23T21:31:09+00:00", "target_ratio", None, 0.5, "threshold mode -> budget 0.5"),
-    DefaultChange("77911f5", "2026-11-23T21:31:09+00:00", "budget_scope", "layer", "model",
-                  "per-layer budget -> model-wide"),
+    DefaultChange(
+        "77911f5", "2026-11-23T21:31:09+00:00", "budget_scope", "layer", "model", "per-layer budget -> model-wide"
+    ),
     DefaultChange("77911f5", "2026-11-23T21:31:09+00:00", "smoothing", 1, 3, "no smoothing -> smoothing 3"),
     DefaultChange("38e8f59", "2026-11-24T04:00:25+00:00", "target_ratio", 0.5, 0.4, "budget 0.5 -> 0.4"),
     DefaultChange("38e8f59", "2026-11-24T04:00:25+00:00", "sink_tokens", 0, 4, "no sinks -> 4 sink tokens"),
     DefaultChange("cc0c99b", "2026-11-25T07:37:12+00:00", "carry_forward", 0, 8, "scores carried 8 tokens forward"),
     DefaultChange("0ab025b", "2026-11-25T15:14:19+00:00", "eviction", "eager", "lazy", "eager -> lazy eviction"),
-    DefaultChange("74f331a", "2026-11-25T21:25:17+00:00", "query_reduction", "mean", "max",
-                  "Eq. 6's mean over queries -> the max"),
+    DefaultChange(
+        "74f331a", "2026-11-25T21:25:17+00:00", "query_reduction", "mean", "max", "Eq. 6's mean over queries -> the max"
+    ),
     DefaultChange("5ef548a", "2026-11-26T00:42:08+00:00", "local_contrast", 0.0, 0.5, "local contrast 0 -> 0.5"),
 )
 #: Fields that exist only since a change (absent from an older record: read as the change's ``before``).
-INTRODUCED = {"carry_forward": 0, "query_reduction": "mean", "local_contrast": 0.0, "contrast_radius": 256,
-              "eviction": "eager", "layer_floor": 0.0, "observation_window": None, "decode_budget": None,
-              "decode_interval": 128, "smoothing": 1, "budget_scope": "layer"}
+INTRODUCED = {
+    "carry_forward": 0,
+    "query_reduction": "mean",
+    "local_contrast": 0.0,
+    "contrast_radius": 256,
+    "eviction": "eager",
+    "layer_floor": 0.0,
+    "observation_window": None,
+    "decode_budget": None,
+    "decode_interval": 128,
+    "smoothing": 1,
+    "budget_scope": "layer",
+}
 #: Fields that do not change what a row measures when nothing reads them (threshold mode ignores the contrast, a
 #: per-layer budget the floor, decode fields with no decode budget): left out of comparisons where unread.
-COMPARED = ("method", "c", "window", "observation_window", "target_ratio", "sink_tokens", "budget_scope",
-            "layer_floor", "smoothing", "carry_forward", "local_contrast", "contrast_radius", "query_reduction",
-            "eviction", "decode_budget", "decode_interval")
+COMPARED = (
+    "method",
+    "c",
+    "window",
+    "observation_window",
+    "target_ratio",
+    "sink_tokens",
+    "budget_scope",
+    "layer_floor",
+    "smoothing",
+    "carry_forward",
+    "local_contrast",
+    "contrast_radius",
+    "query_reduction",
+    "eviction",
+    "decode_budget",
+    "decode_interval",
+)
 
 
 def _git(*args: str) -> str | None:
@@ -72,8 +99,9 @@ def _git(*args: str) -> str | None:
 @functools.cache
 def _is_ancestor(older: str, newer: str) -> bool | None:
     try:
-        out = subprocess.run(["git", "-C", str(REPO), "merge-base", "--is-ancestor", older, newer],
-                             capture_output=True, timeout=30)
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "merge-base", "--is-ancestor", older, newer], capture_output=True, timeout=30
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return {0: True, 1: False}.get(out.returncode)
@@ -96,8 +124,12 @@ def origin(path: Path, data: Mapping | None = None) -> dict:
     it) or ``working tree`` (not committed and not recorded: taken as made now)."""
     git = ((data or {}).get("environment") or {}).get("git") or {}
     if git.get("commit"):
-        return {"commit": git["commit"], "date": git.get("commit_date"), "source": "recorded",
-                "dirty": git.get("dirty")}
+        return {
+            "commit": git["commit"],
+            "date": git.get("commit_date"),
+            "source": "recorded",
+            "dirty": git.get("dirty"),
+        }
     try:
         rel = str(Path(path).resolve().relative_to(REPO))
     except ValueError:

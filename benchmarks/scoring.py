@@ -192,12 +192,21 @@ def _environment() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096, 16384, 65536],
-                        help="comma-separated prompt lengths (default 4096,16384,65536)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed runs per method at n <= 16k; fewer at longer n, at least 2 (default 5)")
-    parser.add_argument("--json", type=Path, default=None,
-                        help="output file (default benchmarks/results/scoring_<cpu|cuda>.json)")
+    parser.add_argument(
+        "--sizes",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[4096, 16384, 65536],
+        help="comma-separated prompt lengths (default 4096,16384,65536)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed runs per method at n <= 16k; fewer at longer n, at least 2 (default 5)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="output file (default benchmarks/results/scoring_<cpu|cuda>.json)"
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
@@ -221,8 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         # Other processes share the machine's cores: the 1-minute load average says how much.
         "load_average_1min": {"before": load_before, "after": _load_average()},
         "dtype": str(dtype).removeprefix("torch."),
-        "shapes": {"q_heads": NUM_Q_HEADS, "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                   "rc_window": RC_WINDOW, "snapkv_window": SNAPKV_WINDOW, "page_size": PAGE_SIZE},
+        "shapes": {
+            "q_heads": NUM_Q_HEADS,
+            "kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "rc_window": RC_WINDOW,
+            "snapkv_window": SNAPKV_WINDOW,
+            "page_size": PAGE_SIZE,
+        },
         "note": "ratio_vs_matmul = median ms / median ms of q_window @ K^T with the same window (baseline)",
         "results": [asdict(t) for t in timings],
         "environment": _environment(),

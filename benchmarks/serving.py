@@ -74,10 +74,28 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: once on the warm vanilla server before the rounds (a probe run at "inf", recorded): what "below saturation" means
 #: on whatever machine runs it. ``pool_requests``: requests of input_len + output_len tokens the KV pool holds.
 PRESETS = {
-    "quick": dict(num_prompts=6, input_len=320, range_ratio=0.2, output_len=72, pool_requests=1.5,
-                  rates=("inf",), rounds=1, decode_budget=32, decode_interval=32),
-    "default": dict(num_prompts=6, input_len=320, range_ratio=0.2, output_len=72, pool_requests=1.5,
-                    rates=("0.5x", "inf"), rounds=2, decode_budget=32, decode_interval=32),
+    "quick": dict(
+        num_prompts=6,
+        input_len=320,
+        range_ratio=0.2,
+        output_len=72,
+        pool_requests=1.5,
+        rates=("inf",),
+        rounds=1,
+        decode_budget=32,
+        decode_interval=32,
+    ),
+    "default": dict(
+        num_prompts=6,
+        input_len=320,
+        range_ratio=0.2,
+        output_len=72,
+        pool_requests=1.5,
+        rates=("0.5x", "inf"),
+        rounds=2,
+        decode_budget=32,
+        decode_interval=32,
+    ),
 }
 
 #: name, extra environment, the rcstat flag (None: absent); decode_budget filled from the preset
@@ -91,14 +109,30 @@ SETTINGS = (
 PERCENTILES = (50, 90, 99)
 #: Prometheus series summed over their labels, read before and after each run (the run's deltas are reported)
 COUNTERS = (
-    "vllm:num_preemptions_total", "vllm:request_success_total", "rcstat:requests_compressed_total",
-    "rcstat:requests_uncompressed_total", "rcstat:requests_planned_total", "rcstat:requests_never_compacted_total",
-    "rcstat:kv_blocks_freed_total", "rcstat:decode_compactions_total", "rcstat:decode_compactions_skipped_total",
-    "rcstat:step_compaction_seconds_sum", "rcstat:step_compaction_seconds_count", "rcstat:compactions_per_step_sum",
-    "rcstat:compactions_per_step_count", "rcstat:compaction_seconds_sum", "rcstat:compaction_seconds_count",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "rcstat:requests_compressed_total",
+    "rcstat:requests_uncompressed_total",
+    "rcstat:requests_planned_total",
+    "rcstat:requests_never_compacted_total",
+    "rcstat:kv_blocks_freed_total",
+    "rcstat:decode_compactions_total",
+    "rcstat:decode_compactions_skipped_total",
+    "rcstat:step_compaction_seconds_sum",
+    "rcstat:step_compaction_seconds_count",
+    "rcstat:compactions_per_step_sum",
+    "rcstat:compactions_per_step_count",
+    "rcstat:compaction_seconds_sum",
+    "rcstat:compaction_seconds_count",
 )
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "rcstat:worker_requests", "rcstat:scheduler_requests", "rcstat:worker_results")
+GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "rcstat:worker_requests",
+    "rcstat:scheduler_requests",
+    "rcstat:worker_results",
+)
 
 
 # ---- one server ----
@@ -110,12 +144,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_kwargs(model: str, rcstat: dict | None, kv_tokens: int, max_model_len: int, dtype: str | None = None) -> dict:
+def server_kwargs(
+    model: str, rcstat: dict | None, kv_tokens: int, max_model_len: int, dtype: str | None = None
+) -> dict:
     """The engine's options, sized in tokens: a bf16 budget (``with_embedded_dtype`` doubles it in float32)."""
     from rcstat_vllm.model import with_embedded_dtype
 
-    kwargs = dict(model=model, enforce_eager=True, compilation_config={"mode": 0}, max_model_len=max_model_len,
-                  kv_cache_memory_bytes=kv_tokens * KV_BYTES_PER_TOKEN_SMOLLM2, block_size=BLOCK_SIZE, seed=0)
+    kwargs = dict(
+        model=model,
+        enforce_eager=True,
+        compilation_config={"mode": 0},
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_tokens * KV_BYTES_PER_TOKEN_SMOLLM2,
+        block_size=BLOCK_SIZE,
+        seed=0,
+    )
     if rcstat is not None:
         kwargs["additional_config"] = {"rcstat": rcstat}
     if dtype is not None:
@@ -131,11 +174,29 @@ class Server:
     def __init__(self, kwargs: dict, env: dict, log_path: Path, extra_args: tuple[str, ...] = ()):
         self.kwargs, self.port = kwargs, free_port()
         self.url, self.model, self.log_path = f"http://127.0.0.1:{self.port}", kwargs["model"], log_path
-        cmd = [sys.executable, "-m", "rcstat_vllm.cli", "serve", kwargs["model"], "--host", "127.0.0.1",
-               "--port", str(self.port), "--enforce-eager", "--compilation-config",
-               json.dumps(kwargs["compilation_config"]), "--max-model-len", str(kwargs["max_model_len"]),
-               "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]), "--block-size",
-               str(kwargs["block_size"]), "--seed", str(kwargs["seed"]), *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rcstat_vllm.cli",
+            "serve",
+            kwargs["model"],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--compilation-config",
+            json.dumps(kwargs["compilation_config"]),
+            "--max-model-len",
+            str(kwargs["max_model_len"]),
+            "--kv-cache-memory-bytes",
+            str(kwargs["kv_cache_memory_bytes"]),
+            "--block-size",
+            str(kwargs["block_size"]),
+            "--seed",
+            str(kwargs["seed"]),
+            *extra_args,
+        ]
         if "dtype" in kwargs:
             cmd += ["--dtype", kwargs["dtype"]]
         if "additional_config" in kwargs:
@@ -145,8 +206,9 @@ class Server:
         full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         full_env.update(env)
         self._log = open(log_path, "w")  # noqa: SIM115 - the server's log, open while it runs
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def log_tail(self, n: int = 6000) -> str:
         self._log.flush()
@@ -167,8 +229,9 @@ class Server:
         raise RuntimeError(f"server not healthy after {timeout} s\n{self.log_tail()}")
 
     def post(self, path: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.loads(resp.read())
@@ -312,17 +375,55 @@ def bench_serve(server: Server, cfg: dict, rate, seed: int) -> dict:
         from vllm.utils import FlexibleArgumentParser
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args([
-        "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model,
-        "--tokenizer", server.model, "--dataset-name", "random", "--num-prompts", str(cfg["num_prompts"]),
-        "--random-input-len", str(cfg["input_len"]), "--random-output-len", str(cfg["output_len"]),
-        "--random-range-ratio", str(cfg["range_ratio"]), "--request-rate", str(rate), "--seed", str(seed),
-        "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", ",".join(map(str, PERCENTILES)), "--disable-tqdm", "--num-warmups", "0",
-    ])
+    args = parser.parse_args(
+        [
+            "--backend",
+            "vllm",
+            "--base-url",
+            server.url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            server.model,
+            "--tokenizer",
+            server.model,
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            str(cfg["num_prompts"]),
+            "--random-input-len",
+            str(cfg["input_len"]),
+            "--random-output-len",
+            str(cfg["output_len"]),
+            "--random-range-ratio",
+            str(cfg["range_ratio"]),
+            "--request-rate",
+            str(rate),
+            "--seed",
+            str(seed),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            ",".join(map(str, PERCENTILES)),
+            "--disable-tqdm",
+            "--num-warmups",
+            "0",
+        ]
+    )
     result = main(args)
-    keep = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-            "output_throughput", "max_concurrent_requests"]
+    keep = [
+        "duration",
+        "completed",
+        "failed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "max_concurrent_requests",
+    ]
     for metric in ("ttft", "itl", "tpot", "e2el"):
         keep.append(f"mean_{metric}_ms")
         keep += [f"p{p}_{metric}_ms" for p in PERCENTILES]
@@ -359,30 +460,53 @@ def measure_setting(name: str, server: Server, cfg: dict, round_index: int) -> d
         t0, load0 = time.monotonic(), load_avg()
         summary = bench_serve(server, cfg, rate, seed=cfg.get("seed", 0))
         after = server.metrics()
-        runs[str(rate)] = {**summary, "metrics": counter_deltas(before, after),
-                           "gauges_after": {g: after.get(g) for g in GAUGES}, "wall_s": round(time.monotonic() - t0, 1),
-                           "load_avg_before": load0, "load_avg_after": load_avg()}
+        runs[str(rate)] = {
+            **summary,
+            "metrics": counter_deltas(before, after),
+            "gauges_after": {g: after.get(g) for g in GAUGES},
+            "wall_s": round(time.monotonic() - t0, 1),
+            "load_avg_before": load0,
+            "load_avg_after": load_avg(),
+        }
         m = runs[str(rate)]["metrics"]
-        print(f"[{name} r{round_index}] rate {rate}: {summary['request_throughput']:.3f} req/s, "
-              f"{summary['output_throughput']:.1f} tok/s, TTFT p99 {summary['p99_ttft_ms']:.0f} ms, "
-              f"ITL p99 {summary['p99_itl_ms']:.0f} ms, preemptions {m['vllm:num_preemptions_total']:.0f}, "
-              f"compaction {m['compaction_ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)
+        print(
+            f"[{name} r{round_index}] rate {rate}: {summary['request_throughput']:.3f} req/s, "
+            f"{summary['output_throughput']:.1f} tok/s, TTFT p99 {summary['p99_ttft_ms']:.0f} ms, "
+            f"ITL p99 {summary['p99_itl_ms']:.0f} ms, preemptions {m['vllm:num_preemptions_total']:.0f}, "
+            f"compaction {m['compaction_ms_per_step']:.2f} ms/step",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"runs": runs, "rss_bytes": server.rss_bytes()}
 
 
 def warm_up_completion(server: Server) -> None:
-    status, reply = server.post("/v1/completions", {"model": server.model, "prompt": "Hello, my name is",
-                                                    "max_tokens": 8, "temperature": 0})
+    status, reply = server.post(
+        "/v1/completions", {"model": server.model, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0}
+    )
     if status != 200:
         raise RuntimeError(f"warm-up failed: {status} {reply}")
 
 
-REPORTED = ("request_throughput", "output_throughput", *(f"p{p}_{m}_ms" for m in ("ttft", "itl") for p in PERCENTILES),
-            "mean_ttft_ms", "mean_itl_ms")
-REPORTED_METRICS = ("vllm:num_preemptions_total", "compaction_ms_per_step", "copies_per_step", "ms_per_copy",
-                    "rcstat:step_compaction_seconds_count", "rcstat:requests_compressed_total",
-                    "rcstat:requests_planned_total", "rcstat:requests_never_compacted_total",
-                    "rcstat:decode_compactions_total", "rcstat:kv_blocks_freed_total")
+REPORTED = (
+    "request_throughput",
+    "output_throughput",
+    *(f"p{p}_{m}_ms" for m in ("ttft", "itl") for p in PERCENTILES),
+    "mean_ttft_ms",
+    "mean_itl_ms",
+)
+REPORTED_METRICS = (
+    "vllm:num_preemptions_total",
+    "compaction_ms_per_step",
+    "copies_per_step",
+    "ms_per_copy",
+    "rcstat:step_compaction_seconds_count",
+    "rcstat:requests_compressed_total",
+    "rcstat:requests_planned_total",
+    "rcstat:requests_never_compacted_total",
+    "rcstat:decode_compactions_total",
+    "rcstat:kv_blocks_freed_total",
+)
 
 
 def summarise(rounds: list[dict], names: list[str], rates: list[str]) -> dict:
@@ -397,10 +521,19 @@ def summarise(rounds: list[dict], names: list[str], rates: list[str]) -> dict:
             med.update({k: statistics.median(run["metrics"][k] for run in runs) for k in REPORTED_METRICS})
             if name != "vanilla":
                 ratios = {}
-                for k in ("request_throughput", "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
-                          "p99_itl_ms"):
-                    vals = [r[name]["runs"][rate][k] / r["vanilla"]["runs"][rate][k] for r in rounds
-                            if name in r and "vanilla" in r and r["vanilla"]["runs"][rate][k]]
+                for k in (
+                    "request_throughput",
+                    "output_throughput",
+                    "p50_ttft_ms",
+                    "p99_ttft_ms",
+                    "p50_itl_ms",
+                    "p99_itl_ms",
+                ):
+                    vals = [
+                        r[name]["runs"][rate][k] / r["vanilla"]["runs"][rate][k]
+                        for r in rounds
+                        if name in r and "vanilla" in r and r["vanilla"]["runs"][rate][k]
+                    ]
                     ratios[k] = statistics.median(vals) if vals else None
                 med["vs_vanilla"] = ratios
             per_rate[rate] = med
@@ -435,13 +568,21 @@ def print_table(report: dict) -> None:
     for name, per_rate in report["summary"].items():
         for rate, row in per_rate.items():
             ratio = row.get("vs_vanilla") or {}
-            extra = "" if not ratio else (f"  vs vanilla: req/s x{ratio['request_throughput']:.3f}, TTFT p99 "
-                                          f"x{ratio['p99_ttft_ms']:.3f}, ITL p99 x{ratio['p99_itl_ms']:.3f}")
-            print(f"{name:15s} rate {rate:>4s}: {row['request_throughput']:.3f} req/s {row['output_throughput']:7.1f} "
-                  f"tok/s TTFT p50/p90/p99 {row['p50_ttft_ms']:.0f}/{row['p90_ttft_ms']:.0f}/{row['p99_ttft_ms']:.0f} "
-                  f"ITL p50/p90/p99 {row['p50_itl_ms']:.0f}/{row['p90_itl_ms']:.0f}/{row['p99_itl_ms']:.0f} ms "
-                  f"preempt {row['vllm:num_preemptions_total']:.0f} compaction {row['compaction_ms_per_step']:.2f} "
-                  f"ms/step{extra}")
+            extra = (
+                ""
+                if not ratio
+                else (
+                    f"  vs vanilla: req/s x{ratio['request_throughput']:.3f}, TTFT p99 "
+                    f"x{ratio['p99_ttft_ms']:.3f}, ITL p99 x{ratio['p99_itl_ms']:.3f}"
+                )
+            )
+            print(
+                f"{name:15s} rate {rate:>4s}: {row['request_throughput']:.3f} req/s {row['output_throughput']:7.1f} "
+                f"tok/s TTFT p50/p90/p99 {row['p50_ttft_ms']:.0f}/{row['p90_ttft_ms']:.0f}/{row['p99_ttft_ms']:.0f} "
+                f"ITL p50/p90/p99 {row['p50_itl_ms']:.0f}/{row['p90_itl_ms']:.0f}/{row['p99_itl_ms']:.0f} ms "
+                f"preempt {row['vllm:num_preemptions_total']:.0f} compaction {row['compaction_ms_per_step']:.2f} "
+                f"ms/step{extra}"
+            )
 
 
 def serving_benchmark(args) -> int:
@@ -456,9 +597,17 @@ def serving_benchmark(args) -> int:
     from rcstat_vllm.model import default_model_dir
 
     model = str(args.model or default_model_dir())
-    settings = [(n, e, dict(r, decode_budget=cfg["decode_budget"], decode_interval=cfg["decode_interval"])
-                 if r is not None and "decode_budget" in r else r) for n, e, r in SETTINGS
-                if not args.settings or n in args.settings]
+    settings = [
+        (
+            n,
+            e,
+            dict(r, decode_budget=cfg["decode_budget"], decode_interval=cfg["decode_interval"])
+            if r is not None and "decode_budget" in r
+            else r,
+        )
+        for n, e, r in SETTINGS
+        if not args.settings or n in args.settings
+    ]
     names = [n for n, _, _ in settings]
     requested_rates = list(cfg["rates"])
     log_dir = Path(args.log_dir)
@@ -473,21 +622,33 @@ def serving_benchmark(args) -> int:
         rates = [str(r) for r in cfg["rates"]]
         summary = summarise(rounds, names, rates)
         report = {
-            "benchmark": "serving", "preset": preset, "complete": final,
+            "benchmark": "serving",
+            "preset": preset,
+            "complete": final,
             "workload": {k: v for k, v in cfg.items()} | {"rates": rates, "rates_requested": requested_rates},
             "saturation_probe": probe,
-            "settings": {n: {"env": e, "rcstat": r, "resolved": None if r is None else resolved_config(r)}
-                         for n, e, r in settings},
-            "summary": summary, "rounds": rounds, "startup_s": startup, "wall_s": round(time.monotonic() - t0, 1),
-            "servers": {n: {"kv_tokens": s.kv_tokens, **{k: v for k, v in s.kwargs.items() if k != "model"}}
-                        for n, s in servers.items()},
-            "environment": environment(), "note": "medians over rounds; vs_vanilla: ratio within a round, then median",
+            "settings": {
+                n: {"env": e, "rcstat": r, "resolved": None if r is None else resolved_config(r)}
+                for n, e, r in settings
+            },
+            "summary": summary,
+            "rounds": rounds,
+            "startup_s": startup,
+            "wall_s": round(time.monotonic() - t0, 1),
+            "servers": {
+                n: {"kv_tokens": s.kv_tokens, **{k: v for k, v in s.kwargs.items() if k != "model"}}
+                for n, s in servers.items()
+            },
+            "environment": environment(),
+            "note": "medians over rounds; vs_vanilla: ratio within a round, then median",
         }
         write_report(report, path, print_table)
         env = report["environment"]
-        title = (f"vllm bench serve, random {cfg['input_len']}+{cfg['output_len']} tok, pool = {cfg['pool_requests']} "
-                 f"of {cfg['num_prompts']} requests, {len(rounds)} rounds; {env['machine'].get('cpu')} x{env['cores']}, "
-                 f"commit {(env['git'].get('commit') or '')[:10]}")
+        title = (
+            f"vllm bench serve, random {cfg['input_len']}+{cfg['output_len']} tok, pool = {cfg['pool_requests']} "
+            f"of {cfg['num_prompts']} requests, {len(rounds)} rounds; {env['machine'].get('cpu')} x{env['cores']}, "
+            f"commit {(env['git'].get('commit') or '')[:10]}"
+        )
         plot(summary, rates, path.with_suffix(".png"), title)
         print(f"wrote {path.with_suffix('.png')}", file=sys.stderr)
 
@@ -503,11 +664,12 @@ def serving_benchmark(args) -> int:
         if any(str(r).endswith("x") for r in cfg["rates"]):
             probe = bench_serve(servers["vanilla"], cfg, "inf", seed=1)
             saturation = probe["request_throughput"]
-            cfg["rates"] = tuple(r if not str(r).endswith("x") else round(float(r[:-1]) * saturation, 3)
-                                 for r in cfg["rates"])
+            cfg["rates"] = tuple(
+                r if not str(r).endswith("x") else round(float(r[:-1]) * saturation, 3) for r in cfg["rates"]
+            )
             print(f"vanilla saturates at {saturation:.3f} req/s: rates {cfg['rates']}", file=sys.stderr, flush=True)
         for i in range(cfg["rounds"]):
-            order = names[i % len(names):] + names[: i % len(names)]
+            order = names[i % len(names) :] + names[: i % len(names)]
             rounds.append({name: measure_setting(name, servers[name], cfg, i) for name in order})
             rounds[-1]["order"] = order
             write(final=i == cfg["rounds"] - 1)
@@ -524,8 +686,28 @@ SOAK_MINUTES = 45.0
 SOAK_PREFIXES = 3
 #: the clients' mix, one kind per request in turn (every kind within the first 20 requests): 10% disconnecting
 #: mid-stream, 5% invalid overrides, 10% n = 2, 5% attribution, 10% method none (greedy), 30% streaming, 30% plain
-SOAK_KINDS = ("plain", "stream", "disconnect", "none_greedy", "n2", "plain", "stream", "invalid", "plain", "stream",
-              "attribution", "plain", "stream", "disconnect", "none_greedy", "n2", "plain", "stream", "plain", "stream")
+SOAK_KINDS = (
+    "plain",
+    "stream",
+    "disconnect",
+    "none_greedy",
+    "n2",
+    "plain",
+    "stream",
+    "invalid",
+    "plain",
+    "stream",
+    "attribution",
+    "plain",
+    "stream",
+    "disconnect",
+    "none_greedy",
+    "n2",
+    "plain",
+    "stream",
+    "plain",
+    "stream",
+)
 INVALID_OVERRIDES = (("method", {"method": "bogus"}), ("window", {"window": 0}), ("budget", {"budget": 3}))
 
 
@@ -550,7 +732,7 @@ class SoakClients:
 
         self.server, self.concurrency, self.rng = server, concurrency, random.Random(seed)
         words = ESSAY.split()
-        self.prefixes = [" ".join(words[: n]) for n in (40, 160, 320)][:SOAK_PREFIXES]
+        self.prefixes = [" ".join(words[:n]) for n in (40, 160, 320)][:SOAK_PREFIXES]
         self.records: list[dict] = []
         self._lock = threading.Lock()
         self._count = 0
@@ -608,7 +790,7 @@ class SoakClients:
                     for line in resp.iter_lines():
                         if not line.startswith("data: "):
                             continue
-                        data = line[len("data: "):]
+                        data = line[len("data: ") :]
                         if data == "[DONE]":
                             rec["outcome"] = "completed" if finish else "no_finish_reason"
                             break
@@ -630,7 +812,9 @@ class SoakClients:
                     rec["outcome"] = "error"
                     return rec
                 choices = reply.get("choices", [])
-                rec["outcome"] = "completed" if choices and all(c.get("finish_reason") for c in choices) else "incomplete"
+                rec["outcome"] = (
+                    "completed" if choices and all(c.get("finish_reason") for c in choices) else "incomplete"
+                )
                 rec["choices"] = len(choices)
                 if req["kind"] == "attribution":
                     rec["attribution"] = "rcstat_attribution" in reply
@@ -668,9 +852,12 @@ def wait_idle(server: Server, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        if ((m.get("vllm:num_requests_running", 1) == 0 and m.get("vllm:num_requests_waiting", 1) == 0
-                and m.get("rcstat:worker_requests", 0) == 0 and m.get("rcstat:scheduler_requests", 0) == 0)
-                or time.monotonic() > deadline):
+        if (
+            m.get("vllm:num_requests_running", 1) == 0
+            and m.get("vllm:num_requests_waiting", 1) == 0
+            and m.get("rcstat:worker_requests", 0) == 0
+            and m.get("rcstat:scheduler_requests", 0) == 0
+        ) or time.monotonic() > deadline:
             return m
         time.sleep(1)
 
@@ -681,17 +868,25 @@ def replay_none(vanilla: Server, records: list[dict]) -> list[dict]:
     for rec in records:
         if rec["kind"] != "none_greedy" or rec.get("outcome") != "completed":
             continue
-        status, reply = vanilla.post("/v1/completions", {"model": vanilla.model, "prompt": rec["prompt"],
-                                                          "max_tokens": rec["max_tokens"], "temperature": 0.0,
-                                                          "return_token_ids": True})
+        status, reply = vanilla.post(
+            "/v1/completions",
+            {
+                "model": vanilla.model,
+                "prompt": rec["prompt"],
+                "max_tokens": rec["max_tokens"],
+                "temperature": 0.0,
+                "return_token_ids": True,
+            },
+        )
         want = reply["choices"][0].get("token_ids") if status == 200 else None
         if want != rec["token_ids"]:
             mismatches.append({"i": rec["i"], "status": status, "plugin": rec["token_ids"], "vanilla": want})
     return mismatches
 
 
-def soak_checks(records: list[dict], final: dict, rss: list[tuple[int, int]], mismatches: list[dict],
-                rss_tolerance: float) -> dict:
+def soak_checks(
+    records: list[dict], final: dict, rss: list[tuple[int, int]], mismatches: list[dict], rss_tolerance: float
+) -> dict:
     """What the soak asserts, as data: every failure listed (an empty ``failures`` list passes)."""
     failures = []
     by_kind: dict[str, int] = {}
@@ -704,8 +899,9 @@ def soak_checks(records: list[dict], final: dict, rss: list[tuple[int, int]], mi
             failures.append(f"request {rec['i']} ({rec['kind']}): {rec['error'][:200]}")
         elif rec["kind"] == "invalid":
             if status != 400 or f"'{rec['field']}'" not in rec.get("error", ""):
-                failures.append(f"request {rec['i']}: invalid override {rec['field']!r} got {status}, "
-                                f"{rec.get('error', '')[:200]}")
+                failures.append(
+                    f"request {rec['i']}: invalid override {rec['field']!r} got {status}, {rec.get('error', '')[:200]}"
+                )
         elif rec["kind"] == "disconnect":
             if rec["outcome"] not in ("cancelled", "completed"):
                 failures.append(f"request {rec['i']} (disconnect): {rec['outcome']}")
@@ -715,8 +911,13 @@ def soak_checks(records: list[dict], final: dict, rss: list[tuple[int, int]], mi
             failures.append(f"request {rec['i']} (n=2): {rec.get('choices')} choices")
         elif rec["kind"] == "attribution" and not rec.get("attribution"):
             failures.append(f"request {rec['i']} (attribution): no rcstat_attribution in the reply")
-    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                  "rcstat:worker_requests", "rcstat:scheduler_requests"):
+    for gauge in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "rcstat:worker_requests",
+        "rcstat:scheduler_requests",
+    ):
         if final.get(gauge, 0.0) != 0.0:
             failures.append(f"at the end {gauge} = {final.get(gauge)} (expected 0)")
     for gauge in ("rcstat:worker_requests", "rcstat:scheduler_requests"):
@@ -727,15 +928,23 @@ def soak_checks(records: list[dict], final: dict, rss: list[tuple[int, int]], mi
         after_warmup, last = rss[0][1], rss[-1][1]
         growth = (last - after_warmup) / after_warmup
         if growth > rss_tolerance:
-            failures.append(f"server RSS grew {growth:.1%} after warm-up ({after_warmup >> 20} -> {last >> 20} MiB; "
-                            f"tolerance {rss_tolerance:.0%})")
+            failures.append(
+                f"server RSS grew {growth:.1%} after warm-up ({after_warmup >> 20} -> {last >> 20} MiB; "
+                f"tolerance {rss_tolerance:.0%})"
+            )
     if mismatches:
         failures.append(f"{len(mismatches)} method-none requests differ from vanilla: {mismatches[:2]}")
     completed_none = sum(1 for r in records if r["kind"] == "none_greedy" and r["outcome"] == "completed")
-    return {"requests": len(records), "by_kind": by_kind, "none_compared": completed_none,
-            "rss_mib": [(n, b >> 20) for n, b in rss], "rss_growth": growth, "failures": failures,
-            "final_gauges": {g: final.get(g) for g in GAUGES},
-            "final_counters": {c: final.get(c) for c in COUNTERS}}
+    return {
+        "requests": len(records),
+        "by_kind": by_kind,
+        "none_compared": completed_none,
+        "rss_mib": [(n, b >> 20) for n, b in rss],
+        "rss_growth": growth,
+        "failures": failures,
+        "final_gauges": {g: final.get(g) for g in GAUGES},
+        "final_counters": {c: final.get(c) for c in COUNTERS},
+    }
 
 
 #: The soak's warm-up: 40% of the run (every kind of request and the largest batches have run by then), at most 10
@@ -749,9 +958,8 @@ RSS_SLOPE_TARGET = 1.0
 TABLE_SERIES = ("rcstat:worker_requests", "rcstat:worker_results", "rcstat:scheduler_requests")
 TABLES_NOT_EXPORTED = {
     "scheduler: EngineRequests._compacted_blocks": "block ids of compacted requests' kept KV (their requests are in "
-        "rcstat:scheduler_requests); no gauge",
-    "worker: AttributionCapture.traces (rcstat_vllm/attribution/capture.py)":
-        "attribution traces, popped when the server reads the result; capped at 256 traces / 1 GiB; no gauge",
+    "rcstat:scheduler_requests); no gauge",
+    "worker: AttributionCapture.traces (rcstat_vllm/attribution/capture.py)": "attribution traces, popped when the server reads the result; capped at 256 traces / 1 GiB; no gauge",
     "worker: RCStatAttributionProcessor.asking": "batch index -> setting of rows that asked for attribution; no gauge",
 }
 
@@ -802,22 +1010,28 @@ def memory_summary(samples: list[dict], end: dict | None, target: float = RSS_SL
         start, final = series[0][1], (last or {}).get("processes", {}).get(name, series[-1][1])
         slope = rss_slope([(t, m["rss"]) for t, m in series])
         out["processes"][name] = {
-            "rss_mib_warm": round(start["rss"] / 2**20, 1), "rss_mib_end": round(final["rss"] / 2**20, 1),
+            "rss_mib_warm": round(start["rss"] / 2**20, 1),
+            "rss_mib_end": round(final["rss"] / 2**20, 1),
             "growth_pct": round((final["rss"] - start["rss"]) / start["rss"] * 100, 2),
             "slope_pct_per_10min": slope,
             "anon_mib_warm": round(start.get("rss_anon", 0) / 2**20, 1),
             "anon_mib_end": round(final.get("rss_anon", 0) / 2**20, 1),
             "anon_slope_pct_per_10min": rss_slope([(t, m["rss_anon"]) for t, m in series if m.get("rss_anon")]),
-            "samples": len(series)}
+            "samples": len(series),
+        }
     slopes = [p["slope_pct_per_10min"] for p in out["processes"].values()]
     out["holds"] = bool(slopes) and all(v is not None and v < target for v in slopes)
-    out["over_target"] = [n for n, p in out["processes"].items()
-                          if p["slope_pct_per_10min"] is not None and p["slope_pct_per_10min"] >= target]
+    out["over_target"] = [
+        n
+        for n, p in out["processes"].items()
+        if p["slope_pct_per_10min"] is not None and p["slope_pct_per_10min"] >= target
+    ]
     return out
 
 
-def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency: int = 6,
-         rss_tolerance: float = 0.08) -> dict:
+def soak(
+    duration_s: float, log_dir: Path, model: str | None = None, concurrency: int = 6, rss_tolerance: float = 0.08
+) -> dict:
     """The HTTP soak: a vanilla server and the plugin's (bare flag + decode_budget) start together; clients run
     against the plugin's for ``duration_s``; then the checks. The server tree's RSS is sampled once warm
     (:func:`soak_warmup_s`: every kind of request and the largest batches have run by then) and every 10 s after;
@@ -856,23 +1070,32 @@ def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency
                 for rec in clients.records:
                     kinds[rec["kind"]] = kinds.get(rec["kind"], 0) + 1
                 n = len(clients.records)
-            return {"t_s": round(t_s, 1), "warm": warm, "requests": n, "by_kind": kinds,
-                    "processes": {name: {"rss": p["rss"], "rss_anon": p.get("rss_anon", 0)}
-                                  for name, p in processes.items()},
-                    "tables": {k: metrics.get(k) for k in TABLE_SERIES},
-                    "gauges": {k: metrics.get(k) for k in GAUGES},
-                    "counters": {k: metrics.get(k) for k in COUNTERS},
-                    **({"metrics_error": metrics["error"]} if "error" in metrics else {})}
+            return {
+                "t_s": round(t_s, 1),
+                "warm": warm,
+                "requests": n,
+                "by_kind": kinds,
+                "processes": {
+                    name: {"rss": p["rss"], "rss_anon": p.get("rss_anon", 0)} for name, p in processes.items()
+                },
+                "tables": {k: metrics.get(k) for k in TABLE_SERIES},
+                "gauges": {k: metrics.get(k) for k in GAUGES},
+                "counters": {k: metrics.get(k) for k in COUNTERS},
+                **({"metrics_error": metrics["error"]} if "error" in metrics else {}),
+            }
 
         def sampler():
             for t in soak_sample_times(duration_s, warmup_s):
                 if stop.wait(max(0.0, start + t - time.monotonic())):
                     return
                 samples.append(sample(t, t >= warmup_s))
-                print(f"[soak] {t / 60:.1f} min: " + ", ".join(
-                    f"{name} {p['rss'] >> 20} MiB" for name, p in samples[-1]["processes"].items())
-                      + f"; {samples[-1]['requests']} requests; tables {samples[-1]['tables']}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[soak] {t / 60:.1f} min: "
+                    + ", ".join(f"{name} {p['rss'] >> 20} MiB" for name, p in samples[-1]["processes"].items())
+                    + f"; {samples[-1]['requests']} requests; tables {samples[-1]['tables']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         thread = threading.Thread(target=sampler, daemon=True)
         thread.start()
@@ -884,8 +1107,9 @@ def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency
         final = wait_idle(plugin)
         rss.append((len(records), plugin.rss_bytes()))
         end_sample = sample(time.monotonic() - start, True)
-        processes = {name: {"pid": p["pid"], "cmdline": p["cmdline"]}
-                     for name, p in server_processes(plugin.proc.pid).items()}
+        processes = {
+            name: {"pid": p["pid"], "cmdline": p["cmdline"]} for name, p in server_processes(plugin.proc.pid).items()
+        }
         vanilla.wait_healthy()
         mismatches = replay_none(vanilla, records)
         checks = soak_checks(records, final, rss, mismatches, rss_tolerance)
@@ -894,10 +1118,16 @@ def soak(duration_s: float, log_dir: Path, model: str | None = None, concurrency
         checks["memory"] = memory_summary(samples, end_sample)
         checks["memory"]["process_cmdlines"] = processes
         checks["tables_not_exported"] = TABLES_NOT_EXPORTED
-        checks["samples"] = [{**s, "processes": {name: {"rss_mib": round(m["rss"] / 2**20, 1),
-                                                         "anon_mib": round(m["rss_anon"] / 2**20, 1)}
-                                                  for name, m in s["processes"].items()}}
-                             for s in [*samples, {**end_sample, "end": True}]]
+        checks["samples"] = [
+            {
+                **s,
+                "processes": {
+                    name: {"rss_mib": round(m["rss"] / 2**20, 1), "anon_mib": round(m["rss_anon"] / 2**20, 1)}
+                    for name, m in s["processes"].items()
+                },
+            }
+            for s in [*samples, {**end_sample, "end": True}]
+        ]
         checks["plugin_log_tail"] = plugin.log_tail(3000) if checks["failures"] else ""
         return checks
     finally:
@@ -909,10 +1139,21 @@ def soak_benchmark(args) -> int:
     t0 = time.monotonic()
     checks = soak(args.soak * 60, Path(args.log_dir), args.model, args.concurrency)
     path = Path(args.json) if args.json else RESULTS_DIR / "serving_soak_cpu.json"
-    report = {"benchmark": "serving_soak", "minutes": args.soak, "concurrency": args.concurrency,
-              "rcstat": SOAK_RCSTAT, "checks": checks, "wall_s": round(time.monotonic() - t0, 1)}
-    write_report(report, path, lambda r: print(json.dumps({k: v for k, v in r["checks"].items()
-                                                           if k not in ("plugin_log_tail", "samples")}, indent=1)))
+    report = {
+        "benchmark": "serving_soak",
+        "minutes": args.soak,
+        "concurrency": args.concurrency,
+        "rcstat": SOAK_RCSTAT,
+        "checks": checks,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    write_report(
+        report,
+        path,
+        lambda r: print(
+            json.dumps({k: v for k, v in r["checks"].items() if k not in ("plugin_log_tail", "samples")}, indent=1)
+        ),
+    )
     return 0 if not checks["failures"] else 1
 
 
@@ -921,11 +1162,24 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one round at saturation (~4 min)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: the preset's)")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: the preset's)")
-    parser.add_argument("--rates", nargs="*", default=None,
-                        help="request rates: req/s, 'inf' (all at once) or '<f>x' (f x vanilla's saturation)")
-    parser.add_argument("--settings", nargs="*", default=None, help="a subset of: " + ", ".join(n for n, _, _ in SETTINGS))
-    parser.add_argument("--soak", type=float, nargs="?", const=SOAK_MINUTES, default=None, metavar="MINUTES",
-                        help=f"run the HTTP soak for MINUTES instead (default {SOAK_MINUTES:g}: the documented run)")
+    parser.add_argument(
+        "--rates",
+        nargs="*",
+        default=None,
+        help="request rates: req/s, 'inf' (all at once) or '<f>x' (f x vanilla's saturation)",
+    )
+    parser.add_argument(
+        "--settings", nargs="*", default=None, help="a subset of: " + ", ".join(n for n, _, _ in SETTINGS)
+    )
+    parser.add_argument(
+        "--soak",
+        type=float,
+        nargs="?",
+        const=SOAK_MINUTES,
+        default=None,
+        metavar="MINUTES",
+        help=f"run the HTTP soak for MINUTES instead (default {SOAK_MINUTES:g}: the documented run)",
+    )
     parser.add_argument("--concurrency", type=int, default=6, help="soak clients at once")
     parser.add_argument("--model", default=None)
     parser.add_argument("--json", default=None)

@@ -81,10 +81,28 @@ BLOCK_SIZE = 32
 # Decode-heavy on purpose: the KV pool (not compute) must be what limits concurrency, and output tokens must
 # dominate the work, or freed blocks cannot show up as throughput. ``kv_tokens`` holds about 4 requests.
 PRESETS = {
-    "quick": dict(requests=6, min_len=1024, max_len=1536, max_tokens=64, kv_tokens=4096, overhead_prompts=1,
-                  overhead_rounds=1, c_values=(1.0,), budget_ratios=()),
-    "default": dict(requests=16, min_len=1536, max_len=2048, max_tokens=256, kv_tokens=8192, overhead_prompts=2,
-                    overhead_rounds=3, c_values=(0.5, 1.0, 1.5), budget_ratios=(0.5,)),
+    "quick": dict(
+        requests=6,
+        min_len=1024,
+        max_len=1536,
+        max_tokens=64,
+        kv_tokens=4096,
+        overhead_prompts=1,
+        overhead_rounds=1,
+        c_values=(1.0,),
+        budget_ratios=(),
+    ),
+    "default": dict(
+        requests=16,
+        min_len=1536,
+        max_len=2048,
+        max_tokens=256,
+        kv_tokens=8192,
+        overhead_prompts=2,
+        overhead_rounds=3,
+        c_values=(0.5, 1.0, 1.5),
+        budget_ratios=(0.5,),
+    ),
 }
 #: --prefill-study: prompt lengths fixed, one output token, a pool for every request at once (kv_tokens = 0:
 #: sized from the workload by prefill_workload), rounds = the default --repeat.
@@ -94,10 +112,24 @@ PREFILL_PRESETS = {
 }
 #: --long-output-study: short prompts, long outputs; the pool holds 4 requests uncompressed.
 LONG_OUTPUT_PRESETS = {
-    "quick": dict(requests=6, min_len=256, max_len=256, max_tokens=512, kv_tokens=4 * (256 + 512), decode_budget=128,
-                  decode_interval=64),
-    "default": dict(requests=12, min_len=256, max_len=256, max_tokens=2048, kv_tokens=4 * (256 + 2048),
-                    decode_budget=512, decode_interval=128),
+    "quick": dict(
+        requests=6,
+        min_len=256,
+        max_len=256,
+        max_tokens=512,
+        kv_tokens=4 * (256 + 512),
+        decode_budget=128,
+        decode_interval=64,
+    ),
+    "default": dict(
+        requests=12,
+        min_len=256,
+        max_len=256,
+        max_tokens=2048,
+        kv_tokens=4 * (256 + 2048),
+        decode_budget=512,
+        decode_interval=128,
+    ),
 }
 
 
@@ -108,9 +140,14 @@ def long_output_plan(cfg: dict) -> list[tuple[str, dict, dict]]:
     # compactions follow (the tokens it generated before counted as generated KV).
     budget = {"decode_budget": cfg["decode_budget"], "decode_interval": cfg["decode_interval"]}
     decode = {**budget, "eviction": "eager"}
-    runs = [("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}), ("decode_rc", {}, decode),
-            ("decode_rc_lazy", {}, budget), ("decode_streaming", {}, {"method": "streaming", **decode}),
-            ("decode_snapkv", {}, {"method": "snapkv", **decode})]
+    runs = [
+        ("vanilla", {"VLLM_PLUGINS": "__none__"}, None),
+        ("default", {}, {}),
+        ("decode_rc", {}, decode),
+        ("decode_rc_lazy", {}, budget),
+        ("decode_streaming", {}, {"method": "streaming", **decode}),
+        ("decode_snapkv", {}, {"method": "snapkv", **decode}),
+    ]
     return [(name, env, {"rcstat": rcstat}) for name, env, rcstat in runs]
 
 
@@ -133,8 +170,11 @@ def prefill_workload(cfg: dict) -> dict:
 
 def prefill_plan(runs=None) -> list[tuple[str, dict, dict]]:
     """(name, env, extra spec) of the prefill study's runs (``runs``: only these names), no overhead batches."""
-    return [(name, dict(env), {"rcstat": None if rcstat is None else dict(rcstat), "prefix_caching": False})
-            for name, env, rcstat in PREFILL_RUNS if not runs or name in runs]
+    return [
+        (name, dict(env), {"rcstat": None if rcstat is None else dict(rcstat), "prefix_caching": False})
+        for name, env, rcstat in PREFILL_RUNS
+        if not runs or name in runs
+    ]
 
 
 def prefill_summary(repeats: dict[str, list[dict]]) -> dict:
@@ -148,11 +188,14 @@ def prefill_summary(repeats: dict[str, list[dict]]) -> dict:
         for r in rounds:
             for reason in r.get("skipped", []):
                 reasons[reason] = reasons.get(reason, 0) + 1
-        entry = {"rounds_prompt_tok_per_s": speeds, "median_prompt_tok_per_s": statistics.median(speeds),
-                 "mean_ratio": statistics.fmean(r.get("mean_ratio", 0.0) for r in rounds),
-                 # With one output token a request finishes before its compaction (the next step): scored and
-                 # selected, then reported "finished ... before its KV was compacted".
-                 "not_compacted": reasons}
+        entry = {
+            "rounds_prompt_tok_per_s": speeds,
+            "median_prompt_tok_per_s": statistics.median(speeds),
+            "mean_ratio": statistics.fmean(r.get("mean_ratio", 0.0) for r in rounds),
+            # With one output token a request finishes before its compaction (the next step): scored and
+            # selected, then reported "finished ... before its KV was compacted".
+            "not_compacted": reasons,
+        }
         paired = [s / v for s, v in zip(speeds, vanilla)]
         if paired:
             entry["vs_vanilla_by_round"] = paired
@@ -187,8 +230,12 @@ def build_prompts(
 class StepSampler:
     """Wraps ``llm.llm_engine.step`` to read vLLM's gauges after every step."""
 
-    NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-             "vllm:num_preemptions")
+    NAMES = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions",
+    )
 
     def __init__(self, llm):
         self.llm = llm
@@ -247,12 +294,26 @@ def worker(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     tokenizer = data.load_tokenizer(spec["model"])
-    prompts = build_prompts(tokenizer, spec["requests"], spec["min_len"], spec["max_len"], spec["seed"], "workload",
-                            spec.get("shared_prefix", 0))
-    kwargs = dict(model=spec["model"], enforce_eager=True, compilation_config={"mode": 0},
-                  max_model_len=spec["max_model_len"], kv_cache_memory_bytes=spec["kv_bytes"],
-                  block_size=BLOCK_SIZE, enable_prefix_caching=spec.get("prefix_caching", False),
-                  disable_log_stats=False, seed=0)
+    prompts = build_prompts(
+        tokenizer,
+        spec["requests"],
+        spec["min_len"],
+        spec["max_len"],
+        spec["seed"],
+        "workload",
+        spec.get("shared_prefix", 0),
+    )
+    kwargs = dict(
+        model=spec["model"],
+        enforce_eager=True,
+        compilation_config={"mode": 0},
+        max_model_len=spec["max_model_len"],
+        kv_cache_memory_bytes=spec["kv_bytes"],
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        disable_log_stats=False,
+        seed=0,
+    )
     if spec.get("rcstat") is not None:
         kwargs["additional_config"] = {"rcstat": spec["rcstat"]}
     from rcstat_vllm.model import with_embedded_dtype
@@ -260,12 +321,16 @@ def worker(spec: dict) -> dict:
     kwargs = with_embedded_dtype(kwargs)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    result = {"name": spec["name"], "engine_start_s": time.perf_counter() - t0,
-              # How this run was made: its engine's options, its flag as given and as the plugin resolves it (None:
-              # the plugin not loaded or the flag absent), per-request overrides where the run has them.
-              "engine": engine_options(kwargs), "rcstat": spec.get("rcstat"),
-              "resolved": None if spec.get("rcstat") is None else resolved_config(spec["rcstat"]),
-              "per_request": spec.get("per_request")}
+    result = {
+        "name": spec["name"],
+        "engine_start_s": time.perf_counter() - t0,
+        # How this run was made: its engine's options, its flag as given and as the plugin resolves it (None:
+        # the plugin not loaded or the flag absent), per-request overrides where the run has them.
+        "engine": engine_options(kwargs),
+        "rcstat": spec.get("rcstat"),
+        "resolved": None if spec.get("rcstat") is None else resolved_config(spec["rcstat"]),
+        "per_request": spec.get("per_request"),
+    }
     num_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     result["num_kv_blocks"] = num_blocks
     plugin = spec.get("rcstat") is not None
@@ -290,18 +355,27 @@ def worker(spec: dict) -> dict:
         return tqdm(*args, **kw)
 
     t_start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           [params(spec["max_tokens"], o) for o in overrides], use_tqdm=progress)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        [params(spec["max_tokens"], o) for o in overrides],
+        use_tqdm=progress,
+    )
     wall = time.perf_counter() - t_start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result.update({
-        "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
-        "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
-        "wall_s": wall, "output_tok_per_s": out_tokens / wall, "requests_per_s": len(prompts) / wall,
-        "prompt_tok_per_s": sum(map(len, prompts)) / wall,
-        "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / wall,
-        **sampler.summary(t_start, num_blocks),
-    })
+    result.update(
+        {
+            "requests": len(prompts),
+            "prompt_tokens": sum(map(len, prompts)),
+            "output_tokens": out_tokens,
+            "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+            "wall_s": wall,
+            "output_tok_per_s": out_tokens / wall,
+            "requests_per_s": len(prompts) / wall,
+            "prompt_tok_per_s": sum(map(len, prompts)) / wall,
+            "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / wall,
+            **sampler.summary(t_start, num_blocks),
+        }
+    )
     if plugin:
         matched = match_outputs(outputs, compression_results(llm))
         ratios = [m["compression_ratio"] if m and not m.get("skipped_reason") else 0.0 for m in matched]
@@ -322,13 +396,23 @@ def worker(spec: dict) -> dict:
         for _ in tqdm(range(ov["rounds"]), desc="prefill overhead", unit="round"):
             for method, override in ov["methods"].items():
                 t = time.perf_counter()
-                llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
-                             [params(1, override) for _ in batch], use_tqdm=False)
+                llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in batch],
+                    [params(1, override) for _ in batch],
+                    use_tqdm=False,
+                )
                 times[method].append(time.perf_counter() - t)
         tokens = sum(map(len, batch))
         result["prefill_overhead"] = {
-            m: {"median_s": statistics.median(v), "min_s": min(v), "runs": v, "prompt_tokens": tokens,
-                "tok_per_s": tokens / statistics.median(v)} for m, v in times.items()}
+            m: {
+                "median_s": statistics.median(v),
+                "min_s": min(v),
+                "runs": v,
+                "prompt_tokens": tokens,
+                "tok_per_s": tokens / statistics.median(v),
+            }
+            for m, v in times.items()
+        }
     return result
 
 
@@ -336,13 +420,17 @@ def run_worker(spec: dict, env_extra: dict) -> dict:
     env = dict(os.environ)
     env.update(env_extra)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-                          env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    return {"name": spec["name"], "error": f"worker exited with {proc.returncode}",
-            "stdout_tail": proc.stdout[-4000:]}
+            return json.loads(line[len("RESULT ") :])
+    return {"name": spec["name"], "error": f"worker exited with {proc.returncode}", "stdout_tail": proc.stdout[-4000:]}
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -362,18 +450,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--c", type=float, nargs="*", default=None, help="RC threshold runs")
     parser.add_argument("--matched-c", type=float, default=1.0, help="SnapKV/TOVA run at this RC run's ratios")
     parser.add_argument("--runs", nargs="*", default=None, help="only these runs (names as in the docstring)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help="rounds of the whole plan, interleaved; median reported (default 1; --prefill-study 2)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="rounds of the whole plan, interleaved; median reported (default 1; --prefill-study 2)",
+    )
     parser.add_argument("--no-prefill-overhead", action="store_true", help="skip the prefill-overhead batches")
-    parser.add_argument("--prefix-caching-study", action="store_true",
-                        help="shared-prefix workload; vanilla and the bare flag, prefix caching on and off")
+    parser.add_argument(
+        "--prefix-caching-study",
+        action="store_true",
+        help="shared-prefix workload; vanilla and the bare flag, prefix caching on and off",
+    )
     parser.add_argument("--shared-prefix", type=int, default=None, help="tokens every prompt starts with")
-    parser.add_argument("--long-output-study", action="store_true",
-                        help="256-token prompts, 2048 output tokens, decode-time compression vs vanilla (default "
-                             "output benchmarks/results/throughput_long_output_cpu.json)")
-    parser.add_argument("--prefill-study", action="store_true",
-                        help="prefill only (1 output token, pool not limiting): vanilla, method none, the bare flag, "
-                             "RC 0.5 per layer, interleaved rounds; writes benchmarks/results/throughput_prefill_cpu.json")
+    parser.add_argument(
+        "--long-output-study",
+        action="store_true",
+        help="256-token prompts, 2048 output tokens, decode-time compression vs vanilla (default "
+        "output benchmarks/results/throughput_long_output_cpu.json)",
+    )
+    parser.add_argument(
+        "--prefill-study",
+        action="store_true",
+        help="prefill only (1 output token, pool not limiting): vanilla, method none, the bare flag, "
+        "RC 0.5 per layer, interleaved rounds; writes benchmarks/results/throughput_prefill_cpu.json",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -382,8 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     preset = "quick" if args.quick else "default"
-    cfg = dict(PREFILL_PRESETS[preset] if args.prefill_study
-               else LONG_OUTPUT_PRESETS[preset] if args.long_output_study else PRESETS[preset])
+    cfg = dict(
+        PREFILL_PRESETS[preset]
+        if args.prefill_study
+        else LONG_OUTPUT_PRESETS[preset]
+        if args.long_output_study
+        else PRESETS[preset]
+    )
     if args.repeat is None:
         args.repeat = cfg.pop("rounds", 1)
     cfg.pop("rounds", None)
@@ -401,11 +507,22 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = -(-(cfg["max_len"] + cfg["max_tokens"]) // 1024) * 1024
     if cfg["kv_tokens"] < max_model_len:
         raise SystemExit(f"--kv-tokens {cfg['kv_tokens']} cannot hold one request of {max_model_len} tokens")
-    base = dict(model=model_dir, requests=cfg["requests"], min_len=cfg["min_len"], max_len=cfg["max_len"],
-                max_tokens=cfg["max_tokens"], seed=args.seed, kv_bytes=kv_bytes, max_model_len=max_model_len)
-    overhead_methods = {"none": {"method": "none"}, "rc": {"method": "rc", "c": 1.0},
-                        "snapkv": {"method": "snapkv", "target_ratio": 0.8},
-                        "tova": {"method": "tova", "target_ratio": 0.8}}
+    base = dict(
+        model=model_dir,
+        requests=cfg["requests"],
+        min_len=cfg["min_len"],
+        max_len=cfg["max_len"],
+        max_tokens=cfg["max_tokens"],
+        seed=args.seed,
+        kv_bytes=kv_bytes,
+        max_model_len=max_model_len,
+    )
+    overhead_methods = {
+        "none": {"method": "none"},
+        "rc": {"method": "rc", "c": 1.0},
+        "snapkv": {"method": "snapkv", "target_ratio": 0.8},
+        "tova": {"method": "tova", "target_ratio": 0.8},
+    }
     ov = dict(prompts=cfg.get("overhead_prompts", 0), rounds=cfg.get("overhead_rounds", 0))
     rc_name = lambda c: f"rc_c{c:g}"  # noqa: E731
     plan = [
@@ -423,19 +540,29 @@ def main(argv: list[str] | None = None) -> int:
     for r in cfg.get("budget_ratios", ()):
         plan.append((f"rc_budget_r{r:g}", {}, dict(rcstat={"method": "rc", "target_ratio": r, "eviction": "eager"})))
     if matched_source:
-        plan += [(f"{method}@{matched_source}", {}, dict(rcstat={"method": method, "target_ratio": 0.5,
-                                                                 "eviction": "eager"}))
-                 for method in ("snapkv", "tova")]
+        plan += [
+            (
+                f"{method}@{matched_source}",
+                {},
+                dict(rcstat={"method": method, "target_ratio": 0.5, "eviction": "eager"}),
+            )
+            for method in ("snapkv", "tova")
+        ]
     if args.prefill_study:
         plan = prefill_plan()
     elif args.long_output_study:
         plan = long_output_plan(cfg)
     elif args.prefix_caching_study:
         base["shared_prefix"] = 1024 if args.shared_prefix is None else args.shared_prefix
-        plan = [(f"{name}{'+pc' if pc else ''}", env, dict(rcstat=rcstat, prefix_caching=pc))
-                for name, env, rcstat in (("vanilla", {"VLLM_PLUGINS": "__none__"}, None), ("default", {}, {}),
-                                          ("eager", {}, {"eviction": "eager"}))
-                for pc in (True, False)]
+        plan = [
+            (f"{name}{'+pc' if pc else ''}", env, dict(rcstat=rcstat, prefix_caching=pc))
+            for name, env, rcstat in (
+                ("vanilla", {"VLLM_PLUGINS": "__none__"}, None),
+                ("default", {}, {}),
+                ("eager", {}, {"eviction": "eager"}),
+            )
+            for pc in (True, False)
+        ]
     elif args.shared_prefix:
         base["shared_prefix"] = args.shared_prefix
     if args.runs:
@@ -466,33 +593,57 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[throughput] {name} FAILED: {r['error']}\n{r.get('stdout_tail', '')}", file=sys.stderr)
                 results.setdefault(name, r)
                 continue
-            print(f"[throughput] {name}: {r['output_tok_per_s']:.1f} out tok/s, {r['requests_per_s']:.3f} req/s, "
-                  f"peak running {r.get('peak_running')}, ratio {r.get('mean_ratio', 0):.3f}", file=sys.stderr)
+            print(
+                f"[throughput] {name}: {r['output_tok_per_s']:.1f} out tok/s, {r['requests_per_s']:.3f} req/s, "
+                f"peak running {r.get('peak_running')}, ratio {r.get('mean_ratio', 0):.3f}",
+                file=sys.stderr,
+            )
             repeats.setdefault(name, []).append(r)
             ordered = sorted(repeats[name], key=lambda x: x["output_tok_per_s"])
-            results[name] = {**ordered[(len(ordered) - 1) // 2],
-                             "rounds_output_tok_per_s": [x["output_tok_per_s"] for x in repeats[name]]}
+            results[name] = {
+                **ordered[(len(ordered) - 1) // 2],
+                "rounds_output_tok_per_s": [x["output_tok_per_s"] for x in repeats[name]],
+            }
 
     for name, r in results.items():
         # each run against vanilla with the same prefix caching (the prefix-caching study's "+pc" runs)
         vanilla = results.get("vanilla+pc" if name.endswith("+pc") else "vanilla", {})
         if "error" in r or "error" in vanilla or not vanilla:
             continue
-        r["vs_vanilla"] = {k: r[k] / vanilla[k] for k in ("output_tok_per_s", "requests_per_s", "peak_running",
-                                                          "mean_running") if vanilla.get(k)}
-    report = {"benchmark": "throughput", "preset": preset, "seed": args.seed, "model": model_dir, "repeat": args.repeat,
-              "workload": {**{k: v for k, v in cfg.items() if k not in ("c_values", "budget_ratios")}, "kv_bytes": kv_bytes,
-                           "block_size": BLOCK_SIZE, "max_model_len": max_model_len,
-                           "vanilla_requests_that_fit": cfg["kv_tokens"] / ((cfg["min_len"] + cfg["max_len"]) / 2
-                                                                            + cfg["max_tokens"])},
-              "metrics_source": "LLM.get_metrics() gauges after every engine step (in-process engine core)",
-              "runs": results, "wall_s": round(time.time() - t_start, 1), "load_avg": [load_start, load_avg()]}
+        r["vs_vanilla"] = {
+            k: r[k] / vanilla[k]
+            for k in ("output_tok_per_s", "requests_per_s", "peak_running", "mean_running")
+            if vanilla.get(k)
+        }
+    report = {
+        "benchmark": "throughput",
+        "preset": preset,
+        "seed": args.seed,
+        "model": model_dir,
+        "repeat": args.repeat,
+        "workload": {
+            **{k: v for k, v in cfg.items() if k not in ("c_values", "budget_ratios")},
+            "kv_bytes": kv_bytes,
+            "block_size": BLOCK_SIZE,
+            "max_model_len": max_model_len,
+            "vanilla_requests_that_fit": cfg["kv_tokens"] / ((cfg["min_len"] + cfg["max_len"]) / 2 + cfg["max_tokens"]),
+        },
+        "metrics_source": "LLM.get_metrics() gauges after every engine step (in-process engine core)",
+        "runs": results,
+        "wall_s": round(time.time() - t_start, 1),
+        "load_avg": [load_start, load_avg()],
+    }
     if args.prefill_study:
         report["study"] = "prefill"
         report["prefill"] = prefill_summary(repeats)
     report["environment"] = environment()
-    name = ("throughput_prefill_cpu" if args.prefill_study else "throughput_long_output_cpu" if args.long_output_study
-            else "throughput_cpu")
+    name = (
+        "throughput_prefill_cpu"
+        if args.prefill_study
+        else "throughput_long_output_cpu"
+        if args.long_output_study
+        else "throughput_cpu"
+    )
     out = Path(args.json) if args.json else RESULTS_DIR / (f"{name}_quick.json" if args.quick else f"{name}.json")
     write_report(report, out, print_prefill_table if args.prefill_study else print_table)
     return 0
@@ -507,16 +658,20 @@ def print_prefill_table(report: dict) -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'run':20s} {'ratio':>6s} {'out tok/s':>9s} {'req/s':>7s} {'peak run':>8s} {'mean run':>8s} "
-          f"{'peak KV':>7s} {'preempt':>7s} {'cached':>7s} {'x vanilla':>9s}")
+    print(
+        f"{'run':20s} {'ratio':>6s} {'out tok/s':>9s} {'req/s':>7s} {'peak run':>8s} {'mean run':>8s} "
+        f"{'peak KV':>7s} {'preempt':>7s} {'cached':>7s} {'x vanilla':>9s}"
+    )
     for name, r in report["runs"].items():
         if "error" in r:
             print(f"{name:20s} ERROR {r['error']}")
             continue
-        print(f"{name:20s} {r.get('mean_ratio', 0.0):6.3f} {r['output_tok_per_s']:9.2f} {r['requests_per_s']:7.3f} "
-              f"{r.get('peak_running', 0):8.0f} {r.get('mean_running', 0):8.2f} {r.get('peak_kv_usage', 0):7.2f} "
-              f"{r.get('preemptions', 0):7.0f} {r.get('cached_prompt_tokens', 0):7d} "
-              f"{r.get('vs_vanilla', {}).get('output_tok_per_s', float('nan')):9.2f}")
+        print(
+            f"{name:20s} {r.get('mean_ratio', 0.0):6.3f} {r['output_tok_per_s']:9.2f} {r['requests_per_s']:7.3f} "
+            f"{r.get('peak_running', 0):8.0f} {r.get('mean_running', 0):8.2f} {r.get('peak_kv_usage', 0):7.2f} "
+            f"{r.get('preemptions', 0):7.0f} {r.get('cached_prompt_tokens', 0):7d} "
+            f"{r.get('vs_vanilla', {}).get('output_tok_per_s', float('nan')):9.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,15 +25,35 @@ def sum_positive_gaps(x, q_head, valid, y_sorted_ptr, prefix_ptr, m, SEARCH_STEP
 
 @triton.jit
 def rc_scores_paged_kernel(
-    q_ptr, stride_qh, stride_qw, stride_qd,
-    kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+    q_ptr,
+    stride_qh,
+    stride_qw,
+    stride_qd,
+    kc_ptr,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
     block_table_ptr,
-    y_sorted_ptr, prefix_ptr, center_ptr,  # [Hq, m], [Hq, m + 1], [Hq] float32, contiguous
-    out_ptr, stride_oh,                     # [Hkv, n - w] float32
-    num_scored, m, norm,
-    G: tl.constexpr, G_PAD: tl.constexpr, MAX_OVER_QUERIES: tl.constexpr,
-    W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    y_sorted_ptr,
+    prefix_ptr,
+    center_ptr,  # [Hq, m], [Hq, m + 1], [Hq] float32, contiguous
+    out_ptr,
+    stride_oh,  # [Hkv, n - w] float32
+    num_scored,
+    m,
+    norm,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    MAX_OVER_QUERIES: tl.constexpr,
+    W: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    NUM_ROW_BLOCKS: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    IEEE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,  # ceil(log2(m + 1)): halvings of the binary search over the m sorted values
 ):
     """One program: BLOCK_N tokens of one KV head. The key tile is loaded once; the G*W query rows are
@@ -45,8 +65,19 @@ def rc_scores_paged_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     keys, tokens, tokens_valid = load_paged_key_tile(
-        kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
-        num_scored, BLOCK_N, PAGE, D, D_PAD,
+        kc_ptr,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_kd,
+        block_table_ptr,
+        kv_head,
+        tile * BLOCK_N,
+        num_scored,
+        BLOCK_N,
+        PAGE,
+        D,
+        D_PAD,
     )
     scores = tl.zeros([BLOCK_N], dtype=tl.float32)
     heads = tl.arange(0, G_PAD)
@@ -67,8 +98,9 @@ def rc_scores_paged_kernel(
         else:
             q_head = kv_head * G + rows // W
             center = tl.load(center_ptr + q_head, mask=rows_valid, other=0.0)
-            gaps = sum_positive_gaps(logits - center[:, None], q_head, rows_valid, y_sorted_ptr, prefix_ptr, m,
-                                     SEARCH_STEPS)
+            gaps = sum_positive_gaps(
+                logits - center[:, None], q_head, rows_valid, y_sorted_ptr, prefix_ptr, m, SEARCH_STEPS
+            )
             scores += tl.sum(gaps, axis=0)
     if MAX_OVER_QUERIES:
         heads_valid = heads < G

@@ -17,20 +17,47 @@ def _scaled_logits(q, keys, tokens_valid, scale, IEEE: tl.constexpr):
 
 @triton.jit
 def snapkv_partial_logsumexp_kernel(
-    q_ptr, stride_qh, stride_qw, stride_qd,
-    kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+    q_ptr,
+    stride_qh,
+    stride_qw,
+    stride_qd,
+    kc_ptr,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
     block_table_ptr,
     partial_ptr,  # [Hkv, num_tiles, NUM_ROW_BLOCKS * ROW_BLOCK] float32: row log-sum-exp over the tile
-    num_scored, num_tiles, scale,
-    G: tl.constexpr, W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    num_scored,
+    num_tiles,
+    scale,
+    G: tl.constexpr,
+    W: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    NUM_ROW_BLOCKS: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Pass 1: per (KV head, tile), each window query's log-sum-exp over the tile's non-window tokens."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     keys, _tokens, tokens_valid = load_paged_key_tile(
-        kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
-        num_scored, BLOCK_N, PAGE, D, D_PAD,
+        kc_ptr,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_kd,
+        block_table_ptr,
+        kv_head,
+        tile * BLOCK_N,
+        num_scored,
+        BLOCK_N,
+        PAGE,
+        D,
+        D_PAD,
     )
     out_row_ptr = partial_ptr + (kv_head * num_tiles + tile) * (NUM_ROW_BLOCKS * ROW_BLOCK)
     for row_block in tl.static_range(NUM_ROW_BLOCKS):
@@ -45,21 +72,48 @@ def snapkv_partial_logsumexp_kernel(
 
 @triton.jit
 def snapkv_mean_attention_kernel(
-    q_ptr, stride_qh, stride_qw, stride_qd,
-    kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd,
+    q_ptr,
+    stride_qh,
+    stride_qw,
+    stride_qd,
+    kc_ptr,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
     block_table_ptr,
     lse_ptr,  # [Hkv, NUM_ROW_BLOCKS * ROW_BLOCK] float32: each window query's log-sum-exp over its keys
-    out_ptr, stride_oh,  # [Hkv, n - w] float32
-    num_scored, scale,
-    G: tl.constexpr, W: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    out_ptr,
+    stride_oh,  # [Hkv, n - w] float32
+    num_scored,
+    scale,
+    G: tl.constexpr,
+    W: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    NUM_ROW_BLOCKS: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Pass 2: softmax weight of each token under each window query, averaged over the G*W queries."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     keys, tokens, tokens_valid = load_paged_key_tile(
-        kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile * BLOCK_N,
-        num_scored, BLOCK_N, PAGE, D, D_PAD,
+        kc_ptr,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_kd,
+        block_table_ptr,
+        kv_head,
+        tile * BLOCK_N,
+        num_scored,
+        BLOCK_N,
+        PAGE,
+        D,
+        D_PAD,
     )
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row_block in tl.static_range(NUM_ROW_BLOCKS):

@@ -9,8 +9,17 @@ import triton.language as tl
 
 @triton.jit
 def load_group_queries(
-    q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_start,
-    G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    q_ptr,
+    stride_qh,
+    stride_qw,
+    stride_qd,
+    kv_head,
+    row_start,
+    G: tl.constexpr,
+    W: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     """Rows row_start .. row_start+ROWS-1 of the KV head's G*W window queries; row r is query head
     kv_head*G + r // W at window position r % W. Returns ([ROWS, D_PAD] queries, [ROWS] row ids, valid)."""
@@ -26,8 +35,19 @@ def load_group_queries(
 
 @triton.jit
 def load_paged_key_tile(
-    kc_ptr, stride_kb, stride_kh, stride_ks, stride_kd, block_table_ptr, kv_head, tile_start, num_valid,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    kc_ptr,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    block_table_ptr,
+    kv_head,
+    tile_start,
+    num_valid,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     """Keys of tokens tile_start .. tile_start+BLOCK_N-1 (< num_valid) through the block table.
 
@@ -39,7 +59,10 @@ def load_paged_key_tile(
     slot = tokens % PAGE
     dims = tl.arange(0, D_PAD)
     ptrs = (
-        kc_ptr + block[:, None] * stride_kb + kv_head * stride_kh + slot[:, None] * stride_ks
+        kc_ptr
+        + block[:, None] * stride_kb
+        + kv_head * stride_kh
+        + slot[:, None] * stride_ks
         + dims[None, :] * stride_kd
     )
     keys = tl.load(ptrs, mask=valid[:, None] & (dims[None, :] < D), other=0.0)

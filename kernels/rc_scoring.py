@@ -34,9 +34,16 @@ def triton_available() -> bool:
     return True
 
 
-def rc_table_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int,
-                                    y_sorted: Tensor, prefix: Tensor, center: Tensor,
-                                    max_over_queries: bool = False) -> Tensor:
+def rc_table_scores_paged_reference(
+    q_window: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    num_tokens: int,
+    y_sorted: Tensor,
+    prefix: Tensor,
+    center: Tensor,
+    max_over_queries: bool = False,
+) -> Tensor:
     """Torch reference of :func:`rc_table_scores_paged`: Eq. 6 by its definition, every gap max(x - y, 0) summed
     (``prefix`` is unused: the kernel's shortcut). Materialises [Hkv, G, w, n - w, m]: for tiny shapes (tests).
 
@@ -64,8 +71,15 @@ def rc_table_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_t
 
 
 def rc_table_scores_paged(
-    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, y_sorted: Tensor, prefix: Tensor,
-    center: Tensor, max_over_queries: bool = False, block_n: int = 64,
+    q_window: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    num_tokens: int,
+    y_sorted: Tensor,
+    prefix: Tensor,
+    center: Tensor,
+    max_over_queries: bool = False,
+    block_n: int = 64,
 ) -> Tensor:
     """Triton version of :func:`rc_table_scores_paged_reference`: same arguments, float32 [Hkv, n - w].
 
@@ -84,19 +98,31 @@ def rc_table_scores_paged(
     m = w * (w + 1) // 2
     grid = (cdiv(num_scored, block_n), num_kv_heads)
     rc_scores_paged_kernel[grid](
-        queries, *queries.stride(),
-        key_cache, *key_cache.stride(),
+        queries,
+        *queries.stride(),
+        key_cache,
+        *key_cache.stride(),
         block_table.to(device=key_cache.device, dtype=torch.int32),
-        y_sorted.reshape(-1, m).float().contiguous(), prefix.reshape(-1, m + 1).float().contiguous(),
+        y_sorted.reshape(-1, m).float().contiguous(),
+        prefix.reshape(-1, m + 1).float().contiguous(),
         center.reshape(-1).float().contiguous(),
-        out, out.stride(0),
-        num_scored, m,
+        out,
+        out.stride(0),
+        num_scored,
+        m,
         # mean: over the W*m (x, y) pairs of Eq. 6, then over the G query heads; max: over the m self logits of each
         # query's best row, then over the G query heads.
         1.0 / (m * group) if max_over_queries else 1.0 / (w * m * group),
-        G=group, G_PAD=next_power_of_2(group), MAX_OVER_QUERIES=bool(max_over_queries),
-        W=w, **row_blocking(group * w), D=head_dim, D_PAD=next_power_of_2(head_dim),
-        BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
+        G=group,
+        G_PAD=next_power_of_2(group),
+        MAX_OVER_QUERIES=bool(max_over_queries),
+        W=w,
+        **row_blocking(group * w),
+        D=head_dim,
+        D_PAD=next_power_of_2(head_dim),
+        BLOCK_N=block_n,
+        PAGE=block_size,
+        IEEE=key_cache.dtype == torch.float32,
         SEARCH_STEPS=max(1, m.bit_length()),  # 2**steps > m: every count 0..m is reachable
     )
     return out

@@ -38,8 +38,9 @@ def window_attention(queries: Tensor, keys: Tensor, scale: float) -> Tensor:
     return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
 
 
-def snapkv_attention_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int,
-                                     scale: float) -> Tensor:
+def snapkv_attention_paged_reference(
+    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float
+) -> Tensor:
     """Torch reference: gather the keys via the block table, :func:`window_attention`, the mean over the window
     queries and the G query heads. Returns float32 [Hkv, n - w]."""
     group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
@@ -49,7 +50,12 @@ def snapkv_attention_paged_reference(q_window: Tensor, key_cache: Tensor, block_
 
 
 def snapkv_attention_paged(
-    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float, block_n: int = 32,
+    q_window: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    num_tokens: int,
+    scale: float,
+    block_n: int = 32,
 ) -> Tensor:
     """Triton version of :func:`snapkv_attention_paged_reference` (same arguments): float32 [Hkv, n - w]."""
     group, w = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
@@ -65,8 +71,14 @@ def snapkv_attention_paged(
     table = block_table.to(device=key_cache.device, dtype=torch.int32)
     num_tiles = cdiv(num_scored, block_n)
     meta = dict(
-        G=group, W=w, **blocking, D=head_dim, D_PAD=next_power_of_2(head_dim),
-        BLOCK_N=block_n, PAGE=block_size, IEEE=key_cache.dtype == torch.float32,
+        G=group,
+        W=w,
+        **blocking,
+        D=head_dim,
+        D_PAD=next_power_of_2(head_dim),
+        BLOCK_N=block_n,
+        PAGE=block_size,
+        IEEE=key_cache.dtype == torch.float32,
     )
     common = (queries, *queries.stride(), key_cache, *key_cache.stride(), table)
 

@@ -45,8 +45,14 @@ CONTRACTS = (
     Contract("vllm.v1.outputs:ModelRunnerOutput"),
     Contract(
         "vllm.v1.core.sched.output:SchedulerOutput",
-        attrs=("total_num_scheduled_tokens", "num_scheduled_tokens", "finished_req_ids", "preempted_req_ids",
-               "scheduled_cached_reqs", "scheduled_new_reqs"),
+        attrs=(
+            "total_num_scheduled_tokens",
+            "num_scheduled_tokens",
+            "finished_req_ids",
+            "preempted_req_ids",
+            "scheduled_cached_reqs",
+            "scheduled_new_reqs",
+        ),
     ),
     Contract("vllm.v1.core.sched.output:NewRequestData", attrs=("req_id",)),
 )
@@ -125,8 +131,10 @@ def idle_step_info(scheduler_output) -> StepInfo:
     requests it ends. The engine core runs such a step when the last requests finished and it has nothing else
     to run (``Scheduler.has_finished_requests``): the one that names them finished, before it idles."""
     return StepInfo(
-        requests=[], dropped_req_ids=_dropped_req_ids(scheduler_output),
-        preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()), compactions=_compactions(scheduler_output)
+        requests=[],
+        dropped_req_ids=_dropped_req_ids(scheduler_output),
+        preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+        compactions=_compactions(scheduler_output),
     )
 
 
@@ -176,8 +184,9 @@ def attach_reports(runner, output):
     reports, step = owner.pop_reports(), owner.pop_step_compactions()
     if not reports and step is None:
         return output
-    return RCStatModelRunnerOutput(**{f.name: getattr(output, f.name) for f in fields(output)}, rcstat_reports=reports,
-                                   rcstat_step=step)
+    return RCStatModelRunnerOutput(
+        **{f.name: getattr(output, f.name) for f in fields(output)}, rcstat_reports=reports, rcstat_step=step
+    )
 
 
 def _execute_model(original):

@@ -47,19 +47,27 @@ def announce(config, compression_off: bool = False) -> None:
         return
     logger.info("rcstat: KV compression enabled with %s", config.to_dict())
     if config.eviction == "lazy" and config.method != "none":
-        logger.info("rcstat: lazy eviction: a request is compacted only when the KV pool runs short (those freeing "
-                    "most blocks first); until then it keeps its full cache. \"eviction\": \"eager\" compacts every "
-                    "request after its prefill")
+        logger.info(
+            "rcstat: lazy eviction: a request is compacted only when the KV pool runs short (those freeing "
+            'most blocks first); until then it keeps its full cache. "eviction": "eager" compacts every '
+            "request after its prefill"
+        )
     if config.method == "rc" and not config.budget_mode and config.local_contrast:
-        logger.info("rcstat: threshold mode (c = %g): local_contrast does not apply (Eq. 9 compares RC's own scores "
-                    "with c); it applies to budgets (target_ratio)", config.c)
+        logger.info(
+            "rcstat: threshold mode (c = %g): local_contrast does not apply (Eq. 9 compares RC's own scores "
+            "with c); it applies to budgets (target_ratio)",
+            config.c,
+        )
     if config.decode_compression:
         logger.info(
             "rcstat: decode-time compression on: generated KV compacted to %d tokens per KV head on average every "
-            "%d tokens, earlier when the KV pool is about to run short (instead of preempting)%s", config.decode_budget,
+            "%d tokens, earlier when the KV pool is about to run short (instead of preempting)%s",
+            config.decode_budget,
             config.decode_interval,
             " (lazy eviction: only once a request's prompt was compacted; requests that never meet memory pressure "
-            "keep their generated KV whole)" if config.eviction == "lazy" else "",
+            "keep their generated KV whole)"
+            if config.eviction == "lazy"
+            else "",
         )
 
 

@@ -44,7 +44,8 @@ CONTRACTS = (
     Contract("vllm.v1.core.sched.scheduler:Scheduler.schedule", ("self",)),
     Contract("vllm.v1.core.sched.scheduler:Scheduler._update_request_as_session", ("self", "session", "update")),
     Contract(
-        "vllm.v1.core.sched.scheduler:Scheduler", attrs=("requests", "kv_cache_manager", "vllm_config", "running", "waiting")
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        attrs=("requests", "kv_cache_manager", "vllm_config", "running", "waiting"),
     ),
     Contract("vllm.v1.core.sched.request_queue:RequestQueue.peek_request", ("self",)),
     Contract(
@@ -144,9 +145,15 @@ def running_snapshot(scheduler, state: EngineCompaction | None = None) -> tuple[
     lists in every KV cache group."""
     manager = scheduler.kv_cache_manager
     others = other_group_managers(manager)
-    held = [(r.request_id, r.num_tokens, len(request_blocks(manager, r.request_id)),
-             tuple((m.block_size, len(m.req_to_blocks.get(r.request_id, ()))) for m in others))
-            for r in scheduler.running]
+    held = [
+        (
+            r.request_id,
+            r.num_tokens,
+            len(request_blocks(manager, r.request_id)),
+            tuple((m.block_size, len(m.req_to_blocks.get(r.request_id, ()))) for m in others),
+        )
+        for r in scheduler.running
+    ]
     if state is None:
         return tuple(RunningRequest(*request[:3], other_groups=request[3]) for request in held)
     return tuple(state.decode_pressure.running(*request) for request in held)
@@ -163,8 +170,12 @@ def first_waiting_tokens(scheduler) -> int:
 def blocks_wanted(scheduler) -> tuple[int, str]:
     """The blocks the coming schedule is about to take (an upper bound), and what wants them
     (:func:`~rcstat_vllm.engine.pressure_policy.blocks_wanted`)."""
-    return pressure_policy.blocks_wanted(running_snapshot(scheduler), first_waiting_tokens(scheduler),
-                                         block_size(scheduler), other_block_sizes(scheduler))
+    return pressure_policy.blocks_wanted(
+        running_snapshot(scheduler),
+        first_waiting_tokens(scheduler),
+        block_size(scheduler),
+        other_block_sizes(scheduler),
+    )
 
 
 def decode_config(state: EngineCompaction, request) -> RCStatConfig | None:
@@ -188,7 +199,10 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> None:
     # (configs as the last schedule's check merged them: every request running now was running then)
     running = running_snapshot(scheduler, state)
     snapshot = pressure_policy.PoolSnapshot(
-        pool.get_num_free_blocks(), block_size(scheduler), running, first_waiting_tokens(scheduler),
+        pool.get_num_free_blocks(),
+        block_size(scheduler),
+        running,
+        first_waiting_tokens(scheduler),
         other_block_sizes=other_block_sizes(scheduler),
     )
     decode = None
@@ -198,8 +212,9 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> None:
     short, reason = pressure_policy.shortfall(snapshot, decode)
     if short <= 0:  # (most steps: the parked plans' gains, read from their block lists, are not needed)
         return
-    parked = state.parked(lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id)
-                          else None)
+    parked = state.parked(
+        lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id) else None
+    )
     relief = pressure_policy.cover(short, reason, parked)
     if relief.compact:
         state.relieve_pressure(pool, relief, lambda req_id: running_request_tokens(scheduler, req_id))
@@ -209,8 +224,10 @@ def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list
     """After a schedule: the running requests whose decode-time compaction the workers should bring forward, the
     pool being about to run short (``rcstat_vllm/engine/decode_pressure.py``)."""
     pressure = state.decode_pressure
-    watched = [pressure.watch(r.request_id, r.num_tokens, lambda r=r: decode_config(state, r)) is not None
-               for r in scheduler.running]  # (resolved once per request: one lookup per request, step)
+    watched = [
+        pressure.watch(r.request_id, r.num_tokens, lambda r=r: decode_config(state, r)) is not None
+        for r in scheduler.running
+    ]  # (resolved once per request: one lookup per request, step)
     if not any(watched):
         return []
     running = list(running_snapshot(scheduler, state))
@@ -218,8 +235,12 @@ def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list
     short, lead, reason = pressure.shortfall(running, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(), size)
     chosen = pressure.requests_to_hurry(running, short, lead, size)
     if chosen:
-        logger.debug("rcstat: decode-time compaction brought forward (%d requests; %s): %s", len(chosen), reason,
-                     ", ".join(chosen))
+        logger.debug(
+            "rcstat: decode-time compaction brought forward (%d requests; %s): %s",
+            len(chosen),
+            reason,
+            ", ".join(chosen),
+        )
     return chosen
 
 
@@ -257,8 +278,11 @@ def _schedule(original):
         compactions = state.take_outgoing(lambda req_id: is_running(self, req_id))
         if not compactions and not decode_soon:
             return output
-        return RCStatSchedulerOutput(**{f.name: getattr(output, f.name) for f in fields(output)},
-                                     rcstat_compactions=compactions, rcstat_decode_soon=tuple(decode_soon))
+        return RCStatSchedulerOutput(
+            **{f.name: getattr(output, f.name) for f in fields(output)},
+            rcstat_compactions=compactions,
+            rcstat_decode_soon=tuple(decode_soon),
+        )
 
     return wrapper
 
@@ -304,8 +328,9 @@ def _get_computed_blocks(original):
         if num_hit and state.group is not None:
             block_size = compressed_manager(self).block_size
             extra_args = request.sampling_params and request.sampling_params.extra_args
-            limit = state.prefix_hit_limit(request.request_id, num_hit, request.num_prompt_tokens, extra_args,
-                                           block_size)
+            limit = state.prefix_hit_limit(
+                request.request_id, num_hit, request.num_prompt_tokens, extra_args, block_size
+            )
             if limit is not None and len(blocks.blocks) > 1:
                 # A hybrid model's sliding-window group holds only its window's blocks of the hit (null blocks
                 # before): a shorter hit would end without them. vLLM finds hits valid for every group; the plugin

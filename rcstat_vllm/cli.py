@@ -108,8 +108,12 @@ def _embedded_model_dtype_args(vllm_args: list[str]) -> list[str]:
     dtype = embedded_model_dtype()
     if not dtype:
         return vllm_args
-    print(f"rcstat-vllm serve: this CPU has no native bf16: serving the embedded model with --dtype {dtype} "
-          "(give --dtype to choose)", file=sys.stderr, flush=True)
+    print(
+        f"rcstat-vllm serve: this CPU has no native bf16: serving the embedded model with --dtype {dtype} "
+        "(give --dtype to choose)",
+        file=sys.stderr,
+        flush=True,
+    )
     return [*vllm_args, "--dtype", dtype]
 
 

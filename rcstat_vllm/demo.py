@@ -97,8 +97,14 @@ def output_to(log_path: str | None):
                 os.close(fd)
 
 
-def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | None = None,
-             max_tokens: int = 48, model_dir: str | None = None, verbose: bool = False) -> int:
+def run_demo(
+    method: str = "rc",
+    c: float | None = None,
+    target_ratio: float | None = None,
+    max_tokens: int = 48,
+    model_dir: str | None = None,
+    verbose: bool = False,
+) -> int:
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.model import fetch_model
 
@@ -133,8 +139,9 @@ def run_demo(method: str = "rc", c: float | None = None, target_ratio: float | N
             params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)]
             if config.enabled:
                 # The same question once more, uncompressed (a per-request override), for comparison.
-                params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                             extra_args={"rcstat": {"method": "none"}}))
+                params.append(
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args={"rcstat": {"method": "none"}})
+                )
             outputs = llm.chat([build_messages()] * len(params), params, use_tqdm=False)
             t2 = time.perf_counter()
             from rcstat_vllm.api import compression_results, match_outputs
@@ -178,8 +185,10 @@ def format_results(results: dict) -> str:
             continue
         for key, value in result.items():
             if key == "kept" and isinstance(value, list) and value:
-                lines.append(f"    kept per layer [per KV head]: {json.dumps(value[0])} ... "
-                             f"{json.dumps(value[-1])} ({len(value)} layers)")
+                lines.append(
+                    f"    kept per layer [per KV head]: {json.dumps(value[0])} ... "
+                    f"{json.dumps(value[-1])} ({len(value)} layers)"
+                )
             elif key == "layer_global_eviction" and isinstance(value, list):
                 lines.append(f"    {key}: {json.dumps([round(v, 3) for v in value])}")
             elif key != "req_id":

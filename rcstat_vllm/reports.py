@@ -131,6 +131,7 @@ class CompressionReport:
         """The report behind a :meth:`to_dict` result (derived fields are recomputed)."""
         return cls(**{name: result[name] for name in cls.__dataclass_fields__ if name in result})
 
+
 @dataclass(frozen=True)
 class Compaction:
     """The scheduler's answer to a worker's compression plan (``rcstat_vllm/engine/block_exchange.py``), carried to the workers

@@ -21,8 +21,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 ENGINE = dict(
-    load_format="auto", skip_tokenizer_init=True, dtype="float32", enforce_eager=True, compilation_config={"mode": 0},
-    max_model_len=1024, kv_cache_memory_bytes=64 << 20, seed=0, block_size=32, enable_prefix_caching=False,
+    load_format="auto",
+    skip_tokenizer_init=True,
+    dtype="float32",
+    enforce_eager=True,
+    compilation_config={"mode": 0},
+    max_model_len=1024,
+    kv_cache_memory_bytes=64 << 20,
+    seed=0,
+    block_size=32,
+    enable_prefix_caching=False,
 )
 PROMPT_TOKENS, MAX_TOKENS = 320, 12
 
@@ -72,8 +80,17 @@ def watch_block_swaps(core) -> list[dict]:
         before = {r.req_id: lists(r.req_id) for r in reports}
         result = original(self, pool, reports, running_blocks)
         for r in reports:
-            swaps.append(dict(req_id=r.req_id, kept=r.kept, keep_blocks=r.keep_blocks, pooled=r.pooled_pages,
-                              skipped=r.skipped_reason, before=before[r.req_id], after=lists(r.req_id)))
+            swaps.append(
+                dict(
+                    req_id=r.req_id,
+                    kept=r.kept,
+                    keep_blocks=r.keep_blocks,
+                    pooled=r.pooled_pages,
+                    skipped=r.skipped_reason,
+                    before=before[r.req_id],
+                    after=lists(r.req_id),
+                )
+            )
         return result
 
     EngineCompaction.apply_reports = apply_reports
@@ -109,9 +126,16 @@ def lazy_under_pressure(model: Path) -> dict:
     owner = worker_compression_of(getattr(runner, "worker", runner).model_runner.vllm_config)
     pool = core.scheduler.kv_cache_manager.block_pool
     stats = scheduler_stats(core.scheduler)
-    return dict(finished=len(outputs), compressed=stats.requests_compressed, blocks_freed=stats.blocks_freed,
-                cached_tokens=cached, free_blocks=pool.get_num_free_blocks(), num_blocks=pool.num_gpu_blocks,
-                worker_requests=len(owner.requests), engine_requests=len(engine_compaction(pool).requests))
+    return dict(
+        finished=len(outputs),
+        compressed=stats.requests_compressed,
+        blocks_freed=stats.blocks_freed,
+        cached_tokens=cached,
+        free_blocks=pool.get_num_free_blocks(),
+        num_blocks=pool.num_gpu_blocks,
+        worker_requests=len(owner.requests),
+        engine_requests=len(engine_compaction(pool).requests),
+    )
 
 
 def main() -> None:
@@ -127,8 +151,9 @@ def main() -> None:
         return
     p = prompts()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    none = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                          extra_args={"rcstat": {"method": "none"}})
+    none = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"rcstat": {"method": "none"}}
+    )
 
     vanilla = make_engine(model, None)
     vanilla_out = run(vanilla, [("A", p["A"], greedy), ("B", p["B"], greedy)])

@@ -248,7 +248,7 @@ def test_recomputation_after_preemption_overwrites():
 
 
 def test_sentences_with_offsets():
-    text = "Dr. Smith lives in Oslo. He owns 3.5 cats!  Does he?\nYes, e.g. Bob said \"no.\" Then J. R. left"
+    text = 'Dr. Smith lives in Oslo. He owns 3.5 cats!  Does he?\nYes, e.g. Bob said "no." Then J. R. left'
     sentences = [text[s:e] for s, e in split_sentences(text)]
     assert sentences == [
         "Dr. Smith lives in Oslo.",
@@ -302,7 +302,9 @@ def test_offsets_with_the_real_tokenizer():
     for span in user:
         decoded = tokenizer.decode(ids[span.token_start : span.token_end])
         assert decoded.strip() == span.text
-    generated = tokenizer("Paris is big. Café ☕ time.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    generated = tokenizer("Paris is big. Café ☕ time.", add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
     gen_text, gen_offsets = decode_offsets(tokenizer, generated, skip_special_tokens=True)
     assert gen_text == "Paris is big. Café ☕ time."
     assert gen_offsets[-1][0] == gen_offsets[-1][1] == len(gen_text)  # EOS: no characters
@@ -339,7 +341,10 @@ def test_request_options():
 
 def batch_request(req_id, prompt, computed, scheduled, extra):
     return SimpleNamespace(
-        req_id=req_id, num_prompt_tokens=prompt, num_computed_tokens=computed, num_scheduled_tokens=scheduled,
+        req_id=req_id,
+        num_prompt_tokens=prompt,
+        num_computed_tokens=computed,
+        num_scheduled_tokens=scheduled,
         extra_args=extra,
     )
 

@@ -27,8 +27,11 @@ from rcstat_vllm.config import ConfigError
 
 def random_heads(h=3, s=5, m=30, d=8, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(h, s, d, generator=g, dtype=dtype), torch.randn(h, m, d, generator=g, dtype=dtype),
-            torch.randn(h, s + 2, d, generator=g, dtype=dtype))
+    return (
+        torch.randn(h, s, d, generator=g, dtype=dtype),
+        torch.randn(h, m, d, generator=g, dtype=dtype),
+        torch.randn(h, s + 2, d, generator=g, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("offset", [0, 2])
@@ -95,7 +98,9 @@ def test_long_chunk_with_one_relevant_run_wins_with_window_not_with_mean():
     queries, keys, m, spans = long_chunk_sequence()
     results = {}
     for method in SPAN_SCORES:
-        trace = AttributionTrace.from_sequence(queries, keys, m, AttributionOptions(k=1, span_score=method, span_window=8))
+        trace = AttributionTrace.from_sequence(
+            queries, keys, m, AttributionOptions(k=1, span_score=method, span_window=8)
+        )
         results[method] = trace.span_scores(spans, (0, trace.num_generated))
     # Eq. 10 as written averages the planted run over 120 tokens: the uniformly relevant short chunk wins.
     assert int(results["mean"].scores.argmax()) == 0
@@ -115,7 +120,9 @@ def test_long_chunk_with_one_relevant_run_wins_with_window_not_with_mean():
 def test_mean_keeps_the_paper_form_for_both_estimators():
     queries, keys, m, spans = long_chunk_sequence()
     for estimator in ("exact", "upper"):
-        trace = AttributionTrace.from_sequence(queries, keys, m, AttributionOptions(k=1, estimator=estimator, span_score="mean"))
+        trace = AttributionTrace.from_sequence(
+            queries, keys, m, AttributionOptions(k=1, estimator=estimator, span_score="mean")
+        )
         n = trace.num_generated
         q, kp, kg = trace.head_tensors([(0, 0)], n)
         expected, _ = normalize_span_scores(
@@ -159,21 +166,39 @@ def fake_stream_setup(xargs, n=1):
     async def original(self, request, result_generator, request_id, model_name, conversation, tokenizer, *a, **k):
         async for res in result_generator:
             for output in res.outputs:
-                yield "data: " + json.dumps({"id": request_id, "created": 5, "model": model_name,
-                                             "choices": [{"index": output.index}]}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {"id": request_id, "created": 5, "model": model_name, "choices": [{"index": output.index}]}
+                    )
+                    + "\n\n"
+                )
         yield "data: [DONE]\n\n"
 
     class Client:
         async def collective_rpc(self, method, args):
             asked.append(args[0])
             num_prompt, gen = args[1], args[2]
-            return [None, {"heads": [[0, 1]], "head_scores": [1.0], "estimator": "exact",
-                           "num_generated_tokens": 3, "scores": [[1.0 / len(num_prompt)] * len(num_prompt)] * len(gen),
-                           "degenerate": [False] * len(gen), "missing_prompt_tokens": 0}]
+            return [
+                None,
+                {
+                    "heads": [[0, 1]],
+                    "head_scores": [1.0],
+                    "estimator": "exact",
+                    "num_generated_tokens": 3,
+                    "scores": [[1.0 / len(num_prompt)] * len(num_prompt)] * len(gen),
+                    "degenerate": [False] * len(gen),
+                    "missing_prompt_tokens": 0,
+                },
+            ]
 
     def delta(index, ids, prompt_ids=None):
-        return SimpleNamespace(request_id="chatcmpl-9", prompt="Hello there. How are you?", prompt_token_ids=prompt_ids,
-                               outputs=[SimpleNamespace(index=index, token_ids=ids)])
+        return SimpleNamespace(
+            request_id="chatcmpl-9",
+            prompt="Hello there. How are you?",
+            prompt_token_ids=prompt_ids,
+            outputs=[SimpleNamespace(index=index, token_ids=ids)],
+        )
 
     async def results():
         yield delta(0, [40], [1, 2, 3])
@@ -204,7 +229,7 @@ def test_stream_wrapper_adds_one_chunk_before_done_only_when_asked():
     wrapped, serving, request, results, asked = fake_stream_setup({"rcstat_attribution": "1"})
     items = collect(wrapped, serving, request, results)
     assert items[-1] == "data: [DONE]\n\n" and len(items) == 4
-    extra = json.loads(items[-2][len("data: "):])
+    extra = json.loads(items[-2][len("data: ") :])
     assert extra["choices"] == [] and extra["id"] == "chatcmpl-9" and extra["created"] == 5 and extra["model"] == "m"
     field = extra["rcstat_attribution"]
     assert field["index"] == 0 and "error" not in field and asked == ["chatcmpl-9"]
@@ -219,7 +244,7 @@ def test_stream_wrapper_adds_one_chunk_before_done_only_when_asked():
 def test_stream_wrapper_with_two_choices_reads_each_child_trace():
     wrapped, serving, request, results, asked = fake_stream_setup({"rcstat_attribution": "1"}, n=2)
     items = collect(wrapped, serving, request, results)
-    field = json.loads(items[-2][len("data: "):])["rcstat_attribution"]
+    field = json.loads(items[-2][len("data: ") :])["rcstat_attribution"]
     assert [f["index"] for f in field] == [0, 1] and asked == ["0_chatcmpl-9", "1_chatcmpl-9"]
     assert field[0]["generated"][0]["span"]["text"] == "w40 w42 w43"
     assert field[1]["generated"][0]["span"]["text"] == "w41"
@@ -230,8 +255,15 @@ def test_under_data_parallelism_the_workers_of_every_engine_are_asked():
     ``AsyncLLM.collective_rpc`` would ask the first engine's only."""
     from rcstat_vllm.attribution import server
 
-    scored = {"heads": [[0, 1]], "head_scores": [1.0], "estimator": "exact", "num_generated_tokens": 3,
-              "scores": [[0.5, 0.5]], "degenerate": [False], "missing_prompt_tokens": 0}
+    scored = {
+        "heads": [[0, 1]],
+        "head_scores": [1.0],
+        "estimator": "exact",
+        "num_generated_tokens": 3,
+        "scores": [[0.5, 0.5]],
+        "degenerate": [False],
+        "missing_prompt_tokens": 0,
+    }
     asked = []
 
     class DPClient:  # vLLM's DPLBAsyncMPClient: a utility call on every engine, one answer each
@@ -245,9 +277,11 @@ def test_under_data_parallelism_the_workers_of_every_engine_are_asked():
         async def collective_rpc(self, method, args):
             return [None]  # the first engine's workers only
 
-    payload = asyncio.run(server.attribution_payload(
-        EngineClient(), "chatcmpl-7", "Hello there. How are you?", [1, 2, 3], [40, 42, 43], FakeTokenizer(), {}
-    ))
+    payload = asyncio.run(
+        server.attribution_payload(
+            EngineClient(), "chatcmpl-7", "Hello there. How are you?", [1, 2, 3], [40, 42, 43], FakeTokenizer(), {}
+        )
+    )
     assert "error" not in payload and payload["generated"][0]["span"]["text"] == "w40 w42 w43"
     assert asked == [("collective_rpc", "rcstat_attribution_results", "chatcmpl-7")]
 
@@ -302,7 +336,10 @@ def test_tuning_and_reporting_text_and_facts_are_disjoint(bench):
     import random
 
     def templates(family):  # fact sentences with their values blanked
-        return {maker(random.Random(seed))[0].replace(maker(random.Random(seed))[2], "_")
-                .split(" is ")[0].split(" in ")[0] for maker in attribution.FACTS[family] for seed in range(50)}
+        return {
+            maker(random.Random(seed))[0].replace(maker(random.Random(seed))[2], "_").split(" is ")[0].split(" in ")[0]
+            for maker in attribution.FACTS[family]
+            for seed in range(50)
+        }
 
     assert not templates("a") & templates("b")

@@ -43,8 +43,11 @@ def test_source_auc():
 
 
 def test_summarize_skips_rows_without_a_target():
-    rows = [{"scores": [0.1, 0.8, 0.1], "target": 1}, {"scores": [0.6, 0.3, 0.1], "target": 1},
-            {"scores": [0.3, 0.3, 0.4], "target": None}]
+    rows = [
+        {"scores": [0.1, 0.8, 0.1], "target": 1},
+        {"scores": [0.6, 0.3, 0.1], "target": 1},
+        {"scores": [0.3, 0.3, 0.4], "target": None},
+    ]
     out = bench.summarize(rows)
     assert out["n"] == 2 and out["top1"] == 0.5 and out["top3"] == 1.0 and out["auc"] == 0.75
     assert bench.summarize([])["top1"] is None
@@ -62,12 +65,18 @@ def test_matched_ablations():
 def test_sources_tile_the_context_and_targets():
     docs = ["Anna has a cat. It is grey.", "The ferry leaves at seven. The trip is short."]
     context = bench.context_of(docs)
-    assert context == "Document 1: Anna has a cat. It is grey.\nDocument 2: The ferry leaves at seven. The trip is short."
+    assert (
+        context == "Document 1: Anna has a cat. It is grey.\nDocument 2: The ferry leaves at seven. The trip is short."
+    )
     documents = bench.sources_of(docs, "document")
     assert [context[a:b] for a, b in documents] == context.split("\n")
     sentences = bench.sources_of(docs, "sentence")
     assert [context[a:b] for a, b in sentences] == [
-        "Document 1: Anna has a cat.", "It is grey.", "Document 2: The ferry leaves at seven.", "The trip is short."]
+        "Document 1: Anna has a cat.",
+        "It is grey.",
+        "Document 2: The ferry leaves at seven.",
+        "The trip is short.",
+    ]
     example = {"docs": docs, "target": 1, "answer": "seven", "fact": "The ferry leaves at seven."}
     assert bench.target_source(example, context, documents, "document") == 1
     assert bench.target_source(example, context, sentences, "sentence") == 2
@@ -126,10 +135,26 @@ def test_examples_per_family():
 
 
 def test_contextcite_units_round_robin_over_answered():
-    prompts = [{"family": "a", "answered": True}, {"family": "a", "answered": False}, {"family": "a", "answered": True},
-               {"family": "b", "answered": False}, {"family": "b", "answered": True}]
+    prompts = [
+        {"family": "a", "answered": True},
+        {"family": "a", "answered": False},
+        {"family": "a", "answered": True},
+        {"family": "b", "answered": False},
+        {"family": "b", "answered": True},
+    ]
     # the j-th answered prompt of every family, document level before sentence level
     assert bench.contextcite_units(prompts, "answered") == [
-        (0, "document"), (4, "document"), (0, "sentence"), (4, "sentence"), (2, "document"), (2, "sentence")]
-    assert bench.contextcite_units(prompts, "all")[:4] == [(0, "document"), (3, "document"), (0, "sentence"), (3, "sentence")]
+        (0, "document"),
+        (4, "document"),
+        (0, "sentence"),
+        (4, "sentence"),
+        (2, "document"),
+        (2, "sentence"),
+    ]
+    assert bench.contextcite_units(prompts, "all")[:4] == [
+        (0, "document"),
+        (3, "document"),
+        (0, "sentence"),
+        (3, "sentence"),
+    ]
     assert len(bench.contextcite_units(prompts, "all")) == 10

@@ -41,7 +41,9 @@ def test_processor_is_argmax_invariant_and_tracks_rows():
     before = logits.clone()
     assert processor.apply(logits) is logits and torch.equal(logits, before)
     on, off = SamplingParams(extra_args={"rcstat_attribution": True}), SamplingParams()
-    processor.update_state(BatchUpdate(3, removed=[], added=[(0, on, [1], []), (1, off, [2], []), (2, on, [3], [])], moved=[]))
+    processor.update_state(
+        BatchUpdate(3, removed=[], added=[(0, on, [1], []), (1, off, [2], []), (2, on, [3], [])], moved=[])
+    )
     assert set(processor.asking) == {0, 2}
     processor.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
     assert set(processor.asking) == {1, 2}
@@ -74,16 +76,20 @@ def engine():
 
     from rcstat_vllm.model import with_embedded_dtype
 
-    llm = LLM(**with_embedded_dtype(dict(
-        model=str(default_model_dir()),
-        enforce_eager=True,
-        compilation_config={"mode": 0},
-        max_model_len=2048,
-        kv_cache_memory_bytes=128 << 20,
-        seed=0,
-        additional_config={"rcstat": {"method": "rc", "min_prompt_len": 64}},
-        logits_processors=[RCStatAttributionProcessor],
-    )))
+    llm = LLM(
+        **with_embedded_dtype(
+            dict(
+                model=str(default_model_dir()),
+                enforce_eager=True,
+                compilation_config={"mode": 0},
+                max_model_len=2048,
+                kv_cache_memory_bytes=128 << 20,
+                seed=0,
+                additional_config={"rcstat": {"method": "rc", "min_prompt_len": 64}},
+                logits_processors=[RCStatAttributionProcessor],
+            )
+        )
+    )
     yield llm
     del llm
 
@@ -127,7 +133,9 @@ def test_attribution_end_to_end(engine):
     )
     reference = trace_sequence(model, outputs[0].prompt_token_ids, generated[:-1])
     expected = score_spans(
-        reference, [(s.token_start, s.token_end) for s in prompt_spans], [(s.token_start, s.token_end) for s in gen_spans]
+        reference,
+        [(s.token_start, s.token_end) for s in prompt_spans],
+        [(s.token_start, s.token_end) for s in gen_spans],
     )
     assert traced.num_generated_tokens == expected["num_generated_tokens"] == len(generated) - 1
     # bf16 engine vs float32 reference: measured 0.0006 apart with the same 5 heads (float32 on CPUs without bf16)
@@ -158,8 +166,11 @@ def test_long_chunks_through_vllm_match_the_reference(engine):
     examples = bench.make_long_examples(tokenizer, 3, seed=0, source="essays-b", facts="b")
     prompts = [chat_prompt(tokenizer, bench.user_message(e)) for e in examples]
     params = [
-        SamplingParams(temperature=0, max_tokens=24, extra_args={
-            "rcstat_attribution": {"spans": "chunks", "chunks": e["docs"]}, "rcstat": {"method": "none"}})
+        SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            extra_args={"rcstat_attribution": {"spans": "chunks", "chunks": e["docs"]}, "rcstat": {"method": "none"}},
+        )
         for e in examples
     ]
     # The same prompts first without attribution: their blocks are in the prefix cache when the asking ones
@@ -170,7 +181,9 @@ def test_long_chunks_through_vllm_match_the_reference(engine):
     for example, prompt, output in zip(examples, prompts, outputs):
         assert not output.num_cached_tokens
         got = results(engine, output, spans="chunks", chunks=example["docs"], generated_spans="all")
-        assert got.span_score == AttributionOptions().span_score and [s.text for s in got.prompt_spans] == example["docs"]
+        assert (
+            got.span_score == AttributionOptions().span_score and [s.text for s in got.prompt_spans] == example["docs"]
+        )
         assert got.warnings == []
         generated = list(output.outputs[0].token_ids)
         _, prompt_spans, _, gen_spans = plan_spans(
@@ -178,7 +191,9 @@ def test_long_chunks_through_vllm_match_the_reference(engine):
         )
         reference = trace_sequence(model, output.prompt_token_ids, generated[:-1])
         expected = score_spans(
-            reference, [(s.token_start, s.token_end) for s in prompt_spans], [(s.token_start, s.token_end) for s in gen_spans]
+            reference,
+            [(s.token_start, s.token_end) for s in prompt_spans],
+            [(s.token_start, s.token_end) for s in gen_spans],
         )["scores"][0]
         assert got.generated[0].scores == pytest.approx(expected, abs=0.02)
         assert got.generated[0].top[0]["index"] == max(range(4), key=lambda i: expected[i])
@@ -216,7 +231,8 @@ def _post_stream(port: int, body: dict) -> tuple[int, list]:
     import urllib.request
 
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps({**body, "stream": True}).encode(),
         {"Content-Type": "application/json"},
     )
     items = []
@@ -224,7 +240,7 @@ def _post_stream(port: int, body: dict) -> tuple[int, list]:
         for line in reply:
             line = line.decode().strip()
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 items.append(data if data == "[DONE]" else json.loads(data))
         return reply.status, items
 
@@ -247,13 +263,28 @@ def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     args = [
-        "--served-model-name", "smollm2", "--enforce-eager", "-cc", '{"mode": 0}', "--max-model-len", "2048",
-        "--kv-cache-memory-bytes", str(128 << 20), "--port", str(port), "--host", "127.0.0.1",
-        "--additional-config", '{"rcstat": {"method": "none"}}',
-        "--logits-processors", "rcstat_vllm.attribution.processor:RCStatAttributionProcessor",
+        "--served-model-name",
+        "smollm2",
+        "--enforce-eager",
+        "-cc",
+        '{"mode": 0}',
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory-bytes",
+        str(128 << 20),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--additional-config",
+        '{"rcstat": {"method": "none"}}',
+        "--logits-processors",
+        "rcstat_vllm.attribution.processor:RCStatAttributionProcessor",
     ]
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - the server's log, open while it runs
-    server = subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         deadline = time.time() + 900
         while True:
@@ -265,7 +296,12 @@ def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
                 assert time.time() < deadline, "server did not start"
                 time.sleep(3)
         content = "\n".join(DOCS) + "\n\nQuestion: When does the ferry to Oskaro leave?"
-        body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 16}
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+            "max_tokens": 16,
+        }
         setting = json.dumps({"spans": "chunks", "chunks": DOCS, "generated_spans": "all", "top": 2})
         status, plain = _post(port, body)
         assert status == 200 and "rcstat_attribution" not in plain
@@ -290,7 +326,9 @@ def test_serve_returns_spans_only_to_requests_that_ask(tmp_path):
         assert text == plain["choices"][0]["message"]["content"]
         assert items[-2]["choices"] == [] and items[-2]["id"] == items[0]["id"]
         streamed = items[-2]["rcstat_attribution"]
-        assert streamed["index"] == 0 and streamed["prompt_spans"] == field["prompt_spans"] and "warnings" not in streamed
+        assert (
+            streamed["index"] == 0 and streamed["prompt_spans"] == field["prompt_spans"] and "warnings" not in streamed
+        )
         assert streamed["generated"][0]["span"] == generated["span"]
         assert streamed["generated"][0]["scores"] == pytest.approx(generated["scores"], abs=1e-6)
         status, items = _post_stream(port, body)  # did not ask: vLLM's stream unchanged

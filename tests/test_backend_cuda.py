@@ -22,7 +22,6 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from rcstat_vllm.capabilities import unsupported_layer_reason
 from rcstat_vllm.attention.cuda_backend import (
     RCStatFlashBackend,
     RCStatFlashImpl,
@@ -32,6 +31,7 @@ from rcstat_vllm.attention.cuda_backend import (
 )
 from rcstat_vllm.attention.flash_head_attention import TorchHeadPageKernels
 from rcstat_vllm.attention.head_plan import plan_head_attention
+from rcstat_vllm.capabilities import unsupported_layer_reason
 from rcstat_vllm.paging.kv_layout import FLASH, flash_head_page_caches
 from rcstat_vllm.paging.page_space import cdiv
 from rcstat_vllm.reports import Compaction
@@ -76,8 +76,11 @@ def _reference_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
 def _built(common: CommonAttentionMetadata):
     """What FlashAttention's builder makes of a CommonAttentionMetadata, for the fields the reference reads."""
     return SimpleNamespace(
-        num_actual_tokens=common.num_actual_tokens, query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
-        block_table=common.block_table_tensor, slot_mapping=common.slot_mapping,
+        num_actual_tokens=common.num_actual_tokens,
+        query_start_loc=common.query_start_loc,
+        seq_lens=common.seq_lens,
+        block_table=common.block_table_tensor,
+        slot_mapping=common.slot_mapping,
     )
 
 
@@ -119,7 +122,9 @@ def _recover_keep_mask(prompt_keys, compacted_keys):
 
 @pytest.mark.parametrize("lazy_steps", [0, 20], ids=["eager", "lazy-after-20-steps"])
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled-pages", "per-layer-pages"])
-def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kept_tokens(monkeypatch, pooled, lazy_steps):
+def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kept_tokens(
+    monkeypatch, pooled, lazy_steps
+):
     """Step 1: a 150-token prompt (compressed, RC budget 0.5) and a 20-token prompt (below min_prompt_len:
     uncompressed) prefill together. Then 20 decode steps in one batch (page growth included): every output
     equals dense attention over each head's kept prompt tokens plus the generated ones, and the short request
@@ -133,13 +138,19 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     caches = _layer_caches(num_blocks, pooled)
     eviction = "lazy" if lazy_steps else "eager"
     planner = _worker(
-        {"method": "rc", "target_ratio": 0.5, "min_prompt_len": 64, "eviction": eviction}, layer_names,
+        {"method": "rc", "target_ratio": 0.5, "min_prompt_len": 64, "eviction": eviction},
+        layer_names,
         dict(zip(layer_names, caches)),
     )
     assert planner.space.is_pooled == pooled
     impl = RCStatFlashImpl(
-        num_heads=HEADS * GROUP, head_size=DIM, scale=SCALE, num_kv_heads=HEADS, alibi_slopes=None,
-        sliding_window=None, kv_cache_dtype="auto",
+        num_heads=HEADS * GROUP,
+        head_size=DIM,
+        scale=SCALE,
+        num_kv_heads=HEADS,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
     )
     impl.head_page_kernels = TorchHeadPageKernels()
     layers = [SimpleNamespace(layer_name=name) for name in layer_names]
@@ -167,9 +178,14 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
         rows = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(scheduled))
         slot_mapping = block_table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK
         common = CommonAttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32), query_start_loc_cpu=torch.tensor(starts),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(scheduled), num_actual_tokens=starts[-1],
-            max_query_len=max(scheduled), max_seq_len=max(seq_lens), block_table_tensor=block_table,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            query_start_loc_cpu=torch.tensor(starts),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            num_reqs=len(scheduled),
+            num_actual_tokens=starts[-1],
+            max_query_len=max(scheduled),
+            max_seq_len=max(seq_lens),
+            block_table_tensor=block_table,
             slot_mapping=slot_mapping,
         )
         plan = planner.plan_step(common)  # as RCStatFlashMetadataBuilder.build does, head plan included
@@ -177,9 +193,14 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
         if plan.plain is not None:  # the builder builds vLLM's metadata for the uncompressed rows
             plan.plain.metadata = _built(plan.plain.metadata)
         metadata = RCStatFlashMetadata(
-            num_actual_tokens=starts[-1], max_query_len=max(scheduled), query_start_loc=torch.tensor(starts),
-            max_seq_len=max(seq_lens), seq_lens=torch.tensor(seq_lens), block_table=block_table,
-            slot_mapping=slot_mapping, rcstat=plan,
+            num_actual_tokens=starts[-1],
+            max_query_len=max(scheduled),
+            query_start_loc=torch.tensor(starts),
+            max_seq_len=max(seq_lens),
+            seq_lens=torch.tensor(seq_lens),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            rcstat=plan,
         )
         outputs = []
         for layer_index, layer in enumerate(layers):
@@ -348,17 +369,29 @@ def test_a_drafters_layers_run_vllms_path_and_speculative_decoding_turns_compres
     assert planner.disabled_reason is not None and planner.tracked_layer(drafter[0]) is None
 
     impl = RCStatFlashImpl(
-        num_heads=HEADS * GROUP, head_size=DIM, scale=SCALE, num_kv_heads=HEADS, alibi_slopes=None,
-        sliding_window=None, kv_cache_dtype="auto",
+        num_heads=HEADS * GROUP,
+        head_size=DIM,
+        scale=SCALE,
+        num_kv_heads=HEADS,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
     )
     block_table = torch.tensor([[1, 2]], dtype=torch.int32)
     slot_mapping = torch.arange(BLOCK, BLOCK + 20)
     planner.begin_step(StepInfo(requests=[BatchRequest("draft-req", 20, 0, 20)]))
-    common = SimpleNamespace(num_reqs=1, block_table_tensor=block_table, query_start_loc_cpu=torch.tensor([0, 20]),
-                             slot_mapping=slot_mapping)
+    common = SimpleNamespace(
+        num_reqs=1, block_table_tensor=block_table, query_start_loc_cpu=torch.tensor([0, 20]), slot_mapping=slot_mapping
+    )
     metadata = RCStatFlashMetadata(
-        num_actual_tokens=20, max_query_len=20, query_start_loc=torch.tensor([0, 20]), max_seq_len=20,
-        seq_lens=torch.tensor([20]), block_table=block_table, slot_mapping=slot_mapping, rcstat=_planned(planner, common),
+        num_actual_tokens=20,
+        max_query_len=20,
+        query_start_loc=torch.tensor([0, 20]),
+        max_seq_len=20,
+        seq_lens=torch.tensor([20]),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        rcstat=_planned(planner, common),
     )
     g = torch.Generator().manual_seed(1)
     query = torch.randn(20, HEADS * GROUP, DIM, generator=g)

@@ -77,8 +77,10 @@ def test_rc_gqa_mean_follows_vllm_head_grouping():
 
 def test_carry_forward_is_a_one_sided_running_max():
     scores = torch.tensor([[[0.0, 5.0, 1.0, 0.0, 0.0, 2.0, -1.0]], [[3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
-    assert carry_forward(scores, 2).tolist() == [[[0.0, 5.0, 5.0, 5.0, 1.0, 2.0, 2.0]],
-                                                 [[3.0, 3.0, 3.0, 0.0, 0.0, 0.0, 0.0]]]
+    assert carry_forward(scores, 2).tolist() == [
+        [[0.0, 5.0, 5.0, 5.0, 1.0, 2.0, 2.0]],
+        [[3.0, 3.0, 3.0, 0.0, 0.0, 0.0, 0.0]],
+    ]
     assert carry_forward(scores, 0) is scores
     # Against the definition on random rows, every width (wider than the row included).
     rows = torch.randn(3, 2, 11)
@@ -118,7 +120,8 @@ def test_rc_scorer_contrasts_its_scores_before_smoothing_and_carrying():
     raw = RCScorer.paper(window_size=4).score(queries, keys, values, 1.0)[:, :-4]
     want = carry_forward(smooth_scores(local_contrast(raw, 0.5, 5), 3), 2)
     got = RCScorer.paper(window_size=4, smoothing=3, carry_forward=2, local_contrast=0.5, contrast_radius=5).score(
-        queries, keys, values, 1.0)
+        queries, keys, values, 1.0
+    )
     torch.testing.assert_close(got[:, :-4], want)
     assert torch.isinf(got[:, -4:]).all()
     with pytest.raises(ValueError, match="local_contrast"):
@@ -295,6 +298,11 @@ def test_rc_scorer_defaults_are_the_configs_and_the_paper_preset_the_papers():
     configured = get_scorer("rc", **scorer_options(RCStatConfig()))
     assert {k: getattr(RCScorer(), k) for k in knobs} == {k: getattr(configured, k) for k in knobs}
     assert {k: getattr(RCScorer.paper(), k) for k in knobs} == {
-        "window_size": 8, "smoothing": 1, "carry_forward": 0, "local_contrast": 0.0, "contrast_radius": 256,
-        "query_reduction": "mean"}
+        "window_size": 8,
+        "smoothing": 1,
+        "carry_forward": 0,
+        "local_contrast": 0.0,
+        "contrast_radius": 256,
+        "query_reduction": "mean",
+    }
     assert RCScorer.paper(window_size=2).window_size == 2

@@ -19,8 +19,9 @@ import report  # noqa: E402
 
 
 def _full_hash(short: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", short], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", short], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_environment_records_the_commit_the_machine_and_the_defaults():
@@ -59,7 +60,8 @@ def test_build_settings_pins_the_papers_scoring_and_the_baselines_budget():
         if s.family in ("rc", "rc_budget"):  # the paper's RC: every field a default ever moved is pinned
             assert changed <= set(s.rcstat), s.label
             assert {k: s.rcstat[k] for k in methods.PAPER_RC if k != "window"} == {
-                k: v for k, v in methods.PAPER_RC.items() if k != "window"}
+                k: v for k, v in methods.PAPER_RC.items() if k != "window"
+            }
         elif s.family in methods.BASELINES:
             assert (s.rcstat["budget_scope"], s.rcstat["sink_tokens"]) == ("layer", 0), s.label
     labels = {s.label: s for s in settings}
@@ -72,21 +74,40 @@ def test_build_settings_pins_the_papers_scoring_and_the_baselines_budget():
 
 
 def _quality(origin_commit: str, rows: dict) -> dict:
-    summary = {label: {"family": family, "rcstat": override, "matched_to": None, "ratio": 0.8, "ver": 0.2}
-               for label, (family, override) in rows.items()}
-    return {"benchmark": "quality", "preset": "default", "_file": "quality_test.json", "summary": summary,
-            "environment": {"git": {"commit": origin_commit, "dirty": False}}}
+    summary = {
+        label: {"family": family, "rcstat": override, "matched_to": None, "ratio": 0.8, "ver": 0.2}
+        for label, (family, override) in rows.items()
+    }
+    return {
+        "benchmark": "quality",
+        "preset": "default",
+        "_file": "quality_test.json",
+        "summary": summary,
+        "environment": {"git": {"commit": origin_commit, "dirty": False}},
+    }
 
 
 @pytest.mark.skipif(not provenance.history_available(), reason="needs the repository's git history")
 def test_a_row_made_before_a_default_changed_says_so():
     before_contrast = _full_hash("74f331a")  # query_reduction max is the default, local contrast not yet
-    data = _quality(before_contrast, {
-        "rc_r0.8": ("rc_defaults", {"method": "rc", "target_ratio": 0.8}),
-        "rc_budget_r0.8": ("rc_budget", {"method": "rc", "target_ratio": 0.8, "window": 8, "smoothing": 1,
-                                         "budget_scope": "layer", "sink_tokens": 0}),
-        "snapkv_r0.8": ("snapkv", {"method": "snapkv", "target_ratio": 0.8, "window": 8}),
-    })
+    data = _quality(
+        before_contrast,
+        {
+            "rc_r0.8": ("rc_defaults", {"method": "rc", "target_ratio": 0.8}),
+            "rc_budget_r0.8": (
+                "rc_budget",
+                {
+                    "method": "rc",
+                    "target_ratio": 0.8,
+                    "window": 8,
+                    "smoothing": 1,
+                    "budget_scope": "layer",
+                    "sink_tokens": 0,
+                },
+            ),
+            "snapkv_r0.8": ("snapkv", {"method": "snapkv", "target_ratio": 0.8, "window": 8}),
+        },
+    )
     rows = report.row_configs(data)
     # Left to the defaults: ran with no contrast, which the default has been since.
     assert rows["rc_r0.8"]["ran"]["local_contrast"] == 0.0 and rows["rc_r0.8"]["ran"]["query_reduction"] == "max"
@@ -111,7 +132,8 @@ def test_an_accuracy_files_eviction_comes_from_its_engine_or_its_records():
     lazy = {"benchmark": "accuracy", "records": [{"skipped_reason": "lazy eviction: memory was not short"}]}
     assert report.server_flag(lazy) == ({"eviction": "lazy"}, "from its records")
     assert report.server_flag({"benchmark": "accuracy", "records": [{"skipped_reason": None}]})[0] == {
-        "eviction": "eager"}
+        "eviction": "eager"
+    }
     assert report.server_flag({"engine": {"rcstat": {"eviction": "lazy"}}}) == ({"eviction": "lazy"}, "recorded")
     assert report.server_flag({"benchmark": "quality"}) == (None, "no engine")
 

@@ -36,8 +36,16 @@ def tokenizer():
 def test_same_seed_same_prompts(tokenizer):
     import data
 
-    kwargs = dict(niah_lengths=[512], niah_depths=[0.3], niah_multi_lengths=[512], niah_multi_depths=[0.5],
-                  vt_lengths=[512], vt_per_length=1, summ=1, summ_tokens=512)
+    kwargs = dict(
+        niah_lengths=[512],
+        niah_depths=[0.3],
+        niah_multi_lengths=[512],
+        niah_multi_depths=[0.5],
+        vt_lengths=[512],
+        vt_per_length=1,
+        summ=1,
+        summ_tokens=512,
+    )
     a = data.build_suite(tokenizer, "quick", seed=7, progress=False, **kwargs)
     b = data.build_suite(tokenizer, "quick", seed=7, progress=False, **kwargs)
     c = data.build_suite(tokenizer, "quick", seed=8, progress=False, **kwargs)
@@ -55,15 +63,32 @@ def test_multikey_and_multivalue_needles(tokenizer):
     multi-value prompts hide four values under one key and ask for all; adding them changes no earlier sample."""
     import data
 
-    kwargs = dict(niah_lengths=[512], niah_depths=[0.3], niah_multi_lengths=[512], niah_multi_depths=[0.5],
-                  vt_lengths=[512], vt_per_length=1, summ=1, summ_tokens=512)
-    before = data.build_suite(tokenizer, "quick", seed=3, progress=False,
-                              tasks=["niah_single", "niah_multi", "vt", "summ"], **kwargs)
-    after = data.build_suite(tokenizer, "quick", seed=3, progress=False, niah_multikey_lengths=[768],
-                             niah_multikey_depths=[0.4], niah_multivalue_lengths=[768], niah_multivalue_depths=[0.6],
-                             **kwargs)
+    kwargs = dict(
+        niah_lengths=[512],
+        niah_depths=[0.3],
+        niah_multi_lengths=[512],
+        niah_multi_depths=[0.5],
+        vt_lengths=[512],
+        vt_per_length=1,
+        summ=1,
+        summ_tokens=512,
+    )
+    before = data.build_suite(
+        tokenizer, "quick", seed=3, progress=False, tasks=["niah_single", "niah_multi", "vt", "summ"], **kwargs
+    )
+    after = data.build_suite(
+        tokenizer,
+        "quick",
+        seed=3,
+        progress=False,
+        niah_multikey_lengths=[768],
+        niah_multikey_depths=[0.4],
+        niah_multivalue_lengths=[768],
+        niah_multivalue_depths=[0.6],
+        **kwargs,
+    )
     assert [s.prompt_ids for s in after[: len(before)]] == [s.prompt_ids for s in before]
-    multikey, multivalue = after[len(before):]
+    multikey, multivalue = after[len(before) :]
     assert (multikey.task, multivalue.task) == ("niah_multikey", "niah_multivalue")
     for sample in (multikey, multivalue):
         assert sample.num_tokens <= 768
@@ -73,7 +98,7 @@ def test_multikey_and_multivalue_needles(tokenizer):
         assert abs((sample.meta["needle_token_pos"][0] - start) / (end - start) - sample.meta["depth"]) < 0.05
     keys = multikey.meta["keys"]
     assert len(set(keys)) == 4 and len(multikey.answers) == 1 and len(multikey.meta["distractors"]) == 3
-    question = multikey.prompt[multikey.prompt.rindex("What is"):]
+    question = multikey.prompt[multikey.prompt.rindex("What is") :]
     assert keys[0] in question and not any(k in question for k in keys[1:])
     assert multikey.answers[0] in multikey.meta["needles"][0]
     # A distractor's value is not the answer.
@@ -108,8 +133,15 @@ def tiny_reference():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return hf_reference.ReferenceModel(model=LlamaForCausalLM(config))
 
 
@@ -118,8 +150,9 @@ def test_ver_is_zero_for_the_full_cache_and_positive_when_only_the_window_is_kep
 
     ref = tiny_reference
     ids = torch.randint(3, 96, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    settings = methods.build_settings(c_values=(1.0,), ratios=(0.5,), baselines=("snapkv",), matched_c=(1.0,),
-                                      matched_methods=("tova",))
+    settings = methods.build_settings(
+        c_values=(1.0,), ratios=(0.5,), baselines=("snapkv",), matched_c=(1.0,), matched_methods=("tova",)
+    )
     row = quality.evaluate_sample(ref, ids, settings, max_new_tokens=6)
     assert row["settings"]["full"]["ver"] == 0.0
     assert row["settings"]["full"]["ratio"] == 0.0
@@ -155,7 +188,7 @@ def test_masked_decode_matches_plain_eager_attention(tiny_reference):
     generated = ref.greedy(prefill, 5, stop_at_eos=False)
     logits, _ = ref.decode(prefill, generated)
     with torch.no_grad():
-        expected = plain(torch.tensor([ids + generated])).logits[0, len(ids):]
+        expected = plain(torch.tensor([ids + generated])).logits[0, len(ids) :]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     assert expected[:-1].argmax(-1).tolist() == generated[1:]
 
@@ -186,7 +219,7 @@ def test_report_writes_plots_and_replaces_only_the_marked_block(tmp_path, monkey
     assert (tmp_path / "README.md").read_text() == "no markers here\n"  # no side-by-side data, nothing written
     text = doc.read_text()
     assert "old table" not in text and "kept above" in text and "kept below" in text
-    block = text[text.index(report.START): text.index(report.END)]
+    block = text[text.index(report.START) : text.index(report.END)]
     assert "| 0.5 | 0.080 | 0.220 |" in block  # RC budget and SnapKV at ratio 0.5
     assert "| rc_c1 | 0.800 | 0.300 | - | 0.370 | - |" in block  # matched SnapKV at RC's ratio
     assert "](../results/ratio_vs_value_error.png)" in block  # plot links relative to the document
@@ -205,22 +238,45 @@ def test_report_puts_the_plugins_rows_beside_kvpress_in_the_readme(tmp_path, mon
 
     results = tmp_path / "results"
     results.mkdir()
-    entry = lambda family, ratio, hits, kept, **c: {"family": family, "ratio": ratio, "needle_hits": hits,  # noqa: E731
-                                                     "needle_values": 80, "full_hits": 64, "needle_kept_of_full": kept / 64,
-                                                     "resolved": {**RCStatConfig().to_dict(), **c}, "by_task": {},
-                                                     "same_as_full": 0.5}
-    summary = {"full": entry("full", 0.0, 64, 64), "rc_r0.8": entry("rc_budget", 0.8, 60, 58, query_reduction="max"),
-               "rc_r0.8_mean": entry("rc_mean", 0.8, 56, 51, query_reduction="mean"),
-               "default_mean_contrast0": entry("default_mean_contrast0", 0.4, 60, 57, query_reduction="mean",
-                                               local_contrast=0.0)}
-    (results / "accuracy_cpu.json").write_text(json.dumps({"summary": summary, "environment": {"vllm": "0.32.0",
-                                                                                               "engine_dtype": "bfloat16"}}))
-    totals = lambda hits, kept: {"needle_hits": hits, "needle_values": 80, "kept_of_full": kept,  # noqa: E731
-                                 "full_needle_hits": 61, "kept_of_full_share": kept / 61}
-    kvpress = {"environment": {"kvpress": "0.5.5", "transformers": "5.2.0", "dtype": "float32"},
-               "prompts": {"n": 48, "tasks": ["niah_single"]}, "complete": False, "runs_planned": ["full", "kvzip_r0.8", "x"],
-               "rows": [{"press": None, "ratio": 0.0, "evicted": 0.0, "totals": totals(61, 61)},
-                        {"press": "kvzip", "ratio": 0.8, "evicted": 0.8, "totals": totals(55, 53)}]}
+    entry = lambda family, ratio, hits, kept, **c: {  # noqa: E731
+        "family": family,
+        "ratio": ratio,
+        "needle_hits": hits,
+        "needle_values": 80,
+        "full_hits": 64,
+        "needle_kept_of_full": kept / 64,
+        "resolved": {**RCStatConfig().to_dict(), **c},
+        "by_task": {},
+        "same_as_full": 0.5,
+    }
+    summary = {
+        "full": entry("full", 0.0, 64, 64),
+        "rc_r0.8": entry("rc_budget", 0.8, 60, 58, query_reduction="max"),
+        "rc_r0.8_mean": entry("rc_mean", 0.8, 56, 51, query_reduction="mean"),
+        "default_mean_contrast0": entry(
+            "default_mean_contrast0", 0.4, 60, 57, query_reduction="mean", local_contrast=0.0
+        ),
+    }
+    (results / "accuracy_cpu.json").write_text(
+        json.dumps({"summary": summary, "environment": {"vllm": "0.32.0", "engine_dtype": "bfloat16"}})
+    )
+    totals = lambda hits, kept: {  # noqa: E731
+        "needle_hits": hits,
+        "needle_values": 80,
+        "kept_of_full": kept,
+        "full_needle_hits": 61,
+        "kept_of_full_share": kept / 61,
+    }
+    kvpress = {
+        "environment": {"kvpress": "0.5.5", "transformers": "5.2.0", "dtype": "float32"},
+        "prompts": {"n": 48, "tasks": ["niah_single"]},
+        "complete": False,
+        "runs_planned": ["full", "kvzip_r0.8", "x"],
+        "rows": [
+            {"press": None, "ratio": 0.0, "evicted": 0.0, "totals": totals(61, 61)},
+            {"press": "kvzip", "ratio": 0.8, "evicted": 0.8, "totals": totals(55, 53)},
+        ],
+    }
     (results / "kvpress_reference_cpu.json").write_text(json.dumps(kvpress))
     readme = tmp_path / "README.md"
     readme.write_text(f"above\n{report.SIDE_START}\nold\n{report.SIDE_END}\nbelow\n")
@@ -235,8 +291,10 @@ def test_report_puts_the_plugins_rows_beside_kvpress_in_the_readme(tmp_path, mon
     assert "| plugin, vLLM | RC | 0.80 | 60/80 | 58/64 (90.6%) |" in text
     assert "| plugin, vLLM | RC, Eq. 6's mean over queries | 0.80 | 56/80 | 51/64 (79.7%) |" in text
     # The bare flag's settings with both of its scoring changes undone: named as what it is, not as the bare flag.
-    assert ("| plugin, vLLM | bare flag's settings (RC), Eq. 6's mean over queries, no local contrast | 0.40 | 60/80 | "
-            "57/64 (89.1%) |") in text
+    assert (
+        "| plugin, vLLM | bare flag's settings (RC), Eq. 6's mean over queries, no local contrast | 0.40 | 60/80 | "
+        "57/64 (89.1%) |"
+    ) in text
     assert "| kvpress 0.5.5 | KVzip | 0.80 | 55/80 | 53/61 (86.9%) |" in text
     assert "a partial run, 2 of 3" in text
 
@@ -255,8 +313,11 @@ def test_generated_results_live_in_one_document():
 
     root = Path(__file__).resolve().parents[1]
     assert root / "docs" / "benchmarks.md" == report.RESULTS_DOC
-    holders = [p.relative_to(root).as_posix() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
-               if report.START in p.read_text() or report.END in p.read_text()]
+    holders = [
+        p.relative_to(root).as_posix()
+        for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        if report.START in p.read_text() or report.END in p.read_text()
+    ]
     assert holders == ["docs/benchmarks.md"]
 
 
@@ -283,15 +344,28 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
         resolved = accuracy.resolved_config(by_label[f"rc_r{r:g}"])
         assert resolved == {**engine, "method": "rc", "target_ratio": r}
     # Each later change of the defaults undone, alone and (the scoring changes) together, at the bare flag and at 0.8.
-    undone = {"carry0": {"carry_forward": 0}, "mean": {"query_reduction": "mean"}, "contrast0": {"local_contrast": 0.0},
-              "mean_contrast0": {"query_reduction": "mean", "local_contrast": 0.0}}
+    undone = {
+        "carry0": {"carry_forward": 0},
+        "mean": {"query_reduction": "mean"},
+        "contrast0": {"local_contrast": 0.0},
+        "mean_contrast0": {"query_reduction": "mean", "local_contrast": 0.0},
+    }
     for name, override in undone.items():
         assert accuracy.resolved_config(by_label[f"default_{name}"]) == {**engine, **override}
-        assert accuracy.resolved_config(by_label[f"rc_r0.8_{name}"]) == {**engine, "method": "rc",
-                                                                          "target_ratio": 0.8, **override}
+        assert accuracy.resolved_config(by_label[f"rc_r0.8_{name}"]) == {
+            **engine,
+            "method": "rc",
+            "target_ratio": 0.8,
+            **override,
+        }
     paper = accuracy.resolved_config(by_label["rc_paper_r0.5"])
-    assert (paper["window"], paper["smoothing"], paper["budget_scope"], paper["target_ratio"], paper["sink_tokens"]) == (
-        8, 1, "layer", 0.5, 0)
+    assert (
+        paper["window"],
+        paper["smoothing"],
+        paper["budget_scope"],
+        paper["target_ratio"],
+        paper["sink_tokens"],
+    ) == (8, 1, "layer", 0.5, 0)
     assert accuracy.resolved_config(by_label["rc_c1"])["target_ratio"] is None  # threshold mode
     # SnapKV and TOVA at kvpress's windows (no sinks) and at RC's default window and sinks, at both ratios, per-layer
     # budgets.
@@ -299,8 +373,13 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
         for window, sinks in ((published, 0), (defaults.window, defaults.sink_tokens)):
             for r in (0.5, 0.8):
                 resolved = accuracy.resolved_config(by_label[f"{method}_w{window}_r{r:g}"])
-                assert (resolved["method"], resolved["window"], resolved["target_ratio"], resolved["budget_scope"],
-                        resolved["sink_tokens"]) == (method, window, r, "layer", sinks)
+                assert (
+                    resolved["method"],
+                    resolved["window"],
+                    resolved["target_ratio"],
+                    resolved["budget_scope"],
+                    resolved["sink_tokens"],
+                ) == (method, window, r, "layer", sinks)
     assert SnapKVScorer.default_window_size == 64 and SnapKVScorer().kernel_size == 5
     # Settings with the same resolved config run once: exactly those equal to an earlier one.
     same = accuracy.run_plan(settings)
@@ -332,17 +411,28 @@ def test_baseline_rows_at_rcs_window_observe_that_many_queries():
 
 
 def _record(sample_id, task, setting, found, ratio=0.5):
-    return {"sample_id": sample_id, "task": task, "setting": setting, "family": setting, "found": found,
-            "score": sum(found) / len(found), "ratio": ratio, "skipped_reason": None, "same_as_full": False}
+    return {
+        "sample_id": sample_id,
+        "task": task,
+        "setting": setting,
+        "family": setting,
+        "found": found,
+        "score": sum(found) / len(found),
+        "ratio": ratio,
+        "skipped_reason": None,
+        "same_as_full": False,
+    }
 
 
 def test_needle_counts_count_values_and_the_full_caches_hits_kept():
     import accuracy
 
     records = [
-        _record("s1", "niah_single", "full", [True], 0.0), _record("s2", "niah_single", "full", [False], 0.0),
+        _record("s1", "niah_single", "full", [True], 0.0),
+        _record("s2", "niah_single", "full", [False], 0.0),
         _record("m1", "niah_multi", "full", [True, True, False], 0.0),
-        _record("s1", "niah_single", "x", [False]), _record("s2", "niah_single", "x", [True]),
+        _record("s1", "niah_single", "x", [False]),
+        _record("s2", "niah_single", "x", [True]),
         _record("m1", "niah_multi", "x", [True, False, True]),
     ]
     settings = [methods.Setting("full", "full", {"method": "none"}), methods.Setting("x", "x", {"method": "tova"})]
@@ -350,7 +440,12 @@ def test_needle_counts_count_values_and_the_full_caches_hits_kept():
     full, x = summary["full"], summary["x"]
     assert (full["needle_hits"], full["needle_values"], full["full_hits"]) == (3, 5, 3)
     assert full["needle_kept_of_full"] == 1.0
-    assert (x["niah_single_hits"], x["niah_single_values"], x["niah_multi_hits"], x["niah_multi_values"]) == (1, 2, 2, 3)
+    assert (x["niah_single_hits"], x["niah_single_values"], x["niah_multi_hits"], x["niah_multi_values"]) == (
+        1,
+        2,
+        2,
+        3,
+    )
     # x finds 3 values like the full cache, but only one of the full cache's three (m1's first).
     assert x["needle_hits_vs_full"] == 1.0
     assert x["needle_kept_of_full"] == pytest.approx(1 / 3)
@@ -360,8 +455,10 @@ def test_needle_counts_count_values_and_the_full_caches_hits_kept():
 def test_records_of_a_setting_run_once_are_reported_under_both_labels():
     import accuracy
 
-    settings = [methods.Setting("default", "default", {}),
-                methods.Setting("rc_r0.5", "rc_budget", {"method": "rc", "target_ratio": 0.5})]
+    settings = [
+        methods.Setting("default", "default", {}),
+        methods.Setting("rc_r0.5", "rc_budget", {"method": "rc", "target_ratio": 0.5}),
+    ]
     records = [_record("s1", "niah_single", "default", [True])]
     copies = accuracy.copy_records(records, {"rc_r0.5": "default"}, settings)
     assert len(copies) == 1
@@ -374,14 +471,36 @@ def test_accuracy_table_describes_settings_from_their_resolved_config(tmp_path, 
     import report
 
     defaults = methods.plugin_defaults()
-    base = {"matched_to": None, "same_as_full": 0.5, "by_task": {"summ": {"score": 0.4}},
-            "niah_single_hits": 7, "niah_single_values": 8, "niah_multi_hits": 2, "niah_multi_values": 3,
-            "needle_hits": 9, "needle_kept_of_full": 0.9, "full_hits": 10}
-    summary = {"full": {**base, "family": "full", "ratio": 0.0, "resolved": {**defaults, "method": "none"}},
-               "default": {**base, "family": "default", "ratio": 0.5, "resolved": defaults},
-               "snapkv_w64_r0.8": {**base, "family": "snapkv", "ratio": 0.8, "same_run_as": None,
-                                   "resolved": {**defaults, "method": "snapkv", "window": 64, "target_ratio": 0.8,
-                                                "budget_scope": "layer", "sink_tokens": 0}}}
+    base = {
+        "matched_to": None,
+        "same_as_full": 0.5,
+        "by_task": {"summ": {"score": 0.4}},
+        "niah_single_hits": 7,
+        "niah_single_values": 8,
+        "niah_multi_hits": 2,
+        "niah_multi_values": 3,
+        "needle_hits": 9,
+        "needle_kept_of_full": 0.9,
+        "full_hits": 10,
+    }
+    summary = {
+        "full": {**base, "family": "full", "ratio": 0.0, "resolved": {**defaults, "method": "none"}},
+        "default": {**base, "family": "default", "ratio": 0.5, "resolved": defaults},
+        "snapkv_w64_r0.8": {
+            **base,
+            "family": "snapkv",
+            "ratio": 0.8,
+            "same_run_as": None,
+            "resolved": {
+                **defaults,
+                "method": "snapkv",
+                "window": 64,
+                "target_ratio": 0.8,
+                "budget_scope": "layer",
+                "sink_tokens": 0,
+            },
+        },
+    }
     lines = report.accuracy_table({"summary": summary, "samples": [{"task": "niah_single"}] * 8})
     text = "\n".join(lines)
     assert "8 single-needle, 0 three-needle, 0 multi-key (four keys, one asked) and 0 multi-value" in text
@@ -418,10 +537,14 @@ def test_prefill_study_plan_sizes_the_pool_for_every_request_and_pairs_rounds_wi
     assert all(not extra["prefix_caching"] and "overhead" not in extra for extra in spec.values())
     assert [n for n, _, _ in throughput.prefill_plan(["vanilla", "default"])] == ["vanilla", "default"]
 
-    repeats = {"vanilla": [{"prompt_tok_per_s": 1000.0}, {"prompt_tok_per_s": 800.0}],
-               "none": [{"prompt_tok_per_s": 970.0}, {"prompt_tok_per_s": 768.0}],
-               "default": [{"prompt_tok_per_s": 900.0, "mean_ratio": 0.5, "skipped": ["finished", "finished"]},
-                           {"prompt_tok_per_s": 840.0, "mean_ratio": 0.5, "skipped": ["finished"]}]}
+    repeats = {
+        "vanilla": [{"prompt_tok_per_s": 1000.0}, {"prompt_tok_per_s": 800.0}],
+        "none": [{"prompt_tok_per_s": 970.0}, {"prompt_tok_per_s": 768.0}],
+        "default": [
+            {"prompt_tok_per_s": 900.0, "mean_ratio": 0.5, "skipped": ["finished", "finished"]},
+            {"prompt_tok_per_s": 840.0, "mean_ratio": 0.5, "skipped": ["finished"]},
+        ],
+    }
     out = throughput.prefill_summary(repeats)
     assert out["vanilla"]["vs_vanilla_by_round"] == [1.0, 1.0]
     assert out["none"]["vs_vanilla_by_round"] == pytest.approx([0.97, 0.96])
@@ -437,9 +560,14 @@ def test_prefill_study_plan_sizes_the_pool_for_every_request_and_pairs_rounds_wi
 def test_prefill_line_reports_ratios_per_round():
     import report
 
-    p = {"workload": {"requests": 16, "max_len": 2000, "max_tokens": 1, "kv_tokens": 34816}, "repeat": 2,
-         "prefill": {"vanilla": {"rounds_prompt_tok_per_s": [1000.0, 800.0], "vs_vanilla_by_round": [1.0, 1.0]},
-                     "none": {"vs_vanilla_by_round": [0.97, 0.95], "median_vs_vanilla": 0.96}}}
+    p = {
+        "workload": {"requests": 16, "max_len": 2000, "max_tokens": 1, "kv_tokens": 34816},
+        "repeat": 2,
+        "prefill": {
+            "vanilla": {"rounds_prompt_tok_per_s": [1000.0, 800.0], "vs_vanilla_by_round": [1.0, 1.0]},
+            "none": {"vs_vanilla_by_round": [0.97, 0.95], "median_vs_vanilla": 0.96},
+        },
+    }
     line = report.prefill_line(p)[0]
     assert "16 prompts of 2000 tokens" in line and "vanilla 1000, 800 prompt tokens/s" in line
     assert "none 0.97, 0.95 (median 0.96)" in line
@@ -455,8 +583,9 @@ def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_chan
     parser = argparse.ArgumentParser()
     methods.add_cliff_arguments(parser, "x.json")
     parser.add_argument("--ratios", type=float, nargs="*", default=None)
-    args = parser.parse_args(["--cliff-ablation", "--summaries", "4", "--variants", "rc_model_w32_s3",
-                              "rc_model_w8_s3", "rc_layer_w32_s3"])
+    args = parser.parse_args(
+        ["--cliff-ablation", "--summaries", "4", "--variants", "rc_model_w32_s3", "rc_model_w8_s3", "rc_layer_w32_s3"]
+    )
     assert args.summaries == 4
     # Needles only by default; --summaries adds the main run's 1024-token summaries to the same needle plan.
     assert accuracy.study_preset(0) == accuracy.BUDGET_SCOPE_PRESET
@@ -476,17 +605,26 @@ def test_cliff_ablation_can_add_summaries_and_isolates_each_of_the_defaults_chan
     assert resolved["rc_model_w32_s3_r0.5"]["carry_forward"] == 0
     assert resolved["rc_model_w32_s3_r0.5"]["query_reduction"] == "mean"
     assert resolved["rc_model_w32_s3_r0.5"]["local_contrast"] == 0
-    if (key(defaults) == (32, "model", 3) and defaults["method"] == "rc" and defaults["sink_tokens"] == 4
-            and defaults["carry_forward"] == 8 and defaults["query_reduction"] == "max"
-            and (defaults["local_contrast"], defaults["contrast_radius"]) == (0.5, 256)):
-        at_default = methods.cliff_ablation_settings(ratios=(defaults["target_ratio"],),
-                                                     variants=["rc_model_w32_s3_k4_c8_max_lc0.5"], baselines=())
+    if (
+        key(defaults) == (32, "model", 3)
+        and defaults["method"] == "rc"
+        and defaults["sink_tokens"] == 4
+        and defaults["carry_forward"] == 8
+        and defaults["query_reduction"] == "max"
+        and (defaults["local_contrast"], defaults["contrast_radius"]) == (0.5, 256)
+    ):
+        at_default = methods.cliff_ablation_settings(
+            ratios=(defaults["target_ratio"],), variants=["rc_model_w32_s3_k4_c8_max_lc0.5"], baselines=()
+        )
         # ... on an engine that compacts as the bare flag does (accuracy.py's engine is eager unless told lazy)
         assert accuracy.resolved_config(at_default[1], defaults["eviction"]) == defaults
     # Baselines come with --with-baselines, at their published scoring windows without sinks.
     args = parser.parse_args(["--cliff-ablation", "--variants", "rc_model_w32_s3", "--with-baselines"])
-    baselines = {s.label: accuracy.resolved_config(s) for s in methods.cliff_settings_from_args(args)
-                 if s.family in ("tova", "snapkv")}
+    baselines = {
+        s.label: accuracy.resolved_config(s)
+        for s in methods.cliff_settings_from_args(args)
+        if s.family in ("tova", "snapkv")
+    }
     assert sorted(baselines) == ["snapkv_r0.5", "snapkv_r0.8", "tova_r0.5", "tova_r0.8"]
     assert all(c["sink_tokens"] == 0 and c["observation_window"] is None for c in baselines.values())
 
@@ -496,8 +634,7 @@ def test_study_preset_with_summaries_builds_summaries_scored_against_the_full_ca
     import data
 
     ap = accuracy.study_preset(2)
-    ap.update(niah_lengths=[512], niah_depths=[0.5], niah_multi_lengths=[512], niah_multi_depths=[0.5],
-              summ_tokens=512)
+    ap.update(niah_lengths=[512], niah_depths=[0.5], niah_multi_lengths=[512], niah_multi_depths=[0.5], summ_tokens=512)
     samples = data.build_suite(tokenizer, ap.pop("base"), seed=3, progress=False, **ap)
     assert [s.task for s in samples] == ["niah_single", "niah_multi", "summ", "summ"]
     assert all(not s.answers for s in samples if s.task == "summ")
@@ -532,7 +669,10 @@ def test_quality_measures_keep_sets_made_elsewhere():
     ]
     mask = torch.tensor([[[True, False, False, True]], [[True, True, True, True]]])  # [L=2, H=1, n=4]
     masks, kept, ratio = quality.given_keep_set(mask, 4, "x")
-    assert kept == [[2], [4]] and ratio == 0.25 and [m.tolist() for m in masks] == [[[True, False, False, True]],
-                                                                                    [[True] * 4]]
+    assert (
+        kept == [[2], [4]]
+        and ratio == 0.25
+        and [m.tolist() for m in masks] == [[[True, False, False, True]], [[True] * 4]]
+    )
     with pytest.raises(SystemExit, match="keep masks for 4 tokens, the prompt has 5"):
         quality.given_keep_set(mask, 5, "x")

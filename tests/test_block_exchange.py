@@ -95,8 +95,7 @@ class FakePool:
 
 def _protocol_members(protocol) -> set[str]:
     """The names a Protocol class declares (attributes and methods), not those every class has."""
-    return {name for name in (*vars(protocol), *getattr(protocol, "__annotations__", {}))
-            if not name.startswith("_")}
+    return {name for name in (*vars(protocol), *getattr(protocol, "__annotations__", {})) if not name.startswith("_")}
 
 
 def test_fake_pool_and_vllms_block_pool_have_what_the_exchange_uses():
@@ -331,8 +330,9 @@ def test_each_request_goes_through_its_phases_and_a_wrong_transition_names_it():
     state.apply_reports(full, [report(2, 4 * BLOCK, req_id="refused")], lists.get)
     assert phase("refused") is Phase.AWAITING_COMPACTION and state.may_cache("refused")
     with pytest.raises(RuntimeError, match="request eager is awaiting compaction, expected whole or compacted"):
-        state._compact(pool, CompressionReport("eager", 5 * BLOCK, "rc", 1, block_size=BLOCK, decode=True),
-                       lists["eager"])  # (a decode-time plan while the last one waits: nothing touched)
+        state._compact(
+            pool, CompressionReport("eager", 5 * BLOCK, "rc", 1, block_size=BLOCK, decode=True), lists["eager"]
+        )  # (a decode-time plan while the last one waits: nothing touched)
     assert [c.req_id for c in state.take_outgoing(lambda req_id: True)] == ["eager", "refused"]
     assert phase("eager") is Phase.COMPACTED and phase("refused") is Phase.WHOLE and phase("lazy") is Phase.PLANNED
 
@@ -341,8 +341,9 @@ def test_each_request_goes_through_its_phases_and_a_wrong_transition_names_it():
     with pytest.raises(RuntimeError, match="request lazy is planned, expected whole"):
         state.apply_reports(pool, [lazy_report(2, 96, "lazy")], lists.get)
     with pytest.raises(RuntimeError, match="request lazy is planned, expected whole or compacted"):
-        state._compact(pool, CompressionReport("lazy", 6 * BLOCK, "rc", 2, block_size=BLOCK, decode=True),
-                       lists["lazy"])
+        state._compact(
+            pool, CompressionReport("lazy", 6 * BLOCK, "rc", 2, block_size=BLOCK, decode=True), lists["lazy"]
+        )
     with pytest.raises(RuntimeError, match="request eager is awaiting compaction, expected planned"):
         state.requests.take_plan("eager")
     with pytest.raises(RuntimeError, match="request gone is not tracked, expected planned"):
@@ -473,7 +474,9 @@ def test_blocks_wanted_counts_running_growth_and_the_first_waiting_prompt():
     )
     waiting = [request("next", 100)]
     scheduler = SimpleNamespace(
-        kv_cache_manager=SimpleNamespace(coordinator=manager, block_pool=type("Pool", (), {})()),  # no engine state: group 0
+        kv_cache_manager=SimpleNamespace(
+            coordinator=manager, block_pool=type("Pool", (), {})()
+        ),  # no engine state: group 0
         running=[request("full", 4 * BLOCK), request("grows", 4 * BLOCK + 1), request("chunked", 10 * BLOCK)],
         waiting=type("Queue", (), {"__len__": lambda self: len(waiting), "peek_request": lambda self: waiting[0]})(),
     )
@@ -484,8 +487,16 @@ def test_blocks_wanted_counts_running_growth_and_the_first_waiting_prompt():
 
 
 def decode_report(keep_blocks: int, num_tokens: int, cached_tokens: int = 0) -> CompressionReport:
-    return CompressionReport("r", num_tokens, "rc", keep_blocks, block_size=BLOCK, num_cached_tokens=cached_tokens,
-                             decode=True, decode_tokens_evicted=96)
+    return CompressionReport(
+        "r",
+        num_tokens,
+        "rc",
+        keep_blocks,
+        block_size=BLOCK,
+        num_cached_tokens=cached_tokens,
+        decode=True,
+        decode_tokens_evicted=96,
+    )
 
 
 def test_a_decode_time_compaction_replaces_every_own_block_and_the_compacted_set():
@@ -612,7 +623,9 @@ def test_a_request_copying_into_blocks_another_freed_in_the_same_step_reads_back
                         assert torch.equal(got_part[j], want_part[j]), (req_id, layer, head, int(kept[j]))
     untouched = torch.ones(num_blocks, dtype=torch.bool)
     untouched[list(a.block_ids + b.block_ids)] = False
-    assert torch.equal(backing.view(layers, num_blocks, -1)[:, untouched], original.view(layers, num_blocks, -1)[:, untouched])
+    assert torch.equal(
+        backing.view(layers, num_blocks, -1)[:, untouched], original.view(layers, num_blocks, -1)[:, untouched]
+    )
 
 
 # ---- issue 50: lifecycles the exchange must follow ----
@@ -666,8 +679,15 @@ def test_compactions_are_counted_when_their_copy_runs_never_when_vllm_preempts_f
     pool = FakePool(40)
     lists = {"kept": allocate(pool, 4), "preempted": allocate(pool, 4), "lazy": allocate(pool, 6)}
     state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
-    state.apply_reports(pool, [report(1, 4 * BLOCK, req_id="kept"), report(1, 4 * BLOCK, req_id="preempted"),
-                               lazy_report(2, 6 * BLOCK, "lazy")], lists.get)
+    state.apply_reports(
+        pool,
+        [
+            report(1, 4 * BLOCK, req_id="kept"),
+            report(1, 4 * BLOCK, req_id="preempted"),
+            lazy_report(2, 6 * BLOCK, "lazy"),
+        ],
+        lists.get,
+    )
     running = lambda req_id: (lists[req_id], 6 * BLOCK)  # noqa: E731
     assert relieve(state, pool, pool.get_num_free_blocks() + 1, running, "short") == 4
     assert state.stats.requests_compressed == 0 and state.stats.blocks_freed == 0
@@ -697,8 +717,9 @@ def test_the_forecast_sums_every_kv_cache_group_as_vllm_allocates():
     full, sliding = manager({"run": [0, 0]}), manager({"run": [0, 0]})
     waiting = [SimpleNamespace(request_id="next", num_tokens=100)]
     scheduler = SimpleNamespace(
-        kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=[full, sliding]),
-                                         block_pool=type("Pool", (), {})()),  # no engine state: group 0
+        kv_cache_manager=SimpleNamespace(
+            coordinator=SimpleNamespace(single_type_managers=[full, sliding]), block_pool=type("Pool", (), {})()
+        ),  # no engine state: group 0
         running=[SimpleNamespace(request_id="run", num_tokens=33)],
         waiting=type("Queue", (), {"__len__": lambda self: len(waiting), "peek_request": lambda self: waiting[0]})(),
     )

@@ -94,7 +94,11 @@ def test_recompaction_keeps_each_heads_chosen_entries_from_its_own_pages(seed, s
     free = free[appended.numel() :]
     state.reserve(t, torch.cat([row, appended]))
     lengths = state.lengths(t)
-    before = {(layer, h): _entries(space, state, layer, h, int(lengths[layer, h])) for layer in range(LAYERS) for h in range(HEADS)}
+    before = {
+        (layer, h): _entries(space, state, layer, h, int(lengths[layer, h]))
+        for layer in range(LAYERS)
+        for h in range(HEADS)
+    }
     width = int(lengths.max())
     within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(2)  # [L, H, width]
     new_masks = [(torch.rand(HEADS, width, generator=g) < 0.4) & within[layer] for layer in range(LAYERS)]
@@ -133,7 +137,11 @@ def test_staged_recompaction_into_the_requests_own_blocks_is_exact(seed):
     own = blocks[cdiv(n, BLOCK) : cdiv(n, BLOCK) + keep]
     state = compact_request(caches, row, masks, own, space)
     lengths = state.lengths(n)
-    before = {(layer, h): _entries(space, state, layer, h, int(lengths[layer, h])) for layer in range(LAYERS) for h in range(HEADS)}
+    before = {
+        (layer, h): _entries(space, state, layer, h, int(lengths[layer, h]))
+        for layer in range(LAYERS)
+        for h in range(HEADS)
+    }
     width = int(lengths.max())
     within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(2)
     new_masks = [(torch.rand(HEADS, width, generator=g) < 0.5) & within[layer] for layer in range(LAYERS)]
@@ -199,7 +207,9 @@ def test_compacting_a_long_prompt_needs_at_most_one_layer_of_kept_kv_extra(desti
     memory high-water mark): the peak above the cache stays within 1.3x the largest layer's kept keys and values,
     whether the destinations are fresh or the request's own blocks (before: every layer's, 24x). The benchmark's
     target is 1.2x; the same measurement repeated on a busy machine spread over 1.15-1.21x, hence the margin."""
-    row = measure_in_fresh_process(tokens=8192, layers=30, heads=2, head_dim=64, dtype="float32", destination=destination)
+    row = measure_in_fresh_process(
+        tokens=8192, layers=30, heads=2, head_dim=64, dtype="float32", destination=destination
+    )
     assert row["blocks_kept"] < cdiv(8192, 16)
     assert row["peak_extra_bytes"] <= 1.3 * row["largest_layer_kept_kv_bytes"], row
     assert row["peak_extra_bytes"] < 0.1 * row["all_layers_kept_kv_bytes"], row

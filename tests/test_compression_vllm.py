@@ -150,8 +150,7 @@ def test_lazy_eviction_keeps_the_full_cache_while_the_pool_holds_every_request(d
     full = driver.run([(f"full-{i}", p, greedy(16, method="none")) for i, p in enumerate(prompts)])
     free_before = driver.free_blocks()
     driver.engine.reset_prefix_cache()
-    lazy = driver.run([(f"lazy-{i}", p, greedy(16, eviction="lazy", target_ratio=0.5))
-                       for i, p in enumerate(prompts)])
+    lazy = driver.run([(f"lazy-{i}", p, greedy(16, eviction="lazy", target_ratio=0.5)) for i, p in enumerate(prompts)])
     assert driver.free_blocks() == free_before
     assert untagged(lazy.batches, "lazy") == untagged(full.batches, "full")
     assert lazy.free_trace == full.free_trace
@@ -186,8 +185,9 @@ def test_lazy_eviction_compacts_when_a_waiting_request_does_not_fit(driver):
     # Some decoded into the prompt's last block (900 of its 928 slots) before their compaction.
     assert any(r["compacted_at_tokens"] > 900 for r in compacted.values())
     assert len(compacted) < len(results)  # the last ones ran while memory sufficed
-    eager = driver.run([(f"eager-p{i}", p, greedy(24, eviction="eager", target_ratio=0.5))
-                        for i, p in enumerate(prompts)])
+    eager = driver.run(
+        [(f"eager-p{i}", p, greedy(24, eviction="eager", target_ratio=0.5)) for i, p in enumerate(prompts)]
+    )
     for rid, result in compacted.items():
         assert run.outputs[rid] == eager.outputs[rid.replace("lazy", "eager")], (rid, result["compacted_at_tokens"])
     assert driver.free_blocks() == driver.initial_free
@@ -262,14 +262,14 @@ def test_compressed_requests_preempted_by_decode_growth_are_recomputed_and_leak_
     (recompute): each preempted request is prefilled and compressed again, and nothing leaks."""
     compressed_before = driver.stats.requests_compressed
     # 10 requests keeping ~360 tokens each and growing by 192 need ~180 blocks of 32: the pool holds ~142.
-    requests = [
-        (f"grow-rc-{i}", driver.prompt(900, offset=7 * i), greedy(192, target_ratio=0.6)) for i in range(10)
-    ]
+    requests = [(f"grow-rc-{i}", driver.prompt(900, offset=7 * i), greedy(192, target_ratio=0.6)) for i in range(10)]
     run = driver.run(requests)
     assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 192 for r in requests}
     assert run.preemptions > 0, "decode growth was meant to exceed the pool"
     compressed = driver.stats.requests_compressed - compressed_before
-    print(f"\n[preemption] {len(requests)} compressed requests, {run.preemptions} preemptions, {compressed} compressions")
+    print(
+        f"\n[preemption] {len(requests)} compressed requests, {run.preemptions} preemptions, {compressed} compressions"
+    )
     assert compressed > len(requests)  # preempted requests were compressed again on recompute
     assert driver.free_blocks() == driver.initial_free
     driver.run([("flush-2", driver.prompt(8), greedy(1))])
@@ -287,13 +287,18 @@ def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewe
     def wave(tag):
         driver.engine.reset_prefix_cache()  # both waves prefill every prompt in full, in the same chunks
         requests = [(f"{tag}-{i}", driver.prompt(700 + 250 * i, offset=31 * i), greedy(24)) for i in range(3)]
-        requests.append((f"{tag}-model", driver.prompt(1200, offset=5), greedy(24, target_ratio=0.7, budget_scope="model")))
+        requests.append(
+            (f"{tag}-model", driver.prompt(1200, offset=5), greedy(24, target_ratio=0.7, budget_scope="model"))
+        )
         run = driver.run(requests)
         driver.run([(f"{tag}-flush", driver.prompt(8), greedy(1))])  # delivers the finished ids to the worker
         assert driver.compression.idle and driver.free_blocks() == driver.initial_free
         suffixes = [r[0][len(tag) + 1 :] for r in requests]
-        return (untagged(run.batches, tag), {s: run.outputs[f"{tag}-{s}"] for s in suffixes},
-                {s: driver.result(f"{tag}-{s}") for s in suffixes})
+        return (
+            untagged(run.batches, tag),
+            {s: run.outputs[f"{tag}-{s}"] for s in suffixes},
+            {s: driver.result(f"{tag}-{s}") for s in suffixes},
+        )
 
     owner = driver.compression
     pooled_space = owner.space
@@ -310,7 +315,9 @@ def test_pooled_and_per_layer_pages_decode_the_same_tokens_and_pooled_holds_fewe
         assert pooled["pooled_pages"] and not per_layer["pooled_pages"]
         assert pooled["kept"] == per_layer["kept"]
         assert pooled["blocks_held"] <= per_layer["blocks_held"]
-    assert sum(r["blocks_held"] for r in pooled_results.values()) < sum(r["blocks_held"] for r in layer_results.values())
+    assert sum(r["blocks_held"] for r in pooled_results.values()) < sum(
+        r["blocks_held"] for r in layer_results.values()
+    )
     assert pooled_tokens == layer_tokens
 
 
@@ -353,8 +360,7 @@ def test_decode_time_compression_keeps_a_budget_of_generated_tokens_and_frees_th
 def test_decode_time_compression_leaks_nothing_through_aborts(driver):
     """Requests compacted again and again as they decode, some aborted between a plan and its copy or later: the
     pool ends as it began and the worker holds nothing."""
-    requests = [(f"dabort{i}", driver.prompt(200 + 40 * i, offset=13 * i), greedy(160, **DECODE))
-                for i in range(4)]
+    requests = [(f"dabort{i}", driver.prompt(200 + 40 * i, offset=13 * i), greedy(160, **DECODE)) for i in range(4)]
     aborts = {"dabort1": 70, "dabort3": 100}
     run = driver.run(requests, abort_after=aborts)
     assert set(run.outputs) >= {"dabort0", "dabort2"}
@@ -372,10 +378,15 @@ def test_decode_time_compression_soak_with_preemptions_and_aborts(driver):
     nothing."""
     decode = dict(decode_budget=64, decode_interval=64)
     whole = dict(min_prompt_len=1024)
-    settings = [dict(whole, **decode), dict(whole, method="streaming", **decode), dict(target_ratio=0.7, **decode),
-                dict(method="streaming", target_ratio=0.7, **decode)]
-    requests = [(f"dsoak{i}", driver.prompt(400 + 10 * i, offset=11 * i), greedy(200, **settings[i % 4]))
-                for i in range(16)]
+    settings = [
+        dict(whole, **decode),
+        dict(whole, method="streaming", **decode),
+        dict(target_ratio=0.7, **decode),
+        dict(method="streaming", target_ratio=0.7, **decode),
+    ]
+    requests = [
+        (f"dsoak{i}", driver.prompt(400 + 10 * i, offset=11 * i), greedy(200, **settings[i % 4])) for i in range(16)
+    ]
     aborts = {"dsoak3": 60, "dsoak8": 150}
     driver.engine.reset_prefix_cache()
     compactions_before = driver.stats.decode_compactions
@@ -412,16 +423,21 @@ def test_decode_time_compactions_are_brought_forward_before_the_pool_runs_short(
         driver.run([(f"{tag}-flush", driver.prompt(8), greedy(1))])
         assert driver.compression.idle and driver.free_blocks() == driver.initial_free
         results = [driver.result(r[0]) for r in requests]
-        return run, [run.outputs[r[0]] for r in requests], [(r["decode_compactions"], r["decode_tokens_evicted"])
-                                                           for r in results]
+        return (
+            run,
+            [run.outputs[r[0]] for r in requests],
+            [(r["decode_compactions"], r["decode_tokens_evicted"]) for r in results],
+        )
 
     with monkeypatch.context() as patched:
         patched.setattr(DecodePressure, "requests_to_hurry", lambda self, *args: [])
         scheduled, _, compactions = wave("dsched")
     assert scheduled.preemptions > 0 and sum(c for c, _ in compactions) == 0
     forward, outputs, compactions = wave("dforward", 30.0)
-    print(f"\n[brought forward] preemptions {scheduled.preemptions} -> {forward.preemptions}, decode-time compactions "
-          f"per request {[c for c, _ in compactions]}")
+    print(
+        f"\n[brought forward] preemptions {scheduled.preemptions} -> {forward.preemptions}, decode-time compactions "
+        f"per request {[c for c, _ in compactions]}"
+    )
     assert forward.preemptions == 0 and forward.peak_running == 16
     assert sum(c > 0 for c, _ in compactions) > 0
     again, outputs_again, compactions_again = wave("dforward-again", -30.0)
@@ -445,7 +461,11 @@ def test_decode_time_compression_under_lazy_eviction_starts_after_the_prompts_co
         driver.run([(f"{tag}-flush", driver.prompt(8), greedy(1))])
         assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 120 for r in requests}
         assert driver.compression.idle and driver.free_blocks() == driver.initial_free
-        return untagged(run.batches, tag), [run.outputs[r[0]] for r in requests], [driver.result(r[0]) for r in requests]
+        return (
+            untagged(run.batches, tag),
+            [run.outputs[r[0]] for r in requests],
+            [driver.result(r[0]) for r in requests],
+        )
 
     batches, outputs, results = wave("dlazy", 30.0)
     compacted = [r for r in results if r["skipped_reason"] is None]
@@ -458,8 +478,14 @@ def test_decode_time_compression_under_lazy_eviction_starts_after_the_prompts_co
 
     batches_again, outputs_again, results_again = wave("dlazy-again", -30.0)
     assert batches_again == batches
-    decided = ("skipped_reason", "compacted_at_tokens", "kept", "blocks_held", "decode_compactions",
-               "decode_tokens_evicted")
+    decided = (
+        "skipped_reason",
+        "compacted_at_tokens",
+        "kept",
+        "blocks_held",
+        "decode_compactions",
+        "decode_tokens_evicted",
+    )
     for first, second in zip(results, results_again):
         assert {k: first[k] for k in decided} == {k: second[k] for k in decided}
     assert outputs_again == outputs

@@ -31,24 +31,46 @@ from rcstat_vllm.worker.step import BatchRequest, StepInfo
 SM75, SM80, SM90 = DeviceCapability(7, 5), DeviceCapability(8, 0), DeviceCapability(9, 0)
 
 
-def _engine(dtype=torch.bfloat16, use_mla=False, head_size=128, model_type="llama", backend=None, cache_dtype="auto",
-            hf=None, parallel=None, context=None):
+def _engine(
+    dtype=torch.bfloat16,
+    use_mla=False,
+    head_size=128,
+    model_type="llama",
+    backend=None,
+    cache_dtype="auto",
+    hf=None,
+    parallel=None,
+    context=None,
+):
     """The engine config fields the hook, vLLM's FlashAttention check and the worker read."""
     return SimpleNamespace(
         additional_config={"rcstat": {}},
         attention_config=SimpleNamespace(backend=backend, use_non_causal=False),
         model_config=SimpleNamespace(
-            dtype=dtype, use_mla=use_mla, get_head_size=lambda: head_size, is_mm_prefix_lm=False, rswa_window=None,
+            dtype=dtype,
+            use_mla=use_mla,
+            get_head_size=lambda: head_size,
+            is_mm_prefix_lm=False,
+            rswa_window=None,
             hf_text_config=SimpleNamespace(model_type=model_type, **(hf or {})),
         ),
         cache_config=SimpleNamespace(
-            kv_cache_layout=None, cache_dtype=cache_dtype, block_size=16, user_specified_block_size=False,
+            kv_cache_layout=None,
+            cache_dtype=cache_dtype,
+            block_size=16,
+            user_specified_block_size=False,
             kv_offloading_size=None,
         ),
-        parallel_config=SimpleNamespace(**{
-            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "decode_context_parallel_size": 1,
-            "prefill_context_parallel_size": 1, "use_ubatching": False, **(parallel or {}),
-        }),
+        parallel_config=SimpleNamespace(
+            **{
+                "tensor_parallel_size": 1,
+                "pipeline_parallel_size": 1,
+                "decode_context_parallel_size": 1,
+                "prefill_context_parallel_size": 1,
+                "use_ubatching": False,
+                **(parallel or {}),
+            }
+        ),
         speculative_config=None,
         kv_transfer_config=None,
         compilation_config=SimpleNamespace(static_forward_context=context or {}),

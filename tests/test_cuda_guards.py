@@ -52,7 +52,10 @@ def test_supported_engine_has_no_reason(fa_version, version):
     assert unsupported_reason(_config(), ["attn"], _spec()) is None
     # Asked as vLLM's FlashAttention builder asks: the spec's head size and block size.
     assert fa_version.asked[-1] == {
-        "head_size": 128, "head_size_v": 128, "kv_cache_block_size": 16, "supports_fa4_hd256": True
+        "head_size": 128,
+        "head_size_v": 128,
+        "kv_cache_block_size": 16,
+        "supports_fa4_hd256": True,
     }
 
 

@@ -56,7 +56,9 @@ async def _attribution_on_rank_1(engine):
     params = SamplingParams(temperature=0, max_tokens=6, extra_args={"rcstat_attribution": True})
     async for out in engine.generate({"prompt_token_ids": ids}, params, "attr", data_parallel_rank=1):  # noqa: B007
         pass  # (only the last output, the finished one, is read)
-    return await attribution_payload(engine, out.request_id, prompt, ids, out.outputs[0].token_ids, engine.tokenizer, {})
+    return await attribution_payload(
+        engine, out.request_id, prompt, ids, out.outputs[0].token_ids, engine.tokenizer, {}
+    )
 
 
 async def _run(engine_args):
@@ -84,7 +86,9 @@ async def _run(engine_args):
         # (below min_prompt_len, not compressed).
         short = SamplingParams(temperature=0, max_tokens=1)
         for rank in range(RANKS):
-            async for _ in engine.generate({"prompt_token_ids": ids[:10]}, short, f"flush{rank}", data_parallel_rank=rank):
+            async for _ in engine.generate(
+                {"prompt_token_ids": ids[:10]}, short, f"flush{rank}", data_parallel_rank=rank
+            ):
                 pass
         tracked = await per_rank_workers("rcstat_num_compressed_requests")
         # vLLM's BlockPool.reset_prefix_cache succeeds only when every block but the null block is free
@@ -102,16 +106,20 @@ def test_each_rank_compresses_its_own_requests_and_frees_every_block(monkeypatch
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
-    args = AsyncEngineArgs(**with_embedded_dtype(dict(
-        model=str(default_model_dir()),
-        data_parallel_size=RANKS,
-        max_model_len=2048,
-        block_size=BLOCK,
-        kv_cache_memory_bytes=64 << 20,
-        additional_config={"rcstat": {"method": "rc", "c": 1.0, "eviction": "eager"}},
-        logits_processors=[RCStatAttributionProcessor],
-        **FAST_START,
-    )))
+    args = AsyncEngineArgs(
+        **with_embedded_dtype(
+            dict(
+                model=str(default_model_dir()),
+                data_parallel_size=RANKS,
+                max_model_len=2048,
+                block_size=BLOCK,
+                kv_cache_memory_bytes=64 << 20,
+                additional_config={"rcstat": {"method": "rc", "c": 1.0, "eviction": "eager"}},
+                logits_processors=[RCStatAttributionProcessor],
+                **FAST_START,
+            )
+        )
+    )
     outputs, results, attribution, tracked, all_free = asyncio.run(_run(args))
 
     assert {name: len(out.outputs[0].token_ids) for name, out in outputs.items()} == {n: 8 for n in REQUESTS}

@@ -34,7 +34,9 @@ def _request(generator, n=100, keep_last=0, history=None):
         for layer, mask in enumerate(masks):
             for head in range(HEADS):
                 kept = tokens[mask[head]]
-                keys, values = CPU_VEC.read(caches[layer], identity_pages(row, HEADS)[head, kept // BLOCK], kept % BLOCK)
+                keys, values = CPU_VEC.read(
+                    caches[layer], identity_pages(row, HEADS)[head, kept // BLOCK], kept % BLOCK
+                )
                 history[layer, head] = list(zip(keys, values))
     keep = blocks_needed(torch.stack([m.sum(1) for m in masks]), n, space)
     state = compact_request(caches, row, masks, torch.tensor([blocks.pop() for _ in range(keep)]), space)
@@ -69,8 +71,9 @@ def _assert_entries(space, state, caches, num_tokens, history):
     for (layer, head), entries in history.items():
         assert int(lengths[layer, head]) == len(entries)
         slots = torch.arange(len(entries))
-        keys, values = CPU_VEC.read(space.cache(layer, caches[layer]), state.tables[layer, head, slots // BLOCK],
-                                    slots % BLOCK)
+        keys, values = CPU_VEC.read(
+            space.cache(layer, caches[layer]), state.tables[layer, head, slots // BLOCK], slots % BLOCK
+        )
         for j, (key, value) in enumerate(entries):
             assert torch.equal(keys[j], key) and torch.equal(values[j], value), (layer, head, j)
 
@@ -78,7 +81,7 @@ def _assert_entries(space, state, caches, num_tokens, history):
 def _score_and_select(decode, state, caches, num_tokens, generator):
     for layer in range(LAYERS):
         decode.save_queries(layer, torch.randn(decode.num_queries, QUERY_HEADS, DIM, generator=generator))
-        decode.score_layer(layer, state, caches[layer], CPU_VEC, DIM ** -0.5, num_tokens)
+        decode.score_layer(layer, state, caches[layer], CPU_VEC, DIM**-0.5, num_tokens)
     return decode.select(state, num_tokens)
 
 
@@ -132,8 +135,10 @@ def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method
                 short.reserve(t + to_boundary)
         state = recompact_request(caches, state, t, plan.masks, dest)
         decode.compacted()
-        history = {(layer, head): [entry for entry, kept in zip(entries, plan.masks[layer][head].tolist()) if kept]
-                   for (layer, head), entries in history.items()}
+        history = {
+            (layer, head): [entry for entry, kept in zip(entries, plan.masks[layer][head].tolist()) if kept]
+            for (layer, head), entries in history.items()
+        }
         _assert_entries(space, state, caches, t, history)
         state.reserve(t + to_boundary)  # the kept blocks hold every head's pages up to vLLM's next block
         assert decode.compactions == round_ + 1 and decode.next_due == t + 16 and not decode.due(t + 15)
@@ -147,8 +152,9 @@ def test_two_decode_compactions_keep_the_budget_the_window_and_the_prompt(method
 def test_a_cancelled_plan_is_due_again_after_a_new_window_of_queries():
     g = torch.Generator().manual_seed(2)
     caches, _space, state, row, blocks = _request(g)
-    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept,
-                              state.num_compacted_tokens)
+    decode = DecodeCompressor(
+        RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept, state.num_compacted_tokens
+    )
     t = decode.next_due
     _grow(state, row, blocks, t)
     _score_and_select(decode, state, caches, t, g)
@@ -164,8 +170,9 @@ def test_a_compaction_brought_forward_is_due_once_a_window_of_queries_is_saved()
     when its heads would hold too few generated entries to evict a window's worth beyond the budget."""
     g = torch.Generator().manual_seed(4)
     caches, _space, state, row, blocks = _request(g)
-    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept,
-                              state.num_compacted_tokens)
+    decode = DecodeCompressor(
+        RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept, state.num_compacted_tokens
+    )
     scheduled = decode.next_due  # 100 + 24 + 64
     decode.hurry(state.num_compacted_tokens + 10)  # declined: 17 generated entries by then, the budget is 24
     assert decode.next_due == scheduled
@@ -176,8 +183,9 @@ def test_a_compaction_brought_forward_is_due_once_a_window_of_queries_is_saved()
     assert decode.due(now + decode.num_queries - 1) and decode.next_due < scheduled
     decode.hurry(now + 5)  # asked again: still due when the first window is complete
     assert decode.next_due == now + decode.num_queries - 1
-    late = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept,
-                            state.num_compacted_tokens)
+    late = DecodeCompressor(
+        RCStatConfig(window=8, decode_budget=24, decode_interval=64), state.kept, state.num_compacted_tokens
+    )
     late.hurry(late.next_due - 2)  # due sooner anyway
     assert late.next_due == scheduled
     t = decode.next_due
@@ -193,8 +201,12 @@ def test_tokens_generated_before_a_lazy_prompt_compaction_are_generated_kv():
     the later tokens are evicted, down to the budget; the prompt's kept entries stay."""
     g = torch.Generator().manual_seed(6)
     caches, _space, state, row, blocks = _request(g, keep_last=40)
-    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept - 40,
-                              state.num_compacted_tokens, generated=40)
+    decode = DecodeCompressor(
+        RCStatConfig(window=8, decode_budget=24, decode_interval=16),
+        state.kept - 40,
+        state.num_compacted_tokens,
+        generated=40,
+    )
     t = decode.next_due
     assert t == 100 + decode.num_queries
     _grow(state, row, blocks, t)
@@ -220,15 +232,37 @@ def test_decode_budget_is_validated_against_the_window():
 SHIPPED = scorer_options(RCStatConfig(window=8))
 
 
-@pytest.mark.parametrize("method, options", [("rc", SHIPPED),
-                                             ("rc", {"window_size": 8, "smoothing": 3, "carry_forward": 8,
-                                                     "query_reduction": "max", "local_contrast": 0.5,
-                                                     "contrast_radius": 5}),
-                                             ("rc", {**RC_PAPER.scorer_options(), "smoothing": 3, "carry_forward": 8}),
-                                             ("rc", RC_PAPER.scorer_options()), ("snapkv", {"window_size": 8}),
-                                             ("tova", {}), ("streaming", {})],
-                         ids=["rc-shipped-defaults", "rc-max-contrast-radius5", "rc-smoothed-carried", "rc-eq6",
-                              "snapkv", "tova", "streaming"])
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("rc", SHIPPED),
+        (
+            "rc",
+            {
+                "window_size": 8,
+                "smoothing": 3,
+                "carry_forward": 8,
+                "query_reduction": "max",
+                "local_contrast": 0.5,
+                "contrast_radius": 5,
+            },
+        ),
+        ("rc", {**RC_PAPER.scorer_options(), "smoothing": 3, "carry_forward": 8}),
+        ("rc", RC_PAPER.scorer_options()),
+        ("snapkv", {"window_size": 8}),
+        ("tova", {}),
+        ("streaming", {}),
+    ],
+    ids=[
+        "rc-shipped-defaults",
+        "rc-max-contrast-radius5",
+        "rc-smoothed-carried",
+        "rc-eq6",
+        "snapkv",
+        "tova",
+        "streaming",
+    ],
+)
 def test_ragged_scoring_equals_each_head_scored_alone(method, options):
     """score_ragged (heads holding different numbers of entries, right-aligned in one padded tensor) gives each
     head what score() gives it alone (to float rounding: RC scores all heads in one batched call, then contrasts,
@@ -241,10 +275,14 @@ def test_ragged_scoring_equals_each_head_scored_alone(method, options):
     keys, values = torch.randn(3, 40, DIM, generator=g), torch.randn(3, 40, DIM, generator=g)
     keys[1, :23] = 1e3  # padding: never read into head 1's scores
     q_window = torch.randn(3 * 2, 8, DIM, generator=g)
-    ragged = scorer.score_ragged(q_window, keys, values, lengths, DIM ** -0.5)
+    ragged = scorer.score_ragged(q_window, keys, values, lengths, DIM**-0.5)
     for head, length in enumerate(lengths):
-        alone = scorer.score(q_window[2 * head : 2 * head + 2], keys[head : head + 1, 40 - length :],
-                             values[head : head + 1, 40 - length :], DIM ** -0.5)[0]
+        alone = scorer.score(
+            q_window[2 * head : 2 * head + 2],
+            keys[head : head + 1, 40 - length :],
+            values[head : head + 1, 40 - length :],
+            DIM**-0.5,
+        )[0]
         assert ragged[head].shape == (length,)
         assert torch.equal(torch.isinf(ragged[head]), torch.isinf(alone))
         assert torch.allclose(ragged[head], alone, rtol=1e-5, atol=1e-6)
@@ -260,8 +298,9 @@ def test_an_uncompressed_request_is_compacted_from_its_own_blocks():
     space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
     prompt, t = 20, 20 + 40
     row = torch.randperm(BLOCKS - 1, generator=g)[: cdiv(t, BLOCK)] + 1
-    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16),
-                              torch.full((LAYERS, HEADS), prompt), prompt)
+    decode = DecodeCompressor(
+        RCStatConfig(window=8, decode_budget=24, decode_interval=16), torch.full((LAYERS, HEADS), prompt), prompt
+    )
     assert decode.next_due == t
     source = CompactedRequest.uncompressed(t, space, row)
     assert source.lengths(t).tolist() == [[t] * HEADS] * LAYERS and source.keep_blocks == row.numel()

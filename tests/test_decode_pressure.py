@@ -36,7 +36,7 @@ def test_requests_with_most_generated_kv_beyond_their_budget_are_asked_until_the
     running = [
         _running(pressure, "a", 100, 150),  # at the due step (+10): 160 generated, 96 beyond 64: 6 blocks
         _running(pressure, "b", 100, 108),  # 118 generated: 54 beyond: 3 blocks
-        _running(pressure, "c", 100, 60),   # 70 generated: 0 blocks
+        _running(pressure, "c", 100, 60),  # 70 generated: 0 blocks
         _running(pressure, "plain", 300, 140, config=None),  # grows too, never asked
     ]
     # Within 10 steps each crosses into a new block (250 -> 260, 208 -> 218, 160 -> 170, 440 -> 450 tokens).
@@ -81,4 +81,3 @@ def test_a_request_whose_worker_declined_is_asked_again_after_twice_the_lead():
     for _ in range(20):  # lead 10: its expected blocks count as coming for 20 checks
         assert _hurry(pressure, [a], 0)[0] == []
     assert _hurry(pressure, [a], 0)[0] == ["a"]
-

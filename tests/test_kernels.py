@@ -129,8 +129,12 @@ def test_rc_kernel_matches_its_own_torch_reference(max_over_queries):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # And the scorer's wrapper is that table and that kernel (Eq. 6, or its max over queries).
     reduction = "max" if max_over_queries else "mean"
-    torch.testing.assert_close(rc_scores_paged(q_window, key_cache, block_table, num_tokens, query_reduction=reduction),
-                               want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        rc_scores_paged(q_window, key_cache, block_table, num_tokens, query_reduction=reduction),
+        want,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_snapkv_kernel_matches_its_own_torch_reference():
@@ -145,8 +149,14 @@ def test_snapkv_kernel_matches_its_own_torch_reference():
 
 HALF = [
     pytest.param(torch.float16, id="fp16"),
-    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
-        INTERPRETED, reason="the Triton interpreter multiplies bf16 tiles as raw uint16; TRITON_INTERPRET=0 on a GPU")),
+    pytest.param(
+        torch.bfloat16,
+        id="bf16",
+        marks=pytest.mark.skipif(
+            INTERPRETED,
+            reason="the Triton interpreter multiplies bf16 tiles as raw uint16; TRITON_INTERPRET=0 on a GPU",
+        ),
+    ),
 ]
 
 

@@ -23,8 +23,22 @@ def test_defaults_are_the_five_presses_at_both_ratios():
 
 
 def test_arguments_are_checked():
-    args = kvr.parse_args(["--prompts", "p.json", "--model", "m", "--presses", "kvzip", "--ratios", "0.25",
-                           "--dtype", "bfloat16", "--json", "out.json"])
+    args = kvr.parse_args(
+        [
+            "--prompts",
+            "p.json",
+            "--model",
+            "m",
+            "--presses",
+            "kvzip",
+            "--ratios",
+            "0.25",
+            "--dtype",
+            "bfloat16",
+            "--json",
+            "out.json",
+        ]
+    )
     assert (args.presses, args.ratios, args.dtype, args.json) == (["kvzip"], [0.25], "bfloat16", "out.json")
     for bad in (["--presses", "h2o"], ["--ratios", "1.0"], ["--ratios", "0"], ["--dtype", "float16"]):
         with pytest.raises(SystemExit):
@@ -73,8 +87,9 @@ def test_answers_match_whole_words_only():
 
 def test_answers_match_as_data_does():
     data = pytest.importorskip("data")
-    sample = data.Sample(task="niah_multi", sample_id="x", prompt="", prompt_ids=[], answers=["12", "345", "6"],
-                         max_new_tokens=4)
+    sample = data.Sample(
+        task="niah_multi", sample_id="x", prompt="", prompt_ids=[], answers=["12", "345", "6"], max_new_tokens=4
+    )
     for text in ("12 and 345", "612 3456", "(6)", ""):
         assert kvr.found_answers(sample.answers, text) == data.found_answers(sample, text)
 
@@ -111,23 +126,42 @@ def test_row_labels():
 
 def _fake_reference():
     def row(press, ratio, hits, kept, evicted):
-        totals = {"needle_hits": hits, "needle_values": 10, "full_needle_hits": 8, "kept_of_full": kept,
-                  "kept_of_full_share": kept / 8}
-        return {"label": kvr.row_label(press, ratio), "press": press, "ratio": ratio, "evicted": evicted,
-                "totals": totals, "samples": []}
+        totals = {
+            "needle_hits": hits,
+            "needle_values": 10,
+            "full_needle_hits": 8,
+            "kept_of_full": kept,
+            "kept_of_full_share": kept / 8,
+        }
+        return {
+            "label": kvr.row_label(press, ratio),
+            "press": press,
+            "ratio": ratio,
+            "evicted": evicted,
+            "totals": totals,
+            "samples": [],
+        }
 
-    return {"benchmark": "kvpress_reference",
-            "environment": {"kvpress": "0.5.5", "transformers": "5.2.0", "torch": "2.13.0+cpu", "dtype": "float32"},
-            "prompts": {"n": 4, "tasks": ["niah_multi", "niah_single"]},
-            "rows": [row(None, 0.0, 8, 8, 0.0), row("kvzip", 0.5, 8, 8, 0.5), row("adakv_expected_attention", 0.8, 3, 2, 0.8)]}
+    return {
+        "benchmark": "kvpress_reference",
+        "environment": {"kvpress": "0.5.5", "transformers": "5.2.0", "torch": "2.13.0+cpu", "dtype": "float32"},
+        "prompts": {"n": 4, "tasks": ["niah_multi", "niah_single"]},
+        "rows": [
+            row(None, 0.0, 8, 8, 0.0),
+            row("kvzip", 0.5, 8, 8, 0.5),
+            row("adakv_expected_attention", 0.8, 3, 2, 0.8),
+        ],
+    }
 
 
 def test_report_rows_and_table():
     report = pytest.importorskip("report")
     k = _fake_reference()
-    assert report.kvpress_rows(k) == [("full cache", "0", "0.000", "8/10", "8/8 (100.0%)"),
-                                      ("KVzip", "0.5", "0.500", "8/10", "8/8 (100.0%)"),
-                                      ("AdaKV(ExpectedAttention)", "0.8", "0.800", "3/10", "2/8 (25.0%)")]
+    assert report.kvpress_rows(k) == [
+        ("full cache", "0", "0.000", "8/10", "8/8 (100.0%)"),
+        ("KVzip", "0.5", "0.500", "8/10", "8/8 (100.0%)"),
+        ("AdaKV(ExpectedAttention)", "0.8", "0.800", "3/10", "2/8 (25.0%)"),
+    ]
     lines = report.kvpress_table(k)
     assert "kvpress 0.5.5" in lines[0] and "transformers 5.2.0" in lines[0] and "4 scored prompts" in lines[0]
     assert lines[2] == "| press | ratio | evicted | needle values | of full |"
@@ -155,8 +189,12 @@ def test_resume_keeps_only_runs_of_the_same_prompts():
     assert kvr.resumable_rows(previous, samples, "bfloat16", "0.5.5") == {}
     assert kvr.resumable_rows(previous, samples, "float32", "0.5.6") == {}
     assert kvr.resumable_rows(previous, samples[:1], "float32", "0.5.5") == {}  # other prompts
-    assert kvr.resumable_rows({**previous, "rows": [row("full"), row("kvzip_r0.5", tokens=4)]}, samples,
-                              "float32", "0.5.5") == {}  # same ids, other lengths
+    assert (
+        kvr.resumable_rows(
+            {**previous, "rows": [row("full"), row("kvzip_r0.5", tokens=4)]}, samples, "float32", "0.5.5"
+        )
+        == {}
+    )  # same ids, other lengths
     assert kvr.resumable_rows({**previous, "rows": [row("tova_r0.5")]}, samples, "float32", "0.5.5") == {}  # no full
     assert kvr.parse_args(["--prompts", "p", "--model", "m", "--resume"]).resume
 
@@ -196,7 +234,10 @@ def _masking_press(model, evicted):
         for layer, pairs in evicted.items():
             heads, positions = zip(*pairs)
             model.model.layers[layer].self_attn.masked_key_indices = (
-                torch.zeros(len(pairs), dtype=torch.long), torch.tensor(heads), torch.tensor(positions))
+                torch.zeros(len(pairs), dtype=torch.long),
+                torch.tensor(heads),
+                torch.tensor(positions),
+            )
 
     return press
 

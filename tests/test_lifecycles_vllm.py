@@ -50,8 +50,9 @@ def clean(driver):
 
 
 def greedy(max_tokens: int, **rcstat) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                          extra_args={"rcstat": rcstat} if rcstat else None)
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"rcstat": rcstat} if rcstat else None
+    )
 
 
 def engine_id(driver, request_id: str) -> str:
@@ -140,8 +141,12 @@ def send_chunk(driver, session: str, token_ids: list[int] | None, max_tokens: in
 
     engine = driver.engine
     request = engine.input_processor.process_inputs(
-        request_id=session, prompt=TokensPrompt(prompt_token_ids=token_ids or [0]), params=greedy(max_tokens, **rcstat),
-        supported_tasks=engine.get_supported_tasks(), resumable=token_ids is not None)
+        request_id=session,
+        prompt=TokensPrompt(prompt_token_ids=token_ids or [0]),
+        params=greedy(max_tokens, **rcstat),
+        supported_tasks=engine.get_supported_tasks(),
+        resumable=token_ids is not None,
+    )
     request.external_req_id = session
     engine.engine_core.add_request(request)
 
@@ -171,13 +176,16 @@ def run_session(driver, session: str, first_tokens: int, second_chunk: int, **rc
     return tokens_1, tokens_2
 
 
-@pytest.mark.parametrize("eviction, first_tokens, second_chunk", [
-    ("lazy", 6, 100),  # a parked plan when the turn ends
-    ("lazy", 6, WINDOW // 2),  # the next chunk shorter than the window
-    ("eager", 1, 100),  # the turn ends in its prefill step: the plan still waits for blocks
-    ("eager", 6, 100),  # compacted in turn 1: the next chunk grows its head pages
-    ("eager", 6, WINDOW // 2),
-])
+@pytest.mark.parametrize(
+    "eviction, first_tokens, second_chunk",
+    [
+        ("lazy", 6, 100),  # a parked plan when the turn ends
+        ("lazy", 6, WINDOW // 2),  # the next chunk shorter than the window
+        ("eager", 1, 100),  # the turn ends in its prefill step: the plan still waits for blocks
+        ("eager", 6, 100),  # compacted in turn 1: the next chunk grows its head pages
+        ("eager", 6, WINDOW // 2),
+    ],
+)
 def test_a_streaming_input_session_survives_its_next_chunk(clean, eviction, first_tokens, second_chunk):
     """Two chunks of one session: the engine never dies (on main: "is awaiting blocks, expected prefill" in the
     worker, or the scheduler's parked plan meeting a dropped record: "which has no plan"); when nothing was compacted
@@ -234,10 +242,13 @@ def test_a_request_aborted_with_its_decode_time_compaction_in_flight_gives_every
     """Aborted while its decode-time compaction waits for blocks (the worker scored it, the scheduler has not answered,
     or has and the copy is due next step): nothing is copied for it, every block returns, the table empties."""
     driver = clean
-    driver.engine.add_request("decoding", driver.prompt(PROMPT),
-                              greedy(200, decode_budget=WINDOW, decode_interval=WINDOW))
-    step_until(driver, lambda: (r := record_of(driver, "decoding")) is not None and r.job is not None
-               and r.job.kind == "decode")
+    driver.engine.add_request(
+        "decoding", driver.prompt(PROMPT), greedy(200, decode_budget=WINDOW, decode_interval=WINDOW)
+    )
+    step_until(
+        driver,
+        lambda: (r := record_of(driver, "decoding")) is not None and r.job is not None and r.job.kind == "decode",
+    )
     driver.engine.abort_request([engine_id(driver, "decoding")])
     finish(driver)
     assert driver.result("decoding")["skipped_reason"] is None  # its prompt was compacted before
@@ -249,8 +260,15 @@ def test_n_samples_of_a_lazy_request_share_their_prompt_and_leak_nothing(clean):
     driver = clean
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(n=2, temperature=0.8, seed=0, max_tokens=16, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"rcstat": {"eviction": "lazy"}})
+    params = SamplingParams(
+        n=2,
+        temperature=0.8,
+        seed=0,
+        max_tokens=16,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        extra_args={"rcstat": {"eviction": "lazy"}},
+    )
     driver.engine.add_request("twins", driver.prompt(PROMPT), params)
     outputs = {}
     for _ in range(500):
@@ -284,14 +302,22 @@ def test_lazy_relief_never_leaves_fewer_free_blocks_with_a_shared_system_prompt(
     state.relieve_pressure = recording  # this engine's state only
     try:
         system = driver.token_ids(1024)
-        requests = [(f"shared-{i}", {"prompt_token_ids": system + driver.token_ids(200, offset=1100 + 37 * i)},
-                     greedy(128, eviction="lazy")) for i in range(12)]
+        requests = [
+            (
+                f"shared-{i}",
+                {"prompt_token_ids": system + driver.token_ids(200, offset=1100 + 37 * i)},
+                greedy(128, eviction="lazy"),
+            )
+            for i in range(12)
+        ]
         run = driver.run(requests)
     finally:
         del state.relieve_pressure
     assert {rid: len(tokens) for rid, tokens in run.outputs.items()} == {r[0]: 128 for r in requests}
     assert reliefs, "the pool was meant to run short"
-    print(f"\n[shared prompt] {len(reliefs)} reliefs, gains {[g for _, _, g, _ in reliefs]}, "
-          f"plans passed over {sum(len(p) for *_, p in reliefs)}")
+    print(
+        f"\n[shared prompt] {len(reliefs)} reliefs, gains {[g for _, _, g, _ in reliefs]}, "
+        f"plans passed over {sum(len(p) for *_, p in reliefs)}"
+    )
     assert all(after >= before and gained >= 0 for before, after, gained, _ in reliefs), reliefs
     assert sum(gained for _, _, gained, _ in reliefs) > 0

@@ -16,15 +16,23 @@ def _value(name: str) -> float:
 
 
 def test_observed_reports_move_the_prometheus_counters():
-    names = ("rcstat:requests_compressed_total", "rcstat:requests_uncompressed_total",
-             "rcstat:kv_blocks_freed_total", "rcstat:compression_ratio_count", "rcstat:compression_ratio_sum",
-             "rcstat:global_eviction_ratio_count", "rcstat:global_eviction_ratio_sum")
+    names = (
+        "rcstat:requests_compressed_total",
+        "rcstat:requests_uncompressed_total",
+        "rcstat:kv_blocks_freed_total",
+        "rcstat:compression_ratio_count",
+        "rcstat:compression_ratio_sum",
+        "rcstat:global_eviction_ratio_count",
+        "rcstat:global_eviction_ratio_sum",
+    )
     before = {name: _value(name) for name in names}
     stats = CompressionStats()
-    compressed = CompressionReport("a", 640, "rc", keep_blocks=6, kept=[[160, 320]], block_size=32,
-                                   global_eviction_ratio=0.25)
-    skipped = CompressionReport("b", 40, "rc", keep_blocks=2, kept=[[40, 40]], skipped_reason="too short",
-                                block_size=32)
+    compressed = CompressionReport(
+        "a", 640, "rc", keep_blocks=6, kept=[[160, 320]], block_size=32, global_eviction_ratio=0.25
+    )
+    skipped = CompressionReport(
+        "b", 40, "rc", keep_blocks=2, kept=[[40, 40]], skipped_reason="too short", block_size=32
+    )
     stats.observe(compressed, blocks_freed=14)
     stats.observe(skipped, blocks_freed=0)
     delta = {name: _value(name) - before[name] for name in names}
@@ -44,9 +52,14 @@ def test_observed_reports_move_the_prometheus_counters():
 
 
 def test_lazy_plans_and_compactions_have_counters_of_their_own():
-    names = ("rcstat:requests_planned_total", "rcstat:requests_never_compacted_total",
-             "rcstat:requests_compressed_total", "rcstat:compression_ratio_count",
-             "rcstat:kv_blocks_freed_per_compaction_count", "rcstat:kv_blocks_freed_per_compaction_sum")
+    names = (
+        "rcstat:requests_planned_total",
+        "rcstat:requests_never_compacted_total",
+        "rcstat:requests_compressed_total",
+        "rcstat:compression_ratio_count",
+        "rcstat:kv_blocks_freed_per_compaction_count",
+        "rcstat:kv_blocks_freed_per_compaction_sum",
+    )
     before = {name: _value(name) for name in names}
     stats = CompressionStats()
     stats.observe_planned()
@@ -68,16 +81,28 @@ def test_lazy_plans_and_compactions_have_counters_of_their_own():
 def test_the_workers_copies_per_step_reach_time_and_count_histograms():
     from rcstat_vllm.reports import CopyRun, StepCompactions
 
-    names = ('rcstat:compaction_seconds_count{kind="prompt"}', 'rcstat:compaction_seconds_count{kind="decode"}',
-             "rcstat:step_compaction_seconds_count", "rcstat:step_compaction_seconds_sum",
-             "rcstat:compactions_per_step_count", "rcstat:compactions_per_step_sum",
-             'rcstat:compactions_per_step_bucket{le="1.0"}', "rcstat:decode_compactions_skipped_total",
-             "rcstat:compression_ratio_count", "rcstat:compression_ratio_sum", "rcstat:global_eviction_ratio_sum")
+    names = (
+        'rcstat:compaction_seconds_count{kind="prompt"}',
+        'rcstat:compaction_seconds_count{kind="decode"}',
+        "rcstat:step_compaction_seconds_count",
+        "rcstat:step_compaction_seconds_sum",
+        "rcstat:compactions_per_step_count",
+        "rcstat:compactions_per_step_sum",
+        'rcstat:compactions_per_step_bucket{le="1.0"}',
+        "rcstat:decode_compactions_skipped_total",
+        "rcstat:compression_ratio_count",
+        "rcstat:compression_ratio_sum",
+        "rcstat:global_eviction_ratio_sum",
+    )
 
     before = {name: _value(name) for name in names}
     stats = CompressionStats()
-    stats.observe_step(StepCompactions((CopyRun("a", "prompt", 0.25), CopyRun("b", "prompt", 0.125),
-                                        CopyRun("c", "decode", 0.5)), scored_at_copy=((0.75, 0.5),)))
+    stats.observe_step(
+        StepCompactions(
+            (CopyRun("a", "prompt", 0.25), CopyRun("b", "prompt", 0.125), CopyRun("c", "decode", 0.5)),
+            scored_at_copy=((0.75, 0.5),),
+        )
+    )
     stats.observe_step(StepCompactions((CopyRun("c", "decode", 0.0625),)))
     stats.observe_step(StepCompactions())  # a step with no copy is not a compaction step
     stats.observe_decode(CompressionReport("d", 64, "rc", keep_blocks=2, decode=True), 0, ran=False)

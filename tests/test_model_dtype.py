@@ -62,9 +62,13 @@ def test_a_kv_pool_sized_in_bytes_keeps_its_tokens_in_float32(cpu):
     """Pools are sized in bytes for bf16: in float32 the budget doubles, so the pool holds the same tokens."""
     cpu("AVX2")
     assert model.with_embedded_dtype({"kv_cache_memory_bytes": 100 << 20}) == {
-        "kv_cache_memory_bytes": 200 << 20, "dtype": "float32"}
+        "kv_cache_memory_bytes": 200 << 20,
+        "dtype": "float32",
+    }
     assert model.with_embedded_dtype({"kv_cache_memory_bytes": 100 << 20, "dtype": "bfloat16"}) == {
-        "kv_cache_memory_bytes": 100 << 20, "dtype": "bfloat16"}
+        "kv_cache_memory_bytes": 100 << 20,
+        "dtype": "bfloat16",
+    }
     cpu("AVX512", avx512_bf16=True)
     assert model.with_embedded_dtype({"kv_cache_memory_bytes": 100 << 20}) == {"kv_cache_memory_bytes": 100 << 20}
 
@@ -82,8 +86,13 @@ def test_serve_adds_float32_for_the_embedded_model_only_without_a_dtype(cpu, mon
     cpu("AVX2")
     embedded = tmp_path / "SmolLM2"
     monkeypatch.setattr(model, "default_model_dir", lambda: embedded)
-    assert cli._embedded_model_dtype_args([str(embedded), "--port", "1"]) == [str(embedded), "--port", "1",
-                                                                              "--dtype", "float32"]
+    assert cli._embedded_model_dtype_args([str(embedded), "--port", "1"]) == [
+        str(embedded),
+        "--port",
+        "1",
+        "--dtype",
+        "float32",
+    ]
     assert "no native bf16" in capsys.readouterr().err
     for explicit in (["--dtype", "bfloat16"], ["--dtype=bfloat16"]):
         assert cli._embedded_model_dtype_args([str(embedded), *explicit]) == [str(embedded), *explicit]

@@ -125,11 +125,13 @@ def models_root(tmp_path_factory):
 def _run(name: str, root: Path, *mode: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(HERE / "model_matrix_runner.py"), name, str(root), *mode],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _full_attention_layers(name: str, group_layers: list[list[str]]) -> list[str]:
@@ -169,8 +171,10 @@ def test_model_matrix(name, models_root):
     num_layers, heads, block = len(result["compressed_layers"]), result["num_heads"], result["block_size"]
     for swap in compacted:
         pages = sum(-(-kept // block) for layer in swap["kept"] for kept in layer)
-        predicted = -(-pages // (num_layers * heads)) if swap["pooled"] else max(
-            -(-kept // block) for layer in swap["kept"] for kept in layer
+        predicted = (
+            -(-pages // (num_layers * heads))
+            if swap["pooled"]
+            else max(-(-kept // block) for layer in swap["kept"] for kept in layer)
         )
         before, after = swap["before"][group], swap["after"][group]
         held = [b for b in after if b != 0]

@@ -39,7 +39,9 @@ def test_pooled_space_addresses_every_layer_through_one_view():
     for layer in range(LAYERS):
         pages = space.identity(layer, blocks)  # [H, 2]
         keys, _ = read_kv(space.all_layers, pages, torch.zeros_like(pages))
-        expected, _ = read_kv(caches[layer], PageSpace.per_layer(1, HEADS, BLOCK).identity(0, blocks), torch.zeros_like(pages))
+        expected, _ = read_kv(
+            caches[layer], PageSpace.per_layer(1, HEADS, BLOCK).identity(0, blocks), torch.zeros_like(pages)
+        )
         assert torch.equal(keys, expected)
     # A block brings L*H pages into the pool, block by block.
     assert space.pool_pages(0, torch.tensor([4])).tolist() == [
@@ -55,9 +57,7 @@ def test_pooling_is_refused_with_a_reason_when_the_allocation_does_not_allow_it(
     padded = torch.zeros(BLOCKS, HEADS + 1, BLOCK, 2 * DIM)[:, :HEADS]  # page padding between blocks
     assert "padded" in pooled_space_or_reason([padded], HEADS, BLOCK)[1]
     flat = torch.zeros(2 * BLOCKS * HEADS * BLOCK * 2 * DIM + 7)
-    shifted = [
-        flat[i : i + BLOCKS * HEADS * BLOCK * 2 * DIM].view(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in (0, 7)
-    ]
+    shifted = [flat[i : i + BLOCKS * HEADS * BLOCK * 2 * DIM].view(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in (0, 7)]
     assert "whole block" in pooled_space_or_reason(shifted, HEADS, BLOCK)[1]
 
 
@@ -77,7 +77,9 @@ def test_one_layer_keeping_everything_and_one_almost_nothing_hold_fewer_blocks_t
     masks[1][:, -8:] = True  # the window only
     masks[2] = torch.rand(HEADS, n, generator=g) < 0.3
     masks[2][:, -8:] = True
-    prompts = [gather_prompt(original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)[layer], row, n) for layer in range(LAYERS)]
+    prompts = [
+        gather_prompt(original.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)[layer], row, n) for layer in range(LAYERS)
+    ]
 
     kept = torch.stack([m.sum(1) for m in masks])
     pages = (kept + BLOCK - 1) // BLOCK

@@ -87,7 +87,9 @@ def assert_plans_equal(got: HeadSequencePlan, expected: HeadSequencePlan) -> Non
     ).unsqueeze(-1)
     assert torch.equal(got.block_tables[read], expected.block_tables[read])
     assert (got.num_heads, got.max_query_len, got.max_seq_lens) == (
-        expected.num_heads, expected.max_query_len, expected.max_seq_lens,
+        expected.num_heads,
+        expected.max_query_len,
+        expected.max_seq_lens,
     )
 
 
@@ -169,7 +171,7 @@ class Engine:
             block_table[i, : len(self.rows[req_id])] = torch.tensor(self.rows[req_id], dtype=torch.int32)
         positions = torch.cat([torch.arange(self.lengths[r] - scheduled[r], self.lengths[r]) for r in order])
         rows = torch.repeat_interleave(torch.arange(len(order)), torch.tensor([scheduled[r] for r in order]))
-        slot_mapping = (block_table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK)
+        slot_mapping = block_table[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK
         slot_mapping = torch.cat([slot_mapping, torch.full((3,), -1)])  # padded like vLLM's persistent buffer
         args = (query_start, seq_lens, compressed, self.space, torch.device("cpu"))
         return args, reference_plan(query_start, seq_lens, compressed, self.space, self.resident)
@@ -288,12 +290,16 @@ def test_worker_grows_from_the_step_infos_host_block_ids_and_reads_the_device_ta
         block_table = torch.tensor(row).view(1, -1)
         position = torch.tensor([n - 1])
         common = SimpleNamespace(
-            num_reqs=1, block_table_tensor=block_table, query_start_loc_cpu=torch.tensor([0, 1]),
+            num_reqs=1,
+            block_table_tensor=block_table,
+            query_start_loc_cpu=torch.tensor([0, 1]),
             slot_mapping=block_table[0, position // BLOCK].long() * BLOCK + position % BLOCK,
         )
         plan = worker.plan_step(common)
         plan_head_attention(plan, common)  # as the backends' builders do
-        expected = reference_plan([0, 1], [n], {0: worker.requests.compressed_state("a")}, worker.space, worker.pages.tables)
+        expected = reference_plan(
+            [0, 1], [n], {0: worker.requests.compressed_state("a")}, worker.space, worker.pages.tables
+        )
         assert_plans_equal(plan.head_plan, expected)
     state = worker.requests.compressed_state("a")
     assert state.absorbed_blocks == 6
@@ -309,21 +315,31 @@ def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
     from rcstat_vllm.patches.model_runner import step_info
 
     tables = MultiGroupBlockTable(
-        max_num_reqs=4, max_num_batched_tokens=64, pin_memory=False, device=torch.device("cpu"),
-        block_sizes=[BLOCK], max_num_blocks=[8],
+        max_num_reqs=4,
+        max_num_batched_tokens=64,
+        pin_memory=False,
+        device=torch.device("cpu"),
+        block_sizes=[BLOCK],
+        max_num_blocks=[8],
     )
     tables.add_row(([5, 6, 7],), 0)
     tables.add_row(([9],), 1)
     tables.append_row(([10],), 1)
     tables.swap_row(0, 1)  # vLLM reorders rows together with its request ids
     batch = SimpleNamespace(
-        block_table=tables, req_ids=["y", "x"], num_reqs=2, num_prompt_tokens=np.array([20, 40]),
+        block_table=tables,
+        req_ids=["y", "x"],
+        num_reqs=2,
+        num_prompt_tokens=np.array([20, 40]),
         num_computed_tokens_cpu=np.array([19, 40]),
     )
     runner = SimpleNamespace(input_batch=batch, requests={}, vllm_config=None)  # no worker state: one group
     scheduler_output = SimpleNamespace(
-        num_scheduled_tokens={"x": 1, "y": 1}, finished_req_ids=set(), preempted_req_ids=None,
-        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()), scheduled_new_reqs=[],
+        num_scheduled_tokens={"x": 1, "y": 1},
+        finished_req_ids=set(),
+        preempted_req_ids=None,
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),
+        scheduled_new_reqs=[],
     )
     info = step_info(runner, scheduler_output)
     assert info.block_size == BLOCK
@@ -346,7 +362,10 @@ def test_a_step_scheduling_no_tokens_still_ends_the_requests_it_names_finished(m
     execute_model = HOOKS["execute_model"](lambda runner, scheduler_output: EMPTY_MODEL_RUNNER_OUTPUT)
     runner = SimpleNamespace(vllm_config=worker.vllm_config)
     idle = SimpleNamespace(
-        total_num_scheduled_tokens=0, num_scheduled_tokens={}, finished_req_ids={"a"}, preempted_req_ids=None,
+        total_num_scheduled_tokens=0,
+        num_scheduled_tokens={},
+        finished_req_ids={"a"},
+        preempted_req_ids=None,
         scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()),
     )
     assert execute_model(runner, idle) is EMPTY_MODEL_RUNNER_OUTPUT
@@ -364,10 +383,17 @@ def test_plain_rows_are_the_uncompressed_rows_own_vllm_metadata():
     block_table = torch.randint(1, 100, (4, 10), dtype=torch.int32)
     slot_mapping = torch.cat([torch.randint(0, 1600, (25,)), torch.full((3,), -1)])  # padded, as vLLM's buffer
     common = CommonAttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), query_start_loc_cpu=torch.tensor(starts),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=4, num_actual_tokens=25, max_query_len=20,
-        max_seq_len=90, block_table_tensor=block_table, slot_mapping=slot_mapping,
-        positions=torch.arange(28), is_prefilling=torch.tensor([False, True, False, True]),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        query_start_loc_cpu=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=4,
+        num_actual_tokens=25,
+        max_query_len=20,
+        max_seq_len=90,
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
+        positions=torch.arange(28),
+        is_prefilling=torch.tensor([False, True, False, True]),
     )
     plain = plain_rows(common, {0: "a", 2: "b"}, starts, seq_lens, BLOCK)
     tokens = [*range(1, 21), 22, 23, 24]
@@ -407,10 +433,15 @@ def test_plain_rows_index_each_field_on_its_own_device():
     starts, seq_lens = [0, 1, 21, 22, 25], [70, 40, 90, 30]
     common = CommonAttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        query_start_loc_cpu=torch.tensor(starts), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        num_reqs=4, num_actual_tokens=25, max_query_len=20, max_seq_len=90,
+        query_start_loc_cpu=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        num_reqs=4,
+        num_actual_tokens=25,
+        max_query_len=20,
+        max_seq_len=90,
         block_table_tensor=torch.zeros(4, 10, dtype=torch.int32, device=device),
-        slot_mapping=torch.zeros(28, dtype=torch.int64, device=device), positions=torch.zeros(28, device=device),
+        slot_mapping=torch.zeros(28, dtype=torch.int64, device=device),
+        positions=torch.zeros(28, device=device),
         is_prefilling=torch.tensor([False, True, False, True]),
     )
     with _SameDeviceIndexing():

@@ -24,8 +24,10 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot run")
 if os.environ["TRITON_INTERPRET"] != "1":
-    pytest.skip("fakes the CUDA check on CPU tensors: needs the Triton interpreter (TRITON_INTERPRET=1)",
-                allow_module_level=True)
+    pytest.skip(
+        "fakes the CUDA check on CPU tensors: needs the Triton interpreter (TRITON_INTERPRET=1)",
+        allow_module_level=True,
+    )
 
 for _name in ("_tiles_triton", "_rc_triton", "_snapkv_triton"):  # compiled-mode copies are reloaded, see test_kernels
     _module = f"rcstat_vllm.kernels.{_name}"
@@ -80,8 +82,9 @@ def spy_kernels(monkeypatch):
         return run
 
     monkeypatch.setattr(rc_scoring, "rc_table_scores_paged", counting("rc", rc_scoring.rc_table_scores_paged))
-    monkeypatch.setattr(snapkv_scoring, "snapkv_attention_paged",
-                        counting("snapkv", snapkv_scoring.snapkv_attention_paged))
+    monkeypatch.setattr(
+        snapkv_scoring, "snapkv_attention_paged", counting("snapkv", snapkv_scoring.snapkv_attention_paged)
+    )
     return calls
 
 
@@ -118,8 +121,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("method, window, smoothing, group, num_tokens", CASES)
-def test_triton_path_of_score_layer_equals_the_torch_path_fp32(monkeypatch, spy_kernels, method, window, smoothing,
-                                                              group, num_tokens):
+def test_triton_path_of_score_layer_equals_the_torch_path_fp32(
+    monkeypatch, spy_kernels, method, window, smoothing, group, num_tokens
+):
     config = RCStatConfig(method=method, window=window, smoothing=smoothing)
     kv_cache, block_row, query = flash_request(num_tokens, group, seed=window + group + smoothing)
     want = score_layer(config, kv_cache, block_row, query)  # on CPU: the torch path
@@ -145,8 +149,9 @@ def test_torch_path_equals_the_dense_gather_it_replaces(layout, method):
 
 
 @pytest.mark.parametrize("method, window, smoothing, group, num_tokens", [CASES[1], CASES[2], CASES[5]])
-def test_triton_path_on_half_caches_is_close_to_the_float32_reference(monkeypatch, method, window, smoothing,
-                                                                      group, num_tokens):
+def test_triton_path_on_half_caches_is_close_to_the_float32_reference(
+    monkeypatch, method, window, smoothing, group, num_tokens
+):
     config = RCStatConfig(method=method, window=window, smoothing=smoothing)
     kv_cache, block_row, query = flash_request(num_tokens, group, seed=7, dtype=torch.float16)
     # The reference: the torch path on float32 copies of the same (rounded) values.
@@ -170,8 +175,10 @@ SCORER_CASES = [
     ("rc", {**PAPER, "window_size": 4, "smoothing": 3}),
     ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5}),
     ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "query_reduction": "max"}),
-    ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "local_contrast": 0.5,
-            "contrast_radius": 7}),
+    (
+        "rc",
+        {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "local_contrast": 0.5, "contrast_radius": 7},
+    ),
     ("snapkv", {}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
     ("tova", {}),
@@ -260,18 +267,22 @@ def test_every_scorer_scores_a_paged_prompt_as_its_dense_copy(spy_kernels, metho
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-@pytest.mark.parametrize("method, cached, first_block, contrast", [
-    ("rc", 64, 3, 0.0),  # reads from 64 - (8 + 3 // 2) = 55, in block 3 (48..63)
-    ("rc", 96, 5, 0.0),  # 96 - 9 = 87, in block 5 (80..95)
-    ("rc", 120, 5, 0.0),  # 112 shared; the window (the last 32 of 123) reaches back to 91, in block 5
-    ("rc", 8, 0, 0.0),  # less than a block cached: nothing shared, all read
-    ("rc", 96, 4, 0.5),  # contrasted over 20 tokens each side: 96 - 9 - 20 = 67, in block 4 (64..79)
-    ("rc", 64, 2, 0.5),  # 64 - 29 = 35, in block 2 (32..47)
-    ("snapkv", 96, 0, 0.0),  # a softmax over every key: all read
-    ("tova", 96, 0, 0.0),
-])
-def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(monkeypatch, spy_kernels, method, cached,
-                                                                       first_block, contrast, use_triton):
+@pytest.mark.parametrize(
+    "method, cached, first_block, contrast",
+    [
+        ("rc", 64, 3, 0.0),  # reads from 64 - (8 + 3 // 2) = 55, in block 3 (48..63)
+        ("rc", 96, 5, 0.0),  # 96 - 9 = 87, in block 5 (80..95)
+        ("rc", 120, 5, 0.0),  # 112 shared; the window (the last 32 of 123) reaches back to 91, in block 5
+        ("rc", 8, 0, 0.0),  # less than a block cached: nothing shared, all read
+        ("rc", 96, 4, 0.5),  # contrasted over 20 tokens each side: 96 - 9 - 20 = 67, in block 4 (64..79)
+        ("rc", 64, 2, 0.5),  # 64 - 29 = 35, in block 2 (32..47)
+        ("snapkv", 96, 0, 0.0),  # a softmax over every key: all read
+        ("tova", 96, 0, 0.0),
+    ],
+)
+def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(
+    monkeypatch, spy_kernels, method, cached, first_block, contrast, use_triton
+):
     """Prompt tokens served from the prefix cache are kept whole, so their scores are never read: RC (each token's
     score from its own key and the window's, then smoothing and carrying a few tokens) reads the prompt from the
     block its first own token's score needs; every score from the shared boundary on is the whole prompt's (to float
@@ -279,8 +290,9 @@ def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(monkeypat
     if use_triton:
         fake_cuda(monkeypatch)
     num_tokens = 123
-    config = RCStatConfig(method=method, smoothing=3, carry_forward=8, window=32, local_contrast=contrast,
-                          contrast_radius=20)
+    config = RCStatConfig(
+        method=method, smoothing=3, carry_forward=8, window=32, local_contrast=contrast, contrast_radius=20
+    )
     kv_cache, block_row, query = flash_request(num_tokens, 3, seed=9)
     whole = score_layer(config, kv_cache, block_row, query)
     request = compressor(config, num_tokens, block_row)
@@ -406,7 +418,8 @@ def test_worker_warms_the_kernel_up_when_the_caches_are_bound(monkeypatch, spy_k
 
     fake_cuda(monkeypatch)
     vllm_config = fake_vllm_config(
-        {"method": "rc", "window": 8}, BLOCK,
+        {"method": "rc", "window": 8},
+        BLOCK,
         model_config=SimpleNamespace(get_num_attention_heads=lambda parallel: 3 * KV_HEADS),
     )
     worker = WorkerCompression(vllm_config)

@@ -75,9 +75,7 @@ def test_missing_attribute_names_symbol_and_version():
 
 
 def test_wrong_parameters_name_symbol_expected_and_version():
-    contract = Contract(
-        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output", ("self", "renamed_output")
-    )
+    contract = Contract("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", ("self", "renamed_output"))
     with pytest.raises(VLLMContractError) as info:
         contract.check()
     message = str(info.value)
@@ -228,8 +226,10 @@ def test_the_package_never_imports_patches():
     importers = []
     for name, text in _package_sources():
         for node in ast.walk(ast.parse(text)):
-            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             )
             if any(m == "rcstat_vllm.patches" or m.startswith("rcstat_vllm.patches.") for m in modules):
                 importers.append(name)

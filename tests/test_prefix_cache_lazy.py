@@ -48,8 +48,9 @@ def driver():
 
 
 def greedy(max_tokens: int, **rcstat) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                          extra_args={"rcstat": rcstat} if rcstat else None)
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"rcstat": rcstat} if rcstat else None
+    )
 
 
 def test_a_lazy_compaction_at_a_block_boundary_leaves_no_stale_prefix_cache_entry(driver, monkeypatch):
@@ -64,8 +65,11 @@ def test_a_lazy_compaction_at_a_block_boundary_leaves_no_stale_prefix_cache_entr
 
     def short_at_block_boundaries(self, running, free_blocks, block_size):
         short, lead, reason = original(self, running, free_blocks, block_size)
-        boundary = [r.req_id for r in running
-                    if r.req_id.startswith("stale-a-") and r.num_tokens >= FIRST_BOUNDARY and r.num_tokens % block_size == 0]
+        boundary = [
+            r.req_id
+            for r in running
+            if r.req_id.startswith("stale-a-") and r.num_tokens >= FIRST_BOUNDARY and r.num_tokens % block_size == 0
+        ]
         if boundary:
             asked.append(boundary)
             return max(short, 1), lead, "the test's pressure at a block boundary"

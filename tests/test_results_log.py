@@ -12,21 +12,32 @@ from rcstat_vllm.worker.results import ResultsLog
 def _report(i: int, layers: int = 30, heads: int = 3, **fields) -> CompressionReport:
     rng = random.Random(i)
     return CompressionReport(
-        req_id=f"chatcmpl-{i:032x}", num_prompt_tokens=1200, method="rc", keep_blocks=10, block_size=32,
+        req_id=f"chatcmpl-{i:032x}",
+        num_prompt_tokens=1200,
+        method="rc",
+        keep_blocks=10,
+        block_size=32,
         kept=[[rng.randint(100, 1200) for _ in range(heads)] for _ in range(layers)],
-        layer_global_eviction=[rng.random() for _ in range(layers)], global_eviction_ratio=rng.random(), **fields)
+        layer_global_eviction=[rng.random() for _ in range(layers)],
+        global_eviction_ratio=rng.random(),
+        **fields,
+    )
 
 
 def test_a_recorded_result_reads_back_exactly():
     log = ResultsLog()
     reports = [_report(i) for i in range(3)] + [
-        CompressionReport("skipped", 7, "rc", keep_blocks=1, skipped_reason="prompt shorter than the window")]
+        CompressionReport("skipped", 7, "rc", keep_blocks=1, skipped_reason="prompt shorter than the window")
+    ]
     for report in reports:
         log.record(report)
     assert log.as_dicts() == {r.req_id: r.to_dict() for r in reports}
     assert log.results["skipped"].kept == [] and log.results[reports[1].req_id] == reports[1]
     log.decode_compacted(reports[0].req_id, 2, 96)
-    assert (log.results[reports[0].req_id].decode_compactions, log.as_dicts()[reports[0].req_id]["decode_tokens_evicted"]) == (2, 96)
+    assert (
+        log.results[reports[0].req_id].decode_compactions,
+        log.as_dicts()[reports[0].req_id]["decode_tokens_evicted"],
+    ) == (2, 96)
 
 
 def test_each_pass_of_a_request_is_kept_in_order():

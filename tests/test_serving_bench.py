@@ -10,11 +10,23 @@ import serving
 
 def _run(req_s, ttft99, itl99, steps=0, seconds=0.0):
     run = {k: 1.0 for k in serving.REPORTED}
-    run.update(request_throughput=req_s, p99_ttft_ms=ttft99, p99_itl_ms=itl99, p50_ttft_ms=1.0, p50_itl_ms=1.0,
-               output_throughput=req_s * 10)
+    run.update(
+        request_throughput=req_s,
+        p99_ttft_ms=ttft99,
+        p99_itl_ms=itl99,
+        p50_ttft_ms=1.0,
+        p50_itl_ms=1.0,
+        output_throughput=req_s * 10,
+    )
     before = {name: 0.0 for name in serving.COUNTERS}
-    after = dict(before, **{"rcstat:step_compaction_seconds_count": steps, "rcstat:step_compaction_seconds_sum": seconds,
-                            "rcstat:compactions_per_step_sum": 2 * steps})
+    after = dict(
+        before,
+        **{
+            "rcstat:step_compaction_seconds_count": steps,
+            "rcstat:step_compaction_seconds_sum": seconds,
+            "rcstat:compactions_per_step_sum": 2 * steps,
+        },
+    )
     run["metrics"] = serving.counter_deltas(before, after)
     return run
 
@@ -39,27 +51,53 @@ def _record(i, kind, status=200, outcome="completed", **extra):
     return {"i": i, "kind": kind, "status": status, "outcome": outcome, **extra}
 
 
-IDLE = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0, "vllm:kv_cache_usage_perc": 0.0,
-        "rcstat:worker_requests": 0.0, "rcstat:scheduler_requests": 0.0}
+IDLE = {
+    "vllm:num_requests_running": 0.0,
+    "vllm:num_requests_waiting": 0.0,
+    "vllm:kv_cache_usage_perc": 0.0,
+    "rcstat:worker_requests": 0.0,
+    "rcstat:scheduler_requests": 0.0,
+}
 
 
 def test_the_soak_fails_on_any_5xx_wrong_rejection_unfinished_request_leak_or_growth():
-    good = [_record(0, "plain"), _record(1, "disconnect", outcome="cancelled"),
-            _record(2, "invalid", status=400, field="window", error="... 'window' must be ..."),
-            _record(3, "n2", choices=2), _record(4, "attribution", attribution=True)]
+    good = [
+        _record(0, "plain"),
+        _record(1, "disconnect", outcome="cancelled"),
+        _record(2, "invalid", status=400, field="window", error="... 'window' must be ..."),
+        _record(3, "n2", choices=2),
+        _record(4, "attribution", attribution=True),
+    ]
     assert serving.soak_checks(good, IDLE, [(10, 1000), (20, 1050)], [], 0.08)["failures"] == []
-    bad = [_record(5, "plain", status=500, outcome="error", error="boom"),
-           _record(6, "invalid", status=400, field="method", error="'window'"),  # names another field
-           _record(7, "stream", outcome="truncated"), _record(8, "n2", choices=1),
-           _record(9, "attribution", attribution=False)]
-    failures = serving.soak_checks(good + bad, {**IDLE, "rcstat:worker_requests": 2.0, "rcstat:scheduler_requests": 1.0},
-                                   [(10, 1000), (20, 1100)],
-                                   [{"i": 3}], 0.08)["failures"]
+    bad = [
+        _record(5, "plain", status=500, outcome="error", error="boom"),
+        _record(6, "invalid", status=400, field="method", error="'window'"),  # names another field
+        _record(7, "stream", outcome="truncated"),
+        _record(8, "n2", choices=1),
+        _record(9, "attribution", attribution=False),
+    ]
+    failures = serving.soak_checks(
+        good + bad,
+        {**IDLE, "rcstat:worker_requests": 2.0, "rcstat:scheduler_requests": 1.0},
+        [(10, 1000), (20, 1100)],
+        [{"i": 3}],
+        0.08,
+    )["failures"]
     assert [f.split(":")[0].split(" (")[0] for f in failures] == [
-        "request 5", "request 6", "request 7", "request 8", "request 9", "at the end rcstat", "at the end rcstat",
+        "request 5",
+        "request 6",
+        "request 7",
+        "request 8",
+        "request 9",
+        "at the end rcstat",
+        "at the end rcstat",
         "server RSS grew 10.0% after warm-up",
-        "1 method-none requests differ from vanilla"]
+        "1 method-none requests differ from vanilla",
+    ]
     assert failures[0].startswith("request 5 (plain): HTTP 500")  # a server error, named as one
-    assert "rcstat:worker_requests missing" in serving.soak_checks(good, {k: v for k, v in IDLE.items()
-                                                                          if k != "rcstat:worker_requests"},
-                                                                   [], [], 0.08)["failures"][0]
+    assert (
+        "rcstat:worker_requests missing"
+        in serving.soak_checks(good, {k: v for k, v in IDLE.items() if k != "rcstat:worker_requests"}, [], [], 0.08)[
+            "failures"
+        ][0]
+    )

@@ -84,8 +84,14 @@ def test_memory_summary_takes_warm_samples_only_and_judges_every_process_against
     mib = 2**20
 
     def s(t, warm, api, core):
-        return {"t_s": t, "warm": warm, "processes": {"api_server": {"rss": api * mib, "rss_anon": api * mib // 2},
-                                                      "VLLM::EngineCore": {"rss": core * mib, "rss_anon": core * mib}}}
+        return {
+            "t_s": t,
+            "warm": warm,
+            "processes": {
+                "api_server": {"rss": api * mib, "rss_anon": api * mib // 2},
+                "VLLM::EngineCore": {"rss": core * mib, "rss_anon": core * mib},
+            },
+        }
 
     # Warm-up growth (0 -> 60 s) is left out; after it the API server is flat and the engine core gains 10 MiB a
     # minute on 1000 MiB: 10% per 10 minutes, over the 1% target.
@@ -94,10 +100,18 @@ def test_memory_summary_takes_warm_samples_only_and_judges_every_process_against
     assert out["warm_samples"] == 3 and out["target_pct_per_10min"] == 1.0
     api, core = out["processes"]["api_server"], out["processes"]["VLLM::EngineCore"]
     assert (api["rss_mib_warm"], api["rss_mib_end"], api["growth_pct"], api["slope_pct_per_10min"]) == (
-        500.0, 500.0, 0.0, 0.0)
+        500.0,
+        500.0,
+        0.0,
+        0.0,
+    )
     assert (api["anon_mib_warm"], api["anon_slope_pct_per_10min"], api["samples"]) == (250.0, 0.0, 3)
     assert (core["rss_mib_warm"], core["rss_mib_end"], core["growth_pct"], core["slope_pct_per_10min"]) == (
-        1000.0, 1025.0, 2.5, 10.0)
+        1000.0,
+        1025.0,
+        2.5,
+        10.0,
+    )
     assert out["holds"] is False and out["over_target"] == ["VLLM::EngineCore"]
     flat = serving.memory_summary([*samples[:2], s(120, True, 500, 1000)], None)
     assert flat["holds"] is True and flat["over_target"] == []
@@ -125,8 +139,13 @@ def test_server_processes_are_named_by_their_vllm_process_title():
         (105, "VLLM::Worker_TP0"),
     ]
     assert serving.name_processes(tree, root) == {
-        100: "api_server", 101: "VLLM::EngineCore", 102: "resource_tracker", 103: "python3 -m some.helper",
-        104: "VLLM::Worker_TP0", 105: "VLLM::Worker_TP0#2"}
+        100: "api_server",
+        101: "VLLM::EngineCore",
+        102: "resource_tracker",
+        103: "python3 -m some.helper",
+        104: "VLLM::Worker_TP0",
+        105: "VLLM::Worker_TP0#2",
+    }
     # A title wins even for the root (vLLM titles its API servers VLLM::APIServer_<i> when it runs several).
     assert serving.process_name("VLLM::APIServer_0", root=True) == "VLLM::APIServer_0"
     assert serving.process_name("python\0-m\0rcstat_vllm.cli\0serve", root=True) == "api_server"

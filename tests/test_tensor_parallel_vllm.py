@@ -57,16 +57,20 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
-    llm = LLM(**with_embedded_dtype(dict(
-        model=str(default_model_dir()),
-        tensor_parallel_size=RANKS,
-        distributed_executor_backend="mp",
-        max_model_len=2048,
-        block_size=BLOCK,
-        kv_cache_memory_bytes=128 << 20,
-        additional_config={"rcstat": {"method": "rc", "c": 1.0, "eviction": "eager"}},
-        **FAST_START,
-    )))
+    llm = LLM(
+        **with_embedded_dtype(
+            dict(
+                model=str(default_model_dir()),
+                tensor_parallel_size=RANKS,
+                distributed_executor_backend="mp",
+                max_model_len=2048,
+                block_size=BLOCK,
+                kv_cache_memory_bytes=128 << 20,
+                additional_config={"rcstat": {"method": "rc", "c": 1.0, "eviction": "eager"}},
+                **FAST_START,
+            )
+        )
+    )
     try:
         pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
         start_free = pool.get_num_free_blocks()
@@ -98,14 +102,20 @@ def test_ranks_agree_on_the_blocks_each_request_keeps_and_leak_nothing(monkeypat
 
         # Decode-time compression (a request override): every rank is due in the same steps (counted in tokens) and
         # the blocks kept are the max over ranks, as for prompts; every rank compacts as often, nothing leaks.
-        decode = SamplingParams(temperature=0, max_tokens=72, ignore_eos=True,
-                                extra_args={"rcstat": {"decode_budget": 32, "decode_interval": 32}})
+        decode = SamplingParams(
+            temperature=0,
+            max_tokens=72,
+            ignore_eos=True,
+            extra_args={"rcstat": {"decode_budget": 32, "decode_interval": 32}},
+        )
         before = set(per_rank[0])
         outputs = llm.generate(prompts[:2], decode)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [72] * 2
         llm.generate(prompts[3:4], SamplingParams(temperature=0, max_tokens=1))  # delivers the finished ones
         per_rank = llm.collective_rpc("rcstat_compression_results")
-        decoded = [req_id for req_id in per_rank[0] if req_id not in before and per_rank[0][req_id]["decode_compactions"]]
+        decoded = [
+            req_id for req_id in per_rank[0] if req_id not in before and per_rank[0][req_id]["decode_compactions"]
+        ]
         assert len(decoded) == 2
         for req_id in decoded:
             counts = [(r[req_id]["decode_compactions"], r[req_id]["decode_tokens_evicted"] > 0) for r in per_rank]

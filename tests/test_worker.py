@@ -111,14 +111,19 @@ def test_a_prefix_cache_hit_stops_before_the_observation_window_of_requests_that
     assert max_cached_prompt_tokens(1200, RequestSettings.resolve({"rcstat": {"method": "snapkv"}}, server), 32) == 1120
     # Requests that will not be compressed hit as far as vLLM allows.
     assert max_cached_prompt_tokens(1200, RequestSettings.resolve({"rcstat": {"method": "none"}}, server), 32) is None
-    assert max_cached_prompt_tokens(40, RequestSettings.resolve(None, server), 32) is None  # shorter than min_prompt_len
+    assert (
+        max_cached_prompt_tokens(40, RequestSettings.resolve(None, server), 32) is None
+    )  # shorter than min_prompt_len
     assert max_cached_prompt_tokens(1200, RequestSettings.resolve({"rcstat": {"method": "bogus"}}, server), 32) is None
 
 
 @pytest.mark.parametrize(
     "feature,words",
     [
-        (dict(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)), "pipeline parallelism"),
+        (
+            dict(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)),
+            "pipeline parallelism",
+        ),
         (dict(parallel_config=SimpleNamespace(tensor_parallel_size=1, use_ubatching=True)), "micro-batching"),
         (dict(speculative_config=SimpleNamespace(method="eagle")), "speculative decoding"),
     ],
@@ -155,8 +160,9 @@ def test_a_prefix_hit_never_reaches_past_the_prompt_of_a_request_resumed_after_p
     pool = type("Pool", (), {})()
     state = engine_compaction(pool)
     state.config, state.group = RCStatConfig(), 0
-    manager = SimpleNamespace(block_pool=pool, coordinator=SimpleNamespace(
-        single_type_managers=[SimpleNamespace(block_size=16)]))
+    manager = SimpleNamespace(
+        block_pool=pool, coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=16)])
+    )
     lookup = _get_computed_blocks(lambda self, request: (Blocks((list(range(1, 45)),)), 704))  # 44 cached blocks
     resumed = SimpleNamespace(request_id="r", num_tokens=712, num_prompt_tokens=512, sampling_params=None)
     blocks, num_hit = lookup(manager, resumed)[:2]

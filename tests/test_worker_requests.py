@@ -102,17 +102,23 @@ def test_the_worker_refuses_blocks_for_a_request_without_a_plan_and_reports_one_
 
     for req_id, eviction in (("a", "eager"), ("b", "lazy"), ("c", "lazy")):
         job = PromptJob.__new__(PromptJob)  # only its reasons are read: a compressor that reports them
-        job.compressor = SimpleNamespace(config=SimpleNamespace(eviction=eviction),
-                                         report=lambda reason=None, r=req_id: SimpleNamespace(req_id=r, reason=reason))
+        job.compressor = SimpleNamespace(
+            config=SimpleNamespace(eviction=eviction),
+            report=lambda reason=None, r=req_id: SimpleNamespace(req_id=r, reason=reason),
+        )
         awaiting_blocks(worker.requests, req_id, job)
     recorded = []
     worker.results_log.record = recorded.append
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a", "b", "c"}, preempted_req_ids=frozenset({"c"})))
-    assert sorted((report.req_id, report.reason) for report in recorded) == [
-        ("a", "finished before its KV was compacted"),
-        ("b", "lazy eviction: memory was not short while it ran, its full KV was kept"),
-        ("c", "preempted before its KV was compacted (vLLM recomputes it when it resumes)"),
-    ] and worker.idle
+    assert (
+        sorted((report.req_id, report.reason) for report in recorded)
+        == [
+            ("a", "finished before its KV was compacted"),
+            ("b", "lazy eviction: memory was not short while it ran, its full KV was kept"),
+            ("c", "preempted before its KV was compacted (vLLM recomputes it when it resumes)"),
+        ]
+        and worker.idle
+    )
 
 
 def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
@@ -131,17 +137,30 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
             return SimpleNamespace(req_id=req_id)
 
         outcome = CompressionReport(req_id, 64, "rc", keep_blocks=1, kept=[[16, 32]], global_eviction_ratio=0.25)
-        return SimpleNamespace(kind="prompt", compact=compact, decode_watcher=lambda pages: None,
-                               outcome=lambda compaction: outcome, cancelled=lambda reason: None,
-                               deferred_bound=deferred_bound)
+        return SimpleNamespace(
+            kind="prompt",
+            compact=compact,
+            decode_watcher=lambda pages: None,
+            outcome=lambda compaction: outcome,
+            cancelled=lambda reason: None,
+            deferred_bound=deferred_bound,
+        )
 
     # a: a lazy plan (scored at its copy: its ratio goes with the step), c: scored at its plan (the scheduler has it)
     for req_id, seconds, deferred in (("a", 0.02, 2), ("b", 0.0, 2), ("c", 0.0, None)):
         awaiting_blocks(worker.requests, req_id, job(req_id, seconds, deferred))
     assert worker.pop_step_compactions() == StepCompactions((), worker_requests=3)  # the table grew: no copy yet
     assert worker.pop_step_compactions() is None
-    worker.begin_step(StepInfo(requests=[], compactions=[
-        Compaction("a", (1, 2)), Compaction("b", cancelled_reason="no free blocks"), Compaction("c", (3,))]))
+    worker.begin_step(
+        StepInfo(
+            requests=[],
+            compactions=[
+                Compaction("a", (1, 2)),
+                Compaction("b", cancelled_reason="no free blocks"),
+                Compaction("c", (3,)),
+            ],
+        )
+    )
     step = worker.pop_step_compactions()
     assert [(c.req_id, c.kind) for c in step.copies] == [("a", "prompt"), ("c", "prompt")]  # the refusal is no copy
     assert step.count("prompt") == 2 and step.count("decode") == 0
@@ -177,8 +196,9 @@ def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_with
     worker.requests.seen_in_prefill("a", 0)
     output = attach_reports(runner, plain)
     assert isinstance(output, RCStatModelRunnerOutput) and output.rcstat_reports == []
-    assert output.rcstat_step == StepCompactions((CopyRun("a", "prompt", 0.5), CopyRun("b", "decode", 0.25)),
-                                                 worker_requests=1)
+    assert output.rcstat_step == StepCompactions(
+        (CopyRun("a", "prompt", 0.5), CopyRun("b", "decode", 0.25)), worker_requests=1
+    )
 
     class Pool:  # a block pool: the engine state is keyed by it (weakly)
         pass
@@ -189,6 +209,11 @@ def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_with
     assert update(scheduler, None, output) == "vllm's result"
     update(scheduler, None, plain)
     stats = engine_compaction(pool).stats
-    assert (stats.prompt_copies, stats.decode_copies, stats.compaction_steps, stats.compaction_seconds) == (1, 1, 1, 0.75)
+    assert (stats.prompt_copies, stats.decode_copies, stats.compaction_steps, stats.compaction_seconds) == (
+        1,
+        1,
+        1,
+        0.75,
+    )
     assert stats.worker_requests == 1
     assert prometheus_client.REGISTRY.get_sample_value("rcstat:worker_requests") == 1.0

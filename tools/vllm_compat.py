@@ -308,8 +308,12 @@ class Resolver:
                 if isinstance(key, ast.Constant) and key.value == name:
                     if isinstance(value, ast.Constant) and isinstance(value.value, str) and ":" in value.value:
                         where, _, attr = value.value.partition(":")
-                        target = _absolute(module, self.source.is_package(module), len(where) - len(where.lstrip(".")),
-                                           where.lstrip(".") or None)
+                        target = _absolute(
+                            module,
+                            self.source.is_package(module),
+                            len(where) - len(where.lstrip(".")),
+                            where.lstrip(".") or None,
+                        )
                         found = self.lookup(target, attr, seen)
                         if found is not None:
                             return found
@@ -368,7 +372,9 @@ class Resolver:
         if not hits:
             return None
         node = hits[-1]
-        kind = {ast.ClassDef: "class", ast.FunctionDef: "function", ast.AsyncFunctionDef: "function"}.get(type(node), "value")
+        kind = {ast.ClassDef: "class", ast.FunctionDef: "function", ast.AsyncFunctionDef: "function"}.get(
+            type(node), "value"
+        )
         return Found(kind, klass.module, node, owner=klass.node)
 
     def member(self, found: Found, name: str) -> Found | None:
@@ -498,7 +504,10 @@ def check_contract(resolver: Resolver, contract: Any) -> Result:
     source = resolver.source
     expected = tuple(contract.params) if contract.params is not None else None
     result = Result(
-        contract.target, "ok", platform=contract.platform, attrs=list(contract.attrs),
+        contract.target,
+        "ok",
+        platform=contract.platform,
+        attrs=list(contract.attrs),
         expected_params=list(expected) if expected is not None else None,
     )
     found, missing_part = resolver.resolve(contract.target)
@@ -588,7 +597,9 @@ class ImportResult:
     details: str = ""
 
 
-def package_imports(root: Path = ROOT, folders: Iterable[str] = PACKAGE_FOLDERS) -> list[tuple[str, int, str, str | None]]:
+def package_imports(
+    root: Path = ROOT, folders: Iterable[str] = PACKAGE_FOLDERS
+) -> list[tuple[str, int, str, str | None]]:
     """Every ``vllm`` import in the package's files: (file, line, module, imported name or None)."""
     out = []
     for folder in folders:
@@ -598,7 +609,9 @@ def package_imports(root: Path = ROOT, folders: Iterable[str] = PACKAGE_FOLDERS)
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     out += [(rel, node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == "vllm"]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
+                elif (
+                    isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm"
+                ):
                     out += [(rel, node.lineno, node.module or "", a.name) for a in node.names]
     return out
 
@@ -657,14 +670,18 @@ def format_table(data: dict) -> str:
         rows.append((r["target"], r["platform"] or "any", r["status"], r["details"]))
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     status_width = min(max(len(row[2]) for row in rows), 40)
-    lines = [f"vLLM {data['vllm_version']} ({data['source']}): "
-             f"{data['summary']['ok']} of {data['summary']['contracts']} contracts hold"]
+    lines = [
+        f"vLLM {data['vllm_version']} ({data['source']}): "
+        f"{data['summary']['ok']} of {data['summary']['contracts']} contracts hold"
+    ]
     for row in rows:
         lines.append(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{status_width}}  {row[3]}".rstrip())
     if data["imports"]:
         bad = [r for r in data["imports"] if r["status"] != "ok"]
         lines.append("")
-        lines.append(f"vllm imports in the package: {data['summary']['imports_ok']} of {data['summary']['imports']} resolve")
+        lines.append(
+            f"vllm imports in the package: {data['summary']['imports_ok']} of {data['summary']['imports']} resolve"
+        )
         for r in bad:
             what = f"from {r['module']} import {r['name']}" if r["name"] else f"import {r['module']}"
             lines.append(f"  {r['file']}:{r['line']}  {what}  {r['status']}  {r['details']}".rstrip())
@@ -680,8 +697,9 @@ def dump(data: dict) -> str:
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
-def main(argv: list[str] | None = None, contracts: Iterable[Any] | None = None,
-         imports: Iterable[tuple] | None = None) -> int:
+def main(
+    argv: list[str] | None = None, contracts: Iterable[Any] | None = None, imports: Iterable[tuple] | None = None
+) -> int:
     """The command; ``contracts`` / ``imports`` (default: the plugin's, :func:`package_imports`) for tests."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheel", required=True, help="a vLLM wheel, a folder holding one, or a source tree")

@@ -123,12 +123,27 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
             scales = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
             if key is not None and value is not None:
                 write_head_sequence_kv(
-                    key[:num_tokens], value[:num_tokens], key_pages, value_pages, head_plan, layer_index,
-                    layer.isa, **scales,
+                    key[:num_tokens],
+                    value[:num_tokens],
+                    key_pages,
+                    value_pages,
+                    head_plan,
+                    layer_index,
+                    layer.isa,
+                    **scales,
                 )
             head_sequence_attention(
-                query[:num_tokens], key_pages, value_pages, output[:num_tokens], head_plan, layer_index,
-                scale=self.scale, isa=layer.isa, softcap=self.logits_soft_cap, sinks=impl_sinks(self), **scales,
+                query[:num_tokens],
+                key_pages,
+                value_pages,
+                output[:num_tokens],
+                head_plan,
+                layer_index,
+                scale=self.scale,
+                isa=layer.isa,
+                softcap=self.logits_soft_cap,
+                sinks=impl_sinks(self),
+                **scales,
             )
         owner.after_attention(plan, layer_index, query, kv_cache, self.scale)
         return output
@@ -138,8 +153,13 @@ class RCStatCPUImpl(CPUAttentionBackendImpl):
         tokens = rows.token_index
         rows_output = output.new_empty((tokens.numel(), *output.shape[1:]))
         self._vllm_forward(
-            layer, query[tokens], None if key is None else key[tokens], None if value is None else value[tokens],
-            kv_cache, rows.metadata, rows_output,
+            layer,
+            query[tokens],
+            None if key is None else key[tokens],
+            None if value is None else value[tokens],
+            kv_cache,
+            rows.metadata,
+            rows_output,
         )
         output[tokens] = rows_output
 

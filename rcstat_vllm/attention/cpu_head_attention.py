@@ -47,8 +47,20 @@ def write_head_sequence_kv(key, value, key_pages, value_pages, plan: HeadSequenc
 
 
 def head_sequence_attention(
-    query, key_pages, value_pages, output, plan: HeadSequencePlan, layer: int, *, scale, isa,
-    softcap=0.0, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto", sinks=None,
+    query,
+    key_pages,
+    value_pages,
+    output,
+    plan: HeadSequencePlan,
+    layer: int,
+    *,
+    scale,
+    isa,
+    softcap=0.0,
+    k_scale=1.0,
+    v_scale=1.0,
+    kv_cache_dtype="auto",
+    sinks=None,
 ):
     """Causal paged attention of one layer's compressed rows, each (request, KV head) as its own sequence.
 
@@ -63,13 +75,28 @@ def head_sequence_attention(
     by_head = (num_tokens, plan.num_heads, group, head_dim)
     head_queries = query.view(by_head)[plan.token_index, plan.head_index]  # [Tc*H, G, D]
     head_output = torch.empty_like(head_queries)
-    kernel = dict(key_cache=key_pages, value_cache=value_pages, scale=scale, causal=True, alibi_slopes=None,
-                  sliding_window=-1, softcap=softcap, k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
+    kernel = dict(
+        key_cache=key_pages,
+        value_cache=value_pages,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     if sinks is None:
         ops.cpu_attention_with_kv_cache(
-            query=head_queries, output=head_output, query_start_loc=plan.query_start_loc,
-            seq_lens=plan.seq_lens[layer], block_table=plan.block_tables[layer],
-            scheduler_metadata=plan.scheduler_metadata[layer], s_aux=None, **kernel,
+            query=head_queries,
+            output=head_output,
+            query_start_loc=plan.query_start_loc,
+            seq_lens=plan.seq_lens[layer],
+            block_table=plan.block_tables[layer],
+            scheduler_metadata=plan.scheduler_metadata[layer],
+            s_aux=None,
+            **kernel,
         )
     else:
         # The kernel takes one sink per head of a sequence (its G query heads), the same for every sequence: the
@@ -79,14 +106,26 @@ def head_sequence_attention(
             queries = head_queries[rows]
             out = torch.empty_like(queries)
             ops.cpu_attention_with_kv_cache(
-                query=queries, output=out, query_start_loc=query_start, seq_lens=seq_lens,
+                query=queries,
+                output=out,
+                query_start_loc=query_start,
+                seq_lens=seq_lens,
                 block_table=plan.block_tables[layer].view(seq_lens.numel(), plan.num_heads, -1)[:, head].contiguous(),
                 scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
-                    num_reqs=seq_lens.numel(), num_heads=group, num_kv_heads=1, head_dim=head_dim, seq_lens=seq_lens,
-                    dtype=query.dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa,
+                    num_reqs=seq_lens.numel(),
+                    num_heads=group,
+                    num_kv_heads=1,
+                    head_dim=head_dim,
+                    seq_lens=seq_lens,
+                    dtype=query.dtype,
+                    query_start_loc=query_start,
+                    causal=True,
+                    sliding_window_size=-1,
+                    isa=isa,
                     enable_kv_split=cpu_attn_split_kv(),
                 ),
-                s_aux=sinks[head * group : (head + 1) * group].contiguous(), **kernel,
+                s_aux=sinks[head * group : (head + 1) * group].contiguous(),
+                **kernel,
             )
             head_output[rows] = out
     output.view(by_head)[plan.token_index, plan.head_index] = head_output

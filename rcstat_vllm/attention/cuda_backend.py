@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attention_sinks
 from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.attention.head_plan import plan_step_for_builder
 from rcstat_vllm.attribution.capture import record_layer
+from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attention_sinks
 from rcstat_vllm.paging.kv_layout import FLASH
 from rcstat_vllm.vllm_private.flash_attention import (
     AttentionCGSupport,
@@ -169,8 +169,10 @@ def cuda_backend_unsupported_reason(vllm_config, device_capability) -> str | Non
     if model_has_attention_sinks(model):
         # FlashAttention takes one sink per head of a call, the same for every sequence (and only from FA3, sm90): the
         # CPU backend's answer, one call per KV head with that head's sinks, is not written for FlashAttention.
-        return ("attention sinks in the model's attention layers: the plugin's FlashAttention head-as-sequence does "
-                "not pass them (the CPU backend does)")
+        return (
+            "attention sinks in the model's attention layers: the plugin's FlashAttention head-as-sequence does "
+            "not pass them (the CPU backend does)"
+        )
     if device_capability is None:
         return None
     invalid = backend_invalid_reasons(RCStatFlashBackend, vllm_config, device_capability, has_sink=False)
@@ -196,12 +198,12 @@ class FlashAttentionHeadPageKernels(HeadPageKernels):
         self.impl = impl
 
     def write(self, keys, values, key_pages, value_pages, slots, layer):
-            reshape_and_cache_flash(
+        reshape_and_cache_flash(
             keys, values, key_pages, value_pages, slots, self.impl.kv_cache_dtype, *kv_scales(layer)
         )
 
     def attend(self, queries, key_pages, value_pages, out, plan, layer_index, *, scale, softcap, layer):
-            flash_attn_varlen_func(
+        flash_attn_varlen_func(
             q=queries,
             k=key_pages,
             v=value_pages,

@@ -25,8 +25,17 @@ class HeadPageKernels:
         raise NotImplementedError
 
     def attend(
-        self, queries: Tensor, key_pages: Tensor, value_pages: Tensor, out: Tensor, plan: HeadSequencePlan,
-        layer_index: int, *, scale: float, softcap: float, layer,
+        self,
+        queries: Tensor,
+        key_pages: Tensor,
+        value_pages: Tensor,
+        out: Tensor,
+        plan: HeadSequencePlan,
+        layer_index: int,
+        *,
+        scale: float,
+        softcap: float,
+        layer,
     ) -> None:
         """Causal paged attention: ``queries``/``out`` ``[S_q, G, D]``, sequences per ``plan`` (one KV head)."""
         raise NotImplementedError

@@ -155,8 +155,10 @@ class HostStepNumbers:
         query_tokens = np.repeat(sequence_first, sequence_counts) + within
         query_heads = np.repeat(np.tile(np.arange(num_heads, dtype=np.int64), rows.size), sequence_counts)
         # Tokens to write, in batch order (batch index, resident slot, position).
-        write_tokens = np.repeat(starts[rows], counts) + np.arange(counts.sum(), dtype=np.int64) - np.repeat(
-            np.cumsum(counts) - counts, counts
+        write_tokens = (
+            np.repeat(starts[rows], counts)
+            + np.arange(counts.sum(), dtype=np.int64)
+            - np.repeat(np.cumsum(counts) - counts, counts)
         )
         first_position = np.repeat(lengths[rows] - counts - starts[rows], counts)
         longest = np.zeros(space.num_layers, dtype=np.int64)
@@ -204,8 +206,14 @@ def compressed_write_slots(resident: HeadPageTables, token_slots, positions, blo
 #: context parallelism, encoder / cross attention, fast prefill under KV sharing, chunked local attention): the
 #: plain rows' metadata leaves them unset
 UNSPLIT_FIELDS = (
-    "logits_indices_padded", "num_logits_indices", "max_logits_per_req", "encoder_seq_lens", "encoder_seq_lens_cpu",
-    "dcp_local_seq_lens", "dcp_local_seq_lens_cpu_upper_bound", "rswa_prefix_lens",
+    "logits_indices_padded",
+    "num_logits_indices",
+    "max_logits_per_req",
+    "encoder_seq_lens",
+    "encoder_seq_lens_cpu",
+    "dcp_local_seq_lens",
+    "dcp_local_seq_lens_cpu_upper_bound",
+    "rswa_prefix_lens",
 )
 
 
@@ -269,8 +277,9 @@ def plan_head_attention(step_plan, common_attn_metadata) -> None:
     query_start = common_attn_metadata.query_start_loc_cpu.tolist()
     device = common_attn_metadata.block_table_tensor.device
     step_plan.head_plan = make_head_plan(query_start, step_plan.seq_lens, step_plan.compressed, owner.space, device)
-    step_plan.plain = plain_rows(common_attn_metadata, step_plan.compressed, query_start, step_plan.seq_lens,
-                                 owner.block_size)
+    step_plan.plain = plain_rows(
+        common_attn_metadata, step_plan.compressed, query_start, step_plan.seq_lens, owner.block_size
+    )
 
 
 def plan_step_for_builder(owner, common_attn_metadata, build_plain):

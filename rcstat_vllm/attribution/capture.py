@@ -185,11 +185,15 @@ class AttributionCapture:
             return
         for row in rows:
             if row.row_end > row.row_start:
-                row.trace.record(layer_index, row.position, query[row.row_start : row.row_end], key[row.row_start : row.row_end])
+                row.trace.record(
+                    layer_index, row.position, query[row.row_start : row.row_end], key[row.row_start : row.row_end]
+                )
 
     # ---- traces ----
 
-    def _new_trace(self, req_id: str, num_prompt_tokens: int, num_layers: int, options: AttributionOptions) -> AttributionTrace:
+    def _new_trace(
+        self, req_id: str, num_prompt_tokens: int, num_layers: int, options: AttributionOptions
+    ) -> AttributionTrace:
         trace = AttributionTrace(num_prompt_tokens, num_layers, options)
         self.traces[req_id] = trace
         while len(self.traces) > self.max_traces:

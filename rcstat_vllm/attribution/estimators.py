@@ -220,7 +220,9 @@ def span_attention(
     q = q_span.to(acc)
     cross = torch.matmul(q, k_prompt.to(acc).transpose(1, 2)) * scale  # [H, s, m]
     own = torch.matmul(q, k_gen[:, : offset + s].to(acc).transpose(1, 2)) * scale  # [H, s, offset + s]
-    future = torch.arange(offset + s, device=q.device).unsqueeze(0) > (torch.arange(s, device=q.device) + offset).unsqueeze(1)
+    future = torch.arange(offset + s, device=q.device).unsqueeze(0) > (
+        torch.arange(s, device=q.device) + offset
+    ).unsqueeze(1)
     own = own.masked_fill(future, float("-inf"))
     weights = torch.softmax(torch.cat([cross, own], dim=-1), dim=-1)[..., :m].mean(dim=1)  # [H, m]
     cumulative = torch.nn.functional.pad(torch.cumsum(weights, dim=-1), (1, 0))

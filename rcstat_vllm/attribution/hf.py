@@ -114,9 +114,7 @@ def trace_sequence(
 
 def chat_prompt(tokenizer, user_message: str, system: str | None = None) -> str:
     """The rendered chat prompt (text) for one user message, ending with the assistant header."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": user_message}
-    ]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_message}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

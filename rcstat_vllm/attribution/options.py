@@ -13,7 +13,6 @@ from rcstat_vllm.config import ConfigError, is_int, is_number
 ESTIMATORS = ("auto", "exact", "upper")
 
 
-
 @dataclass(frozen=True)
 class AttributionOptions:
     """How heads are ranked and what the streaming trace keeps.

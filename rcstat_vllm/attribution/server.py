@@ -132,8 +132,15 @@ async def _field(engine_client, request, request_id, prompt, prompt_token_ids, o
         else:
             payloads.append(
                 await attribution_payload(
-                    engine_client, request_id, prompt, prompt_token_ids, outputs[index], tokenizer, presentation,
-                    index, num_choices,
+                    engine_client,
+                    request_id,
+                    prompt,
+                    prompt_token_ids,
+                    outputs[index],
+                    tokenizer,
+                    presentation,
+                    index,
+                    num_choices,
                 )
             )
     return payloads[0] if num_choices == 1 else payloads
@@ -141,7 +148,10 @@ async def _field(engine_client, request, request_id, prompt, prompt_token_ids, o
 
 def wrap_full_generator(original):
     """The wrapper ``patches/openai_chat.py`` installs around vLLM's chat completion builder."""
-    async def chat_completion_full_generator(self, request, result_generator, request_id, model_name, conversation, tokenizer, *args, **kwargs):
+
+    async def chat_completion_full_generator(
+        self, request, result_generator, request_id, model_name, conversation, tokenizer, *args, **kwargs
+    ):
         parsed = _parsed(request)
         if parsed is None:
             return await original(
@@ -154,13 +164,21 @@ def wrap_full_generator(original):
                 seen["final"] = res
                 yield res
 
-        response = await original(self, request, tee(), request_id, model_name, conversation, tokenizer, *args, **kwargs)
+        response = await original(
+            self, request, tee(), request_id, model_name, conversation, tokenizer, *args, **kwargs
+        )
         final = seen.get("final")
         if final is None or not hasattr(response, "choices"):
             return response  # an error response
         outputs = {output.index: list(output.token_ids) for output in final.outputs}
         field = await _field(
-            self.engine_client, request, final.request_id, final.prompt, final.prompt_token_ids, outputs, tokenizer,
+            self.engine_client,
+            request,
+            final.request_id,
+            final.prompt,
+            final.prompt_token_ids,
+            outputs,
+            tokenizer,
             parsed[1],
         )
         setattr(response, RESPONSE_FIELD, field)
@@ -175,7 +193,10 @@ _DONE = "data: [DONE]\n\n"
 def wrap_stream_generator(original):
     """The wrapper ``patches/openai_chat.py`` installs around vLLM's streaming chat generator: the attribution
     goes in one more chunk (``"choices": []``) just before ``data: [DONE]``."""
-    async def chat_completion_stream_generator(self, request, result_generator, request_id, model_name, conversation, tokenizer, *args, **kwargs):
+
+    async def chat_completion_stream_generator(
+        self, request, result_generator, request_id, model_name, conversation, tokenizer, *args, **kwargs
+    ):
         parsed = _parsed(request)
         if parsed is None:
             async for item in original(
@@ -198,11 +219,19 @@ def wrap_stream_generator(original):
                 yield res
 
         last: dict[str, Any] = {}
-        async for item in original(self, request, tee(), request_id, model_name, conversation, tokenizer, *args, **kwargs):
+        async for item in original(
+            self, request, tee(), request_id, model_name, conversation, tokenizer, *args, **kwargs
+        ):
             if item == _DONE:
                 field = await _field(
-                    self.engine_client, request, state["request_id"], state["prompt"], state["prompt_token_ids"],
-                    outputs, tokenizer, parsed[1],
+                    self.engine_client,
+                    request,
+                    state["request_id"],
+                    state["prompt"],
+                    state["prompt_token_ids"],
+                    outputs,
+                    tokenizer,
+                    parsed[1],
                 )
                 chunk = {
                     "id": last.get("id", request_id),
@@ -215,7 +244,7 @@ def wrap_stream_generator(original):
                 yield f"data: {json.dumps(chunk)}\n\n"
             elif not last and item.startswith("data: {"):  # id, created and model of the stream
                 with contextlib.suppress(ValueError):
-                    last = json.loads(item[len("data: "):])
+                    last = json.loads(item[len("data: ") :])
             yield item
 
     return chat_completion_stream_generator

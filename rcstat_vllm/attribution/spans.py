@@ -36,9 +36,39 @@ MARKUP = re.compile(
 )
 _END = re.compile(r"[.!?]+[\"'”’)\]]*(?=\s)|\n")  # noqa: RUF001 - closing curly quotes end a sentence too
 _ABBREVIATIONS = {
-    "mr", "mrs", "ms", "dr", "prof", "st", "sr", "jr", "vs", "etc", "e.g", "i.e", "inc", "ltd", "co",
-    "fig", "al", "approx", "dept", "est", "mt", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep",
-    "sept", "oct", "nov", "dec",
+    "mr",
+    "mrs",
+    "ms",
+    "dr",
+    "prof",
+    "st",
+    "sr",
+    "jr",
+    "vs",
+    "etc",
+    "e.g",
+    "i.e",
+    "inc",
+    "ltd",
+    "co",
+    "fig",
+    "al",
+    "approx",
+    "dept",
+    "est",
+    "mt",
+    "jan",
+    "feb",
+    "mar",
+    "apr",
+    "jun",
+    "jul",
+    "aug",
+    "sep",
+    "sept",
+    "oct",
+    "nov",
+    "dec",
 }
 
 
@@ -142,9 +172,7 @@ def assign_tokens(text: str, offsets: Sequence[tuple[int, int]], ranges: Sequenc
     return result
 
 
-def token_spans(
-    text: str, offsets: Sequence[tuple[int, int]], ranges: Sequence[tuple[int, int]]
-) -> list[TextSpan]:
+def token_spans(text: str, offsets: Sequence[tuple[int, int]], ranges: Sequence[tuple[int, int]]) -> list[TextSpan]:
     """TextSpans of character ``ranges`` with the token range of each (empty range if no token maps to it;
     a span's tokens are those assigned to it, from the first to the last)."""
     owners = assign_tokens(text, offsets, ranges)
@@ -176,7 +204,9 @@ def single_token_spans(text: str, offsets: Sequence[tuple[int, int]], skip_marku
     return spans
 
 
-def decode_offsets(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = False) -> tuple[str, list[tuple[int, int]]]:
+def decode_offsets(
+    tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
     """The decoded text of ``token_ids`` and each token's character range in it.
 
     Decodes token by token when the pieces add up to the whole (the usual case); otherwise (a multi-byte

@@ -42,7 +42,6 @@ Exactness: the final top k equal those of the full (non-streaming) computation w
 candidates (always when n <= W or C >= L*Hq); all span scores of those heads are then identical.
 """
 
-
 from __future__ import annotations
 
 import dataclasses

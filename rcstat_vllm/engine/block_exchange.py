@@ -94,7 +94,10 @@ def exchange_sizes(blocks: Sequence[Block], report: CompressionReport, num_token
 
 
 def swap_in_fresh_blocks(
-    pool: BlockPool, blocks: MutableSequence[Block], report: CompressionReport, num_tokens: int = 0,
+    pool: BlockPool,
+    blocks: MutableSequence[Block],
+    report: CompressionReport,
+    num_tokens: int = 0,
     reason: str | None = None,
 ) -> tuple[Compaction, int]:
     """Give the request fresh blocks in place of the blocks it computed (its prefix-cache hits stay, shared);
@@ -112,7 +115,7 @@ def swap_in_fresh_blocks(
     sizes = exchange_sizes(blocks, report, num_tokens)
     shared, end, num_fresh = sizes.shared, sizes.end, sizes.num_fresh
     computed = blocks[shared:end]  # the blocks this request computed (its prefix-cache hits stay as they are)
-    tail = tuple(block.block_id for block in blocks[report.prompt_blocks:end])
+    tail = tuple(block.block_id for block in blocks[report.prompt_blocks : end])
     before = pool.get_num_free_blocks()
     if num_fresh > before + sizes.released:
         return Compaction(report.req_id, cancelled_reason="no free blocks to copy the kept KV into"), 0
@@ -125,8 +128,12 @@ def swap_in_fresh_blocks(
     # (no tail block then).
     generated = num_tokens > report.num_prompt_tokens
     compaction = Compaction(
-        report.req_id, tuple(block.block_id for block in fresh), num_tokens=num_tokens if generated else 0,
-        tail_block_ids=tail, reason=reason, reuses_own_blocks=num_fresh > before,
+        report.req_id,
+        tuple(block.block_id for block in fresh),
+        num_tokens=num_tokens if generated else 0,
+        tail_block_ids=tail,
+        reason=reason,
+        reuses_own_blocks=num_fresh > before,
     )
     return compaction, pool.get_num_free_blocks() - before
 
@@ -238,7 +245,8 @@ class EngineCompaction:
         self.stats.maybe_log(pool.get_num_free_blocks())
 
     def parked(
-        self, running: Callable[[str], tuple[Sequence[Block], int] | None],
+        self,
+        running: Callable[[str], tuple[Sequence[Block], int] | None],
     ) -> tuple[ParkedPlan, ...]:
         """The parked plans of running requests, in the order parked, each with what compacting it frees now
         (``running(req_id)``: its block list and tokens in the cache; None: not running, a request waiting,
@@ -251,7 +259,10 @@ class EngineCompaction:
         return tuple(plans)
 
     def relieve_pressure(
-        self, pool: BlockPool, relief: Relief, running: Callable[[str], tuple[MutableSequence[Block], int]],
+        self,
+        pool: BlockPool,
+        relief: Relief,
+        running: Callable[[str], tuple[MutableSequence[Block], int]],
     ) -> int:
         """Lazy eviction, before a schedule: compact the parked requests the policy chose (``running(req_id)``: their
         block list and tokens in the cache), and more when they freed less than their plans said, until the
@@ -259,9 +270,13 @@ class EngineCompaction:
         before its swap: an earlier compaction of this relief may have changed what it holds alone). Never takes
         more blocks than it gives back. Returns the blocks freed."""
         if relief.freeing_nothing:
-            logger.debug("rcstat: lazy relief (%s) passes over %d parked plans that free nothing now (their prompt "
-                         "blocks are shared with requests that hit them since): %s", relief.reason,
-                         len(relief.freeing_nothing), ", ".join(relief.freeing_nothing))
+            logger.debug(
+                "rcstat: lazy relief (%s) passes over %d parked plans that free nothing now (their prompt "
+                "blocks are shared with requests that hit them since): %s",
+                relief.reason,
+                len(relief.freeing_nothing),
+                ", ".join(relief.freeing_nothing),
+            )
         short, gained = relief.short, 0
         while relief.compact:
             freed = 0
@@ -274,8 +289,12 @@ class EngineCompaction:
             gained += freed
             relief = relief.after(freed)
         if short > 0:
-            logger.debug("rcstat: lazy relief for %d blocks short: %d blocks freed, %d free now", short, gained,
-                         pool.get_num_free_blocks())
+            logger.debug(
+                "rcstat: lazy relief for %d blocks short: %d blocks freed, %d free now",
+                short,
+                gained,
+                pool.get_num_free_blocks(),
+            )
         if gained:
             self.stats.maybe_log(pool.get_num_free_blocks())
         return gained
@@ -292,20 +311,34 @@ class EngineCompaction:
             if not granted:
                 self.stats.observe_decode(report, freed, False)
             self.requests.decode_compacted(report.req_id, report.num_prompt_tokens if granted else None)
-            logger.debug("rcstat: request %s: decode-time compaction at %d tokens: %d generated entries evicted, "
-                         "%d blocks freed, %d free now%s", report.req_id, report.num_prompt_tokens,
-                         report.decode_tokens_evicted, freed, pool.get_num_free_blocks(),
-                         f" (skipped: {compaction.cancelled_reason})" if compaction.cancelled_reason else "")
+            logger.debug(
+                "rcstat: request %s: decode-time compaction at %d tokens: %d generated entries evicted, "
+                "%d blocks freed, %d free now%s",
+                report.req_id,
+                report.num_prompt_tokens,
+                report.decode_tokens_evicted,
+                freed,
+                pool.get_num_free_blocks(),
+                f" (skipped: {compaction.cancelled_reason})" if compaction.cancelled_reason else "",
+            )
             return freed
         if compaction.cancelled_reason is not None:
             report = CompressionReport(
-                report.req_id, report.num_prompt_tokens, report.method, report.prompt_blocks,
-                skipped_reason=compaction.cancelled_reason, block_size=report.block_size,
+                report.req_id,
+                report.num_prompt_tokens,
+                report.method,
+                report.prompt_blocks,
+                skipped_reason=compaction.cancelled_reason,
+                block_size=report.block_size,
             )
             self.stats.observe(report, freed)
         # A deferred plan (lazy eviction, budget mode) is scored by the worker's copy: its ratio is logged there.
-        ratios = (f"compression ratio {report.compression_ratio:.3f}, global eviction ratio "
-                  f"{report.global_eviction_ratio:.3f}" if report.kept else "scored at the copy")
+        ratios = (
+            f"compression ratio {report.compression_ratio:.3f}, global eviction ratio "
+            f"{report.global_eviction_ratio:.3f}"
+            if report.kept
+            else "scored at the copy"
+        )
         logger.debug(
             "rcstat: request %s: %s, %d blocks freed (predicted %d), %d prompt tokens from the prefix cache, "
             "%d free now%s",
@@ -335,8 +368,9 @@ class EngineCompaction:
         pages, not the tokens their position's hash names)."""
         return self.requests.may_cache(req_id)
 
-    def prefix_hit_limit(self, req_id: str, num_hit: int, num_prompt_tokens: int, extra_args,
-                         block_size: int) -> int | None:
+    def prefix_hit_limit(
+        self, req_id: str, num_hit: int, num_prompt_tokens: int, extra_args, block_size: int
+    ) -> int | None:
         """The tokens a prefix-cache hit of ``num_hit`` may keep, when fewer (else None): a hit stops before the
         prompt's observation window of a request that will be compressed (whose queries exist only if computed;
         :func:`~rcstat_vllm.settings.max_cached_prompt_tokens`)."""

@@ -32,14 +32,23 @@ class DecodePressure:
         """The request's config when it compresses generated KV (``make_config()`` the first time it is seen)."""
         return self.requests.watch(req_id, num_tokens, make_config)
 
-    def running(self, req_id: str, num_tokens: int, blocks_held: int,
-                other_groups: tuple[tuple[int, int], ...] = ()) -> RunningRequest:
+    def running(
+        self, req_id: str, num_tokens: int, blocks_held: int, other_groups: tuple[tuple[int, int], ...] = ()
+    ) -> RunningRequest:
         """A running request as the policy reads it (its config None until watched)."""
         record = self.requests.get(req_id)
         if record is None:
             return RunningRequest(req_id, num_tokens, blocks_held, other_groups=other_groups)
-        return RunningRequest(req_id, num_tokens, blocks_held, record.config, record.started_at, record.compacted_at,
-                              record.hurried, other_groups)
+        return RunningRequest(
+            req_id,
+            num_tokens,
+            blocks_held,
+            record.config,
+            record.started_at,
+            record.compacted_at,
+            record.hurried,
+            other_groups,
+        )
 
     def shortfall(self, running: list[RunningRequest], free_blocks: int, block_size: int) -> tuple[int, int, str]:
         """The blocks the running requests will lack within the lead, the lead, and why

@@ -98,32 +98,61 @@ def prometheus_metrics() -> PrometheusMetrics | None:
         Counter("rcstat:requests_compressed", "Requests whose prompt KV cache rcstat compressed."),
         Counter("rcstat:requests_uncompressed", "Requests rcstat ran uncompressed (method none, too short, ...)."),
         Counter("rcstat:requests_planned", "Lazy eviction: compression plans parked until memory is short."),
-        Counter("rcstat:requests_never_compacted", "Lazy eviction: parked plans whose request left before memory "
-                "was short (full cache kept)."),
+        Counter(
+            "rcstat:requests_never_compacted",
+            "Lazy eviction: parked plans whose request left before memory was short (full cache kept).",
+        ),
         Counter("rcstat:kv_blocks_freed", "KV cache blocks rcstat returned to vLLM's block pool."),
-        Histogram("rcstat:kv_blocks_freed_per_compaction", "KV cache blocks one rcstat compaction returned.",
-                  buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
-        Histogram("rcstat:compression_ratio", "Evicted / prompt KV entries per compressed request.",
-                  buckets=RATIO_BUCKETS),
-        Histogram("rcstat:global_eviction_ratio",
-                  "Share of prompt tokens evicted from every KV head of every layer, per compressed request.",
-                  buckets=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)),
+        Histogram(
+            "rcstat:kv_blocks_freed_per_compaction",
+            "KV cache blocks one rcstat compaction returned.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+        ),
+        Histogram(
+            "rcstat:compression_ratio", "Evicted / prompt KV entries per compressed request.", buckets=RATIO_BUCKETS
+        ),
+        Histogram(
+            "rcstat:global_eviction_ratio",
+            "Share of prompt tokens evicted from every KV head of every layer, per compressed request.",
+            buckets=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+        ),
         Counter("rcstat:decode_compactions", "Decode-time compactions of generated KV that rcstat ran."),
         Counter("rcstat:decode_compactions_skipped", "Decode-time compactions planned but not run (no free blocks)."),
-        Counter("rcstat:decode_tokens_evicted", "Generated KV entries (layer x KV head x token) decode-time "
-                "compactions evicted."),
-        Histogram("rcstat:compaction_seconds", "Worker time of one rcstat KV copy (compaction), by kind.",
-                  ["kind"], buckets=SECONDS_BUCKETS),
-        Histogram("rcstat:step_compaction_seconds", "Worker time rcstat spent compacting in one step (steps with "
-                  "at least one compaction).", buckets=SECONDS_BUCKETS),
-        Histogram("rcstat:compactions_per_step", "rcstat compactions one step ran (steps with at least one).",
-                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64)),
-        Gauge("rcstat:worker_requests", "Requests in the rcstat worker's table (rank 0; 0 when idle).",
-              multiprocess_mode="livemostrecent"),
-        Gauge("rcstat:worker_results", "Requests' results the rcstat worker keeps for the Python API (rank 0, "
-              "bounded).", multiprocess_mode="livemostrecent"),
-        Gauge("rcstat:scheduler_requests", "Requests rcstat's scheduler side tracks (0 when idle).",
-              multiprocess_mode="livemostrecent"),
+        Counter(
+            "rcstat:decode_tokens_evicted",
+            "Generated KV entries (layer x KV head x token) decode-time compactions evicted.",
+        ),
+        Histogram(
+            "rcstat:compaction_seconds",
+            "Worker time of one rcstat KV copy (compaction), by kind.",
+            ["kind"],
+            buckets=SECONDS_BUCKETS,
+        ),
+        Histogram(
+            "rcstat:step_compaction_seconds",
+            "Worker time rcstat spent compacting in one step (steps with at least one compaction).",
+            buckets=SECONDS_BUCKETS,
+        ),
+        Histogram(
+            "rcstat:compactions_per_step",
+            "rcstat compactions one step ran (steps with at least one).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+        ),
+        Gauge(
+            "rcstat:worker_requests",
+            "Requests in the rcstat worker's table (rank 0; 0 when idle).",
+            multiprocess_mode="livemostrecent",
+        ),
+        Gauge(
+            "rcstat:worker_results",
+            "Requests' results the rcstat worker keeps for the Python API (rank 0, bounded).",
+            multiprocess_mode="livemostrecent",
+        ),
+        Gauge(
+            "rcstat:scheduler_requests",
+            "Requests rcstat's scheduler side tracks (0 when idle).",
+            multiprocess_mode="livemostrecent",
+        ),
     )
 
 
@@ -281,14 +310,18 @@ class CompressionStats:
             self.cached_tokens,
             self.requests_skipped,
             f"; lazy eviction: {self.requests_planned} plans parked, {self.requests_never_compacted} left with their "
-            "full cache" if self.requests_planned else "",
+            "full cache"
+            if self.requests_planned
+            else "",
             self.blocks_freed,
             free_blocks,
             f"; {self.decode_compactions} decode-time compactions ({self.decode_tokens_evicted} generated entries "
             f"evicted, {self.decode_skipped} skipped for want of free blocks)"
-            if self.decode_compactions or self.decode_skipped else "",
+            if self.decode_compactions or self.decode_skipped
+            else "",
             f"; worker copies: {self.prompt_copies} prompt, {self.decode_copies} decode in {self.compaction_steps} "
             f"steps, {self.compaction_seconds * 1e3:.1f} ms in all, longest step {self.max_step_compaction_seconds * 1e3:.1f} ms"
-            if self.compaction_steps else "",
+            if self.compaction_steps
+            else "",
         )
         self._last_log, self._dirty = now, False

@@ -80,14 +80,17 @@ class PoolSnapshot:
     other_block_sizes: tuple[int, ...] = ()
 
 
-def blocks_wanted(running: Sequence[RunningRequest], first_waiting_tokens: int, block_size: int,
-                  other_block_sizes: Sequence[int] = ()) -> tuple[int, str]:
+def blocks_wanted(
+    running: Sequence[RunningRequest], first_waiting_tokens: int, block_size: int, other_block_sizes: Sequence[int] = ()
+) -> tuple[int, str]:
     """The blocks the coming schedule is about to take (an upper bound), and what wants them: each running request's
     blocks up to its next token (the rest of its prompt for a prefill in chunks), and the first waiting request's
     whole prompt; in every KV cache group, as vLLM's ``get_num_blocks_to_allocate`` sums them (a hybrid model's
     sliding-window group takes blocks from the same pool)."""
     growth = sum(r.growth(r.num_tokens, block_size) for r in running)
-    waiting = cdiv(first_waiting_tokens, block_size) + sum(cdiv(first_waiting_tokens, size) for size in other_block_sizes)
+    waiting = cdiv(first_waiting_tokens, block_size) + sum(
+        cdiv(first_waiting_tokens, size) for size in other_block_sizes
+    )
     return growth + waiting, f"{growth} blocks for running requests' growth and {waiting} for the first waiting request"
 
 
@@ -179,8 +182,9 @@ def shortfall(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> 
     (:func:`blocks_wanted`) and ``decode``, the decode-time forecast's (:func:`decode_shortfall`'s shortfall and reason;
     None when no running request compresses generated KV)."""
     free = snapshot.free_blocks
-    wanted, why = blocks_wanted(snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size,
-                                snapshot.other_block_sizes)
+    wanted, why = blocks_wanted(
+        snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size, snapshot.other_block_sizes
+    )
     short, reason = wanted - free, f"{wanted} blocks wanted, {free} free ({why})"
     if decode is not None and decode[0] > short:
         short, reason = decode[0], f"decode-time compression: {decode[1]}"

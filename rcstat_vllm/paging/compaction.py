@@ -46,7 +46,11 @@ def compaction_order(pages_per_head: Tensor, space: PageSpace, reused: Tensor) -
 
 
 def assign_pages(
-    kept: Tensor, dest_blocks: Tensor, space: PageSpace, reused: Tensor | None = None, order: Sequence[int] | None = None
+    kept: Tensor,
+    dest_blocks: Tensor,
+    space: PageSpace,
+    reused: Tensor | None = None,
+    order: Sequence[int] | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """Hand the pages of ``dest_blocks`` to the (layer, head)s: each takes ``ceil(kept / N)`` consecutive pages of
     its pool, the layers in ``order`` (default: index order), heads in order. A pool's pages are ordered block by
@@ -143,8 +147,14 @@ def compact_request(
         tables = torch.cat([prefix, tables], dim=2)
     device_tables = tables.to(device)
     for layer in order:
-        _move_layer(space.cache(layer, caches[layer]), keep_masks[layer], space.identity(layer, source_blocks),
-                    device_tables[layer, :, shared_blocks:], block_size, layout)
+        _move_layer(
+            space.cache(layer, caches[layer]),
+            keep_masks[layer],
+            space.identity(layer, source_blocks),
+            device_tables[layer, :, shared_blocks:],
+            block_size,
+            layout,
+        )
     return CompactedRequest.from_compaction(
         num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel(), shared_blocks
     )
@@ -185,7 +195,9 @@ def recompact_request(
     shared_tokens = shared_blocks * block_size
     lengths = state.lengths(num_tokens)
     for layer, mask in enumerate(keep_masks):
-        beyond = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) >= lengths[layer].to(mask.device).unsqueeze(1)
+        beyond = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) >= lengths[layer].to(
+            mask.device
+        ).unsqueeze(1)
         if mask.shape[1] < int(lengths[layer].max()) or bool((mask & beyond).any()):
             raise ValueError(f"rcstat: layer {layer}'s keep mask must cover each head's entries and nothing past them")
     _check_shared_kept(keep_masks, shared_tokens)
@@ -196,8 +208,15 @@ def recompact_request(
         tables = torch.cat([old_tables[:, :, :shared_blocks], tables], dim=2)
     device = keep_masks[0].device
     sources, dests = old_tables.to(device), tables.to(device)
-    moves = [(space.cache(layer, caches[layer]), mask[:, shared_tokens:], sources[layer, :, shared_blocks:],
-              dests[layer, :, shared_blocks:]) for layer, mask in enumerate(keep_masks)]
+    moves = [
+        (
+            space.cache(layer, caches[layer]),
+            mask[:, shared_tokens:],
+            sources[layer, :, shared_blocks:],
+            dests[layer, :, shared_blocks:],
+        )
+        for layer, mask in enumerate(keep_masks)
+    ]
     if staged:
         read = [_read_kept(cache, mask, source, block_size, layout) for cache, mask, source, _ in moves]
         for (cache, mask, _, dest), entries in zip(moves, read):
@@ -216,7 +235,9 @@ def _check_shared_kept(keep_masks: Sequence[Tensor], shared_tokens: int) -> None
         raise ValueError("rcstat: a shared (prefix-cache) block's tokens must be kept by every head")
 
 
-def _move_layer(cache: Tensor, mask: Tensor, source: Tensor, dest: Tensor, block_size: int, layout: CacheLayout) -> None:
+def _move_layer(
+    cache: Tensor, mask: Tensor, source: Tensor, dest: Tensor, block_size: int, layout: CacheLayout
+) -> None:
     """Copy one layer's kept tokens (``mask`` ``[H, n]``) from its source pages ``[H, blocks]`` to slots ``0..k-1``
     of each head's destination pages ``[H, P]``: all are read before any is written, and every index tensor is
     dropped as soon as it has served, so the peak is the kept keys and values plus a few int64s per entry."""

@@ -93,7 +93,13 @@ class CompactedRequest:
 
     @classmethod
     def from_compaction(
-        cls, num_tokens: int, space: PageSpace, kept: Tensor, tables: Tensor, unused: list[Tensor], keep_blocks: int,
+        cls,
+        num_tokens: int,
+        space: PageSpace,
+        kept: Tensor,
+        tables: Tensor,
+        unused: list[Tensor],
+        keep_blocks: int,
         shared_blocks: int = 0,
     ) -> CompactedRequest:
         """The state after :func:`compact_request` moved ``num_tokens`` tokens' kept entries into ``keep_blocks``
@@ -112,8 +118,9 @@ class CompactedRequest:
         return state
 
     @classmethod
-    def uncompressed(cls, num_tokens: int, space: PageSpace, block_ids: Tensor, shared_blocks: int = 0
-                     ) -> CompactedRequest:
+    def uncompressed(
+        cls, num_tokens: int, space: PageSpace, block_ids: Tensor, shared_blocks: int = 0
+    ) -> CompactedRequest:
         """An uncompressed request's tokens seen as head pages (every head holds all of them in the identity pages of
         its blocks): the source of its first decode-time compaction, which keeps its first ``shared_blocks`` blocks as
         they are. Not for decoding: it owns no pool pages."""

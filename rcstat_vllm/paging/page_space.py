@@ -85,7 +85,10 @@ class PageSpace:
         """Blocks a request needs for ``pages`` ``[L, H]`` pages per (layer, head): the max over pools."""
         per_layer = pages.sum(dim=1).tolist()
         return max(
-            (cdiv(sum(per_layer[layer] for layer in group), self.pages_per_block(i)) for i, group in enumerate(self.pools)),
+            (
+                cdiv(sum(per_layer[layer] for layer in group), self.pages_per_block(i))
+                for i, group in enumerate(self.pools)
+            ),
             default=0,
         )
 

@@ -39,8 +39,15 @@ CONTRACTS = (
     Contract("vllm.v1.kv_cache_layout:KVCacheLayout.LBHNC"),
     Contract(
         "vllm.v1.attention.backends.fa_utils:get_flash_attn_version",
-        ("requires_alibi", "head_size", "head_size_v", "has_sinks", "requires_softcap", "kv_cache_block_size",
-         "supports_fa4_hd256"),
+        (
+            "requires_alibi",
+            "head_size",
+            "head_size_v",
+            "has_sinks",
+            "requires_softcap",
+            "kv_cache_block_size",
+            "supports_fa4_hd256",
+        ),
     ),
     Contract("vllm.v1.attention.backends.fa_utils:flash_attn_varlen_func", platform="cuda"),
     Contract("vllm.v1.attention.backends.fa_utils:reshape_and_cache_flash", platform="cuda"),

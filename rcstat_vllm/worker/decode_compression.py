@@ -119,8 +119,9 @@ class DecodeCompressor:
         joined = queries if previous is None else torch.cat([previous, queries])
         self.queries[layer] = joined[-self.num_queries :].clone()
 
-    def score_layer(self, layer: int, state: CompactedRequest, kv_cache: Tensor, layout: CacheLayout, scale: float,
-                    num_tokens: int) -> None:
+    def score_layer(
+        self, layer: int, state: CompactedRequest, kv_cache: Tensor, layout: CacheLayout, scale: float, num_tokens: int
+    ) -> None:
         """Score each head of ``layer`` over its generated entries (run after the layer's attention in the due step,
         once this step's queries are saved). Each head is scored over its own entries: heads hold different ones."""
         queries = self.queries[layer]
@@ -137,8 +138,9 @@ class DecodeCompressor:
         block_size = state.block_size
         pages = torch.gather(tables, 1, entries // block_size)
         keys, values = layout.read(state.space.cache(layer, kv_cache), pages, entries % block_size)
-        per_head = self.scorer.score_ragged(queries.transpose(0, 1).float(), keys.float(), values.float(),
-                                            counts.tolist(), scale)
+        per_head = self.scorer.score_ragged(
+            queries.transpose(0, 1).float(), keys.float(), values.float(), counts.tolist(), scale
+        )
         self.scores[layer] = per_head
         self.scores_device = kv_cache.device
 
@@ -163,8 +165,9 @@ class DecodeCompressor:
             # Right-aligned so that every head's last `window` columns are its latest tokens (the window, always
             # kept); columns before a head's first generated entry score lowest and are never chosen (the budget
             # is below the entries there are).
-            padded = torch.full((len(per_head), width), torch.finfo(torch.float64).min, device=per_head[0].device,
-                                dtype=torch.float64)
+            padded = torch.full(
+                (len(per_head), width), torch.finfo(torch.float64).min, device=per_head[0].device, dtype=torch.float64
+            )
             for head, scores in enumerate(per_head):
                 padded[head, width - scores.numel() :] = self._comparable(scores)
             ratio = max(0.0, 1.0 - self.budget / width)  # (the widest head holds more than the budget when due)
@@ -180,8 +183,9 @@ class DecodeCompressor:
         self.queries = [None] * self.num_layers
         kept = torch.stack([mask.sum(dim=1) for mask in masks])
         keep_blocks = blocks_needed(kept, num_tokens, state.space, state.shared_blocks)
-        self.pending = DecodePlan(num_tokens, [m.to(device) for m in masks], kept, evicted, keep_blocks,
-                                  state.shared_blocks)
+        self.pending = DecodePlan(
+            num_tokens, [m.to(device) for m in masks], kept, evicted, keep_blocks, state.shared_blocks
+        )
         return self.pending
 
     def compacted(self) -> None:

@@ -115,8 +115,9 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         """What every row of this batch does (:class:`~rcstat_vllm.worker.step_plan.StepPlanner`)."""
         return self.plan_rows(self._step, common_attn_metadata)
 
-    def after_attention(self, plan: StepCompression, layer_index: int, query: torch.Tensor, kv_cache: torch.Tensor,
-                        scale: float) -> None:
+    def after_attention(
+        self, plan: StepCompression, layer_index: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> None:
         """After a layer's attention: save the queries later scoring reads, score this step's jobs and, once a job
         has seen every layer, select what its heads keep."""
         for record, start, end, count in plan.to_save:
@@ -148,8 +149,12 @@ class WorkerCompression(CompressedLayers, StepPlanner):
             return None
         copies, self._copies = tuple(self._copies), []
         scored, self._scored_at_copy = tuple(self._scored_at_copy), []
-        step = StepCompactions(copies, worker_requests=tracked if tracked != self._tracked_sent else None,
-                               worker_results=kept if kept != self._results_sent else None, scored_at_copy=scored)
+        step = StepCompactions(
+            copies,
+            worker_requests=tracked if tracked != self._tracked_sent else None,
+            worker_results=kept if kept != self._results_sent else None,
+            scored_at_copy=scored,
+        )
         self._tracked_sent, self._results_sent = tracked, kept
         return step
 

@@ -68,8 +68,14 @@ class PromptJob(CompactionJob):
 
     kind = "prompt"
 
-    def __init__(self, compressor: RequestCompressor, layout: CacheLayout, *,
-                 saved_queries: list[Tensor | None] | None = None, deferred_bound: int | None = None):
+    def __init__(
+        self,
+        compressor: RequestCompressor,
+        layout: CacheLayout,
+        *,
+        saved_queries: list[Tensor | None] | None = None,
+        deferred_bound: int | None = None,
+    ):
         self.compressor, self.layout = compressor, layout
         #: per layer, the trailing queries of the prompt's earlier chunks (chunked prefill), or None
         self.saved_queries = saved_queries
@@ -80,8 +86,17 @@ class PromptJob(CompactionJob):
             compressor.defer_scoring()
 
     @classmethod
-    def start(cls, decision: CompressionDecision, num_layers: int, block_row: Tensor, layout: CacheLayout, *,
-              cached_tokens: int, saved_queries: list[Tensor | None] | None, deferred_bound: int | None) -> PromptJob:
+    def start(
+        cls,
+        decision: CompressionDecision,
+        num_layers: int,
+        block_row: Tensor,
+        layout: CacheLayout,
+        *,
+        cached_tokens: int,
+        saved_queries: list[Tensor | None] | None,
+        deferred_bound: int | None,
+    ) -> PromptJob:
         """The job of a prompt finishing its prefill in this step (``block_row``: its row of vLLM's block table)."""
         compressor = RequestCompressor(decision, num_layers, block_row)
         compressor.num_cached_tokens = cached_tokens
@@ -118,8 +133,9 @@ class PromptJob(CompactionJob):
 
     def compact(self, caches: list[Tensor], compaction: Compaction, space: PageSpace) -> CompactedRequest:
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
-        return self.compressor.compact(caches, dest, space, self.layout, compaction.num_tokens,
-                                       compaction.tail_block_ids)
+        return self.compressor.compact(
+            caches, dest, space, self.layout, compaction.num_tokens, compaction.tail_block_ids
+        )
 
     def outcome(self, compaction: Compaction) -> CompressionReport:
         """The compacted request's report (what each head kept, blocks freed, when and why)."""
@@ -155,8 +171,9 @@ class DecodeJob(CompactionJob):
 
     kind = "decode"
 
-    def __init__(self, req_id: str, decode: DecodeCompressor, source: CompactedRequest, num_tokens: int,
-                 layout: CacheLayout):
+    def __init__(
+        self, req_id: str, decode: DecodeCompressor, source: CompactedRequest, num_tokens: int, layout: CacheLayout
+    ):
         self.req_id, self.decode, self.source, self.num_tokens, self.layout = req_id, decode, source, num_tokens, layout
         self._layers_seen = 0
 
@@ -175,28 +192,45 @@ class DecodeJob(CompactionJob):
         plan = self.decode.pending
         plan.keep_blocks = keep_blocks
         return CompressionReport(
-            req_id=self.req_id, num_prompt_tokens=plan.num_tokens, method=self.decode.config.method,
-            keep_blocks=keep_blocks, kept=plan.kept.tolist(), block_size=self.source.block_size,
-            pooled_pages=self.source.space.is_pooled, num_cached_tokens=plan.shared_blocks * self.source.block_size,
-            decode=True, decode_tokens_evicted=plan.evicted,
+            req_id=self.req_id,
+            num_prompt_tokens=plan.num_tokens,
+            method=self.decode.config.method,
+            keep_blocks=keep_blocks,
+            kept=plan.kept.tolist(),
+            block_size=self.source.block_size,
+            pooled_pages=self.source.space.is_pooled,
+            num_cached_tokens=plan.shared_blocks * self.source.block_size,
+            decode=True,
+            decode_tokens_evicted=plan.evicted,
         )
 
     def compact(self, caches: list[Tensor], compaction: Compaction, space: PageSpace) -> CompactedRequest:
         plan = self.decode.pending
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
         if dest.numel() != plan.keep_blocks - self.source.shared_blocks:
-            raise ValueError(f"rcstat: {dest.numel()} fresh blocks allocated, "
-                             f"{plan.keep_blocks - self.source.shared_blocks} needed")
-        pages = recompact_request(caches, self.source, plan.num_tokens, plan.masks, dest, self.layout,
-                                  staged=compaction.reuses_own_blocks)
+            raise ValueError(
+                f"rcstat: {dest.numel()} fresh blocks allocated, {plan.keep_blocks - self.source.shared_blocks} needed"
+            )
+        pages = recompact_request(
+            caches, self.source, plan.num_tokens, plan.masks, dest, self.layout, staged=compaction.reuses_own_blocks
+        )
         self.decode.compacted()
-        logger.debug("rcstat: request %s: decode-time compaction %d at %d tokens: %d generated entries evicted, "
-                     "%d blocks held", self.req_id, self.decode.compactions, plan.num_tokens, plan.evicted,
-                     plan.keep_blocks)
+        logger.debug(
+            "rcstat: request %s: decode-time compaction %d at %d tokens: %d generated entries evicted, %d blocks held",
+            self.req_id,
+            self.decode.compactions,
+            plan.num_tokens,
+            plan.evicted,
+            plan.keep_blocks,
+        )
         return pages
 
     def cancelled(self, reason: str) -> None:
-        logger.debug("rcstat: request %s: decode-time compaction at %d tokens skipped: %s", self.req_id,
-                     self.decode.pending.num_tokens, reason)
+        logger.debug(
+            "rcstat: request %s: decode-time compaction at %d tokens skipped: %s",
+            self.req_id,
+            self.decode.pending.num_tokens,
+            reason,
+        )
         self.decode.cancelled()
         return None

@@ -25,8 +25,9 @@ class PageStore:
         """A compaction's pages join the resident tables (a slot of their own)."""
         if self.tables is None:
             device = next(cache.device for cache in self.layer_caches if cache is not None)
-            self.tables = HeadPageTables(self.num_layers, self.num_heads, device, max_slots=self.max_slots,
-                                         max_width=self.max_width)
+            self.tables = HeadPageTables(
+                self.num_layers, self.num_heads, device, max_slots=self.max_slots, max_width=self.max_width
+            )
         pages.attach_to(self.tables)
 
     def release(self, pages: CompactedRequest) -> None:

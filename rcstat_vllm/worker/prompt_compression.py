@@ -123,8 +123,9 @@ def host_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [c.view(t.shape).to(t.dtype) for c, t in zip(copies, tensors)]
 
 
-def deferred_keep_blocks(config: RCStatConfig, num_tokens: int, num_layers: int, space: PageSpace,
-                         shared_blocks: int = 0) -> int | None:
+def deferred_keep_blocks(
+    config: RCStatConfig, num_tokens: int, num_layers: int, space: PageSpace, shared_blocks: int = 0
+) -> int | None:
     """Lazy eviction in budget mode over pooled pages: the most blocks a request's kept KV can need, known before
     scoring, so its scoring can wait until the scheduler needs its blocks (a request that never meets pressure is
     never scored). The budget fixes how many entries are kept (:func:`select_budget`: ``T - round(ratio * T)`` of the
@@ -240,8 +241,9 @@ class RequestCompressor:
         use_triton = triton_scoring(layout, kv_cache)
         scores = self.scorer.score_paged(q_window, prompt.tail(first_block), scale, use_triton=use_triton)
         # [H, n]: the skipped tokens score 0 (select reads from the first shared-block boundary on)
-        self.scores[layer] = torch.nn.functional.pad(scores, (first_block * prompt.block_size, 0)) if first_block \
-            else scores
+        self.scores[layer] = (
+            torch.nn.functional.pad(scores, (first_block * prompt.block_size, 0)) if first_block else scores
+        )
 
     @property
     def shared_blocks(self) -> int:
@@ -319,11 +321,18 @@ class RequestCompressor:
         while needed > allocated:
             ratio = self.config.target_ratio
             if ratio >= 0.99:
-                raise RuntimeError(f"rcstat: request {self.decision.req_id}: its forced keeps need {needed} blocks, "
-                                   f"{allocated} were allocated")
+                raise RuntimeError(
+                    f"rcstat: request {self.decision.req_id}: its forced keeps need {needed} blocks, "
+                    f"{allocated} were allocated"
+                )
             self.config = dataclasses.replace(self.config, target_ratio=min(0.99, ratio + 0.05))
-            logger.warning("rcstat: request %s: %d blocks needed, %d allocated: evicting %.2f instead",
-                           self.decision.req_id, needed, allocated, self.config.target_ratio)
+            logger.warning(
+                "rcstat: request %s: %d blocks needed, %d allocated: evicting %.2f instead",
+                self.decision.req_id,
+                needed,
+                allocated,
+                self.config.target_ratio,
+            )
             self.scores = list(scores)
             needed = self.select(space)
 
@@ -364,6 +373,7 @@ class RequestCompressor:
             global_eviction_ratio=float((~self.visible.any(dim=0)).float().mean()),
             num_cached_tokens=self.num_cached_tokens,
             lazy=self.config.eviction == "lazy",
-            budget_tightened_to=(self.config.target_ratio
-                                 if self.config.target_ratio != self.decision.config.target_ratio else None),
+            budget_tightened_to=(
+                self.config.target_ratio if self.config.target_ratio != self.decision.config.target_ratio else None
+            ),
         )

@@ -87,8 +87,10 @@ class ResultsLog:
         stored = PackedReport(report)
         if earlier is not None and earlier.report.ended is not None:
             earlier_report = earlier.unpacked()
-            stored.report.earlier_passes = [*earlier_report.earlier_passes,
-                                            {**earlier_report.to_dict(), "earlier_passes": []}]
+            stored.report.earlier_passes = [
+                *earlier_report.earlier_passes,
+                {**earlier_report.to_dict(), "earlier_passes": []},
+            ]
         elif earlier is not None:  # (the same pass reported again: the last outcome stands)
             stored.report.earlier_passes = earlier.report.earlier_passes
         self._results[report.req_id] = stored
@@ -99,7 +101,9 @@ class ResultsLog:
                 logger.warning(
                     "rcstat: the worker keeps the compression results of the last %d requests; older ones are "
                     "dropped (read them with rcstat_vllm.api.compression_results and clear them sooner to keep "
-                    "them all)", self.max_results)
+                    "them all)",
+                    self.max_results,
+                )
         logger.debug(
             "rcstat: request %s (%d prompt tokens, %d from the prefix cache, %s): compression ratio %.3f, "
             "global eviction ratio %.3f, %d blocks freed%s",

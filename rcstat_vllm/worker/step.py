@@ -33,7 +33,6 @@ class BatchRequest:
         return self.num_computed_tokens < self.num_prompt_tokens <= self.num_tokens_after_step
 
 
-
 @dataclass
 class StepInfo:
     requests: list[BatchRequest]

@@ -89,8 +89,9 @@ class StepPlanner:
         """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped."""
         saved = None if record is None else record.saved_for(0)
         settings = self.request_settings.of(request.req_id, request.extra_args)
-        decision = plan_compression(request, settings, start, end, self.disabled_reason,
-                                    saved_queries=0 if saved is None else saved.shape[0])
+        decision = plan_compression(
+            request, settings, start, end, self.disabled_reason, saved_queries=0 if saved is None else saved.shape[0]
+        )
         if decision.skipped_reason is not None:
             self.requests.drop(request.req_id)
             report = decision.skipped_report(self.num_layers, self.num_heads, self.block_size)
@@ -99,9 +100,15 @@ class StepPlanner:
             self.results_log.send(report)
             return
         record = self.requests.in_prefill(request.req_id)
-        job = PromptJob.start(decision, self.num_layers, block_row, self.layout, cached_tokens=record.cached_tokens,
-                              saved_queries=record.saved_queries,
-                              deferred_bound=self._deferred_bound(decision, record.cached_tokens))
+        job = PromptJob.start(
+            decision,
+            self.num_layers,
+            block_row,
+            self.layout,
+            cached_tokens=record.cached_tokens,
+            saved_queries=record.saved_queries,
+            deferred_bound=self._deferred_bound(decision, record.cached_tokens),
+        )
         self.requests.start_job(record, job)
         plan.scoring.append(record)
 
@@ -131,8 +138,12 @@ class StepPlanner:
         if self._watch_decode(plan, record, num_tokens, *rows, start_job=False):
             # Every head keeps the whole prompt: its full blocks stay as they are (prefix-cache hits stay shared with
             # the requests that hit them, its own prompt blocks stay cache entries), only the rest is copied.
-            source = CompactedRequest.uncompressed(num_tokens, self.space, self._own_blocks(request, block_table, row),
-                                                   shared_blocks=request.num_prompt_tokens // self.block_size)
+            source = CompactedRequest.uncompressed(
+                num_tokens,
+                self.space,
+                self._own_blocks(request, block_table, row),
+                shared_blocks=request.num_prompt_tokens // self.block_size,
+            )
             self._start_decode_job(plan, record, source, num_tokens)
 
     def _decode_watcher(self, request) -> DecodeCompressor | None:
@@ -146,8 +157,9 @@ class StepPlanner:
         generated = request.num_computed_tokens - request.num_prompt_tokens
         return DecodeCompressor(config, prompt, request.num_computed_tokens, generated)
 
-    def _watch_decode(self, plan: StepCompression, record, num_tokens: int, start: int, end: int, *,
-                      start_job: bool = True) -> bool:
+    def _watch_decode(
+        self, plan: StepCompression, record, num_tokens: int, start: int, end: int, *, start_job: bool = True
+    ) -> bool:
         """Keep the row's queries when a decode-time compaction is near; when one is due (True), its job starts
         (over the request's head pages, unless ``start_job`` is False). The scheduler brings a compaction forward
         when the pool is about to run short."""

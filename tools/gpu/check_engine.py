@@ -46,18 +46,34 @@ def worker(spec: dict) -> dict:
     gen_s = time.perf_counter() - t0
     result = {
         "ok": all(len(o.outputs[0].token_ids) == spec["max_tokens"] for o in outputs),
-        "import_s": round(import_s, 1), "engine_start_s": round(start_s, 1), "generate_s": round(gen_s, 2),
-        "prompt_lens": [len(p) for p in prompts], "output_lens": [len(o.outputs[0].token_ids) for o in outputs],
-        "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outputs], "engine": facts,
+        "import_s": round(import_s, 1),
+        "engine_start_s": round(start_s, 1),
+        "generate_s": round(gen_s, 2),
+        "prompt_lens": [len(p) for p in prompts],
+        "output_lens": [len(o.outputs[0].token_ids) for o in outputs],
+        "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outputs],
+        "engine": facts,
     }
     if spec["engine"].get("additional_config"):
         from rcstat_vllm.api import compression_results, match_outputs
 
         matched = match_outputs(outputs, compression_results(llm))
         result["compression"] = [
-            None if m is None else {k: m.get(k) for k in ("num_prompt_tokens", "method", "compression_ratio",
-                                                          "blocks_freed", "skipped_reason", "pooled_pages")}
-            for m in matched]
+            None
+            if m is None
+            else {
+                k: m.get(k)
+                for k in (
+                    "num_prompt_tokens",
+                    "method",
+                    "compression_ratio",
+                    "blocks_freed",
+                    "skipped_reason",
+                    "pooled_pages",
+                )
+            }
+            for m in matched
+        ]
     if spec.get("inprocess", True):
         try:
             pool = gpu_common.engine_core(llm).scheduler.kv_cache_manager.block_pool
@@ -71,10 +87,17 @@ def worker(spec: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--runs", default=DEFAULT_RUNS, help=f"mode:setting,... (default {DEFAULT_RUNS}); modes "
-                        f"eager|graphs; settings {', '.join(gpu_common.SETTINGS)}")
-    parser.add_argument("--multiprocessing", action="store_true",
-                        help="also run eager:bare with vLLM's engine-core process (the default LLM set-up)")
+    parser.add_argument(
+        "--runs",
+        default=DEFAULT_RUNS,
+        help=f"mode:setting,... (default {DEFAULT_RUNS}); modes "
+        f"eager|graphs; settings {', '.join(gpu_common.SETTINGS)}",
+    )
+    parser.add_argument(
+        "--multiprocessing",
+        action="store_true",
+        help="also run eager:bare with vLLM's engine-core process (the default LLM set-up)",
+    )
     parser.add_argument("--kv-gib", type=float, default=4.0)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -92,8 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         plan.append(("eager", "bare", False))
     # 40 tokens: under min_prompt_len (64), uncompressed; 1-3k tokens: compressed by the bare flag's defaults.
     batches = [(1, 40, 40), (3, 1000, 3000)]
-    report = {"check": "engine", "environment": gpu_common.environment(), "model": gpu_common.LLAMA_31_8B,
-              "runs": {}, "skipped": []}
+    report = {
+        "check": "engine",
+        "environment": gpu_common.environment(),
+        "model": gpu_common.LLAMA_31_8B,
+        "runs": {},
+        "skipped": [],
+    }
     for mode, setting, inprocess in plan:
         name = f"{mode}:{setting}" + ("" if inprocess else ":mp")
         elapsed = time.perf_counter() - t_start
@@ -101,24 +129,36 @@ def main(argv: list[str] | None = None) -> int:
             report["skipped"].append(f"{name} (budget: {elapsed:.0f} s used)")
             continue
         env, rcstat = gpu_common.SETTINGS[setting]
-        engine = gpu_common.engine_kwargs(model, rcstat, eager=(mode == "eager"), max_model_len=args.max_model_len,
-                                          kv_bytes=int(args.kv_gib * 2**30))
+        engine = gpu_common.engine_kwargs(
+            model, rcstat, eager=(mode == "eager"), max_model_len=args.max_model_len, kv_bytes=int(args.kv_gib * 2**30)
+        )
         spec = {"engine": engine, "batches": batches, "max_tokens": args.max_tokens, "inprocess": inprocess}
         print(f"[engine] {name} ...", file=sys.stderr, flush=True)
-        result = gpu_common.run_worker(Path(__file__).resolve(), spec, env, f"engine_{mode}_{setting}"
-                                       + ("" if inprocess else "_mp"), args.engine_timeout)
+        result = gpu_common.run_worker(
+            Path(__file__).resolve(),
+            spec,
+            env,
+            f"engine_{mode}_{setting}" + ("" if inprocess else "_mp"),
+            args.engine_timeout,
+        )
         result["setting"] = {"mode": mode, "name": setting, "env": env, "rcstat": rcstat, "inprocess": inprocess}
         report["runs"][name] = result
-        print(f"[engine] {name}: ok={result.get('ok')} start={result.get('engine_start_s')} s "
-              f"error={str(result.get('error', ''))[:200]}", file=sys.stderr, flush=True)
+        print(
+            f"[engine] {name}: ok={result.get('ok')} start={result.get('engine_start_s')} s "
+            f"error={str(result.get('error', ''))[:200]}",
+            file=sys.stderr,
+            flush=True,
+        )
         gpu_common.write_result("engine", report)  # partial results survive a timeout
     report["ok"] = bool(report["runs"]) and all(r.get("ok") for r in report["runs"].values()) and not report["skipped"]
     parts = []
     for name, r in report["runs"].items():
         ratios = [c["compression_ratio"] for c in r.get("compression") or [] if c and c.get("compression_ratio")]
-        parts.append(f"{name} {'ok' if r.get('ok') else 'FAIL'}"
-                     + (f" start {r['engine_start_s']}s" if "engine_start_s" in r else "")
-                     + (f" ratios {[round(x, 2) for x in ratios]}" if ratios else ""))
+        parts.append(
+            f"{name} {'ok' if r.get('ok') else 'FAIL'}"
+            + (f" start {r['engine_start_s']}s" if "engine_start_s" in r else "")
+            + (f" ratios {[round(x, 2) for x in ratios]}" if ratios else "")
+        )
     report["headline"] = "; ".join(parts) + (f"; skipped {report['skipped']}" if report["skipped"] else "")
     missing = sorted({r.get("missing_module") for r in report["runs"].values() if r.get("missing_module")})
     if missing:

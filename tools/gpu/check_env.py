@@ -20,13 +20,30 @@ import gpu_common
 
 #: Imported one by one; a failure is recorded and the next one is tried.
 MODULES = (
-    "torch", "triton", "transformers", "vllm", "vllm._C_stable_libtorch", "vllm.vllm_flash_attn.flash_attn_interface",
-    "vllm.platforms", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
-    "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.v1.attention.backends.flash_attn",
-    "vllm.v1.attention.backends.fa_utils", "vllm.model_executor.models.llama",
-    "vllm.model_executor.model_loader.dummy_loader", "vllm.compilation.backends", "vllm.v1.core.sched.scheduler",
-    "rcstat_vllm", "rcstat_vllm.plugin", "rcstat_vllm.attention.cuda_backend", "rcstat_vllm.kernels.rc_scoring",
-    "rcstat_vllm.kernels.snapkv_scoring", "rcstat_vllm.api",
+    "torch",
+    "triton",
+    "transformers",
+    "vllm",
+    "vllm._C_stable_libtorch",
+    "vllm.vllm_flash_attn.flash_attn_interface",
+    "vllm.platforms",
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.attention.backends.flash_attn",
+    "vllm.v1.attention.backends.fa_utils",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.model_loader.dummy_loader",
+    "vllm.compilation.backends",
+    "vllm.v1.core.sched.scheduler",
+    "rcstat_vllm",
+    "rcstat_vllm.plugin",
+    "rcstat_vllm.attention.cuda_backend",
+    "rcstat_vllm.kernels.rc_scoring",
+    "rcstat_vllm.kernels.snapkv_scoring",
+    "rcstat_vllm.api",
 )
 
 
@@ -99,9 +116,12 @@ def main() -> int:
     try:
         from vllm.vllm_flash_attn import flash_attn_interface as fa
 
-        result["flash_attn"] = {"FA2_AVAILABLE": fa.FA2_AVAILABLE, "FA3_AVAILABLE": fa.FA3_AVAILABLE,
-                                "FA3_UNAVAILABLE_REASON": fa.FA3_UNAVAILABLE_REASON,
-                                "FA2_UNAVAILABLE_REASON": fa.FA2_UNAVAILABLE_REASON}
+        result["flash_attn"] = {
+            "FA2_AVAILABLE": fa.FA2_AVAILABLE,
+            "FA3_AVAILABLE": fa.FA3_AVAILABLE,
+            "FA3_UNAVAILABLE_REASON": fa.FA3_UNAVAILABLE_REASON,
+            "FA2_UNAVAILABLE_REASON": fa.FA2_UNAVAILABLE_REASON,
+        }
         result["flash_attn"]["fa3_supported"] = fa.is_fa_version_supported(3)
         result["flash_attn"]["fa3_unsupported_reason"] = fa.fa_version_unsupported_reason(3)
     except BaseException as exc:  # noqa: BLE001
@@ -130,19 +150,36 @@ def main() -> int:
         result["plugin_register"] = {"ok": True}
     except BaseException as exc:  # noqa: BLE001
         result["plugin_register"] = gpu_common.failure(exc)
-    needed = ("vllm", "vllm._C_stable_libtorch", "vllm.entrypoints.llm", "vllm.v1.worker.gpu_model_runner",
-              "vllm.v1.attention.backends.flash_attn", "rcstat_vllm.plugin", "rcstat_vllm.attention.cuda_backend")
+    needed = (
+        "vllm",
+        "vllm._C_stable_libtorch",
+        "vllm.entrypoints.llm",
+        "vllm.v1.worker.gpu_model_runner",
+        "vllm.v1.attention.backends.flash_attn",
+        "rcstat_vllm.plugin",
+        "rcstat_vllm.attention.cuda_backend",
+    )
     bad = [n for n in needed if not result["imports"].get(n, {}).get("ok")]
     fa3 = isinstance(result.get("flash_attn"), dict) and result["flash_attn"].get("FA3_AVAILABLE")
     result["ok"] = not bad and bool(fa3) and result["plugin_register"].get("ok", False)
-    result["headline"] = (f"vllm {result['environment'].get('vllm')} on {result['environment'].get('device')}, "
-                          f"torch {result['environment'].get('torch')}; FA3 {'yes' if fa3 else 'NO'}; "
-                          f"failed imports: {bad or 'none'}; missing modules: {result['missing_modules'] or 'none'}")
+    result["headline"] = (
+        f"vllm {result['environment'].get('vllm')} on {result['environment'].get('device')}, "
+        f"torch {result['environment'].get('torch')}; FA3 {'yes' if fa3 else 'NO'}; "
+        f"failed imports: {bad or 'none'}; missing modules: {result['missing_modules'] or 'none'}"
+    )
     result["seconds"] = round(time.perf_counter() - t0, 1)
     gpu_common.write_result("env", result)
     print(result["headline"])
-    print(json.dumps({"missing_modules": result["missing_modules"],
-                      "unmet": (result["vllm_requirements"] or {}).get("unmet") if isinstance(result["vllm_requirements"], dict) else None}))
+    print(
+        json.dumps(
+            {
+                "missing_modules": result["missing_modules"],
+                "unmet": (result["vllm_requirements"] or {}).get("unmet")
+                if isinstance(result["vllm_requirements"], dict)
+                else None,
+            }
+        )
+    )
     return 0
 
 

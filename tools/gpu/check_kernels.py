@@ -61,8 +61,12 @@ def part_kernels(sizes: list[int]) -> dict:
     checks += gpu_check.kernel_checks(device, sizes[1:], ["llama3.1-8b"], ["bf16"], PAGE, progress)
     checks += gpu_check.scorer_check(device, 16381, PAGE, "bf16", progress)
     syncs = gpu_check.sync_check(device, 16381, PAGE)
-    return {"ok": all(c.passed for c in checks) and set(syncs.values()) == {"none"},
-            "tolerances": gpu_check.TOLERANCE, "host_syncs": syncs, "rows": [asdict(c) for c in checks]}
+    return {
+        "ok": all(c.passed for c in checks) and set(syncs.values()) == {"none"},
+        "tolerances": gpu_check.TOLERANCE,
+        "host_syncs": syncs,
+        "rows": [asdict(c) for c in checks],
+    }
 
 
 def part_live_path(n: int = 8192) -> dict:
@@ -94,8 +98,9 @@ def part_live_path(n: int = 8192) -> dict:
                 scores[path] = request.scores[0].float()
             finally:
                 compression.triton_device = original
-        check = gpu_check.compare(f"{method} w={window} smoothing={smoothing} n={n}", scores["triton"], scores["torch"],
-                                  LIVE_PATH_REL_TOL)
+        check = gpu_check.compare(
+            f"{method} w={window} smoothing={smoothing} n={n}", scores["triton"], scores["torch"], LIVE_PATH_REL_TOL
+        )
         rows.append(asdict(check))
     return {"ok": all(row["passed"] for row in rows), "rows": rows}
 
@@ -109,15 +114,26 @@ def part_pytest(timeout: float) -> dict:
     cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "tests/test_kernels.py"]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=gpu_common.REPO, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "TRITON_INTERPRET": "0"})
+        proc = subprocess.run(
+            cmd,
+            cwd=gpu_common.REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "TRITON_INTERPRET": "0"},
+        )
         out, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out, code = str(exc.stdout or "")[-3000:], "timeout"
     last = [line for line in out.splitlines() if line.strip()][-1:] or [""]
-    return {"ok": code == 0, "returncode": code, "seconds": round(time.perf_counter() - t, 1), "summary": last[0],
-            "note": "compiled (TRITON_INTERPRET=0): the kernels on CUDA tensors, bf16 included",
-            "output_tail": out[-3000:]}
+    return {
+        "ok": code == 0,
+        "returncode": code,
+        "seconds": round(time.perf_counter() - t, 1),
+        "summary": last[0],
+        "note": "compiled (TRITON_INTERPRET=0): the kernels on CUDA tensors, bf16 included",
+        "output_tail": out[-3000:],
+    }
 
 
 def part_bench(sizes: list[int], repeats: int, timeout: float) -> dict:
@@ -125,16 +141,31 @@ def part_bench(sizes: list[int], repeats: int, timeout: float) -> dict:
 
     name = f"scoring_{device_tag(torch.cuda.get_device_name(0))}"
     path = gpu_common.RESULTS / f"{name}.json"
-    cmd = [sys.executable, "benchmarks/scoring.py", "--device", "cuda", "--sizes", ",".join(map(str, sizes)),
-           "--repeats", str(repeats), "--json", str(path)]
+    cmd = [
+        sys.executable,
+        "benchmarks/scoring.py",
+        "--device",
+        "cuda",
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--repeats",
+        str(repeats),
+        "--json",
+        str(path),
+    ]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=gpu_common.REPO, capture_output=True, text=True, timeout=timeout)
         out, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out, code = str(exc.stdout or "")[-3000:], "timeout"
-    result = {"ok": code == 0 and path.exists(), "returncode": code, "seconds": round(time.perf_counter() - t, 1),
-              "output_tail": out[-3000:], "file": path.name}
+    result = {
+        "ok": code == 0 and path.exists(),
+        "returncode": code,
+        "seconds": round(time.perf_counter() - t, 1),
+        "output_tail": out[-3000:],
+        "file": path.name,
+    }
     if path.exists() and os.environ.get("OUT"):
         shutil.copyfile(path, Path(os.environ["OUT"]) / path.name)
     return result
@@ -150,7 +181,9 @@ def device_tag(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="kernels,live_path,pytest,bench")
-    parser.add_argument("--sizes", default="8191,32771", help="prompt lengths of part 'kernels' (all shapes at the first)")
+    parser.add_argument(
+        "--sizes", default="8191,32771", help="prompt lengths of part 'kernels' (all shapes at the first)"
+    )
     parser.add_argument("--bench-sizes", default="4096,16384,65536")
     parser.add_argument("--bench-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds for each subprocess part")
@@ -168,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             elif part == "pytest":
                 report["parts"][part] = part_pytest(args.timeout)
             elif part == "bench":
-                report["parts"][part] = part_bench([int(s) for s in args.bench_sizes.split(",")], args.bench_repeats,
-                                                   args.timeout)
+                report["parts"][part] = part_bench(
+                    [int(s) for s in args.bench_sizes.split(",")], args.bench_repeats, args.timeout
+                )
             else:
                 report["parts"][part] = {"ok": False, "error": "unknown part"}
         except BaseException as exc:  # noqa: BLE001 - next part
@@ -178,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     report["ok"] = all(p.get("ok") for p in report["parts"].values())
     worst = max((row["rel_l2"] for row in report["parts"].get("kernels", {}).get("rows", [])), default=None)
     report["headline"] = ", ".join(f"{p} {'ok' if r.get('ok') else 'FAIL'}" for p, r in report["parts"].items()) + (
-        f"; worst relative L2 error {worst:.1e}" if worst is not None else "")
+        f"; worst relative L2 error {worst:.1e}" if worst is not None else ""
+    )
     missing = sorted({r.get("missing_module") for r in report["parts"].values() if r.get("missing_module")})
     if missing:
         report["missing_modules"] = missing

@@ -45,8 +45,13 @@ LLAMA_31_8B = {
     "num_key_value_heads": 8,
     "pretraining_tp": 1,
     "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
     "rope_theta": 500000.0,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
@@ -103,13 +108,29 @@ def dummy_model_dir(config: dict = LLAMA_31_8B, name: str = "llama-3.1-8b-shape"
     return folder
 
 
-def engine_kwargs(model_dir: Path | str, rcstat: dict | None, *, eager: bool = True, max_model_len: int = 8192,
-                  kv_bytes: int = 4 << 30, block_size: int | None = None, **extra) -> dict:
+def engine_kwargs(
+    model_dir: Path | str,
+    rcstat: dict | None,
+    *,
+    eager: bool = True,
+    max_model_len: int = 8192,
+    kv_bytes: int = 4 << 30,
+    block_size: int | None = None,
+    **extra,
+) -> dict:
     """``LLM(...)`` arguments for the dummy-weight model: bf16, no tokenizer (token ids as prompts), no prefix caching,
     a KV pool of exactly ``kv_bytes``; ``eager`` = no CUDA graphs and no torch.compile, else vLLM's defaults."""
-    kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  max_model_len=max_model_len, kv_cache_memory_bytes=int(kv_bytes), enable_prefix_caching=False,
-                  seed=0, disable_log_stats=True)
+    kwargs = dict(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=int(kv_bytes),
+        enable_prefix_caching=False,
+        seed=0,
+        disable_log_stats=True,
+    )
     if eager:
         kwargs.update(enforce_eager=True, compilation_config={"mode": 0})
     if block_size:
@@ -120,7 +141,9 @@ def engine_kwargs(model_dir: Path | str, rcstat: dict | None, *, eager: bool = T
     return kwargs
 
 
-def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 128000, low: int = 1000) -> list[list[int]]:
+def random_prompts(
+    n: int, min_len: int, max_len: int, seed: int, vocab: int = 128000, low: int = 1000
+) -> list[list[int]]:
     """``n`` prompts of uniform random length in [min_len, max_len], uniform random token ids in [low, vocab)."""
     rng = random.Random(seed)
     prompts = []
@@ -132,9 +155,14 @@ def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 1
 
 def environment() -> dict:
     """The machine and library versions; never raises."""
-    env = {"python": platform.python_version(), "host": platform.node(), "machine": platform.machine(),
-           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "commit": os.environ.get("RCSTAT_COMMIT") or git_head(), "carry_manifest_sha256": manifest_sha()}
+    env = {
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": os.environ.get("RCSTAT_COMMIT") or git_head(),
+        "carry_manifest_sha256": manifest_sha(),
+    }
     try:
         import torch
 
@@ -158,8 +186,12 @@ def environment() -> dict:
         except Exception:  # noqa: BLE001 - absent
             env[name] = None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         env["nvidia_smi"] = out.stdout.strip() or out.stderr.strip()
     except Exception as exc:  # noqa: BLE001
         env["nvidia_smi"] = repr(exc)
@@ -186,8 +218,12 @@ def manifest_sha() -> str | None:
 
 def failure(exc: BaseException) -> dict:
     """A JSON-able description of an exception; names the missing module of an import failure."""
-    info = {"ok": False, "error_type": type(exc).__name__, "error": str(exc)[:2000],
-            "traceback_tail": traceback.format_exc()[-4000:]}
+    info = {
+        "ok": False,
+        "error_type": type(exc).__name__,
+        "error": str(exc)[:2000],
+        "traceback_tail": traceback.format_exc()[-4000:],
+    }
     if isinstance(exc, ModuleNotFoundError):
         info["missing_module"] = exc.name
     elif isinstance(exc, ImportError):
@@ -227,8 +263,14 @@ def run_worker(script: Path, spec: dict, env_extra: dict, log_name: str, timeout
     """Run ``script --worker SPEC`` in a fresh Python (one engine per process); its last ``RESULT {json}`` line is
     the result. stdout and stderr go to ``logs/<log_name>.log``; a failure returns the log's tail."""
     if os.environ.get("RCSTAT_DRY_RUN"):  # tools/gpu/first_run.sh dry: no CUDA here, so no engine; say so
-        return {"ok": False, "dry_run": True, "error": "dry run: no engine started (it needs CUDA)",
-                "process_wall_s": 0.0, "spec": spec, "env_extra": env_extra}
+        return {
+            "ok": False,
+            "dry_run": True,
+            "error": "dry run: no engine started (it needs CUDA)",
+            "process_wall_s": 0.0,
+            "spec": spec,
+            "env_extra": env_extra,
+        }
     LOGS.mkdir(parents=True, exist_ok=True)
     log_path = LOGS / f"{log_name}.log"
     env = dict(os.environ)
@@ -238,8 +280,9 @@ def run_worker(script: Path, spec: dict, env_extra: dict, log_name: str, timeout
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s,
-                                  cwd=str(ENGINE_CWD))
+            proc = subprocess.run(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s, cwd=str(ENGINE_CWD)
+            )
             stdout, code = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as exc:
             stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -249,11 +292,16 @@ def run_worker(script: Path, spec: dict, env_extra: dict, log_name: str, timeout
         log.write("\n--- stdout ---\n" + stdout)
     for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
             result.setdefault("process_wall_s", wall)
             return result
-    return {"ok": False, "error": f"worker exited with {code} after {wall:.0f} s", "process_wall_s": wall,
-            "log": str(log_path), "log_tail": tail(log_path, 80)}
+    return {
+        "ok": False,
+        "error": f"worker exited with {code} after {wall:.0f} s",
+        "process_wall_s": wall,
+        "log": str(log_path),
+        "log_tail": tail(log_path, 80),
+    }
 
 
 def worker_main(fn) -> int:

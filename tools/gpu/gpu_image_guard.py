@@ -109,8 +109,12 @@ def install() -> tuple[Guard, dict]:
             blocked.add(module)
     guard = Guard(blocked, allowed, list(sys.meta_path))
     sys.meta_path[:] = [guard]  # finders added later (rare) are outside the guard
-    info = {"carried": sorted(carry), "seeds_dropped": sorted(drop), "seeds_not_installed_here": absent,
-            "blocked_already_imported": sorted(m for m in blocked if m in sys.modules)}
+    info = {
+        "carried": sorted(carry),
+        "seeds_dropped": sorted(drop),
+        "seeds_not_installed_here": absent,
+        "blocked_already_imported": sorted(m for m in blocked if m in sys.modules),
+    }
     return guard, info
 
 

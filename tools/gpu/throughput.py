@@ -83,16 +83,18 @@ def worker(spec: dict) -> dict:
 
     def sampled_step():
         out = original_step()
-        samples.append((time.perf_counter(), len(scheduler.running), len(scheduler.waiting),
-                        pool.get_num_free_blocks()))
+        samples.append(
+            (time.perf_counter(), len(scheduler.running), len(scheduler.waiting), pool.get_num_free_blocks())
+        )
         return out
 
     engine.step = sampled_step
     prompts = gpu_common.random_prompts(spec["requests"], spec["min_len"], spec["max_len"], seed=spec["seed"])
     torch.cuda.synchronize()
     t_start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(spec["max_tokens"]),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params(spec["max_tokens"]), use_tqdm=False
+    )
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_start
     engine.step = original_step
@@ -104,14 +106,22 @@ def worker(spec: dict) -> dict:
     running = [s[1] for s in samples]
     result = {
         "ok": out_tokens == spec["requests"] * spec["max_tokens"],
-        "engine_start_s": round(start_s, 1), "engine": facts, "requests": len(prompts), "prompt_tokens": prompt_tokens,
-        "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
-        "prompt_tok_per_s": prompt_tokens / wall, "total_tok_per_s": (out_tokens + prompt_tokens) / wall,
-        "requests_per_s": len(prompts) / wall, "steps": len(samples),
+        "engine_start_s": round(start_s, 1),
+        "engine": facts,
+        "requests": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "output_tok_per_s": out_tokens / wall,
+        "prompt_tok_per_s": prompt_tokens / wall,
+        "total_tok_per_s": (out_tokens + prompt_tokens) / wall,
+        "requests_per_s": len(prompts) / wall,
+        "steps": len(samples),
         "peak_running": max(running, default=0),
         "mean_running": sum(r * d for r, d in zip(running, durations)) / total,
         "peak_waiting": max((s[2] for s in samples), default=0),
-        "min_free_blocks": min((s[3] for s in samples), default=None), "preemptions": preemptions[0],
+        "min_free_blocks": min((s[3] for s in samples), default=None),
+        "preemptions": preemptions[0],
         "running_trace": running[:: max(1, len(running) // 100)],
     }
     if spec.get("rcstat") is not None:
@@ -141,12 +151,18 @@ def summarize(report: dict) -> dict:
     summary = {}
     for setting, rounds in by_setting.items():
         speeds = [r["output_tok_per_s"] for _, r in sorted(rounds.items())]
-        entry = {"rounds": sorted(rounds), "output_tok_per_s": speeds, "median_output_tok_per_s": statistics.median(speeds),
-                 "median_peak_running": statistics.median(r["peak_running"] for r in rounds.values()),
-                 "median_mean_running": statistics.median(r["mean_running"] for r in rounds.values())}
+        entry = {
+            "rounds": sorted(rounds),
+            "output_tok_per_s": speeds,
+            "median_output_tok_per_s": statistics.median(speeds),
+            "median_peak_running": statistics.median(r["peak_running"] for r in rounds.values()),
+            "median_mean_running": statistics.median(r["mean_running"] for r in rounds.values()),
+        }
         if any("mean_ratio" in r for r in rounds.values()):
             entry["mean_ratio"] = statistics.fmean(r.get("mean_ratio", 0.0) for r in rounds.values())
-        paired = [rounds[k]["output_tok_per_s"] / vanilla[k]["output_tok_per_s"] for k in sorted(rounds) if k in vanilla]
+        paired = [
+            rounds[k]["output_tok_per_s"] / vanilla[k]["output_tok_per_s"] for k in sorted(rounds) if k in vanilla
+        ]
         if paired:
             entry["vs_vanilla_by_round"] = paired
             entry["median_vs_vanilla"] = statistics.median(paired)
@@ -186,18 +202,33 @@ def main(argv: list[str] | None = None) -> int:
     mean_tokens = (args.min_len + args.max_len) / 2 + args.max_tokens
     kv_bytes = int(args.fit * mean_tokens * gpu_common.kv_bytes_per_token())
     max_model_len = -(-(args.max_len + args.max_tokens) // 1024) * 1024
-    workload = {"requests": args.requests, "min_len": args.min_len, "max_len": args.max_len,
-                "max_tokens": args.max_tokens, "fit": args.fit, "kv_bytes": kv_bytes,
-                "kv_tokens": kv_bytes // gpu_common.kv_bytes_per_token(), "max_model_len": max_model_len,
-                "mode": args.mode, "seed": args.seed, "prompts": "uniform random token ids in [1000, 128000)"}
+    workload = {
+        "requests": args.requests,
+        "min_len": args.min_len,
+        "max_len": args.max_len,
+        "max_tokens": args.max_tokens,
+        "fit": args.fit,
+        "kv_bytes": kv_bytes,
+        "kv_tokens": kv_bytes // gpu_common.kv_bytes_per_token(),
+        "max_model_len": max_model_len,
+        "mode": args.mode,
+        "seed": args.seed,
+        "prompts": "uniform random token ids in [1000, 128000)",
+    }
     report = None if args.fresh else gpu_common.read_result(name)
     if report is not None and report.get("workload") != workload:
         print(f"[throughput] {name}: earlier runs had another workload; starting afresh", file=sys.stderr)
         report = None
     if report is None:
-        report = {"check": "throughput", "benchmark": "throughput_gpu", "tag": args.tag, "workload": workload,
-                  "model": "dummy-weight Llama-3.1-8B shapes (tools/gpu/gpu_common.py LLAMA_31_8B), bf16",
-                  "runs": [], "calls": []}
+        report = {
+            "check": "throughput",
+            "benchmark": "throughput_gpu",
+            "tag": args.tag,
+            "workload": workload,
+            "model": "dummy-weight Llama-3.1-8B shapes (tools/gpu/gpu_common.py LLAMA_31_8B), bf16",
+            "runs": [],
+            "calls": [],
+        }
     report["environment"] = env_info
     report["calls"].append({"started_utc": env_info.get("time_utc"), "settings": settings, "rounds": args.rounds})
     done = {(r["setting"], r["round"]) for r in report["runs"] if r.get("ok")}
@@ -209,14 +240,25 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - t_start
         estimate = max(durations) if durations else 120.0
         if elapsed + estimate > args.budget_s:
-            print(f"[throughput] stopping: {elapsed:.0f} s used, next run takes ~{estimate:.0f} s "
-                  f"(budget {args.budget_s:.0f} s); rerun with the same --tag to continue", file=sys.stderr)
+            print(
+                f"[throughput] stopping: {elapsed:.0f} s used, next run takes ~{estimate:.0f} s "
+                f"(budget {args.budget_s:.0f} s); rerun with the same --tag to continue",
+                file=sys.stderr,
+            )
             break
         env, rcstat = gpu_common.SETTINGS[setting]
-        engine = gpu_common.engine_kwargs(model, rcstat, eager=(args.mode == "eager"), max_model_len=max_model_len,
-                                          kv_bytes=kv_bytes)
-        spec = {"engine": engine, "rcstat": rcstat, "requests": args.requests, "min_len": args.min_len,
-                "max_len": args.max_len, "max_tokens": args.max_tokens, "seed": args.seed}
+        engine = gpu_common.engine_kwargs(
+            model, rcstat, eager=(args.mode == "eager"), max_model_len=max_model_len, kv_bytes=kv_bytes
+        )
+        spec = {
+            "engine": engine,
+            "rcstat": rcstat,
+            "requests": args.requests,
+            "min_len": args.min_len,
+            "max_len": args.max_len,
+            "max_tokens": args.max_tokens,
+            "seed": args.seed,
+        }
         print(f"[throughput] round {round_index} {setting} ...", file=sys.stderr, flush=True)
         timeout = max(60.0, min(args.run_timeout, args.budget_s - elapsed + 30))
         result = gpu_common.run_worker(Path(__file__).resolve(), spec, env, f"{name}_{setting}_r{round_index}", timeout)
@@ -224,30 +266,55 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"] = [r for r in report["runs"] if (r["setting"], r["round"]) != (setting, round_index)] + [result]
         durations.append(result.get("process_wall_s", 0))
         ran += 1
-        print(f"[throughput] round {round_index} {setting}: "
-              + (f"{result['output_tok_per_s']:.0f} out tok/s, peak running {result['peak_running']}, "
-                 f"ratio {result.get('mean_ratio', 0):.2f}" if result.get("ok") else
-                 f"FAILED {str(result.get('error'))[:300]}"), file=sys.stderr, flush=True)
+        print(
+            f"[throughput] round {round_index} {setting}: "
+            + (
+                f"{result['output_tok_per_s']:.0f} out tok/s, peak running {result['peak_running']}, "
+                f"ratio {result.get('mean_ratio', 0):.2f}"
+                if result.get("ok")
+                else f"FAILED {str(result.get('error'))[:300]}"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         report["summary"] = summarize(report)
         gpu_common.write_result(name, report)
     report["summary"] = summarize(report)
-    remaining = [(k, s) for k in range(1, args.rounds + 1) for s in settings
-                 if (s, k) not in {(r["setting"], r["round"]) for r in report["runs"] if r.get("ok")}]
+    remaining = [
+        (k, s)
+        for k in range(1, args.rounds + 1)
+        for s in settings
+        if (s, k) not in {(r["setting"], r["round"]) for r in report["runs"] if r.get("ok")}
+    ]
     report["remaining"] = [f"r{k}:{s}" for k, s in remaining]
     report["ok"] = not remaining and all(r.get("ok") for r in report["runs"])
-    parts = [f"{s} {e['median_output_tok_per_s']:.0f} tok/s"
-             + (f" ({e['median_vs_vanilla']:.2f}x)" if "median_vs_vanilla" in e and s != "vanilla" else "")
-             + (f" r={e['mean_ratio']:.2f}" if "mean_ratio" in e else "") for s, e in report["summary"].items()]
+    parts = [
+        f"{s} {e['median_output_tok_per_s']:.0f} tok/s"
+        + (f" ({e['median_vs_vanilla']:.2f}x)" if "median_vs_vanilla" in e and s != "vanilla" else "")
+        + (f" r={e['mean_ratio']:.2f}" if "mean_ratio" in e else "")
+        for s, e in report["summary"].items()
+    ]
     failed = [f"r{r['round']}:{r['setting']}" for r in report["runs"] if not r.get("ok")]
-    report["headline"] = (f"{args.tag}: " + "; ".join(parts) + f" | ran {ran} this call, remaining {report['remaining']}"
-                          + (f", failed {failed}" if failed else ""))
+    report["headline"] = (
+        f"{args.tag}: "
+        + "; ".join(parts)
+        + f" | ran {ran} this call, remaining {report['remaining']}"
+        + (f", failed {failed}" if failed else "")
+    )
     missing = sorted({r.get("missing_module") for r in report["runs"] if r.get("missing_module")})
     if missing:
         report["missing_modules"] = missing
     gpu_common.write_result(name, report)
     # run_on_gpu.sh's summary looks for throughput.json: a pointer to the tagged file.
-    gpu_common.write_result("throughput", {"ok": report["ok"], "headline": report["headline"], "file": f"{name}.json",
-                                           "missing_modules": missing or None})
+    gpu_common.write_result(
+        "throughput",
+        {
+            "ok": report["ok"],
+            "headline": report["headline"],
+            "file": f"{name}.json",
+            "missing_modules": missing or None,
+        },
+    )
     print(report["headline"])
     print(json.dumps(report["summary"], indent=None)[:3000])
     return 0
