@@ -625,8 +625,8 @@ def print_table(report: dict) -> None:
         f"{'vt':>6s} {'summ':>6s} {'=full':>6s}"
     )
     for label, e in report["summary"].items():
-        task = lambda t: e["by_task"].get(t, {}).get("score", float("nan"))  # noqa: E731
-        count = lambda t: f"{e.get(t + '_hits', 0)}/{e.get(t + '_values', 0)}"  # noqa: E731
+        task = lambda t: e["by_task"].get(t, {}).get("score", float("nan"))  # noqa: E731, B023
+        count = lambda t: f"{e.get(t + '_hits', 0)}/{e.get(t + '_values', 0)}"  # noqa: E731, B023
         print(
             f"{label:18s} {e['ratio']:6.3f} {count('niah_single'):>7s} {count('niah_multi'):>7s} "
             f"{count('niah_multikey'):>7s} {count('niah_multivalue'):>7s} "

@@ -506,7 +506,8 @@ def run_plugin(
         print(
             f"[plugin {n + 1}/{len(prompts)}] {item['family']} #{item['index']} answered={item['answered']} "
             f"asking {statistics.mean(times['asking']):.2f}s cost doc {item['plugin_cost_s']['document']:.3f}s "
-            f"sent {item['plugin_cost_s']['sentence']:.3f}s (capture {statistics.mean(times['capture_asking']):.3f}s); A/B doc "
+            f"sent {item['plugin_cost_s']['sentence']:.3f}s (capture {statistics.mean(times['capture_asking']):.3f}s); "
+            f"A/B doc "
             f"{item['plugin_overhead_s']['document']:.3f}s sent {item['plugin_overhead_s']['sentence']:.3f}s top doc "
             f"{max(range(4), key=lambda i: item['levels']['document']['plugin']['scores'][i])} "
             f"(target {item['levels']['document']['target']}) {item['answer'][:50]!r}",
@@ -709,7 +710,7 @@ def report(data: dict) -> dict:
             entry: dict = {"sources_mean": round(statistics.mean(len(p["levels"][level]["ranges"]) for p in items), 1)}
 
             def rows(subset, pick):
-                return [{"scores": pick(p["levels"][level]), "target": p["levels"][level]["target"]} for p in subset]
+                return [{"scores": pick(p["levels"][level]), "target": p["levels"][level]["target"]} for p in subset]  # noqa: B023
 
             entry["plugin_all_prompts"] = summarize(
                 rows([p for p in items if p["answered"]], lambda e: e["plugin"]["scores"])
@@ -767,7 +768,7 @@ def report(data: dict) -> dict:
                 matched = matched_ablations(plugin_cost, forward_s, [int(n) for n in cc[0]["fits"]])
                 ladder = {}
                 for n in cc[0]["fits"]:
-                    summary = summarize(rows(answered, lambda e: e["contextcite"]["fits"][n]["scores"]))
+                    summary = summarize(rows(answered, lambda e: e["contextcite"]["fits"][n]["scores"]))  # noqa: B023
                     fit = statistics.mean(p["levels"][level]["contextcite"]["fits"][n]["fit_s"] for p in both)
                     ladder[n] = {
                         **summary,
@@ -776,7 +777,7 @@ def report(data: dict) -> dict:
                     }
                 entry["contextcite"] = {**ladder[str(ablations)], "ablations": ablations}
                 entry["contextcite_all_answers"] = summarize(
-                    rows(both, lambda e: e["contextcite"]["fits"][str(ablations)]["scores"])
+                    rows(both, lambda e: e["contextcite"]["fits"][str(ablations)]["scores"])  # noqa: B023
                 )
                 entry["contextcite_matched"] = {**ladder[str(matched)], "ablations": matched}
                 entry["contextcite_ladder"] = ladder

@@ -1,7 +1,7 @@
 """Peak extra memory of compacting one long prompt, on the CPU, with no model.
 
-:func:`rcstat_vllm.paging.compaction.compact_request` moves every (layer, KV head)'s kept tokens into head pages. It works
-one layer at a time, so what it allocates beyond the cache is one layer's kept keys and values plus their indices,
+:func:`rcstat_vllm.paging.compaction.compact_request` moves every (layer, KV head)'s kept tokens into head pages. It
+works one layer at a time, so what it allocates beyond the cache is one layer's kept keys and values plus their indices,
 also when the scheduler hands the request its own prompt blocks back as destinations (memory was short) and pooled
 pages would let one layer overwrite another's prompt KV still to be moved (see ``compaction_order``).
 
@@ -10,8 +10,8 @@ request of ``tokens`` tokens, per-layer kept shares drawn between 0.3 and 0.9 (a
 average), and destinations either fresh blocks or the request's own blocks in another order. It prints one JSON
 line per shape:
 
-    {"tokens": 32768, "layers": 30, "destination": "reused", "peak_extra_bytes": ..., "largest_layer_kept_kv_bytes": ...,
-     "ratio": ...}
+    {"tokens": 32768, "layers": 30, "destination": "reused", "peak_extra_bytes": ...,
+     "largest_layer_kept_kv_bytes": ..., "ratio": ...}
 
 ``ratio`` is the peak over the largest layer's kept keys and values (the target: <= 1.2).
 

@@ -70,8 +70,8 @@ PRESETS = {
     ),
 }
 #: Methods at every budget (interval ``interval``); name -> (scorer or "recent", selection). RC selects as the
-#: plugin's decode-time compression does (rcstat_vllm/worker/decode_compression.py): each head's scores relative to its own
-#: mean, then the layer's top entries.
+#: plugin's decode-time compression does (rcstat_vllm/worker/decode_compression.py): each head's scores relative to its
+#: own mean, then the layer's top entries.
 METHODS = {
     "recent": ("recent", "head"),
     "rc": ("rc", "head_mean"),
@@ -259,7 +259,8 @@ def print_table(report: dict) -> None:
             f"{src['nll_full']:.3f}, distinct 4-grams {src['distinct4']:.3f}"
         )
         print(
-            f"{'setting':22s} {'kept':>6s} {'visible':>7s} {'head min-max':>12s} {'top1':>6s} {'top1 aft':>8s} {'VER':>6s} "
+            f"{'setting':22s} {'kept':>6s} {'visible':>7s} {'head min-max':>12s} {'top1':>6s} {'top1 aft':>8s} "
+            f"{'VER':>6s} "
             f"{'VER aft':>7s} {'VER allL':>8s} {'dNLL':>7s}"
         )
         for k, e in src.items():
@@ -268,7 +269,8 @@ def print_table(report: dict) -> None:
             f = lambda x, w, p: f"{x:{w}.{p}f}" if x is not None else " " * (w - 1) + "-"  # noqa: E731
             spread = "{}-{}".format(*e["kept_head_min_max"]) if e["kept_head_min_max"] else "-"
             print(
-                f"{k:22s} {f(e['kept'], 6, 0)} {f(e['mean_visible'], 7, 0)} {spread:>12s} {f(e['top1'], 6, 3)} {f(e['top1_after'], 8, 3)} "
+                f"{k:22s} {f(e['kept'], 6, 0)} {f(e['mean_visible'], 7, 0)} {spread:>12s} {f(e['top1'], 6, 3)} "
+                f"{f(e['top1_after'], 8, 3)} "
                 f"{f(e['ver'], 6, 3)} {f(e['ver_after'], 7, 3)} {f(e['ver_all_layers'], 8, 3)} {f(e['dnll'], 7, 3)}"
             )
 

@@ -209,9 +209,9 @@ def accuracy_settings(
     ``uncontrasted_ratios`` (and the bare flag, when any) without the local contrast (``local_contrast: 0``), and at
     ``mean_uncontrasted_ratios`` (and the bare flag, when any) with both undone (Eq. 6's mean, no contrast: RC's scores
     as the defaults had them before either, so one run shows before and after); RC with the paper's
-    scoring (per-layer budget, window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring) at ``c_values``;
-    SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at RC's default
-    window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
+    scoring (per-layer budget, window 8, no smoothing) at ``paper_ratios``; RC's threshold mode (Eq. 9, paper scoring)
+    at ``c_values``; SnapKV and TOVA at each of ``baseline_ratios``, once at kvpress's published windows and once at
+    RC's default window and sink tokens (SnapKV observing that many queries; both with a per-layer budget, as kvpress
     compresses). Windows and defaults are read from the plugin,
     so the settings follow its defaults."""
     defaults = plugin_defaults()

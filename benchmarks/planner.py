@@ -47,8 +47,8 @@ RESULTS = Path(__file__).parent / "results"
 
 @dataclass
 class SyntheticCompressed:
-    """What the planner reads of a compressed request (:class:`rcstat_vllm.paging.head_pages.CompactedRequest`): kept counts
-    ``[L, H]``, the compacted prompt length, and its page table (a slot of the resident tables)."""
+    """What the planner reads of a compressed request (:class:`rcstat_vllm.paging.head_pages.CompactedRequest`): kept
+    counts ``[L, H]``, the compacted prompt length, and its page table (a slot of the resident tables)."""
 
     kept: torch.Tensor
     num_compacted_tokens: int

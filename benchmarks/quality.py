@@ -80,8 +80,8 @@ def given_keep_set(mask: torch.Tensor, num_tokens: int, label: str) -> tuple[lis
 
 
 def kvpress_settings(masks_file: dict) -> list[methods.Setting]:
-    """One setting per press and ratio of a ``kvpress_reference.py --keep-masks`` file (labels ``kvpress_<press>_r<ratio>``,
-    family ``kvpress_<press>``)."""
+    """One setting per press and ratio of a ``kvpress_reference.py --keep-masks`` file (labels
+    ``kvpress_<press>_r<ratio>``, family ``kvpress_<press>``)."""
     settings = []
     for label in masks_file["masks"]:
         press, ratio = label.rsplit("_r", 1)

@@ -959,7 +959,8 @@ TABLE_SERIES = ("rcstat:worker_requests", "rcstat:worker_results", "rcstat:sched
 TABLES_NOT_EXPORTED = {
     "scheduler: EngineRequests._compacted_blocks": "block ids of compacted requests' kept KV (their requests are in "
     "rcstat:scheduler_requests); no gauge",
-    "worker: AttributionCapture.traces (rcstat_vllm/attribution/capture.py)": "attribution traces, popped when the server reads the result; capped at 256 traces / 1 GiB; no gauge",
+    "worker: AttributionCapture.traces (rcstat_vllm/attribution/capture.py)": "attribution traces, popped when the "
+    "server reads the result; capped at 256 traces / 1 GiB; no gauge",
     "worker: RCStatAttributionProcessor.asking": "batch index -> setting of rows that asked for attribution; no gauge",
 }
 

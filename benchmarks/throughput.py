@@ -136,8 +136,8 @@ LONG_OUTPUT_PRESETS = {
 def long_output_plan(cfg: dict) -> list[tuple[str, dict, dict]]:
     """The long-output study's runs: vanilla, the bare flag, and the decode budget with RC, StreamingLLM and SnapKV."""
     # The methods compared eagerly (every prompt compacted after its prefill, as the baselines do wherever they run);
-    # decode_rc_lazy is the bare flag with decode_budget: a prompt is compacted when the pool runs short, its decode-time
-    # compactions follow (the tokens it generated before counted as generated KV).
+    # decode_rc_lazy is the bare flag with decode_budget: a prompt is compacted when the pool runs short, its
+    # decode-time compactions follow (the tokens it generated before counted as generated KV).
     budget = {"decode_budget": cfg["decode_budget"], "decode_interval": cfg["decode_interval"]}
     decode = {**budget, "eviction": "eager"}
     runs = [

@@ -4,8 +4,9 @@
   so the backend is chosen by wrapping that classmethod.
 - CUDA: the plugin registers its backend as vLLM's ``CUSTOM`` attention backend and, when the flag is on and
   no backend was asked for, sets ``attention_config.backend`` to it; vLLM's own selector then validates it. An
-  engine the plugin's backend cannot serve (``rcstat_vllm.attention.cuda_backend.cuda_backend_unsupported_reason``: MLA, float32, a GPU
-  below sm80, sinks, ...) keeps the backend unset, so vLLM chooses as without the plugin, and runs uncompressed.
+  engine the plugin's backend cannot serve (``rcstat_vllm.attention.cuda_backend.cuda_backend_unsupported_reason``: MLA,
+  float32, a GPU below sm80, sinks, ...) keeps the backend unset, so vLLM chooses as without the plugin, and runs
+  uncompressed.
 
 Both hooks pass straight through when the server was started without ``--additional-config '{"rcstat": ...}'``.
 """

@@ -14,7 +14,8 @@ the silent failure this module exists to prevent. Porting to V2 is the follow-up
 - ``VllmConfig.use_v2_model_runner``: with the flag, False, logged once when vLLM would have chosen V2; a start-up
   error naming the cause when V2 was asked for explicitly (``VLLM_USE_V2_MODEL_RUNNER=1``) or a feature needs it.
 - ``Worker.init_device`` (GPU and CPU workers build their runner there): with the flag, refuse to start, naming the
-  runner class, when the runner built is not the hooked V1 runner (or a subclass of it). Nothing runs uncompressed by surprise.
+  runner class, when the runner built is not the hooked V1 runner (or a subclass of it). Nothing runs uncompressed by
+  surprise.
 """
 
 from __future__ import annotations

@@ -134,8 +134,8 @@ class CompressionReport:
 
 @dataclass(frozen=True)
 class Compaction:
-    """The scheduler's answer to a worker's compression plan (``rcstat_vllm/engine/block_exchange.py``), carried to the workers
-    in the next step's scheduler output: the blocks to copy the request's kept KV into, or why it stays
+    """The scheduler's answer to a worker's compression plan (``rcstat_vllm/engine/block_exchange.py``), carried to the
+    workers in the next step's scheduler output: the blocks to copy the request's kept KV into, or why it stays
     uncompressed (its prompt blocks untouched)."""
 
     req_id: str
@@ -163,9 +163,10 @@ class CopyRun(NamedTuple):
 
 @dataclass(frozen=True)
 class StepCompactions:
-    """The worker's compaction work in one step and the sizes of its tables (the copies it ran before the forward, scheduler answers that were
-    refusals not counted), carried to the scheduler with the step's output beside the reports; the engine's metrics
-    (``rcstat:step_compaction_seconds``, ``rcstat:compactions_per_step``, ``rcstat:compaction_seconds``) read it.
+    """The worker's compaction work in one step and the sizes of its tables (the copies it ran before the forward,
+    scheduler answers that were refusals not counted), carried to the scheduler with the step's output beside the
+    reports; the engine's metrics (``rcstat:step_compaction_seconds``, ``rcstat:compactions_per_step``,
+    ``rcstat:compaction_seconds``) read it.
 
     Host time: on CPU the copy is synchronous, on CUDA it measures the launches, not the kernels."""
 

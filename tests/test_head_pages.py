@@ -119,7 +119,8 @@ def test_compacted_decode_equals_dense_masked_reference(dtype, atol, variant):
     """Several requests of different lengths, GQA, heads keeping very different counts (down to the
     window only), several decode steps with page growth; an uncompressed request in the same batch is left to
     vLLM's kernels (its output and cache untouched by head-as-sequence). With sinks: a different sink per query head
-    (each KV head's sequences then run with their own G sinks); with soft-capping (Gemma 2), a cap low enough to bite."""
+    (each KV head's sequences then run with their own G sinks); with soft-capping (Gemma 2), a cap low enough to
+    bite."""
     g = torch.Generator().manual_seed(3)
     sinks = (torch.randn(HEADS * GROUP, generator=g) * 2).float() if variant == "sinks" else None
     softcap = 1.5 if variant == "softcap" else 0.0

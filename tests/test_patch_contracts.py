@@ -182,8 +182,8 @@ def test_register_is_idempotent():
     check_contracts()
 
 
-#: private vLLM names the package may read only through rcstat_vllm/vllm_private/internals.py (or a hook in patches/), as
-#: read (an attribute, a getattr string, an import)
+#: private vLLM names the package may read only through rcstat_vllm/vllm_private/internals.py (or a hook in patches/),
+#: as read (an attribute, a getattr string, an import)
 PRIVATE_NAMES = {
     "_custom_ops": r"_custom_ops",
     "_k_scale / _v_scale": r"\._[kv]_scale",

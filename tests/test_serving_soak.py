@@ -15,10 +15,10 @@ At the end:
   back in the pool; prefix-cache entries count as free), ``rcstat:worker_requests`` 0 (the worker's request table,
   and with it its page-table slots, empty);
 - server RSS (API server + engine core, ~3.2 GB) grew at most 8% from the first sample after warm-up (40% of the
-  run, at most 10 minutes) to the end. Why 8%: torch's CPU allocator and glibc's arenas keep a new high-water mark when a larger batch
-  or a rarer request kind (attribution, n = 2) first runs; a first run here saw one such step of +138 MB (4%) at the
-  76th of 106 requests, flat after. A leak of the plugin's per-request tensors (saved window queries, page tables,
-  a compacted request's copy buffers: tens of kB to MBs per request) over the ~100 requests after warm-up would
+  run, at most 10 minutes) to the end. Why 8%: torch's CPU allocator and glibc's arenas keep a new high-water mark when
+  a larger batch or a rarer request kind (attribution, n = 2) first runs; a first run here saw one such step of +138 MB
+  (4%) at the 76th of 106 requests, flat after. A leak of the plugin's per-request tensors (saved window queries, page
+  tables, a compacted request's copy buffers: tens of kB to MBs per request) over the ~100 requests after warm-up would
   exceed it; a small leak (a record per request) would not: the ``rcstat:worker_requests`` gauge catches those;
 - every method ``none`` greedy request token-identical to a vanilla server's (plugin not loaded), both in float32.
 

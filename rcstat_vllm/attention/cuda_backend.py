@@ -10,8 +10,8 @@ scoring, compaction, page bookkeeping, reports) except the kernels:
 - a batch without compressed requests runs FlashAttention exactly as vLLM does;
 - a batch with compressed requests runs its other rows as a sub-batch through vLLM's FlashAttention path
   (metadata built by vLLM's builder for those rows), and the compressed rows head-as-sequence
-  (:mod:`rcstat_vllm.attention.flash_head_attention`): vLLM's ``reshape_and_cache_flash`` writes each (token, KV head) into
-  its head page and ``flash_attn_varlen_func`` attends with every (request, KV head) as a sequence of one KV head
+  (:mod:`rcstat_vllm.attention.flash_head_attention`): vLLM's ``reshape_and_cache_flash`` writes each (token, KV head)
+  into its head page and ``flash_attn_varlen_func`` attends with every (request, KV head) as a sequence of one KV head
   and its G query heads.
 
 Verified on CPU tensors against torch references (tests/test_backend_cuda.py); vLLM's CUDA build cannot run on
@@ -138,8 +138,8 @@ def unsupported_reason(vllm_config, layer_names, kv_cache_spec=None) -> str | No
 
 
 def cuda_backend_unsupported_reason(vllm_config, device_capability) -> str | None:
-    """Why the plugin's CUDA backend (FlashAttention with head pages, ``rcstat_vllm/attention/cuda_backend.py``) cannot serve
-    this engine, from its config and the GPU's compute capability (None: not known), or None when it can.
+    """Why the plugin's CUDA backend (FlashAttention with head pages, ``rcstat_vllm/attention/cuda_backend.py``) cannot
+    serve this engine, from its config and the GPU's compute capability (None: not known), or None when it can.
 
     Asked by the platform hook before vLLM chooses a backend: with a reason the engine runs the backend vLLM would
     have chosen without the plugin, uncompressed, instead of refusing to start ("Selected backend ... is not valid")

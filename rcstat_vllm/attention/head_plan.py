@@ -1,5 +1,5 @@
-"""Head-as-sequence attention's step plan, shared by both backends (the CPU run: :mod:`rcstat_vllm.attention.cpu_head_attention`;
-the CUDA run: :mod:`rcstat_vllm.attention.flash_head_attention`).
+"""Head-as-sequence attention's step plan, shared by both backends (the CPU run:
+:mod:`rcstat_vllm.attention.cpu_head_attention`; the CUDA run: :mod:`rcstat_vllm.attention.flash_head_attention`).
 
 A batch mixing compressed and uncompressed requests runs in two parts. The uncompressed rows are a sub-batch
 vLLM's own backend runs unchanged (:func:`plain_rows`: their tokens and a ``CommonAttentionMetadata`` of their
@@ -15,10 +15,11 @@ of no queries and length 0: the kernels skip it. So a step's plan holds only per
 ``[L, S * H]``) and per-token numbers of the compressed rows (their query rows and write slots): its memory and
 time follow the compressed rows' tokens and the slots, never batch x layers x heads x widest row.
 
-:func:`make_head_plan` does all per-step work once for every layer; :func:`~rcstat_vllm.attention.cpu_head_attention.add_cpu_scheduler_metadata`
-adds the CPU kernel's work split. The per-layer calls only index into it. The CUDA backend runs the same plan through
-FlashAttention (``rcstat_vllm/attention/cuda_backend.py``). The host packs what it knows (query counts, lengths, slots,
-positions) into one copy; nothing is read back from the device.
+:func:`make_head_plan` does all per-step work once for every layer;
+:func:`~rcstat_vllm.attention.cpu_head_attention.add_cpu_scheduler_metadata` adds the CPU kernel's work split. The
+per-layer calls only index into it. The CUDA backend runs the same plan through FlashAttention
+(``rcstat_vllm/attention/cuda_backend.py``). The host packs what it knows (query counts, lengths, slots, positions) into
+one copy; nothing is read back from the device.
 
 Step-plan memory, per step (``S`` resident slots, ``Tc`` compressed rows' tokens, ``L`` layers, ``H`` KV heads):
 ``4 * L * S * H`` bytes of lengths, ``8 * L * Tc * H`` of write slots, ``16 * Tc * H`` of query indices, plus the

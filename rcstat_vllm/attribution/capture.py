@@ -70,10 +70,10 @@ _BUDGET_CHECK_EVERY = 32
 def parse_request_options(value: Any) -> tuple[AttributionOptions, dict[str, Any]] | None:
     """The request's attribution setting -> (trace options, presentation options), or None when off.
 
-    Accepted: absent / None / False / 0 (off), True / 1 (defaults), or a dict (or its JSON text) of :class:`AttributionOptions` fields
-    plus ``spans`` (sentences | chunks | tokens), ``chunks`` (list of strings or [start, end] pairs),
-    ``generated_spans`` (sentences | all) and ``top`` (int >= 1). ``{"enabled": false}`` is off too.
-    Raises :class:`~rcstat_vllm.config.ConfigError` naming the bad field.
+    Accepted: absent / None / False / 0 (off), True / 1 (defaults), or a dict (or its JSON text) of
+    :class:`AttributionOptions` fields plus ``spans`` (sentences | chunks | tokens), ``chunks`` (list of strings or
+    [start, end] pairs), ``generated_spans`` (sentences | all) and ``top`` (int >= 1). ``{"enabled": false}`` is off
+    too. Raises :class:`~rcstat_vllm.config.ConfigError` naming the bad field.
     """
     if isinstance(value, str):  # over HTTP, vllm_xargs values are scalars: the object travels as JSON text
         text = value.strip()

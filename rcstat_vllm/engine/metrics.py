@@ -5,8 +5,8 @@ Per request the worker logs at DEBUG (ratio, kept counts, predicted blocks freed
 
 Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
 
-    rcstat:requests_compressed_total      prompt compactions whose copy ran (eagerly, or lazily under pressure; a request
-                                          preempted and compressed again when recomputed counts once per copy)
+    rcstat:requests_compressed_total      prompt compactions whose copy ran (eagerly, or lazily under pressure; a
+                                          request preempted and compressed again when recomputed counts once per copy)
     rcstat:requests_uncompressed_total    requests the plugin ran uncompressed (method none, too short, ...)
     rcstat:requests_planned_total         lazy eviction: plans parked until the scheduler needs their blocks
     rcstat:requests_never_compacted_total lazy eviction: parked plans whose request left before memory was short
@@ -320,7 +320,8 @@ class CompressionStats:
             if self.decode_compactions or self.decode_skipped
             else "",
             f"; worker copies: {self.prompt_copies} prompt, {self.decode_copies} decode in {self.compaction_steps} "
-            f"steps, {self.compaction_seconds * 1e3:.1f} ms in all, longest step {self.max_step_compaction_seconds * 1e3:.1f} ms"
+            f"steps, {self.compaction_seconds * 1e3:.1f} ms in all, "
+            f"longest step {self.max_step_compaction_seconds * 1e3:.1f} ms"
             if self.compaction_steps
             else "",
         )

@@ -68,7 +68,8 @@ def assign_pages(
     reused = torch.zeros(dest_blocks.numel(), dtype=torch.bool) if reused is None else reused.cpu()
     pages_per_head = (kept.to(torch.int64) + space.block_size - 1) // space.block_size
     # Host-side tables: the per-step bookkeeping (reserve, slots, pools) then never waits on the accelerator;
-    # the worker's HeadPageTables (rcstat_vllm.paging.page_tables) commits them to the cache's device once, then appends.
+    # the worker's HeadPageTables (rcstat_vllm.paging.page_tables) commits them to the cache's device once, then
+    # appends.
     tables = torch.full((num_layers, num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64)
     slot = torch.arange(tables.shape[2]).unsqueeze(0)
     unused = []

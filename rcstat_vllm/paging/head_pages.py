@@ -141,8 +141,8 @@ class CompactedRequest:
         return self.kept - self.num_compacted_tokens
 
     def attach_to(self, resident) -> None:
-        """Hand the page table to the worker's :class:`~rcstat_vllm.paging.page_tables.HeadPageTables`: from now on it is a
-        slot there (given back by the table's ``release``)."""
+        """Hand the page table to the worker's :class:`~rcstat_vllm.paging.page_tables.HeadPageTables`: from now on it
+        is a slot there (given back by the table's ``release``)."""
         self.table = resident.attach(self.tables, self.length_base)
 
     @property

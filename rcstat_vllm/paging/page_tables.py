@@ -9,8 +9,8 @@ instead one :class:`HeadPageTables` per worker keeps them on the device, like vL
   page) and its *length base* ``kept[l, h] - num_compacted_tokens`` ``[L, H]``: with ``n`` tokens a head attends
   over ``base + n`` tokens, and the token at position ``p`` is entry ``base + p`` of its page list;
 - the tensors are layer-major, ``[L, S, H, P]``: layer l's ``[S * H, P]`` is a page table the attention kernels
-  take as it is, one row per (slot, head) head sequence (:mod:`rcstat_vllm.attention.cpu_head_attention`); the device copy holds
-  0 where the host holds -1 (a page the kernels may name but never read past a head's length);
+  take as it is, one row per (slot, head) head sequence (:mod:`rcstat_vllm.attention.cpu_head_attention`); the device
+  copy holds 0 where the host holds -1 (a page the kernels may name but never read past a head's length);
 - writes (a compaction filling a slot, a head taking a page when it grows into a new one) land in the host mirror at
   once and are queued; :meth:`HeadPageTables.commit` ships the step's queued entries in one copy per tensor that
   changed and scatters them on the device (nothing when nothing changed);
@@ -21,8 +21,8 @@ Memory: ``4 * L * S * H * P`` bytes on the host and as much on the device, ``S``
 compressed requests held at once, at most) and ``P`` the widest page list any of them held (doubling): Llama-3.1-8B
 (32 layers, 8 KV heads, block 16), 256 slots of 32k-token pages lists: 2 x 256 MiB. Neither grows per step.
 
-The host mirror is what the page bookkeeping (:class:`rcstat_vllm.paging.head_pages.CompactedRequest`) reads and writes; it
-never waits on the device.
+The host mirror is what the page bookkeeping (:class:`rcstat_vllm.paging.head_pages.CompactedRequest`) reads and writes;
+it never waits on the device.
 """
 
 from __future__ import annotations

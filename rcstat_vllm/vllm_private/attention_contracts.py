@@ -2,8 +2,8 @@
 (imported through :mod:`rcstat_vllm.vllm_private.cpu_attention` and :mod:`rcstat_vllm.vllm_private.flash_attention`;
 strings only here, so that every platform can check them without importing either backend).
 
-``rcstat_vllm/attention/cpu_backend.py`` (CPU) and ``rcstat_vllm/attention/cuda_backend.py`` (CUDA) subclass vLLM's CPU and
-FlashAttention backend, metadata builder and impl: they call the parent ``forward``/``build``/
+``rcstat_vllm/attention/cpu_backend.py`` (CPU) and ``rcstat_vllm/attention/cuda_backend.py`` (CUDA) subclass vLLM's CPU
+and FlashAttention backend, metadata builder and impl: they call the parent ``forward``/``build``/
 ``do_kv_cache_update`` unchanged for batches without compressed requests and wrap their results otherwise.
 The CUDA backend also asks for head-major KV blocks and calls FlashAttention's kernels directly over head
 pages. vLLM's CPU wheel imports the FlashAttention backend module (not its kernels), so those class contracts

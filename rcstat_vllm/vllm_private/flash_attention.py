@@ -2,8 +2,8 @@
 and the FlashAttention kernels it calls over head pages.
 
 Imported from here only, so that every private vLLM name the package reads sits in this adapter package; the classes'
-methods and the kernels' signatures are pinned by the contracts in :mod:`rcstat_vllm.vllm_private.attention_contracts`. vLLM's CPU wheel
-imports the backend module but has no kernels: those are imported at first use (CUDA only)."""
+methods and the kernels' signatures are pinned by the contracts in :mod:`rcstat_vllm.vllm_private.attention_contracts`.
+vLLM's CPU wheel imports the backend module but has no kernels: those are imported at first use (CUDA only)."""
 
 from vllm.v1.attention.backend import AttentionCGSupport  # noqa: F401
 from vllm.v1.attention.backends.flash_attn import (  # noqa: F401

@@ -1,6 +1,6 @@
 """Every private vLLM name the package reads itself (outside the hooks in ``patches/``), in one place, each with
-a :class:`~rcstat_vllm.vllm_private.contract.Contract` (checked with the patches' contracts when the plugin registers and in
-``tests/test_patch_contracts.py``).
+a :class:`~rcstat_vllm.vllm_private.contract.Contract` (checked with the patches' contracts when the plugin registers
+and in ``tests/test_patch_contracts.py``).
 
 The package's modules read vLLM's internals only through these functions; ``patches/`` imports this module for
 its contracts (patches import the package, never the reverse).
@@ -53,8 +53,8 @@ _VALIDATE_PARAMS = (
 )
 
 CONTRACTS = (
-    # vLLM-CPU's attention kernels: head-as-sequence attention (rcstat_vllm/attention/cpu_head_attention.py) and the layout probe
-    # (rcstat_vllm/paging/cpu_kv_layout.py)
+    # vLLM-CPU's attention kernels: head-as-sequence attention (rcstat_vllm/attention/cpu_head_attention.py) and the
+    # layout probe (rcstat_vllm/paging/cpu_kv_layout.py)
     Contract(
         "vllm._custom_ops:cpu_attn_reshape_and_cache",
         ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
@@ -131,7 +131,8 @@ CONTRACTS = (
             "rswa_prefix_lens",
         ),
     ),
-    # the process group on which TP ranks agree how many blocks a compressed request keeps (rcstat_vllm/worker/driver.py)
+    # the process group on which TP ranks agree how many blocks a compressed request keeps
+    # (rcstat_vllm/worker/driver.py)
     Contract("vllm.distributed.parallel_state:get_tp_group", ()),
     Contract("vllm.distributed.parallel_state:GroupCoordinator", attrs=("cpu_group",)),
     # every engine's workers from the API server (attribution over data parallelism, rcstat_vllm/attribution/server.py)
@@ -153,8 +154,9 @@ CONTRACTS = (
 
 
 def __getattr__(name: str) -> Any:
-    # ``custom_ops``: vLLM's ``vllm._custom_ops`` module, imported on first use (``from rcstat_vllm.vllm_private.internals
-    # import custom_ops as ops``), so that importing this module for its contracts loads no kernels.
+    # ``custom_ops``: vLLM's ``vllm._custom_ops`` module, imported on first use
+    # (``from rcstat_vllm.vllm_private.internals import custom_ops as ops``), so that importing this module for its
+    # contracts loads no kernels.
     if name == "custom_ops":
         from vllm import _custom_ops
 

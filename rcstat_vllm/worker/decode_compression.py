@@ -8,11 +8,11 @@ the steps that computed them, as the prompt path keeps its window's), and select
 on average, different numbers per head (a layer's budget over all its heads, as ``select_budget`` does for prompts);
 the window itself is always kept, the prompt's kept entries are never rescored. The plan goes to the scheduler as a
 prompt's does; the next step copies the kept entries into the blocks it gives
-(:func:`~rcstat_vllm.paging.compaction.recompact_request`; staged when they include the request's own, under pressure) and
-the request's old blocks go back to the pool. A request whose prompt stayed whole is compacted the same way, the first
-time from its own blocks (:meth:`~rcstat_vllm.paging.head_pages.CompactedRequest.uncompressed`). When the pool is about to run
-short the scheduler brings a compaction forward (:mod:`rcstat_vllm.engine.decode_pressure`, :meth:`DecodeCompressor.hurry`):
-due once a window of queries is saved, evicting what then exceeds the budget.
+(:func:`~rcstat_vllm.paging.compaction.recompact_request`; staged when they include the request's own, under pressure)
+and the request's old blocks go back to the pool. A request whose prompt stayed whole is compacted the same way, the
+first time from its own blocks (:meth:`~rcstat_vllm.paging.head_pages.CompactedRequest.uncompressed`). When the pool is
+about to run short the scheduler brings a compaction forward (:mod:`rcstat_vllm.engine.decode_pressure`,
+:meth:`DecodeCompressor.hurry`): due once a window of queries is saved, evicting what then exceeds the budget.
 
 One :class:`DecodeCompressor` per request with ``decode_budget`` on the worker, owned by its record
 (:mod:`rcstat_vllm.worker.requests`); the worker (:mod:`rcstat_vllm.worker.driver`) drives it. Plain torch; no vLLM.

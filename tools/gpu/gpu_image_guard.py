@@ -64,7 +64,8 @@ class Guard(importlib.abc.MetaPathFinder):
     """Stands in for the finders of ``sys.meta_path``: a blocked top-level name is not found (as on a machine
     without it: ``import`` raises ModuleNotFoundError and ``importlib.util.find_spec`` answers None, so
     availability probes such as transformers' say "absent" instead of failing); every other name goes to the
-    finders it replaced; importlib.metadata sees only the allowed distributions. Each refusal is counted (also the probes and the failures an importer survives)."""
+    finders it replaced; importlib.metadata sees only the allowed distributions. Each refusal is counted (also the
+    probes and the failures an importer survives)."""
 
     def __init__(self, blocked: set[str], allowed: set[str], finders: list):
         self.blocked = blocked
