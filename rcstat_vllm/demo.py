@@ -142,7 +142,8 @@ def run_demo(
                 params.append(
                     SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args={"rcstat": {"method": "none"}})
                 )
-            outputs = llm.chat([build_messages()] * len(params), params, use_tqdm=False)
+            # (plain dicts for vLLM's message TypedDicts)
+            outputs = llm.chat([build_messages()] * len(params), params, use_tqdm=False)  # type: ignore[arg-type]
             t2 = time.perf_counter()
             from rcstat_vllm.api import compression_results, match_outputs
 
@@ -160,7 +161,8 @@ def run_demo(
     print()
     print("=" * 72)
     print(f"question: {QUESTION}")
-    print(f"prompt tokens: {len(out.prompt_token_ids)}, generated tokens: {len(out.outputs[0].token_ids)}")
+    num_prompt_tokens = len(out.prompt_token_ids)  # type: ignore[arg-type]  # (set for every chat request)
+    print(f"prompt tokens: {num_prompt_tokens}, generated tokens: {len(out.outputs[0].token_ids)}")
     print(f"answer ({config.method}): {out.outputs[0].text.strip()}")
     if len(outputs) > 1:
         print(f"answer (uncompressed, per-request method none): {outputs[1].outputs[0].text.strip()}")

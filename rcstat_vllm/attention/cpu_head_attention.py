@@ -94,7 +94,7 @@ def head_sequence_attention(
             query_start_loc=plan.query_start_loc,
             seq_lens=plan.seq_lens[layer],
             block_table=plan.block_tables[layer],
-            scheduler_metadata=plan.scheduler_metadata[layer],
+            scheduler_metadata=plan.scheduler_metadata[layer],  # type: ignore[index]  # (add_cpu_scheduler_metadata)
             s_aux=None,
             **kernel,
         )

@@ -117,7 +117,7 @@ def resident_tables(compressed: dict[int, CompactedRequest]) -> HeadPageTables:
     owners = {id(owner): owner for owner in (getattr(state.table, "owner", None) for state in compressed.values())}
     if len(owners) != 1 or None in owners.values():
         raise ValueError("rcstat: the compressed requests of a plan must all be attached to one HeadPageTables")
-    return next(iter(owners.values()))
+    return next(iter(owners.values()))  # type: ignore[return-value]  # (None refused above)
 
 
 @dataclass

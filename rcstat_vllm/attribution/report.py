@@ -97,7 +97,7 @@ def plan_spans(
         start = gen_text.find(trimmed) if trimmed else 0
         ranges = [(start, start + len(trimmed))] if trimmed else []
     else:
-        ranges = [(int(a), int(b)) for a, b in generated_spans]
+        ranges = [(int(a), int(b)) for a, b in generated_spans]  # type: ignore[str-unpack]  # (other str refused)
     gen_spans = token_spans(gen_text, g_offsets, ranges)
     return prompt_text, prompt_spans, gen_text, gen_spans
 
@@ -110,11 +110,11 @@ def score_spans(
 ) -> dict[str, Any]:
     """Eq. 10 of every generated token range over the prompt token ranges (JSON-able)."""
     heads = trace.finalize(prune=prune)
-    prompt_ranges = [(int(a), int(b)) for a, b in prompt_ranges]
+    prompt_pairs = [(int(a), int(b)) for a, b in prompt_ranges]
     scores, degenerate = [], []
     exact = trace.options.use_exact(trace.num_generated)
     for a, b in generated_ranges:
-        result = trace.span_scores(prompt_ranges, (int(a), int(b)), heads)
+        result = trace.span_scores(prompt_pairs, (int(a), int(b)), heads)
         scores.append(result.scores.tolist())
         degenerate.append(result.degenerate)
     head_scores = [float(trace.head_scores[layer, h]) for layer, h in heads] if trace.head_scores is not None else []
@@ -229,7 +229,7 @@ def render_prompt(result: AttributionResult, generated_index: int, color: bool =
             opening, closing = f"[[{rank + 1}|", "]]"
         marks.setdefault(best["start"], []).append(opening)
         marks.setdefault(best["end"], []).insert(0, closing)
-    hidden = set()
+    hidden: set[int] = set()
     if hide_markup:
         for match in MARKUP.finditer(text):
             hidden.update(range(match.start(), match.end()))

@@ -192,7 +192,7 @@ def token_spans(text: str, offsets: Sequence[tuple[int, int]], ranges: Sequence[
 
 def single_token_spans(text: str, offsets: Sequence[tuple[int, int]], skip_markup: bool = True) -> list[TextSpan]:
     """One span per token that has a non-space character outside chat markup."""
-    hidden = set()
+    hidden: set[int] = set()
     if skip_markup:
         for match in MARKUP.finditer(text):
             hidden.update(range(match.start(), match.end()))

@@ -166,7 +166,8 @@ class EngineCompaction:
         """The request's settings over the server's flag, parsed the first time the scheduler side asks (a prefix
         lookup, the decode-time forecast) and kept until vLLM frees the request."""
         if self._settings is None or self._settings.server is not self.config:
-            self._settings = RequestSettingsTable(self.config)
+            # (asked once the first schedule set ``config``: prefix lookups check it, the decode forecast runs after)
+            self._settings = RequestSettingsTable(self.config)  # type: ignore[arg-type]
         return self._settings.of(req_id, extra_args)
 
     @property
@@ -255,7 +256,8 @@ class EngineCompaction:
         for record in self.requests.in_phase(Phase.PLANNED):
             held = running(record.req_id)
             if held is not None:
-                plans.append(ParkedPlan(record.req_id, exchange_sizes(held[0], record.plan, held[1]).gain))
+                gain = exchange_sizes(held[0], record.plan, held[1]).gain  # type: ignore[arg-type]  # (PLANNED)
+                plans.append(ParkedPlan(record.req_id, gain))
         return tuple(plans)
 
     def relieve_pressure(
@@ -282,7 +284,8 @@ class EngineCompaction:
             freed = 0
             for req_id in relief.compact:
                 blocks, num_tokens = running(req_id)
-                if exchange_sizes(blocks, self.requests.get(req_id).plan, num_tokens).gain <= 0:
+                plan = self.requests.get(req_id).plan  # type: ignore[union-attr]  # (the policy chose parked plans)
+                if exchange_sizes(blocks, plan, num_tokens).gain <= 0:  # type: ignore[arg-type]
                     logger.debug("rcstat: request %s: lazy compaction passed over: it frees nothing now", req_id)
                     continue
                 freed += self._compact(pool, self.requests.take_plan(req_id), blocks, num_tokens, relief.reason)

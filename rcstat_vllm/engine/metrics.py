@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from rcstat_vllm.log import logger
 from rcstat_vllm.reports import CompressionReport, StepCompactions
@@ -67,23 +68,23 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 
 @dataclass(frozen=True)
 class PrometheusMetrics:
-    requests_compressed: object
-    requests_uncompressed: object
-    requests_planned: object
-    requests_never_compacted: object
-    kv_blocks_freed: object
-    kv_blocks_freed_per_compaction: object
-    compression_ratio: object
-    global_eviction_ratio: object
-    decode_compactions: object
-    decode_compactions_skipped: object
-    decode_tokens_evicted: object
-    compaction_seconds: object
-    step_compaction_seconds: object
-    compactions_per_step: object
-    worker_requests: object
-    worker_results: object
-    scheduler_requests: object
+    requests_compressed: Any
+    requests_uncompressed: Any
+    requests_planned: Any
+    requests_never_compacted: Any
+    kv_blocks_freed: Any
+    kv_blocks_freed_per_compaction: Any
+    compression_ratio: Any
+    global_eviction_ratio: Any
+    decode_compactions: Any
+    decode_compactions_skipped: Any
+    decode_tokens_evicted: Any
+    compaction_seconds: Any
+    step_compaction_seconds: Any
+    compactions_per_step: Any
+    worker_requests: Any
+    worker_results: Any
+    scheduler_requests: Any
 
 
 @functools.cache
@@ -231,6 +232,7 @@ class CompressionStats:
     def _count_freed(self, blocks_freed: int) -> None:
         # Negative when the request's prompt blocks stay held by other running requests that share them (its fresh
         # blocks are then extra until those requests finish): a counter only counts gains.
+        assert self.prometheus is not None  # (called when it is there)
         self.prometheus.kv_blocks_freed.inc(max(blocks_freed, 0))
         self.prometheus.kv_blocks_freed_per_compaction.observe(max(blocks_freed, 0))
 

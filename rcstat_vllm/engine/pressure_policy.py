@@ -108,7 +108,8 @@ def decode_shortfall(running: Sequence[RunningRequest], free_blocks: int, block_
 def expected_gain(request: RunningRequest, lead: int, block_size: int) -> int:
     """Blocks a decode-time compaction ``lead`` tokens from now is expected to free: the generated entries per head
     beyond the budget then (after a compaction each head holds ``decode_budget`` on average), in whole blocks."""
-    budget = request.config.decode_budget
+    budget = None if request.config is None else request.config.decode_budget
+    assert budget is not None  # (asked only of requests whose generated KV is compressed)
     due_at = request.num_tokens + lead
     start = request.num_tokens if request.started_at is None else request.started_at
     generated = due_at - start if request.compacted_at is None else budget + due_at - request.compacted_at

@@ -122,7 +122,7 @@ class EngineRequests:
         """A parked plan the scheduler compacts now (the request is ``WHOLE`` until :meth:`queue`)."""
         record = self._enter(self._known(req_id, Phase.PLANNED), Phase.WHOLE, Phase.PLANNED)
         plan, record.plan = record.plan, None
-        return plan
+        return plan  # type: ignore[return-value]  # (PLANNED: a plan is parked)
 
     def continue_session(self, req_id: str) -> CompressionReport | None:
         """A streaming-input session's next chunk arrived: its parked plan (made for the earlier prompt) is dropped and
@@ -155,7 +155,7 @@ class EngineRequests:
             self._enter(record, after, Phase.AWAITING_COMPACTION)
             if is_running(record.req_id):
                 sent.append(compaction)
-        return sent
+        return sent  # type: ignore[return-value]  # (AWAITING_COMPACTION: a compaction is queued)
 
     def watch(self, req_id: str, num_tokens: int, make_config: Callable[[], RCStatConfig | None]):
         """The request's config when it compresses generated KV (``make_config()`` the first time it is seen)."""

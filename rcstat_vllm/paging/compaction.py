@@ -73,8 +73,8 @@ def assign_pages(
     tables = torch.full((num_layers, num_heads, max(int(pages_per_head.max()), 1)), -1, dtype=torch.int64)
     slot = torch.arange(tables.shape[2]).unsqueeze(0)
     unused = []
-    for pool_index, layers in enumerate(space.pools):
-        layers = sorted(layers, key=lambda layer: int(step[layer]))
+    for pool_index, pool_layers in enumerate(space.pools):
+        layers = sorted(pool_layers, key=lambda layer: int(step[layer]))
         pool = space.pool_pages(pool_index, dest_blocks.cpu())  # [blocks, pool layers, H] flattened
         # Step from which each page may be written: 0, or (reused block) when its layer slice has been read.
         slice_step = step[list(space.pools[pool_index])].view(1, -1, 1)

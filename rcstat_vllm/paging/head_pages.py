@@ -187,10 +187,12 @@ class CompactedRequest:
         # steps: one page at a time, this slow path ran nearly every step of every such request.
         horizon = cdiv(num_tokens, self.block_size) * self.block_size
         needed = (self.lengths(horizon) + self.block_size - 1) // self.block_size
-        layers, heads = torch.nonzero(needed > self.page_counts, as_tuple=True)
-        have = self.page_counts[layers, heads]
+        page_counts = self.page_counts
+        assert page_counts is not None  # (counted at compaction)
+        layers, heads = torch.nonzero(needed > page_counts, as_tuple=True)
+        have = page_counts[layers, heads]
         counts = needed[layers, heads] - have
-        pages = []
+        pages: list[int] = []
         for layer, count in zip(layers.tolist(), counts.tolist()):  # pools hand pages out in (layer, head) order
             pool = self.pools[self.space.pool_of(layer)]
             if len(pool) < count:
@@ -199,7 +201,7 @@ class CompactedRequest:
         self._write_pages(
             layers.repeat_interleave(counts), heads.repeat_interleave(counts), ranges(have, counts), torch.tensor(pages)
         )
-        self._count_pages(torch.maximum(self.page_counts, needed))
+        self._count_pages(torch.maximum(page_counts, needed))
 
     def _absorb(self, fresh: Tensor) -> None:
         """vLLM's newly appended blocks bring their pages into the pools."""

@@ -240,11 +240,12 @@ class ResidentTable:
         self.owner: HeadPageTables | None = owner
         self.slot = slot
 
+    # (``owner`` is None once released, and a released table is never read or grown)
     def pages(self, width: int) -> Tensor:
-        return self.owner.slot_pages(self.slot, width).to(torch.int64)
+        return self.owner.slot_pages(self.slot, width).to(torch.int64)  # type: ignore[union-attr]
 
     def append(self, layers: Tensor, heads: Tensor, columns: Tensor, page_ids: Tensor) -> None:
-        self.owner.append_pages(self.slot, layers, heads, columns, page_ids)
+        self.owner.append_pages(self.slot, layers, heads, columns, page_ids)  # type: ignore[union-attr]
 
     @property
     def released(self) -> bool:

@@ -10,4 +10,4 @@ from vllm.v1.sample.logits_processor.interface import MoveDirectionality  # noqa
 try:
     from vllm.exceptions import VLLMValidationError
 except ImportError:  # pragma: no cover - older vLLM: a plain ValueError is what it reports as HTTP 400
-    VLLMValidationError = None
+    VLLMValidationError = None  # type: ignore[misc, assignment]

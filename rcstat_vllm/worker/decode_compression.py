@@ -160,6 +160,7 @@ class DecodeCompressor:
         masks, evicted = [], 0
         device = self.scores_device
         for layer, per_head in enumerate(self.scores):
+            assert per_head is not None  # (every layer is scored before the due step selects)
             generated = torch.tensor([s.numel() for s in per_head])
             width = int(generated.max())
             # Right-aligned so that every head's last `window` columns are its latest tokens (the window, always
@@ -190,6 +191,7 @@ class DecodeCompressor:
 
     def compacted(self) -> None:
         """The pending plan's compaction ran."""
+        assert self.pending is not None  # (a plan was sent)
         self.compactions += 1
         self.tokens_evicted += self.pending.evicted
         self.next_due = self.pending.num_tokens + self.interval
@@ -199,5 +201,6 @@ class DecodeCompressor:
     def cancelled(self) -> None:
         """The scheduler had no free blocks for the plan's copy: the request goes on as it was and is due again once
         a new window of queries is saved."""
+        assert self.pending is not None  # (a plan was sent)
         self.next_due = self.pending.num_tokens + self.num_queries
         self.pending = None

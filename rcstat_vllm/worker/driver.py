@@ -94,9 +94,10 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         for req_id in info.dropped_req_ids:
             self.request_settings.drop(req_id)  # (a resumed request is resolved again: it may run on new settings)
             record = self.requests.drop(req_id)
-            if record is not None and record.phase is Phase.AWAITING_BLOCKS and record.job.kind == "prompt":
-                reason = record.job.uncompacted_reason(req_id in info.preempted_req_ids)
-                self.results_log.record(record.job.cancelled(reason))
+            job = None if record is None or record.phase is not Phase.AWAITING_BLOCKS else record.job
+            if job is not None and job.kind == "prompt":
+                reason = job.uncompacted_reason(req_id in info.preempted_req_ids)
+                self.results_log.record(job.cancelled(reason))
         for req_id in info.preempted_req_ids:  # recomputed when resumed: compressed again, as a new pass
             self.results_log.end_pass(req_id, "preempted")
         for req_id in info.new_req_ids:
@@ -130,11 +131,14 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         for decode, start, end in plan.decode_queries:
             decode.save_queries(layer_index, query[start:end])
         if plan.scoring:
-            self.pages.remember(layer_index, kv_cache)  # the cache a later step's copy reads and writes
+            # (a step scores only once the layers are attached: the page store and the page space exist)
+            self.pages.remember(layer_index, kv_cache)  # type: ignore[union-attr]  # the cache a later copy reads
         for record in plan.scoring:
-            record.job.observe_layer(layer_index, query, kv_cache, scale)
-            if record.job.fully_observed:
-                self.requests.job_selected(record, record.job.select(self.space))
+            job = record.job
+            assert job is not None  # (a record scored holds its job)
+            job.observe_layer(layer_index, query, kv_cache, scale)
+            if job.fully_observed:
+                self.requests.job_selected(record, job.select(self.space))  # type: ignore[arg-type]
 
     def pop_reports(self):
         """What the scheduler learns from this step: compression plans (blocks to allocate) and skipped requests."""
@@ -184,19 +188,21 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         tensor-parallel ranks (they share one block table but hold different heads); a prompt's token counts as
         evicted only where every rank's heads evicted it. Prompts first, then decode-time jobs, each in the table's
         order (the same on every rank)."""
+        # (SELECTED records hold their job; a prompt job's visibility mask is set once it selected)
         selected = self.requests.in_phase(Phase.SELECTED)
         for kind in ("prompt", "decode"):
-            records = [record for record in selected if record.job.kind == kind]
+            records = [record for record in selected if record.job.kind == kind]  # type: ignore[union-attr]
             if not records:
                 continue
             agreed = max_over_ranks([record.blocks_needed for record in records], self.block_agreement_group)
             if kind == "prompt":
-                visible = visible_on_any_rank([r.job.visible for r in records], self.block_agreement_group)
+                masks = [r.job.visible for r in records]  # type: ignore[union-attr]
+                visible = visible_on_any_rank(masks, self.block_agreement_group)  # type: ignore[arg-type]
                 for record, mask in zip(records, visible):
-                    record.job.visible = mask
+                    record.job.visible = mask  # type: ignore[union-attr]
             for record, keep_blocks in zip(records, agreed):
                 self.requests.job_sent(record)
-                self.results_log.send(record.job.plan_report(keep_blocks))
+                self.results_log.send(record.job.plan_report(keep_blocks))  # type: ignore[union-attr]
 
     def _run_compaction(self, compaction: Compaction) -> str | None:
         """The scheduler's answer to a plan: copy the kept entries into its fresh blocks, or go on without. Returns
@@ -205,16 +211,19 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         if record is None or record.phase is not Phase.AWAITING_BLOCKS:
             raise RuntimeError(f"rcstat: the scheduler sent blocks for request {compaction.req_id}, which has no plan")
         job = record.job
+        assert job is not None  # (AWAITING_BLOCKS: a job in flight)
         if compaction.cancelled_reason is not None:
             outcome = job.cancelled(compaction.cancelled_reason)
             self.requests.job_cancelled(record)
             if outcome is not None:
                 self.results_log.record(outcome)
             return None
-        pages = job.compact(self.pages.layer_caches, compaction, self.space)
+        # (a plan is made only once the layers are attached: the page store and the page space exist, and every
+        # layer's cache was remembered by the step that scored the job)
+        pages = job.compact(self.pages.layer_caches, compaction, self.space)  # type: ignore[union-attr, arg-type]
         if record.pages is not None:
-            self.pages.release(record.pages)
-        self.pages.attach(pages)
+            self.pages.release(record.pages)  # type: ignore[union-attr]
+        self.pages.attach(pages)  # type: ignore[union-attr]
         self.requests.job_compacted(record, pages)
         if job.kind == "prompt":
             outcome = job.outcome(compaction)
@@ -253,7 +262,7 @@ class WorkerCompression(CompressedLayers, StepPlanner):
             record = self.requests.get(req_id)
             if record is not None and record.pages is not None:
                 self.requests.drop(req_id)
-                self.pages.release(record.pages)
+                self.pages.release(record.pages)  # type: ignore[union-attr]  # (pages exist: the store does)
 
     def _report_unserved(self, info: StepInfo) -> None:
         """No layer runs the plugin's backend (no builder plans the steps): each request finishing its prefill is

@@ -14,7 +14,7 @@ DecodingPress runs its base press over a token range. The phases are the request
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -66,7 +66,7 @@ class CompactionJob(ABC):
 class PromptJob(CompactionJob):
     """A prompt's compaction, scored during its last prefill chunk (or, lazily, at the compaction)."""
 
-    kind = "prompt"
+    kind: ClassVar[Literal["prompt"]] = "prompt"
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class PromptJob(CompactionJob):
         return self.compressor.visible
 
     @visible.setter
-    def visible(self, mask: Tensor) -> None:
+    def visible(self, mask: Tensor | None) -> None:
         self.compressor.visible = mask
 
     def observe_layer(self, layer: int, query: Tensor, kv_cache: Tensor, scale: float) -> None:
@@ -124,7 +124,7 @@ class PromptJob(CompactionJob):
 
     def select(self, space: PageSpace) -> int:
         if self.compressor.deferred:
-            return self.compressor.plan_deferred(space, self.deferred_bound)
+            return self.compressor.plan_deferred(space, self.deferred_bound)  # type: ignore[arg-type]
         return self.compressor.select(space)
 
     def plan_report(self, keep_blocks: int) -> CompressionReport:
@@ -169,7 +169,7 @@ class DecodeJob(CompactionJob):
     """A decode-time compaction: the generated entries of ``source`` (its head pages, or its own blocks seen as head
     pages for a request whose prompt stayed whole) scored at ``num_tokens`` tokens, down to ``decode_budget``."""
 
-    kind = "decode"
+    kind: ClassVar[Literal["decode"]] = "decode"
 
     def __init__(
         self, req_id: str, decode: DecodeCompressor, source: CompactedRequest, num_tokens: int, layout: CacheLayout
@@ -190,6 +190,7 @@ class DecodeJob(CompactionJob):
 
     def plan_report(self, keep_blocks: int) -> CompressionReport:
         plan = self.decode.pending
+        assert plan is not None  # (selected in this step)
         plan.keep_blocks = keep_blocks
         return CompressionReport(
             req_id=self.req_id,
@@ -206,6 +207,7 @@ class DecodeJob(CompactionJob):
 
     def compact(self, caches: list[Tensor], compaction: Compaction, space: PageSpace) -> CompactedRequest:
         plan = self.decode.pending
+        assert plan is not None  # (the plan the scheduler answered)
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
         if dest.numel() != plan.keep_blocks - self.source.shared_blocks:
             raise ValueError(
@@ -226,6 +228,7 @@ class DecodeJob(CompactionJob):
         return pages
 
     def cancelled(self, reason: str) -> None:
+        assert self.decode.pending is not None  # (the plan the scheduler refused)
         logger.debug(
             "rcstat: request %s: decode-time compaction at %d tokens skipped: %s",
             self.req_id,

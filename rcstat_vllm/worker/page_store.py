@@ -32,7 +32,8 @@ class PageStore:
 
     def release(self, pages: CompactedRequest) -> None:
         """The request is gone or compacted anew: its slot serves the next compaction."""
-        self.tables.release(pages.table)
+        # (attached pages: the tables exist and their table is a slot there)
+        self.tables.release(pages.table)  # type: ignore[union-attr, arg-type]
 
     def bound_bytes(self) -> int:
         """The most the resident tables take (on the host, and as much on the device)."""

@@ -139,7 +139,7 @@ def deferred_keep_blocks(
     own = num_tokens - shared_blocks * block_size
     total = heads * own
     forced = heads * min(own, config.window + max(config.sink_tokens - shared_blocks * block_size, 0))
-    kept = min(max(total - round(config.target_ratio * total) + num_layers, forced), total)
+    kept = min(max(total - round(config.target_ratio * total) + num_layers, forced), total)  # type: ignore[operator]
     # sum over heads of ceil((k + to_boundary) / N) <= (sum of k + heads * (to_boundary + N - 1)) / N
     pages = (kept + heads * (-num_tokens % block_size + block_size - 1)) // block_size
     return shared_blocks + min(cdiv(pages, heads), cdiv(num_tokens, block_size) - shared_blocks)
@@ -221,7 +221,8 @@ class RequestCompressor:
 
     def score_deferred(self, caches: list[torch.Tensor], layout: CacheLayout) -> None:
         """Score every layer from the kept windows (the prompt's keys are still in its blocks: not compacted yet)."""
-        for layer, (q_window, scale) in enumerate(self.windows):
+        # (every layer's window is kept by the time the scheduler asks for the copy)
+        for layer, (q_window, scale) in enumerate(self.windows):  # type: ignore[arg-type, misc]
             self.score_window(layer, q_window, caches[layer], scale, layout)
         self.windows = None
 
@@ -259,7 +260,7 @@ class RequestCompressor:
         self.block_size, self.pooled_pages = space.block_size, space.is_pooled
         shared = self.shared_blocks * space.block_size
         config = dataclasses.replace(self.config, sink_tokens=max(self.config.sink_tokens - shared, 0))
-        own = select_keep_masks([scores[:, shared:] for scores in self.scores], config)
+        own = select_keep_masks([scores[:, shared:] for scores in self.scores], config)  # type: ignore[index]
         self.masks = [torch.nn.functional.pad(mask, (shared, 0), value=True) for mask in own]
         kept = torch.stack([mask.sum(dim=1) for mask in self.masks])  # [L, H]
         self.num_kv_heads = kept.shape[1]
@@ -287,11 +288,11 @@ class RequestCompressor:
         if self.deferred:
             self._score_and_select_within(caches, space, layout, self.keep_blocks)
         n = self.decision.num_tokens
-        masks, source_row = self.masks, self.block_row
+        masks, source_row = self.masks, self.block_row  # (masks: set by select, or by the deferred scoring above)
         extra_blocks = 0
         if num_tokens > n:
             generated = num_tokens - n
-            masks = [torch.cat([mask, mask.new_ones(mask.shape[0], generated)], dim=1) for mask in masks]
+            masks = [torch.cat([mask, mask.new_ones(mask.shape[0], generated)], dim=1) for mask in masks]  # type: ignore[union-attr]
             prompt_blocks = cdiv(n, self.block_size)
             tail = torch.tensor(tail_block_ids, dtype=source_row.dtype, device=source_row.device)
             source_row = torch.cat([source_row[:prompt_blocks], tail])
@@ -301,7 +302,7 @@ class RequestCompressor:
         needed = self.keep_blocks + extra_blocks - self.shared_blocks
         if dest_blocks.numel() != needed:
             raise ValueError(f"rcstat: {dest_blocks.numel()} fresh blocks allocated, {needed} needed")
-        state = compact_request(caches, source_row, masks, dest_blocks, space, layout, self.shared_blocks)
+        state = compact_request(caches, source_row, masks, dest_blocks, space, layout, self.shared_blocks)  # type: ignore[arg-type]
         self.masks = None
         return state
 
@@ -320,6 +321,7 @@ class RequestCompressor:
         needed = self.select(space)
         while needed > allocated:
             ratio = self.config.target_ratio
+            assert ratio is not None  # (deferred scoring is budget mode only)
             if ratio >= 0.99:
                 raise RuntimeError(
                     f"rcstat: request {self.decision.req_id}: its forced keeps need {needed} blocks, "
@@ -361,6 +363,7 @@ class RequestCompressor:
                 block_size=self.block_size,
                 num_cached_tokens=self.num_cached_tokens,
             )
+        assert self.kept is not None and self.visible is not None  # (selected)
         return CompressionReport(
             req_id=self.decision.req_id,
             num_prompt_tokens=self.decision.num_tokens,

@@ -38,7 +38,7 @@ from torch import Tensor
 if TYPE_CHECKING:  # (annotations only)
     from rcstat_vllm.paging.head_pages import CompactedRequest
     from rcstat_vllm.worker.decode_compression import DecodeCompressor
-    from rcstat_vllm.worker.jobs import CompactionJob
+    from rcstat_vllm.worker.jobs import DecodeJob, PromptJob
 
 
 class Phase(enum.Enum):
@@ -62,7 +62,7 @@ class WorkerRequest:
     #: with ``decode_budget`` set, once it decodes: when its next decode-time compaction is due, its queries
     decode: DecodeCompressor | None = None
     #: the compaction in flight, and its phase (SCORING, SELECTED or AWAITING_BLOCKS)
-    job: CompactionJob | None = None
+    job: PromptJob | DecodeJob | None = None
     job_phase: Phase | None = None
     #: SELECTED: the blocks this rank's heads need (before the agreement across ranks)
     blocks_needed: int = 0
@@ -70,7 +70,7 @@ class WorkerRequest:
     @property
     def phase(self) -> Phase:
         if self.job is not None:
-            return self.job_phase
+            return self.job_phase  # type: ignore[return-value]  # (set with the job)
         if self.pages is not None:
             return Phase.COMPRESSED
         return Phase.UNCOMPRESSED_DECODE if self.decode is not None else Phase.PREFILL
@@ -135,7 +135,7 @@ class WorkerRequests:
         record.decode = decode
         return record
 
-    def start_job(self, record: WorkerRequest, job: CompactionJob) -> None:
+    def start_job(self, record: WorkerRequest, job: PromptJob | DecodeJob) -> None:
         """PREFILL -> SCORING (a prompt job); COMPRESSED or UNCOMPRESSED_DECODE -> SCORING (a decode-time job)."""
         expect(record, *((Phase.PREFILL,) if job.kind == "prompt" else (Phase.COMPRESSED, Phase.UNCOMPRESSED_DECODE)))
         record.job, record.job_phase = job, Phase.SCORING
@@ -156,7 +156,7 @@ class WorkerRequests:
     def job_cancelled(self, record: WorkerRequest) -> None:
         """AWAITING_BLOCKS -> where it started: a prompt's record is dropped (the request runs uncompressed)."""
         expect(record, Phase.AWAITING_BLOCKS)
-        if record.job.kind == "prompt":
+        if record.job.kind == "prompt":  # type: ignore[union-attr]  # (AWAITING_BLOCKS: a job in flight)
             self.drop(record.req_id)
         record.job, record.job_phase = None, None
 

@@ -12,7 +12,7 @@ plan (:mod:`rcstat_vllm.attention.head_plan`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,13 @@ from rcstat_vllm.worker.jobs import DecodeJob, PromptJob
 from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks, plan_compression
 from rcstat_vllm.worker.requests import Phase, WorkerRequest
 from rcstat_vllm.worker.step import StepInfo
+
+if TYPE_CHECKING:  # (annotations only)
+    from rcstat_vllm.paging.kv_layout import CacheLayout
+    from rcstat_vllm.paging.page_space import PageSpace
+    from rcstat_vllm.settings import RequestSettingsTable
+    from rcstat_vllm.worker.requests import WorkerRequests
+    from rcstat_vllm.worker.results import ResultsLog
 
 
 @dataclass
@@ -54,6 +61,25 @@ class StepCompression:
 
 class StepPlanner:
     """The per-step planning part of the worker's owner (uses its layers, config, request table and results)."""
+
+    # What it reads of its owner (set by WorkerCompression and CompressedLayers; declared for the type checker).
+    # ``layout`` and ``space`` are set when the layers attach and ``_step`` by ``begin_step``, before any step is
+    # planned: the ``type: ignore`` comments below stand for that.
+    requests: WorkerRequests
+    request_settings: RequestSettingsTable
+    results_log: ResultsLog
+    block_agreement_group: Any
+    device_block_row_reads: int
+    _step: StepInfo | None
+    num_heads: int
+    block_size: int
+    layout: CacheLayout | None
+    space: PageSpace | None
+    disabled_reason: str | None
+    if TYPE_CHECKING:
+
+        @property
+        def num_layers(self) -> int: ...
 
     def plan_rows(self, step: StepInfo | None, common_attn_metadata) -> StepCompression:
         plan = StepCompression(owner=self)
@@ -104,7 +130,7 @@ class StepPlanner:
             decision,
             self.num_layers,
             block_row,
-            self.layout,
+            self.layout,  # type: ignore[arg-type]
             cached_tokens=record.cached_tokens,
             saved_queries=record.saved_queries,
             deferred_bound=self._deferred_bound(decision, record.cached_tokens),
@@ -119,7 +145,7 @@ class StepPlanner:
         if self.block_agreement_group is not None:
             return None
         shared_blocks = cached_tokens // self.block_size
-        return deferred_keep_blocks(decision.config, decision.num_tokens, self.num_layers, self.space, shared_blocks)
+        return deferred_keep_blocks(decision.config, decision.num_tokens, self.num_layers, self.space, shared_blocks)  # type: ignore[arg-type]
 
     def _plan_uncompressed_decode(self, plan: StepCompression, record, request, rows, block_table, row: int) -> None:
         """A decoding request whose prompt stayed uncompressed: with ``decode_budget`` (server or request) its
@@ -164,7 +190,7 @@ class StepPlanner:
         (over the request's head pages, unless ``start_job`` is False). The scheduler brings a compaction forward
         when the pool is about to run short."""
         decode = record.decode
-        if record.req_id in self._step.decode_soon:
+        if record.req_id in self._step.decode_soon:  # type: ignore[union-attr]
             decode.hurry(num_tokens)
         if decode.observing(num_tokens):
             plan.decode_queries.append((decode, start, end))
@@ -175,13 +201,13 @@ class StepPlanner:
         return True
 
     def _start_decode_job(self, plan: StepCompression, record, source: CompactedRequest, num_tokens: int) -> None:
-        self.requests.start_job(record, DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout))
+        self.requests.start_job(record, DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout))  # type: ignore[arg-type]
         plan.scoring.append(record)
 
     def _own_blocks(self, request, block_table: torch.Tensor, row: int) -> torch.Tensor:
         """An uncompressed request's blocks holding its tokens after this step, on the host."""
         used = cdiv(request.num_tokens_after_step, self.block_size)
-        if request.block_ids is not None and self._step.block_size == self.block_size:
+        if request.block_ids is not None and self._step.block_size == self.block_size:  # type: ignore[union-attr]
             # A copy: the host row is a read-only view vLLM rewrites for the next step.
             return torch.from_numpy(np.array(request.block_ids[:used], dtype=np.int64))
         return block_table[row, :used].cpu()
