@@ -3,8 +3,9 @@ a reason (logged, compression turned off) or None."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from rcstat_vllm.vllm_private.internals import (
     forward_context,

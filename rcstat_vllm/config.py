@@ -12,15 +12,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 # Torch-free (this module runs in the scheduler's process): the methods by name, each with its own knobs.
 from rcstat_vllm.knobs import ConfigError, Knob, is_int, is_number
 from rcstat_vllm.scoring.registry import REGISTRY, SINK_TOKENS, method_knobs, observing_methods
 
-__all__ = ["CONFIG_KEY", "KNOBS", "METHODS", "ConfigError", "RCStatConfig", "is_int", "is_number",
-           "request_overrides", "server_config", "settings_table"]
+__all__ = [
+    "CONFIG_KEY",
+    "KNOBS",
+    "METHODS",
+    "ConfigError",
+    "RCStatConfig",
+    "is_int",
+    "is_number",
+    "request_overrides",
+    "server_config",
+    "settings_table",
+]
 
 #: Key of the plugin's section in ``additional_config`` and in ``SamplingParams.extra_args``.
 CONFIG_KEY = "rcstat"
@@ -40,26 +51,75 @@ BUDGET_SCOPES = ("layer", "model")
 #: the first 4 tokens (attention sinks) kept by every head; lazy eviction (a pool never short loses nothing, and it
 #: ran at least as fast as eager on every workload measured: docs/defaults.md, "Lazy eviction by default").
 GENERAL_KNOBS = (
-    Knob("method", "rc", "the scoring method: `rc` (RCStat) or a baseline; `none`: the plugin's backend on, nothing "
-         "evicted", kind="choice", choices=METHODS),
-    Knob("target_ratio", 0.4, "budget mode: evict this fraction of the prompt KV entries; `null` = threshold mode",
-         kind="number", minimum=0, maximum=1, open_maximum=True, nullable=True),
-    Knob("c", 1.0, "threshold mode (Eq. 9): evict a token scoring at most `c` x its head's mean; giving `c` without "
-         "`target_ratio` selects it", kind="number", minimum=0),
-    Knob("budget_scope", "model", "`model`: the budget across all layers and heads; `layer`: `target_ratio` of every "
-         "layer", kind="choice", choices=BUDGET_SCOPES),
-    Knob("layer_floor", 0.0, "model-wide budget: the share of each layer's equal part it keeps first", kind="number",
-         minimum=0, maximum=1),
-    Knob("window", REGISTRY["rc"].window, "the last `window` prompt tokens are always kept (RC: also the observation "
-         "window)", minimum=1),
-    Knob("observation_window", None, "RC and SnapKV: trailing queries that score the prompt (`null`: RC's `window`, "
-         "SnapKV's 64)", minimum=1, nullable=True),
+    Knob(
+        "method",
+        "rc",
+        "the scoring method: `rc` (RCStat) or a baseline; `none`: the plugin's backend on, nothing evicted",
+        kind="choice",
+        choices=METHODS,
+    ),
+    Knob(
+        "target_ratio",
+        0.4,
+        "budget mode: evict this fraction of the prompt KV entries; `null` = threshold mode",
+        kind="number",
+        minimum=0,
+        maximum=1,
+        open_maximum=True,
+        nullable=True,
+    ),
+    Knob(
+        "c",
+        1.0,
+        "threshold mode (Eq. 9): evict a token scoring at most `c` x its head's mean; giving `c` without "
+        "`target_ratio` selects it",
+        kind="number",
+        minimum=0,
+    ),
+    Knob(
+        "budget_scope",
+        "model",
+        "`model`: the budget across all layers and heads; `layer`: `target_ratio` of every layer",
+        kind="choice",
+        choices=BUDGET_SCOPES,
+    ),
+    Knob(
+        "layer_floor",
+        0.0,
+        "model-wide budget: the share of each layer's equal part it keeps first",
+        kind="number",
+        minimum=0,
+        maximum=1,
+    ),
+    Knob(
+        "window",
+        REGISTRY["rc"].window,
+        "the last `window` prompt tokens are always kept (RC: also the observation window)",
+        minimum=1,
+    ),
+    Knob(
+        "observation_window",
+        None,
+        "RC and SnapKV: trailing queries that score the prompt (`null`: RC's `window`, SnapKV's 64)",
+        minimum=1,
+        nullable=True,
+    ),
     SINK_TOKENS,  # (declared with the registry: StreamingLLM's sinks)
     Knob("min_prompt_len", 64, "shorter prompts are not compressed", minimum=1),
-    Knob("eviction", "lazy", "`lazy`: compact only when the scheduler needs blocks; `eager`: right after the prefill",
-         kind="choice", choices=EVICTION_MODES),
-    Knob("decode_budget", None, "compress generated KV too, keeping this many generated tokens per head on average",
-         minimum="window", nullable=True),
+    Knob(
+        "eviction",
+        "lazy",
+        "`lazy`: compact only when the scheduler needs blocks; `eager`: right after the prefill",
+        kind="choice",
+        choices=EVICTION_MODES,
+    ),
+    Knob(
+        "decode_budget",
+        None,
+        "compress generated KV too, keeping this many generated tokens per head on average",
+        minimum="window",
+        nullable=True,
+    ),
     Knob("decode_interval", 128, "generated tokens between two decode-time compactions", minimum="window"),
 )
 
@@ -147,8 +207,11 @@ class RCStatConfig:
             knob.check(getattr(self, knob.name), self)
         if self.observation_window is not None and self.method not in (*OBSERVING_METHODS, "none"):
             observers = " and ".join(OBSERVING_METHODS)
-            raise ConfigError("observation_window", self.observation_window,
-                              f"null for method {self.method!r} (only {observers} observe a window)")
+            raise ConfigError(
+                "observation_window",
+                self.observation_window,
+                f"null for method {self.method!r} (only {observers} observe a window)",
+            )
 
     @property
     def decode_compression(self) -> bool:
@@ -165,11 +228,11 @@ class RCStatConfig:
         return self.target_ratio is not None
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | str | None) -> "RCStatConfig":
+    def from_dict(cls, values: Mapping[str, Any] | str | None) -> RCStatConfig:
         """Build and validate a config from a dict (or its JSON text); unknown keys are errors."""
         return cls().merged(values)
 
-    def merged(self, overrides: Mapping[str, Any] | str | None) -> "RCStatConfig":
+    def merged(self, overrides: Mapping[str, Any] | str | None) -> RCStatConfig:
         """A copy of this config with ``overrides`` applied and validated (per-request settings)."""
         if overrides is None:
             return self

@@ -1,6 +1,7 @@
 """Settings arithmetic both sides need (the scheduler's engine process and the workers): a request's settings
-(resolved once per process: :class:`RequestSettingsTable`), how many queries its scoring observes and keeps, its scorer's options, how far a prefix-cache hit may
-reach. Plain Python on :class:`~rcstat_vllm.config.RCStatConfig`: no torch, no scorer, no vLLM."""
+(resolved once per process: :class:`RequestSettingsTable`), how many queries its scoring observes and keeps, its
+scorer's options, how far a prefix-cache hit may reach. Plain Python on :class:`~rcstat_vllm.config.RCStatConfig`:
+no torch, no scorer, no vLLM."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class RequestSettings:
     invalid: str | None = None
 
     @classmethod
-    def resolve(cls, extra_args, server: RCStatConfig) -> "RequestSettings":
+    def resolve(cls, extra_args, server: RCStatConfig) -> RequestSettings:
         """Parse and validate the request's overrides (``SamplingParams.extra_args``) over the server config."""
         try:
             return cls(server.merged(request_overrides(extra_args)))

@@ -124,11 +124,26 @@ def test_every_method_is_accepted(method):
 
 
 def test_good_config_round_trips():
-    values = {"method": "snapkv", "c": 0, "window": 1, "target_ratio": 0.0, "sink_tokens": 4,
-              "min_prompt_len": 1, "budget_scope": "model", "layer_floor": 0.25, "smoothing": 3,
-              "carry_forward": 8, "local_contrast": 0.25, "contrast_radius": 128, "query_reduction": "mean",
-              "observation_window": None, "eviction": "lazy", "kernel_size": 7,
-              "decode_budget": 64, "decode_interval": 32}
+    values = {
+        "method": "snapkv",
+        "c": 0,
+        "window": 1,
+        "target_ratio": 0.0,
+        "sink_tokens": 4,
+        "min_prompt_len": 1,
+        "budget_scope": "model",
+        "layer_floor": 0.25,
+        "smoothing": 3,
+        "carry_forward": 8,
+        "local_contrast": 0.25,
+        "contrast_radius": 128,
+        "query_reduction": "mean",
+        "observation_window": None,
+        "eviction": "lazy",
+        "kernel_size": 7,
+        "decode_budget": 64,
+        "decode_interval": 32,
+    }
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
     assert config.budget_mode
@@ -153,8 +168,10 @@ def test_merged_applies_overrides_and_keeps_the_rest():
     assert base.merged('{"method": "none"}').method == "none"  # the vllm_xargs form: JSON text
 
 
-@pytest.mark.parametrize("overrides, field", [({"c": -1}, "c"), ({"method": "x"}, "method"),
-                                               ({"window": 0}, "window"), ({"nope": 1}, "nope")])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [({"c": -1}, "c"), ({"method": "x"}, "method"), ({"window": 0}, "window"), ({"nope": 1}, "nope")],
+)
 def test_merged_validates_overrides(overrides, field):
     with pytest.raises(ConfigError) as info:
         RCStatConfig().merged(overrides)
@@ -179,8 +196,8 @@ def test_request_overrides():
 
 
 def test_observation_window_sets_what_rc_and_snapkv_observe_and_nothing_else():
-    from rcstat_vllm.settings import scorer_options, window_queries
     from rcstat_vllm.scoring import get_scorer
+    from rcstat_vllm.settings import scorer_options, window_queries
 
     def observed(**values):
         config = RCStatConfig.from_dict(values)
@@ -198,8 +215,8 @@ def test_observation_window_sets_what_rc_and_snapkv_observe_and_nothing_else():
 
 def test_local_contrast_reaches_rcs_scorer_in_budget_mode_only():
     """Threshold mode is RCStat's own rule on RC's own scores (Eq. 9); the contrast is a budget's ranking."""
-    from rcstat_vllm.settings import scorer_options
     from rcstat_vllm.scoring import get_scorer
+    from rcstat_vllm.settings import scorer_options
 
     def contrast(**values):
         scorer = get_scorer("rc", **scorer_options(RCStatConfig.from_dict(values)))
@@ -224,14 +241,23 @@ def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction
         return [r.getMessage() for r in caplog.records if "rcstat" in r.getMessage()]
 
     assert not any("decode-time" in line for line in lines(RCStatConfig()))
-    assert any("lazy eviction: a request is compacted only when the KV pool runs short" in line
-               for line in lines(RCStatConfig()))  # the default
+    assert any(
+        "lazy eviction: a request is compacted only when the KV pool runs short" in line
+        for line in lines(RCStatConfig())
+    )  # the default
     assert not any("lazy eviction:" in line for line in lines(RCStatConfig(eviction="eager")))
     on = lines(RCStatConfig(decode_budget=512, eviction="eager"))
-    assert any("decode-time compression on: generated KV compacted to 512 tokens per KV head on average every 128 "
-               "tokens, earlier when the KV pool is about to run short" in line and "lazy" not in line for line in on)
-    assert any("requests that never meet memory pressure keep their generated KV whole" in line
-               for line in lines(RCStatConfig(decode_budget=512, eviction="lazy")))
+    assert any(
+        "decode-time compression on: generated KV compacted to 512 tokens per KV head on average every 128 "
+        "tokens, earlier when the KV pool is about to run short"
+        in line
+        and "lazy" not in line
+        for line in on
+    )
+    assert any(
+        "requests that never meet memory pressure keep their generated KV whole" in line
+        for line in lines(RCStatConfig(decode_budget=512, eviction="lazy"))
+    )
     assert not any("decode-time" in line for line in lines(RCStatConfig(decode_budget=512), off=True))
     assert any("keep their generated KV whole" in line for line in lines(RCStatConfig(decode_budget=512)))  # default
     threshold = "local_contrast does not apply (Eq. 9 compares RC's own scores with c)"
@@ -254,9 +280,11 @@ def test_config_and_settings_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, rcstat_vllm.settings, rcstat_vllm.config; from rcstat_vllm.settings import observed_queries; "
-            "from rcstat_vllm.config import RCStatConfig; "
-            "assert [observed_queries(RCStatConfig(method=m)) for m in ('rc', 'snapkv', 'tova')] == [32, 64, 1]; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, rcstat_vllm.settings, rcstat_vllm.config; from rcstat_vllm.settings import observed_queries; "
+        "from rcstat_vllm.config import RCStatConfig; "
+        "assert [observed_queries(RCStatConfig(method=m)) for m in ('rc', 'snapkv', 'tova')] == [32, 64, 1]; "
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

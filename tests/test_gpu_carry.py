@@ -61,7 +61,7 @@ def guarded_imports(modules, drop: str = "") -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # (a dry run; minutes on a loaded 2-core machine)
         cwd=REPO,
     )
     assert proc.stdout.strip(), proc.stderr[-3000:]
@@ -180,7 +180,7 @@ def test_first_run_dry_end_to_end(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # (a dry run; minutes on a loaded 2-core machine)
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

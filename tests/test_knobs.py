@@ -58,8 +58,9 @@ def test_every_methods_own_knobs_reach_its_scorer_from_the_config():
 
     snapkv = get_scorer("snapkv", **scorer_options(RCStatConfig.from_dict({"method": "snapkv", "kernel_size": 9})))
     assert snapkv.kernel_size == 9 and snapkv.window_size == 64
-    streaming = get_scorer("streaming", **scorer_options(RCStatConfig.from_dict({"method": "streaming",
-                                                                                  "sink_tokens": 8})))
+    streaming = get_scorer(
+        "streaming", **scorer_options(RCStatConfig.from_dict({"method": "streaming", "sink_tokens": 8}))
+    )
     assert streaming.n_sink == 8
     rc = get_scorer("rc", **scorer_options(RCStatConfig.from_dict({"contrast_radius": 64, "smoothing": 5})))
     assert (rc.contrast_radius, rc.smoothing, rc.window_size) == (64, 5, 32)

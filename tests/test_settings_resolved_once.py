@@ -12,10 +12,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-from fake_vllm import fake_vllm_config  # noqa: E402
-from rcstat_vllm.config import RCStatConfig  # noqa: E402
-from rcstat_vllm.engine.block_exchange import EngineCompaction  # noqa: E402
-from rcstat_vllm.worker.step import BatchRequest, StepInfo  # noqa: E402
+from fake_vllm import fake_vllm_config
+
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.engine.block_exchange import EngineCompaction
+from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
 BLOCK = 16
 
@@ -38,8 +39,11 @@ def parses(monkeypatch):
 def _step(worker, request: BatchRequest, **info):
     worker.begin_step(StepInfo(requests=[request], **info))
     n = request.num_scheduled_tokens
-    common = SimpleNamespace(num_reqs=1, block_table_tensor=torch.arange(64, dtype=torch.int32).view(1, -1),
-                             query_start_loc_cpu=torch.tensor([0, n]))
+    common = SimpleNamespace(
+        num_reqs=1,
+        block_table_tensor=torch.arange(64, dtype=torch.int32).view(1, -1),
+        query_start_loc_cpu=torch.tensor([0, n]),
+    )
     return worker.plan_step(common)
 
 
@@ -74,7 +78,9 @@ def test_the_scheduler_side_parses_a_requests_overrides_once_over_its_prefix_loo
     decode_request = SimpleNamespace(request_id="a", sampling_params=SimpleNamespace(extra_args=extra_args))
     from rcstat_vllm.patches.scheduler import decode_config
 
-    assert decode_config(state, decode_request) is None and parses.count(extra_args["rcstat"]) == 1  # the forecast reads the same settings
+    assert (
+        decode_config(state, decode_request) is None and parses.count(extra_args["rcstat"]) == 1
+    )  # the forecast reads the same settings
     state.forget("a")  # vLLM freed its blocks (finished or preempted): resolved again if it comes back
     assert state.prefix_hit_limit("a", 96, 100, extra_args, BLOCK) == 80 and parses.count(extra_args["rcstat"]) == 2
 

@@ -31,11 +31,11 @@ from rcstat_vllm.kernels.paged import gather_paged_tokens
 from .registry import REGISTRY
 
 __all__ = [
-    "Scorer",
-    "PagedPrompt",
     "PAGED_KERNEL_DTYPES",
-    "group_queries",
+    "PagedPrompt",
+    "Scorer",
     "carry_forward",
+    "group_queries",
     "local_contrast",
     "mark_window_kept",
     "smooth_scores",
@@ -150,10 +150,11 @@ class PagedPrompt:
     def block_size(self) -> int:
         return self.keys.shape[2]
 
-    def tail(self, first_block: int) -> "PagedPrompt":
+    def tail(self, first_block: int) -> PagedPrompt:
         """The prompt from block ``first_block`` on: the same cache, read from that block's first token."""
-        return PagedPrompt(self.keys, self.values, self.block_table[first_block:],
-                           self.num_tokens - first_block * self.block_size)
+        return PagedPrompt(
+            self.keys, self.values, self.block_table[first_block:], self.num_tokens - first_block * self.block_size
+        )
 
 
 @dataclass(eq=False)
@@ -175,13 +176,14 @@ class Scorer(ABC):
     needs_keys: ClassVar[bool] = True
     needs_values: ClassVar[bool] = False
 
-    window_size: int | None = None
+    # None until __post_init__ resolves it to the method's default: an int from then on (what the methods read).
+    window_size: int = None  # type: ignore[assignment]
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         # The published window is defined once, on the method's registry line (the torch-free settings read it
         # there); a scorer with no line (a test's own) keeps the one it declares.
-        line = REGISTRY.get(getattr(cls, "name", None))
+        line = REGISTRY.get(getattr(cls, "name", ""))
         if line is not None:
             cls.default_window_size = line.window
 
@@ -195,7 +197,7 @@ class Scorer(ABC):
     def _check_knobs(self) -> None:
         """Each field its registry line declares a knob for (its own, or a general setting it shares) is checked by
         that declaration: the config and the scorer allow the same values (a ConfigError, a ValueError, naming it)."""
-        line = REGISTRY.get(getattr(self, "name", None))
+        line = REGISTRY.get(getattr(self, "name", ""))
         if line is None:
             return
         for knob in line.knobs:
@@ -223,8 +225,9 @@ class Scorer(ABC):
             float32 [Hkv, n], higher = more important, +inf = always kept.
         """
 
-    def score_ragged(self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int],
-                     scale: float) -> list[Tensor]:
+    def score_ragged(
+        self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
+    ) -> list[Tensor]:
         """:meth:`score` of each KV head alone over its own entries, when heads hold different numbers of them
         (decode-time compression): head ``h``'s are the last ``lengths[h]`` of ``keys[h]`` / ``values[h]``
         ``[Hkv, n, d]`` (right-aligned; the columns before are padding). Returns each head's ``[lengths[h]]``
@@ -233,8 +236,12 @@ class Scorer(ABC):
         group = q_window.shape[0] // keys.shape[0]
         n = keys.shape[1]
         return [
-            self.score(q_window[head * group : (head + 1) * group], keys[head : head + 1, n - length :],
-                       None if values is None else values[head : head + 1, n - length :], scale)[0]
+            self.score(
+                q_window[head * group : (head + 1) * group],
+                keys[head : head + 1, n - length :],
+                None if values is None else values[head : head + 1, n - length :],  # type: ignore[arg-type]
+                scale,
+            )[0]
             for head, length in enumerate(lengths)
         ]
 
@@ -250,7 +257,8 @@ class Scorer(ABC):
             return self._score_paged_triton(q_window, prompt, scale)
         keys = prompt.gather_keys() if self.needs_keys else self._key_placeholder(prompt)
         values = prompt.gather_values() if self.needs_values else None
-        return self.score(q_window.float(), keys, values, scale)
+        # (values None: only a scorer with needs_values reads them)
+        return self.score(q_window.float(), keys, values, scale)  # type: ignore[arg-type]
 
     def scored_from(self, first_token: int, num_tokens: int, num_queries: int) -> int:
         """The first of ``num_tokens`` prompt tokens this scorer must read for every score from ``first_token`` on to be
@@ -285,8 +293,10 @@ class Scorer(ABC):
     def _trailing_window(self, q_window: Tensor, keys: Tensor) -> Tensor:
         """The last min(w, window_size) queries, grouped per KV head: [Hkv, G, w', d]."""
         if keys.dim() != 3 or q_window.dim() != 3:
-            raise ValueError(f"expected q_window [Hq, w, d] and keys [Hkv, n, d], got "
-                             f"{tuple(q_window.shape)} and {tuple(keys.shape)}")
+            raise ValueError(
+                f"expected q_window [Hq, w, d] and keys [Hkv, n, d], got "
+                f"{tuple(q_window.shape)} and {tuple(keys.shape)}"
+            )
         w = self._window_length(q_window.shape[1], keys.shape[1])
         return group_queries(q_window[:, q_window.shape[1] - w :], keys.shape[0])
 

@@ -33,7 +33,7 @@ class BinnedSearch:
         return self.per_bin <= self.MAX_PER_BIN
 
     @classmethod
-    def build(cls, sorted_values: Tensor) -> "BinnedSearch":
+    def build(cls, sorted_values: Tensor) -> BinnedSearch:
         m = sorted_values.shape[-1]
         num_bins = cls.BINS_PER_VALUE * m
         # The range between the third-lowest and third-highest y: a few outliers land in the end bins instead of
@@ -61,7 +61,7 @@ class BinnedSearch:
         # int64 would convert each one first.
         in_bin = torch.zeros_like(x, dtype=torch.uint8)
         for k in range(self.per_bin):
-            in_bin += torch.gather(self.padded, -1, start + k) < x
+            in_bin += torch.gather(self.padded, -1, start + k) < x  # type: ignore[arg-type]  # (per_bin > 0: padded)
         return start + in_bin
 
 

@@ -33,16 +33,16 @@ from .binned_search import BinnedSearch
 from .rc_knobs import QUERY_REDUCTIONS
 
 __all__ = [
-    "expected_rc",
-    "expected_rc_iot",
-    "expected_rc_grouped",
     "QUERY_REDUCTIONS",
+    "WindowSelfLogits",
     "check_query_reduction",
+    "expected_rc",
+    "expected_rc_grouped",
+    "expected_rc_iot",
     "expected_rc_iot_grouped",
     "expected_rc_samples",
-    "rc_upper_bound",
     "rc_lower_bound",
-    "WindowSelfLogits",
+    "rc_upper_bound",
     "window_self_logits",
 ]
 
@@ -125,7 +125,9 @@ class WindowSelfLogits:
             step = max(1, _DIRECT_SUM_ELEMENTS // (m * max(self.sorted[..., 0].numel(), 1)))
             for start in range(0, x_centered.shape[-1], step):
                 chunk = x_centered[..., start : start + step]
-                gaps[..., start : start + step] = (chunk.unsqueeze(-1) - self.sorted.unsqueeze(-2)).clamp_min_(0).sum(-1)
+                gaps[..., start : start + step] = (
+                    (chunk.unsqueeze(-1) - self.sorted.unsqueeze(-2)).clamp_min_(0).sum(-1)
+                )
             return gaps
         # side="left": number of y strictly below x; y == x contributes max(0, 0) = 0 either way.
         count_below = self.count_below(x_centered)

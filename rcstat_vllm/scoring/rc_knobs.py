@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from .registry import RC_KNOBS, REGISTRY
 
-__all__ = ["RCKnobs", "RC_DEFAULTS", "RC_PAPER", "QUERY_REDUCTIONS"]
+__all__ = ["QUERY_REDUCTIONS", "RC_DEFAULTS", "RC_PAPER", "RCKnobs"]
 
 #: How the observation window's queries combine into one score per token (``mean`` = Eq. 6, the paper's).
 QUERY_REDUCTIONS = next(knob.choices for knob in RC_KNOBS if knob.name == "query_reduction")
@@ -48,5 +48,6 @@ class RCKnobs:
 RC_DEFAULTS = RCKnobs(window=REGISTRY["rc"].window, **{knob.name: knob.default for knob in RC_KNOBS})
 
 #: The RCStat paper's scores: Eq. 6 (the mean over the window's queries) over an 8-query window, nothing after.
-RC_PAPER = RCKnobs(window=8, smoothing=1, carry_forward=0, local_contrast=0.0, contrast_radius=256,
-                   query_reduction="mean")
+RC_PAPER = RCKnobs(
+    window=8, smoothing=1, carry_forward=0, local_contrast=0.0, contrast_radius=256, query_reduction="mean"
+)

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 
 from rcstat_vllm.knobs import Knob
 
-__all__ = ["Method", "REGISTRY", "RC_KNOBS", "SINK_TOKENS", "knob_default", "method", "method_knobs", "observing_methods"]
+__all__ = [
+    "RC_KNOBS",
+    "REGISTRY",
+    "SINK_TOKENS",
+    "Method",
+    "knob_default",
+    "method",
+    "method_knobs",
+    "observing_methods",
+]
 
 
 @dataclass(frozen=True)
@@ -58,35 +67,77 @@ _METHODS = "rcstat_vllm.scoring.methods"
 #: end ("Local contrast"); the max over the window's queries, so a fact one copy head's query reads is not averaged
 #: away. The paper's own values: ``rc_knobs.RC_PAPER``.
 RC_KNOBS = (
-    Knob("smoothing", 3, "RC: scores averaged over this many neighbouring tokens (1 = RCStat's scores)",
-         minimum=1, odd=True, option="smoothing"),
-    Knob("carry_forward", 8, "RC: each score raised to the highest of the `carry_forward` tokens before it "
-         "(0 = RCStat's)", minimum=0, option="carry_forward"),
-    Knob("query_reduction", "max", "RC: `max` = the window query that reads a token most; `mean` = Eq. 6 "
-         "(RCStat's)", kind="choice", choices=("max", "mean"), option="query_reduction"),
-    Knob("local_contrast", 0.5, "RC, budget mode: each score divided by its neighbourhood's mean to this power "
-         "(0 = RCStat's)", kind="number", minimum=0, maximum=1, option="local_contrast"),
-    Knob("contrast_radius", 256, "RC: tokens on either side in that neighbourhood", minimum=1,
-         option="contrast_radius"),
+    Knob(
+        "smoothing",
+        3,
+        "RC: scores averaged over this many neighbouring tokens (1 = RCStat's scores)",
+        minimum=1,
+        odd=True,
+        option="smoothing",
+    ),
+    Knob(
+        "carry_forward",
+        8,
+        "RC: each score raised to the highest of the `carry_forward` tokens before it (0 = RCStat's)",
+        minimum=0,
+        option="carry_forward",
+    ),
+    Knob(
+        "query_reduction",
+        "max",
+        "RC: `max` = the window query that reads a token most; `mean` = Eq. 6 (RCStat's)",
+        kind="choice",
+        choices=("max", "mean"),
+        option="query_reduction",
+    ),
+    Knob(
+        "local_contrast",
+        0.5,
+        "RC, budget mode: each score divided by its neighbourhood's mean to this power (0 = RCStat's)",
+        kind="number",
+        minimum=0,
+        maximum=1,
+        option="local_contrast",
+    ),
+    Knob(
+        "contrast_radius", 256, "RC: tokens on either side in that neighbourhood", minimum=1, option="contrast_radius"
+    ),
 )
 
 #: A general setting a method reads too: StreamingLLM's attention sinks are the tokens every head keeps (the config
 #: lists it with its general settings).
-SINK_TOKENS = Knob("sink_tokens", 4, "the first prompt tokens every head keeps (StreamingLLM's attention sinks too)",
-                   minimum=0)
+SINK_TOKENS = Knob(
+    "sink_tokens", 4, "the first prompt tokens every head keeps (StreamingLLM's attention sinks too)", minimum=0
+)
 
 #: Every scoring method, by name. ``none`` (the config's off switch) is not one: the caller skips scoring.
-REGISTRY: dict[str, Method] = {line.name: line for line in (
-    # RC's window is the config's default window (the paper observes the kept window; its own was 8: RC_PAPER).
-    Method("rc", f"{_METHODS}.rc:RCScorer", window=32, observes=True, knobs=RC_KNOBS),
-    Method("snapkv", f"{_METHODS}.snapkv:SnapKVScorer", window=64, observes=True,  # kvpress's SnapKVPress
-           knobs=(Knob("kernel_size", 5, "SnapKV: the width of the average pooling along tokens (5 as published)",
-                       minimum=1, odd=True, option="kernel_size"),)),
-    Method("tova", f"{_METHODS}.tova:TOVAScorer", window=1),  # the last prompt token's attention
-    Method("knorm", f"{_METHODS}.knorm:KnormScorer", window=0),
-    Method("streaming", f"{_METHODS}.streaming:StreamingLLMScorer", window=0, shared=(("n_sink", SINK_TOKENS),)),
-    Method("random", f"{_METHODS}.random:RandomScorer", window=0),
-)}
+REGISTRY: dict[str, Method] = {
+    line.name: line
+    for line in (
+        # RC's window is the config's default window (the paper observes the kept window; its own was 8: RC_PAPER).
+        Method("rc", f"{_METHODS}.rc:RCScorer", window=32, observes=True, knobs=RC_KNOBS),
+        Method(
+            "snapkv",
+            f"{_METHODS}.snapkv:SnapKVScorer",
+            window=64,
+            observes=True,  # kvpress's SnapKVPress
+            knobs=(
+                Knob(
+                    "kernel_size",
+                    5,
+                    "SnapKV: the width of the average pooling along tokens (5 as published)",
+                    minimum=1,
+                    odd=True,
+                    option="kernel_size",
+                ),
+            ),
+        ),
+        Method("tova", f"{_METHODS}.tova:TOVAScorer", window=1),  # the last prompt token's attention
+        Method("knorm", f"{_METHODS}.knorm:KnormScorer", window=0),
+        Method("streaming", f"{_METHODS}.streaming:StreamingLLMScorer", window=0, shared=(("n_sink", SINK_TOKENS),)),
+        Method("random", f"{_METHODS}.random:RandomScorer", window=0),
+    )
+}
 
 
 def method(name: str) -> Method:

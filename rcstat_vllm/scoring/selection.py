@@ -33,14 +33,14 @@ if TYPE_CHECKING:  # (annotations only)
     from rcstat_vllm.config import RCStatConfig
 
 __all__ = [
+    "LAYER_COMPARABLE_SCORES",
     "KeepSet",
-    "select_threshold",
-    "select_budget",
-    "select_budget_across_layers",
     "budget_keep_count",
     "forced_keep_mask",
     "layer_floor_ratio",
-    "LAYER_COMPARABLE_SCORES",
+    "select_budget",
+    "select_budget_across_layers",
+    "select_threshold",
 ]
 
 
@@ -57,7 +57,7 @@ class KeepSet:
     counts: Tensor
 
     @classmethod
-    def from_mask(cls, mask: Tensor) -> "KeepSet":
+    def from_mask(cls, mask: Tensor) -> KeepSet:
         return cls(mask=mask, counts=mask.sum(dim=1, dtype=torch.int64))
 
     def indices(self) -> list[Tensor]:
@@ -203,7 +203,9 @@ LAYER_COMPARABLE_SCORES = {
 DEPTHKV_MAX_RATIO = 0.95
 
 
-def depthkv_layer_ratios(scores: list[Tensor], window: int, ratio: float, max_ratio: float = DEPTHKV_MAX_RATIO) -> list[float]:
+def depthkv_layer_ratios(
+    scores: list[Tensor], window: int, ratio: float, max_ratio: float = DEPTHKV_MAX_RATIO
+) -> list[float]:
     """Per-layer pruning ratios with mean ``ratio``, DepthKV's metric-guided allocation (MGA, Sec. 5) with an
     RC-derived robustness metric in place of their offline InfoNCE profile.
 
@@ -231,7 +233,7 @@ def depthkv_layer_ratios(scores: list[Tensor], window: int, ratio: float, max_ra
             break
         ratios[over] = max_ratio
         free &= ~over
-    return [0.0] + ratios.tolist()
+    return [0.0, *ratios.tolist()]
 
 
 def _top_share(scores: Tensor, window: int, keep_fraction: float) -> Tensor:
@@ -243,7 +245,7 @@ def _top_share(scores: Tensor, window: int, keep_fraction: float) -> Tensor:
     total = positive.sum(dim=1)
     if positive.shape[1] == 0:
         return torch.ones_like(total)
-    keep = min(max(int(round(keep_fraction * positive.shape[1])), 1), positive.shape[1])
+    keep = min(max(round(keep_fraction * positive.shape[1]), 1), positive.shape[1])
     top = torch.topk(positive, keep, dim=1).values.sum(dim=1)
     return torch.where(total > 0, top / total, torch.ones_like(total))
 
@@ -288,36 +290,39 @@ def select_budget_across_layers(
         ratios = depthkv_layer_ratios(scores, window, ratio)
         return [select_budget(s, window, r, sink_tokens).mask for s, r in zip(scores, ratios)]
     normalise = LAYER_COMPARABLE_SCORES[comparable]
+    assert normalise is not None  # (depthkv, the one without a normalisation, returned above)
     # Non-finite scores stay non-finite (forced keeps) whatever the normalisation; a layer's floor entries are
     # made +inf, so the model-wide selection keeps them and gives out only the rest of the budget.
-    comparable_scores = []
+    layers = []
     for s in scores:
         layer = torch.where(torch.isfinite(s), normalise(s, window), s.to(torch.float64))
         if layer_floor > 0:
             layer = layer.masked_fill(select_budget(s, window, floor_ratio, sink_tokens).mask, float("inf"))
-        comparable_scores.append(layer)
-    comparable_scores = torch.stack(comparable_scores)
+        layers.append(layer)
+    comparable_scores = torch.stack(layers)
     num_layers, num_heads, n = comparable_scores.shape
     keep = select_budget(comparable_scores.view(num_layers * num_heads, n), window, ratio, sink_tokens)
     return list(keep.mask.view(num_layers, num_heads, n).unbind(0))
 
 
-#: How a model-wide budget makes layers' scores comparable (measured against the others: docs/defaults.md, "Which mode").
+#: How a model-wide budget makes layers' scores comparable (measured against the others: docs/defaults.md,
+#: "Which mode").
 MODEL_BUDGET_COMPARABLE = "layer_mean"
 
 
 def select_keep_masks(scores: list[Tensor], config: RCStatConfig, comparable: str | None = None) -> list[Tensor]:
     """Per layer, the ``[H, n]`` keep mask from the layers' scores: threshold mode (Eq. 9, per head) or budget
     mode, per layer or across the whole model (``config.budget_scope``)."""
-    if config.budget_mode and config.budget_scope == "model":
+    ratio = config.target_ratio
+    if ratio is not None and config.budget_scope == "model":
         return select_budget_across_layers(
             scores,
             config.window,
-            config.target_ratio,
+            ratio,
             config.sink_tokens,
             comparable or MODEL_BUDGET_COMPARABLE,
             layer_floor=config.layer_floor,
         )
-    if config.budget_mode:
-        return [select_budget(s, config.window, config.target_ratio, config.sink_tokens).mask for s in scores]
+    if ratio is not None:
+        return [select_budget(s, config.window, ratio, config.sink_tokens).mask for s in scores]
     return [select_threshold(s, config.window, config.c, config.sink_tokens).mask for s in scores]

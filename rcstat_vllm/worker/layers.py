@@ -10,7 +10,7 @@ runner hook :meth:`bind_kv_caches`; the impls ask :meth:`tracked_layer` and :met
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -56,7 +56,7 @@ class CompressedLayers:
         elif kv_cache_groups is not None:
             self.group_choice = choose_compressed_group(kv_cache_groups)
             if self.group_choice.index is None:
-                self.disable(self.group_choice.reason)
+                self.disable(self.group_choice.reason or "no KV cache group the plugin can compress")
             elif self.group_choice.left_to_vllm:
                 logger.info("rcstat: %s", self.group_choice.describe())
 
@@ -78,6 +78,7 @@ class CompressedLayers:
 
     def page_cache(self, layer_index: int, kv_cache: torch.Tensor) -> torch.Tensor:
         """The tensor this layer's head-page ids index (the all-layers view when pages are pooled)."""
+        assert self.space is not None  # (the builders ask only once the layers are bound to a page space)
         return self.space.cache(layer_index, kv_cache)
 
     def compresses_group(self, layer_names) -> bool:
@@ -104,8 +105,9 @@ class CompressedLayers:
         self.num_heads, self.block_size, self.layout = num_kv_heads, block_size, layout
         self.space = PageSpace.per_layer(len(layer_names), num_kv_heads, block_size)
         max_width = cdiv(self.vllm_config.model_config.max_model_len, block_size)
-        self.pages = PageStore(len(layer_names), num_kv_heads, self.vllm_config.scheduler_config.max_num_seqs,
-                               max_width)
+        self.pages = PageStore(
+            len(layer_names), num_kv_heads, self.vllm_config.scheduler_config.max_num_seqs, max_width
+        )
         layer_reason = unsupported_layer_reason(self.vllm_config, layer_names, sinks=sinks)
         if layer_reason is not None:
             self.disable(layer_reason)
@@ -122,8 +124,10 @@ class CompressedLayers:
             return
         if self.disabled_reason is not None:  # said once already; no page space to decide or describe
             return
+        layout = self.layout
+        assert layout is not None  # (set with the layer names, by attach_layers)
         for name in self.layer_names:
-            unusable = None if name not in caches else self.layout.unsupported_reason(caches[name])
+            unusable = None if name not in caches else layout.unsupported_reason(caches[name])
             if unusable is not None:
                 self.disable(f"layer {name}'s KV cache: {unusable}")
                 return
@@ -135,18 +139,23 @@ class CompressedLayers:
             else:
                 layer_caches = [caches[name] for name in self.layer_names]
                 space, reason = pooled_space_or_reason(layer_caches, self.num_heads, self.block_size)
-        self._warm_up_scoring(caches[self.layer_names[0]] if self.layer_names[0] in caches else None)
+        self._warm_up_scoring(caches.get(self.layer_names[0]))
         self._log_space(space, reason)
         if space is not None:
             self.space = space
 
     def _log_space(self, space: PageSpace | None, reason: str | None) -> None:
         store = self.pages
+        assert store is not None  # (created when the layers attached)
         logger.info(
             "rcstat: compressed requests' head-page tables take at most %.1f MiB on the host and as much on the KV "
             "cache's device (%d requests x %d layers x %d KV heads x %d pages), allocated as compressed requests "
             "arrive, not counted in vLLM's memory profile",
-            store.bound_bytes() / 2**20, store.max_slots, self.num_layers, self.num_heads, store.max_width,
+            store.bound_bytes() / 2**20,
+            store.max_slots,
+            self.num_layers,
+            self.num_heads,
+            store.max_width,
         )
         if space is not None:
             logger.info(
@@ -170,10 +179,11 @@ class CompressedLayers:
 
     def _warm_up_scoring(self, cache: torch.Tensor | None) -> None:
         """Compile the server's scoring kernel now (on a GPU), not at the first compressed request."""
-        if cache is None or self.disabled_reason is not None or not triton_scoring(self.layout, cache):
+        layout = self.layout
+        if cache is None or layout is None or self.disabled_reason is not None or not triton_scoring(layout, cache):
             return
         num_query_heads = self.vllm_config.model_config.get_num_attention_heads(self.vllm_config.parallel_config)
-        if warm_up_scoring(self.config, self.layout, cache, num_query_heads):
+        if warm_up_scoring(self.config, layout, cache, num_query_heads):
             logger.info(
                 "rcstat: %s scoring kernel compiled at start-up (window %d); a request overriding the method or "
                 "window compiles its own at first use",

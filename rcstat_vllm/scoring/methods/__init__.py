@@ -5,7 +5,8 @@ loaded (``none``, the config's off switch, is not a scorer: the caller skips sco
 from __future__ import annotations
 
 from ..base import Scorer
-from ..registry import REGISTRY, method as registered
+from ..registry import REGISTRY
+from ..registry import method as registered
 
 __all__ = ["SCORERS", "get_scorer"]
 

@@ -57,7 +57,7 @@ class RCScorer(Scorer):
     query_reduction: str = RC_DEFAULTS.query_reduction
 
     @classmethod
-    def paper(cls, **knobs) -> "RCScorer":
+    def paper(cls, **knobs) -> RCScorer:
         """The RCStat paper's scorer (:data:`~rcstat_vllm.scoring.rc_knobs.RC_PAPER`: Eq. 6 over an 8-query window,
         no contrast, smoothing or carrying), with ``knobs`` changed."""
         return cls(**{**RC_PAPER.scorer_options(), **knobs})
@@ -83,8 +83,9 @@ class RCScorer(Scorer):
         per_query_head = expected_rc_grouped(queries, keys, self.query_reduction)  # [Hkv, G, n - w]
         return self._finish(per_query_head.mean(dim=1), queries.shape[2])
 
-    def score_ragged(self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int],
-                     scale: float) -> list[Tensor]:
+    def score_ragged(
+        self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
+    ) -> list[Tensor]:
         """Eq. 6 of a token depends only on its key and the window (the last entries, real in every head when each
         holds at least the window): one call for all heads, then each head's own smoothing and carrying over its
         entries alone: :meth:`score` of each head alone, to float rounding (a batched matmul)."""
@@ -101,13 +102,15 @@ class RCScorer(Scorer):
     def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
         queries = self._paged_window(q_window, prompt)
         # [Hkv, n - w'] for the non-window tokens, already the GQA mean; RC is scale-free (no ``scale``).
-        scores = rc_scores_paged(queries, prompt.keys, prompt.block_table, prompt.num_tokens,
-                                 query_reduction=self.query_reduction)
+        scores = rc_scores_paged(
+            queries, prompt.keys, prompt.block_table, prompt.num_tokens, query_reduction=self.query_reduction
+        )
         return self._finish(scores, queries.shape[1])
 
 
-def rc_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int,
-                              query_reduction: str = "mean") -> Tensor:
+def rc_scores_paged_reference(
+    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, query_reduction: str = "mean"
+) -> Tensor:
     """Torch reference of :func:`rc_scores_paged`: gather the request's keys via the block table, then
     :func:`~rcstat_vllm.scoring.rc.expected_rc_grouped` and the GQA mean.
 
@@ -126,8 +129,14 @@ def rc_scores_paged_reference(q_window: Tensor, key_cache: Tensor, block_table: 
     return expected_rc_grouped(queries, keys, query_reduction).mean(dim=1)
 
 
-def rc_scores_paged(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, block_n: int = 64,
-                    query_reduction: str = "mean") -> Tensor:
+def rc_scores_paged(
+    q_window: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    num_tokens: int,
+    block_n: int = 64,
+    query_reduction: str = "mean",
+) -> Tensor:
     """RC's scores of the non-window tokens read in place (same arguments as the reference): float32 [Hkv, n - w].
 
     What is small is done here in torch: the window's w keys are gathered, its w(w+1)/2 causal self logits per query
@@ -145,5 +154,14 @@ def rc_scores_paged(q_window: Tensor, key_cache: Tensor, block_table: Tensor, nu
     window_keys = gather_paged_tokens(key_cache, block_table, num_scored, num_tokens)
     table = window_self_logits(queries.float().reshape(num_kv_heads, group, w, head_dim), window_keys.float())
     # Through the module, so a test's or a GPU check's spy on the launcher sees each launch.
-    return rc_kernel.rc_table_scores_paged(queries, key_cache, block_table, num_tokens, table.sorted, table.prefix,
-                                           table.center, max_over_queries=query_reduction == "max", block_n=block_n)
+    return rc_kernel.rc_table_scores_paged(
+        queries,
+        key_cache,
+        block_table,
+        num_tokens,
+        table.sorted,
+        table.prefix,
+        table.center,
+        max_over_queries=query_reduction == "max",
+        block_n=block_n,
+    )

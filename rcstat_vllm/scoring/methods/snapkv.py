@@ -69,12 +69,20 @@ def snapkv_scores_paged_reference(
     return scorer.score(q_window, keys, keys, scale)[:, : num_tokens - w]
 
 
-def snapkv_scores_paged(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, scale: float,
-                        kernel_size: int = 5, block_n: int = 32) -> Tensor:
+def snapkv_scores_paged(
+    q_window: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    num_tokens: int,
+    scale: float,
+    kernel_size: int = 5,
+    block_n: int = 32,
+) -> Tensor:
     """SnapKV's scores of the non-window tokens read in place: the paged kernel's mean window attention
     (:func:`rcstat_vllm.kernels.snapkv_scoring.snapkv_attention_paged`), pooled along tokens in torch (a
     ``kernel_size``-wide moving average over n floats). Same arguments as the reference: float32 [Hkv, n - w]."""
     # Through the module, so a test's or a GPU check's spy on the launcher sees each launch.
-    mean_attention = snapkv_kernel.snapkv_attention_paged(q_window, key_cache, block_table, num_tokens, scale,
-                                                          block_n=block_n)
+    mean_attention = snapkv_kernel.snapkv_attention_paged(
+        q_window, key_cache, block_table, num_tokens, scale, block_n=block_n
+    )
     return smooth_scores(mean_attention, kernel_size)
