@@ -88,7 +88,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
     once ``_prepare_inputs`` ran), a read-only view: a compressed request growing into a new block takes its pages
     from there instead of reading the device table: the table of the KV-cache group the plugin compresses (the only
     one, or a hybrid model's full-attention group). Where the group is not known, none are carried and the worker
-    falls back to the device table (``WorkerCompression._host_block_ids``).
+    falls back to the device table (``StepPlanner._host_block_ids``).
     """
     batch = runner.input_batch
     group_tables: Sequence[Any] = getattr(batch.block_table, "block_tables", ())

@@ -304,7 +304,7 @@ def test_worker_grows_from_the_step_infos_host_block_ids_and_reads_the_device_ta
     state = worker.requests.compressed_state("a")
     assert state.absorbed_blocks == 6
     # Without host ids: one device read per vLLM block reached (positions 64 and 80), none in the other steps.
-    assert worker.device_block_row_reads == (0 if host_ids else 2)
+    assert worker.planner.device_block_row_reads == (0 if host_ids else 2)
     worker.begin_step(StepInfo(requests=[], dropped_req_ids={"a"}))
     assert worker.num_compressed_requests == 0 and state.table.released  # its slot is free for the next compaction
 

@@ -44,7 +44,7 @@ from rcstat_vllm.worker.step import StepInfo
 from rcstat_vllm.worker.step_plan import StepCompression, StepPlanner
 
 
-class WorkerCompression(CompressedLayers, StepPlanner):
+class WorkerCompression(CompressedLayers):
     """Per-request compression state of one worker (see the module docstring)."""
 
     def __init__(self, vllm_config, disabled_reason: str | None = None, kv_cache_groups=None):
@@ -61,9 +61,10 @@ class WorkerCompression(CompressedLayers, StepPlanner):
         self.results_log = ResultsLog()
         #: each request's settings, resolved the first time a step shows it, dropped when it leaves
         self.request_settings = RequestSettingsTable(self.config)
-        #: reads of a row of the device block table because the step info carried no host block ids (see
-        #: :meth:`StepPlanner._host_block_ids`; on CUDA each one synchronises)
-        self.device_block_row_reads = 0
+        #: decides each step what every row does (reads the layers, the table, the settings; logs skipped requests)
+        self.planner = StepPlanner(
+            self, self.requests, self.request_settings, self.results_log, self.block_agreement_group
+        )
         #: this step's copies until the runner hook collects them (:meth:`pop_step_compactions`)
         self._copies: list[CopyRun] = []
         #: the request-table size last sent (sent again when it changes)
@@ -114,7 +115,7 @@ class WorkerCompression(CompressedLayers, StepPlanner):
 
     def plan_step(self, common_attn_metadata) -> StepCompression:
         """What every row of this batch does (:class:`~rcstat_vllm.worker.step_plan.StepPlanner`)."""
-        return self.plan_rows(self._step, common_attn_metadata)
+        return self.planner.plan_rows(self, self._step, common_attn_metadata)
 
     def after_attention(
         self, plan: StepCompression, layer_index: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float

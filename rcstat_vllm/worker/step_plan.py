@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # (annotations only)
     from rcstat_vllm.paging.kv_layout import CacheLayout
     from rcstat_vllm.paging.page_space import PageSpace
     from rcstat_vllm.settings import RequestSettingsTable
+    from rcstat_vllm.worker.layers import CompressedLayers
     from rcstat_vllm.worker.requests import WorkerRequests
     from rcstat_vllm.worker.results import ResultsLog
 
@@ -60,29 +61,60 @@ class StepCompression:
 
 
 class StepPlanner:
-    """The per-step planning part of the worker's owner (uses its layers, config, request table and results)."""
+    """Decides, once per step, what every row of the batch does (see the module docstring).
 
-    # What it reads of its owner (set by WorkerCompression and CompressedLayers; declared for the type checker).
-    # ``layout`` and ``space`` are set when the layers attach and ``_step`` by ``begin_step``, before any step is
-    # planned: the ``type: ignore`` comments below stand for that.
-    requests: WorkerRequests
-    request_settings: RequestSettingsTable
-    results_log: ResultsLog
-    block_agreement_group: Any
-    device_block_row_reads: int
-    _step: StepInfo | None
-    num_heads: int
-    block_size: int
-    layout: CacheLayout | None
-    space: PageSpace | None
-    disabled_reason: str | None
-    if TYPE_CHECKING:
+    A part of the worker's owner, built by it with what it reads: the layers (their count, KV heads, block size, cache
+    layout and page space, set when they attach), the request table, each request's settings and the results log.
+    """
 
-        @property
-        def num_layers(self) -> int: ...
+    def __init__(
+        self,
+        layers: CompressedLayers,
+        requests: WorkerRequests,
+        request_settings: RequestSettingsTable,
+        results_log: ResultsLog,
+        block_agreement_group: Any = None,
+    ):
+        self.layers = layers
+        self.requests = requests
+        self.request_settings = request_settings
+        self.results_log = results_log
+        #: tensor-parallel ranks' group (None: one rank): a lazily evicted request's blocks are not bounded before
+        #: scoring there (:meth:`_deferred_bound`)
+        self.block_agreement_group = block_agreement_group
+        #: reads of a row of the device block table because the step info carried no host block ids (see
+        #: :meth:`_host_block_ids`; on CUDA each one synchronises)
+        self.device_block_row_reads = 0
 
-    def plan_rows(self, step: StepInfo | None, common_attn_metadata) -> StepCompression:
-        plan = StepCompression(owner=self)
+    # The layers' set-up, read when a step is planned (after the layers attached: ``layout`` and ``space`` are set).
+    @property
+    def num_layers(self) -> int:
+        return self.layers.num_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.layers.num_heads
+
+    @property
+    def block_size(self) -> int:
+        return self.layers.block_size
+
+    @property
+    def layout(self) -> CacheLayout:
+        assert self.layers.layout is not None, "a step planned before the layers attached"
+        return self.layers.layout
+
+    @property
+    def space(self) -> PageSpace | None:
+        return self.layers.space
+
+    @property
+    def disabled_reason(self) -> str | None:
+        return self.layers.disabled_reason
+
+    def plan_rows(self, owner, step: StepInfo | None, common_attn_metadata) -> StepCompression:
+        """The step's plan for every row of the batch (``owner``: the worker owner the plan's impls report to)."""
+        plan = StepCompression(owner=owner)
         if step is None or len(step.requests) != common_attn_metadata.num_reqs:
             if self.requests.num_compressed:
                 raise RuntimeError("rcstat: batch metadata without step info while requests are compressed")
@@ -99,11 +131,11 @@ class StepPlanner:
                 record.pages.reserve(request.num_tokens_after_step, block_ids)
                 plan.compressed[row] = record.pages
                 if record.decode is not None and record.job is None:
-                    self._watch_decode(plan, record, request.num_tokens_after_step, *rows)
+                    self._watch_decode(plan, step, record, request.num_tokens_after_step, *rows)
             elif request.finishes_prefill:
                 self._plan_prompt(plan, record, request, *rows, block_table[row])
             elif request.num_computed_tokens >= request.num_prompt_tokens:
-                self._plan_uncompressed_decode(plan, record, request, rows, block_table, row)
+                self._plan_uncompressed_decode(plan, step, record, request, rows, block_table, row)
             elif request.num_tokens_after_step < request.num_prompt_tokens:
                 # A non-final prefill chunk: keep its trailing queries in case the last chunk is short.
                 config = self.request_settings.of(request.req_id, request.extra_args).config
@@ -130,7 +162,7 @@ class StepPlanner:
             decision,
             self.num_layers,
             block_row,
-            self.layout,  # type: ignore[arg-type]
+            self.layout,
             cached_tokens=record.cached_tokens,
             saved_queries=record.saved_queries,
             deferred_bound=self._deferred_bound(decision, record.cached_tokens),
@@ -147,7 +179,9 @@ class StepPlanner:
         shared_blocks = cached_tokens // self.block_size
         return deferred_keep_blocks(decision.config, decision.num_tokens, self.num_layers, self.space, shared_blocks)  # type: ignore[arg-type]
 
-    def _plan_uncompressed_decode(self, plan: StepCompression, record, request, rows, block_table, row: int) -> None:
+    def _plan_uncompressed_decode(
+        self, plan: StepCompression, step: StepInfo, record, request, rows, block_table, row: int
+    ) -> None:
         """A decoding request whose prompt stayed uncompressed: with ``decode_budget`` (server or request) its
         generated KV is compressed too; it is watched from its first decode step (a record of its own) and, when due,
         scored over its own blocks seen as head pages."""
@@ -161,13 +195,13 @@ class StepPlanner:
         if record.phase is not Phase.UNCOMPRESSED_DECODE:
             return  # lazy eviction's parked plan (the prompt's compaction comes first), or a job in flight
         num_tokens = request.num_tokens_after_step
-        if self._watch_decode(plan, record, num_tokens, *rows, start_job=False):
+        if self._watch_decode(plan, step, record, num_tokens, *rows, start_job=False):
             # Every head keeps the whole prompt: its full blocks stay as they are (prefix-cache hits stay shared with
             # the requests that hit them, its own prompt blocks stay cache entries), only the rest is copied.
             source = CompactedRequest.uncompressed(
                 num_tokens,
                 self.space,
-                self._own_blocks(request, block_table, row),
+                self._own_blocks(step, request, block_table, row),
                 shared_blocks=request.num_prompt_tokens // self.block_size,
             )
             self._start_decode_job(plan, record, source, num_tokens)
@@ -184,13 +218,21 @@ class StepPlanner:
         return DecodeCompressor(config, prompt, request.num_computed_tokens, generated)
 
     def _watch_decode(
-        self, plan: StepCompression, record, num_tokens: int, start: int, end: int, *, start_job: bool = True
+        self,
+        plan: StepCompression,
+        step: StepInfo,
+        record,
+        num_tokens: int,
+        start: int,
+        end: int,
+        *,
+        start_job: bool = True,
     ) -> bool:
         """Keep the row's queries when a decode-time compaction is near; when one is due (True), its job starts
         (over the request's head pages, unless ``start_job`` is False). The scheduler brings a compaction forward
         when the pool is about to run short."""
         decode = record.decode
-        if record.req_id in self._step.decode_soon:  # type: ignore[union-attr]
+        if record.req_id in step.decode_soon:
             decode.hurry(num_tokens)
         if decode.observing(num_tokens):
             plan.decode_queries.append((decode, start, end))
@@ -201,13 +243,13 @@ class StepPlanner:
         return True
 
     def _start_decode_job(self, plan: StepCompression, record, source: CompactedRequest, num_tokens: int) -> None:
-        self.requests.start_job(record, DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout))  # type: ignore[arg-type]
+        self.requests.start_job(record, DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout))
         plan.scoring.append(record)
 
-    def _own_blocks(self, request, block_table: torch.Tensor, row: int) -> torch.Tensor:
+    def _own_blocks(self, step: StepInfo, request, block_table: torch.Tensor, row: int) -> torch.Tensor:
         """An uncompressed request's blocks holding its tokens after this step, on the host."""
         used = cdiv(request.num_tokens_after_step, self.block_size)
-        if request.block_ids is not None and self._step.block_size == self.block_size:  # type: ignore[union-attr]
+        if request.block_ids is not None and step.block_size == self.block_size:
             # A copy: the host row is a read-only view vLLM rewrites for the next step.
             return torch.from_numpy(np.array(request.block_ids[:used], dtype=np.int64))
         return block_table[row, :used].cpu()
