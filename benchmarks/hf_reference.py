@@ -10,7 +10,7 @@ How it maps onto the plugin (rcstat_vllm/worker/prompt_compression.py):
 * Scoring uses the same scorers and selection functions as the plugin, on the same inputs: per layer the
   last ``window_queries(config)`` prompt queries after RoPE ([Hq, w, d]) and the prompt keys after RoPE and
   values ([Hkv, n, d]), the layer's softmax scale, a fresh scorer per request (so ``random`` draws the same
-  sequence), ``select_keep_masks`` (threshold, per-layer or model-wide budget) as the plugin selects.
+  sequence), ``layer_budgets.keep_masks`` (threshold, per-layer or model-wide budget) as the plugin selects.
 * Decode runs an explicit (eager) softmax attention per KV head in which query rows of generated tokens
   cannot see the evicted prompt keys of that (layer, KV head); generated tokens always see each other.
   The per-query-head attention output (softmax-weighted value sum, before o_proj) of every layer is
@@ -25,13 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import layer_budgets  # (a sibling: benchmarks run with this folder on the path)
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.scoring import get_scorer
-from rcstat_vllm.scoring.selection import select_keep_masks
 from rcstat_vllm.settings import scorer_options, window_queries
 
 ATTN_NAME = "rcstat_bench_masked"
@@ -259,7 +259,7 @@ def score_layers(prefill: Prefill, config: RCStatConfig) -> list[Tensor]:
 
 def select_layers(scores: list[Tensor], config: RCStatConfig, comparable: str | None = None) -> KeepMasks:
     """The plugin's own selection (``select_keep_masks``) on the reference model's scores."""
-    masks = select_keep_masks(scores, config, comparable)
+    masks = layer_budgets.keep_masks(scores, config, comparable)
     kept = [mask.sum(dim=1).tolist() for mask in masks]
     n = scores[0].shape[1]
     total = sum(len(row) for row in kept) * n

@@ -50,7 +50,7 @@ class Setting:
     rcstat: dict = field(default_factory=dict)  # the per-request override ({"method": ..., ...})
     #: for matched settings: the RC threshold label whose per-prompt ratio this one takes
     matched_to: str | None = None
-    #: model-wide budgets: how layers' scores are made comparable (rcstat_vllm.scoring.LAYER_COMPARABLE_SCORES;
+    #: model-wide budgets: how layers' scores are made comparable (benchmarks/layer_budgets.LAYER_COMPARABLE_SCORES;
     #: None = the plugin's choice). Benchmarks only: the served plugin always uses its own choice.
     comparable: str | None = None
 

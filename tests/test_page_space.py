@@ -172,18 +172,21 @@ def test_model_wide_budget_meets_the_ratio_and_spends_it_unevenly():
     peaked = torch.zeros(HEADS, n)
     peaked[:, torch.randperm(n, generator=g)[:10]] = 100.0
     spread = torch.rand(HEADS, n, generator=g) + 0.5
+    from benchmarks.layer_budgets import select_across_layers
+
     for comparable in ("head_mean", "layer_mean", "layer_rank"):
-        masks = select_budget_across_layers([peaked, spread], window, 0.5, comparable=comparable)
+        masks = select_across_layers([peaked, spread], window, 0.5, comparable=comparable)
         kept = [int(m.sum()) for m in masks]
         assert sum(kept) == 2 * HEADS * n - round(0.5 * 2 * HEADS * n)
         assert all(m[:, -window:].all() for m in masks)
-    masks = select_budget_across_layers([peaked, spread], window, 0.5, comparable="head_mean")
+    masks = select_across_layers([peaked, spread], window, 0.5, comparable="head_mean")
     assert int(masks[0].sum()) < int(masks[1].sum())
     # One layer, one scale for its heads: the model-wide budget is the per-layer budget.
-    one = select_budget_across_layers([spread], window, 0.3, comparable="layer_mean")[0]
+    one = select_budget_across_layers([spread], window, 0.3)[0]  # (the package's: layer_mean)
     assert torch.equal(one, select_budget(spread, window, 0.3).mask)
+    assert torch.equal(one, select_across_layers([spread], window, 0.3, comparable="layer_mean")[0])
     with pytest.raises(ValueError, match="comparable"):
-        select_budget_across_layers([spread], window, 0.3, comparable="bogus")
+        select_across_layers([spread], window, 0.3, comparable="bogus")
 
 
 def test_prefix_cache_hits_stay_shared_and_only_the_computed_tokens_are_copied():

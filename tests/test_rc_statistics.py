@@ -9,13 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.rc_variants import expected_rc_iot, expected_rc_iot_grouped, rc_lower_bound
 from rcstat_vllm.scoring import (
     expected_rc,
     expected_rc_grouped,
-    expected_rc_iot,
-    expected_rc_iot_grouped,
     expected_rc_samples,
-    rc_lower_bound,
     rc_upper_bound,
 )
 

@@ -184,7 +184,7 @@ def test_invalid_arguments():
 
 
 def test_depthkv_allocation_keeps_layer_zero_meets_the_mean_and_caps_each_layer():
-    from rcstat_vllm.scoring.selection import DEPTHKV_MAX_RATIO, depthkv_layer_ratios, select_budget_across_layers
+    from benchmarks.layer_budgets import DEPTHKV_MAX_RATIO, depthkv_layer_ratios, select_across_layers
 
     g = torch.Generator().manual_seed(7)
     # Layer k's scores grow more peaked with k: more of their mass sits on their top entries (more robust).
@@ -197,7 +197,7 @@ def test_depthkv_allocation_keeps_layer_zero_meets_the_mean_and_caps_each_layer(
     # At a high ratio the cap binds and what it cuts goes to the other layers.
     high = depthkv_layer_ratios(scores, window=8, ratio=0.85)
     assert abs(sum(high) / len(high) - 0.85) < 1e-9 and max(high) == pytest.approx(DEPTHKV_MAX_RATIO)
-    masks = select_budget_across_layers(scores, 8, 0.5, comparable="depthkv")
+    masks = select_across_layers(scores, 8, 0.5, comparable="depthkv")
     assert bool(masks[0].all())  # layer 0 keeps everything
     evicted = sum(int((~m).sum()) for m in masks)
     assert abs(evicted / (12 * 2 * 300) - 0.5) < 0.01

@@ -26,21 +26,18 @@ _EXPORTS = {
         (
             "expected_rc",
             "expected_rc_grouped",
-            "expected_rc_iot",
-            "expected_rc_iot_grouped",
             "expected_rc_samples",
-            "rc_lower_bound",
             "rc_upper_bound",
         ),
         ".rc",
     ),
     **dict.fromkeys(
         (
-            "LAYER_COMPARABLE_SCORES",
             "KeepSet",
             "budget_keep_count",
             "layer_floor_ratio",
             "relative_to_head_mean",
+            "relative_to_layer_mean",
             "select_budget",
             "select_budget_across_layers",
             "select_threshold",

@@ -16,12 +16,10 @@ The triple sum is O(w^3) per token. Since Y does not depend on i, we sort Y once
 sum_y max(x - y, 0) = cnt(y < x) * x - sum(y < x), where both terms come from the sorted Y and its prefix
 sums via a binary search: O(w log w) per token, and the per-token work is one matmul plus a searchsorted.
 
-The IOT variant (supplement, Section 2.1; paper Section 3.3) assumes independent output tokens: each window
-query j is compared only with its own causal self logits {f(k, j) : k <= j}:
-    score_i = mean_j mean_{k<=j} max(f(i, j) - f(k, j), 0).
-
-Bounds (Theorem 3.6) hold for any joint of X and Y with the given marginals, so they sandwich the
-mean-over-all-pairs value: a (Eq. 5) <= E[max(X - Y, 0)] <= A (Eq. 4, computed by Algorithm 1).
+The upper bound A of Theorem 3.6 (Eq. 4, computed by Algorithm 1) holds for any joint of X and Y with the given
+marginals; attribution uses it where the exact mean costs too much. The paper's other statistics (the IOT variant,
+the lower bound of Eq. 5) are not on the served path: ``benchmarks/rc_variants.py`` keeps them, checked against brute
+force.
 """
 
 from __future__ import annotations
@@ -35,13 +33,12 @@ from .rc_knobs import QUERY_REDUCTIONS
 __all__ = [
     "QUERY_REDUCTIONS",
     "WindowSelfLogits",
+    "accumulation_dtype",
+    "cdfs_at_midpoints",
     "check_query_reduction",
     "expected_rc",
     "expected_rc_grouped",
-    "expected_rc_iot",
-    "expected_rc_iot_grouped",
     "expected_rc_samples",
-    "rc_lower_bound",
     "rc_upper_bound",
     "window_self_logits",
 ]
@@ -176,7 +173,7 @@ def _check_window_shapes(q_window: Tensor, keys: Tensor, grouped: bool) -> tuple
 
 
 # --------------------------------------------------------------------------------------------------------
-# Expected RC per prompt token (Eq. 6, non-IOT) and the IOT variant.
+# Expected RC per prompt token (Eq. 6, non-IOT).
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -250,52 +247,8 @@ def expected_rc(q_window: Tensor, keys: Tensor) -> Tensor:
     return expected_rc_grouped(q_window.unsqueeze(1), keys).squeeze(1)
 
 
-def expected_rc_iot_grouped(q_window: Tensor, keys: Tensor) -> Tensor:
-    """IOT variant (independent output tokens) of :func:`expected_rc_grouped`.
-
-    score_i = mean_j mean_{k <= j} max(<q_j, k_i> - <q_j, k_k>, 0): query j's cross logit is compared only
-    with its own causal self logits (j + 1 values, window-relative positions).
-
-    Args:
-        q_window: [Hkv, G, w, d]; keys: [Hkv, n, d].
-    Returns:
-        [Hkv, G, n - w], float32 (float64 for float64 inputs).
-    """
-    w, n = _check_window_shapes(q_window, keys, grouped=True)
-    acc = accumulation_dtype(q_window.dtype)
-    num_kv_heads, group = q_window.shape[:2]
-    queries = q_window.to(acc)
-    # self_logits[h, g, j, k] = <q_j, k_k>; entries with k > j are not part of query j's sample.
-    self_logits = torch.einsum("hgjd,hkd->hgjk", queries, keys[:, n - w :].to(acc))
-    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(diagonal=1)
-    valid_count = torch.arange(1, w + 1, device=keys.device, dtype=acc)  # query j sees j + 1 keys
-    center = self_logits.masked_fill(future, 0).sum(dim=-1) / valid_count  # [Hkv, G, w]
-    # +inf pads each row to w values: it sorts last and is never below a finite x, so the count of values
-    # below x never reaches the padding and the prefix sums it indexes stay finite.
-    centered = (self_logits - center.unsqueeze(-1)).masked_fill(future, float("inf"))
-    y_sorted = torch.sort(centered, dim=-1).values
-    prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0))
-    table = WindowSelfLogits(center, y_sorted.contiguous(), prefix.contiguous())  # leading dims [Hkv, G, w]
-
-    scores = torch.empty(num_kv_heads, group, n - w, dtype=acc, device=keys.device)
-    chunk = _token_chunk(keys, num_kv_heads * group * w)
-    for start in range(0, n - w, chunk):
-        stop = min(start + chunk, n - w)
-        cross = torch.einsum("hgjd,hnd->hgjn", queries, keys[:, start:stop].to(acc))  # [Hkv, G, w, chunk]
-        gaps = table.sum_positive_gaps(cross) / valid_count.unsqueeze(-1)
-        scores[..., start:stop] = gaps.mean(dim=2)
-    return scores
-
-
-def expected_rc_iot(q_window: Tensor, keys: Tensor) -> Tensor:
-    """IOT variant of :func:`expected_rc` (supplement Sec. 2.1): [H, w, d], [H, n, d] -> [H, n - w]."""
-    if q_window.dim() != 3:
-        raise ValueError(f"q_window must be [H, w, d], got {tuple(q_window.shape)}")
-    return expected_rc_iot_grouped(q_window.unsqueeze(1), keys).squeeze(1)
-
-
 # --------------------------------------------------------------------------------------------------------
-# 1-D samples: exact mean over all pairs and the bounds of Theorem 3.6.
+# 1-D samples: exact mean over all pairs and the upper bound of Theorem 3.6.
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -316,7 +269,7 @@ def expected_rc_samples(x: Tensor, y: Tensor) -> Tensor:
     return table.sum_positive_gaps(x).mean(dim=-1) / y.shape[-1]
 
 
-def _cdfs_at_midpoints(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def cdfs_at_midpoints(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Algorithm 1, lines 1-8: empirical CDFs of X and Y at the midpoints between consecutive breakpoints.
 
     Breakpoints are all samples sorted; duplicates are not removed (the "unique" of line 2) because a
@@ -349,17 +302,5 @@ def rc_upper_bound(x: Tensor, y: Tensor) -> Tensor:
     Returns:
         [...] the overlap area.
     """
-    cdf_x, cdf_y, widths = _cdfs_at_midpoints(x, y)
+    cdf_x, cdf_y, widths = cdfs_at_midpoints(x, y)
     return (torch.minimum(cdf_y, 1 - cdf_x) * widths).sum(dim=-1)
-
-
-def rc_lower_bound(x: Tensor, y: Tensor) -> Tensor:
-    """Lower bound a of E[max(X - Y, 0)] (Theorem 3.6 Eq. 5): area where F_Y exceeds F_X.
-
-    Args:
-        x: [..., nx] samples of X; y: [..., ny] samples of Y.
-    Returns:
-        [...] the area of max(F_Y - F_X, 0).
-    """
-    cdf_x, cdf_y, widths = _cdfs_at_midpoints(x, y)
-    return ((cdf_y - cdf_x).clamp_min(0) * widths).sum(dim=-1)

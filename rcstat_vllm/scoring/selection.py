@@ -23,6 +23,7 @@ the scores (the forced entries of a budget) stay tensors; the caller copies what
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,11 +34,12 @@ if TYPE_CHECKING:  # (annotations only)
     from rcstat_vllm.config import RCStatConfig
 
 __all__ = [
-    "LAYER_COMPARABLE_SCORES",
     "KeepSet",
     "budget_keep_count",
     "forced_keep_mask",
     "layer_floor_ratio",
+    "relative_to_head_mean",
+    "relative_to_layer_mean",
     "select_budget",
     "select_budget_across_layers",
     "select_threshold",
@@ -170,84 +172,11 @@ def relative_to_head_mean(scores: Tensor, window: int) -> Tensor:
     return scores.to(torch.float64) / _finite_non_window_mean(scores, window, dim=-1).clamp_min(1e-30)
 
 
-def _relative_to_layer_mean(scores: Tensor, window: int) -> Tensor:
-    """Score / the mean non-window score of its whole layer (heads of one layer stay on one scale)."""
+def relative_to_layer_mean(scores: Tensor, window: int) -> Tensor:
+    """Score / the mean non-window score of its whole layer (heads of one layer stay on one scale): how a model-wide
+    budget makes layers' scores comparable (measured against the others, ``benchmarks/layer_budgets.py``:
+    docs/defaults.md, "Which mode")."""
     return scores.to(torch.float64) / _finite_non_window_mean(scores, window, dim=(-2, -1)).clamp_min(1e-30)
-
-
-def _layer_rank(scores: Tensor, window: int) -> Tensor:
-    """Rank within the layer, as a fraction in [0, 1] (ties share the lower rank): each layer's scores on one
-    uniform scale, whatever their magnitudes."""
-    flat = scores.to(torch.float64).reshape(-1)
-    ranks = torch.empty_like(flat)
-    order = torch.argsort(flat, stable=True)
-    # Ties share the lowest rank of their run.
-    sorted_values = flat[order]
-    first_of_run = torch.ones_like(sorted_values, dtype=torch.bool)
-    first_of_run[1:] = sorted_values[1:] != sorted_values[:-1]
-    run_start = torch.cummax(torch.where(first_of_run, torch.arange(flat.numel(), device=flat.device), 0), 0).values
-    ranks[order] = run_start.to(torch.float64)
-    return (ranks / max(flat.numel() - 1, 1)).view_as(scores)
-
-
-#: How to put different layers' scores on one scale for a model-wide budget (``select_budget_across_layers``);
-#: ``depthkv`` allocates per-layer budgets instead (:func:`depthkv_layer_ratios`).
-LAYER_COMPARABLE_SCORES = {
-    "head_mean": relative_to_head_mean,
-    "layer_mean": _relative_to_layer_mean,
-    "layer_rank": _layer_rank,
-    "depthkv": None,
-}
-
-#: DepthKV's cap on any one layer's pruning ratio (their ``r_max``), so no layer is pruned to nothing.
-DEPTHKV_MAX_RATIO = 0.95
-
-
-def depthkv_layer_ratios(
-    scores: list[Tensor], window: int, ratio: float, max_ratio: float = DEPTHKV_MAX_RATIO
-) -> list[float]:
-    """Per-layer pruning ratios with mean ``ratio``, DepthKV's metric-guided allocation (MGA, Sec. 5) with an
-    RC-derived robustness metric in place of their offline InfoNCE profile.
-
-    DepthKV keeps the first layer whole, assigns the other layers ratios proportional to a robustness score
-    normalised over them, caps each at ``max_ratio`` and redistributes what the caps cut among unsaturated
-    layers until the mean is met. Robustness here: the share of a layer's (non-window) score mass held by its
-    top ``1 - ratio`` entries; a layer whose importance sits on few tokens loses little when the rest go.
-    """
-    num_layers = len(scores)
-    if num_layers == 1 or ratio == 0:
-        return [ratio] * num_layers
-    # The allocation below is a handful of floats per layer, done on the host: one transfer of the robustness.
-    weights = _top_share(torch.stack(scores[1:]), window, 1 - ratio).cpu()
-    weights = weights / weights.sum() if float(weights.sum()) > 0 else torch.full_like(weights, 1 / len(weights))
-    # Layer 0 is not pruned: the others carry the whole model's budget.
-    budget = min(ratio * num_layers, max_ratio * (num_layers - 1))
-    ratios = torch.zeros(num_layers - 1, dtype=torch.float64)
-    free = torch.ones(num_layers - 1, dtype=torch.bool)
-    for _ in range(num_layers):  # each pass saturates at least one layer or ends
-        remaining = budget - float(ratios[~free].sum())
-        share = weights * free
-        ratios[free] = remaining * share[free] / float(share.sum())
-        over = free & (ratios > max_ratio)
-        if not bool(over.any()):
-            break
-        ratios[over] = max_ratio
-        free &= ~over
-    return [0.0, *ratios.tolist()]
-
-
-def _top_share(scores: Tensor, window: int, keep_fraction: float) -> Tensor:
-    """[L, Hkv, n] -> float64 [L]: per layer, the share of its positive finite non-window score mass held by its top
-    ``keep_fraction`` entries (1 for a layer without any), computed for all layers at once on their device."""
-    n = scores.shape[-1]
-    values = scores[..., : max(n - window, 0)].to(torch.float64).flatten(1)
-    positive = torch.where(torch.isfinite(values), values, torch.zeros((), dtype=torch.float64)).clamp_min(0)
-    total = positive.sum(dim=1)
-    if positive.shape[1] == 0:
-        return torch.ones_like(total)
-    keep = min(max(round(keep_fraction * positive.shape[1]), 1), positive.shape[1])
-    top = torch.topk(positive, keep, dim=1).values.sum(dim=1)
-    return torch.where(total > 0, top / total, torch.ones_like(total))
 
 
 def layer_floor_ratio(ratio: float, layer_floor: float) -> float:
@@ -263,16 +192,15 @@ def select_budget_across_layers(
     window: int,
     ratio: float,
     sink_tokens: int = 0,
-    comparable: str = "layer_mean",
     layer_floor: float = 0.0,
+    normalise: Callable[[Tensor, int], Tensor] = relative_to_layer_mean,
 ) -> list[Tensor]:
     """Keep the model's top entries across all layers and heads so that a fraction ``ratio`` is evicted.
 
-    Scores are first made comparable across layers (``comparable``, a key of :data:`LAYER_COMPARABLE_SCORES`);
-    then exactly :func:`select_budget` runs over all ``L * Hkv`` (layer, head) rows at once: the window, sinks
-    and non-finite scores of every row are kept, and the rest of the model's budget goes to the highest
-    comparable scores wherever they are. Layers therefore keep different shares. ``depthkv`` instead gives each
-    layer its own ratio (:func:`depthkv_layer_ratios`) and selects per layer.
+    Scores are first made comparable across layers (``normalise``: each score relative to its layer's mean); then
+    exactly :func:`select_budget` runs over all ``L * Hkv`` (layer, head) rows at once: the window, sinks and
+    non-finite scores of every row are kept, and the rest of the model's budget goes to the highest comparable scores
+    wherever they are. Layers therefore keep different shares.
 
     ``layer_floor`` reserves part of the budget per layer: each layer first keeps its own top
     ``layer_floor * (1 - ratio)`` entries (:func:`select_budget` at :func:`layer_floor_ratio`, as a per-layer
@@ -283,14 +211,7 @@ def select_budget_across_layers(
     Returns:
         per layer, the ``[Hkv, n]`` keep mask.
     """
-    if comparable not in LAYER_COMPARABLE_SCORES:
-        raise ValueError(f"comparable must be one of {sorted(LAYER_COMPARABLE_SCORES)}, got {comparable!r}")
     floor_ratio = layer_floor_ratio(ratio, layer_floor)
-    if comparable == "depthkv":  # its own per-layer allocation: no floor on top
-        ratios = depthkv_layer_ratios(scores, window, ratio)
-        return [select_budget(s, window, r, sink_tokens).mask for s, r in zip(scores, ratios)]
-    normalise = LAYER_COMPARABLE_SCORES[comparable]
-    assert normalise is not None  # (depthkv, the one without a normalisation, returned above)
     # Non-finite scores stay non-finite (forced keeps) whatever the normalisation; a layer's floor entries are
     # made +inf, so the model-wide selection keeps them and gives out only the rest of the budget.
     layers = []
@@ -305,23 +226,13 @@ def select_budget_across_layers(
     return list(keep.mask.view(num_layers, num_heads, n).unbind(0))
 
 
-#: How a model-wide budget makes layers' scores comparable (measured against the others: docs/defaults.md,
-#: "Which mode").
-MODEL_BUDGET_COMPARABLE = "layer_mean"
-
-
-def select_keep_masks(scores: list[Tensor], config: RCStatConfig, comparable: str | None = None) -> list[Tensor]:
+def select_keep_masks(scores: list[Tensor], config: RCStatConfig) -> list[Tensor]:
     """Per layer, the ``[H, n]`` keep mask from the layers' scores: threshold mode (Eq. 9, per head) or budget
     mode, per layer or across the whole model (``config.budget_scope``)."""
     ratio = config.target_ratio
     if ratio is not None and config.budget_scope == "model":
         return select_budget_across_layers(
-            scores,
-            config.window,
-            ratio,
-            config.sink_tokens,
-            comparable or MODEL_BUDGET_COMPARABLE,
-            layer_floor=config.layer_floor,
+            scores, config.window, ratio, config.sink_tokens, layer_floor=config.layer_floor
         )
     if ratio is not None:
         return [select_budget(s, config.window, ratio, config.sink_tokens).mask for s in scores]
