@@ -23,9 +23,9 @@ from typing import Any
 
 from vllm.v1.outputs import ModelRunnerOutput
 
+from rcstat_vllm.owners import building_backends, runner_owner, start_runner_owner
 from rcstat_vllm.reports import CompressionReport, StepCompactions
 from rcstat_vllm.vllm_private.internals import forward_context, kv_cache_groups
-from rcstat_vllm.worker.driver import start_worker_compression, worker_compression_of
 from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
 from ._contract import Contract, wrap_method
@@ -92,7 +92,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
     """
     batch = runner.input_batch
     group_tables: Sequence[Any] = getattr(batch.block_table, "block_tables", ())
-    owner = worker_compression_of(runner.vllm_config)
+    owner = runner_owner(runner)
     choice = owner.group_choice if owner is not None else None
     if choice is not None and choice.index is not None and choice.index < len(group_tables):
         host_table = group_tables[choice.index]
@@ -158,8 +158,9 @@ def _compactions(scheduler_output) -> list:
 
 def _initialize_kv_cache(original):
     def wrapper(self, kv_cache_config, *args, **kwargs):
-        owner = start_worker_compression(self.vllm_config, kv_cache_groups(kv_cache_config))
-        result = original(self, kv_cache_config, *args, **kwargs)
+        owner = start_runner_owner(self, kv_cache_groups(kv_cache_config))
+        with building_backends(owner):  # (the metadata builders vLLM creates in there report to it)
+            result = original(self, kv_cache_config, *args, **kwargs)
         if owner is not None:
             owner.bind_kv_caches(kv_cache_tensors(self))
         return result
@@ -170,7 +171,7 @@ def _initialize_kv_cache(original):
 def _prepare_inputs(original):
     def wrapper(self, scheduler_output, *args, **kwargs):
         result = original(self, scheduler_output, *args, **kwargs)
-        owner = worker_compression_of(self.vllm_config)
+        owner = runner_owner(self)
         if owner is not None:
             owner.begin_step(step_info(self, scheduler_output))
         return result
@@ -180,7 +181,7 @@ def _prepare_inputs(original):
 
 def attach_reports(runner, output):
     """The output with the worker's pending reports, when it is a plain step output (others keep them)."""
-    owner = worker_compression_of(runner.vllm_config)
+    owner = runner_owner(runner)
     if owner is None or type(output) is not ModelRunnerOutput:
         return output
     reports, step = owner.pop_reports(), owner.pop_step_compactions()
@@ -195,7 +196,7 @@ def _execute_model(original):
     def wrapper(self, scheduler_output, *args, **kwargs):
         output = original(self, scheduler_output, *args, **kwargs)
         if not scheduler_output.total_num_scheduled_tokens:
-            owner = worker_compression_of(self.vllm_config)
+            owner = runner_owner(self)
             if owner is not None:
                 owner.begin_step(idle_step_info(scheduler_output))
         return attach_reports(self, output)

@@ -1,6 +1,7 @@
 """Scheduler hooks: hand vLLM's scheduler and KV cache managers to the block exchange
 (:mod:`rcstat_vllm.engine.block_exchange`, where the state, the block swap and the prefix-cache invariants live).
 
+- ``Scheduler.__init__``: with the flag, the engine's state (:mod:`rcstat_vllm.owners` finds it from the block pool).
 - ``Scheduler.update_from_output``: apply the worker's compaction reports (fresh blocks in, prompt blocks out).
 - ``Scheduler._update_request_as_session``: a streaming-input session's next chunk makes a parked plan stale.
 - ``Scheduler.schedule``: under lazy eviction, first compact parked requests if the blocks it is about to want (now,
@@ -25,11 +26,12 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from rcstat_vllm.capabilities import choose_compressed_group
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.engine import pressure_policy
-from rcstat_vllm.engine.block_exchange import EngineCompaction, engine_compaction, existing_engine_compaction
+from rcstat_vllm.engine.block_exchange import EngineCompaction
 from rcstat_vllm.engine.metrics import CompressionStats
 from rcstat_vllm.engine.pressure_policy import RunningRequest
 from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.log import logger
+from rcstat_vllm.owners import engine_owner, start_engine_owner
 from rcstat_vllm.reports import Compaction
 from rcstat_vllm.vllm_private.internals import kv_cache_groups
 
@@ -42,6 +44,7 @@ CONTRACTS = (
         ("self", "scheduler_output", "model_runner_output"),
     ),
     Contract("vllm.v1.core.sched.scheduler:Scheduler.schedule", ("self",)),
+    Contract("vllm.v1.core.sched.scheduler:Scheduler.__init__", ("self", "vllm_config", "kv_cache_config")),
     Contract("vllm.v1.core.sched.scheduler:Scheduler._update_request_as_session", ("self", "session", "update")),
     Contract(
         "vllm.v1.core.sched.scheduler:Scheduler",
@@ -88,8 +91,10 @@ class RCStatSchedulerOutput(SchedulerOutput):
     rcstat_decode_soon: tuple[str, ...] = ()
 
 
-def scheduler_stats(scheduler) -> CompressionStats:
-    return engine_compaction(scheduler.kv_cache_manager.block_pool).stats
+def scheduler_stats(scheduler) -> CompressionStats | None:
+    """The engine's compression counters (None: the engine runs without the flag)."""
+    state = engine_owner(scheduler.kv_cache_manager.block_pool)
+    return None if state is None else state.stats
 
 
 def compressed_group(kv_cache_manager) -> int | None:
@@ -100,7 +105,7 @@ def compressed_group(kv_cache_manager) -> int | None:
 
 def compressed_manager(kv_cache_manager):
     """The KV cache manager of the compressed group (its block lists are the ones compaction swaps)."""
-    state = existing_engine_compaction(kv_cache_manager.block_pool)
+    state = engine_owner(kv_cache_manager.block_pool)
     group = state.group if state is not None and state.group is not None else 0
     return kv_cache_manager.coordinator.single_type_managers[group]
 
@@ -244,14 +249,28 @@ def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list
     return chosen
 
 
+def _init(original):
+    def wrapper(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        config = server_config(self.vllm_config.additional_config)
+        if config is not None:  # (without the flag, no state: every hook passes through)
+            start_engine_owner(self.kv_cache_manager.block_pool, config, compressed_group(self.kv_cache_manager))
+
+    return wrapper
+
+
 def _update_from_output(original):
     def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
-        if isinstance(model_runner_output, RCStatModelRunnerOutput) and model_runner_output.rcstat_step is not None:
-            engine_compaction(self.kv_cache_manager.block_pool).observe_step(model_runner_output.rcstat_step)
-        if isinstance(model_runner_output, RCStatModelRunnerOutput) and model_runner_output.rcstat_reports:
-            pool = self.kv_cache_manager.block_pool
-            engine_compaction(pool).apply_reports(
+        if not isinstance(model_runner_output, RCStatModelRunnerOutput):
+            return result
+        pool = self.kv_cache_manager.block_pool
+        state = engine_owner(pool)
+        assert state is not None, "rcstat: compaction reports reached a scheduler started without the flag"
+        if model_runner_output.rcstat_step is not None:
+            state.observe_step(model_runner_output.rcstat_step)
+        if model_runner_output.rcstat_reports:
+            state.apply_reports(
                 pool, model_runner_output.rcstat_reports, lambda req_id: running_request_blocks(self, req_id)
             )
         return result
@@ -261,15 +280,8 @@ def _update_from_output(original):
 
 def _schedule(original):
     def wrapper(self, *args, **kwargs):
-        state = existing_engine_compaction(self.kv_cache_manager.block_pool)
-        if state is None or state.config is None:
-            config = server_config(self.vllm_config.additional_config)
-            if config is None:  # the engine runs without the flag
-                return original(self, *args, **kwargs)
-            state = engine_compaction(self.kv_cache_manager.block_pool)
-            state.config = config
-            state.group = compressed_group(self.kv_cache_manager)
-        if state.group is None:  # no group compressed (the workers said why at start-up)
+        state = engine_owner(self.kv_cache_manager.block_pool)
+        if state is None or state.group is None:  # no flag, or no group compressed (the workers said why at start-up)
             return original(self, *args, **kwargs)
         if state.requests.any_in_phase(Phase.PLANNED):
             relieve_pressure(self, state)
@@ -290,7 +302,7 @@ def _schedule(original):
 def _update_request_as_session(original):
     def wrapper(self, session, *args, **kwargs):
         result = original(self, session, *args, **kwargs)
-        state = existing_engine_compaction(self.kv_cache_manager.block_pool)
+        state = engine_owner(self.kv_cache_manager.block_pool)
         if state is not None:
             state.continue_session(session.request_id)
         return result
@@ -300,7 +312,7 @@ def _update_request_as_session(original):
 
 def _cache_blocks(original):
     def wrapper(self, request, *args, **kwargs):
-        state = existing_engine_compaction(self.block_pool)
+        state = engine_owner(self.block_pool)
         if state is not None and not state.may_cache(request.request_id):
             return None
         return original(self, request, *args, **kwargs)
@@ -310,7 +322,7 @@ def _cache_blocks(original):
 
 def _pop_blocks_for_free(original):
     def wrapper(self, request_id, *args, **kwargs):
-        state = existing_engine_compaction(self.block_pool)
+        state = engine_owner(self.block_pool)
         if state is not None:
             state.forget(request_id)
         return original(self, request_id, *args, **kwargs)
@@ -321,8 +333,8 @@ def _pop_blocks_for_free(original):
 def _get_computed_blocks(original):
     def wrapper(self, request, *args, **kwargs):
         result = original(self, request, *args, **kwargs)
-        state = existing_engine_compaction(self.block_pool)
-        if state is None or state.config is None:
+        state = engine_owner(self.block_pool)
+        if state is None:
             return result
         blocks, num_hit = result[0], result[1]
         if num_hit and state.group is not None:
@@ -351,6 +363,7 @@ def install() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
 
+    wrap_method(Scheduler, "__init__", _init)
     wrap_method(Scheduler, "update_from_output", _update_from_output)
     wrap_method(Scheduler, "schedule", _schedule)
     wrap_method(Scheduler, "_update_request_as_session", _update_request_as_session)

@@ -23,9 +23,9 @@ class RCStatWorkerExtension(AttributionWorkerMixin):
     """Mixed into vLLM's worker class: methods callable through ``collective_rpc``."""
 
     def _rcstat_worker(self):
-        from rcstat_vllm.worker.driver import worker_compression_of
+        from rcstat_vllm.owners import runner_owner
 
-        return worker_compression_of(self.model_runner.vllm_config)
+        return runner_owner(self.model_runner)
 
     def rcstat_compression_results(self) -> dict[str, dict[str, Any]]:
         owner = self._rcstat_worker()

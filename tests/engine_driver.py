@@ -74,9 +74,9 @@ class EngineDriver:
     @property
     def compression(self):
         """The worker's compression state (rcstat_vllm.worker.driver.WorkerCompression), None without the flag."""
-        from rcstat_vllm.worker.driver import worker_compression_of
+        from rcstat_vllm.owners import runner_owner
 
-        return worker_compression_of(self.worker.model_runner.vllm_config)
+        return runner_owner(self.worker.model_runner)
 
     @property
     def stats(self):

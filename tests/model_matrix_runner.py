@@ -103,9 +103,8 @@ def lazy_under_pressure(model: Path) -> dict:
     import torch
     from vllm import SamplingParams
 
-    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.owners import engine_owner, runner_owner
     from rcstat_vllm.patches.scheduler import scheduler_stats
-    from rcstat_vllm.worker.driver import worker_compression_of
 
     torch.set_num_threads(1)
     rng = random.Random(1)
@@ -123,7 +122,7 @@ def lazy_under_pressure(model: Path) -> dict:
                 cached += output.num_cached_tokens or 0
     engine.step()
     runner = core.model_executor.driver_worker
-    owner = worker_compression_of(getattr(runner, "worker", runner).model_runner.vllm_config)
+    owner = runner_owner(getattr(runner, "worker", runner).model_runner)
     pool = core.scheduler.kv_cache_manager.block_pool
     stats = scheduler_stats(core.scheduler)
     return dict(
@@ -134,7 +133,7 @@ def lazy_under_pressure(model: Path) -> dict:
         free_blocks=pool.get_num_free_blocks(),
         num_blocks=pool.num_gpu_blocks,
         worker_requests=len(owner.requests),
-        engine_requests=len(engine_compaction(pool).requests),
+        engine_requests=len(engine_owner(pool).requests),
     )
 
 
@@ -168,13 +167,12 @@ def main() -> None:
     flag_out = run(engine, [("A", p["A"], greedy), ("B", p["B"], none), ("C", p["C"], greedy)], {"C": 3})
     engine.step()  # the idle step that tells the worker the last requests finished
 
-    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.owners import engine_owner, runner_owner
     from rcstat_vllm.patches.scheduler import scheduler_stats
-    from rcstat_vllm.worker.driver import worker_compression_of
 
     runner = core.model_executor.driver_worker
     runner = getattr(runner, "worker", runner).model_runner
-    owner = worker_compression_of(runner.vllm_config)
+    owner = runner_owner(runner)
     pool = core.scheduler.kv_cache_manager.block_pool
     choice = owner.group_choice
     result = dict(
@@ -190,7 +188,7 @@ def main() -> None:
         free_blocks=pool.get_num_free_blocks(),
         num_blocks=pool.num_gpu_blocks,
         worker_requests=len(owner.requests),
-        engine_requests=len(engine_compaction(pool).requests),
+        engine_requests=len(engine_owner(pool).requests),
         requests_compressed=scheduler_stats(core.scheduler).requests_compressed,
     )
     print("RESULT " + json.dumps(result), flush=True)

@@ -11,8 +11,6 @@ from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.block_exchange import (
     BlockPool,
     EngineCompaction,
-    engine_compaction,
-    existing_engine_compaction,
     swap_in_fresh_blocks,
 )
 from rcstat_vllm.engine.pressure_policy import cover
@@ -312,7 +310,7 @@ def test_prefix_hit_stops_before_the_observation_window():
     assert state.prefix_hit_limit("b", 80, 100, None, BLOCK) is None  # already short enough
     assert state.prefix_hit_limit("c", 0, 100, None, BLOCK) is None
     assert state.prefix_hit_limit("d", 96, 100, {"rcstat": {"method": "none"}}, BLOCK) is None  # runs uncompressed
-    assert EngineCompaction().prefix_hit_limit("e", 96, 100, None, BLOCK) is None  # no flag
+    # (without the flag the engine has no owner and the hook passes through: test_one_owner_per_block_pool_...)
 
 
 def test_each_request_goes_through_its_phases_and_a_wrong_transition_names_it():
@@ -356,12 +354,22 @@ def test_each_request_goes_through_its_phases_and_a_wrong_transition_names_it():
     assert phase("eager") is Phase.COMPACTED
 
 
-def test_one_state_per_block_pool():
+def test_one_owner_per_block_pool_gone_with_its_engine():
+    """The scheduler's construction starts the engine's owner (with the flag); the hooks find it from the block pool
+    they share, and it goes when the engine (its pool) does."""
+    import gc
+
+    from rcstat_vllm import owners
+
     pool, other = FakePool(2), FakePool(2)
-    assert existing_engine_compaction(pool) is None
-    state = engine_compaction(pool)
-    assert engine_compaction(pool) is state and existing_engine_compaction(pool) is state
-    assert existing_engine_compaction(other) is None
+    assert owners.engine_owner(pool) is None  # an engine without the flag: every hook passes through
+    state = owners.start_engine_owner(pool, RCStatConfig(eviction="lazy"), 0)
+    assert owners.engine_owner(pool) is state and owners.engine_owner(other) is None
+    assert state.config.eviction == "lazy" and state.group == 0
+    held = len(owners._ENGINE_OWNERS)
+    del pool
+    gc.collect()
+    assert len(owners._ENGINE_OWNERS) == held - 1
 
 
 def lazy_report(keep_blocks: int, prompt_tokens: int, req_id: str) -> CompressionReport:

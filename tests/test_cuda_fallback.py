@@ -25,7 +25,7 @@ from rcstat_vllm.attention.cuda_backend import (
 )
 from rcstat_vllm.patches import platform
 from rcstat_vllm.vllm_private.internals import backend_invalid_reasons
-from rcstat_vllm.worker.driver import start_worker_compression
+from rcstat_vllm.worker.driver import new_worker_compression
 from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
 SM75, SM80, SM90 = DeviceCapability(7, 5), DeviceCapability(8, 0), DeviceCapability(9, 0)
@@ -191,7 +191,7 @@ def test_the_worker_of_a_fallen_back_engine_reports_every_request_uncompressed(c
     start-up warning was the platform's) and reports each request uncompressed, as the builder's plan would."""
     context = {"model.layers.0.self_attn.attn": SimpleNamespace(impl=TritonAttentionImpl())}
     config = _engine(use_mla=True, head_size=576, context=context)
-    owner = start_worker_compression(config)
+    owner = new_worker_compression(config)
     owner.bind_kv_caches({})  # the runner hook, once vLLM bound its caches; no builder attached a layer
     assert "vLLM's own attention backend serves every layer (TritonAttentionImpl)" in owner.disabled_reason
     assert _rcstat_warnings(caplog) == []

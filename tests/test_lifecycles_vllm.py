@@ -286,10 +286,10 @@ def test_lazy_relief_never_leaves_fewer_free_blocks_with_a_shared_system_prompt(
     than the pool holds, so relief runs again and again. The first request's plan covers the shared blocks (it
     computed them), which every later request holds too: on main relief still took it first (it freed most when
     parked) and took fresh blocks for nothing. Every relief here leaves at least as many free blocks as it found."""
-    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.owners import engine_owner
 
     driver = clean
-    state = engine_compaction(driver.pool)
+    state = engine_owner(driver.pool)
     reliefs = []
     relieve = state.relieve_pressure
 

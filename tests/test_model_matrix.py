@@ -99,12 +99,11 @@ def test_a_prefix_hit_into_the_window_is_cut_and_a_hybrids_dropped_whole(num_gro
     from types import SimpleNamespace
 
     from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.owners import start_engine_owner
     from rcstat_vllm.patches.scheduler import _get_computed_blocks
 
     pool = type("Pool", (), {})()
-    state = engine_compaction(pool)
-    state.config, state.group = RCStatConfig(), num_groups - 1
+    start_engine_owner(pool, RCStatConfig(), num_groups - 1)
     manager = SimpleNamespace(
         block_pool=pool, coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=32)] * num_groups)
     )

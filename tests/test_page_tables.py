@@ -333,7 +333,8 @@ def test_step_info_carries_each_rows_host_block_ids_in_batch_order():
         num_prompt_tokens=np.array([20, 40]),
         num_computed_tokens_cpu=np.array([19, 40]),
     )
-    runner = SimpleNamespace(input_batch=batch, requests={}, vllm_config=None)  # no worker state: one group
+    # (a class of its own: the hooks find a runner's owner through a weak reference, which SimpleNamespace refuses)
+    runner = type("Runner", (), {"input_batch": batch, "requests": {}, "vllm_config": None})()  # no owner: one group
     scheduler_output = SimpleNamespace(
         num_scheduled_tokens={"x": 1, "y": 1},
         finished_req_ids=set(),
@@ -353,14 +354,18 @@ def test_a_step_scheduling_no_tokens_still_ends_the_requests_it_names_finished(m
     the worker those ids (else a server keeps their state and page-table slots for ever)."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-    import rcstat_vllm.worker.driver
+    from rcstat_vllm import owners
     from rcstat_vllm.patches.model_runner import HOOKS
 
     worker, _ = _worker_with(3, _space(pooled=False))
-    monkeypatch.setattr(rcstat_vllm.worker.driver, "_current", worker)
+
+    class Runner:  # a model runner: the worker's owner is found from it (weakly)
+        vllm_config = worker.vllm_config
+
+    runner = Runner()
+    monkeypatch.setitem(owners._RUNNER_OWNERS, runner, worker)
     state = worker.requests.compressed_state("a")
     execute_model = HOOKS["execute_model"](lambda runner, scheduler_output: EMPTY_MODEL_RUNNER_OUTPUT)
-    runner = SimpleNamespace(vllm_config=worker.vllm_config)
     idle = SimpleNamespace(
         total_num_scheduled_tokens=0,
         num_scheduled_tokens={},

@@ -44,9 +44,9 @@ def greedy(max_tokens=8, **rcstat):
 
 
 def _compacted_blocks(driver):
-    from rcstat_vllm.patches.scheduler import engine_compaction
+    from rcstat_vllm.owners import engine_owner
 
-    return engine_compaction(driver.pool)
+    return engine_owner(driver.pool)
 
 
 def test_a_request_sharing_a_long_prefix_is_served_from_cache_and_both_are_compressed(engines):

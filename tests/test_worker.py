@@ -10,31 +10,41 @@ pytest.importorskip("vllm")
 
 from fake_vllm import fake_vllm_config
 
+from rcstat_vllm import owners
 from rcstat_vllm.capabilities import engine_not_pooled_reason
 from rcstat_vllm.paging.kv_layout import CPU_VEC
 from rcstat_vllm.worker.driver import (
     WorkerCompression,
-    start_worker_compression,
+    building_backends,
+    new_worker_compression,
     worker_compression,
-    worker_compression_of,
 )
 
 _config = fake_vllm_config
 
 
+class _Runner:  # a model runner: the hooks find its owner from it
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+
+
 def test_the_runner_hook_creates_the_owner_the_builders_find():
-    config = _config({"method": "rc"})
-    owner = start_worker_compression(config)
+    runner = _Runner(_config({"method": "rc"}))
+    owner = owners.start_runner_owner(runner)
     assert owner is not None and owner.disabled_reason is None
-    assert worker_compression(config) is owner and worker_compression_of(config) is owner
-    assert start_worker_compression(_config()) is None  # no flag: no state, every hook passes through
-    assert worker_compression_of(config) is None
+    assert owners.runner_owner(runner) is owner
+    with building_backends(owner):  # vLLM builds the runner's attention backends: each builder gets its owner
+        assert worker_compression(runner.vllm_config) is owner
+    assert worker_compression(runner.vllm_config) is not owner  # (outside: see the next test)
+    # A second set-up (vLLM's profiling one, then the real one) starts anew; without the flag there is no owner.
+    assert owners.start_runner_owner(runner) is not owner
+    flagless = _Runner(_config())
+    assert owners.start_runner_owner(flagless) is None and owners.runner_owner(flagless) is None
 
 
 def test_a_builder_outside_a_hooked_runner_gets_a_disabled_owner_naming_why(caplog):
-    start_worker_compression(_config())  # e.g. vLLM's Model Runner V2, which the plugin does not hook
     config = _config({"method": "rc"})
-    owner = worker_compression(config)
+    owner = worker_compression(config)  # e.g. vLLM's Model Runner V2, which the plugin does not hook
     assert "does not carry the plugin's hooks" in owner.disabled_reason
     owner.attach_layers(["a", "b"], num_kv_heads=2, block_size=16, layout=CPU_VEC)
     assert owner.space.is_pooled is False
@@ -133,7 +143,7 @@ def test_engine_features_the_plugin_cannot_serve_run_uncompressed_naming_why(fea
     config = _config({"method": "rc"})
     for name, value in feature.items():
         setattr(config, name, value)
-    owner = start_worker_compression(config)
+    owner = new_worker_compression(config)
     assert owner is not None and words in owner.disabled_reason
     assert words in caplog.text
     assert WorkerCompression(_config({"method": "rc"})).disabled_reason is None
@@ -147,7 +157,7 @@ def test_a_prefix_hit_never_reaches_past_the_prompt_of_a_request_resumed_after_p
 
     pytest.importorskip("vllm")
     from rcstat_vllm.config import RCStatConfig
-    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm.owners import start_engine_owner
     from rcstat_vllm.patches.scheduler import _get_computed_blocks
 
     class Blocks:  # vLLM's KVCacheBlocks: one block list per KV cache group
@@ -158,8 +168,7 @@ def test_a_prefix_hit_never_reaches_past_the_prompt_of_a_request_resumed_after_p
             return tuple(list(group) for group in self.blocks)
 
     pool = type("Pool", (), {})()
-    state = engine_compaction(pool)
-    state.config, state.group = RCStatConfig(), 0
+    start_engine_owner(pool, RCStatConfig(), 0)
     manager = SimpleNamespace(
         block_pool=pool, coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=16)])
     )

@@ -181,15 +181,19 @@ def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_with
     import prometheus_client
     from vllm.v1.outputs import ModelRunnerOutput
 
-    import rcstat_vllm.worker.driver
-    from rcstat_vllm.engine.block_exchange import engine_compaction
+    from rcstat_vllm import owners
+    from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.patches.model_runner import RCStatModelRunnerOutput, attach_reports
     from rcstat_vllm.patches.scheduler import _update_from_output
     from rcstat_vllm.reports import CopyRun, StepCompactions
 
     worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
-    monkeypatch.setattr(rcstat_vllm.worker.driver, "_current", worker)
-    runner = SimpleNamespace(vllm_config=worker.vllm_config)
+
+    class Runner:  # a model runner: the worker's owner is found from it (weakly)
+        vllm_config = worker.vllm_config
+
+    runner = Runner()
+    monkeypatch.setitem(owners._RUNNER_OWNERS, runner, worker)
     plain = ModelRunnerOutput(req_ids=[], req_id_to_index={})
     assert attach_reports(runner, plain) is plain  # nothing to carry
     worker._copies.extend([CopyRun("a", "prompt", 0.5), CopyRun("b", "decode", 0.25)])
@@ -204,11 +208,12 @@ def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_with
         pass
 
     pool = Pool()
+    owners.start_engine_owner(pool, RCStatConfig(), 0)  # (the scheduler's construction, with the flag)
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool))
     update = _update_from_output(lambda self, scheduler_output, model_runner_output: "vllm's result")
     assert update(scheduler, None, output) == "vllm's result"
     update(scheduler, None, plain)
-    stats = engine_compaction(pool).stats
+    stats = owners.engine_owner(pool).stats
     assert (stats.prompt_copies, stats.decode_copies, stats.compaction_steps, stats.compaction_seconds) == (
         1,
         1,

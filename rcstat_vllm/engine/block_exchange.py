@@ -33,7 +33,6 @@ block returns to the pool with its request (vLLM frees the request's list, which
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -140,13 +139,14 @@ def swap_in_fresh_blocks(
 
 @dataclass
 class EngineCompaction:
-    """Scheduler-side state of one engine (keyed by its block pool, which the scheduler and the KV cache managers
-    share): what it logs and exports, and its request table (plans parked, compactions to send, compacted blocks)."""
+    """Scheduler-side state of one engine, created with its scheduler when the flag is on (``patches/owners.py`` finds
+    it from the block pool the scheduler and its KV cache managers share): what it logs and exports, and its request
+    table (plans parked, compactions to send, compacted blocks)."""
 
-    #: the server's flag (set by the first schedule)
-    config: RCStatConfig | None = None
-    #: the KV cache group whose block lists compaction swaps (set by the first schedule: a hybrid model's
-    #: full-attention group; None: no group is compressed and the hooks pass through)
+    #: the server's flag
+    config: RCStatConfig = field(default_factory=RCStatConfig)
+    #: the KV cache group whose block lists compaction swaps (a hybrid model's full-attention group; None: no group
+    #: is compressed and the hooks pass through)
     group: int | None = 0
     stats: CompressionStats = field(default_factory=CompressionStats)
     requests: EngineRequests = field(default_factory=EngineRequests)
@@ -157,17 +157,15 @@ class EngineCompaction:
     _uncounted: dict[tuple[str, str], tuple[CompressionReport, int]] = field(default_factory=dict)
 
     #: each request's settings, resolved once (:meth:`settings_of`), dropped with the request (:meth:`forget`)
-    _settings: RequestSettingsTable | None = field(default=None, init=False)
+    _settings: RequestSettingsTable = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode_pressure = DecodePressure(self.requests)
+        self._settings = RequestSettingsTable(self.config)
 
     def settings_of(self, req_id: str, extra_args) -> RequestSettings:
         """The request's settings over the server's flag, parsed the first time the scheduler side asks (a prefix
         lookup, the decode-time forecast) and kept until vLLM frees the request."""
-        if self._settings is None or self._settings.server is not self.config:
-            # (asked once the first schedule set ``config``: prefix lookups check it, the decode forecast runs after)
-            self._settings = RequestSettingsTable(self.config)  # type: ignore[arg-type]
         return self._settings.of(req_id, extra_args)
 
     @property
@@ -189,15 +187,13 @@ class EngineCompaction:
         if record is not None and record.phase is Phase.AWAITING_COMPACTION:
             self._never_copied(req_id)
         self.requests.forget(req_id)
-        if self._settings is not None:
-            self._settings.drop(req_id)
+        self._settings.drop(req_id)
         self.stats.observe_tracked(len(self.requests))
 
     def continue_session(self, req_id: str) -> None:
         """A streaming-input session's next chunk arrived: a plan parked for its earlier prompt is dropped (the
         worker cancels it too; the chunk's end plans again), counted as never compacted."""
-        if self._settings is not None:
-            self._settings.drop(req_id)  # (the chunk brings its own sampling parameters)
+        self._settings.drop(req_id)  # (the chunk brings its own sampling parameters)
         if self.requests.continue_session(req_id) is not None:
             self.stats.observe_never_compacted()
             logger.debug("rcstat: request %s: streaming-input session continued: its parked plan is dropped", req_id)
@@ -377,7 +373,7 @@ class EngineCompaction:
         """The tokens a prefix-cache hit of ``num_hit`` may keep, when fewer (else None): a hit stops before the
         prompt's observation window of a request that will be compressed (whose queries exist only if computed;
         :func:`~rcstat_vllm.settings.max_cached_prompt_tokens`)."""
-        if not num_hit or self.config is None:
+        if not num_hit:
             return None
         limit = max_cached_prompt_tokens(num_prompt_tokens, self.settings_of(req_id, extra_args), block_size)
         return limit if limit is not None and num_hit > limit else None
@@ -393,19 +389,3 @@ class EngineCompaction:
                 f"rcstat: a prefix-cache hit of request {req_id} returned compacted blocks "
                 f"{sorted(hits)}: their KV is another request's head pages"
             )
-
-
-_ENGINES: weakref.WeakKeyDictionary[object, EngineCompaction] = weakref.WeakKeyDictionary()
-
-
-def engine_compaction(block_pool) -> EngineCompaction:
-    """The engine's state, created on first use (one engine per block pool)."""
-    state = _ENGINES.get(block_pool)
-    if state is None:
-        state = _ENGINES[block_pool] = EngineCompaction()
-    return state
-
-
-def existing_engine_compaction(block_pool) -> EngineCompaction | None:
-    """The engine's state if it was created (None: an engine without the flag, or before its first schedule)."""
-    return _ENGINES.get(block_pool)

@@ -29,6 +29,9 @@ A step, as the hooks drive it:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -280,34 +283,41 @@ class WorkerCompression(CompressedLayers):
                 self.results_log.send(report)
 
 
-# ---- the worker's owner: one per process (a worker process runs one model runner) ----
+# ---- how the builders find their owner ----
 
-_current: WorkerCompression | None = None
+#: the owner whose model runner is building its attention backends right now (set by the runner hook around vLLM's
+#: ``initialize_kv_cache``, the way vLLM sets its current config around building a model)
+_building: ContextVar[WorkerCompression | None] = ContextVar("rcstat_building", default=None)
+
+#: a builder built outside a hooked model runner (a runner class the plugin does not hook) is served by this reason
+UNHOOKED_RUNNER = "the model runner does not carry the plugin's hooks (unsupported runner)"
 
 
-def start_worker_compression(vllm_config, kv_cache_groups=None) -> WorkerCompression | None:
-    """A fresh owner for a model runner setting up its KV cache (``patches/model_runner.py``; ``kv_cache_groups``:
-    its KV cache groups, of which one is compressed); None when the flag is off. The builders vLLM creates next
-    find it with :func:`worker_compression`."""
-    global _current
+def new_worker_compression(vllm_config, kv_cache_groups=None) -> WorkerCompression | None:
+    """A fresh owner for a model runner setting up its KV cache (``kv_cache_groups``: its KV cache groups, of which
+    one is compressed); None when the flag is off."""
     if server_config(vllm_config.additional_config) is None:
-        _current = None
-    else:
-        _current = WorkerCompression(vllm_config, kv_cache_groups=kv_cache_groups)
-    return _current
+        return None
+    return WorkerCompression(vllm_config, kv_cache_groups=kv_cache_groups)
+
+
+@contextmanager
+def building_backends(owner: WorkerCompression | None) -> Iterator[None]:
+    """While a model runner builds its attention backends: their metadata builders get ``owner``
+    (:func:`worker_compression`)."""
+    token = _building.set(owner)
+    try:
+        yield
+    finally:
+        _building.reset(token)
 
 
 def worker_compression(vllm_config) -> WorkerCompression:
-    """The owner a metadata builder reports to. A builder built outside a hooked model runner (a runner class
-    the plugin does not hook) gets a disabled owner whose reason says so, logged once."""
-    global _current
-    if _current is None or _current.vllm_config is not vllm_config:
-        _current = WorkerCompression(
-            vllm_config, disabled_reason="the model runner does not carry the plugin's hooks (unsupported runner)"
-        )
-    return _current
-
-
-def worker_compression_of(vllm_config) -> WorkerCompression | None:
-    """The owner of the runner with this config, if there is one (runner hooks, the Python API)."""
-    return _current if _current is not None and _current.vllm_config is vllm_config else None
+    """The owner a metadata builder reports to: its runner's, while the runner builds its backends. A builder built
+    outside a hooked model runner gets a disabled owner whose reason says so."""
+    owner = _building.get()
+    if owner is not None and owner.vllm_config is vllm_config:
+        return owner
+    # (``patches/runner_choice.py`` refuses to start such an engine; this owner keeps a builder built some other way
+    # harmless: every request runs uncompressed, its report naming the reason)
+    return WorkerCompression(vllm_config, disabled_reason=UNHOOKED_RUNNER)

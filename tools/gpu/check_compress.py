@@ -7,7 +7,7 @@ block pool and the worker's compression state are in reach, as in tests/engine_d
 (``SamplingParams.extra_args["rcstat"]``): RC, TOVA and SnapKV at a 0.8 budget, RC threshold mode (c = 1), the bare
 flag's defaults, method none, and RC 0.8 on a 32k-token prompt. Per request:
 
-* the plugin's result (rcstat_vllm.worker.driver.worker_compression_of(...).compression_results(): ratio, blocks freed,
+* the plugin's result (rcstat_vllm.owners.runner_owner(...).compression_results(): ratio, blocks freed,
   kept counts per layer and head, pooled pages, skipped reason);
 * free blocks before, after the step that compacted it, and after it finished; ``measured`` = after - (before -
   prompt blocks) against ``predicted`` from the kept counts (the formula of tests/test_compression_vllm.py);
@@ -64,7 +64,7 @@ def worker(spec: dict) -> dict:
 
     import rcstat_vllm.kernels.rc_scoring as rc_scoring
     import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring
-    from rcstat_vllm.worker.driver import worker_compression_of
+    from rcstat_vllm.owners import runner_owner
 
     t0 = time.perf_counter()
     llm = LLM(**spec["engine"])
@@ -91,7 +91,7 @@ def worker(spec: dict) -> dict:
     snapkv_scoring.snapkv_attention_paged = counting("snapkv", snapkv_scoring.snapkv_attention_paged)
 
     def result_of(request_id: str):
-        owner = worker_compression_of(runner.vllm_config)
+        owner = runner_owner(runner)
         if owner is None:
             return None
         results = owner.compression_results()
@@ -106,7 +106,7 @@ def worker(spec: dict) -> dict:
         "initial_free_blocks": initial,
         "cases": {},
     }
-    if worker_compression_of(runner.vllm_config) is None:
+    if runner_owner(runner) is None:
         out.update(ok=False, error="the plugin's worker state is absent: the flag did not reach the worker")
         return out
     sync_done = False
