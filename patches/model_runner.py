@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from rcstat_vllm.owners import building_backends, runner_owner, start_runner_owner
 from rcstat_vllm.reports import CompressionReport, StepCompactions
@@ -45,6 +45,7 @@ CONTRACTS = (
     ),
     Contract("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens", ("self", "grammar_output")),
     Contract("vllm.v1.outputs:ModelRunnerOutput"),
+    Contract("vllm.v1.outputs:AsyncModelRunnerOutput.get_output", ("self",)),
     Contract(
         "vllm.v1.core.sched.output:SchedulerOutput",
         attrs=(
@@ -67,6 +68,24 @@ class RCStatModelRunnerOutput(ModelRunnerOutput):
     rcstat_reports: list[CompressionReport] = field(default_factory=list)
     #: the copies the worker ran before this step's forward and their time (None: none ran)
     rcstat_step: StepCompactions | None = None
+
+
+class RCStatAsyncModelRunnerOutput(AsyncModelRunnerOutput):
+    """Under asynchronous scheduling the runner returns its step output as an ``AsyncModelRunnerOutput`` the engine
+    resolves later (``get_output``, after the next step was scheduled): the reports travel inside it, so they reach
+    the scheduler with the step that made them, one step late as the tokens do."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, reports: list[CompressionReport], step: StepCompactions | None):
+        self.inner, self.reports, self.step = inner, reports, step
+
+    def get_output(self) -> ModelRunnerOutput:
+        return _with_reports(self.inner.get_output(), self.reports, self.step)
+
+
+def _with_reports(output: ModelRunnerOutput, reports: list[CompressionReport], step: StepCompactions | None):
+    return RCStatModelRunnerOutput(
+        **{f.name: getattr(output, f.name) for f in fields(output)}, rcstat_reports=reports, rcstat_step=step
+    )
 
 
 def kv_cache_tensors(runner) -> dict:
@@ -180,16 +199,17 @@ def _prepare_inputs(original):
 
 
 def attach_reports(runner, output):
-    """The output with the worker's pending reports, when it is a plain step output (others keep them)."""
+    """The output with the worker's pending reports, when it is a step's output, plain or asynchronous (others, e.g.
+    ``None`` from an ``execute_model`` whose tokens ``sample_tokens`` returns, keep them)."""
     owner = runner_owner(runner)
-    if owner is None or type(output) is not ModelRunnerOutput:
+    if owner is None or not (type(output) is ModelRunnerOutput or isinstance(output, AsyncModelRunnerOutput)):
         return output
     reports, step = owner.pop_reports(), owner.pop_step_compactions()
     if not reports and step is None:
         return output
-    return RCStatModelRunnerOutput(
-        **{f.name: getattr(output, f.name) for f in fields(output)}, rcstat_reports=reports, rcstat_step=step
-    )
+    if isinstance(output, AsyncModelRunnerOutput):
+        return RCStatAsyncModelRunnerOutput(output, reports, step)
+    return _with_reports(output, reports, step)
 
 
 def _execute_model(original):

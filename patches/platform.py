@@ -76,15 +76,22 @@ def _configure_engine(vllm_config, config, compression_off: bool = False) -> Non
     """What the flag changes in vLLM's config, on every platform (``compression_off``: the platform hook found the
     plugin's backend cannot serve this engine and said why; the engine runs uncompressed)."""
     # Prefix caching stays as the user set it: compaction copies kept KV into fresh blocks and never caches them
-    # (rcstat_vllm/engine/block_exchange.py). The copy runs before the forward of the step after the scheduler freed the
-    # prompt blocks; with asynchronous scheduling another step could be scheduled (and write them) before it.
+    # (rcstat_vllm/engine/block_exchange.py).
     from .runner_choice import check_runner_choice
 
     check_runner_choice(vllm_config)
     scheduler = vllm_config.scheduler_config
     if getattr(scheduler, "async_scheduling", False) is not False:
-        logger.info("rcstat: asynchronous scheduling turned off (compaction is a two-step worker/scheduler exchange)")
-        scheduler.async_scheduling = False
+        if config.async_scheduling == "off":
+            logger.info(
+                "rcstat: asynchronous scheduling turned off (async_scheduling: off, the default until a GPU window "
+                "has measured 'keep')"
+            )
+            scheduler.async_scheduling = False
+        else:
+            # A compaction's plan then reaches the scheduler a step late, while the next step is in flight over the
+            # request's old blocks: its copy carries that step's tokens over (EngineCompaction.apply_reports).
+            logger.info("rcstat: asynchronous scheduling kept (async_scheduling: keep)")
     parallel = vllm_config.parallel_config
     if not parallel.worker_extension_cls:
         # Lets LLM.collective_rpc read per-request results (rcstat_vllm.api).

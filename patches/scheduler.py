@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from rcstat_vllm.capabilities import choose_compressed_group
+from rcstat_vllm.capabilities import choose_compressed_group, decode_compression_off_reason
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.engine import pressure_policy
 from rcstat_vllm.engine.block_exchange import EngineCompaction
@@ -254,7 +254,12 @@ def _init(original):
         original(self, *args, **kwargs)
         config = server_config(self.vllm_config.additional_config)
         if config is not None:  # (without the flag, no state: every hook passes through)
-            start_engine_owner(self.kv_cache_manager.block_pool, config, compressed_group(self.kv_cache_manager))
+            start_engine_owner(
+                self.kv_cache_manager.block_pool,
+                config,
+                compressed_group(self.kv_cache_manager),
+                decode_compression_off_reason(self.vllm_config),
+            )
 
     return wrapper
 
@@ -271,7 +276,10 @@ def _update_from_output(original):
             state.observe_step(model_runner_output.rcstat_step)
         if model_runner_output.rcstat_reports:
             state.apply_reports(
-                pool, model_runner_output.rcstat_reports, lambda req_id: running_request_blocks(self, req_id)
+                pool,
+                model_runner_output.rcstat_reports,
+                lambda req_id: running_request_blocks(self, req_id),
+                lambda req_id: self.requests[req_id].num_computed_tokens,
             )
         return result
 

@@ -45,6 +45,8 @@ OBSERVING_METHODS = observing_methods()
 #: Where a budget (``target_ratio``) applies: to each layer alone, or to the whole model at once.
 EVICTION_MODES = ("eager", "lazy")
 BUDGET_SCOPES = ("layer", "model")
+#: ``off``: the plugin turns vLLM's asynchronous scheduling off; ``keep``: leaves it as vLLM sets it
+ASYNC_SCHEDULING = ("off", "keep")
 
 #: The general settings, in the README's order; each method's own follow (its registry line). Defaults chosen by
 #: measurement (docs/defaults.md): a model-wide budget of 40% of the prompt KV, scored by RC at its defaults, with
@@ -121,6 +123,15 @@ GENERAL_KNOBS = (
         nullable=True,
     ),
     Knob("decode_interval", 128, "generated tokens between two decode-time compactions", minimum="window"),
+    Knob(
+        "async_scheduling",
+        "off",
+        "`off`: the plugin turns vLLM's asynchronous scheduling off; `keep`: as vLLM sets it (its GPU default), "
+        "compactions follow its one-step-late outputs and `decode_budget` is ignored; server only",
+        kind="choice",
+        choices=ASYNC_SCHEDULING,
+        server_only=True,
+    ),
 )
 
 #: Every setting by name: the general ones, then each method's own (the config's fields, in this order).
@@ -201,6 +212,7 @@ class RCStatConfig:
     eviction: str = KNOBS["eviction"].default
     decode_budget: int | None = KNOBS["decode_budget"].default
     decode_interval: int = KNOBS["decode_interval"].default
+    async_scheduling: str = KNOBS["async_scheduling"].default
 
     def __post_init__(self) -> None:
         for knob in KNOBS.values():  # (declared order: a field named as another's minimum is checked first)
@@ -230,10 +242,14 @@ class RCStatConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | str | None) -> RCStatConfig:
         """Build and validate a config from a dict (or its JSON text); unknown keys are errors."""
-        return cls().merged(values)
+        return cls()._merged(values, server=True)
 
     def merged(self, overrides: Mapping[str, Any] | str | None) -> RCStatConfig:
-        """A copy of this config with ``overrides`` applied and validated (per-request settings)."""
+        """A copy of this config with ``overrides`` applied and validated (per-request settings: a server-only
+        setting is an error)."""
+        return self._merged(overrides, server=False)
+
+    def _merged(self, overrides: Mapping[str, Any] | str | None, server: bool) -> RCStatConfig:
         if overrides is None:
             return self
         if isinstance(overrides, str):
@@ -247,6 +263,8 @@ class RCStatConfig:
         for key in overrides:
             if key not in known:
                 raise ConfigError(key, overrides[key], "a known field: " + ", ".join(sorted(known)))
+            if not server and key in KNOBS and KNOBS[key].server_only:
+                raise ConfigError(key, overrides[key], "a server setting (--additional-config), not a request's")
         overrides = dict(overrides)
         if "c" in overrides and "target_ratio" not in overrides:
             # Setting c asks for threshold mode (Eq. 9): it would be ignored under a budget.

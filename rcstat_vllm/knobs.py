@@ -43,6 +43,7 @@ class Knob:
         odd: an odd integer (same-length pooling widths).
         nullable: null allowed (off, or "the method's own").
         option: the scorer's constructor argument it sets, when a scorer reads it (None: the scorer does not).
+        server_only: set for the whole engine (``--additional-config``); a per-request override is an error.
     """
 
     name: str
@@ -56,6 +57,7 @@ class Knob:
     choices: tuple[str, ...] = ()
     nullable: bool = False
     option: str | None = None
+    server_only: bool = False
 
     def allowed(self, values: Any = None) -> str:
         """The allowed values in words; ``values`` (a config) names a field minimum's current value."""

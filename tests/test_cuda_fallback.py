@@ -207,3 +207,20 @@ def test_the_worker_of_a_fallen_back_engine_reports_every_request_uncompressed(c
         assert result["skipped_reason"] == owner.disabled_reason
         assert result["compression_ratio"] == 0.0 and result["blocks_freed"] == 0
     assert results["long"]["keep_blocks"] == 300 // 16 + 1  # every prompt block kept
+
+
+@pytest.mark.parametrize(("setting", "kept"), [("off", False), ("keep", True)])
+def test_asynchronous_scheduling_is_turned_off_unless_the_flag_keeps_it(monkeypatch, setting, kept):
+    """vLLM turns asynchronous scheduling on by default on GPUs; the plugin turns it off (``async_scheduling: off``,
+    the default until a GPU window has measured ``keep``) or leaves it as vLLM set it."""
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.patches import runner_choice
+
+    monkeypatch.setattr(runner_choice, "check_runner_choice", lambda vllm_config: None)
+    monkeypatch.setattr(platform, "_AT_CONFIGURE", [])
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=True),
+        parallel_config=SimpleNamespace(worker_extension_cls=""),
+    )
+    platform._configure_engine(vllm_config, RCStatConfig(async_scheduling=setting))
+    assert vllm_config.scheduler_config.async_scheduling is kept

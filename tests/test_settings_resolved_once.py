@@ -23,16 +23,17 @@ BLOCK = 16
 
 @pytest.fixture
 def parses(monkeypatch):
-    """Counts the request overrides parsed (``RCStatConfig.merged`` with something to merge)."""
+    """Counts the settings parsed (``RCStatConfig._merged`` with something to merge: a server flag, a request's
+    overrides)."""
     seen = []
-    original = RCStatConfig.merged
+    original = RCStatConfig._merged
 
-    def counting(self, overrides):
+    def counting(self, overrides, server):
         if overrides is not None:
             seen.append(overrides)
-        return original(self, overrides)
+        return original(self, overrides, server)
 
-    monkeypatch.setattr(RCStatConfig, "merged", counting)
+    monkeypatch.setattr(RCStatConfig, "_merged", counting)
     return seen
 
 

@@ -222,3 +222,38 @@ def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_with
     )
     assert stats.worker_requests == 1
     assert prometheus_client.REGISTRY.get_sample_value("rcstat:worker_requests") == 1.0
+
+
+def test_reports_ride_in_an_asynchronous_step_output(monkeypatch):
+    """Under asynchronous scheduling the runner returns an ``AsyncModelRunnerOutput`` the engine resolves after the
+    next step was scheduled: the step's reports travel inside it and come out of ``get_output`` with its tokens."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from rcstat_vllm import owners
+    from rcstat_vllm.patches.model_runner import RCStatModelRunnerOutput, attach_reports
+    from rcstat_vllm.reports import CompressionReport, CopyRun
+
+    worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
+
+    class Runner:
+        vllm_config = worker.vllm_config
+
+    runner = Runner()
+    monkeypatch.setitem(owners._RUNNER_OWNERS, runner, worker)
+    tokens = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
+
+    class Pending(AsyncModelRunnerOutput):  # vLLM's, resolved later (its device-to-host copy)
+        def get_output(self):
+            return tokens
+
+    assert attach_reports(runner, None) is None  # execute_model's None: sample_tokens returns the step's output
+    pending = Pending()
+    assert attach_reports(runner, pending) is pending  # nothing to carry
+    report = CompressionReport("a", 100, "rc", 2, block_size=16)
+    worker.results_log.send(report)
+    worker._copies.append(CopyRun("b", "prompt", 0.5))
+    wrapped = attach_reports(runner, Pending())
+    assert isinstance(wrapped, AsyncModelRunnerOutput)
+    output = wrapped.get_output()
+    assert isinstance(output, RCStatModelRunnerOutput) and output.req_ids == ["a"]
+    assert output.rcstat_reports == [report] and output.rcstat_step.copies == (CopyRun("b", "prompt", 0.5),)

@@ -14,8 +14,9 @@ lives here, each piece with its owner:
 A step, as the hooks drive it:
 
 1. ``patches/model_runner.py`` hands the step's batch to :meth:`WorkerCompression.begin_step`: the compactions the
-   scheduler answered are copied before the forward (nothing writes a freed block in between: vLLM-CPU schedules
-   synchronously and the plugin turns asynchronous scheduling off), dropped requests are forgotten;
+   scheduler answered are copied before the forward (nothing writes a freed block in between: a later step's
+   forward does; under asynchronous scheduling the copy also carries the token of the step that ran between the
+   plan and the copy, ``EngineCompaction.apply_reports``), dropped requests are forgotten;
 2. each backend's metadata builder asks :meth:`~WorkerCompression.plan_step` what every row does
    (:mod:`rcstat_vllm.worker.step_plan`; the builder plans head-as-sequence attention for the compressed rows itself,
    :mod:`rcstat_vllm.attention.head_plan`);
@@ -35,7 +36,9 @@ from contextvars import ContextVar
 
 import torch
 
+from rcstat_vllm.capabilities import decode_compression_off_reason
 from rcstat_vllm.config import server_config
+from rcstat_vllm.log import logger
 from rcstat_vllm.reports import Compaction, CopyRun, StepCompactions
 from rcstat_vllm.settings import RequestSettingsTable
 from rcstat_vllm.worker.layers import CompressedLayers
@@ -63,7 +66,9 @@ class WorkerCompression(CompressedLayers):
         self.requests = WorkerRequests()
         self.results_log = ResultsLog()
         #: each request's settings, resolved the first time a step shows it, dropped when it leaves
-        self.request_settings = RequestSettingsTable(self.config)
+        self.request_settings = RequestSettingsTable(self.config, decode_compression_off_reason(vllm_config))
+        if self.request_settings.decode_off is not None and self.config.decode_compression:
+            logger.warning("rcstat: decode_budget is ignored: %s", self.request_settings.decode_off)
         #: decides each step what every row does (reads the layers, the table, the settings; logs skipped requests)
         self.planner = StepPlanner(
             self, self.requests, self.request_settings, self.results_log, self.block_agreement_group

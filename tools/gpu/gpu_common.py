@@ -69,6 +69,9 @@ SETTINGS = {
     "rc0.8": ({}, {"method": "rc", "target_ratio": 0.8}),
     "tova0.8": ({}, {"method": "tova", "target_ratio": 0.8}),
     "snapkv0.8": ({}, {"method": "snapkv", "target_ratio": 0.8}),
+    # vLLM's asynchronous scheduling kept (issue 53: measured against "bare", which turns it off)
+    "bare-async": ({}, {"async_scheduling": "keep"}),
+    "rc0.8-async": ({}, {"method": "rc", "target_ratio": 0.8, "async_scheduling": "keep"}),
 }
 
 #: Offline, quiet, reproducible: set in every engine subprocess.
