@@ -69,23 +69,22 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.rcstat = worker_compression(vllm_config)
         dtype = kv_cache_spec.dtype
-        # The ISA vLLM chose stays (AMX included: head pages address its prepacked tiles), except an AMX tiling head
-        # pages do not know: then the vec kernels, which read plain rows on any x86 CPU. With method "none"
-        # server-wide, vLLM's own choice stays whatever it is (bit-identical to vanilla).
+        # The ISA vLLM chose stays, AMX included (each head page is one of its prepacked tiles), except an AMX tiling
+        # head pages do not know: then the vec kernels, which store plain rows on any x86 CPU.
         layout = cpu_cache_layout(self.isa, dtype, self.block_size, self.head_dim)
-        to_vec = layout is None and self.isa == "amx" and self.rcstat.config.enabled
         #: whether this builder's layers are the ones compressed (False: a hybrid model's sliding-window group, whose
         #: layers run vLLM's CPU path untouched, AMX included)
         self.compresses = self.rcstat.attach_layers(
             layer_names,
             num_kv_heads=self.num_kv_heads,
             block_size=self.block_size,
-            layout=CPU_VEC if to_vec or layout is None else layout,  # (None: compression goes off below)
+            layout=layout or CPU_VEC,  # (None: the vec kernels below, or compression off)
             sinks=True,
         )
-        if not self.compresses:
-            return
-        if to_vec:
+        if not self.compresses or self.rcstat.disabled_reason is not None:
+            return  # nothing compressed: vLLM's own ISA whatever it is (bit-identical to vanilla)
+        if layout is None and self.isa == "amx" and self.rcstat.config.enabled:
+            # (not with method "none" server-wide: vLLM's choice stays, compression goes off below)
             reason = amx_unsupported_reason(dtype, self.block_size, self.head_dim)
             self.isa = "vec"
             set_cpu_layers_isa(self, layer_names)
