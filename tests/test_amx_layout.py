@@ -272,7 +272,8 @@ def test_prompts_compacted_in_the_amx_layout_decode_like_a_dense_reference(amx_p
     scale = head_dim**-0.5
     g = torch.Generator().manual_seed(block_size + sinks)
     sink_logits = (torch.randn(HEADS * GROUP, generator=g) * 2).float() if sinks else None
-    kv = torch.zeros(num_blocks, HEADS, block_size, 2 * head_dim, dtype=torch.bfloat16)
+    # Every slot starts as poison: a slot read inside a head's length that nothing wrote shows in the output.
+    kv = torch.full((num_blocks, HEADS, block_size, 2 * head_dim), -30.0, dtype=torch.bfloat16)
     blocks = (torch.randperm(num_blocks - 1, generator=g) + 1).to(torch.int32)
     lengths = [150, 300, 77]  # request 2 stays uncompressed
     new_tokens = [6] + [1] * (block_size + 5)  # crosses a page boundary for every head
