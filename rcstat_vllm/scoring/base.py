@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.kernels.paged import gather_paged_tokens
+from rcstat_vllm.kernels.paged import gather_paged_tokens, paged_block_size
 
 from .registry import REGISTRY
 
@@ -119,7 +119,8 @@ class PagedPrompt:
 
     Attributes:
         keys, values: [num_blocks, Hkv, block_size, d] cache views (strided views are fine: e.g. the key and
-            value halves of vLLM's fused ``[num_blocks, Hkv, block_size, 2d]`` rows).
+            value halves of vLLM's fused ``[num_blocks, Hkv, block_size, 2d]`` rows), or tiled views that only
+            the torch gather reads (vLLM-CPU's AMX tiles, see :mod:`rcstat_vllm.kernels.paged`).
         block_table:  [pages] the request's block ids in token order (may be longer than the prompt needs).
         num_tokens:   n, the prompt tokens to score.
     """
@@ -148,7 +149,7 @@ class PagedPrompt:
 
     @property
     def block_size(self) -> int:
-        return self.keys.shape[2]
+        return paged_block_size(self.keys)
 
     def tail(self, first_block: int) -> PagedPrompt:
         """The prompt from block ``first_block`` on: the same cache, read from that block's first token."""

