@@ -1217,6 +1217,17 @@ FIGURES = (
         "the rest is the `vec` kernels), method `none` {:.2f}x",
     ),
     (
+        "throughput_prefill_amx_kept_cpu.json",
+        lambda d: tuple(d["prefill"][n]["median_vs_vanilla"] for n in ("default", "eager", "none")),
+        "with AMX kept, prefill runs at {:.2f}x vanilla under the bare flag (lazy), {:.2f}x with eager eviction, "
+        "{:.2f}x with method `none`",
+    ),
+    (
+        "throughput_amx_kept_cpu.json",
+        lambda d: (d["runs"]["default"]["vs_vanilla"]["output_tok_per_s"],),
+        "the KV-bound workload at {:.2f}x vanilla for the bare flag",
+    ),
+    (
         "throughput_prefill_cpu.json",
         lambda d: (d["prefill"]["default"]["median_vs_vanilla"],),
         "Eq. 6's mean) was {:.2f}x (`throughput_prefill_cpu.json`)",
