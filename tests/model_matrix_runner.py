@@ -75,10 +75,10 @@ def watch_block_swaps(core) -> list[dict]:
     def lists(req_id):
         return [[b.block_id for b in m.req_to_blocks.get(req_id, [])] for m in managers]
 
-    def apply_reports(self, pool, reports, running_blocks):
+    def apply_reports(self, pool, reports, running_blocks, running_tokens=None):
         reports = list(reports)
         before = {r.req_id: lists(r.req_id) for r in reports}
-        result = original(self, pool, reports, running_blocks)
+        result = original(self, pool, reports, running_blocks, running_tokens)
         for r in reports:
             swaps.append(
                 dict(

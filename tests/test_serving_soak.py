@@ -43,9 +43,13 @@ SOAK_S = 80
 
 @pytest.mark.vllm
 @pytest.mark.long
-def test_http_soak_bare_flag_with_decode_budget_leaks_nothing_and_errs_nowhere(tmp_path):
+def test_http_soak_bare_flag_with_decode_budget_leaks_nothing_and_errs_nowhere(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     pytest.importorskip("httpx")
+    # The RSS check is on the plugin's state. vLLM-CPU's oneDNN primitive cache grows (bounded) with every new operation
+    # shape, which an 80 s soak mostly sees (docs/benchmarks.md: worker 3.56% per 10 minutes with it, 0.08% without,
+    # serving_soak_cpu.json / serving_soak_onednn0_cpu.json; CI once read 9.0% against the 8% tolerance): off here.
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
     checks = serving.soak(SOAK_S, tmp_path, concurrency=6, rss_tolerance=0.08)
     summary = {k: v for k, v in checks.items() if k != "plugin_log_tail"}
     print(f"\n[http soak] {summary}")
