@@ -94,6 +94,13 @@ class RCStatCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             return
         if not layout_matches(self.isa, dtype, self.block_size, self.head_dim):
             self.rcstat.disable(f"KV cache layout of ISA {self.isa!r} is not the one head pages expect")
+        else:
+            logger.info(
+                "rcstat: compressed layers run vLLM-CPU's %r attention kernels (%d layers; head pages checked against "
+                "its cache write at start-up)",
+                self.isa,
+                len(layer_names),
+            )
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
