@@ -12,6 +12,7 @@ Runs, each its own subprocess and engine, one after another:
   default            the bare flag ({"rcstat": {}}: the plugin's defaults; lazy eviction: compacted when the pool
                      is short)
   eager              the bare flag's settings with eager eviction (every request compacted after its prefill)
+  rc_r0.8            the bare flag at a 0.8 budget ({"target_ratio": 0.8}; lazy eviction, as served)
   rc_c0.5/1/1.5      RC threshold mode
   rc_budget_r0.5     RC budget mode at 0.5, the plugin's defaults otherwise
   snapkv/tova@rc_c1  SnapKV and TOVA in budget mode, each request at the ratio RC (c=1) achieved on it
@@ -530,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         ("none", {}, dict(rcstat={"method": "none"})),
         ("default", {}, dict(rcstat={})),  # the bare flag, whatever RCStatConfig() says
         ("eager", {}, dict(rcstat={"eviction": "eager"})),  # the bare flag's settings, every request compacted
+        ("rc_r0.8", {}, dict(rcstat={"target_ratio": 0.8})),  # the bare flag at 0.8 (lazy, as served)
     ]
     # The methods compared as they compact every request (eager), as SnapKV and TOVA do wherever they run; their
     # matched ratios come from every request's compaction.
