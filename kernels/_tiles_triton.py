@@ -67,3 +67,45 @@ def load_paged_key_tile(
     )
     keys = tl.load(ptrs, mask=valid[:, None] & (dims[None, :] < D), other=0.0)
     return keys, tokens, valid
+
+
+@triton.jit
+def load_head_page_key_tile(
+    kc_ptr,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    pages_ptr,
+    first,
+    tile_start,
+    num_valid,
+    num_kv_heads,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Keys of one KV head's entries first+tile_start .. first+tile_start+BLOCK_N-1 (tile entries < num_valid)
+    through that head's own page list (decode-time compression's head pages): entry i sits in page
+    ``pages[i // PAGE]`` at slot ``i % PAGE``, and page p is head ``p % num_kv_heads``'s slice of block
+    ``p // num_kv_heads``.
+
+    Returns ([BLOCK_N, D_PAD] keys, zero where invalid; [BLOCK_N] entries from tile_start; [BLOCK_N] valid mask).
+    """
+    entries = tile_start + tl.arange(0, BLOCK_N)
+    valid = entries < num_valid
+    index = first + entries
+    page = tl.load(pages_ptr + index // PAGE, mask=valid, other=0).to(tl.int64)
+    block = page // num_kv_heads
+    head = page % num_kv_heads
+    dims = tl.arange(0, D_PAD)
+    ptrs = (
+        kc_ptr
+        + block[:, None] * stride_kb
+        + head[:, None] * stride_kh
+        + (index % PAGE)[:, None] * stride_ks
+        + dims[None, :] * stride_kd
+    )
+    keys = tl.load(ptrs, mask=valid[:, None] & (dims[None, :] < D), other=0.0)
+    return keys, entries, valid
