@@ -279,6 +279,21 @@ class Scorer(ABC):
     def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
         raise NotImplementedError(f"{self.name} has no Triton paged kernel")
 
+    def head_pages_kernel_applies(self, key_cache: Tensor, num_queries: int, counts: Tensor) -> bool:
+        """Whether a Triton kernel computes :meth:`score_ragged` for heads held in head pages (decode-time
+        compression: :meth:`score_head_pages`), for this cache, ``num_queries`` window queries and each head's
+        ``counts`` entries (host ints). None by default: the worker gathers the entries and calls
+        :meth:`score_ragged`."""
+        return False
+
+    def score_head_pages(
+        self, q_window: Tensor, key_cache: Tensor, pages: Tensor, starts: Tensor, counts: Tensor, scale: float
+    ) -> list[Tensor]:
+        """:meth:`score_ragged` of each KV head's entries ``starts[h] .. starts[h] + counts[h] - 1`` read in place
+        from its head pages ``pages[h]`` of ``key_cache`` ``[num_blocks, Hkv, block_size, d]`` (see
+        :mod:`rcstat_vllm.kernels.decode_scoring`), by a Triton kernel (where :meth:`head_pages_kernel_applies`)."""
+        raise NotImplementedError(f"{self.name} has no Triton head-page kernel")
+
     @staticmethod
     def _key_placeholder(prompt: PagedPrompt) -> Tensor:
         """[Hkv, n, 0]: the shape and device position-only scorers use, without reading the cache."""

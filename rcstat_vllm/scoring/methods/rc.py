@@ -7,10 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rcstat_vllm.kernels import decode_scoring as decode_kernel
 from rcstat_vllm.kernels import rc_scoring as rc_kernel
+from rcstat_vllm.kernels.decode_scoring import check_head_inputs, gather_head_entries
 from rcstat_vllm.kernels.paged import check_paged_inputs, gather_paged_tokens
 
 from ..base import (
+    PAGED_KERNEL_DTYPES,
     PagedPrompt,
     Scorer,
     carry_forward,
@@ -21,7 +24,13 @@ from ..base import (
 from ..rc import check_query_reduction, expected_rc_grouped, window_self_logits
 from ..rc_knobs import RC_DEFAULTS, RC_PAPER
 
-__all__ = ["RCScorer", "rc_scores_paged", "rc_scores_paged_reference"]
+__all__ = [
+    "RCScorer",
+    "rc_head_scores_paged",
+    "rc_head_scores_paged_reference",
+    "rc_scores_paged",
+    "rc_scores_paged_reference",
+]
 
 
 @dataclass(eq=False)
@@ -90,11 +99,35 @@ class RCScorer(Scorer):
         holds at least the window): one call for all heads, then each head's own smoothing and carrying over its
         entries alone: :meth:`score` of each head alone, to float rounding (a batched matmul)."""
         queries = self._trailing_window(q_window, keys)
-        w, n = queries.shape[2], keys.shape[1]
+        w = queries.shape[2]
         if min(lengths) < w:
             return super().score_ragged(q_window, keys, values, lengths, scale)
         per_token = expected_rc_grouped(queries, keys, self.query_reduction).mean(dim=1)  # [Hkv, n - w]
-        return [self._finish(per_token[head : head + 1, n - length :], w)[0] for head, length in enumerate(lengths)]
+        return self._finish_ragged(per_token, lengths, w)
+
+    def _finish_ragged(self, per_token: Tensor, lengths: list[int], window: int) -> list[Tensor]:
+        """Right-aligned ``[Hkv, n - w]`` per-entry RC (head ``h``'s last ``lengths[h] - w`` columns its own) -> each
+        head's ``[lengths[h]]`` scores, finished over its own entries alone (contrast, smoothing, carrying, window)."""
+        n = per_token.shape[1] + window
+        return [
+            self._finish(per_token[head : head + 1, n - length :], window)[0] for head, length in enumerate(lengths)
+        ]
+
+    def head_pages_kernel_applies(self, key_cache: Tensor, num_queries: int, counts: Tensor) -> bool:
+        """The decode-time kernel computes :meth:`score_ragged` when the cache's dtype is one it takes and every
+        head holds the window (``counts`` host ints; else :meth:`score_ragged` scores each head alone)."""
+        return key_cache.dtype in PAGED_KERNEL_DTYPES and int(counts.min()) >= min(num_queries, self.window_size)
+
+    def score_head_pages(
+        self, q_window: Tensor, key_cache: Tensor, pages: Tensor, starts: Tensor, counts: Tensor, scale: float
+    ) -> list[Tensor]:
+        """:meth:`score_ragged` of each KV head's entries read in place from its head pages by the Triton kernel
+        (:func:`rc_head_scores_paged`; arguments as :func:`rcstat_vllm.kernels.decode_scoring.rc_head_table_scores`,
+        ``scale`` unused: RC is scale-free); then each head finished alone, as :meth:`score_ragged` does."""
+        w = self._window_length(q_window.shape[1], int(counts.min()))
+        queries = q_window[:, q_window.shape[1] - w :]
+        per_token = rc_head_scores_paged(queries, key_cache, pages, starts, counts, self.query_reduction)
+        return self._finish_ragged(per_token, counts.tolist(), w)
 
     def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
         return prompt.kernel_dtype
@@ -159,6 +192,64 @@ def rc_scores_paged(
         key_cache,
         block_table,
         num_tokens,
+        table.sorted,
+        table.prefix,
+        table.center,
+        max_over_queries=query_reduction == "max",
+        block_n=block_n,
+    )
+
+
+def rc_head_scores_paged_reference(
+    q_window: Tensor,
+    key_cache: Tensor,
+    pages: Tensor,
+    starts: Tensor,
+    counts: Tensor,
+    query_reduction: str = "mean",
+) -> Tensor:
+    """Torch reference of :func:`rc_head_scores_paged`: each head's entries gathered through its page list,
+    right-aligned (:func:`~rcstat_vllm.kernels.decode_scoring.gather_head_entries`), then
+    :func:`~rcstat_vllm.scoring.rc.expected_rc_grouped` and the GQA mean, as :meth:`RCScorer.score_ragged` computes
+    them. Arguments as :func:`rcstat_vllm.kernels.decode_scoring.rc_head_table_scores`; float32 ``[Hkv, width - w]``
+    (float64 for float64 inputs), 0 before each head's first entry."""
+    group = check_head_inputs(q_window, key_cache, pages, starts, counts)
+    w, width = q_window.shape[1], int(counts.max())
+    keys = gather_head_entries(key_cache, pages, starts, counts, width)
+    queries = q_window.reshape(keys.shape[0], group, w, -1)
+    per_token = expected_rc_grouped(queries, keys, query_reduction).mean(dim=1)
+    scored = torch.arange(width - w, device=keys.device) >= (width - counts).to(keys.device).unsqueeze(1)
+    return torch.where(scored, per_token, torch.zeros((), dtype=per_token.dtype, device=keys.device))
+
+
+def rc_head_scores_paged(
+    q_window: Tensor,
+    key_cache: Tensor,
+    pages: Tensor,
+    starts: Tensor,
+    counts: Tensor,
+    query_reduction: str = "mean",
+    block_n: int = 64,
+) -> Tensor:
+    """Decode-time RC of each KV head's non-window entries read in place from its head pages (same arguments as the
+    reference): float32 ``[Hkv, width - w]``, right-aligned. Each head's w window keys are gathered and its query
+    heads' w(w+1)/2 self logits sorted in torch (:func:`~rcstat_vllm.scoring.rc.window_self_logits`, small); the
+    kernel (:func:`rcstat_vllm.kernels.decode_scoring.rc_head_table_scores`) scores every entry against that table.
+    The queries are cast to the cache's dtype first, the table made from the cast ones. No host synchronisation:
+    ``starts`` and ``counts`` are host tensors."""
+    group = check_head_inputs(q_window, key_cache, pages, starts, counts)
+    check_query_reduction(query_reduction)
+    num_kv_heads, w, head_dim = key_cache.shape[1], q_window.shape[1], key_cache.shape[3]
+    queries = q_window.to(key_cache.dtype)
+    window_keys = gather_head_entries(key_cache, pages, starts + counts - w, torch.full_like(counts, w), w)
+    table = window_self_logits(queries.float().reshape(num_kv_heads, group, w, head_dim), window_keys.float())
+    # Through the module, so a test's or a GPU check's spy on the launcher sees each launch.
+    return decode_kernel.rc_head_table_scores(
+        queries,
+        key_cache,
+        pages,
+        starts,
+        counts,
         table.sorted,
         table.prefix,
         table.center,
