@@ -1,18 +1,35 @@
 """Decode-time compression's worker-side mechanics (rcstat_vllm.worker.decode_compression) on a pooled cache, no engine:
 when a request is due, what its heads keep of their generated entries, and a second round over heads that hold
-different numbers of entries."""
+different numbers of entries; RC's Triton path (under the Triton interpreter, the CUDA check faked) against the torch
+path; and no host synchronisation while a due step scores and selects (device tensors on the meta device)."""
+
+import copy
+import dataclasses
+import importlib
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (before the kernels are decorated: see tests/test_kernels.py)
 
 import pytest
 import torch
 
+import rcstat_vllm.kernels.decode_scoring as decode_scoring
+import rcstat_vllm.worker.decode_compression as decode_compression
+import rcstat_vllm.worker.prompt_compression as prompt_compression
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.paging.compaction import blocks_needed, compact_request, recompact_request
 from rcstat_vllm.paging.head_pages import CompactedRequest
-from rcstat_vllm.paging.kv_layout import CPU_VEC
+from rcstat_vllm.paging.kv_layout import CPU_VEC, FLASH
 from rcstat_vllm.paging.page_space import cdiv, identity_pages, pooled_space_or_reason
+from rcstat_vllm.scoring import relative_to_head_mean, select_budget
 from rcstat_vllm.scoring.rc_knobs import RC_PAPER
 from rcstat_vllm.settings import scorer_options
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
+
+for _name in ("_tiles_triton", "_rc_triton"):  # compiled-mode copies are reloaded, see tests/test_kernels.py
+    if f"rcstat_vllm.kernels.{_name}" in sys.modules:
+        importlib.reload(sys.modules[f"rcstat_vllm.kernels.{_name}"])
 
 LAYERS, BLOCKS, HEADS, QUERY_HEADS, BLOCK, DIM = 3, 96, 2, 4, 16, 8
 
@@ -317,3 +334,168 @@ def test_an_uncompressed_request_is_compacted_from_its_own_blocks():
             got = CPU_VEC.read(space.all_layers, after.tables[layer, head, slots // BLOCK], slots % BLOCK)
             want = CPU_VEC.read(space.all_layers, space.identity(layer, row)[head, chosen // BLOCK], chosen % BLOCK)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _select_reference(decode, scores, lengths):
+    """What DecodeCompressor.select computed one head at a time (before it became tensor ops): per layer, each head's
+    scores made comparable alone and right-aligned, the layer's budget, then each head's mask over its entries."""
+    masks = []
+    for layer, per_head in enumerate(scores):
+        counts = (lengths[layer] - decode.prompt_entries[layer]).tolist()
+        width = max(counts)
+        padded = torch.full((HEADS, width), torch.finfo(torch.float64).min, dtype=torch.float64)
+        for head, count in enumerate(counts):
+            own = per_head[head, width - count :]
+            if decode.config.method == "rc":
+                own = relative_to_head_mean(own.unsqueeze(0), decode.window)[0]
+            padded[head, width - count :] = own.to(torch.float64)
+        keep = select_budget(padded, decode.window, max(0.0, 1.0 - decode.budget / width)).mask
+        mask = torch.zeros(HEADS, int(lengths[layer].max()), dtype=torch.bool)
+        for head, count in enumerate(counts):
+            start, end = int(decode.prompt_entries[layer, head]), int(lengths[layer, head])
+            mask[head, :start] = True
+            mask[head, start:end] = keep[head, width - count :]
+        masks.append(mask)
+    return masks
+
+
+def _uneven(state, generator, most=12):
+    """Prompt entries that leave each (layer, head) a different number of generated ones: up to ``most`` of its kept
+    prompt entries are read as generated (the heads' entries are what they are; only the split differs)."""
+    return state.kept - torch.randint(0, most + 1, state.kept.shape, generator=generator)
+
+
+@pytest.mark.parametrize("method", ["rc", "snapkv", "knorm"])
+def test_selection_over_heads_with_uneven_generated_entries_is_the_per_head_rule(method):
+    """The selection's tensor ops choose what the per-head rule chose (each head's scores made comparable alone,
+    right-aligned, one budget per layer), over heads holding different numbers of generated entries."""
+    g = torch.Generator().manual_seed(11)
+    caches, _space, state, row, blocks = _request(g)
+    t = state.num_compacted_tokens + 40
+    _grow(state, row, blocks, t)
+    decode = DecodeCompressor(
+        RCStatConfig(method=method, window=8, decode_budget=24, decode_interval=16),
+        _uneven(state, g),
+        state.num_compacted_tokens,
+    )
+    for layer in range(LAYERS):
+        decode.save_queries(layer, torch.randn(decode.num_queries, QUERY_HEADS, DIM, generator=g))
+        decode.score_layer(layer, state, caches[layer], CPU_VEC, DIM**-0.5, t)
+    counts = state.lengths(t) - decode.prompt_entries
+    assert len({tuple(c.tolist()) for c in counts}) > 1 and all(len(set(c.tolist())) > 1 for c in counts)
+    scores = [s.clone() for s in decode.scores]
+    want = _select_reference(decode, scores, state.lengths(t))
+    plan = decode.select(state, t)
+    for got_mask, want_mask in zip(plan.masks, want):
+        assert torch.equal(got_mask, want_mask)
+    assert torch.equal(plan.kept, torch.stack([m.sum(dim=1) for m in want]))
+    assert plan.evicted == int(counts.sum()) - int((plan.kept - decode.prompt_entries).sum())
+
+
+def _interpreted_triton():
+    """Skip unless the Triton kernels run here, under the interpreter."""
+    pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot run")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("fakes the CUDA check on CPU tensors: needs the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        RCStatConfig(window=8, decode_budget=24, decode_interval=16),  # the shipped RC knobs
+        RCStatConfig(
+            window=8,
+            decode_budget=24,
+            decode_interval=16,
+            smoothing=1,
+            carry_forward=0,
+            local_contrast=0.0,
+            query_reduction="mean",
+        ),  # the paper's Eq. 6
+    ],
+    ids=["rc-shipped", "rc-eq6"],
+)
+def test_triton_decode_path_scores_and_selects_as_the_torch_path(monkeypatch, config):
+    """On CUDA (faked: CPU tensors under the Triton interpreter, vLLM's CUDA cache layout) RC scores each head's
+    generated entries in place with the head-page kernel, one launch per layer; the scores equal the torch path's
+    (gathered entries, score_ragged) to float32 rounding, over heads with uneven generated entries, and the plans
+    are the same."""
+    _interpreted_triton()
+    launches = []
+    kernel = decode_scoring.rc_head_table_scores
+    monkeypatch.setattr(decode_scoring, "rc_head_table_scores", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    g = torch.Generator().manual_seed(12)
+    caches, _space, state, row, blocks = _request(g)
+    t = state.num_compacted_tokens + 40
+    _grow(state, row, blocks, t)
+    prompt = _uneven(state, g)
+    queries = [torch.randn(8, QUERY_HEADS, DIM, generator=g) for _ in range(LAYERS)]
+    scores, plans = {}, {}
+    for path in ("torch", "triton"):
+        if path == "triton":
+            monkeypatch.setattr(prompt_compression, "triton_device", lambda tensor: True)
+        decode = DecodeCompressor(config, prompt, state.num_compacted_tokens)
+        for layer in range(LAYERS):
+            decode.save_queries(layer, queries[layer])
+            decode.score_layer(layer, state, caches[layer], FLASH, DIM**-0.5, t)
+        scores[path] = [s.clone() for s in decode.scores]
+        plans[path] = decode.select(state, t)
+    assert len(launches) == LAYERS
+    for got, want in zip(scores["triton"], scores["torch"]):
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got_mask, want_mask in zip(plans["triton"].masks, plans["torch"].masks):
+        assert torch.equal(got_mask, want_mask)
+    assert torch.equal(plans["triton"].kept, plans["torch"].kept)
+    assert plans["triton"].keep_blocks == plans["torch"].keep_blocks
+
+
+#: Every way a tensor's data reaches the host (each waits for the device that computes it).
+HOST_READS = ("item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def device_reads_raise(monkeypatch):
+    """Tensor.item / tolist / __bool__ / cpu (and numpy, int(), float(), use as an index) raise on a tensor that is not
+    on the CPU: a GPU's would synchronise the host with the device there."""
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def guarded(self, *args, _name=name, _original=original, **kwargs):
+            if self.device.type != "cpu":
+                raise AssertionError(f"host synchronisation: Tensor.{_name} of a {self.device.type} tensor")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+
+
+@pytest.mark.parametrize("method", ["rc", "snapkv", "tova", "knorm", "streaming"])
+def test_a_due_step_scores_and_selects_without_reading_the_device(monkeypatch, device_reads_raise, method):
+    """The KV cache and the queries on the meta device (no data: a GPU's, as far as the host is concerned), the
+    request's bookkeeping on the host as the worker keeps it: every layer scored (the torch path, what a GPU runs
+    for the methods without a kernel) and the selection made with host reads patched to raise on device tensors.
+    The step's one transfer, the kept counts at the end (``kept_on_host``), is made once; here it answers from the
+    host."""
+    g = torch.Generator().manual_seed(13)
+    caches, space, state, row, blocks = _request(g)
+    t = state.num_compacted_tokens + 40
+    _grow(state, row, blocks, t)
+    on_device = copy.copy(state)
+    on_device.space = dataclasses.replace(space, all_layers=space.all_layers.to("meta"))
+    config = RCStatConfig(method=method, window=8, decode_budget=24, decode_interval=16)
+    decode = DecodeCompressor(config, _uneven(state, g), state.num_compacted_tokens)
+    transfers = []
+
+    def kept_on_host(kept):
+        transfers.append(kept.device.type)
+        return decode.prompt_entries + 24  # (what a budget of 24 per head would keep)
+
+    monkeypatch.setattr(decode_compression, "kept_on_host", kept_on_host)
+    for layer in range(LAYERS):
+        decode.save_queries(layer, torch.randn(decode.num_queries, QUERY_HEADS, DIM, device="meta"))
+        decode.score_layer(layer, on_device, caches[layer].to("meta"), FLASH, DIM**-0.5, t)
+    plan = decode.select(on_device, t)
+    assert transfers == ["meta"]
+    lengths = state.lengths(t)
+    assert [m.shape for m in plan.masks] == [(HEADS, int(lengths[layer].max())) for layer in range(LAYERS)]
+    assert {m.device.type for m in plan.masks} == {"meta"}

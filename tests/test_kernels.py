@@ -32,11 +32,21 @@ for _name in _JIT_MODULES:
     if _module in sys.modules:
         importlib.reload(sys.modules[_module])
 
+from rcstat_vllm.kernels.decode_scoring import (  # noqa: E402
+    gather_head_entries,
+    rc_head_table_scores,
+    rc_head_table_scores_reference,
+)
 from rcstat_vllm.kernels.paged import gather_paged_tokens  # noqa: E402
 from rcstat_vllm.kernels.rc_scoring import rc_table_scores_paged, rc_table_scores_paged_reference  # noqa: E402
 from rcstat_vllm.kernels.snapkv_scoring import snapkv_attention_paged, snapkv_attention_paged_reference  # noqa: E402
 from rcstat_vllm.scoring import RCScorer, expected_rc  # noqa: E402
-from rcstat_vllm.scoring.methods.rc import rc_scores_paged, rc_scores_paged_reference  # noqa: E402
+from rcstat_vllm.scoring.methods.rc import (  # noqa: E402
+    rc_head_scores_paged,
+    rc_head_scores_paged_reference,
+    rc_scores_paged,
+    rc_scores_paged_reference,
+)
 from rcstat_vllm.scoring.methods.snapkv import snapkv_scores_paged, snapkv_scores_paged_reference  # noqa: E402
 from rcstat_vllm.scoring.rc import window_self_logits  # noqa: E402
 
@@ -193,3 +203,97 @@ def test_snapkv_kernel_half_cache(dtype):
     got = snapkv_scores_paged(q_window, key_cache, block_table, 45, scale=0.25, block_n=16)
     want = snapkv_scores_paged_reference(q_window, key_cache, block_table, 45, scale=0.25)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
+
+
+# --- Decode time: each KV head's own generated entries, read through its own head pages --------------------------
+
+
+def head_pages_request(num_kv_heads, head_dim, block_size, starts, counts, seed, dtype=torch.float32, num_blocks=16):
+    """A key cache that is the K half of a fused [blocks, Hkv, page, 2d] cache (vLLM's CUDA layout), and per KV head
+    a page list of distinct pages drawn from every block and head slot (a pooled space lends any page to any head)
+    with a spare page at the end and -1 after it (no page)."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, generator=gen).to(dtype)
+    starts, counts = torch.tensor(starts), torch.tensor(counts)
+    needed = -(-int((starts + counts).max()) // block_size) + 1
+    pages = torch.full((num_kv_heads, needed + 1), -1, dtype=torch.int64)
+    pages[:, :needed] = torch.randperm(num_blocks * num_kv_heads, generator=gen)[: num_kv_heads * needed].view(
+        num_kv_heads, needed
+    )
+    return fused[..., :head_dim].to(DEVICE), pages.to(DEVICE), starts, counts, gen
+
+
+def test_gather_head_entries_follows_each_heads_pages_right_aligned():
+    key_cache = torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4, 1)  # page p = b*2 + h, slot s: 4p + s
+    pages = torch.tensor([[5, 0], [2, 3]])  # head 0: pages 5, 0; head 1: pages 2, 3
+    got = gather_head_entries(key_cache, pages, torch.tensor([2, 1]), torch.tensor([4, 3]), 5).squeeze(-1)
+    # head 0: entries 2..5 = page 5 slots 2, 3, then page 0 slots 0, 1; head 1: entries 1..3 = page 2 slots 1..3;
+    # the padding before a head's first entry repeats it
+    assert got.tolist() == [[22.0, 22.0, 23.0, 0.0, 1.0], [9.0, 9.0, 9.0, 10.0, 11.0]]
+
+
+DECODE_CASES = [
+    # (window, G, block size, starts, counts): uneven per-head lengths (right-aligned padding), GQA, page boundaries
+    (4, 1, 8, [0, 5], [20, 20]),  # equal lengths, one head starting mid-page
+    (4, 3, 8, [3, 0, 17], [13, 27, 9]),  # ragged: head 2 has 5 entries to score, head 1 23
+    (8, 2, 16, [30, 1], [8, 41]),  # a head holding only its window (nothing to score)
+    (16, 4, 16, [0, 7, 2, 40], [70, 16, 33, 52]),  # 4 KV heads, more tiles than a narrow head fills
+    (1, 3, 8, [2, 9], [6, 12]),  # a window of one query
+]
+
+
+@pytest.mark.parametrize("window, group, block_size, starts, counts", DECODE_CASES)
+@pytest.mark.parametrize("max_over_queries", [False, True])
+def test_decode_kernel_matches_its_own_torch_reference(window, group, block_size, starts, counts, max_over_queries):
+    """The head-page kernel against the reference beside it, given each query head's window table: every
+    right-aligned column of every head, and exact zeros before a head's first entry."""
+    num_kv_heads, head_dim = len(starts), 24  # head_dim not a power of 2: padded lanes must not count
+    key_cache, pages, starts, counts, gen = head_pages_request(num_kv_heads, head_dim, block_size, starts, counts, 7)
+    q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen).to(DEVICE)
+    width = int(counts.max())
+    window_keys = gather_head_entries(key_cache, pages, starts, counts, width)[:, width - window :]
+    table = window_self_logits(q_window.reshape(num_kv_heads, group, window, head_dim), window_keys)
+    args = (q_window, key_cache, pages, starts, counts, table.sorted, table.prefix, table.center, max_over_queries)
+    got = rc_head_table_scores(*args, block_n=16)
+    want = rc_head_table_scores_reference(*args)
+    assert got.shape == want.shape == (num_kv_heads, width - window) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    padding = torch.arange(width - window) < (width - counts).unsqueeze(1)
+    assert not got.cpu()[padding].any()
+
+
+@pytest.mark.parametrize("window, group, block_size, starts, counts", DECODE_CASES)
+@pytest.mark.parametrize("query_reduction", ["mean", "max"])
+def test_decode_rc_scores_match_the_torch_reference(window, group, block_size, starts, counts, query_reduction):
+    """rc_head_scores_paged (the window table in torch, then the kernel) against RC's torch statistics over each head's
+    gathered entries (what the scorer's ragged torch path computes)."""
+    num_kv_heads, head_dim = len(starts), 24
+    key_cache, pages, starts, counts, gen = head_pages_request(num_kv_heads, head_dim, block_size, starts, counts, 8)
+    q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen).to(DEVICE)
+    got = rc_head_scores_paged(q_window, key_cache, pages, starts, counts, query_reduction, block_n=16)
+    want = rc_head_scores_paged_reference(q_window, key_cache, pages, starts, counts, query_reduction)
+    assert got.shape == want.shape == (num_kv_heads, int(counts.max()) - window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rc_reference_is_each_head_scored_alone():
+    """The decode reference of one head is the prompt reference of that head's entries alone (float64): right-aligned
+    padding never reaches a head's scores, and each head is scored against its own window."""
+    key_cache, pages, starts, counts, gen = head_pages_request(2, 8, 4, [3, 0], [11, 19], seed=9, dtype=torch.float64)
+    q_window = torch.randn(2 * 3, 5, 8, generator=gen, dtype=torch.float64).to(DEVICE)
+    got = rc_head_scores_paged_reference(q_window, key_cache, pages, starts, counts)
+    for head in range(2):
+        keys = gather_head_entries(key_cache, pages, starts, counts, int(counts[head]))[head : head + 1]
+        alone = RCScorer.paper(window_size=5).score(q_window[3 * head : 3 * head + 3], keys, keys, 1.0)[0]
+        n = int(counts[head])
+        torch.testing.assert_close(got[head, got.shape[1] - (n - 5) :].float(), alone[: n - 5], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("query_reduction", ["mean", "max"])
+def test_decode_kernel_half_cache(dtype, query_reduction):
+    key_cache, pages, starts, counts, gen = head_pages_request(2, 16, 16, [5, 0], [30, 47], seed=10, dtype=dtype)
+    q_window = torch.randn(6, 8, 16, generator=gen).to(DEVICE, dtype)
+    got = rc_head_scores_paged(q_window, key_cache, pages, starts, counts, query_reduction, block_n=16)
+    want = rc_head_scores_paged_reference(q_window, key_cache, pages, starts, counts, query_reduction)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

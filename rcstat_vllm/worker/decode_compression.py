@@ -15,7 +15,9 @@ about to run short the scheduler brings a compaction forward (:mod:`rcstat_vllm.
 :meth:`DecodeCompressor.hurry`): due once a window of queries is saved, evicting what then exceeds the budget.
 
 One :class:`DecodeCompressor` per request with ``decode_budget`` on the worker, owned by its record
-(:mod:`rcstat_vllm.worker.requests`); the worker (:mod:`rcstat_vllm.worker.driver`) drives it. Plain torch; no vLLM.
+(:mod:`rcstat_vllm.worker.requests`); the worker (:mod:`rcstat_vllm.worker.driver`) drives it. Torch, and on CUDA RC's
+Triton kernel over the head pages (:mod:`rcstat_vllm.kernels.decode_scoring`); no vLLM. A due step reads nothing back
+from the device until its selection's end (:func:`kept_on_host`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,22 @@ from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_budget
 from rcstat_vllm.settings import decode_queries, scorer_options
+from rcstat_vllm.worker.prompt_compression import triton_scoring
+
+
+def right_aligned(per_head: list[Tensor], width: int) -> Tensor:
+    """Each head's scores right-aligned in one float32 ``[H, width]`` tensor (a head's latest entry in the last
+    column), -inf before a head's first entry: the layout :meth:`DecodeCompressor.select` reads."""
+    out = torch.full((len(per_head), width), float("-inf"), dtype=torch.float32, device=per_head[0].device)
+    for head, scores in enumerate(per_head):  # (host lengths: no read of the device)
+        out[head, width - scores.shape[0] :] = scores
+    return out
+
+
+def kept_on_host(kept: Tensor) -> Tensor:
+    """The decode-time compaction's one host synchronisation, at the end of its due step's selection: each (layer,
+    head)'s kept entries ``[L, H]``, which the blocks it needs and the plan the scheduler receives are counted in."""
+    return kept.cpu()
 
 
 @dataclass
@@ -76,12 +94,11 @@ class DecodeCompressor:
         self.num_queries = decode_queries(config)
         #: per layer, the last generated tokens' queries ``[num_queries, Hq, D]`` (None until saved)
         self.queries: list[Tensor | None] = [None] * self.num_layers
-        #: per layer, this step's generated-entry scores per head (while a step scores the request)
-        self.scores: list[list[Tensor] | None] = [None] * self.num_layers
+        #: per layer, this step's generated-entry scores ``[H, width]``, right-aligned (:func:`right_aligned`), on the
+        #: cache's device (while a step scores the request)
+        self.scores: list[Tensor | None] = [None] * self.num_layers
         #: the plan sent to the scheduler, until its compaction runs (or is cancelled)
         self.pending: DecodePlan | None = None
-        #: where the scores and masks live (the KV cache's device), set by :meth:`score_layer`
-        self.scores_device = torch.device("cpu")
         self.compactions = 0
         self.tokens_evicted = 0
         #: tokens in the cache at which the next decode-time compaction is due: once the heads hold ``budget +
@@ -123,70 +140,85 @@ class DecodeCompressor:
         self, layer: int, state: CompactedRequest, kv_cache: Tensor, layout: CacheLayout, scale: float, num_tokens: int
     ) -> None:
         """Score each head of ``layer`` over its generated entries (run after the layer's attention in the due step,
-        once this step's queries are saved). Each head is scored over its own entries: heads hold different ones."""
+        once this step's queries are saved). Each head is scored over its own entries: heads hold different ones.
+
+        Read in place from the head pages by the scorer's Triton kernel where :func:`triton_scoring` allows and the
+        scorer has one (RC: :meth:`~rcstat_vllm.scoring.Scorer.score_head_pages`), else gathered through the layout
+        in torch (:meth:`~rcstat_vllm.scoring.Scorer.score_ragged`, the reference). What each head holds is the
+        worker's host bookkeeping: the scores stay on the cache's device and nothing is read back."""
         queries = self.queries[layer]
         if queries is None:  # (fewer than num_queries, when decode_interval is shorter: the scorer uses them)
             raise RuntimeError("rcstat: decode-time scoring without the window's queries")
         starts = self.prompt_entries[layer]  # each head's first generated entry
-        counts = state.lengths(num_tokens)[layer] - starts
+        counts = state.lengths(num_tokens)[layer] - starts  # (host tensors)
         width = int(counts.max())
+        cache = state.space.cache(layer, kv_cache)
+        q_window = queries.transpose(0, 1)  # [Hq, num_queries, D]
+        if triton_scoring(layout, kv_cache):
+            keys_view, _ = layout.key_value_caches(cache)
+            if self.scorer.head_pages_kernel_applies(keys_view, q_window.shape[1], counts):
+                per_head = self.scorer.score_head_pages(q_window, keys_view, state.tables[layer], starts, counts, scale)
+                self.scores[layer] = right_aligned(per_head, width)
+                return
         # Right-aligned [H, width] entry indices (a head's latest entries last, as the window's queries see them);
         # the padding before a head's first generated entry repeats it and is never scored (score_ragged).
         columns = torch.arange(width) - width + counts.unsqueeze(1)
         entries = (starts.unsqueeze(1) + columns.clamp_min(0)).to(kv_cache.device)
         tables = state.tables[layer].to(kv_cache.device)
-        block_size = state.block_size
-        pages = torch.gather(tables, 1, entries // block_size)
-        keys, values = layout.read(state.space.cache(layer, kv_cache), pages, entries % block_size)
-        per_head = self.scorer.score_ragged(
-            queries.transpose(0, 1).float(), keys.float(), values.float(), counts.tolist(), scale
-        )
-        self.scores[layer] = per_head
-        self.scores_device = kv_cache.device
+        pages = torch.gather(tables, 1, entries // state.block_size)
+        keys, values = layout.read(cache, pages, entries % state.block_size)
+        per_head = self.scorer.score_ragged(q_window.float(), keys.float(), values.float(), counts.tolist(), scale)
+        self.scores[layer] = right_aligned(per_head, width)
 
     def _comparable(self, scores: Tensor) -> Tensor:
-        """One head's generated-entry scores, made comparable with its layer's other heads. RC: relative to the head's
-        own mean (non-window) score, i.e. Eq. 9's threshold rule with one ``c`` per layer that meets the budget; on
-        generated text, raw RC scores let one head keep up to 45x another's share and starve heads down to the window
+        """A layer's right-aligned ``[H, width]`` generated-entry scores (non-finite before each head's first entry),
+        made comparable across its heads, float64. RC: each head's relative to its own mean (non-window, finite)
+        score, i.e. Eq. 9's threshold rule with one ``c`` per layer that meets the budget; on generated text, raw RC
+        scores let one head keep up to 45x another's share and starve heads down to the window
         (benchmarks/decode_quality.py: value error 0.054 head-relative vs 0.063 raw at budget 512 of 2048, SnapKV
         0.060). Other methods' scores are compared as they are, as their prompt budgets do."""
         if self.config.method == "rc":
-            return relative_to_head_mean(scores.unsqueeze(0), self.window)[0]
+            return relative_to_head_mean(scores, self.window)
         return scores.to(torch.float64)
 
+    def _keep_mask(self, layer: int, lengths: Tensor) -> Tensor:
+        """Layer ``layer``'s ``[H, max(lengths)]`` keep mask over each head's entries (its prompt's first, all kept;
+        then its generated ones, ``decode_budget`` per head on average over the layer), on the scores' device. Tensor
+        ops over host-known shapes: nothing is read back from the device."""
+        scores = self.scores[layer]
+        assert scores is not None  # (every layer is scored before the due step selects)
+        device, width = scores.device, scores.shape[1]
+        starts = self.prompt_entries[layer]
+        counts = lengths - starts
+        # Right-aligned so that every head's last `window` columns are its latest tokens (the window, always kept);
+        # columns before a head's first generated entry score lowest and are never chosen (the budget is below the
+        # entries there are).
+        generated = (torch.arange(width) >= width - counts.unsqueeze(1)).to(device)
+        padded = self._comparable(scores).masked_fill(~generated, torch.finfo(torch.float64).min)
+        ratio = max(0.0, 1.0 - self.budget / width)  # (the widest head holds more than the budget when due)
+        keep = select_budget(padded, self.window, ratio).mask  # [H, width]
+        # Entry j of head h: its prompt's when j < starts[h] (kept), else generated entry j, at keep's column
+        # j - lengths[h] + width, while j < lengths[h].
+        entry = torch.arange(int(lengths.max()))
+        prompt = (entry < starts.unsqueeze(1)).to(device)
+        in_generated = ((entry >= starts.unsqueeze(1)) & (entry < lengths.unsqueeze(1))).to(device)
+        column = (entry - lengths.unsqueeze(1) + width).clamp(0, width - 1).to(device)
+        return prompt | (in_generated & torch.gather(keep, 1, column))
+
     def select(self, state: CompactedRequest, num_tokens: int) -> DecodePlan:
-        """After the due step's last layer: what each head keeps, and the blocks that takes."""
+        """After the due step's last layer: what each head keeps, and the blocks that takes.
+
+        The masks are made on the device without reading it; the step's one host synchronisation is at the end
+        (:func:`kept_on_host`): the heads' kept counts, which the block count and the plan sent to the scheduler
+        need as host ints."""
         lengths = state.lengths(num_tokens)
-        masks, evicted = [], 0
-        device = self.scores_device
-        for layer, per_head in enumerate(self.scores):
-            assert per_head is not None  # (every layer is scored before the due step selects)
-            generated = torch.tensor([s.numel() for s in per_head])
-            width = int(generated.max())
-            # Right-aligned so that every head's last `window` columns are its latest tokens (the window, always
-            # kept); columns before a head's first generated entry score lowest and are never chosen (the budget
-            # is below the entries there are).
-            padded = torch.full(
-                (len(per_head), width), torch.finfo(torch.float64).min, device=per_head[0].device, dtype=torch.float64
-            )
-            for head, scores in enumerate(per_head):
-                padded[head, width - scores.numel() :] = self._comparable(scores)
-            ratio = max(0.0, 1.0 - self.budget / width)  # (the widest head holds more than the budget when due)
-            keep = select_budget(padded, self.window, ratio).mask.cpu()
-            mask = torch.zeros(len(per_head), int(lengths[layer].max()), dtype=torch.bool)
-            for head in range(len(per_head)):
-                start, end = int(self.prompt_entries[layer, head]), int(lengths[layer, head])
-                mask[head, :start] = True
-                mask[head, start:end] = keep[head, width - (end - start) :]
-            evicted += int(generated.sum()) - int(mask.sum()) + int(self.prompt_entries[layer].sum())
-            masks.append(mask)
+        masks = [self._keep_mask(layer, lengths[layer]) for layer in range(self.num_layers)]
         self.scores = [None] * self.num_layers
         self.queries = [None] * self.num_layers
-        kept = torch.stack([mask.sum(dim=1) for mask in masks])
+        kept = kept_on_host(torch.stack([mask.sum(dim=1) for mask in masks]))
+        evicted = int((lengths - kept).sum())  # generated entries dropped (the prompt's are all kept)
         keep_blocks = blocks_needed(kept, num_tokens, state.space, state.shared_blocks)
-        self.pending = DecodePlan(
-            num_tokens, [m.to(device) for m in masks], kept, evicted, keep_blocks, state.shared_blocks
-        )
+        self.pending = DecodePlan(num_tokens, masks, kept, evicted, keep_blocks, state.shared_blocks)
         return self.pending
 
     def compacted(self) -> None:
