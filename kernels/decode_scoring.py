@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .paged import cdiv, next_power_of_2, row_blocking
+from .paged import cdiv, host_to_device, next_power_of_2, row_blocking
 
 __all__ = ["check_head_inputs", "gather_head_entries", "rc_head_table_scores", "rc_head_table_scores_reference"]
 
@@ -57,8 +57,8 @@ def gather_head_entries(key_cache: Tensor, pages: Tensor, starts: Tensor, counts
     cache's dtype); the columns before a head's first entry repeat it (never scored)."""
     block_size, num_kv_heads = key_cache.shape[2], key_cache.shape[1]
     columns = torch.arange(width) - width + counts.unsqueeze(1)  # entry offsets, negative = padding
-    index = (starts.unsqueeze(1) + columns.clamp_min(0)).to(key_cache.device)
-    page = torch.gather(pages.to(device=key_cache.device, dtype=torch.int64), 1, index // block_size)
+    index = host_to_device(starts.unsqueeze(1) + columns.clamp_min(0), key_cache.device)
+    page = torch.gather(host_to_device(pages, key_cache.device, torch.int64), 1, index // block_size)
     return key_cache[page // num_kv_heads, page % num_kv_heads, index % block_size]
 
 
@@ -128,7 +128,7 @@ def rc_head_table_scores(
     if width == w:
         return out
     queries = q_window.to(key_cache.dtype)
-    table = pages.to(device=key_cache.device, dtype=torch.int32).contiguous()
+    table = host_to_device(pages, key_cache.device, torch.int32).contiguous()
     m = w * (w + 1) // 2
     rc_head_pages_kernel[(cdiv(width - w, block_n), num_kv_heads)](
         queries,
@@ -137,8 +137,8 @@ def rc_head_table_scores(
         *key_cache.stride(),
         table,
         table.stride(0),
-        starts.to(device=key_cache.device, dtype=torch.int32),
-        counts.to(device=key_cache.device, dtype=torch.int32),
+        host_to_device(starts, key_cache.device, torch.int32),
+        host_to_device(counts, key_cache.device, torch.int32),
         y_sorted.reshape(-1, m).float().contiguous(),
         prefix.reshape(-1, m + 1).float().contiguous(),
         center.reshape(-1).float().contiguous(),

@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["cdiv", "check_paged_inputs", "gather_paged_tokens", "next_power_of_2", "paged_block_size", "row_blocking"]
+__all__ = [
+    "cdiv",
+    "check_paged_inputs",
+    "gather_paged_tokens",
+    "host_to_device",
+    "next_power_of_2",
+    "paged_block_size",
+    "row_blocking",
+]
 
 
 def check_paged_inputs(q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[int, int]:
@@ -62,6 +70,16 @@ def _gather_tiled_tokens(tiles: Tensor, block_table: Tensor, start: int, stop: i
     blocks = block_table[first:last].to(device=tiles.device, dtype=torch.long)
     tokens = tiles[blocks].transpose(0, 1).reshape(tiles.shape[1], (last - first) * block_size, -1)
     return tokens[:, start - first * block_size : stop - first * block_size].contiguous()
+
+
+def host_to_device(tensor: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """A small host tensor (indices the host's bookkeeping knows) on ``device``, without waiting for it: to a CUDA
+    device through pinned memory, asynchronously (a copy from pageable memory synchronises the stream); elsewhere a
+    plain copy."""
+    tensor = tensor if dtype is None else tensor.to(dtype)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rcstat_vllm.config import OBSERVING_METHODS, RCStatConfig
+from rcstat_vllm.kernels.paged import host_to_device
 from rcstat_vllm.paging.compaction import blocks_needed
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
@@ -163,8 +164,8 @@ class DecodeCompressor:
         # Right-aligned [H, width] entry indices (a head's latest entries last, as the window's queries see them);
         # the padding before a head's first generated entry repeats it and is never scored (score_ragged).
         columns = torch.arange(width) - width + counts.unsqueeze(1)
-        entries = (starts.unsqueeze(1) + columns.clamp_min(0)).to(kv_cache.device)
-        tables = state.tables[layer].to(kv_cache.device)
+        entries = host_to_device(starts.unsqueeze(1) + columns.clamp_min(0), kv_cache.device)
+        tables = host_to_device(state.tables[layer], kv_cache.device)
         pages = torch.gather(tables, 1, entries // state.block_size)
         keys, values = layout.read(cache, pages, entries % state.block_size)
         per_head = self.scorer.score_ragged(q_window.float(), keys.float(), values.float(), counts.tolist(), scale)
@@ -193,16 +194,16 @@ class DecodeCompressor:
         # Right-aligned so that every head's last `window` columns are its latest tokens (the window, always kept);
         # columns before a head's first generated entry score lowest and are never chosen (the budget is below the
         # entries there are).
-        generated = (torch.arange(width) >= width - counts.unsqueeze(1)).to(device)
+        generated = host_to_device(torch.arange(width) >= width - counts.unsqueeze(1), device)
         padded = self._comparable(scores).masked_fill(~generated, torch.finfo(torch.float64).min)
         ratio = max(0.0, 1.0 - self.budget / width)  # (the widest head holds more than the budget when due)
         keep = select_budget(padded, self.window, ratio).mask  # [H, width]
         # Entry j of head h: its prompt's when j < starts[h] (kept), else generated entry j, at keep's column
         # j - lengths[h] + width, while j < lengths[h].
         entry = torch.arange(int(lengths.max()))
-        prompt = (entry < starts.unsqueeze(1)).to(device)
-        in_generated = ((entry >= starts.unsqueeze(1)) & (entry < lengths.unsqueeze(1))).to(device)
-        column = (entry - lengths.unsqueeze(1) + width).clamp(0, width - 1).to(device)
+        prompt = host_to_device(entry < starts.unsqueeze(1), device)
+        in_generated = host_to_device((entry >= starts.unsqueeze(1)) & (entry < lengths.unsqueeze(1)), device)
+        column = host_to_device((entry - lengths.unsqueeze(1) + width).clamp(0, width - 1), device)
         return prompt | (in_generated & torch.gather(keep, 1, column))
 
     def select(self, state: CompactedRequest, num_tokens: int) -> DecodePlan:
