@@ -10,8 +10,10 @@ Triton; put the package on the path (``pip install -e . --no-deps`` or the copy 
    a part-full last page. Each case: relative L2 error, the top-20% keep sets' agreement with the reference's
    (what eviction uses), and that every output was written (the allocator is poisoned with NaN first).
    Then the whole default scorer (``RCScorer.score_paged`` with the contrast, smoothing and carrying) against
-   the torch path on float64 copies.
-2. **Host synchronisations**: the default RC scorer and SnapKV's paged path under
+   the torch path on float64 copies. Decode time: RC's head-page kernel (``rc_head_scores_paged``: each KV head's
+   own entries through its own page list, heads of uneven lengths) against its float64 reference at every shape
+   and dtype, and the default scorer's ``score_head_pages`` against its ``score_ragged``.
+2. **Host synchronisations**: the default RC scorer and SnapKV's paged path, and RC's decode-time path, under
    ``torch.cuda.set_sync_debug_mode("error")`` (a sync in a per-layer prefill hook stalls the whole step).
 3. **Speed**, Llama-3.1-8B shapes, bf16, page 16, one layer, n = 4k .. 128k: the kernels and the whole default
    scorer against the layer's own causal prefill attention (``scaled_dot_product_attention``, GQA) and the plain
@@ -34,8 +36,14 @@ from pathlib import Path
 
 import torch
 
+from rcstat_vllm.kernels.decode_scoring import gather_head_entries
 from rcstat_vllm.scoring import PagedPrompt, RCScorer, SnapKVScorer
-from rcstat_vllm.scoring.methods.rc import rc_scores_paged, rc_scores_paged_reference
+from rcstat_vllm.scoring.methods.rc import (
+    rc_head_scores_paged,
+    rc_head_scores_paged_reference,
+    rc_scores_paged,
+    rc_scores_paged_reference,
+)
 from rcstat_vllm.scoring.methods.snapkv import snapkv_scores_paged, snapkv_scores_paged_reference
 
 #: name -> (query heads, KV heads, head size)
@@ -53,6 +61,8 @@ DEFAULT_RC = dict(
     window_size=32, smoothing=3, carry_forward=8, local_contrast=0.5, contrast_radius=256, query_reduction="max"
 )
 KEEP_SHARE = 0.2  # compression 0.8
+#: decode-time checks: the widest head's generated entries (the others fewer, down to about half)
+DECODE_N = 4099
 
 
 @dataclass
@@ -149,6 +159,63 @@ def kernel_checks(device, sizes, shapes, dtypes, page, progress) -> list[Check]:
     return checks
 
 
+def head_pages(hkv: int, d: int, n: int, page: int, dtype, device, seed: int = 0):
+    """Decode-time head pages: a FLASH-layout cache's key half ``[blocks, Hkv, page, d]`` (keys with a per-channel
+    offset), and per KV head its own page list of distinct pages drawn from every block and head slot (as a pooled
+    space hands them out), a spare page and -1 after; each head scored from its own first entry (a few pages in)
+    over its own count (uneven: up to ``n``). Returns (key view, page lists, starts, counts) with host starts/counts."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    counts = torch.tensor([n - n // (2 * hkv) * h for h in range(hkv)])  # the last head holds about half
+    starts = torch.randint(0, 3 * page, (hkv,), generator=gen)
+    needed = -(-int((starts + counts).max()) // page) + 1
+    blocks = needed + 8  # (a block holds Hkv pages: every head's list fits, with blocks to spare)
+    fused = torch.randn(blocks, hkv, page, 2 * d, generator=gen)
+    fused[..., :d] += torch.randn(d, generator=gen)
+    pages = torch.full((hkv, needed + 1), -1, dtype=torch.int64)
+    pages[:, :needed] = torch.randperm(blocks * hkv, generator=gen)[: hkv * needed].view(hkv, needed)
+    return fused.to(device, dtype)[..., :d], pages.to(device), starts, counts
+
+
+def decode_checks(device, n, shapes, dtypes, page, progress) -> list[Check]:
+    """The decode-time head-page kernel (``rc_head_scores_paged``) against its float64 reference on the same rounded
+    inputs: RC's default and the paper's window, every shape and dtype, heads of uneven lengths up to ``n``."""
+    checks = []
+    for shape_name in shapes:
+        hq, hkv, d = SHAPES[shape_name]
+        for dtype_name in dtypes:
+            cache, pages, starts, counts = head_pages(hkv, d, n, page, DTYPES[dtype_name], device, seed=n + hq + d)
+            gen = torch.Generator(device="cpu").manual_seed(hq + d)
+            queries = torch.randn(hq, 32, d, generator=gen).to(device, DTYPES[dtype_name])
+            for label, method, window, reduction in METHODS:
+                if method != "rc":
+                    continue
+                case = f"decode {shape_name} {dtype_name} n<={n} {label}"
+                progress(case)
+                q = queries[:, -window:]
+                got = rc_head_scores_paged(q, cache, pages, starts, counts, reduction)
+                ref = rc_head_scores_paged_reference(q.double(), cache.double(), pages, starts, counts, reduction)
+                checks.append(compare(case, got, ref, TOLERANCE[dtype_name]))
+    return checks
+
+
+def decode_scorer_check(device, n, page, dtype_name, progress) -> list[Check]:
+    """The default RC scorer at decode time: the head-page kernel path (``score_head_pages``) against the torch path
+    (``score_ragged`` on the gathered entries) on float64 copies; each head's finished scores, right-aligned."""
+    hq, hkv, d = SHAPES["llama3.1-8b"]
+    cache, pages, starts, counts = head_pages(hkv, d, n, page, DTYPES[dtype_name], device, seed=5)
+    queries = torch.randn(hq, 32, d, generator=torch.Generator().manual_seed(5)).to(device, DTYPES[dtype_name])
+    scorer = RCScorer(**DEFAULT_RC)
+    progress("rc default decode scorer")
+    got = scorer.score_head_pages(queries, cache, pages, starts, counts, d**-0.5)
+    width = int(counts.max())
+    keys = gather_head_entries(cache, pages, starts, counts, width).double()
+    ref = scorer.score_ragged(queries.double(), keys, None, counts.tolist(), d**-0.5)  # type: ignore[arg-type]
+    pad = lambda per_head: torch.stack(  # noqa: E731
+        [torch.nn.functional.pad(s.double(), (width - s.shape[0], 0)) for s in per_head]
+    )
+    return [compare(f"rc default decode scorer {dtype_name} n<={n}", pad(got), pad(ref), TOLERANCE[dtype_name])]
+
+
 def scorer_check(device, n, page, dtype_name, progress) -> list[Check]:
     """The whole default RC scorer (and SnapKV's) through the Triton path against the torch path on float64 copies."""
     hq, hkv, d = SHAPES["llama3.1-8b"]
@@ -189,6 +256,19 @@ def sync_check(device, n, page) -> dict[str, str]:
             found[label] = str(exc).splitlines()[0]
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    cache, pages, starts, counts = head_pages(hkv, d, 4096, page, torch.bfloat16, device)
+    q = torch.randn(hq, 32, d, device=device, dtype=torch.bfloat16)
+    scorer = RCScorer(**DEFAULT_RC)
+    scorer.score_head_pages(q, cache, pages, starts, counts, d**-0.5)  # compile first
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scorer.score_head_pages(q, cache, pages, starts, counts, d**-0.5)
+        found["rc default decode"] = "none"
+    except RuntimeError as exc:
+        found["rc default decode"] = str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     return found
 
 
@@ -372,10 +452,10 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     page = 16  # vLLM's default block size on CUDA
     if args.smoke:
-        check_sizes, shapes, dtypes, scorer_n = [75], ["smollm2-135m"], ["fp32", "fp16"], 300
+        check_sizes, shapes, dtypes, scorer_n, decode_n = [75], ["smollm2-135m"], ["fp32", "fp16"], 300, 120
         speed_sizes, block_ns = [256], [32]
     else:
-        check_sizes, shapes, dtypes, scorer_n = [8191, 32771], args.shapes, args.dtypes, 16381
+        check_sizes, shapes, dtypes, scorer_n, decode_n = [8191, 32771], args.shapes, args.dtypes, 16381, DECODE_N
         speed_sizes, block_ns = args.speed_sizes, args.block_ns
 
     started = time.time()
@@ -396,6 +476,8 @@ def main(argv=None) -> int:
         checks += kernel_checks(device, check_sizes[1:], shapes[:1], dtypes[:1], page, progress)
         # The interpreter cannot multiply bf16 tiles (it takes their raw uint16 storage): fp16 there.
         checks += scorer_check(device, scorer_n, page, "bf16" if device.type == "cuda" else "fp16", progress)
+        checks += decode_checks(device, decode_n, shapes, dtypes, page, progress)
+        checks += decode_scorer_check(device, decode_n, page, "bf16" if device.type == "cuda" else "fp16", progress)
         report["correctness"] = [asdict(c) for c in checks]
     if "syncs" in parts:
         report["host_syncs"] = sync_check(device, scorer_n, page)

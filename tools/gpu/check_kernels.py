@@ -6,7 +6,9 @@ Parts (each recorded separately in kernels.json; a failure in one does not stop 
 1. ``kernels``: the correctness and host-sync parts of ``benchmarks/gpu_check.py`` (which also runs without vLLM, see
    ``benchmarks/gpu_check.sh``): both kernels against float64 references on the same rounded inputs at the shapes of
    Llama-3.1-8B, Qwen2.5-7B, SmolLM2 and a head size of 256, bf16 / fp16 / fp32, RC's default and the paper's
-   settings, SnapKV's; the whole default scorer; no host synchronisation in either paged scorer.
+   settings, SnapKV's; the whole default scorer; no host synchronisation in either paged scorer (41 checks). Then
+   decode time: RC's head-page kernel at the same shapes, dtypes and RC settings (24 checks) and the default scorer's
+   ``score_head_pages`` (1), 66 in all; no host synchronisation in RC's decode-time scoring.
 2. ``live_path``: ``RequestCompressor.observe_layer`` (what the CUDA backend calls per layer) with the Triton kernels
    against the same call forced onto the torch path, bf16 cache in vLLM's CUDA layout on the GPU.
 3. ``pytest``: tests/test_kernels.py compiled (``TRITON_INTERPRET=0``: CUDA tensors, the bf16 cases included).
@@ -60,6 +62,11 @@ def part_kernels(sizes: list[int]) -> dict:
     checks = gpu_check.kernel_checks(device, sizes[:1], list(gpu_check.SHAPES), list(gpu_check.DTYPES), PAGE, progress)
     checks += gpu_check.kernel_checks(device, sizes[1:], ["llama3.1-8b"], ["bf16"], PAGE, progress)
     checks += gpu_check.scorer_check(device, 16381, PAGE, "bf16", progress)
+    # Decode time: RC's head-page kernel at every shape and dtype, and the default scorer's score_head_pages.
+    checks += gpu_check.decode_checks(
+        device, gpu_check.DECODE_N, list(gpu_check.SHAPES), list(gpu_check.DTYPES), PAGE, progress
+    )
+    checks += gpu_check.decode_scorer_check(device, gpu_check.DECODE_N, PAGE, "bf16", progress)
     syncs = gpu_check.sync_check(device, 16381, PAGE)
     return {
         "ok": all(c.passed for c in checks) and set(syncs.values()) == {"none"},
