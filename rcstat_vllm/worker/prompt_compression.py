@@ -31,6 +31,10 @@ from rcstat_vllm.scoring.selection import select_keep_masks
 from rcstat_vllm.settings import RequestSettings, scorer_options, window_queries
 from rcstat_vllm.worker.step import BatchRequest
 
+#: a deferred scoring's working set: the layers scored in one call hold at most this many bytes of float32 keys
+#: (64 MiB: every layer of SmolLM2 up to ~5k prompt tokens, 2 layers of a 32k prompt on Llama-3-8B's 8 KV heads)
+DEFERRED_LAYERS_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class CompressionDecision:
@@ -219,12 +223,60 @@ class RequestCompressor:
         width = min(window_queries(self.config), queries.shape[0])
         return queries[-width:].transpose(0, 1)  # the model's dtype (the torch path casts to float32)
 
-    def score_deferred(self, caches: list[torch.Tensor], layout: CacheLayout) -> None:
-        """Score every layer from the kept windows (the prompt's keys are still in its blocks: not compacted yet)."""
-        # (every layer's window is kept by the time the scheduler asks for the copy)
-        for layer, (q_window, scale) in enumerate(self.windows):  # type: ignore[arg-type, misc]
-            self.score_window(layer, q_window, caches[layer], scale, layout)
-        self.windows = None
+    def score_deferred(self, caches: list[torch.Tensor], layout: CacheLayout, max_layers: int | None = None) -> int:
+        """Score the layers not scored yet from the kept windows (the prompt's keys are still in its blocks: not
+        compacted yet); at most ``max_layers`` of them, the first ones, when scoring ahead of the copy
+        (:meth:`PromptJob.score_ahead`). Returns the layers scored.
+
+        At the copy this runs inside the step that compacts the request, so its time is that step's stall. On the
+        torch path the layers are scored :data:`DEFERRED_LAYERS_BYTES` of gathered keys at a time in one call each
+        (:meth:`Scorer.score_layers`: the same scores, a fraction of the dispatches); the Triton kernels (CUDA)
+        score layer by layer."""
+        windows: list[tuple[torch.Tensor, float]] = self.windows  # type: ignore[assignment]
+        # (every layer's window is kept by the time the scheduler asks for the copy or names it to score ahead)
+        todo = [layer for layer, scores in enumerate(self.scores) if scores is None][:max_layers]
+        scales = {windows[layer][1] for layer in todo}
+        if triton_scoring(layout, caches[0]) or len(scales) > 1:
+            for layer in todo:
+                self.score_window(layer, windows[layer][0], caches[layer], windows[layer][1], layout)
+        else:
+            step = self._layers_per_call(caches[0], layout)
+            for group in (todo[start : start + step] for start in range(0, len(todo), step)):
+                prompts, skipped = zip(
+                    *(self._prompt_to_score(caches[layer], layout, windows[layer][0].shape[1]) for layer in group)
+                )
+                scores = self.scorer.score_layers([windows[layer][0] for layer in group], list(prompts), *scales)
+                for layer, layer_scores, first_token in zip(group, scores, skipped, strict=True):
+                    self.scores[layer] = self._padded(layer_scores, first_token)
+        if max_layers is None:
+            self.windows = None
+        return len(todo)
+
+    def _layers_per_call(self, kv_cache: torch.Tensor, layout: CacheLayout) -> int:
+        """Layers whose gathered float32 keys fit :data:`DEFERRED_LAYERS_BYTES` (at least one)."""
+        num_blocks, num_heads, block_size = layout.shape(kv_cache)
+        head_dim = kv_cache.numel() // (num_blocks * num_heads * block_size * 2)  # (a key and a value per slot)
+        per_layer = num_heads * self.decision.num_tokens * head_dim * 4
+        return max(1, DEFERRED_LAYERS_BYTES // max(per_layer, 1))
+
+    def _prompt_to_score(
+        self, kv_cache: torch.Tensor, layout: CacheLayout, num_queries: int
+    ) -> tuple[PagedPrompt, int]:
+        """The part of the prompt a scorer reads with ``num_queries`` window queries, and the tokens it skips.
+
+        Blocks served from the prefix cache are kept whole (select): their tokens' scores are never read, so a
+        scorer whose scores are local reads the prompt only from the block its first own token's score needs."""
+        d = self.decision
+        keys, values = layout.key_value_caches(kv_cache)
+        prompt = PagedPrompt(keys, values, self.block_row, d.num_tokens)
+        shared = self.num_cached_tokens // prompt.block_size * prompt.block_size
+        first_block = self.scorer.scored_from(shared, d.num_tokens, num_queries) // prompt.block_size
+        return prompt.tail(first_block), first_block * prompt.block_size
+
+    @staticmethod
+    def _padded(scores: torch.Tensor, skipped: int) -> torch.Tensor:
+        """[H, n]: the skipped tokens score 0 (select reads from the first shared-block boundary on)."""
+        return torch.nn.functional.pad(scores, (skipped, 0)) if skipped else scores
 
     def score_window(self, layer: int, q_window: torch.Tensor, kv_cache: torch.Tensor, scale: float, layout) -> None:
         """Score one layer's prompt tokens per KV head from its window's queries ``[Hq, w, D]``.
@@ -232,18 +284,10 @@ class RequestCompressor:
         The prompt is read in place from the paged cache (no dense copy of every head's keys and values): by the
         Triton kernels when :func:`triton_scoring` allows and the method has one, else by gathering what the
         scorer reads. The scores stay on the cache's device (no host synchronisation)."""
-        d = self.decision
-        keys, values = layout.key_value_caches(kv_cache)
-        prompt = PagedPrompt(keys, values, self.block_row, d.num_tokens)
-        # Blocks served from the prefix cache are kept whole (select): their tokens' scores are never read, so a
-        # scorer whose scores are local reads the prompt only from the block its first own token's score needs.
-        shared = self.num_cached_tokens // prompt.block_size * prompt.block_size
-        first_block = self.scorer.scored_from(shared, d.num_tokens, q_window.shape[1]) // prompt.block_size
+        prompt, skipped = self._prompt_to_score(kv_cache, layout, q_window.shape[1])
         use_triton = triton_scoring(layout, kv_cache)
-        scores = self.scorer.score_paged(q_window, prompt.tail(first_block), scale, use_triton=use_triton)
-        # [H, n]: the skipped tokens score 0 (select reads from the first shared-block boundary on)
-        self.scores[layer] = (
-            torch.nn.functional.pad(scores, (first_block * prompt.block_size, 0)) if first_block else scores
+        self.scores[layer] = self._padded(
+            self.scorer.score_paged(q_window, prompt, scale, use_triton=use_triton), skipped
         )
 
     @property

@@ -15,6 +15,7 @@ class KnormScorer(Scorer):
     """Knorm: score = -||k_i||_2 (no queries)."""
 
     name = "knorm"
+    heads_independent = True
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         return -torch.linalg.vector_norm(keys.float(), dim=-1)

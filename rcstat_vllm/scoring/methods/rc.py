@@ -56,6 +56,7 @@ class RCScorer(Scorer):
     """
 
     name = "rc"
+    heads_independent = True
 
     # The plugin's defaults (RC_DEFAULTS, the config's too), so RCScorer() scores as RCStatConfig() does; the
     # paper's scores: RCScorer.paper().

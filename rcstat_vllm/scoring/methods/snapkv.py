@@ -31,6 +31,7 @@ class SnapKVScorer(Scorer):
     """
 
     name = "snapkv"
+    heads_independent = True
 
     kernel_size: int = knob_default("snapkv", "kernel_size")  # (declared on its registry line, as its check)
 

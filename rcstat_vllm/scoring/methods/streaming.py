@@ -24,6 +24,7 @@ class StreamingLLMScorer(Scorer):
     """
 
     name = "streaming"
+    heads_independent = True
     needs_keys = False  # positions only
 
     n_sink: int = 4

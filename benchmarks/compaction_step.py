@@ -1,0 +1,158 @@
+"""What a lazy compaction adds to the step that runs it, on the worker: score, select, copy one request.
+
+Under lazy eviction (the default) a request is scored in the step that compacts it (its scoring deferred since its
+prefill: a request that never meets pressure is never scored), so that step's forward waits for: every layer's
+scoring from the kept window queries (``RequestCompressor.score_deferred``), the selection over all layers, and the
+copy of the kept entries into fresh head pages (``compact_request``). ``serving_cpu.json`` measured about 100 ms per
+copy on a 2-core Xeon against vanilla's 82 ms median inter-token gap: its ITL p99 was that step.
+
+Here, in one process and one thread (vLLM-CPU binds an engine to its cores; a served engine here had one), with
+SmolLM2-135M's shapes (30 layers, 3 KV heads of 9 query heads, head size 64, block size 32) and the bare flag's
+settings, a request of ``n`` prompt tokens is compacted over and over, its parts timed, in interleaved rounds:
+
+  layer_by_layer  scoring one layer per call, as before (and as the Triton kernels do on CUDA)
+  stacked         the layers stacked into one call per ``DEFERRED_LAYERS_BYTES`` of keys (``Scorer.score_layers``)
+
+The cache is bf16 in vLLM-CPU's AMX tiles where the CPU has AMX (the layout the engine uses there), else float32
+rows (``vec``). Medians over rounds; the ratio is taken within each round.
+
+    python benchmarks/compaction_step.py                 # writes benchmarks/results/compaction_step_cpu.json
+    python benchmarks/compaction_step.py --sizes 320 --rounds 3 --json /tmp/c.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, write_report
+
+import rcstat_vllm.worker.prompt_compression as compression
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.paging.compaction import compact_request
+from rcstat_vllm.paging.kv_layout import CPU_AMX, CPU_VEC, amx_unsupported_reason
+from rcstat_vllm.paging.page_space import PageSpace, cdiv
+from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, deferred_keep_blocks
+
+RESULTS = Path(__file__).resolve().parent / "results" / "compaction_step_cpu.json"
+LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 32
+MODES = ("layer_by_layer", "stacked")
+
+
+def machine_layout():
+    """vLLM-CPU's layout on this CPU: AMX tiles (bf16) where it has AMX, else float32 rows."""
+    amx = torch.backends.cpu.get_cpu_capability() == "AVX512" and "amx" in Path("/proc/cpuinfo").read_text()
+    if amx and amx_unsupported_reason(torch.bfloat16, BLOCK, HEAD_DIM) is None:
+        return CPU_AMX, torch.bfloat16
+    return CPU_VEC, torch.float32
+
+
+class Setup:
+    """A pooled all-layers cache holding one request's prompt, its window queries, and fresh blocks to copy into."""
+
+    def __init__(self, n: int, layout, dtype, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        prompt_blocks = cdiv(n, BLOCK)
+        self.num_blocks = 2 * prompt_blocks + 2
+        backing = torch.randn(LAYERS * self.num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=gen).to(dtype)
+        self.caches = list(backing.view(LAYERS, self.num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM).unbind(0))
+        base = [layer * self.num_blocks * KV_HEADS for layer in range(LAYERS)]
+        self.space = PageSpace.pooled(backing, base, KV_HEADS, BLOCK)
+        self.row = torch.arange(prompt_blocks)
+        self.n, self.layout = n, layout
+        self.config = RCStatConfig.from_dict({})  # the bare flag: lazy, budget 0.4 over pooled pages
+        self.queries = [torch.randn(n, KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype) for _ in range(LAYERS)]
+        self.keep_blocks = deferred_keep_blocks(self.config, n, LAYERS, self.space)
+        assert self.keep_blocks is not None
+
+    def request(self) -> RequestCompressor:
+        """A request as the prefill leaves it under lazy eviction: windows kept, nothing scored, planned."""
+        request = RequestCompressor(CompressionDecision("r", self.config, self.n, 0, self.n), LAYERS, self.row)
+        request.defer_scoring()
+        for layer, queries in enumerate(self.queries):
+            request.observe_layer(layer, queries, self.caches[layer], HEAD_DIM**-0.5, self.layout)
+        request.keep_blocks = request.plan_deferred(self.space, self.keep_blocks)
+        return request
+
+    def compaction(self, stacked: bool) -> dict[str, float]:
+        """Seconds of each part of one compaction: what ``RequestCompressor.compact`` runs for a lazy plan."""
+        request = self.request()
+        saved = compression.DEFERRED_LAYERS_BYTES
+        compression.DEFERRED_LAYERS_BYTES = saved if stacked else 0  # 0: one layer per call
+        try:
+            t0 = time.perf_counter()
+            request.score_deferred(self.caches, self.layout)
+            t1 = time.perf_counter()
+            request.select(self.space)
+            t2 = time.perf_counter()
+            dest = torch.arange(self.num_blocks - self.keep_blocks, self.num_blocks)
+            compact_request(self.caches, self.row, request.masks, dest, self.space, self.layout)
+            t3 = time.perf_counter()
+        finally:
+            compression.DEFERRED_LAYERS_BYTES = saved
+        return {
+            "score_ms": (t1 - t0) * 1e3,
+            "select_ms": (t2 - t1) * 1e3,
+            "copy_ms": (t3 - t2) * 1e3,
+            "total_ms": (t3 - t0) * 1e3,
+        }
+
+
+def run(sizes: list[int], rounds: int) -> dict:
+    layout, dtype = machine_layout()
+    results = {}
+    for n in sizes:
+        setup = Setup(n, layout, dtype)
+        for mode in MODES:  # warm-up: allocator, oneDNN primitives
+            setup.compaction(mode == "stacked")
+        per_round: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+        for _ in tqdm(range(rounds), desc=f"n={n}", file=sys.stderr):
+            for mode in MODES:
+                per_round[mode].append(setup.compaction(mode == "stacked"))
+        summary = {
+            mode: {part: statistics.median(r[part] for r in rows) for part in rows[0]}
+            for mode, rows in per_round.items()
+        }
+        ratios = [a["total_ms"] / b["total_ms"] for a, b in zip(per_round["layer_by_layer"], per_round["stacked"])]
+        summary["speedup_total"] = statistics.median(ratios)
+        results[str(n)] = summary
+        print(
+            f"n={n}: layer_by_layer {summary['layer_by_layer']['total_ms']:.1f} ms "
+            f"(score {summary['layer_by_layer']['score_ms']:.1f}), stacked {summary['stacked']['total_ms']:.1f} ms "
+            f"(score {summary['stacked']['score_ms']:.1f}, select {summary['stacked']['select_ms']:.1f}, "
+            f"copy {summary['stacked']['copy_ms']:.1f}): {summary['speedup_total']:.2f}x"
+        )
+    return {"layout": type(layout).__name__, "dtype": str(dtype), "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="*", default=[320, 2000, 8000], help="prompt tokens")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (an engine's, here 1)")
+    parser.add_argument("--json", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    report = {
+        "benchmark": "compaction_step",
+        "shapes": dict(layers=LAYERS, kv_heads=KV_HEADS, query_heads=KV_HEADS * GROUP, head_dim=HEAD_DIM, block=BLOCK),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "settings": "the bare flag (RC, budget 0.4 model-wide, lazy: scored at the copy)",
+        **run(args.sizes, args.rounds),
+        "environment": environment(),
+    }
+    write_report(report, Path(args.json), lambda report: None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""A deferred scoring (lazy eviction: every layer scored in the step that compacts the request) stacks the layers.
+
+The step that compacts a lazily evicted request scores all its layers first, and on a CPU a layer's few dozen small
+ops cost more in dispatch than in arithmetic (about 100 ms a copy in ``serving_cpu.json``). Scorers whose KV heads
+score alone (:attr:`Scorer.heads_independent`) score several layers in one call (:meth:`Scorer.score_layers`); here
+that gives exactly the scores of scoring one layer at a time, in every layout the torch path reads, with a prefix
+served from the cache, and whatever the layer groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rcstat_vllm.worker.prompt_compression as compression
+from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.paging.kv_layout import CPU_AMX, CPU_VEC
+from rcstat_vllm.scoring import PagedPrompt, get_scorer
+from rcstat_vllm.settings import scorer_options
+from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
+
+KV_HEADS, GROUP, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 3, 3, 64, 32, 24, 5
+SCALE = HEAD_DIM**-0.5
+
+
+def layer_caches(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=gen).to(dtype) for _ in range(LAYERS)]
+
+
+def windows(num_queries, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(KV_HEADS * GROUP, num_queries, HEAD_DIM, generator=gen) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize("method", ["rc", "snapkv", "knorm", "streaming", "tova"])
+def test_score_layers_gives_each_layers_own_scores(method):
+    config = RCStatConfig(method=method)
+    scorer = get_scorer(method, **scorer_options(config))
+    caches = layer_caches(torch.float32)
+    row = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3))[:8]
+    prompts = [PagedPrompt(*CPU_VEC.key_value_caches(cache), row, 230) for cache in caches]
+    queries = windows(32)
+    want = [scorer.score_paged(q, prompt, SCALE) for q, prompt in zip(queries, prompts)]
+    got = scorer.score_layers(queries, prompts, SCALE)
+    assert len(got) == LAYERS
+    for layer_got, layer_want in zip(got, want):
+        torch.testing.assert_close(layer_got, layer_want, rtol=1e-6, atol=1e-6)
+
+
+def test_tova_is_not_stacked_its_scores_mix_a_layers_heads():
+    """TOVA averages a layer's heads: stacked layers would mix them, so it scores layer by layer."""
+    scorer = get_scorer("tova", **scorer_options(RCStatConfig(method="tova")))
+    assert not scorer.heads_independent
+    caches, row = layer_caches(torch.float32), torch.arange(8)
+    prompts = [PagedPrompt(*CPU_VEC.key_value_caches(cache), row, 230) for cache in caches[:2]]
+    queries = windows(32)[:2]
+    stacked = scorer.score(torch.cat(queries), torch.cat([p.gather_keys() for p in prompts]), None, SCALE)
+    per_layer = torch.cat(scorer.score_layers(queries, prompts, SCALE))
+    assert not torch.allclose(stacked, per_layer)
+
+
+def deferred_request(config, num_tokens, caches, layout, cached_tokens):
+    row = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5))[: -(-num_tokens // BLOCK)]
+    request = RequestCompressor(CompressionDecision("r", config, num_tokens, 0, num_tokens), LAYERS, row)
+    request.num_cached_tokens = cached_tokens
+    request.defer_scoring()
+    step_queries = windows(num_tokens)  # each layer's [Hq, n, D]: the prefill's rows of this request
+    for layer, queries in enumerate(step_queries):
+        request.observe_layer(layer, queries.transpose(0, 1), caches[layer], SCALE, layout)
+    return request
+
+
+@pytest.mark.parametrize("layout, dtype", [(CPU_VEC, torch.float32), (CPU_AMX, torch.bfloat16)], ids=["vec", "amx"])
+@pytest.mark.parametrize("layers_per_call", [1, 2, LAYERS])
+@pytest.mark.parametrize("cached_tokens", [0, 320])
+def test_deferred_scoring_in_layer_groups_equals_layer_by_layer(
+    monkeypatch, layout, dtype, layers_per_call, cached_tokens
+):
+    config = RCStatConfig.from_dict({})  # the bare flag: RC, lazy, budget over pooled pages (scoring deferred)
+    n, caches = 700, layer_caches(dtype)
+    want = deferred_request(config, n, caches, layout, cached_tokens)
+    for layer, (q_window, scale) in enumerate(want.windows):  # one layer at a time, as the Triton path does
+        want.score_window(layer, q_window, caches[layer], scale, layout)
+
+    got = deferred_request(config, n, caches, layout, cached_tokens)
+    calls = []
+    score = got.scorer.score
+    monkeypatch.setattr(got.scorer, "score", lambda *args: calls.append(args[1].shape[0]) or score(*args))
+    per_layer_bytes = KV_HEADS * n * HEAD_DIM * 4
+    monkeypatch.setattr(compression, "DEFERRED_LAYERS_BYTES", per_layer_bytes * layers_per_call)
+    got.score_deferred(caches, layout)
+
+    assert got.windows is None
+    assert calls == [
+        KV_HEADS * len(range(s, min(s + layers_per_call, LAYERS))) for s in range(0, LAYERS, layers_per_call)
+    ]
+    for layer in range(LAYERS):
+        torch.testing.assert_close(got.scores[layer], want.scores[layer], rtol=1e-6, atol=1e-6)
+        assert got.scores[layer].shape == (KV_HEADS, n)
+
+
+def test_scoring_ahead_in_shares_then_the_rest_at_the_copy_gives_the_same_scores():
+    """A parked plan named by the scheduler is scored a share of its layers per step (``max_layers``), the rest at
+    its copy: every layer's scores as one scoring at the copy gives them."""
+    config = RCStatConfig.from_dict({})
+    n, caches = 500, layer_caches(torch.bfloat16)
+    want = deferred_request(config, n, caches, CPU_AMX, 0)
+    assert want.score_deferred(caches, CPU_AMX) == LAYERS and want.windows is None
+
+    got = deferred_request(config, n, caches, CPU_AMX, 0)
+    assert got.score_deferred(caches, CPU_AMX, max_layers=2) == 2
+    assert [s is not None for s in got.scores] == [True, True, False, False, False]
+    assert got.deferred  # still waiting for its copy: the windows of the layers left are kept
+    assert got.score_deferred(caches, CPU_AMX, max_layers=2) == 2
+    assert got.score_deferred(caches, CPU_AMX) == 1 and got.windows is None  # at the copy: the last layer
+    for layer in range(LAYERS):
+        torch.testing.assert_close(got.scores[layer], want.scores[layer], rtol=1e-6, atol=1e-6)
