@@ -144,6 +144,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
         compactions=_compactions(scheduler_output),
         block_size=None if host_table is None else host_table.block_size,
         decode_soon=frozenset(getattr(scheduler_output, "rcstat_decode_soon", None) or ()),
+        score_ahead=tuple(getattr(scheduler_output, "rcstat_score_ahead", None) or ()),
     )
 
 

@@ -153,8 +153,16 @@ class Compaction:
     reuses_own_blocks: bool = False
 
 
+#: How far ahead, in steps, the lazy relief names the parked plans it expects to compact next
+#: (``engine.pressure_policy.to_score_ahead``, sent as ``RCStatSchedulerOutput.rcstat_score_ahead``); the workers
+#: score such a plan over the steps before its copy, ``1 / (SCORE_AHEAD_STEPS - 1)`` of its layers per step at most
+#: (``WorkerCompression.score_ahead``), so the step that copies it waits only for the selection and the copy.
+SCORE_AHEAD_STEPS = 4
+
+
 class CopyRun(NamedTuple):
-    """One copy the worker ran: whose, which kind ("prompt" or "decode"), and its host time in seconds."""
+    """One copy the worker ran: whose, which kind ("prompt" or "decode"; "score_ahead": layers of a parked plan
+    scored before its copy, no copy yet), and its host time in seconds."""
 
     req_id: str
     kind: str

@@ -11,6 +11,8 @@ from rcstat_vllm.engine.pressure_policy import (
     expected_gain,
     relief,
     requests_to_hurry,
+    shortfall,
+    to_score_ahead,
 )
 
 BLOCK = 16
@@ -45,6 +47,23 @@ def test_no_relief_while_the_free_blocks_hold_what_the_schedule_wants():
     decision = relief(snapshot)
     assert decision.short == 0 and decision.compact == ()
     assert relief(PoolSnapshot(6, BLOCK, first_waiting_tokens=7 * BLOCK, parked=parked(a=3))).compact == ("a",)
+
+
+def test_the_plans_scored_ahead_are_those_the_relief_would_compact_a_few_steps_later_less_those_compacted_now():
+    """Two requests one token short of a new block each, and a prompt waiting for 2 blocks: now 1 block short (the
+    waiting prompt's 2 blocks, 1 free); 3 steps later 3 short (both requests cross a block boundary too)."""
+    requests = (running("a", 4 * BLOCK - 1, held=4), running("b", 2 * BLOCK - 1, held=2))
+    plans = parked(a=1, b=2, c=4)
+    snapshot = PoolSnapshot(1, BLOCK, requests, first_waiting_tokens=2 * BLOCK, parked=plans)
+    assert shortfall(snapshot)[0] == 1 and shortfall(snapshot, steps_ahead=3)[0] == 3
+    now = relief(snapshot)
+    assert now.compact == ("c",)
+    # 3 short ahead: c alone covers it, and it is compacted now: nothing to score ahead.
+    assert to_score_ahead(shortfall(snapshot, steps_ahead=3)[0], plans, now.compact) == ()
+    # 6 short ahead: c, then b; c is compacted now, b is scored ahead.
+    assert to_score_ahead(6, plans, now.compact) == ("b",)
+    assert to_score_ahead(6, plans, ()) == ("c", "b")
+    assert to_score_ahead(0, plans, ()) == ()  # no pressure ahead: nothing scored before it is needed
 
 
 def test_plans_freeing_most_go_first_until_their_blocks_cover_the_shortfall():

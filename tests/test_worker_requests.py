@@ -175,6 +175,48 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
     assert sorted(pages.req_id for pages in released) == ["a", "c"]  # dropped ids come as a set: any order
 
 
+def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_per_step_in_the_schedulers_order():
+    """Lazy eviction: the scheduler names the parked plans it expects to compact within SCORE_AHEAD_STEPS steps; each
+    step the worker scores at most 1 / (SCORE_AHEAD_STEPS - 1) of the model's layers of them (6 layers: 2), the
+    first named first, each run timed as a ``score_ahead`` run of the step's compaction work (no copy)."""
+    from rcstat_vllm.reports import SCORE_AHEAD_STEPS
+
+    assert SCORE_AHEAD_STEPS == 4
+    worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
+    worker.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+    worker.pages = SimpleNamespace(layer_caches=["caches"])
+    calls = []
+
+    def job(req_id, layers_left):
+        left = [layers_left]
+
+        def score_ahead(caches, max_layers):
+            scored = min(max_layers, left[0])
+            left[0] -= scored
+            calls.append((req_id, max_layers, scored))
+            return scored
+
+        return SimpleNamespace(kind="prompt", score_ahead=score_ahead)
+
+    awaiting_blocks(worker.requests, "a", job("a", 3))
+    awaiting_blocks(worker.requests, "b", job("b", 6))
+    worker.requests.in_prefill("p")  # not waiting for blocks: never scored ahead
+    worker.pop_step_compactions()
+
+    def step(*names):
+        calls.clear()
+        worker.begin_step(StepInfo(requests=[], score_ahead=names))
+        copies = worker.pop_step_compactions()
+        return calls[:], [] if copies is None else [(c.req_id, c.kind) for c in copies.copies]
+
+    assert step("b", "a", "p", "gone") == ([("b", 2, 2)], [("b", "score_ahead")])  # b is named first
+    assert step("a", "b") == ([("a", 2, 2)], [("a", "score_ahead")])
+    # a has 1 layer left: the step's other layer goes to b
+    assert step("a", "b") == ([("a", 2, 1), ("b", 1, 1)], [("a", "score_ahead"), ("b", "score_ahead")])
+    assert step("a", "b") == ([("a", 2, 0), ("b", 2, 2)], [("b", "score_ahead")])  # a, fully scored, is no run
+    assert step() == ([], [])  # nothing named: nothing scored
+
+
 def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_without_reports(monkeypatch):
     """The one worker -> scheduler channel (``RCStatModelRunnerOutput``) carries the copies' time; a step whose
     output has no report still carries it, and the scheduler's update hook counts it once."""

@@ -81,13 +81,18 @@ class PoolSnapshot:
 
 
 def blocks_wanted(
-    running: Sequence[RunningRequest], first_waiting_tokens: int, block_size: int, other_block_sizes: Sequence[int] = ()
+    running: Sequence[RunningRequest],
+    first_waiting_tokens: int,
+    block_size: int,
+    other_block_sizes: Sequence[int] = (),
+    steps_ahead: int = 0,
 ) -> tuple[int, str]:
     """The blocks the coming schedule is about to take (an upper bound), and what wants them: each running request's
     blocks up to its next token (the rest of its prompt for a prefill in chunks), and the first waiting request's
     whole prompt; in every KV cache group, as vLLM's ``get_num_blocks_to_allocate`` sums them (a hybrid model's
-    sliding-window group takes blocks from the same pool)."""
-    growth = sum(r.growth(r.num_tokens, block_size) for r in running)
+    sliding-window group takes blocks from the same pool). ``steps_ahead``: once every running request has computed
+    that many more tokens."""
+    growth = sum(r.growth(r.num_tokens + steps_ahead, block_size) for r in running)
     waiting = cdiv(first_waiting_tokens, block_size) + sum(
         cdiv(first_waiting_tokens, size) for size in other_block_sizes
     )
@@ -178,13 +183,13 @@ class Relief:
         return replace(self, short=self.short - freed, compact=compact, rest=rest)
 
 
-def shortfall(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> tuple[int, str]:
+def shortfall(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None, steps_ahead: int = 0) -> tuple[int, str]:
     """The blocks short before a schedule (<= 0: none) and why: the larger of the schedule's own
-    (:func:`blocks_wanted`) and ``decode``, the decode-time forecast's (:func:`decode_shortfall`'s shortfall and reason;
-    None when no running request compresses generated KV)."""
+    (:func:`blocks_wanted`, ``steps_ahead`` steps later) and ``decode``, the decode-time forecast's
+    (:func:`decode_shortfall`'s shortfall and reason; None when no running request compresses generated KV)."""
     free = snapshot.free_blocks
     wanted, why = blocks_wanted(
-        snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size, snapshot.other_block_sizes
+        snapshot.running, snapshot.first_waiting_tokens, snapshot.block_size, snapshot.other_block_sizes, steps_ahead
     )
     short, reason = wanted - free, f"{wanted} blocks wanted, {free} free ({why})"
     if decode is not None and decode[0] > short:
@@ -202,3 +207,12 @@ def cover(short: int, reason: str, parked: Sequence[ParkedPlan]) -> Relief:
     compact, rest = parked_to_compact(short, parked)
     idle = tuple(p.req_id for p in parked if p.blocks_freed <= 0) if short > 0 else ()
     return Relief(short, reason, compact, rest, idle)
+
+
+def to_score_ahead(short_ahead: int, parked: Sequence[ParkedPlan], compacted_now: Sequence[str]) -> tuple[str, ...]:
+    """The parked plans to score ahead: those a relief would compact for ``short_ahead`` blocks (the
+    :func:`shortfall` ``SCORE_AHEAD_STEPS`` steps later, :data:`rcstat_vllm.reports.SCORE_AHEAD_STEPS`; those freeing
+    most first, as :func:`parked_to_compact` picks), less those compacted now. A plan scored ahead and never
+    compacted (its request finished first) cost its scoring and nothing else."""
+    chosen, _ = parked_to_compact(short_ahead, parked)
+    return tuple(req_id for req_id in chosen if req_id not in compacted_now)

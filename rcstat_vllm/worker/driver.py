@@ -39,7 +39,8 @@ import torch
 from rcstat_vllm.capabilities import decode_compression_off_reason
 from rcstat_vllm.config import server_config
 from rcstat_vllm.log import logger
-from rcstat_vllm.reports import Compaction, CopyRun, StepCompactions
+from rcstat_vllm.paging.page_space import cdiv
+from rcstat_vllm.reports import SCORE_AHEAD_STEPS, Compaction, CopyRun, StepCompactions
 from rcstat_vllm.settings import RequestSettingsTable
 from rcstat_vllm.worker.layers import CompressedLayers
 from rcstat_vllm.worker.prompt_compression import plan_compression
@@ -100,6 +101,7 @@ class WorkerCompression(CompressedLayers):
             if kind is not None:
                 self._copies.append(CopyRun(compaction.req_id, kind, time.perf_counter() - start))
         self._release_pages(info.dropped_req_ids)  # a request compacted in this very step and gone with it
+        self._score_ahead(info.score_ahead)
         for req_id in info.dropped_req_ids:
             self.request_settings.drop(req_id)  # (a resumed request is resolved again: it may run on new settings)
             record = self.requests.drop(req_id)
@@ -245,6 +247,23 @@ class WorkerCompression(CompressedLayers):
         else:
             self.results_log.decode_compacted(record.req_id, job.decode.compactions, job.decode.tokens_evicted)
         return job.kind
+
+    def _score_ahead(self, req_ids: tuple[str, ...]) -> None:
+        """Score parked plans the scheduler expects to compact within ``SCORE_AHEAD_STEPS`` steps, in its order (those
+        freeing most first), at most ``1 / (SCORE_AHEAD_STEPS - 1)`` of the model's layers in this step: the step that
+        copies a plan then waits only for its selection and copy, and no step waits for more than that share of a
+        scoring. Timed as a ``score_ahead`` run of the step's compaction work."""
+        budget = cdiv(len(self.layer_names), SCORE_AHEAD_STEPS - 1)
+        for req_id in req_ids:
+            record = self.requests.get(req_id)
+            if budget <= 0 or record is None or record.phase is not Phase.AWAITING_BLOCKS or record.job is None:
+                continue
+            assert self.pages is not None  # (a plan is made only once the layers are attached)
+            start = time.perf_counter()
+            scored = record.job.score_ahead(self.pages.layer_caches, budget)  # type: ignore[arg-type]
+            if scored:
+                budget -= scored
+                self._copies.append(CopyRun(req_id, "score_ahead", time.perf_counter() - start))
 
     def _continue_session(self, req_id: str) -> None:
         """A streaming-input session's next chunk arrived (vLLM keeps the request's blocks and appends the chunk to its

@@ -62,6 +62,10 @@ class CompactionJob(ABC):
     def cancelled(self, reason: str) -> CompressionReport | None:
         """The scheduler sent no blocks: the outcome to record, if any."""
 
+    def score_ahead(self, caches: list[Tensor], max_layers: int) -> int:
+        """Work the job can do before its copy, named by the scheduler: none by default (0 layers scored)."""
+        return 0
+
 
 class PromptJob(CompactionJob):
     """A prompt's compaction, scored during its last prefill chunk (or, lazily, at the compaction)."""
@@ -130,6 +134,14 @@ class PromptJob(CompactionJob):
     def plan_report(self, keep_blocks: int) -> CompressionReport:
         self.compressor.keep_blocks = keep_blocks
         return self.compressor.report()
+
+    def score_ahead(self, caches: list[Tensor], max_layers: int) -> int:
+        """A parked plan whose copy the scheduler expects soon: score up to ``max_layers`` more of its layers now, so
+        the step that copies it waits only for what is left (the selection and the copy). Returns the layers scored
+        (0: nothing deferred, or every layer scored already)."""
+        if not self.compressor.deferred:
+            return 0
+        return self.compressor.score_deferred(caches, self.layout, max_layers)
 
     def compact(self, caches: list[Tensor], compaction: Compaction, space: PageSpace) -> CompactedRequest:
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)

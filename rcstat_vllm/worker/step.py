@@ -52,3 +52,5 @@ class StepInfo:
     block_size: int | None = None
     #: requests whose decode-time compaction the scheduler brings forward (the pool is about to run short)
     decode_soon: frozenset[str] = frozenset()
+    #: parked plans (lazy eviction) the scheduler expects to compact within a few steps: scored ahead of their copy
+    score_ahead: tuple[str, ...] = ()
