@@ -10,8 +10,13 @@ Here, in one process and one thread (vLLM-CPU binds an engine to its cores; a se
 SmolLM2-135M's shapes (30 layers, 3 KV heads of 9 query heads, head size 64, block size 32) and the bare flag's
 settings, a request of ``n`` prompt tokens is compacted over and over, its parts timed, in interleaved rounds:
 
-  layer_by_layer  scoring one layer per call, as before (and as the Triton kernels do on CUDA)
-  stacked         the layers stacked into one call per ``DEFERRED_LAYERS_BYTES`` of keys (``Scorer.score_layers``)
+  layer_by_layer  scored at the copy, one layer per call (before score-ahead and stacking; the Triton kernels on
+                  CUDA also score layer by layer)
+  stacked         scored at the copy, the layers stacked into one call per ``DEFERRED_LAYERS_BYTES`` of keys
+                  (``Scorer.score_layers``): a plan the relief needs at once (a prompt arriving for more blocks than
+                  are free)
+  scored_ahead    scored ahead of the copy, a third of the layers per step (what the worker does for the plans the
+                  relief names ``SCORE_AHEAD_STEPS`` steps ahead): the copy step selects and copies only
 
 The cache is bf16 in vLLM-CPU's AMX tiles where the CPU has AMX (the layout the engine uses there), else float32
 rows (``vec``). Medians over rounds; the ratio is taken within each round.
@@ -40,11 +45,12 @@ from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.paging.compaction import compact_request
 from rcstat_vllm.paging.kv_layout import CPU_AMX, CPU_VEC, amx_unsupported_reason
 from rcstat_vllm.paging.page_space import PageSpace, cdiv
+from rcstat_vllm.reports import SCORE_AHEAD_STEPS
 from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, deferred_keep_blocks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compaction_step_cpu.json"
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 32
-MODES = ("layer_by_layer", "stacked")
+MODES = ("layer_by_layer", "stacked", "scored_ahead")
 
 
 def machine_layout():
@@ -82,14 +88,23 @@ class Setup:
         request.keep_blocks = request.plan_deferred(self.space, self.keep_blocks)
         return request
 
-    def compaction(self, stacked: bool) -> dict[str, float]:
-        """Seconds of each part of one compaction: what ``RequestCompressor.compact`` runs for a lazy plan."""
+    def compaction(self, mode: str) -> dict[str, float]:
+        """Milliseconds of each part of one compaction in ``mode`` (:data:`MODES`): what the step that copies waits
+        for (``copy_step_ms``: ``RequestCompressor.compact`` for a lazy plan) and, scored ahead, the longest of the
+        steps before it (``ahead_step_ms``)."""
         request = self.request()
         saved = compression.DEFERRED_LAYERS_BYTES
-        compression.DEFERRED_LAYERS_BYTES = saved if stacked else 0  # 0: one layer per call
+        compression.DEFERRED_LAYERS_BYTES = 0 if mode == "layer_by_layer" else saved  # 0: one layer per call
         try:
+            ahead = []
+            if mode == "scored_ahead":  # the steps before the copy, a share of the layers each (the worker's budget)
+                share = cdiv(LAYERS, SCORE_AHEAD_STEPS - 1)
+                while any(scores is None for scores in request.scores):
+                    t = time.perf_counter()
+                    request.score_deferred(self.caches, self.layout, share)
+                    ahead.append(time.perf_counter() - t)
             t0 = time.perf_counter()
-            request.score_deferred(self.caches, self.layout)
+            request.score_deferred(self.caches, self.layout)  # at the copy: the layers left
             t1 = time.perf_counter()
             request.select(self.space)
             t2 = time.perf_counter()
@@ -99,10 +114,12 @@ class Setup:
         finally:
             compression.DEFERRED_LAYERS_BYTES = saved
         return {
-            "score_ms": (t1 - t0) * 1e3,
+            "copy_step_ms": (t3 - t0) * 1e3,
+            "score_at_copy_ms": (t1 - t0) * 1e3,
             "select_ms": (t2 - t1) * 1e3,
             "copy_ms": (t3 - t2) * 1e3,
-            "total_ms": (t3 - t0) * 1e3,
+            "ahead_step_ms": max(ahead, default=0.0) * 1e3,
+            "ahead_total_ms": sum(ahead) * 1e3,
         }
 
 
@@ -112,23 +129,27 @@ def run(sizes: list[int], rounds: int) -> dict:
     for n in sizes:
         setup = Setup(n, layout, dtype)
         for mode in MODES:  # warm-up: allocator, oneDNN primitives
-            setup.compaction(mode == "stacked")
+            setup.compaction(mode)
         per_round: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         for _ in tqdm(range(rounds), desc=f"n={n}", file=sys.stderr):
             for mode in MODES:
-                per_round[mode].append(setup.compaction(mode == "stacked"))
-        summary = {
+                per_round[mode].append(setup.compaction(mode))
+        summary: dict = {
             mode: {part: statistics.median(r[part] for r in rows) for part in rows[0]}
             for mode, rows in per_round.items()
         }
-        ratios = [a["total_ms"] / b["total_ms"] for a, b in zip(per_round["layer_by_layer"], per_round["stacked"])]
-        summary["speedup_total"] = statistics.median(ratios)
+        # within each round, the copy step's stall against scoring it layer by layer at the copy (as before)
+        for mode in MODES[1:]:
+            summary[mode]["copy_step_vs_layer_by_layer"] = statistics.median(
+                r["copy_step_ms"] / base["copy_step_ms"] for r, base in zip(per_round[mode], per_round[MODES[0]])
+            )
         results[str(n)] = summary
         print(
-            f"n={n}: layer_by_layer {summary['layer_by_layer']['total_ms']:.1f} ms "
-            f"(score {summary['layer_by_layer']['score_ms']:.1f}), stacked {summary['stacked']['total_ms']:.1f} ms "
-            f"(score {summary['stacked']['score_ms']:.1f}, select {summary['stacked']['select_ms']:.1f}, "
-            f"copy {summary['stacked']['copy_ms']:.1f}): {summary['speedup_total']:.2f}x"
+            f"n={n}: copy step (ms) layer_by_layer {summary['layer_by_layer']['copy_step_ms']:.1f}, "
+            f"stacked {summary['stacked']['copy_step_ms']:.1f}, "
+            f"scored_ahead {summary['scored_ahead']['copy_step_ms']:.1f} "
+            f"(select {summary['scored_ahead']['select_ms']:.1f}, copy {summary['scored_ahead']['copy_ms']:.1f}; "
+            f"longest step before it {summary['scored_ahead']['ahead_step_ms']:.1f})"
         )
     return {"layout": type(layout).__name__, "dtype": str(dtype), "results": results}
 
