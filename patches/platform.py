@@ -92,6 +92,12 @@ def _configure_engine(vllm_config, config, compression_off: bool = False) -> Non
             # A compaction's plan then reaches the scheduler a step late, while the next step is in flight over the
             # request's old blocks: its copy carries that step's tokens over (EngineCompaction.apply_reports).
             logger.info("rcstat: asynchronous scheduling kept (async_scheduling: keep)")
+    if config.cuda_graphs == "full_decode" and not compression_off:
+        # Read by the CUDA backend's builder (RCStatFlashMetadataBuilder.get_cudagraph_support); others ignore it.
+        logger.info(
+            "rcstat: full CUDA graphs for single-token decode steps (cuda_graphs: full_decode): every row runs "
+            "head-as-sequence in those steps; steps with host work in attention run piecewise"
+        )
     parallel = vllm_config.parallel_config
     if not parallel.worker_extension_cls:
         # Lets LLM.collective_rpc read per-request results (rcstat_vllm.api).

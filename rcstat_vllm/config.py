@@ -47,6 +47,8 @@ EVICTION_MODES = ("eager", "lazy")
 BUDGET_SCOPES = ("layer", "model")
 #: ``off``: the plugin turns vLLM's asynchronous scheduling off; ``keep``: leaves it as vLLM sets it
 ASYNC_SCHEDULING = ("off", "keep")
+#: ``piecewise``: attention runs eagerly between vLLM's piecewise graphs; ``full_decode``: decode steps in full graphs
+CUDA_GRAPHS = ("piecewise", "full_decode")
 
 #: The general settings, in the README's order; each method's own follow (its registry line). Defaults chosen by
 #: measurement (docs/defaults.md): a model-wide budget of 40% of the prompt KV, scored by RC at its defaults, with
@@ -132,6 +134,15 @@ GENERAL_KNOBS = (
         choices=ASYNC_SCHEDULING,
         server_only=True,
     ),
+    Knob(
+        "cuda_graphs",
+        "piecewise",
+        "CUDA: `piecewise`: attention runs eagerly between vLLM's piecewise graphs; `full_decode`: single-token "
+        "decode steps replay full graphs, every row head-as-sequence (docs/design.md, 'CUDA graphs'); server only",
+        kind="choice",
+        choices=CUDA_GRAPHS,
+        server_only=True,
+    ),
 )
 
 #: Every setting by name: the general ones, then each method's own (the config's fields, in this order).
@@ -190,6 +201,12 @@ class RCStatConfig:
             kept) and keep ``decode_budget`` of them on average, different numbers per head; the rest is compacted
             away and its blocks freed. The prompt's kept KV is not rescored.
         decode_interval: generated tokens per head between two decode-time compactions (at least ``window``).
+        async_scheduling: ``off``: the plugin turns vLLM's asynchronous scheduling off; ``keep``: leaves it on.
+        cuda_graphs: the CUDA backend's graphs. ``piecewise`` (the default until a GPU window has measured the other):
+            the backend declares no CUDA graph support for attention, so vLLM runs its piecewise graphs and attention
+            eagerly every step. ``full_decode``: a batch of single-token decodes runs every row head-as-sequence over
+            persistent buffers, and vLLM captures and replays full graphs for those batches; steps whose attention
+            does host work (a prefill, a compaction scored, queries kept for one, attribution) still run piecewise.
     """
 
     method: str = KNOBS["method"].default
@@ -213,6 +230,7 @@ class RCStatConfig:
     decode_budget: int | None = KNOBS["decode_budget"].default
     decode_interval: int = KNOBS["decode_interval"].default
     async_scheduling: str = KNOBS["async_scheduling"].default
+    cuda_graphs: str = KNOBS["cuda_graphs"].default
 
     def __post_init__(self) -> None:
         for knob in KNOBS.values():  # (declared order: a field named as another's minimum is checked first)

@@ -144,6 +144,7 @@ def test_good_config_round_trips():
         "decode_budget": 64,
         "decode_interval": 32,
         "async_scheduling": "keep",
+        "cuda_graphs": "full_decode",
     }
     config = RCStatConfig.from_dict(values)
     assert config.to_dict() == values
@@ -297,3 +298,16 @@ def test_a_server_setting_is_refused_as_a_request_override():
     with pytest.raises(ConfigError, match=r"'async_scheduling'.*a server setting") as error:
         RCStatConfig().merged({"async_scheduling": "keep"})
     assert error.value.field == "async_scheduling"
+
+
+def test_cuda_graphs_is_a_server_setting_with_two_values():
+    """``cuda_graphs`` decides what vLLM captures at start-up (the backend's graph support): the flag sets it, a
+    request cannot, and an unknown mode is refused naming the field."""
+    assert RCStatConfig().cuda_graphs == "piecewise"
+    assert RCStatConfig.from_dict({"cuda_graphs": "full_decode"}).cuda_graphs == "full_decode"
+    with pytest.raises(ConfigError, match=r"'cuda_graphs'.*a server setting") as error:
+        RCStatConfig().merged({"cuda_graphs": "full_decode"})
+    assert error.value.field == "cuda_graphs"
+    with pytest.raises(ConfigError, match=r"'cuda_graphs'.*piecewise \| full_decode") as error:
+        RCStatConfig.from_dict({"cuda_graphs": "full"})
+    assert error.value.field == "cuda_graphs"
