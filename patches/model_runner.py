@@ -7,6 +7,9 @@ its compaction reports back to the scheduler.
 - ``_prepare_inputs``: vLLM's ``CommonAttentionMetadata`` has no request ids, settings or prompt lengths, which
   per-request compression needs; the runner's persistent batch has them once ``_prepare_inputs`` has ordered
   it.
+- ``_determine_batch_execution_and_padding`` (``cuda_graphs: full_decode``): a step whose attention does host work
+  (queries kept, a compaction job scored, attribution) is dispatched as not a uniform decode, so it runs piecewise,
+  never replayed from a full CUDA graph, which would skip the forward's Python.
 - ``execute_model`` / ``sample_tokens``: the step's reports (and the time its copies took) travel to the scheduler in
   :class:`RCStatModelRunnerOutput`, a ``ModelRunnerOutput`` with two more fields (it pickles between processes
   like its base; ``patches/scheduler.py`` reads it). A step that schedules no tokens never reaches
@@ -38,6 +41,20 @@ CONTRACTS = (
     Contract(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
         ("self", "scheduler_output", "num_scheduled_tokens"),
+    ),
+    Contract(
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding",
+        (
+            "self",
+            "num_tokens",
+            "num_reqs",
+            "num_scheduled_tokens_np",
+            "max_num_scheduled_tokens",
+            "use_cascade_attn",
+            "allow_microbatching",
+            "force_eager",
+            "force_uniform_decode",
+        ),
     ),
     Contract(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
@@ -199,6 +216,23 @@ def _prepare_inputs(original):
     return wrapper
 
 
+def _determine_batch_execution_and_padding(original):
+    def wrapper(self, *args, **kwargs):
+        owner = runner_owner(self)
+        if (
+            owner is not None
+            and kwargs.get("force_uniform_decode") is None
+            and owner.config.cuda_graphs == "full_decode"
+            and owner.dispatch_eager_attention()
+        ):
+            # Attention does host work in this step (queries kept, a job scored, attribution): not a uniform decode
+            # for the graph dispatcher, so it runs the piecewise graphs with attention eager, never a full graph.
+            kwargs["force_uniform_decode"] = False
+        return original(self, *args, **kwargs)
+
+    return wrapper
+
+
 def attach_reports(runner, output):
     """The output with the worker's pending reports, when it is a step's output, plain or asynchronous (others, e.g.
     ``None`` from an ``execute_model`` whose tokens ``sample_tokens`` returns, keep them)."""
@@ -237,6 +271,7 @@ def _sample_tokens(original):
 HOOKS = {
     "initialize_kv_cache": _initialize_kv_cache,
     "_prepare_inputs": _prepare_inputs,
+    "_determine_batch_execution_and_padding": _determine_batch_execution_and_padding,
     "execute_model": _execute_model,
     "sample_tokens": _sample_tokens,
 }

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rcstat_vllm.attention.decode_graph import DecodeGraphBuffers, DecodeGraphPlan, flash_decode_graph_forward
 from rcstat_vllm.attention.flash_head_attention import HeadPageKernels, flash_head_sequence_forward
 from rcstat_vllm.attention.head_plan import plan_step_for_builder
 from rcstat_vllm.attribution.capture import record_layer
 from rcstat_vllm.capabilities import engine_unsupported_reason, model_has_attention_sinks
+from rcstat_vllm.config import server_config
 from rcstat_vllm.paging.kv_layout import FLASH
 from rcstat_vllm.vllm_private.flash_attention import (
     AttentionCGSupport,
@@ -40,7 +42,7 @@ from rcstat_vllm.vllm_private.flash_attention import (
 )
 from rcstat_vllm.vllm_private.internals import backend_invalid_reasons, kv_scales
 from rcstat_vllm.worker.driver import worker_compression
-from rcstat_vllm.worker.step_plan import StepCompression
+from rcstat_vllm.worker.step_plan import StepCompression, rows_match
 
 #: The KV cache layout head pages need on the GPU: a block's heads one after another, each [N, 2D].
 HEAD_MAJOR_LAYOUT = KVCacheLayout.LBHNC
@@ -67,17 +69,35 @@ class RCStatFlashBackend(FlashAttentionBackend):
 @dataclass
 class RCStatFlashMetadata(FlashAttentionMetadata):
     rcstat: StepCompression | None = None
+    #: a single-token decode step under ``cuda_graphs: full_decode``: every row head-as-sequence (None: today's path)
+    decode_graph: DecodeGraphPlan | None = None
+
+
+def full_decode_graphs(vllm_config) -> bool:
+    """Whether the flag asks for full CUDA graphs of decode steps (``cuda_graphs: full_decode``)."""
+    config = server_config(getattr(vllm_config, "additional_config", None))
+    return config is not None and config.cuda_graphs == "full_decode"
 
 
 class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
-    # Head-as-sequence batches change shape with every compressed request's kept counts, and a graph captured
-    # over vLLM's logical block table would read a compressed request's freed prompt blocks: attention runs
-    # eager. vLLM then turns its default FULL_AND_PIECEWISE into PIECEWISE (graphs for everything but attention),
-    # for every batch, method "none" included; an explicit FULL mode fails at start-up (vLLM's own check).
-    # See docs/design.md, "CUDA graphs", for what that costs and the alternative not built.
+    # cuda_graphs "piecewise" (the default): head-as-sequence batches change shape with every compressed request's
+    # kept counts, and a graph captured over vLLM's logical block table would read a compressed request's freed
+    # prompt blocks: attention runs eager. vLLM then turns its default FULL_AND_PIECEWISE into PIECEWISE (graphs
+    # for everything but attention), for every batch, method "none" included; an explicit FULL mode fails at
+    # start-up (vLLM's own check). cuda_graphs "full_decode": get_cudagraph_support says
+    # UNIFORM_SINGLE_TOKEN_DECODE and single-token decode batches run every row head-as-sequence over persistent
+    # buffers (rcstat_vllm/attention/decode_graph.py). See docs/design.md, "CUDA graphs".
     _cudagraph_support = AttentionCGSupport.NEVER
     # Metadata must be built per KV-cache group from the step's plan, never copied with a new block table.
     supports_update_block_table = False
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # Single-token decodes only: the plugin turns compression off under speculative decoding (the one case
+        # UNIFORM_BATCH adds), and wider uniform batches (prefill chunks) take today's path, which no graph holds.
+        if full_decode_graphs(vllm_config):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -86,19 +106,67 @@ class RCStatFlashMetadataBuilder(FlashAttentionMetadataBuilder):
         self.compresses = self.rcstat.attach_layers(
             layer_names, num_kv_heads=kv_cache_spec.num_kv_heads, block_size=kv_cache_spec.block_size, layout=FLASH
         )
+        #: the persistent head-sequence buffers of full-graph decode steps (None: cuda_graphs piecewise)
+        self.decode_graph: DecodeGraphBuffers | None = None
         if not self.compresses:
             return
         reason = unsupported_reason(vllm_config, layer_names, kv_cache_spec)
         if reason is not None:
             self.rcstat.disable(reason)
+        elif full_decode_graphs(vllm_config):
+            self.decode_graph = DecodeGraphBuffers.for_engine(
+                vllm_config, self.rcstat.num_layers, kv_cache_spec.num_kv_heads, kv_cache_spec.block_size, device
+            )
+
+    def _graph_layout(self, common_attn_metadata) -> bool:
+        """Whether this batch runs every row head-as-sequence over the graph buffers: single-token decodes under
+        ``cuda_graphs: full_decode``, compression on (an engine running uncompressed keeps vLLM's own graphs)."""
+        return (
+            self.decode_graph is not None
+            and self.rcstat.disabled_reason is None
+            and common_attn_metadata.max_query_len == 1
+        )
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if not self.compresses:
             return base  # FlashAttention's own metadata: the impl runs vLLM's path for these layers
+        if self._graph_layout(common_attn_metadata):
+            return self._build_decode_graph(base, common_attn_metadata)
         parent_build = super().build
         plan = plan_step_for_builder(self.rcstat, common_attn_metadata, lambda rows: parent_build(0, rows, fast_build))
         return RCStatFlashMetadata(**vars(base), rcstat=plan)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        """vLLM's capture of a decode batch (dummy rows, no step): the graph layout, every row plain."""
+        if not self.compresses or not self._graph_layout(common_attn_metadata):
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        assert self.decode_graph is not None
+        base = super().build(0, common_attn_metadata)
+        graph = self.decode_graph.fill(common_attn_metadata, common_attn_metadata.num_reqs, self._layer_base())
+        return RCStatFlashMetadata(**vars(base), rcstat=StepCompression(owner=self.rcstat), decode_graph=graph)
+
+    def _layer_base(self) -> tuple[int, ...] | None:
+        space = self.rcstat.space
+        return None if space is None else space.layer_base
+
+    def _build_decode_graph(self, base, common_attn_metadata):
+        """A single-token decode step: the step's plan (compressed rows grow their head pages, decode compaction
+        watched), then every row into the graph buffers. Steps with host work in attention (queries kept, a job
+        scored, attribution) were dispatched piecewise (``patches/model_runner.py``): the impl's forward runs."""
+        assert self.decode_graph is not None
+        plan = self.rcstat.plan_step(common_attn_metadata)
+        query_start = common_attn_metadata.query_start_loc_cpu.tolist()
+        real = len(plan.seq_lens) if plan.seq_lens else real_rows(query_start)
+        assert rows_match(real, common_attn_metadata.num_reqs, query_start)
+        self.rcstat.check_graph_step(plan)
+        graph = self.decode_graph.fill(common_attn_metadata, real, self._layer_base(), plan.compressed, plan.seq_lens)
+        return RCStatFlashMetadata(**vars(base), rcstat=plan, decode_graph=graph)
+
+
+def real_rows(query_start: list[int]) -> int:
+    """Rows with a query, at the front of a batch whose padding rows have none."""
+    return sum(1 for row in range(len(query_start) - 1) if query_start[row + 1] > query_start[row])
 
 
 #: FlashAttention versions whose paged varlen kernel head-as-sequence calls (``block_table`` + ``seqused_k``, one KV
@@ -241,7 +309,21 @@ class RCStatFlashImpl(FlashAttentionImpl):
         if layer_index is not None:
             record_layer(plan.attribution, layer_index, query, key)
         num_tokens = attn_metadata.num_actual_tokens
-        if layer_index is None or plan.head_plan is None:
+        if layer_index is not None and attn_metadata.decode_graph is not None:
+            flash_decode_graph_forward(
+                self.head_page_kernels,
+                query,
+                key,
+                value,
+                owner.page_cache(layer_index, kv_cache),
+                output,
+                attn_metadata.decode_graph,
+                layer_index,
+                scale=self.scale,
+                softcap=self.logits_soft_cap,
+                layer=layer,
+            )
+        elif layer_index is None or plan.head_plan is None:
             # A layer the plugin does not compress (a drafter's), or no compressed request in the batch: vLLM's
             # own path, unchanged.
             if key is not None and value is not None:

@@ -10,11 +10,16 @@ torch: the reference the tests check the path against on CPU tensors.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from rcstat_vllm.attention.head_plan import HeadSequencePlan
 from rcstat_vllm.paging.kv_layout import flash_head_page_caches
+
+if TYPE_CHECKING:  # (annotations only)
+    from rcstat_vllm.attention.decode_graph import DecodeGraphPlan
 
 
 class HeadPageKernels:
@@ -30,7 +35,7 @@ class HeadPageKernels:
         key_pages: Tensor,
         value_pages: Tensor,
         out: Tensor,
-        plan: HeadSequencePlan,
+        plan: HeadSequencePlan | DecodeGraphPlan,
         layer_index: int,
         *,
         scale: float,

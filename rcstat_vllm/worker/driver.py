@@ -48,7 +48,7 @@ from rcstat_vllm.worker.rank_agreement import max_over_ranks, visible_on_any_ran
 from rcstat_vllm.worker.requests import Phase, WorkerRequests
 from rcstat_vllm.worker.results import MAX_RESULTS, ResultsLog  # noqa: F401  (MAX_RESULTS: the API's documented cap)
 from rcstat_vllm.worker.step import StepInfo
-from rcstat_vllm.worker.step_plan import StepCompression, StepPlanner
+from rcstat_vllm.worker.step_plan import StepCompression, StepPlanner, has_host_work
 
 
 class WorkerCompression(CompressedLayers):
@@ -64,6 +64,8 @@ class WorkerCompression(CompressedLayers):
 
             self.block_agreement_group = tensor_parallel_cpu_group()
         self._step: StepInfo | None = None
+        #: whether the runner dispatched this step piecewise for attention's host work (dispatch_eager_attention)
+        self._eager_attention = False
         self.requests = WorkerRequests()
         self.results_log = ResultsLog()
         #: each request's settings, resolved the first time a step shows it, dropped when it leaves
@@ -122,6 +124,23 @@ class WorkerCompression(CompressedLayers):
         if not self.layer_names and self.disabled_reason is not None:
             self._report_unserved(info)
         self._step = info
+        self._eager_attention = False  # (until the runner asks, dispatch_eager_attention)
+
+    def dispatch_eager_attention(self) -> bool:
+        """Asked by the runner before it picks the step's CUDA graph (``patches/model_runner.py``): True when this
+        step's attention may do host work, so it must run piecewise, not from a full graph (``cuda_graphs:
+        full_decode``)."""
+        self._eager_attention = self.planner.attention_needs_host(self._step)
+        return self._eager_attention
+
+    def check_graph_step(self, plan: StepCompression) -> None:
+        """A full-graph decode step's plan must do no host work in attention unless the runner was told to run it
+        piecewise (:meth:`dispatch_eager_attention`): a graph replay would skip that work silently."""
+        if has_host_work(plan) and not self._eager_attention:
+            raise RuntimeError(
+                "rcstat: a decode step with host work in attention (queries kept, a job scored or attribution) was "
+                "not dispatched piecewise: a full CUDA graph would skip it"
+            )
 
     def plan_step(self, common_attn_metadata) -> StepCompression:
         """What every row of this batch does (:class:`~rcstat_vllm.worker.step_plan.StepPlanner`)."""

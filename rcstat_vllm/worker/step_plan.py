@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rcstat_vllm.attribution.capture import REQUEST_KEY as ATTRIBUTION_KEY
 from rcstat_vllm.attribution.capture import attribution_capture
 from rcstat_vllm.log import logger
 from rcstat_vllm.paging.head_pages import CompactedRequest
@@ -58,6 +59,20 @@ class StepCompression:
     seq_lens: list[int] = field(default_factory=list)
     #: (DecodeCompressor, query start, query end) of rows whose queries a coming decode-time compaction observes
     decode_queries: list = field(default_factory=list)
+
+
+def has_host_work(plan: StepCompression) -> bool:
+    """Whether a step's plan gives its attention host work after a layer (queries kept, a job scored, attribution)."""
+    return bool(plan.to_save or plan.decode_queries or plan.scoring or plan.attribution)
+
+
+def rows_match(num_requests: int, num_rows: int, query_start: list[int]) -> bool:
+    """Whether a batch's metadata of ``num_rows`` rows (``query_start``: its host query offsets) is the step's
+    ``num_requests`` requests: the same rows, or those followed by padding rows without queries (vLLM pads a batch it
+    replays in a full CUDA graph to the captured size)."""
+    if num_requests > num_rows:
+        return False
+    return all(start == query_start[num_requests] for start in query_start[num_requests + 1 :])
 
 
 class StepPlanner:
@@ -115,12 +130,12 @@ class StepPlanner:
     def plan_rows(self, owner, step: StepInfo | None, common_attn_metadata) -> StepCompression:
         """The step's plan for every row of the batch (``owner``: the worker owner the plan's impls report to)."""
         plan = StepCompression(owner=owner)
-        if step is None or len(step.requests) != common_attn_metadata.num_reqs:
+        query_start = common_attn_metadata.query_start_loc_cpu.tolist()
+        if step is None or not rows_match(len(step.requests), common_attn_metadata.num_reqs, query_start):
             if self.requests.num_compressed:
                 raise RuntimeError("rcstat: batch metadata without step info while requests are compressed")
             return plan
         block_table = common_attn_metadata.block_table_tensor
-        query_start = common_attn_metadata.query_start_loc_cpu.tolist()
         plan.attribution = attribution_capture().plan(step.requests, query_start, self.num_layers)
         plan.seq_lens = [request.num_tokens_after_step for request in step.requests]
         for row, request in enumerate(step.requests):
@@ -142,6 +157,40 @@ class StepPlanner:
                 if config.enabled and request.num_prompt_tokens >= config.min_prompt_len:
                     plan.to_save.append((self.requests.in_prefill(request.req_id), *rows, window_queries(config)))
         return plan
+
+    def attention_needs_host(self, step: StepInfo | None) -> bool:
+        """Whether this step's attention may do host work after a layer (``WorkerCompression.after_attention``:
+        queries kept, a compaction job scored; attribution recorded), decided before the step's plan from the step
+        info alone. Conservative: every step that :meth:`plan_rows` gives such work answers True (the builder checks
+        it, :func:`has_host_work`). Under ``cuda_graphs: full_decode`` such a step runs piecewise, never replayed
+        from a full graph (which runs none of the forward's Python)."""
+        if step is None:
+            return False
+        capture = attribution_capture()
+        for request in step.requests:
+            if capture.active and request.extra_args and ATTRIBUTION_KEY in request.extra_args:
+                return True
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                return True  # a prefill chunk: its queries kept, or its prompt's job scored
+            record = self.requests.get(request.req_id)
+            if record is None:
+                if self._decode_watcher_wanted(request):
+                    return True  # watched from this step on
+                continue
+            decode = record.decode
+            if decode is None or record.job is not None:
+                continue
+            num_tokens = request.num_tokens_after_step
+            if request.req_id in step.decode_soon or decode.observing(num_tokens) or decode.due(num_tokens):
+                return True
+        return False
+
+    def _decode_watcher_wanted(self, request) -> bool:
+        """Whether :meth:`_plan_uncompressed_decode` would start watching this request (no side effect)."""
+        if self.disabled_reason is not None or self.space is None:
+            return False
+        settings = self.request_settings.of(request.req_id, request.extra_args)
+        return settings.invalid is None and settings.config.decode_compression
 
     def _plan_prompt(self, plan: StepCompression, record, request, start: int, end: int, block_row) -> None:
         """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped."""
