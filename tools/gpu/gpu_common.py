@@ -72,6 +72,9 @@ SETTINGS = {
     # vLLM's asynchronous scheduling kept (issue 53: measured against "bare", which turns it off)
     "bare-async": ({}, {"async_scheduling": "keep"}),
     "rc0.8-async": ({}, {"method": "rc", "target_ratio": 0.8, "async_scheduling": "keep"}),
+    # full CUDA graphs for single-token decode steps (issue 53: measured against "rc0.8" and "none", piecewise)
+    "rc0.8-graphs": ({}, {"method": "rc", "target_ratio": 0.8, "cuda_graphs": "full_decode"}),
+    "none-graphs": ({}, {"method": "none", "cuda_graphs": "full_decode"}),
 }
 
 #: Offline, quiet, reproducible: set in every engine subprocess.

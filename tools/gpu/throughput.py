@@ -11,7 +11,9 @@ graphs (the plugin's backend makes them PIECEWISE); ``--mode eager`` runs withou
 Settings (``--settings``, names of tools/gpu/gpu_common.py SETTINGS): vanilla (plugin not loaded), bare
 (``{"rcstat": {}}``), rc0.8 (RC, 0.8 budget), tova0.8; also available: none (method none), snapkv0.8, noflag.
 One engine per setting per process (a subprocess each). Rounds interleave the settings (vanilla, bare, rc0.8,
-tova0.8, vanilla, ...); bare-async and rc0.8-async keep vLLM's asynchronous scheduling (``async_scheduling: keep``).
+tova0.8, vanilla, ...); bare-async and rc0.8-async keep vLLM's asynchronous scheduling (``async_scheduling: keep``);
+rc0.8-graphs and none-graphs capture full graphs of single-token decode steps (``cuda_graphs: full_decode``), to
+compare with rc0.8 and none (``--settings none,none-graphs,rc0.8,rc0.8-graphs``).
 Results accumulate in ``$RCSTAT_RESULTS/throughput_<tag>_<device>.json`` across calls with
 the same ``--tag``: each call runs the next runs of the interleaved plan not yet done, as many as fit in
 ``--budget-s``, so a plan longer than one device call (600 s) continues in the next call.
