@@ -31,9 +31,11 @@ from rcstat_vllm.scoring.selection import select_keep_masks
 from rcstat_vllm.settings import RequestSettings, scorer_options, window_queries
 from rcstat_vllm.worker.step import BatchRequest
 
-#: a deferred scoring's working set: the layers scored in one call hold at most this many bytes of float32 keys
-#: (64 MiB: every layer of SmolLM2 up to ~5k prompt tokens, 2 layers of a 32k prompt on Llama-3-8B's 8 KV heads)
-DEFERRED_LAYERS_BYTES = 64 << 20
+#: a deferred scoring's working set: the layers scored in one call hold at most this many bytes of float32 keys.
+#: Stacking saves dispatches, not arithmetic: it pays at short prompts (SmolLM2, 320 tokens: 17 layers a call, copy
+#: step 75 vs 83 ms) and not beyond a cache-sized working set (64 MiB at 2000 tokens: 300 vs 250 ms;
+#: ``benchmarks/compaction_step.py``), so at 2000 tokens and more it scores about a layer a call.
+DEFERRED_LAYERS_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
