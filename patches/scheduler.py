@@ -227,7 +227,14 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> tuple[str, ...]:
     parked = state.parked(
         lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id) else None
     )
-    relief = pressure_policy.cover(short, reason, parked)
+    relief = pressure_policy.cover(short, reason, parked, pressure_policy.urgent_shortfall(snapshot, decode))
+    if relief.scoring:
+        logger.debug(
+            "rcstat: lazy relief (%s): the waiting prompt waits for %d parked plans being scored ahead: %s",
+            relief.reason,
+            len(relief.scoring),
+            ", ".join(relief.scoring),
+        )
     if relief.compact:
         state.relieve_pressure(pool, relief, lambda req_id: running_request_tokens(scheduler, req_id))
     still_parked = {record.req_id for record in state.requests.in_phase(Phase.PLANNED)}

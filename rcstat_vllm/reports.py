@@ -190,6 +190,9 @@ class StepCompactions:
     #: (compression ratio, global eviction ratio) of each prompt compacted here whose plan was scored at its copy
     #: (lazy eviction, budget mode): the scheduler saw no ratio in its plan
     scored_at_copy: tuple[tuple[float, float], ...] = ()
+    #: parked plans (lazy eviction) whose every layer this step finished scoring ahead of their copy: a relief for a
+    #: waiting prompt may now compact them without stalling a step for their scoring
+    scored_ahead: tuple[str, ...] = ()
 
     @property
     def seconds(self) -> float:

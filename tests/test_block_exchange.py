@@ -416,6 +416,28 @@ def test_lazy_plans_wait_until_the_scheduler_wants_more_blocks_than_are_free():
     assert gained == 5 and [c.req_id for c in queued(state)[1:]] == ["mid", "small"] and not parked(state)
 
 
+def test_a_parked_plan_is_ready_once_scored_at_prefill_or_ahead_and_a_new_plan_starts_unready():
+    """A plan scored at its copy (deferred: its report names no kept counts) is not ready until the workers say they
+    scored it ahead (StepCompactions.scored_ahead); a plan scored at prefill (kept counts known) is ready at once;
+    readiness goes with the plan (compacted, or a request's next plan starts unready)."""
+    pool = FakePool(40)
+    lists = {"deferred": allocate(pool, 4), "scored": allocate(pool, 4)}
+    state = EngineCompaction(config=RCStatConfig(eviction="lazy"))
+    scored = CompressionReport("scored", 4 * BLOCK, "rc", 2, kept=[[BLOCK, 3 * BLOCK]], block_size=BLOCK, lazy=True)
+    state.apply_reports(pool, [lazy_report(2, 64, "deferred"), scored], lambda req_id: lists[req_id])
+    running = lambda req_id: (lists[req_id], 64)  # noqa: E731
+    ready = lambda: {p.req_id: p.ready for p in state.parked(running)}  # noqa: E731
+    assert ready() == {"deferred": False, "scored": True}
+    state.observe_step(StepCompactions((CopyRun("deferred", "score_ahead", 0.01),), scored_ahead=("gone",)))
+    assert ready() == {"deferred": False, "scored": True}  # a layer scored, not all: still unready
+    state.observe_step(StepCompactions((CopyRun("deferred", "score_ahead", 0.01),), scored_ahead=("deferred",)))
+    assert ready() == {"deferred": True, "scored": True}
+    assert state.stats.requests_compressed == 0  # a score-ahead run is no copy
+    assert relieve(state, pool, pool.get_num_free_blocks() + 1, running, "1 short") == 2
+    assert [c.req_id for c in queued(state)] == ["deferred"]  # (equal gains: parked first)
+    assert not state.requests.get("deferred").scored_ahead  # readiness went with its plan
+
+
 def test_lazy_plans_are_counted_planned_compacted_or_never_compacted_and_ratios_only_where_known():
     """Metrics say what lazy eviction did: a parked plan is planned, not compressed; compacted under pressure it is
     compressed, but its ratio (scored at the copy) is unknown here, so the mean ratio is not dragged to 0 by it; a

@@ -1,18 +1,22 @@
 """The pressure policy (rcstat_vllm/engine/pressure_policy.py) on constructed snapshots: no engine, no vLLM, no torch.
 Each case states the exact decision; most would fail with another choice order or an off-by-one in the shortfall."""
 
+from dataclasses import replace
+
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.pressure_policy import (
     ParkedPlan,
     PoolSnapshot,
     RunningRequest,
     blocks_wanted,
+    cover,
     decode_shortfall,
     expected_gain,
     relief,
     requests_to_hurry,
     shortfall,
     to_score_ahead,
+    urgent_shortfall,
 )
 
 BLOCK = 16
@@ -64,6 +68,28 @@ def test_the_plans_scored_ahead_are_those_the_relief_would_compact_a_few_steps_l
     assert to_score_ahead(6, plans, now.compact) == ("b",)
     assert to_score_ahead(6, plans, ()) == ("c", "b")
     assert to_score_ahead(0, plans, ()) == ()  # no pressure ahead: nothing scored before it is needed
+
+
+def test_a_waiting_prompt_waits_for_plans_scored_ahead_while_the_running_requests_next_tokens_do_not():
+    """What the running requests need for their next tokens is covered by any plan (vLLM would preempt one); what the
+    first waiting prompt wants only by ready plans (scored at prefill or ahead): an unready plan's copy would score
+    every layer in that step, stalling every running request, while the prompt can wait a few steps as in vLLM."""
+    requests = (running("a", 4 * BLOCK + 1, held=4),)  # its next token needs a 5th block: 1 urgent
+    snapshot = PoolSnapshot(0, BLOCK, requests, first_waiting_tokens=6 * BLOCK)  # a 6-block prompt waits
+    assert shortfall(snapshot)[0] == 7 and urgent_shortfall(snapshot) == 1
+    unready = (ParkedPlan("big", 8, ready=False), ParkedPlan("mid", 4, ready=True), ParkedPlan("small", 2, False))
+    decision = cover(7, "why", unready, urgent=1)
+    # the urgent block: big (any plan, most first); it covers the prompt too
+    assert decision.compact == ("big",) and decision.scoring == ()
+    decision = cover(7, "why", unready, urgent=0)
+    # nothing urgent: only mid is ready (4 of 7); big and small are being scored ahead, the prompt waits for them
+    assert decision.compact == ("mid",) and decision.scoring == ("big", "small") and decision.rest == ()
+    assert cover(7, "why", unready).compact == ("big",)  # urgent None: the whole shortfall from any plan (as before)
+    assert cover(7, "why", unready, urgent=7).compact == ("big",)
+    assert cover(0, "why", unready, urgent=0).compact == () and cover(0, "why", unready, urgent=0).scoring == ()
+    ready = tuple(ParkedPlan(p.req_id, p.blocks_freed) for p in unready)
+    assert cover(7, "why", ready, urgent=0).compact == ("big",)  # all ready: freeing most first, as before
+    assert relief(replace(snapshot, parked=unready)).compact == ("big",)  # relief() splits off the urgent part
 
 
 def test_plans_freeing_most_go_first_until_their_blocks_cover_the_shortfall():

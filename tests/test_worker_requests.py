@@ -188,25 +188,31 @@ def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_
     calls = []
 
     def job(req_id, layers_left):
-        left = [layers_left]
+        fake = SimpleNamespace(kind="prompt", scored_ahead=False)
 
         def score_ahead(caches, max_layers):
-            scored = min(max_layers, left[0])
-            left[0] -= scored
+            nonlocal layers_left
+            scored = min(max_layers, layers_left)
+            layers_left -= scored
+            fake.scored_ahead = layers_left == 0
             calls.append((req_id, max_layers, scored))
             return scored
 
-        return SimpleNamespace(kind="prompt", score_ahead=score_ahead)
+        fake.score_ahead = score_ahead
+        return fake
 
     awaiting_blocks(worker.requests, "a", job("a", 3))
     awaiting_blocks(worker.requests, "b", job("b", 6))
     worker.requests.in_prefill("p")  # not waiting for blocks: never scored ahead
     worker.pop_step_compactions()
 
+    done = []
+
     def step(*names):
         calls.clear()
         worker.begin_step(StepInfo(requests=[], score_ahead=names))
         copies = worker.pop_step_compactions()
+        done.append(() if copies is None else copies.scored_ahead)
         return calls[:], [] if copies is None else [(c.req_id, c.kind) for c in copies.copies]
 
     assert step("b", "a", "p", "gone") == ([("b", 2, 2)], [("b", "score_ahead")])  # b is named first
@@ -215,6 +221,8 @@ def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_
     assert step("a", "b") == ([("a", 2, 1), ("b", 1, 1)], [("a", "score_ahead"), ("b", "score_ahead")])
     assert step("a", "b") == ([("a", 2, 0), ("b", 2, 2)], [("b", "score_ahead")])  # a, fully scored, is no run
     assert step() == ([], [])  # nothing named: nothing scored
+    # the scheduler learns when a plan's copy has nothing left to score: a in the 3rd step; b (5 of 6 layers) not yet
+    assert done == [(), (), ("a",), (), ()]
 
 
 def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_without_reports(monkeypatch):

@@ -208,7 +208,9 @@ class EngineCompaction:
                 self.stats.observe_never_compacted()
 
     def observe_step(self, step: StepCompactions) -> None:
-        """The worker's copies in one step: each granted compaction is counted now that its copy ran."""
+        """The worker's copies in one step: each granted compaction is counted now that its copy ran; the parked plans
+        it finished scoring ahead of their copy are ready."""
+        self.requests.mark_scored_ahead(step.scored_ahead)
         for copy in step.copies:
             uncounted = self._uncounted.pop((copy.req_id, copy.kind), None)
             if uncounted is None:
@@ -263,7 +265,9 @@ class EngineCompaction:
             held = running(record.req_id)
             if held is not None:
                 gain = exchange_sizes(held[0], record.plan, held[1]).gain  # type: ignore[arg-type]  # (PLANNED)
-                plans.append(ParkedPlan(record.req_id, gain))
+                # ready: its copy scores nothing (scored at prefill: the plan names what each head keeps; or ahead)
+                ready = bool(record.plan.kept) or record.scored_ahead  # type: ignore[union-attr]
+                plans.append(ParkedPlan(record.req_id, gain, ready))
         return tuple(plans)
 
     def relieve_pressure(

@@ -65,6 +65,8 @@ class ParkedPlan:
 
     req_id: str
     blocks_freed: int
+    #: its copy scores nothing: scored at prefill, or every layer scored ahead of the copy (:func:`to_score_ahead`)
+    ready: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ class Relief:
     rest: tuple[ParkedPlan, ...] = ()
     #: parked plans passed over because compacting them now frees nothing (logged with the reason)
     freeing_nothing: tuple[str, ...] = ()
+    #: parked plans a waiting prompt's shortfall passed over while they are scored ahead (see :func:`cover`)
+    scoring: tuple[str, ...] = ()
 
     def after(self, freed: int) -> Relief:
         """The relief still needed once :attr:`compact` freed ``freed`` blocks: fewer than their plans said when
@@ -198,15 +202,35 @@ def shortfall(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None, ste
 
 
 def relief(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> Relief:
-    """Lazy eviction before a schedule: the :func:`shortfall`, covered by parked plans (:func:`parked_to_compact`)."""
-    return cover(*shortfall(snapshot, decode), snapshot.parked)
+    """Lazy eviction before a schedule: the :func:`shortfall`, covered by parked plans (:func:`parked_to_compact`);
+    its part the first waiting prompt wants only by ready plans (:func:`cover`)."""
+    return cover(*shortfall(snapshot, decode), snapshot.parked, urgent_shortfall(snapshot, decode))
 
 
-def cover(short: int, reason: str, parked: Sequence[ParkedPlan]) -> Relief:
-    """The relief for a shortfall of ``short`` blocks (none when <= 0) from the ``parked`` plans."""
-    compact, rest = parked_to_compact(short, parked)
+def urgent_shortfall(snapshot: PoolSnapshot, decode: tuple[int, str] | None = None) -> int:
+    """The part of the :func:`shortfall` that cannot wait: the running requests' next tokens (and the decode-time
+    forecast's), without the first waiting prompt."""
+    return shortfall(replace(snapshot, first_waiting_tokens=0), decode)[0]
+
+
+def cover(short: int, reason: str, parked: Sequence[ParkedPlan], urgent: int | None = None) -> Relief:
+    """The relief for a shortfall of ``short`` blocks (none when <= 0) from the ``parked`` plans.
+
+    ``urgent`` (<= ``short``): the part of it the running requests need for their next tokens (vLLM would preempt
+    one), covered by any plan; the rest, what the first waiting prompt wants, only by plans that are ready (their
+    copy scores nothing): a plan still being scored ahead is left parked and the prompt waits a few steps, as it waits
+    in vLLM when blocks are short, instead of every running request waiting for a scoring in the copy's step. None:
+    the whole shortfall is urgent."""
     idle = tuple(p.req_id for p in parked if p.blocks_freed <= 0) if short > 0 else ()
-    return Relief(short, reason, compact, rest, idle)
+    if urgent is None or urgent >= short:
+        compact, rest = parked_to_compact(short, parked)
+        return Relief(short, reason, compact, rest, idle)
+    now, others = parked_to_compact(urgent, parked)
+    covered = sum(p.blocks_freed for p in parked if p.req_id in now)
+    ready = [p for p in others if p.ready]
+    more, rest = parked_to_compact(short - covered, ready)
+    scoring = tuple(p.req_id for p in others if not p.ready and p.blocks_freed > 0) if short > covered else ()
+    return Relief(short, reason, now + more, rest, idle, scoring)
 
 
 def to_score_ahead(short_ahead: int, parked: Sequence[ParkedPlan], compacted_now: Sequence[str]) -> tuple[str, ...]:

@@ -47,6 +47,8 @@ class EngineRequest:
     since: int = 0
     #: PLANNED: the worker's plan
     plan: CompressionReport | None = None
+    #: PLANNED: the workers scored every layer of its deferred plan ahead of its copy (``StepCompactions.scored_ahead``)
+    scored_ahead: bool = False
     #: AWAITING_COMPACTION: the compaction for the next scheduler output
     compaction: Compaction | None = None
     #: once a copy was granted: the blocks its kept KV goes to (None: never compacted)
@@ -116,13 +118,21 @@ class EngineRequests:
     def park(self, req_id: str, plan: CompressionReport) -> None:
         """Lazy eviction: the plan waits until the scheduler needs the request's blocks."""
         record = self._enter(self.track(req_id), Phase.PLANNED, Phase.WHOLE)
-        record.plan = plan
+        record.plan, record.scored_ahead = plan, False
 
     def take_plan(self, req_id: str) -> CompressionReport:
         """A parked plan the scheduler compacts now (the request is ``WHOLE`` until :meth:`queue`)."""
         record = self._enter(self._known(req_id, Phase.PLANNED), Phase.WHOLE, Phase.PLANNED)
-        plan, record.plan = record.plan, None
+        plan, record.plan, record.scored_ahead = record.plan, None, False
         return plan  # type: ignore[return-value]  # (PLANNED: a plan is parked)
+
+    def mark_scored_ahead(self, req_ids) -> None:
+        """The workers scored these parked plans ahead of their copy (ids no longer parked are ignored: the plan was
+        compacted or dropped since the workers were asked)."""
+        for req_id in req_ids:
+            record = self._records.get(req_id)
+            if record is not None and record.phase is Phase.PLANNED:
+                record.scored_ahead = True
 
     def continue_session(self, req_id: str) -> CompressionReport | None:
         """A streaming-input session's next chunk arrived: its parked plan (made for the earlier prompt) is dropped and

@@ -84,6 +84,8 @@ class WorkerCompression(CompressedLayers):
         self._results_sent = 0
         #: this step's prompts scored at their copy: (compression ratio, global eviction ratio) each
         self._scored_at_copy: list[tuple[float, float]] = []
+        #: parked plans whose scoring ahead finished in this step (sent with the step's compactions)
+        self._scored_ahead: list[str] = []
 
     @property
     def results(self):
@@ -183,11 +185,13 @@ class WorkerCompression(CompressedLayers):
             return None
         copies, self._copies = tuple(self._copies), []
         scored, self._scored_at_copy = tuple(self._scored_at_copy), []
+        ahead, self._scored_ahead = tuple(self._scored_ahead), []
         step = StepCompactions(
             copies,
             worker_requests=tracked if tracked != self._tracked_sent else None,
             worker_results=kept if kept != self._results_sent else None,
             scored_at_copy=scored,
+            scored_ahead=ahead,
         )
         self._tracked_sent, self._results_sent = tracked, kept
         return step
@@ -283,6 +287,8 @@ class WorkerCompression(CompressedLayers):
             if scored:
                 budget -= scored
                 self._copies.append(CopyRun(req_id, "score_ahead", time.perf_counter() - start))
+                if record.job.scored_ahead:
+                    self._scored_ahead.append(req_id)  # (the scheduler may now compact it for a waiting prompt)
 
     def _continue_session(self, req_id: str) -> None:
         """A streaming-input session's next chunk arrived (vLLM keeps the request's blocks and appends the chunk to its

@@ -66,6 +66,11 @@ class CompactionJob(ABC):
         """Work the job can do before its copy, named by the scheduler: none by default (0 layers scored)."""
         return 0
 
+    @property
+    def scored_ahead(self) -> bool:
+        """Whether :meth:`score_ahead` left its copy nothing to score."""
+        return False
+
 
 class PromptJob(CompactionJob):
     """A prompt's compaction, scored during its last prefill chunk (or, lazily, at the compaction)."""
@@ -142,6 +147,10 @@ class PromptJob(CompactionJob):
         if not self.compressor.deferred:
             return 0
         return self.compressor.score_deferred(caches, self.layout, max_layers)
+
+    @property
+    def scored_ahead(self) -> bool:
+        return self.compressor.deferred and all(scores is not None for scores in self.compressor.scores)
 
     def compact(self, caches: list[Tensor], compaction: Compaction, space: PageSpace) -> CompactedRequest:
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
