@@ -96,6 +96,15 @@ GENERAL_KNOBS = (
         maximum=1,
     ),
     Knob(
+        "coverage_floor",
+        0.0,
+        "budget mode: a token a head ranks in its top `coverage_floor` share of its part of the budget keeps a copy "
+        "in that layer, paid for from the heads that agree most (0 = off)",
+        kind="number",
+        minimum=0,
+        maximum=1,
+    ),
+    Knob(
         "window",
         REGISTRY["rc"].window,
         "the last `window` prompt tokens are always kept (RC: also the observation window)",
@@ -173,6 +182,11 @@ class RCStatConfig:
         layer_floor: model-wide budget only: each layer first keeps its own top ``layer_floor`` share of its
             equal part of the budget (``layer_floor * (1 - target_ratio)`` of its entries); the rest of the budget
             is given out across layers. 0 = purely model-wide, 1 = the same as ``budget_scope: layer``.
+        coverage_floor: budget mode only (threshold mode ignores it): keeps every route open at high compression
+            (the KV-compression-physics paper's global eviction). A token among a head's top ``coverage_floor *
+            (1 - target_ratio) * n`` tokens keeps at least one copy among its layer's KV heads (the head scoring
+            it highest), and the entries that pays for are the copies of the tokens its layer keeps in the most
+            heads; exactly as many entries are kept as without it. 0 = off.
         smoothing: RC only: each score is averaged over this many neighbouring tokens (an odd window centred on
             the token, as SnapKV pools its scores) before selection, so a fact's span is kept or evicted whole;
             1 = no smoothing.
@@ -220,6 +234,7 @@ class RCStatConfig:
     min_prompt_len: int = KNOBS["min_prompt_len"].default
     budget_scope: str = KNOBS["budget_scope"].default
     layer_floor: float = KNOBS["layer_floor"].default
+    coverage_floor: float = KNOBS["coverage_floor"].default
     smoothing: int = KNOBS["smoothing"].default
     carry_forward: int = KNOBS["carry_forward"].default
     local_contrast: float = KNOBS["local_contrast"].default

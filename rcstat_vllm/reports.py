@@ -33,6 +33,10 @@ class CompressionReport:
     global_eviction_ratio: float = 0.0
     #: per layer, share of prompt tokens evicted from every KV head of that layer
     layer_global_eviction: list[float] = field(default_factory=list)
+    #: how much a layer's KV heads agree on what they keep (mean pairwise overlap of their kept tokens outside the
+    #: window and sinks, averaged over layers; 1 = every head keeps the same tokens): the paper's head consensus,
+    #: its rigidity measure, on the selection's side (``rcstat_vllm.scoring.selection.head_consensus``)
+    head_consensus: float = 0.0
     #: prompt tokens served from vLLM's prefix cache (shared with earlier requests, not recomputed)
     num_cached_tokens: int = 0
     #: lazy eviction: the scheduler compacts the request only when it needs the blocks
@@ -114,6 +118,7 @@ class CompressionReport:
             "pooled_pages": self.pooled_pages,
             "global_eviction_ratio": self.global_eviction_ratio,
             "layer_global_eviction": self.layer_global_eviction,
+            "head_consensus": self.head_consensus,
             "num_cached_tokens": self.num_cached_tokens,
             "lazy": self.lazy,
             "compacted_at_tokens": self.compacted_at_tokens,

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rcstat_vllm.scoring import KeepSet, budget_keep_count, select_budget, select_threshold
+from rcstat_vllm.scoring.selection import forced_keep_mask
 
 INF = float("inf")
 
@@ -234,3 +235,122 @@ def test_layer_floor_interpolates_between_model_wide_and_per_layer_budgets():
     assert bool(half[0][select_budget(scores[0], window, layer_floor_ratio(ratio, 0.5)).mask].all())
     with pytest.raises(ValueError, match="layer_floor"):
         select_budget_across_layers(scores, window, ratio, layer_floor=1.5)
+
+
+# ------------------------------------------------------------------------------------- coverage floor (issue 56)
+
+
+def _naive_budget(scores: torch.Tensor, window: int, ratio: float, sink_tokens: int) -> torch.Tensor:
+    """Today's budget rule written out: forced entries, then the highest scores, ties to the lower flat index."""
+    heads, n = scores.shape
+    positions = torch.arange(n)
+    forced = ((positions >= n - window) | (positions < sink_tokens)).expand(heads, n) | ~torch.isfinite(scores)
+    keep = max(heads * n - math.floor(ratio * heads * n + 0.5), int(forced.sum()))
+    flat = [(INF if f else float(s), i) for i, (s, f) in enumerate(zip(scores.flatten(), forced.flatten()))]
+    chosen = sorted(flat, key=lambda entry: (-entry[0], entry[1]))[:keep]
+    mask = torch.zeros(heads * n, dtype=torch.bool)
+    mask[[i for _, i in chosen]] = True
+    return mask.view(heads, n)
+
+
+def _ranked_high(scores: torch.Tensor, window: int, ratio: float, sink_tokens: int, floor: float) -> torch.Tensor:
+    """[H, n]: the tokens each head ranks in its top floor * (1 - ratio) * n, outside the forced ones."""
+    heads, n = scores.shape
+    high = math.floor(floor * (1 - ratio) * n + 0.5)
+    forced = forced_keep_mask(scores, window, sink_tokens)
+    open_scores = scores.to(torch.float64).masked_fill(forced, -INF)
+    out = torch.zeros(heads, n, dtype=torch.bool)
+    out.scatter_(1, torch.topk(open_scores, high, dim=1).indices, True)
+    return out & ~forced
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 4),
+    heads=st.integers(1, 4),
+    n=st.integers(8, 60),
+    ratio=st.sampled_from([0.4, 0.8, 0.9, 0.95]),
+    floor=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    seed=st.integers(0, 10_000),
+)
+def test_coverage_floor_keeps_the_budget_exact_and_every_high_token_covered(layers, heads, n, ratio, floor, seed):
+    from rcstat_vllm.scoring.selection import select_budget_across_layers
+
+    gen = torch.Generator().manual_seed(seed)
+    # Integer scores: ties are common, so tie handling is exercised too.
+    scores = [torch.randint(0, 6, (heads, n), generator=gen).float() for _ in range(layers)]
+    window, sinks = 2, 1
+    plain = select_budget_across_layers(scores, window, ratio, sinks)
+    masks = select_budget_across_layers(scores, window, ratio, sinks, coverage_floor=floor)
+    assert sum(int(m.sum()) for m in masks) == sum(int(m.sum()) for m in plain)  # the pooled budget, exact
+    high = [_ranked_high(s, window, ratio, sinks, floor).any(dim=0) for s in scores]
+    room = sum(int(m.sum()) for m in plain) - layers * heads * min(window + sinks, n)
+    for layer, mask in enumerate(masks):
+        assert bool(mask[:, n - window :].all()) and bool(mask[:, :sinks].all())
+        if floor == 0:
+            assert torch.equal(mask, plain[layer])
+        elif sum(int(h.sum()) for h in high) <= room:  # (else the floor is capped to the budget)
+            assert bool(mask.any(dim=0)[high[layer]].all()), "a token a head ranks high lost every copy in its layer"
+    # Per-layer budgets: the count per layer is the budget's.
+    for s in scores:
+        keep = select_budget(s, window, ratio, sinks, coverage_floor=floor)
+        assert keep.num_kept == select_budget(s, window, ratio, sinks).num_kept
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    n=st.integers(4, 40),
+    ratio=st.sampled_from([0.0, 0.3, 0.5, 0.8, 0.9]),
+    seed=st.integers(0, 10_000),
+)
+def test_coverage_floor_off_is_todays_budget(heads, n, ratio, seed):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 5, (heads, n), generator=gen).float()
+    expected = _naive_budget(scores, 3, ratio, 1)
+    assert torch.equal(select_budget(scores, 3, ratio, 1, coverage_floor=0.0).mask, expected)
+    assert torch.equal(select_budget(scores, 3, ratio, 1).mask, expected)
+
+
+def test_coverage_floor_pays_from_the_heads_that_agree_and_lowers_global_eviction():
+    from rcstat_vllm.scoring.selection import head_consensus
+
+    # One layer, 3 heads, 12 tokens, window 2. Every head scores tokens 0-3 highest (they agree); heads 0 and 1 keep
+    # one token each of their own (4, 5); head 2 ranks token 7 fifth, below the agreed tokens, so the budget (20 of
+    # 36 entries: the window's 6 and 14 more) spends it on the third copies of tokens 0-3 and token 7 loses every
+    # copy. With the floor at 0.75 a head's top floor(0.75 * 20/36 * 12 + 0.5) = 5 tokens rank high.
+    scores = torch.zeros(3, 12)
+    scores[:, 0:4] = torch.tensor([10.0, 9.0, 8.0, 7.0])
+    scores[0, 4], scores[1, 5] = 6.0, 6.0
+    scores[2, 7] = 5.0
+    ratio = 16 / 36
+    plain = select_budget(scores, 2, ratio).mask
+    assert plain.sum() == 20 and not bool(plain[:, 7].any())
+    assert plain[:, 0:4].all()  # 3 copies of each agreed token
+    covered = select_budget(scores, 2, ratio, coverage_floor=0.75).mask
+    assert covered.sum() == 20
+    assert bool(covered[2, 7])  # head 2's copy of token 7, the head that scores it highest
+    # Paid for with the lowest-scored third copy of the agreed tokens (token 3 in head 2), not with tokens 4 or 5
+    # (each kept by one head only, and scored lower than every agreed copy).
+    assert not bool(covered[2, 3]) and covered[:2, 3].all()
+    assert bool(covered[0, 4]) and bool(covered[1, 5])
+    assert int((covered != plain).sum()) == 2
+    evicted_everywhere = lambda m: int((~m.any(dim=0)).sum())  # noqa: E731
+    assert evicted_everywhere(covered) == evicted_everywhere(plain) - 1
+    assert float(head_consensus([covered], 2)) < float(head_consensus([plain], 2))
+
+
+def test_head_consensus_is_the_mean_pairwise_overlap_of_kept_sets():
+    from rcstat_vllm.scoring.selection import head_consensus
+
+    same = torch.tensor([[1, 1, 0, 0, 1], [1, 1, 0, 0, 1]], dtype=torch.bool)
+    apart = torch.tensor([[1, 0, 1, 0, 1], [0, 1, 0, 1, 1]], dtype=torch.bool)  # the last token is the window
+    half = torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 0, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert float(head_consensus([same], window=1)) == 1.0
+    assert float(head_consensus([apart], window=1)) == 0.0
+    # pairs: (0, 1) 1/3, (0, 2) 0/2, (1, 2) 0/2
+    assert float(head_consensus([half], window=1)) == pytest.approx(1 / 9)
+    assert float(head_consensus([same, apart], window=1)) == 0.5
+    # Sinks are left out like the window: heads agreeing on them only do not count.
+    assert float(head_consensus([apart], window=1, sink_tokens=2)) == 0.0
+    assert float(head_consensus([same[:1]], window=1)) == 1.0

@@ -108,6 +108,13 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     assert report.global_eviction_ratio == int((~(masks[0].any(0) | masks[1].any(0))).sum()) / n
     assert report.global_eviction_ratio <= min(report.layer_global_eviction)
     assert report.to_dict()["global_eviction_ratio"] == report.global_eviction_ratio
+    # Head consensus beside it, from the same masks (here no pair of heads shares a token it chose to keep).
+    from rcstat_vllm.scoring.selection import head_consensus
+
+    assert report.head_consensus == pytest.approx(float(head_consensus(masks, config.window, 4)), abs=1e-6)
+    masks[1][1] = masks[1][0]
+    assert float(head_consensus(masks, config.window, 4)) == pytest.approx(report.head_consensus + 0.5)
+    assert report.to_dict()["head_consensus"] == report.head_consensus
 
 
 def test_a_prefix_cache_hit_stops_before_the_observation_window_of_requests_that_will_be_compressed():

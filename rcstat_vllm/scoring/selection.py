@@ -12,6 +12,10 @@ Two modes:
   and heads, by scores made comparable across layers (:data:`LAYER_COMPARABLE_SCORES`), so layers keep
   different shares (useful when the cache pools pages across layers: uneven layers then cost nothing).
 
+``coverage_floor`` (budget modes) keeps every route open at high compression: a token that one of the heads ranks high
+keeps at least one copy, paid for from the heads that agree most (:func:`keep_routes_open`); :func:`head_consensus`
+measures how much the heads of a layer agree on what they keep.
+
 Both always keep the observation window (last ``window`` tokens), the first ``sink_tokens`` tokens and every
 token whose score is not finite (scorers mark tokens they always keep with +inf).
 
@@ -37,6 +41,8 @@ __all__ = [
     "KeepSet",
     "budget_keep_count",
     "forced_keep_mask",
+    "head_consensus",
+    "keep_routes_open",
     "layer_floor_ratio",
     "relative_to_head_mean",
     "relative_to_layer_mean",
@@ -130,7 +136,14 @@ def budget_keep_count(num_entries: int, ratio: float, num_forced: int | Tensor =
     return max(num_entries - evicted, num_forced)
 
 
-def select_budget(scores: Tensor, window: int, ratio: float, sink_tokens: int = 0) -> KeepSet:
+def select_budget(
+    scores: Tensor,
+    window: int,
+    ratio: float,
+    sink_tokens: int = 0,
+    coverage_floor: float = 0.0,
+    route_groups: int = 1,
+) -> KeepSet:
     """Keep a layer's top-scoring entries across all its KV heads so that a fraction ``ratio`` is evicted.
 
     The layer keeps exactly ``budget_keep_count(Hkv * n, ratio, forced)`` entries: Hkv*n - round(ratio*Hkv*n),
@@ -144,19 +157,122 @@ def select_budget(scores: Tensor, window: int, ratio: float, sink_tokens: int = 
         window: the last ``window`` tokens are always kept.
         ratio:  target fraction of the layer's Hkv * n entries to evict, in [0, 1].
         sink_tokens: the first ``sink_tokens`` tokens are always kept.
+        coverage_floor: 0 = off; else :func:`keep_routes_open` with it over ``route_groups`` groups of rows.
+        route_groups: the rows split into this many groups of consecutive rows (the layers of a model-wide
+            selection), each kept open on its own.
     Returns:
         KeepSet.
     """
     forced = forced_keep_mask(scores, window, sink_tokens)
     num_heads, n = scores.shape
     keep = budget_keep_count(num_heads * n, ratio, forced.sum())  # a device tensor: no host sync
-    priority = scores.to(torch.float64).masked_fill(forced, float("inf")).flatten()
+    priority = scores.to(torch.float64).masked_fill(forced, float("inf"))
     # Stable descending sort: equal scores keep their flat order, so lower (head, token) wins ties.
-    order = torch.sort(priority, descending=True, stable=True).indices
+    order = torch.sort(priority.flatten(), descending=True, stable=True).indices
     # The first `keep` entries of the order, by comparing ranks with the count (slicing would need it on the host).
     in_budget = torch.arange(num_heads * n, device=scores.device) < keep
     mask = torch.empty(num_heads * n, dtype=torch.bool, device=scores.device).scatter_(0, order, in_budget)
-    return KeepSet.from_mask(mask.view(num_heads, n))
+    mask = mask.view(num_heads, n)
+    if coverage_floor > 0:
+        mask = keep_routes_open(priority, forced, mask, order, keep, ratio, coverage_floor, route_groups)
+    return KeepSet.from_mask(mask)
+
+
+def keep_routes_open(
+    priority: Tensor,
+    forced: Tensor,
+    mask: Tensor,
+    order: Tensor,
+    keep: int | Tensor,
+    ratio: float,
+    coverage_floor: float,
+    groups: int = 1,
+) -> Tensor:
+    """A budget's keep mask with every route kept open: the KV-compression-physics paper's erasure failure (a token
+    evicted from every head at once has no route left, its Proposition 2) prevented for the tokens that matter.
+
+    A token *ranks high* for a head when it is among that head's top ``coverage_floor * (1 - ratio) * n`` tokens
+    (a ``coverage_floor`` share of the head's equal part of the budget). Each group of rows (``groups``: a layer's
+    KV heads in a model-wide selection, one group per layer) keeps every token that ranks high for one of its heads
+    in at least one head: where the budget kept no copy of it in the group, its copy in the group's head that
+    scores it highest is added. The entries given up for them come from the heads that agree most: the copies of
+    tokens the group keeps in the most heads go first (a token's copies dropped from its lowest-scored up, so
+    no token loses its last copy this way; the paper's Proposition 1: with k heads keeping a token its route
+    survives with probability 1 - (1 - p)^k, so a k-th copy adds least), then, if those run out, the lowest
+    scores. The count kept is exactly the budget's; if the floor's copies outnumber what the budget leaves after
+    the forced entries, the highest-scored of them are kept.
+
+    Args:
+        priority: [R, n] float64, the selection's priorities (+inf on forced entries).
+        forced: [R, n] bool, the forced entries. mask: [R, n] bool, the budget's selection (the first ``keep``
+            entries of ``order``, the flat descending sort of ``priority``).
+        keep: the entries kept (a tensor: no host sync). ratio: the budget's eviction ratio.
+        coverage_floor: in (0, 1]. groups: R is split into this many groups of consecutive rows.
+    Returns:
+        [R, n] bool keep mask with exactly as many entries as ``mask``.
+    """
+    rows, n = priority.shape
+    if rows % groups:
+        raise ValueError(f"{rows} rows do not split into {groups} groups")
+    per_group = rows // groups
+    device = priority.device
+    high = min(math.floor(coverage_floor * (1 - ratio) * n + 0.5), n)
+    if high == 0:
+        return mask
+    open_priority = priority.masked_fill(forced, float("-inf"))
+    top = torch.topk(open_priority, high, dim=1).indices
+    ranks_high = torch.zeros_like(forced).scatter_(1, top, True) & ~forced
+    grouped = priority.view(groups, per_group, n)
+    best = grouped.argmax(dim=1, keepdim=True)  # [G, 1, n], ties towards the lower head
+    need = ranks_high.view(groups, per_group, n).any(dim=1) & ~forced.view(groups, per_group, n).any(dim=1)
+    # The floor may take at most what the budget leaves after the forced entries: its highest-scored copies.
+    best_priority = grouped.gather(1, best).squeeze(1).masked_fill(~need, float("-inf")).flatten()
+    room = (keep - forced.sum()).clamp_min(0)  # (a tensor either way: forced.sum() is one)
+    by_priority = torch.sort(best_priority, descending=True, stable=True).indices
+    within = torch.arange(groups * n, device=device) < room
+    need = need.flatten() & torch.empty_like(within).scatter_(0, by_priority, within)
+    floor = torch.zeros(groups, per_group, n, dtype=torch.bool, device=device)
+    floor = floor.scatter_(1, best, need.view(groups, 1, n)).view(rows, n)
+    extra = (floor & ~mask).sum()
+    # Pay for them: copy rank within the group (0 = the group's highest-scored copy of the token), then the global
+    # rank (later = lower priority); the largest key is dropped first.
+    row_order = torch.sort(grouped, dim=1, descending=True, stable=True).indices
+    copy_rank = torch.empty_like(row_order).scatter_(
+        1, row_order, torch.arange(per_group, device=device).view(1, per_group, 1).expand(groups, per_group, n)
+    )
+    size = rows * n
+    global_rank = torch.empty_like(order).scatter_(0, order, torch.arange(size, device=device))
+    droppable = (mask & ~forced & ~floor).flatten()
+    drop_key = torch.where(droppable, copy_rank.flatten() * size + global_rank, -1)
+    drop_order = torch.sort(drop_key, descending=True).indices
+    dropped = torch.empty_like(droppable).scatter_(0, drop_order, torch.arange(size, device=device) < extra)
+    return (mask & ~dropped.view(rows, n)) | floor
+
+
+def head_consensus(masks: list[Tensor], window: int, sink_tokens: int = 0) -> Tensor:
+    """How much the KV heads of a layer agree on what they keep: per layer the mean, over pairs of its heads, of the
+    overlap (Jaccard: shared / either) of their kept tokens outside the window and sinks (the tokens selection
+    decides on), averaged over the layers. 1 = every head keeps the same tokens (the KV-compression-physics paper's
+    rigid routing: many heads read one focal set), lower = heads route to different tokens. A pair that keeps none
+    of those tokens agrees fully; a layer with one head counts 1. A 0-dim float64 tensor (no host sync).
+
+    The paper's own consensus (its Section 5.1: distinct top-attended tokens / heads, from the compressed model's
+    attention) needs the attention of generated tokens; this is its selection-side counterpart, from the keep
+    masks alone, and moves with the selection rule."""
+    values = []
+    for mask in masks:
+        heads, n = mask.shape
+        decided = mask[:, min(sink_tokens, n) : max(n - window, min(sink_tokens, n))].to(torch.float64)
+        if heads < 2:
+            values.append(torch.ones((), dtype=torch.float64, device=mask.device))
+            continue
+        shared = decided @ decided.T  # [H, H]
+        sizes = decided.sum(dim=1)
+        either = sizes[:, None] + sizes[None, :] - shared
+        overlap = torch.where(either > 0, shared / either.clamp_min(1), torch.ones_like(shared))
+        pairs = torch.triu(torch.ones(heads, heads, dtype=torch.bool, device=mask.device), diagonal=1)
+        values.append(overlap[pairs].mean())
+    return torch.stack(values).mean()
 
 
 def _finite_non_window_mean(scores: Tensor, window: int, dim) -> Tensor:
@@ -194,6 +310,7 @@ def select_budget_across_layers(
     sink_tokens: int = 0,
     layer_floor: float = 0.0,
     normalise: Callable[[Tensor, int], Tensor] = relative_to_layer_mean,
+    coverage_floor: float = 0.0,
 ) -> list[Tensor]:
     """Keep the model's top entries across all layers and heads so that a fraction ``ratio`` is evicted.
 
@@ -207,6 +324,9 @@ def select_budget_across_layers(
     budget would), and only the rest of the model's budget is given out across layers. 0 = a purely model-wide
     budget, 1 = exactly the per-layer budget (nothing is left to give out); in between, no layer can be starved
     below the floor while layers that need more still get it. The total kept is the same for every floor.
+
+    ``coverage_floor``: :func:`keep_routes_open` over the model's selection, each layer's heads one group (a token
+    that ranks high for a head of a layer keeps a copy in that layer); the total kept is the same.
 
     Returns:
         per layer, the ``[Hkv, n]`` keep mask.
@@ -222,7 +342,14 @@ def select_budget_across_layers(
         layers.append(layer)
     comparable_scores = torch.stack(layers)
     num_layers, num_heads, n = comparable_scores.shape
-    keep = select_budget(comparable_scores.view(num_layers * num_heads, n), window, ratio, sink_tokens)
+    keep = select_budget(
+        comparable_scores.view(num_layers * num_heads, n),
+        window,
+        ratio,
+        sink_tokens,
+        coverage_floor=coverage_floor,
+        route_groups=num_layers,
+    )
     return list(keep.mask.view(num_layers, num_heads, n).unbind(0))
 
 
@@ -232,8 +359,16 @@ def select_keep_masks(scores: list[Tensor], config: RCStatConfig) -> list[Tensor
     ratio = config.target_ratio
     if ratio is not None and config.budget_scope == "model":
         return select_budget_across_layers(
-            scores, config.window, ratio, config.sink_tokens, layer_floor=config.layer_floor
+            scores,
+            config.window,
+            ratio,
+            config.sink_tokens,
+            layer_floor=config.layer_floor,
+            coverage_floor=config.coverage_floor,
         )
     if ratio is not None:
-        return [select_budget(s, config.window, ratio, config.sink_tokens).mask for s in scores]
+        return [
+            select_budget(s, config.window, ratio, config.sink_tokens, coverage_floor=config.coverage_floor).mask
+            for s in scores
+        ]
     return [select_threshold(s, config.window, config.c, config.sink_tokens).mask for s in scores]

@@ -27,7 +27,7 @@ from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.paging.page_space import PageSpace, cdiv
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import PagedPrompt, get_scorer
-from rcstat_vllm.scoring.selection import select_keep_masks
+from rcstat_vllm.scoring.selection import head_consensus, select_keep_masks
 from rcstat_vllm.settings import RequestSettings, scorer_options, window_queries
 from rcstat_vllm.worker.step import BatchRequest
 
@@ -172,6 +172,8 @@ class RequestCompressor:
         self.kept: torch.Tensor | None = None
         #: [L, n] bool: prompt token kept by at least one KV head of the layer (OR-ed over TP ranks by the worker)
         self.visible: torch.Tensor | None = None
+        #: this rank's heads' agreement on what they keep (selection.head_consensus), known once selected
+        self.head_consensus = 0.0
         #: blocks the request keeps (set by the worker: the max over tensor-parallel ranks of blocks_needed)
         self.keep_blocks = 0
         #: prompt tokens served from the prefix cache (computed by an earlier request)
@@ -311,9 +313,12 @@ class RequestCompressor:
         kept = torch.stack([mask.sum(dim=1) for mask in self.masks])  # [L, H]
         self.num_kv_heads = kept.shape[1]
         visible = torch.stack([mask.any(dim=0) for mask in self.masks])  # [L, n]
+        # (as parts per million, so it travels with the integer copies below)
+        consensus = (head_consensus(own, config.window, config.sink_tokens) * 1e6).round()
         # Selection's one device-to-host transfer: the page bookkeeping (blocks_needed, the scheduler's plan, the
         # report) runs on the host; the masks stay on the device for the copy.
-        self.kept, self.visible = host_copies(kept, visible)
+        self.kept, self.visible, consensus = host_copies(kept, visible, consensus)
+        self.head_consensus = float(consensus) / 1e6
         self.scores = [None] * len(self.scores)
         return blocks_needed(self.kept, self.decision.num_tokens, space, self.shared_blocks)
 
@@ -420,6 +425,7 @@ class RequestCompressor:
             pooled_pages=self.pooled_pages,
             layer_global_eviction=(~self.visible).float().mean(dim=1).tolist(),
             global_eviction_ratio=float((~self.visible.any(dim=0)).float().mean()),
+            head_consensus=self.head_consensus,
             num_cached_tokens=self.num_cached_tokens,
             lazy=self.config.eviction == "lazy",
             budget_tightened_to=(

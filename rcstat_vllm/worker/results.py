@@ -106,13 +106,14 @@ class ResultsLog:
                 )
         logger.debug(
             "rcstat: request %s (%d prompt tokens, %d from the prefix cache, %s): compression ratio %.3f, "
-            "global eviction ratio %.3f, %d blocks freed%s",
+            "global eviction ratio %.3f, head consensus %.3f, %d blocks freed%s",
             report.req_id,
             report.num_prompt_tokens,
             report.num_cached_tokens,
             report.method,
             report.compression_ratio,
             report.global_eviction_ratio,
+            report.head_consensus,
             report.blocks_freed,
             f" (skipped: {report.skipped_reason})" if report.skipped_reason else "",
         )
