@@ -425,7 +425,7 @@ def engine_words(data: dict, evictions: set | None = None, with_machine: bool = 
     bits = []
     if env and with_machine:
         bits.append(machine_words(data))
-    if data.get("benchmark") == "quality":
+    if data.get("benchmark") in ("quality", "routes"):  # (the transformers reference, not an engine)
         return ", ".join([*bits, f"transformers, {data.get('dtype', 'float32')}"])
     if evictions and len(evictions) == 1:
         _server, source = server_flag(data)

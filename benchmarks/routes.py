@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "routes",
         "environment": environment(load_avg_before=load_before, load_avg_after=load_avg()),
         "seed": args.seed,
-        "path": "transformers reference (hf_reference.py), float32",
+        "path": "transformers reference (hf_reference.py)",
+        "dtype": "float32",
         "settings": [
             {**s.to_dict(), "resolved": resolved_config(None, s.rcstat) if s.rcstat else {}} for s in settings
         ],
