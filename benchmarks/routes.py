@@ -155,9 +155,11 @@ def answer_token_positions(tokenizer, sample: data.Sample) -> list[int]:
     return sorted(positions)
 
 
-def settings_for(ratios: list[float], floors: list[float]) -> list[methods.Setting]:
+def settings_for(ratios: list[float], floors: list[float], default_floors: list[float]) -> list[methods.Setting]:
+    """The full cache, the bare flag (with each of ``default_floors``), RC with the defaults at each ratio (with each
+    of ``floors``)."""
     out = [methods.Setting("full", "full", {"method": "none"}), methods.Setting("default", "default", {})]
-    out += [methods.Setting(f"default_cf{f:g}", "default", {"coverage_floor": f}) for f in floors]
+    out += [methods.Setting(f"default_cf{f:g}", "default", {"coverage_floor": f}) for f in default_floors]
     for r in ratios:
         out.append(methods.Setting(f"rc_r{r:g}", "rc_defaults", {"method": "rc", "target_ratio": r}))
         out += [
@@ -267,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=5, help="prompts' seed (the needle benchmarks use 0-3, 7, 11, 17)")
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.9])
-    parser.add_argument("--floors", type=float, nargs="*", default=[0.5])
+    parser.add_argument("--floors", type=float, nargs="*", default=[0.5, 1.0], help="coverage floors at --ratios")
+    parser.add_argument("--default-floors", type=float, nargs="*", default=[0.5], help="... and at the bare flag")
     parser.add_argument("--tasks", nargs="*", default=[*NEEDLE_FAMILIES, *PROBES])
     parser.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048], help="needle prompts' lengths")
-    parser.add_argument("--depths", type=float, nargs="*", default=[0.2, 0.5, 0.8], help="needle depths")
+    parser.add_argument("--depths", type=float, nargs="*", default=[0.25, 0.75], help="needle depths")
     parser.add_argument("--probes", type=int, default=4, help="prompts per probe task")
     parser.add_argument("--people", type=int, default=24, help="people per probe prompt")
     parser.add_argument("--max-samples", type=int, default=None)
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     samples += [s for s in build_probes(tokenizer, args.seed, args.probes, args.people) if s.task in probes]
     if args.max_samples:
         samples = samples[: args.max_samples]
-    settings = settings_for(args.ratios, args.floors)
+    settings = settings_for(args.ratios, args.floors, args.default_floors)
     ref = ref_lib.ReferenceModel()
     rows: list[dict] = []
     started = time.time()
