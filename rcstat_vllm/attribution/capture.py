@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
+from rcstat_vllm.attribution.calibration import HeadWeights
 from rcstat_vllm.attribution.options import AttributionOptions
 from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.config import ConfigError
@@ -136,8 +137,22 @@ class AttributionCapture:
         self.traces: OrderedDict[str, AttributionTrace] = OrderedDict()
         self.evicted = 0
         self._steps = 0
+        #: the model's calibrated attribution heads (None: the RC ranking), loaded once at activation
+        self.calibration: HeadWeights | None = None
 
-    def activate(self) -> None:
+    def activate(self, model_dir: str | None = None) -> None:
+        """Start capturing; ``model_dir`` (the served model's folder) is where its calibration file is looked for
+        (:func:`rcstat_vllm.attribution.calibration.load_head_weights`; absent = the RC ranking)."""
+        if not self.active and model_dir is not None:
+            from rcstat_vllm.attribution.calibration import calibration_path, load_head_weights
+
+            self.calibration = load_head_weights(model_dir)
+            if self.calibration is not None:
+                logger.info(
+                    "rcstat: attribution scores with %d calibrated heads (%s)",
+                    len(self.calibration.heads),
+                    next(str(p) for p in calibration_path(model_dir) if p.exists()),
+                )
         self.active = True
 
     # ---- the backend's calls ----
@@ -194,7 +209,7 @@ class AttributionCapture:
     def _new_trace(
         self, req_id: str, num_prompt_tokens: int, num_layers: int, options: AttributionOptions
     ) -> AttributionTrace:
-        trace = AttributionTrace(num_prompt_tokens, num_layers, options)
+        trace = AttributionTrace(num_prompt_tokens, num_layers, options, calibration=self.calibration)
         self.traces[req_id] = trace
         while len(self.traces) > self.max_traces:
             dropped, _ = self.traces.popitem(last=False)

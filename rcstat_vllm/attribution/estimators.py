@@ -257,3 +257,82 @@ def top_heads(scores: Tensor, k: int) -> list[tuple[int, int]]:
 def bottom_heads(scores: Tensor, k: int) -> list[tuple[int, int]]:
     """The k (layer, head) pairs with the lowest finite scores, lowest first (ties in index order, as top_heads)."""
     return top_heads(-scores, k)
+
+
+#: How the answer's tokens are weighted before span scoring (:func:`token_weights`): ``uniform`` is Eq. 10 as
+#: written (every generated token's query counts alike); ``peak``: each token by how much its RC singles out one
+#: prompt span (the template words of an answer, also in the question and in every same-form source, spread over
+#: all of them; the value that carries the provenance does not).
+TOKEN_WEIGHTINGS = ("uniform", "peak")
+
+
+def query_token_relative_contextualization(q_span: Tensor, k_prompt: Tensor, k_gen: Tensor, offset: int) -> Tensor:
+    """Exact E[Z_h({t}, g')] split by the query of g' it comes from: [H, s, m], whose mean over s is
+    :func:`token_relative_contextualization` (exact): the pairs (x, y) of one query j are x = f(t, j) against
+    every y of Y' (the conditional SC of the whole g'), so each query's share is its gaps over |Y'|."""
+    acc = accumulation_dtype(q_span.dtype)
+    num_heads, s, _ = q_span.shape
+    m = k_prompt.shape[1]
+    out = torch.zeros(num_heads, s, m, dtype=acc, device=q_span.device)
+    if s == 0 or m == 0:
+        return out
+    for h0, h1 in _head_chunks(num_heads, s * m + s * (offset + s)):
+        q = q_span[h0:h1].to(acc)
+        cross = torch.matmul(q, k_prompt[h0:h1].to(acc).transpose(1, 2))  # [h, s, m]
+        y = _causal_self_logits(q, k_gen[h0:h1].to(acc), offset)
+        center = y.mean(dim=-1)
+        y_sorted = torch.sort(y - center.unsqueeze(-1), dim=-1).values.contiguous()
+        prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0)).contiguous()
+        table = WindowSelfLogits(center, y_sorted, prefix)
+        gaps = table.sum_positive_gaps(cross.reshape(h1 - h0, s * m)).reshape(h1 - h0, s, m)
+        out[h0:h1] = gaps / y.shape[-1]
+    return out
+
+
+def span_window_maxima(profiles: Tensor, spans: Sequence[tuple[int, int]] | Tensor, window: int) -> Tensor:
+    """[s, m] token profiles -> [s, S]: each span's best run of ``min(window, len)`` consecutive tokens (its sum
+    over the run's length; 0 for an empty span), per row."""
+    ranges = _as_ranges(spans, profiles.shape[1], profiles.device).tolist()
+    cumulative = torch.nn.functional.pad(torch.cumsum(profiles.double(), dim=1), (1, 0))
+    out = torch.zeros(profiles.shape[0], len(ranges), dtype=torch.float64, device=profiles.device)
+    for index, (start, end) in enumerate(ranges):
+        w = min(window, end - start)
+        if w <= 0:
+            continue
+        sums = cumulative[:, start + w : end + 1] - cumulative[:, start : end - w + 1]
+        out[:, index] = sums.max(dim=1).values / w
+    return out
+
+
+def token_weights(
+    per_query: Tensor, spans: Sequence[tuple[int, int]] | Tensor, method: str = "peak", window: int = 8
+) -> Tensor:
+    """Weights [s] of the answer's tokens from their RC ``per_query`` [H, s, m] (summed over the heads).
+
+    ``uniform``: all 1. ``peak``: with v_j the spans' best-window RC for query j (:func:`span_window_maxima`) and
+    p_j = v_j / sum v_j, w_j = max p_j - mean p_j (0 when v_j is all 0; all 1 when every w_j is 0, i.e. no token
+    singles out a span, which gives Eq. 10 as written). Sums to nothing in particular: callers normalise.
+    """
+    if method not in TOKEN_WEIGHTINGS:
+        raise ValueError(f"unknown token weighting {method!r}: {' | '.join(TOKEN_WEIGHTINGS)}")
+    s = per_query.shape[1]
+    ones = torch.ones(s, dtype=torch.float64, device=per_query.device)
+    if method == "uniform" or s == 0:
+        return ones
+    values = span_window_maxima(per_query.sum(dim=0), spans, window)  # [s, S]
+    if values.shape[1] == 0:
+        return ones
+    totals = values.sum(dim=1, keepdim=True)
+    shares = torch.where(totals > 0, values / totals.clamp_min(1e-300), torch.zeros_like(values))
+    weights = shares.max(dim=1).values - shares.mean(dim=1)
+    weights = torch.where(totals.squeeze(1) > 0, weights, torch.zeros_like(weights)).clamp_min(0)
+    if not bool((weights > 0).any()):
+        return ones
+    return weights
+
+
+def weighted_token_relative_contextualization(per_query: Tensor, weights: Tensor) -> Tensor:
+    """[H, s, m] and [s] -> [H, m]: the weighted mean over the answer's queries (uniform weights give
+    :func:`token_relative_contextualization`, exact)."""
+    w = weights.to(per_query.dtype)
+    return torch.einsum("hsm,s->hm", per_query, w) / w.sum().clamp_min(1e-300)

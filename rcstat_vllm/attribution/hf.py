@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rcstat_vllm.attribution.calibration import HeadWeights, load_head_weights
 from rcstat_vllm.attribution.options import AttributionOptions
 from rcstat_vllm.attribution.report import AttributionResult, build_result
 from rcstat_vllm.attribution.trace import AttributionTrace
@@ -104,12 +105,35 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int = 
     return out[0, ids.shape[1] :].tolist()
 
 
+#: ``calibration`` default of :func:`trace_sequence`: the model's own file (looked up from its folder)
+FROM_MODEL = "model"
+
+
+def model_calibration(model) -> HeadWeights | None:
+    """The calibration file of ``model``'s folder (``name_or_path``), as the vLLM path loads it; None if absent."""
+    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return load_head_weights(folder) if folder else None
+
+
 def trace_sequence(
-    model, prompt_ids: Sequence[int], generated_ids: Sequence[int], options: AttributionOptions | None = None
+    model,
+    prompt_ids: Sequence[int],
+    generated_ids: Sequence[int],
+    options: AttributionOptions | None = None,
+    calibration: HeadWeights | str | None = FROM_MODEL,
 ) -> AttributionTrace:
-    """The reference (every head kept) trace of prompt + generation."""
+    """The reference (every head kept) trace of prompt + generation; ``calibration``: the model's calibration
+    file (default, as served), given weights, or None (the RC ranking)."""
+    if calibration == FROM_MODEL:
+        calibration = model_calibration(model)
     queries, keys = capture_qk(model, list(prompt_ids) + list(generated_ids))
-    return AttributionTrace.from_sequence(queries, keys, len(prompt_ids), options)
+    return AttributionTrace.from_sequence(
+        queries,
+        keys,
+        len(prompt_ids),
+        options,
+        calibration=calibration if isinstance(calibration, HeadWeights) else None,
+    )
 
 
 def chat_prompt(tokenizer, user_message: str, system: str | None = None) -> str:

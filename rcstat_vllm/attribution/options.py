@@ -7,10 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rcstat_vllm.attribution.estimators import SPAN_SCORES
+from rcstat_vllm.attribution.estimators import SPAN_SCORES, TOKEN_WEIGHTINGS
 from rcstat_vllm.config import ConfigError, is_int, is_number
 
 ESTIMATORS = ("auto", "exact", "upper")
+#: Which heads score the spans: ``auto`` = the model's calibrated heads when its calibration file is there
+#: (rcstat_vllm.attribution.calibration), else the RC ranking; ``rc`` = always the RC ranking (Step 1).
+HEAD_CHOICES = ("auto", "rc")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,12 @@ class AttributionOptions:
             (benchmarks/attribution.py, long chunks: top-1 chunk 0.57 with ``mean``, 0.97 with ``window``
             of 8 tokens, on the tuning set; docs/attribution.md, "How the default was chosen").
         span_window: tokens of the ``window`` / ``top`` selections (a shorter span uses all its tokens).
+        token_weighting: how the answer's tokens are weighted (:data:`TOKEN_WEIGHTINGS`): ``uniform`` is Eq. 10 as
+            written; ``peak`` weighs each token by how much its RC singles out one prompt span, so that the
+            answer's template words (in the question and in every same-form source) do not outvote the value
+            (exact estimator only; the upper bound stays uniform).
+        heads: :data:`HEAD_CHOICES`: ``auto`` scores with the model's calibrated heads and weights when its
+            calibration file is there, else with the RC top k; ``rc`` always with the RC top k.
     """
 
     k: int | None = None
@@ -47,6 +56,8 @@ class AttributionOptions:
     max_generated_tokens: int = 4096
     span_score: str = "window"
     span_window: int = 8
+    token_weighting: str = "peak"
+    heads: str = "auto"
 
     def __post_init__(self) -> None:
         if self.k is not None and (not is_int(self.k) or self.k < 1):
@@ -69,6 +80,10 @@ class AttributionOptions:
             raise ConfigError("span_score", self.span_score, " | ".join(SPAN_SCORES))
         if not is_int(self.span_window) or self.span_window < 1:
             raise ConfigError("span_window", self.span_window, "an integer >= 1")
+        if self.token_weighting not in TOKEN_WEIGHTINGS:
+            raise ConfigError("token_weighting", self.token_weighting, " | ".join(TOKEN_WEIGHTINGS))
+        if self.heads not in HEAD_CHOICES:
+            raise ConfigError("heads", self.heads, " | ".join(HEAD_CHOICES))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> AttributionOptions:

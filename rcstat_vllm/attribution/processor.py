@@ -56,7 +56,8 @@ class RCStatAttributionProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.capture = attribution_capture()
-        self.capture.activate()
+        model_config = getattr(vllm_config, "model_config", None)
+        self.capture.activate(getattr(model_config, "model", None))
         #: batch index -> the request's raw setting, for the rows that asked
         self.asking: dict[int, Any] = {}
 

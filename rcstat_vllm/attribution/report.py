@@ -53,6 +53,11 @@ class AttributionResult:
     num_generated_tokens: int = 0
     span_score: str = "mean"
     span_window: int = 16
+    #: the heads' weights (1 each for the RC ranking), whether they came from the model's calibration file, and how
+    #: the answer's tokens were weighted (issue 55)
+    head_weights: list[float] = field(default_factory=list)
+    calibrated: bool = False
+    token_weighting: str = "uniform"
     #: what may make the scores wrong (e.g. prompt tokens whose keys were never seen)
     warnings: list[str] = field(default_factory=list)
 
@@ -65,6 +70,9 @@ class AttributionResult:
             "estimator": self.estimator,
             "span_score": self.span_score,
             "span_window": self.span_window,
+            "head_weights": self.head_weights,
+            "calibrated": self.calibrated,
+            "token_weighting": self.token_weighting,
             "num_generated_tokens": self.num_generated_tokens,
         }
         if self.warnings:
@@ -114,13 +122,16 @@ def score_spans(
     scores, degenerate = [], []
     exact = trace.options.use_exact(trace.num_generated)
     for a, b in generated_ranges:
-        result = trace.span_scores(prompt_pairs, (int(a), int(b)), heads)
+        result = trace.span_scores(prompt_pairs, (int(a), int(b)), heads, head_weights=trace.top_weights)
         scores.append(result.scores.tolist())
         degenerate.append(result.degenerate)
     head_scores = [float(trace.head_scores[layer, h]) for layer, h in heads] if trace.head_scores is not None else []
     return {
         "heads": [[layer, h] for layer, h in heads],
         "head_scores": head_scores,
+        "head_weights": list(trace.top_weights),
+        "calibrated": trace.calibrated,
+        "token_weighting": trace.options.token_weighting if exact else "uniform",
         "estimator": "exact" if exact else "upper",
         "span_score": trace.options.span_score,
         "span_window": trace.options.span_window,
@@ -167,6 +178,9 @@ def assemble(
         num_generated_tokens=scored["num_generated_tokens"],
         span_score=scored.get("span_score", "mean"),
         span_window=scored.get("span_window", 16),
+        head_weights=scored.get("head_weights", [1.0] * len(scored["heads"])),
+        calibrated=scored.get("calibrated", False),
+        token_weighting=scored.get("token_weighting", "uniform"),
         warnings=_warnings(scored),
     )
 

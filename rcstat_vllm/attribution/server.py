@@ -12,7 +12,8 @@ and the response carries ``"rcstat_attribution"``::
      "prompt_spans": [{"start": .., "end": .., "token_start": .., "token_end": .., "text": ..}, ...],
      "generated": [{"span": {...}, "scores": [...], "top": [{"index", "score", "start", "end", "text"}]}, ...],
      "heads": [[layer, head], ...], "head_scores": [...], "estimator": "exact" | "upper",
-     "span_score": "window" | "mean" | ..., "num_generated_tokens": n}
+     "span_score": "window" | "mean" | ..., "head_weights": [...], "calibrated": true | false,
+     "token_weighting": "peak" | "uniform", "num_generated_tokens": n}
 
 or, when attribution cannot be given, ``{"index": i, "error": "<why>"}`` (never a silent null).
 

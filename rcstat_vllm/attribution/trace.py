@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -54,14 +55,20 @@ from torch import Tensor
 from rcstat_vllm.attribution.estimators import (
     head_relative_contextualization,
     normalize_span_scores,
+    query_token_relative_contextualization,
     select_span_tokens,
     selected_span_scores,
     span_attention,
     span_relative_contextualization,
     token_relative_contextualization,
+    token_weights,
     top_heads,
+    weighted_token_relative_contextualization,
 )
 from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
+
+if TYPE_CHECKING:
+    from rcstat_vllm.attribution.calibration import HeadWeights
 
 
 class _LayerStore:
@@ -120,12 +127,24 @@ class AttributionTrace:
     ``num_prompt_tokens`` are prompt tokens (only their keys are kept), the others generated tokens.
     """
 
-    def __init__(self, num_prompt_tokens: int, num_layers: int, options: AttributionOptions | None = None):
+    def __init__(
+        self,
+        num_prompt_tokens: int,
+        num_layers: int,
+        options: AttributionOptions | None = None,
+        calibration: HeadWeights | None = None,
+    ):
         if num_prompt_tokens < 1 or num_layers < 1:
             raise ValueError(f"need at least one prompt token and one layer, got {num_prompt_tokens}, {num_layers}")
         self.num_prompt_tokens = num_prompt_tokens
         self.num_layers = num_layers
         self.options = options or AttributionOptions()
+        #: the model's calibrated heads (rcstat_vllm.attribution.calibration), used when ``options.heads`` is auto
+        self.calibration = calibration if self.options.heads == "auto" else None
+        #: weight of each head of ``top`` (1 each for the RC ranking)
+        self.top_weights: list[float] = []
+        #: whether ``top`` came from the calibration (set at finalize)
+        self.calibrated = False
         self._layers: list[_LayerStore | None] = [None] * num_layers
         self.num_q_heads = 0
         self.num_kv_heads = 0
@@ -215,7 +234,19 @@ class AttributionTrace:
         self.pruned = True
         if count >= self.num_total_heads:
             return
-        self._keep(top_heads(scores, count))
+        keep = top_heads(scores, count)
+        for head in self._calibrated_heads():
+            if head not in keep:
+                keep.append(head)
+        self._keep(keep)
+
+    def _calibrated_heads(self) -> list[tuple[int, int]]:
+        """The calibration's heads when it fits this model's shape (else none: the RC ranking is used)."""
+        if self.calibration is None or not self.num_q_heads:
+            return []
+        if not self.calibration.fits(self.num_layers, self.num_q_heads):
+            return []
+        return list(self.calibration.heads)
 
     def _keep(self, heads: list[tuple[int, int]]) -> None:
         per_layer: dict[int, list[int]] = {}
@@ -270,7 +301,14 @@ class AttributionTrace:
         """Rank the kept heads over the whole generation, choose the top k; ``prune`` drops all other data."""
         if not self.finalized:
             self.head_scores = self.rank_heads()
-            self.top = top_heads(self.head_scores, self.k)
+            calibrated = self._calibrated_heads()
+            stored = set(self.stored_heads())
+            if calibrated and all(head in stored for head in calibrated):
+                assert self.calibration is not None
+                self.top, self.top_weights, self.calibrated = calibrated, list(self.calibration.weights), True
+            else:
+                self.top = top_heads(self.head_scores, self.k)
+                self.top_weights = [1.0] * len(self.top)
             if prune:
                 self._keep(self.top)
             self.finalized = True
@@ -288,15 +326,21 @@ class AttributionTrace:
         generated_span: tuple[int, int],
         heads: Sequence[tuple[int, int]] | None = None,
         span_score: str | None = None,
+        head_weights: Sequence[float] | None = None,
+        token_weighting: str | None = None,
     ) -> SpanScores:
         """Eq. 10 for the generated tokens [a, b) (indices into the generation) over ``prompt_spans``.
 
-        ``span_score`` (default ``options.span_score``): ``mean`` is the paper's form; otherwise each span is
-        scored on the tokens :func:`select_span_tokens` chooses on the RC summed over ``heads``, each head's
-        term being its mean (or sum) over those tokens, then Eq. 10's normalization over heads and spans.
+        ``heads`` default: the finalized top heads with their weights (calibrated, or 1 each). ``span_score``
+        (default ``options.span_score``): ``mean`` is the paper's form; otherwise each span is scored on the tokens
+        :func:`select_span_tokens` chooses on the RC summed over ``heads`` (weighted), each head's term being its
+        mean (or sum) over those tokens, times its weight, then Eq. 10's normalization over heads and spans. The
+        answer's tokens are weighted by ``token_weighting`` (default ``options.token_weighting``; exact only).
         """
         if heads is None:
             heads = self.finalize(prune=False) if not self.finalized else self.top
+            if head_weights is None:
+                head_weights = self.top_weights
         n = self.num_generated
         exact = self.options.use_exact(n)
         a, b = self._clipped(generated_span)
@@ -304,15 +348,42 @@ class AttributionTrace:
         if b <= a or not heads:
             per_head = torch.zeros(len(heads), len(prompt_spans))
         else:
-            q, kp, kg = self.head_tensors(heads, b)
-            if method == "mean":  # Eq. 10 as written: the span's own estimator (exact or upper) per head
+            weights = torch.ones(len(heads)) if head_weights is None else torch.as_tensor(head_weights).float()
+            if method == "mean" and (token_weighting or self.options.token_weighting) == "uniform":
+                q, kp, kg = self.head_tensors(heads, b)
                 per_head = span_relative_contextualization(q[:, a:b], kp, kg, a, prompt_spans, exact=exact).float()
             else:
-                per_token = token_relative_contextualization(q[:, a:b], kp, kg, a, exact=exact).float()
+                per_token = self.weighted_token_scores((a, b), heads, prompt_spans, token_weighting)
+                per_token = per_token * weights.unsqueeze(1)
                 chosen = select_span_tokens(per_token.sum(dim=0), prompt_spans, method, self.options.span_window)
                 per_head = selected_span_scores(per_token, chosen, method)
+            if method == "mean" and (token_weighting or self.options.token_weighting) == "uniform":
+                per_head = per_head * weights.unsqueeze(1)
         scores, degenerate = normalize_span_scores(per_head)
         return SpanScores(scores=scores, per_head=per_head, heads=list(heads), degenerate=degenerate, exact=exact)
+
+    def weighted_token_scores(
+        self,
+        generated_span: tuple[int, int],
+        heads: Sequence[tuple[int, int]],
+        prompt_spans: Sequence[tuple[int, int]],
+        token_weighting: str | None = None,
+    ) -> Tensor:
+        """[len(heads), m]: every prompt token's RC per head, the answer's queries weighted by ``token_weighting``
+        (default ``options.token_weighting``, the weights read off these heads' RC over ``prompt_spans``); the
+        upper-bound estimator (long generations) has no per-query split and stays uniform."""
+        method = self.options.token_weighting if token_weighting is None else token_weighting
+        n = self.num_generated
+        exact = self.options.use_exact(n)
+        a, b = self._clipped(generated_span)
+        if b <= a or not heads:
+            return torch.zeros(len(heads), self.num_prompt_tokens)
+        q, kp, kg = self.head_tensors(heads, b)
+        if method == "uniform" or not exact:
+            return token_relative_contextualization(q[:, a:b], kp, kg, a, exact=exact).float()
+        per_query = query_token_relative_contextualization(q[:, a:b], kp, kg, a)
+        weights = token_weights(per_query, prompt_spans, method, self.options.span_window)
+        return weighted_token_relative_contextualization(per_query, weights).float()
 
     def token_scores(
         self, generated_span: tuple[int, int], heads: Sequence[tuple[int, int]], exact: bool | None = None
@@ -350,10 +421,11 @@ class AttributionTrace:
         keys: Sequence[Tensor],
         num_prompt_tokens: int,
         options: AttributionOptions | None = None,
+        calibration: HeadWeights | None = None,
     ) -> AttributionTrace:
         """The reference (non-streaming) trace: every head kept, from per-layer q [T, Hq, D], k [T, Hkv, D]."""
         options = dataclasses.replace(options or AttributionOptions(), warmup_tokens=None)
-        trace = cls(num_prompt_tokens, len(queries), options)
+        trace = cls(num_prompt_tokens, len(queries), options, calibration=calibration)
         for layer, (q, k) in enumerate(zip(queries, keys)):
             trace.record(layer, 0, q, k)
         return trace
