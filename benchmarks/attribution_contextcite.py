@@ -461,6 +461,9 @@ def run_plugin(
                 answers.add(tuple(out.outputs[0].token_ids))
                 if kind != "asking":
                     continue
+                if round_ == 0:  # untimed: the scores the served path gave before issue 55, on a copy of the trace
+                    for level in ("document", "sentence"):
+                        item["levels"][level]["plugin_before"] = before_issue55(llm, out, chunks[level])
                 for level in ("document", "sentence"):
                     t, c = time.perf_counter(), time.process_time()
                     got = results(
@@ -475,6 +478,7 @@ def run_plugin(
                         item["levels"][level]["plugin"] = {
                             "scores": [round(float(s), 6) for s in got.generated[0].scores],
                             "heads": [list(h) for h in got.heads],
+                            "calibrated": got.calibrated,
                             "warnings": list(got.warnings),
                         }
                 if round_ == 0:
@@ -517,6 +521,50 @@ def run_plugin(
     from common import engine_options
 
     return {"engine": engine_options(kwargs), "engine_start_s": round(engine_start, 1)}
+
+
+def before_issue55(llm, out, chunks: Sequence) -> dict:
+    """The served request's sources scored as before issue 55 (the RC top k, every answer token alike), on a copy
+    of its trace in this process (the engine is in-process), so that the timed results() call is untouched."""
+    import copy
+    import dataclasses
+
+    from rcstat_vllm.attribution.capture import attribution_capture
+    from rcstat_vllm.attribution.report import plan_spans, score_spans
+
+    found = attribution_capture().find(str(out.request_id))
+    assert found is not None, "no trace for the served request"
+    trace = copy.deepcopy(found[1])
+    trace.options = dataclasses.replace(trace.options, heads="rc", token_weighting="uniform")
+    trace.calibration = None
+    output = out.outputs[0]
+    _, prompt_spans, _, gen_spans = plan_spans(
+        llm.get_tokenizer(), out.prompt, list(out.prompt_token_ids), list(output.token_ids), "chunks", chunks, "all"
+    )
+    scored = score_spans(
+        trace,
+        [[s.token_start, s.token_end] for s in prompt_spans],
+        [[s.token_start, s.token_end] for s in gen_spans],
+        prune=False,
+    )
+    return {"scores": [round(float(v), 6) for v in scored["scores"][0]], "heads": scored["heads"]}
+
+
+def reuse_contextcite(prompts: Sequence[dict], path: Path) -> int:
+    """Attach ContextCite's attributions from an earlier result file to the prompts whose served answer (token ids)
+    and sources are identical (same family, seed and index); returns how many (prompt, level) pairs got one."""
+    old = {(p["family"], p["seed"], p["index"]): p for p in json.loads(Path(path).read_text())["prompts"]}
+    attached = 0
+    for item in prompts:
+        before = old.get((item["family"], item["seed"], item["index"]))
+        if before is None or before.get("answer_ids") != item.get("answer_ids"):
+            continue
+        for level, entry in item["levels"].items():
+            was = before["levels"].get(level, {})
+            if "contextcite" in was and was["ranges"] == entry["ranges"] and was["target"] == entry["target"]:
+                entry["contextcite"] = was["contextcite"]
+                attached += 1
+    return attached
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -717,6 +765,11 @@ def report(data: dict) -> dict:
             )
             entry["plugin"] = summarize(rows(answered, lambda e: e["plugin"]["scores"]))
             entry["plugin_all_answers"] = summarize(rows(both, lambda e: e["plugin"]["scores"]))
+            if all("plugin_before" in p["levels"][level] for p in items):  # issue 55: the served path before it
+                entry["plugin_before_all_prompts"] = summarize(
+                    rows([p for p in items if p["answered"]], lambda e: e["plugin_before"]["scores"])
+                )
+                entry["plugin_before"] = summarize(rows(answered, lambda e: e["plugin_before"]["scores"]))
             timed = [p for p in items if p["plugin_time"]["plain"]]  # the A/B-timed prompts (--ab-prompts)
             overhead = [p["plugin_overhead_s"][level] for p in timed]
             overhead_cpu = [p["plugin_overhead_cpu_s"][level] for p in timed]
@@ -913,6 +966,12 @@ def main(argv=None) -> int:
         help="from --raw: run ContextCite (another --budget-s) on the prompts it did not reach, then report",
     )
     parser.add_argument("--table", metavar="JSON", help="print the docs' markdown table of a result file and exit")
+    parser.add_argument(
+        "--contextcite-from",
+        metavar="JSON",
+        help="no ContextCite stage: reuse its attributions from this earlier result file where the served answer and "
+        "the sources are identical (same seed and dtype: the first prompts of each family are the same)",
+    )
     args = parser.parse_args(argv)
     if args.stage == "contextcite":
         run_contextcite(args)
@@ -926,7 +985,7 @@ def main(argv=None) -> int:
     for family in families:
         if family not in FAMILIES:
             parser.error(f"unknown family {family!r}: {', '.join(FAMILIES)}")
-    if not Path(args.contextcite_python).exists():
+    if not args.contextcite_from and not Path(args.contextcite_python).exists():
         print(f"{args.contextcite_python} missing: ./rcstat bench sets up .venv-contextcite", file=sys.stderr)
         return 2
     path = Path(args.json or RESULTS_DIR / f"attribution_contextcite_cpu{'_quick' if args.quick else ''}.json")
@@ -972,7 +1031,14 @@ def main(argv=None) -> int:
     import gc
 
     gc.collect()
-    data = contextcite_stage(args, {"model": model_dir, "dtype": dtype, "prompts": prompts})
+    if args.contextcite_from:
+        data = {"model": model_dir, "dtype": dtype, "prompts": prompts}
+        attached = reuse_contextcite(prompts, Path(args.contextcite_from))
+        previous = json.loads(Path(args.contextcite_from).read_text())["settings"]["contextcite"]
+        data["contextcite_env"] = {**previous, "reused_from": str(args.contextcite_from), "reused_units": attached}
+        args.ablations = previous["ablations"]
+    else:
+        data = contextcite_stage(args, {"model": model_dir, "dtype": dtype, "prompts": prompts})
     env = {**env, "load_avg_after_plugin": load_after_plugin, "load_avg_end": load_avg()}
     wall = time.perf_counter() - started
     Path(args.raw).write_text(

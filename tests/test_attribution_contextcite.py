@@ -158,3 +158,22 @@ def test_contextcite_units_round_robin_over_answered():
         (3, "sentence"),
     ]
     assert len(bench.contextcite_units(prompts, "all")) == 10
+
+
+def test_reuse_contextcite_only_on_identical_answers(tmp_path):
+    import json
+
+    def prompt(index, answer_ids, with_cc):
+        level = {"ranges": [[0, 5], [5, 9]], "target": 1}
+        if with_cc:
+            level = {**level, "contextcite": {"ablations": 64, "fits": {}}}
+        return {"family": "short", "seed": 1, "index": index, "answer_ids": answer_ids, "levels": {"document": level}}
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"prompts": [prompt(0, [1, 2], True), prompt(1, [3], True), prompt(2, [4], False)]}))
+    new = [prompt(0, [1, 2], False), prompt(1, [3, 4], False), prompt(2, [4], False), prompt(3, [5], False)]
+    for item in new:
+        item["levels"]["document"].pop("contextcite", None)
+    assert bench.reuse_contextcite(new, old) == 1
+    assert "contextcite" in new[0]["levels"]["document"]
+    assert all("contextcite" not in item["levels"]["document"] for item in new[1:])
