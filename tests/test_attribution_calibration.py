@@ -97,8 +97,8 @@ def test_trace_uniform_weighting_is_today_s_scores():
     heads = today.finalize(prune=False)
     per_token = today.token_scores((0, 6), heads)
     assert torch.allclose(today.weighted_token_scores((0, 6), heads, spans), per_token)
-    peak = AttributionTrace.from_sequence(queries, keys, 12, AttributionOptions(k=3))
-    assert peak.options.token_weighting == "peak"
+    assert AttributionOptions().token_weighting == "uniform"  # today's scores unless a request asks
+    peak = AttributionTrace.from_sequence(queries, keys, 12, AttributionOptions(k=3, token_weighting="peak"))
     assert peak.span_scores(spans, (0, 6)).scores.sum() == pytest.approx(1.0)
     with pytest.raises(ConfigError):
         AttributionOptions(token_weighting="nope")

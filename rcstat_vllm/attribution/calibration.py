@@ -408,6 +408,7 @@ def calibrate(
             "answered": answered,
             "samples": kept,
             "dtype": str(dtype).replace("torch.", ""),
+            "token_weighting": options.token_weighting,
             "seconds": round(time.perf_counter() - started, 1),
         }
     )

@@ -41,7 +41,8 @@ class AttributionOptions:
         token_weighting: how the answer's tokens are weighted (:data:`TOKEN_WEIGHTINGS`): ``uniform`` is Eq. 10 as
             written; ``peak`` weighs each token by how much its RC singles out one prompt span, so that the
             answer's template words (in the question and in every same-form source) do not outvote the value
-            (exact estimator only; the upper bound stays uniform).
+            (exact estimator only; the upper bound stays uniform). Default ``uniform`` until ``peak`` is measured
+            on the model (issue 55: docs/attribution.md).
         heads: :data:`HEAD_CHOICES`: ``auto`` scores with the model's calibrated heads and weights when its
             calibration file is there, else with the RC top k; ``rc`` always with the RC top k.
     """
@@ -56,7 +57,7 @@ class AttributionOptions:
     max_generated_tokens: int = 4096
     span_score: str = "window"
     span_window: int = 8
-    token_weighting: str = "peak"
+    token_weighting: str = "uniform"
     heads: str = "auto"
 
     def __post_init__(self) -> None:
