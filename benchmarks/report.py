@@ -1069,6 +1069,26 @@ FIGURES = (
         "at {:.2f}x vanilla for the bare flag (it was 0.93x) and {:.2f}x for RC 0.8",
     ),
     (
+        "throughput_prefix_caching_amx_cpu.json",
+        lambda d: tuple(
+            a / b
+            for a, b in zip(
+                d["runs"]["default+pc"]["rounds_output_tok_per_s"], d["runs"]["vanilla+pc"]["rounds_output_tok_per_s"]
+            )
+        ),
+        "{:.2f}x / {:.2f}x vanilla with a shared prefix and prefix caching",
+    ),
+    (
+        "throughput_noamx_imitation_cpu.json",
+        lambda d: tuple(
+            a / b
+            for a, b in zip(
+                d["runs"]["default"]["rounds_output_tok_per_s"], d["runs"]["vanilla"]["rounds_output_tok_per_s"]
+            )
+        ),
+        "the bare flag {:.2f}x / {:.2f}x vanilla (`throughput_noamx_imitation_cpu.json`",
+    ),
+    (
         "compaction_step_cpu.json",
         lambda d: tuple(
             d["results"][n][m]["copy_step_ms"] for n in ("320", "2000") for m in ("layer_by_layer", "scored_ahead")
