@@ -1089,6 +1089,15 @@ FIGURES = (
         "the bare flag {:.2f}x / {:.2f}x vanilla (`throughput_noamx_imitation_cpu.json`",
     ),
     (
+        "serving_amx_below_saturation_cpu.json",
+        lambda d: (
+            d["summary"]["default"]["0.16"]["vs_vanilla"]["p99_ttft_ms"],
+            d["summary"]["default"]["0.16"]["vs_vanilla"]["p50_ttft_ms"],
+            d["summary"]["default"]["0.16"]["vs_vanilla"]["p99_itl_ms"],
+        ),
+        "the bare flag's TTFT p99 {:.2f}x vanilla's (p50 {:.2f}x), ITL p99 {:.2f}x",
+    ),
+    (
         "compaction_step_cpu.json",
         lambda d: tuple(
             d["results"][n][m]["copy_step_ms"] for n in ("320", "2000") for m in ("layer_by_layer", "scored_ahead")
