@@ -41,7 +41,7 @@ limit_for() {
         env) echo "${RCSTAT_LIMIT_ENV:-150}" ;;
         engine) echo "${RCSTAT_LIMIT_ENGINE:-540}" ;;
         compress) echo "${RCSTAT_LIMIT_COMPRESS:-300}" ;;
-        kernels) echo "${RCSTAT_LIMIT_KERNELS:-300}" ;;
+        kernels) echo "${RCSTAT_LIMIT_KERNELS:-540}" ;;  # (66 checks + live path: over 300 s on an H200, 2026-11-28)
         smollm2) echo "${RCSTAT_LIMIT_SMOLLM2:-300}" ;;
         throughput) echo "${RCSTAT_LIMIT_THROUGHPUT:-570}" ;;
         *) echo 300 ;;
