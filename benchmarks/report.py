@@ -1070,22 +1070,12 @@ FIGURES = (
     ),
     (
         "throughput_prefix_caching_amx_cpu.json",
-        lambda d: tuple(
-            a / b
-            for a, b in zip(
-                d["runs"]["default+pc"]["rounds_output_tok_per_s"], d["runs"]["vanilla+pc"]["rounds_output_tok_per_s"]
-            )
-        ),
+        lambda d: tuple(_rounds(d, "default+pc", "vanilla+pc")),
         "{:.2f}x / {:.2f}x vanilla with a shared prefix and prefix caching",
     ),
     (
         "throughput_noamx_imitation_cpu.json",
-        lambda d: tuple(
-            a / b
-            for a, b in zip(
-                d["runs"]["default"]["rounds_output_tok_per_s"], d["runs"]["vanilla"]["rounds_output_tok_per_s"]
-            )
-        ),
+        lambda d: tuple(_rounds(d, "default")),
         "the bare flag {:.2f}x / {:.2f}x vanilla (`throughput_noamx_imitation_cpu.json`",
     ),
     (
