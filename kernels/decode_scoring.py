@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .paged import cdiv, host_to_device, next_power_of_2, row_blocking
+from .paged import cdiv, host_to_device
+from .rc_scoring import rc_table_launch
 
 __all__ = ["check_head_inputs", "gather_head_entries", "rc_head_table_scores", "rc_head_table_scores_reference"]
 
@@ -147,17 +148,6 @@ def rc_head_table_scores(
         width - w,
         num_kv_heads,
         m,
-        1.0 / (m * group) if max_over_queries else 1.0 / (w * m * group),  # as the prompt kernel's norm
-        G=group,
-        G_PAD=next_power_of_2(group),
-        MAX_OVER_QUERIES=bool(max_over_queries),
-        W=w,
-        **row_blocking(group * w),
-        D=head_dim,
-        D_PAD=next_power_of_2(head_dim),
-        BLOCK_N=block_n,
-        PAGE=block_size,
-        IEEE=key_cache.dtype == torch.float32,
-        SEARCH_STEPS=max(1, m.bit_length()),
+        **rc_table_launch(group, w, m, head_dim, block_size, block_n, key_cache.dtype, max_over_queries),
     )
     return out

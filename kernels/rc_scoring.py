@@ -110,9 +110,20 @@ def rc_table_scores_paged(
         out.stride(0),
         num_scored,
         m,
+        **rc_table_launch(group, w, m, head_dim, block_size, block_n, key_cache.dtype, max_over_queries),
+    )
+    return out
+
+
+def rc_table_launch(
+    group: int, w: int, m: int, head_dim: int, block_size: int, block_n: int, dtype: torch.dtype, max_over_queries: bool
+) -> dict:
+    """The launch arguments the RC table kernels share (the prompt's :func:`rc_table_scores_paged` and decode time's
+    ``decode_scoring.rc_head_table_scores``): the score's norm and the compile-time constants."""
+    return dict(
         # mean: over the W*m (x, y) pairs of Eq. 6, then over the G query heads; max: over the m self logits of each
         # query's best row, then over the G query heads.
-        1.0 / (m * group) if max_over_queries else 1.0 / (w * m * group),
+        norm=1.0 / (m * group) if max_over_queries else 1.0 / (w * m * group),
         G=group,
         G_PAD=next_power_of_2(group),
         MAX_OVER_QUERIES=bool(max_over_queries),
@@ -122,7 +133,6 @@ def rc_table_scores_paged(
         D_PAD=next_power_of_2(head_dim),
         BLOCK_N=block_n,
         PAGE=block_size,
-        IEEE=key_cache.dtype == torch.float32,
+        IEEE=dtype == torch.float32,
         SEARCH_STEPS=max(1, m.bit_length()),  # 2**steps > m: every count 0..m is reachable
     )
-    return out
