@@ -17,12 +17,17 @@ settings, a request of ``n`` prompt tokens is compacted over and over, its parts
                   are free)
   scored_ahead    scored ahead of the copy, a third of the layers per step (what the worker does for the plans the
                   relief names ``SCORE_AHEAD_STEPS`` steps ahead): the copy step selects and copies only
+  scored_ahead_copy_by_layer
+                  the same, the copy one layer at a time (before runs of layers were copied together:
+                  ``compaction.COPY_GROUP_BYTES`` set to 0)
 
 The cache is bf16 in vLLM-CPU's AMX tiles where the CPU has AMX (the layout the engine uses there), else float32
-rows (``vec``). Medians over rounds; the ratio is taken within each round.
+rows (``vec``); ``--layout amx`` takes the AMX tiles anywhere (the copy and the scoring are plain torch over them, so
+they run on any CPU; only the attention kernels need AMX). Medians over rounds; the ratio is taken within each round.
 
     python benchmarks/compaction_step.py                 # writes benchmarks/results/compaction_step_cpu.json
     python benchmarks/compaction_step.py --sizes 320 --rounds 3 --json /tmp/c.json
+    python benchmarks/compaction_step.py --layout amx --json benchmarks/results/compaction_step_copy_runs_cpu.json
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, write_report
 
+import rcstat_vllm.paging.compaction as copying
 import rcstat_vllm.worker.prompt_compression as compression
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.paging.compaction import compact_request
@@ -50,15 +56,16 @@ from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCo
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compaction_step_cpu.json"
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 32
-MODES = ("layer_by_layer", "stacked", "scored_ahead")
+MODES = ("layer_by_layer", "stacked", "scored_ahead", "scored_ahead_copy_by_layer")
 
 
-def machine_layout():
-    """vLLM-CPU's layout on this CPU: AMX tiles (bf16) where it has AMX, else float32 rows."""
-    amx = torch.backends.cpu.get_cpu_capability() == "AVX512" and "amx" in Path("/proc/cpuinfo").read_text()
-    if amx and amx_unsupported_reason(torch.bfloat16, BLOCK, HEAD_DIM) is None:
-        return CPU_AMX, torch.bfloat16
-    return CPU_VEC, torch.float32
+def machine_layout(choice: str = "auto"):
+    """vLLM-CPU's layout on this CPU (``auto``): AMX tiles (bf16) where it has AMX, else float32 rows; or the one
+    named (``amx``, ``vec``)."""
+    if choice == "auto":
+        has_amx = torch.backends.cpu.get_cpu_capability() == "AVX512" and "amx" in Path("/proc/cpuinfo").read_text()
+        choice = "amx" if has_amx and amx_unsupported_reason(torch.bfloat16, BLOCK, HEAD_DIM) is None else "vec"
+    return (CPU_AMX, torch.bfloat16) if choice == "amx" else (CPU_VEC, torch.float32)
 
 
 class Setup:
@@ -93,11 +100,12 @@ class Setup:
         for (``copy_step_ms``: ``RequestCompressor.compact`` for a lazy plan) and, scored ahead, the longest of the
         steps before it (``ahead_step_ms``)."""
         request = self.request()
-        saved = compression.DEFERRED_LAYERS_BYTES
+        saved, saved_copy = compression.DEFERRED_LAYERS_BYTES, copying.COPY_GROUP_BYTES
         compression.DEFERRED_LAYERS_BYTES = 0 if mode == "layer_by_layer" else saved  # 0: one layer per call
+        copying.COPY_GROUP_BYTES = 0 if mode == "scored_ahead_copy_by_layer" else saved_copy
         try:
             ahead = []
-            if mode == "scored_ahead":  # the steps before the copy, a share of the layers each (the worker's budget)
+            if mode.startswith("scored_ahead"):  # the steps before the copy, a share of the layers each (the worker's budget)
                 share = cdiv(LAYERS, SCORE_AHEAD_STEPS - 1)
                 while any(scores is None for scores in request.scores):
                     t = time.perf_counter()
@@ -112,7 +120,7 @@ class Setup:
             compact_request(self.caches, self.row, request.masks, dest, self.space, self.layout)
             t3 = time.perf_counter()
         finally:
-            compression.DEFERRED_LAYERS_BYTES = saved
+            compression.DEFERRED_LAYERS_BYTES, copying.COPY_GROUP_BYTES = saved, saved_copy
         return {
             "copy_step_ms": (t3 - t0) * 1e3,
             "score_at_copy_ms": (t1 - t0) * 1e3,
@@ -123,8 +131,8 @@ class Setup:
         }
 
 
-def run(sizes: list[int], rounds: int) -> dict:
-    layout, dtype = machine_layout()
+def run(sizes: list[int], rounds: int, layout_choice: str = "auto") -> dict:
+    layout, dtype = machine_layout(layout_choice)
     results = {}
     for n in sizes:
         setup = Setup(n, layout, dtype)
@@ -143,12 +151,17 @@ def run(sizes: list[int], rounds: int) -> dict:
             summary[mode]["copy_step_vs_layer_by_layer"] = statistics.median(
                 r["copy_step_ms"] / base["copy_step_ms"] for r, base in zip(per_round[mode], per_round[MODES[0]])
             )
+        summary["scored_ahead"]["copy_vs_copy_by_layer"] = statistics.median(
+            r["copy_ms"] / base["copy_ms"]
+            for r, base in zip(per_round["scored_ahead"], per_round["scored_ahead_copy_by_layer"])
+        )
         results[str(n)] = summary
         print(
             f"n={n}: copy step (ms) layer_by_layer {summary['layer_by_layer']['copy_step_ms']:.1f}, "
             f"stacked {summary['stacked']['copy_step_ms']:.1f}, "
             f"scored_ahead {summary['scored_ahead']['copy_step_ms']:.1f} "
-            f"(select {summary['scored_ahead']['select_ms']:.1f}, copy {summary['scored_ahead']['copy_ms']:.1f}; "
+            f"(select {summary['scored_ahead']['select_ms']:.1f}, copy {summary['scored_ahead']['copy_ms']:.1f}, "
+            f"copied layer by layer {summary['scored_ahead_copy_by_layer']['copy_ms']:.1f}; "
             f"longest step before it {summary['scored_ahead']['ahead_step_ms']:.1f})"
         )
     return {"layout": type(layout).__name__, "dtype": str(dtype), "results": results}
@@ -159,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="*", default=[320, 2000, 8000], help="prompt tokens")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (an engine's, here 1)")
+    parser.add_argument(
+        "--layout", choices=("auto", "amx", "vec"), default="auto", help="the cache layout (auto: this CPU's)"
+    )
     parser.add_argument("--json", default=str(RESULTS))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -168,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "rounds": args.rounds,
         "settings": "the bare flag (RC, budget 0.4 model-wide, lazy: scored at the copy)",
-        **run(args.sizes, args.rounds),
+        "copy_group_bytes": copying.COPY_GROUP_BYTES,
+        **run(args.sizes, args.rounds, args.layout),
         "environment": environment(),
     }
     write_report(report, Path(args.json), lambda report: None)

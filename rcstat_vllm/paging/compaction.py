@@ -22,6 +22,14 @@ from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CPU_VEC, CacheLayout
 from rcstat_vllm.paging.page_space import PageSpace, cdiv, identity_pages
 
+#: Kept entries (keys, values and their int64 indices) copied in one gather and one scatter, across the layers of a
+#: pooled space (they all index one all-layers tensor). A layer's copy is a dozen small tensor ops whatever its size,
+#: so a short prompt's copy is mostly per-op overhead times the layer count; grouping layers up to this size pays it
+#: once per group, while the extra memory stays at most this or one layer's kept entries, whichever is larger.
+COPY_GROUP_BYTES = 4 << 20
+#: int64 indices held per kept entry while it is copied (head, token, page, offset and the rank of the write)
+_INDEX_BYTES_PER_ENTRY = 5 * 8
+
 
 def gather_prompt(
     kv_cache: Tensor, block_row: Tensor, num_tokens: int, layout: CacheLayout = CPU_VEC
@@ -110,7 +118,8 @@ def compact_request(
     ``dest_blocks``, densely (copy on compact: the source blocks are never written, so blocks the prefix cache
     or another request still reads stay intact).
 
-    One layer at a time: the extra memory is one layer's kept keys and values (and their indices). The destination
+    A run of layers at a time (:func:`copy_groups`): the extra memory is :data:`COPY_GROUP_BYTES` or one layer's kept
+    keys and values (and their indices), whichever is larger. The destination
     blocks are fresh, except when the scheduler had to reuse blocks the request just gave back (memory was short):
     then sources and destinations may share blocks. Within one layer's own pages that is safe (the layer reads all
     its kept entries before writing); across layers (pooled pages) the layers move in :func:`compaction_order` and
@@ -147,12 +156,12 @@ def compact_request(
         prefix = torch.stack([space.identity(layer, shared) for layer in range(len(keep_masks))])  # [L, H, S]
         tables = torch.cat([prefix, tables], dim=2)
     device_tables = tables.to(device)
-    for layer in order:
+    for group in copy_groups(order, own_kept.sum(dim=1).tolist(), space, caches[0]):
         _move_layer(
-            space.cache(layer, caches[layer]),
-            keep_masks[layer],
-            space.identity(layer, source_blocks),
-            device_tables[layer, :, shared_blocks:],
+            space.cache(group[0], caches[group[0]]),
+            _stack_heads([keep_masks[layer] for layer in group]),
+            torch.cat([space.identity(layer, source_blocks) for layer in group]),
+            torch.cat([device_tables[layer, :, shared_blocks:] for layer in group]),
             block_size,
             layout,
         )
@@ -209,14 +218,15 @@ def recompact_request(
         tables = torch.cat([old_tables[:, :, :shared_blocks], tables], dim=2)
     device = keep_masks[0].device
     sources, dests = old_tables.to(device), tables.to(device)
+    groups = copy_groups(range(len(keep_masks)), (kept_all - shared_tokens).sum(dim=1).tolist(), space, caches[0])
     moves = [
         (
-            space.cache(layer, caches[layer]),
-            mask[:, shared_tokens:],
-            sources[layer, :, shared_blocks:],
-            dests[layer, :, shared_blocks:],
+            space.cache(group[0], caches[group[0]]),
+            _stack_heads([keep_masks[layer][:, shared_tokens:] for layer in group]),
+            torch.cat([sources[layer, :, shared_blocks:] for layer in group]),
+            torch.cat([dests[layer, :, shared_blocks:] for layer in group]),
         )
-        for layer, mask in enumerate(keep_masks)
+        for group in groups
     ]
     if staged:
         read = [_read_kept(cache, mask, source, block_size, layout) for cache, mask, source, _ in moves]
@@ -228,6 +238,41 @@ def recompact_request(
     return CompactedRequest.from_compaction(
         num_tokens, space, kept_all, tables, unused, shared_blocks + dest_blocks.numel(), shared_blocks
     )
+
+
+def copy_groups(
+    order: Sequence[int], kept_entries: Sequence[int], space: PageSpace, cache: Tensor
+) -> list[list[int]]:
+    """The layers of ``order`` in runs that are copied together (one gather, one scatter each): consecutive layers
+    whose kept entries (``kept_entries[layer]``, over its heads) fit :data:`COPY_GROUP_BYTES`, a layer alone when it
+    does not; each layer alone when the space is not pooled (then every layer's pages index its own tensor).
+
+    Copying a run in one go is safe wherever copying its layers one by one in ``order`` is: the run reads all its
+    entries before writing any, so a page a layer of the run frees is read before any layer writes it."""
+    order = list(order)
+    if not space.is_pooled:
+        return [[layer] for layer in order]
+    entry_bytes = cache.shape[-1] * cache.element_size() + _INDEX_BYTES_PER_ENTRY  # a key and a value: 2D elements
+    groups: list[list[int]] = []
+    group_bytes = 0
+    for layer in order:
+        layer_bytes = int(kept_entries[layer]) * entry_bytes
+        if groups and group_bytes + layer_bytes <= COPY_GROUP_BYTES:
+            groups[-1].append(layer)
+            group_bytes += layer_bytes
+        else:
+            groups.append([layer])
+            group_bytes = layer_bytes
+    return groups
+
+
+def _stack_heads(masks: Sequence[Tensor]) -> Tensor:
+    """Keep masks of several layers as one of ``sum H`` heads (a layer's heads after the previous layer's), the
+    narrower ones padded with False: the copy then treats a run of layers as one layer with more heads."""
+    if len(masks) == 1:
+        return masks[0]
+    width = max(mask.shape[1] for mask in masks)
+    return torch.cat([torch.nn.functional.pad(mask, (0, width - mask.shape[1])) for mask in masks])
 
 
 def _check_shared_kept(keep_masks: Sequence[Tensor], shared_tokens: int) -> None:
