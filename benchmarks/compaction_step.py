@@ -105,7 +105,7 @@ class Setup:
         copying.COPY_GROUP_BYTES = 0 if mode == "scored_ahead_copy_by_layer" else saved_copy
         try:
             ahead = []
-            if mode.startswith("scored_ahead"):  # the steps before the copy, a share of the layers each (the worker's budget)
+            if mode.startswith("scored_ahead"):  # the steps before the copy, a share of the layers each
                 share = cdiv(LAYERS, SCORE_AHEAD_STEPS - 1)
                 while any(scores is None for scores in request.scores):
                     t = time.perf_counter()

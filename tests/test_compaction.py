@@ -223,7 +223,7 @@ def test_compacting_a_long_prompt_needs_at_most_one_layer_of_kept_kv_extra(desti
         tokens=8192, layers=30, heads=2, head_dim=64, dtype="float32", destination=destination
     )
     assert row["blocks_kept"] < cdiv(8192, 16)
-    assert compaction.COPY_GROUP_BYTES <= row["largest_layer_kept_kv_bytes"]
+    assert row["largest_layer_kept_kv_bytes"] >= compaction.COPY_GROUP_BYTES
     assert row["peak_extra_bytes"] <= 1.3 * row["largest_layer_kept_kv_bytes"], row
     assert row["peak_extra_bytes"] < 0.1 * row["all_layers_kept_kv_bytes"], row
 

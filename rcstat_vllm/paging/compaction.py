@@ -240,9 +240,7 @@ def recompact_request(
     )
 
 
-def copy_groups(
-    order: Sequence[int], kept_entries: Sequence[int], space: PageSpace, cache: Tensor
-) -> list[list[int]]:
+def copy_groups(order: Sequence[int], kept_entries: Sequence[int], space: PageSpace, cache: Tensor) -> list[list[int]]:
     """The layers of ``order`` in runs that are copied together (one gather, one scatter each): consecutive layers
     whose kept entries (``kept_entries[layer]``, over its heads) fit :data:`COPY_GROUP_BYTES`, a layer alone when it
     does not; each layer alone when the space is not pooled (then every layer's pages index its own tensor).
