@@ -323,3 +323,38 @@ def test_host_work_in_attention_is_dispatched_piecewise_or_refused():
     plan = planner.plan_step(common)
     with pytest.raises(RuntimeError, match="not dispatched piecewise"):
         planner.check_graph_step(plan)
+
+
+def test_the_runner_hook_dispatches_a_step_with_host_work_as_not_uniform(monkeypatch):
+    """``patches/model_runner.py``'s hook on ``_determine_batch_execution_and_padding``, as vLLM's ``execute_model``
+    calls it (keywords, no ``force_uniform_decode``): under ``cuda_graphs: full_decode`` a step whose attention keeps
+    queries is passed ``force_uniform_decode=False`` (vLLM then picks piecewise graphs), a plain decode goes through
+    untouched (a full graph may replay it); vLLM's own choice (graph capture passes ``force_uniform_decode``) is
+    never overridden; under ``piecewise`` and without the flag the hook passes everything through."""
+    from rcstat_vllm.patches import model_runner as hooks
+
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    caches = dict(zip(layer_names, _layer_caches(30, pooled=True)))
+    owners = {
+        "full": _worker({"method": "rc", "min_prompt_len": 64, "cuda_graphs": "full_decode"}, layer_names, caches),
+        "piecewise": _worker({"method": "rc", "min_prompt_len": 64}, layer_names, caches),
+    }
+    runners = {name: SimpleNamespace(name=name) for name in (*owners, "no flag")}
+    monkeypatch.setattr(hooks, "runner_owner", lambda runner: owners.get(runner.name))
+    seen = []
+
+    def vllm_dispatch(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, **kwargs):
+        seen.append(kwargs.get("force_uniform_decode"))
+        return "dispatched"
+
+    hooked = hooks._determine_batch_execution_and_padding(vllm_dispatch)
+    decode = StepInfo(requests=[BatchRequest("short", 20, 20, 1)])
+    chunk = StepInfo(requests=[BatchRequest("short", 20, 21, 1), BatchRequest("long", 300, 0, 1)])
+    args = dict(num_tokens=2, num_reqs=2, num_scheduled_tokens_np=None, max_num_scheduled_tokens=1)
+    for step in (decode, chunk):
+        for owner in owners.values():
+            owner.begin_step(step)
+        for runner in runners.values():
+            assert hooked(runner, **args, use_cascade_attn=False, allow_microbatching=True) == "dispatched"
+        assert hooked(runners["full"], **args, force_uniform_decode=True) == "dispatched"  # capture: vLLM decides
+    assert seen == [None, None, None, True, False, None, None, True]
