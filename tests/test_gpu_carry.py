@@ -1,5 +1,5 @@
 """tools/gpu (issue 40), without network or GPU: the carry's seeds cover what vLLM's offline path imports on the GPU
-machine, its parts fit a device call beside the working tree, and tools/gpu/first_run.sh runs end to end in its
+machine, its parts fit a device call beside the working tree, and tools/gpu/window.sh runs end to end in its
 dry mode."""
 
 from __future__ import annotations
@@ -164,19 +164,20 @@ def test_a_part_size_that_cannot_be_sent_is_refused_before_any_download(tmp_path
 
 
 @needs_vllm
-def test_first_run_dry_end_to_end(tmp_path):
-    """first_run.sh dry on a carry of one tiny wheel in two parts: call 1 receives part 1, call 2 receives part 2,
-    installs, checks env behind the GPU-image guard, and runs compress and throughput up to their engines."""
+def test_window_dry_end_to_end(tmp_path):
+    """window.sh dry on a carry of one tiny wheel in two parts, against the committed results: call 1 receives part 1
+    and says which plan call 2 will run; call 2 receives part 2, installs, checks env behind the GPU-image guard,
+    decides the same plan and runs its steps up to their engines and kernels, each step's JSON in $OUT."""
     stage = tmp_path / "stage"
     stage.mkdir()
     fake_wheel(stage, "rcstat-dry-probe", "1.0")
     (stage / "pad.bin").write_bytes(os.urandom(40_000))  # two parts of the size below
     build_carry.pack(tmp_path / "carry", {"core": stage}, lambda total: build_carry.part_size(total, 30_000))
     dry = tmp_path / "dry"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(FIRST_RUN_DRY_DIR=str(dry), RCSTAT_PYTHON=sys.executable)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "WINDOW_DEVICE", "WINDOW_RESULTS")}
+    env.update(WINDOW_DRY_DIR=str(dry), RCSTAT_PYTHON=sys.executable)
     proc = subprocess.run(
-        ["bash", str(GPU / "first_run.sh"), "dry", str(tmp_path / "carry" / "upload")],
+        ["bash", str(GPU / "window.sh"), "dry", str(tmp_path / "carry" / "upload")],
         env=env,
         capture_output=True,
         text=True,
@@ -186,32 +187,29 @@ def test_first_run_dry_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert json.loads((dry / "out1" / "receive.json").read_text())["ok"]
     assert (dry / "out1" / "machine.json").exists()
-    summary = json.loads((dry / "out2" / "first_run.json").read_text())
-    assert summary["dry_run"] and summary["dry_run_ok"] and summary["finished"]
-    assert [s["step"] for s in summary["steps"]] == ["receive", "install", "env", "compress", "throughput"]
+    expected = load("window_plan").decide(REPO / "benchmarks" / "results", "cuda")
+    preview = json.loads((dry / "out1" / "plan.json").read_text())
+    assert preview["plan"] == expected["plan"] and preview["steps"] == expected["steps"]
+    summary = json.loads((dry / "out2" / "window.json").read_text())
+    assert summary["dry_run"] and summary["dry_run_ok"] and summary["finished"] and summary["files_in_out_ok"]
+    assert summary["plan"]["plan"] == expected["plan"] and summary["plan"]["device"] == "cuda"
+    plan_steps = [s["name"] for s in expected["steps"]]
+    assert plan_steps, "the committed results leave no plan: this test needs another set"
+    assert [s["step"] for s in summary["steps"]] == ["receive", "install", "env", "plan", *plan_steps]
     files = sorted(os.listdir(dry / "out2"))
+    step_files = [s["file"] for s in summary["steps"] if s["step"] in plan_steps]
     assert len(files) <= 8 and files == sorted(
-        [
-            "first_run.json",
-            "receive.json",
-            "install.json",
-            "env.json",
-            "compress.json",
-            "throughput_first_cuda.json",
-            "logs.tar.gz",
-        ]
+        ["window.json", "receive.json", "install.json", "env.json", "logs.tar.gz", *step_files]
     )
     assert (dry / "site" / "rcstat_dry_probe" / "__init__.py").exists()
-    throughput = json.loads((dry / "out2" / "throughput_first_cuda.json").read_text())
-    workload = throughput["workload"]
-    assert (
-        workload["requests"],
-        workload["min_len"],
-        workload["max_len"],
-        workload["max_tokens"],
-        workload["mode"],
-    ) == (16, 4096, 8192, 512, "eager")
-    assert workload["kv_tokens"] == 4 * (6144 + 512)  # the pool holds 4 of the 16 requests
+    by_step = {s["step"]: s for s in summary["steps"]}
+    if "compress" in plan_steps:  # %L-25%: the compress engine's timeout is its step's limit less 25 s
+        compress = json.loads((dry / "out2" / "compress.json").read_text())
+        assert compress["dry_run"] and compress["spec"]["cases"][0][0] == "rc0.8"
+        assert by_step["compress"]["limit_s"] == 180 and compress["timeout_s"] == 180 - 25
+    if "kernels" in plan_steps:
+        kernels = json.loads((dry / "out2" / "kernels.json").read_text())
+        assert kernels["dry_run"] and list(kernels["parts"]) == ["live_path", "kernels", "bench", "pytest"]
 
 
 def test_engine_subprocesses_run_outside_the_repository(tmp_path, monkeypatch):
