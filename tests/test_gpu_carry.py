@@ -209,7 +209,13 @@ def test_window_dry_end_to_end(tmp_path):
         assert by_step["compress"]["limit_s"] == 180 and compress["timeout_s"] == 180 - 25
     if "kernels" in plan_steps:
         kernels = json.loads((dry / "out2" / "kernels.json").read_text())
-        assert kernels["dry_run"] and list(kernels["parts"]) == ["live_path", "kernels", "bench", "pytest"]
+        assert kernels["dry_run"] and list(kernels["parts"]) == [
+            "live_path",
+            "kernels",
+            "decode_speed",
+            "bench",
+            "pytest",
+        ]
 
 
 def test_engine_subprocesses_run_outside_the_repository(tmp_path, monkeypatch):

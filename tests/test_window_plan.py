@@ -66,8 +66,8 @@ def throughput(tag: str, mode: str, rows, env=H200, **changes) -> dict:
     return result
 
 
-def kernels(ok=True) -> dict:
-    parts = {p: {"ok": ok} for p in ("live_path", "kernels", "bench", "pytest")}
+def kernels(ok=True, parts=plan.KERNEL_PARTS) -> dict:
+    parts = {p: {"ok": ok} for p in parts}
     return {"check": "kernels", "environment": H200, "ok": ok, "parts": parts}
 
 
@@ -97,7 +97,8 @@ def test_no_results_start_with_the_first_plan(tmp_path):
     assert "--fresh" in args and args[args.index("--rounds") + 1] == "1"
     # the KV-bound workload: 16 x 4-8k + 512 out, a pool for 4
     assert args[args.index("--requests") :][:10] == plan.WORKLOAD
-    assert kernels_step["args"][kernels_step["args"].index("--parts") + 1] == "live_path,kernels,bench,pytest"
+    parts = kernels_step["args"][kernels_step["args"].index("--parts") + 1]
+    assert parts == "live_path,kernels,decode_speed,bench,pytest"  # observe_layer first: seconds
 
 
 def test_the_second_window_as_committed_still_owes_compress_and_kernels(tmp_path):
@@ -226,6 +227,9 @@ def test_then_a_second_round_of_the_defaults_then_done(tmp_path):
     first_done(tmp_path)
     write(tmp_path, "throughput_defaults_h200.json", throughput("defaults", "graphs", defaults_rows()))
     write(tmp_path, "gpu_kernels_w5_h200.json", kernels(ok=False))
+    assert plan.decide(tmp_path, "h200", NO_SERVING)["plan"] == "kernels"
+    # every part ok but decode-time scoring never timed (a result from before the part existed): still owed
+    write(tmp_path, "gpu_kernels_w5b_h200.json", kernels(parts=("live_path", "kernels", "bench", "pytest")))
     assert plan.decide(tmp_path, "h200", NO_SERVING)["plan"] == "kernels"
     write(tmp_path, "gpu_kernels_w6_h200.json", kernels())
     decision = plan.decide(tmp_path, "h200", NO_SERVING)
