@@ -373,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     device = detect_device() if args.device == "auto" else args.device
     decision = decide(Path(args.results), device)
     if args.seed_into:
-        decision["seeded"] = seed(decision, Path(args.seed_into))
+        try:
+            decision["seeded"] = seed(decision, Path(args.seed_into))
+        except (OSError, ValueError) as exc:  # the decision is still written: the step starts its rows afresh
+            decision["seeded"] = f"failed: {exc!r}"
     if args.json:
         Path(args.json).write_text(json.dumps(decision, indent=1, default=str))
     if args.steps:
