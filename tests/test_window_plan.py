@@ -98,7 +98,7 @@ def test_no_results_start_with_the_first_plan(tmp_path):
     # the KV-bound workload: 16 x 4-8k + 512 out, a pool for 4
     assert args[args.index("--requests") :][:10] == plan.WORKLOAD
     parts = kernels_step["args"][kernels_step["args"].index("--parts") + 1]
-    assert parts == "live_path,kernels,decode_speed,bench,pytest"  # observe_layer first: seconds
+    assert parts == "live_path,decode_speed,kernels,bench,pytest"  # observe_layer first: seconds
 
 
 def test_the_second_window_as_committed_still_owes_compress_and_kernels(tmp_path):

@@ -59,7 +59,7 @@ DEFAULTS_ROWS = (
     "none-graphs",
     "bare-async",
 )
-KERNEL_PARTS = ("live_path", "kernels", "decode_speed", "bench", "pytest")
+KERNEL_PARTS = ("live_path", "decode_speed", "kernels", "bench", "pytest")
 #: Seconds a step may take at most (the call's budget cuts it further); "the rest" is 10000
 CAPS = {"compress": 180, "throughput_first": 10000, "kernels": 10000, "defaults": 10000, "serving": 10000}
 PLANS = ("first", "defaults", "serving", "kernels", "defaults2")
