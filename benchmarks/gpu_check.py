@@ -63,6 +63,8 @@ DEFAULT_RC = dict(
 KEEP_SHARE = 0.2  # compression 0.8
 #: decode-time checks: the widest head's generated entries (the others fewer, down to about half)
 DECODE_N = 4099
+#: decode-time scoring timed (part decode_speed): the widest head's entries
+DECODE_SPEED_NS = (4096, 16384, 32768)
 
 
 @dataclass
@@ -214,6 +216,41 @@ def decode_scorer_check(device, n, page, dtype_name, progress) -> list[Check]:
         [torch.nn.functional.pad(s.double(), (width - s.shape[0], 0)) for s in per_head]
     )
     return [compare(f"rc default decode scorer {dtype_name} n<={n}", pad(got), pad(ref), TOLERANCE[dtype_name])]
+
+
+def decode_speed(device, ns, page, progress, dtype_name: str = "bf16") -> list[dict]:
+    """Decode-time scoring timed, one layer of one request at Llama-3.1-8B shapes: the default RC scorer's head-page
+    kernel (``score_head_pages``, what a decode-time compaction runs per layer, reading each KV head's entries in
+    place) against the torch path it replaces (each head's entries gathered, then ``score_ragged``). Heads of uneven
+    lengths up to ``n`` (:func:`head_pages`); milliseconds (:func:`bench`)."""
+    hq, hkv, d = SHAPES["llama3.1-8b"]
+    scorer = RCScorer(**DEFAULT_RC)
+    rows = []
+    for n in ns:
+        progress(f"decode-time scoring speed n<={n}")
+        cache, pages, starts, counts = head_pages(hkv, d, n, page, DTYPES[dtype_name], device, seed=n)
+        q = torch.randn(hq, 32, d, generator=torch.Generator().manual_seed(n)).to(device, DTYPES[dtype_name])
+        width, lengths = int(counts.max()), counts.tolist()
+
+        def kernel(q=q, cache=cache, pages=pages, starts=starts, counts=counts):
+            return scorer.score_head_pages(q, cache, pages, starts, counts, d**-0.5)
+
+        def torch_path(q=q, cache=cache, pages=pages, starts=starts, counts=counts, width=width, lengths=lengths):
+            keys = gather_head_entries(cache, pages, starts, counts, width)
+            return scorer.score_ragged(q, keys, None, lengths, d**-0.5)  # type: ignore[arg-type]
+
+        kernel_ms, torch_ms = bench(kernel, device), bench(torch_path, device)
+        rows.append(
+            {
+                "n": n,
+                "dtype": dtype_name,
+                "entries": int(counts.sum()),
+                "kernel_ms_median": kernel_ms,
+                "torch_ms_median": torch_ms,
+                "kernel_vs_torch": kernel_ms / torch_ms if torch_ms else None,
+            }
+        )
+    return rows
 
 
 def scorer_check(device, n, page, dtype_name, progress) -> list[Check]:
@@ -440,23 +477,24 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--parts",
         default="correctness,syncs,speed",
-        help="comma-separated: correctness (kernels and scorers against references), syncs, speed",
+        help="comma-separated: correctness (kernels and scorers against references), syncs, speed, decode_speed",
     )
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     parser.add_argument("--shapes", type=lambda t: t.split(","), default=list(SHAPES), help=f"of {list(SHAPES)}")
     parser.add_argument("--dtypes", type=lambda t: t.split(","), default=list(DTYPES), help=f"of {list(DTYPES)}")
     parser.add_argument("--speed-sizes", type=ints, default=[4096, 16384, 65536, 131072])
     parser.add_argument("--block-ns", type=ints, default=[32, 64, 128], help="RC kernel tile widths to time")
+    parser.add_argument("--decode-sizes", type=ints, default=list(DECODE_SPEED_NS), help="part decode_speed's n")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     page = 16  # vLLM's default block size on CUDA
     if args.smoke:
         check_sizes, shapes, dtypes, scorer_n, decode_n = [75], ["smollm2-135m"], ["fp32", "fp16"], 300, 120
-        speed_sizes, block_ns = [256], [32]
+        speed_sizes, block_ns, decode_ns = [256], [32], [120]
     else:
         check_sizes, shapes, dtypes, scorer_n, decode_n = [8191, 32771], args.shapes, args.dtypes, 16381, DECODE_N
-        speed_sizes, block_ns = args.speed_sizes, args.block_ns
+        speed_sizes, block_ns, decode_ns = args.speed_sizes, args.block_ns, args.decode_sizes
 
     started = time.time()
 
@@ -483,6 +521,10 @@ def main(argv=None) -> int:
         report["host_syncs"] = sync_check(device, scorer_n, page)
     if "speed" in parts:
         report["speed"] = speed(device, speed_sizes, page, block_ns, progress)
+    if "decode_speed" in parts:
+        # The interpreter cannot multiply bf16 tiles: fp16 there.
+        dtype_name = "bf16" if device.type == "cuda" else "fp16"
+        report["decode_speed"] = decode_speed(device, decode_ns, page, progress, dtype_name)
     report["seconds"] = round(time.time() - started, 1)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:  # the commit, machine and versions it ran with (benchmarks/common.py), as every result file records
@@ -514,6 +556,11 @@ def main(argv=None) -> int:
         ]
         bw = "" if row["key_read_GBps"] is None else f"  {row['key_read_GBps']:7.1f} GB/s"
         print(f"n={row['n']:>6} {row['what']:<58} {cells[0]} {cells[1]:>7} {cells[2]} {cells[3]:>7}{bw}")
+    for row in report.get("decode_speed", []):
+        print(
+            f"decode-time RC scoring, one layer, n<={row['n']:>6} {row['dtype']}: head-page kernel "
+            f"{row['kernel_ms_median']:.3f} ms, torch path {row['torch_ms_median']:.3f} ms"
+        )
     failed = [c.case for c in checks if not c.passed]
     print(f"{len(checks) - len(failed)} of {len(checks)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -297,3 +298,16 @@ def test_decode_kernel_half_cache(dtype, query_reduction):
     got = rc_head_scores_paged(q_window, key_cache, pages, starts, counts, query_reduction, block_n=16)
     want = rc_head_scores_paged_reference(q_window, key_cache, pages, starts, counts, query_reduction)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_speed_times_the_head_page_kernel_and_the_torch_path():
+    """benchmarks/gpu_check.py's part decode_speed (tools/gpu/check_kernels.py runs it on the GPU): both paths of the
+    default RC scorer at decode time run on the same head pages and are timed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_check
+
+    dtype = "fp16" if INTERPRETED else "bf16"  # (the interpreter cannot multiply bf16 tiles)
+    (row,) = gpu_check.decode_speed(torch.device(DEVICE), [48], 16, lambda what: None, dtype)
+    # 8 KV heads of 48, 45, ..., 27 entries (gpu_check.head_pages: the last head about half the first)
+    assert row["n"] == 48 and row["dtype"] == dtype and row["entries"] == sum(48 - 3 * h for h in range(8))
+    assert row["kernel_ms_median"] > 0 and row["torch_ms_median"] > 0

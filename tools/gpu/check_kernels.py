@@ -11,8 +11,10 @@ Parts (each recorded separately in kernels.json; a failure in one does not stop 
    ``score_head_pages`` (1), 66 in all; no host synchronisation in RC's decode-time scoring.
 2. ``live_path``: ``RequestCompressor.observe_layer`` (what the CUDA backend calls per layer) with the Triton kernels
    against the same call forced onto the torch path, bf16 cache in vLLM's CUDA layout on the GPU.
-3. ``pytest``: tests/test_kernels.py compiled (``TRITON_INTERPRET=0``: CUDA tensors, the bf16 cases included).
-4. ``bench``: benchmarks/scoring.py --device cuda (timings; written as scoring_<device>.json).
+3. ``decode_speed``: decode-time scoring timed, one layer at Llama-3.1-8B shapes in bf16 (``gpu_check.decode_speed``):
+   the default RC scorer's head-page kernel against the torch path it replaces, heads of up to 4k, 16k, 32k entries.
+4. ``pytest``: tests/test_kernels.py compiled (``TRITON_INTERPRET=0``: CUDA tensors, the bf16 cases included).
+5. ``bench``: benchmarks/scoring.py --device cuda (timings; written as scoring_<device>.json).
 
     python tools/gpu/check_kernels.py                 # all parts, writes kernels.json
     python tools/gpu/check_kernels.py --parts kernels,live_path --sizes 4096,16384
@@ -112,6 +114,14 @@ def part_live_path(n: int = 8192) -> dict:
     return {"ok": all(row["passed"] for row in rows), "rows": rows}
 
 
+def part_decode_speed(sizes: list[int]) -> dict:
+    """Decode-time RC scoring timed on the GPU: the head-page kernel and the torch path, one layer, bf16."""
+    import torch
+
+    rows = gpu_check.decode_speed(torch.device("cuda"), sizes, PAGE, progress, "bf16")
+    return {"ok": all(r["kernel_ms_median"] > 0 and r["torch_ms_median"] > 0 for r in rows), "rows": rows}
+
+
 def part_pytest(timeout: float) -> dict:
     try:
         import pytest  # noqa: F401
@@ -187,7 +197,10 @@ def device_tag(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="kernels,live_path,pytest,bench")
+    parser.add_argument("--parts", default="kernels,live_path,decode_speed,pytest,bench")
+    parser.add_argument(
+        "--decode-sizes", default=",".join(map(str, gpu_check.DECODE_SPEED_NS)), help="part decode_speed's n"
+    )
     parser.add_argument(
         "--sizes", default="8191,32771", help="prompt lengths of part 'kernels' (all shapes at the first)"
     )
@@ -198,13 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     report = {"check": "kernels", "environment": gpu_common.environment(), "parts": {}}
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    dry = bool(os.environ.get("RCSTAT_DRY_RUN"))
+    if dry:  # tools/gpu/window.sh dry: the imports above ran (torch, Triton, the kernels); no CUDA to launch them on
+        import rcstat_vllm.kernels.decode_scoring
+        import rcstat_vllm.worker.prompt_compression  # noqa: F401
+
+        report["dry_run"] = True
     for part in args.parts.split(","):
         print(f"[kernels] part {part} ...", file=sys.stderr, flush=True)
         try:
-            if part == "kernels":
+            if dry and part in ("kernels", "live_path", "decode_speed", "pytest", "bench"):
+                report["parts"][part] = {"ok": False, "dry_run": True, "skipped": "dry run: needs CUDA"}
+            elif part == "kernels":
                 report["parts"][part] = part_kernels(sizes)
             elif part == "live_path":
                 report["parts"][part] = part_live_path()
+            elif part == "decode_speed":
+                report["parts"][part] = part_decode_speed([int(s) for s in args.decode_sizes.split(",") if s])
             elif part == "pytest":
                 report["parts"][part] = part_pytest(args.timeout)
             elif part == "bench":
@@ -218,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         gpu_common.write_result("kernels", report)
     report["ok"] = all(p.get("ok") for p in report["parts"].values())
     worst = max((row["rel_l2"] for row in report["parts"].get("kernels", {}).get("rows", [])), default=None)
-    report["headline"] = ", ".join(f"{p} {'ok' if r.get('ok') else 'FAIL'}" for p, r in report["parts"].items()) + (
-        f"; worst relative L2 error {worst:.1e}" if worst is not None else ""
-    )
+    verdict = {True: "ok", False: "FAIL"}
+    report["headline"] = ", ".join(
+        f"{p} {'dry' if r.get('dry_run') else verdict[bool(r.get('ok'))]}" for p, r in report["parts"].items()
+    ) + (f"; worst relative L2 error {worst:.1e}" if worst is not None else "")
     missing = sorted({r.get("missing_module") for r in report["parts"].values() if r.get("missing_module")})
     if missing:
         report["missing_modules"] = missing

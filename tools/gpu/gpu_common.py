@@ -63,6 +63,9 @@ LLAMA_31_8B = {
 #: ``vanilla``: the plugin is not even loaded (VLLM_PLUGINS names no plugin); ``noflag``: loaded, flag absent.
 SETTINGS = {
     "vanilla": ({"VLLM_PLUGINS": "__none__"}, None),
+    # vanilla with what the plugin changes at vLLM's defaults, isolated: async scheduling off, PIECEWISE graphs
+    # (ENGINE_EXTRA; only with graphs: eager has neither)
+    "vanilla-piecewise": ({"VLLM_PLUGINS": "__none__"}, None),
     "noflag": ({}, None),
     "bare": ({}, {}),
     "none": ({}, {"method": "none"}),
@@ -75,6 +78,11 @@ SETTINGS = {
     # full CUDA graphs for single-token decode steps (issue 53: measured against "rc0.8" and "none", piecewise)
     "rc0.8-graphs": ({}, {"method": "rc", "target_ratio": 0.8, "cuda_graphs": "full_decode"}),
     "none-graphs": ({}, {"method": "none", "cuda_graphs": "full_decode"}),
+}
+
+#: Engine arguments a setting adds to ``engine_kwargs`` (with graphs only).
+ENGINE_EXTRA = {
+    "vanilla-piecewise": {"async_scheduling": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
 }
 
 #: Offline, quiet, reproducible: set in every engine subprocess.
@@ -268,7 +276,7 @@ def tail(path: Path, lines: int = 60) -> str:
 def run_worker(script: Path, spec: dict, env_extra: dict, log_name: str, timeout_s: float) -> dict:
     """Run ``script --worker SPEC`` in a fresh Python (one engine per process); its last ``RESULT {json}`` line is
     the result. stdout and stderr go to ``logs/<log_name>.log``; a failure returns the log's tail."""
-    if os.environ.get("RCSTAT_DRY_RUN"):  # tools/gpu/first_run.sh dry: no CUDA here, so no engine; say so
+    if os.environ.get("RCSTAT_DRY_RUN"):  # tools/gpu/window.sh dry: no CUDA here, so no engine; say so
         return {
             "ok": False,
             "dry_run": True,
@@ -276,6 +284,7 @@ def run_worker(script: Path, spec: dict, env_extra: dict, log_name: str, timeout
             "process_wall_s": 0.0,
             "spec": spec,
             "env_extra": env_extra,
+            "timeout_s": timeout_s,
         }
     LOGS.mkdir(parents=True, exist_ok=True)
     log_path = LOGS / f"{log_name}.log"

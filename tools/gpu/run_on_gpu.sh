@@ -65,7 +65,7 @@ run_check() {  # NAME [ARGS...]: never fails the shell; a crash becomes $OUT/NAM
     local limit; limit="$(limit_for "$name")"
     echo "=== check $name (limit ${limit}s) $(date -u +%H:%M:%S)" >&2
     local t0=$SECONDS
-    # RCSTAT_CHECK_WRAP: a launcher before the script (first_run.sh dry: tools/gpu/gpu_image_guard.py run).
+    # RCSTAT_CHECK_WRAP: a launcher before the script (window.sh dry: tools/gpu/gpu_image_guard.py run).
     # shellcheck disable=SC2086
     timeout --signal=TERM --kill-after=15 "$limit" "$PY" ${RCSTAT_CHECK_WRAP:-} "$script" "$@"
     local rc=$?

@@ -13,7 +13,8 @@ Settings (``--settings``, names of tools/gpu/gpu_common.py SETTINGS): vanilla (p
 One engine per setting per process (a subprocess each). Rounds interleave the settings (vanilla, bare, rc0.8,
 tova0.8, vanilla, ...); bare-async and rc0.8-async keep vLLM's asynchronous scheduling (``async_scheduling: keep``);
 rc0.8-graphs and none-graphs capture full graphs of single-token decode steps (``cuda_graphs: full_decode``), to
-compare with rc0.8 and none (``--settings none,none-graphs,rc0.8,rc0.8-graphs``).
+compare with rc0.8 and none (``--settings none,none-graphs,rc0.8,rc0.8-graphs``); vanilla-piecewise is vanilla with
+what the plugin changes at vLLM's defaults (async scheduling off, PIECEWISE graphs; ``--mode graphs`` only).
 Results accumulate in ``$RCSTAT_RESULTS/throughput_<tag>_<device>.json`` across calls with
 the same ``--tag``: each call runs the next runs of the interleaved plan not yet done, as many as fit in
 ``--budget-s``, so a plan longer than one device call (600 s) continues in the next call.
@@ -197,11 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     env_info = gpu_common.environment()
     device = env_info.get("device") or "cuda"
     tag_device = next((t.lower() for t in ("H100", "H200", "A100", "B200") if t in device.upper()), "cuda")
+    if os.environ.get("RCSTAT_DRY_RUN") and os.environ.get("RCSTAT_DEVICE_TAG"):
+        tag_device = os.environ["RCSTAT_DEVICE_TAG"]  # window.sh dry: the device its plan was decided for
     name = f"throughput_{args.tag}_{tag_device}"
     settings = [s for s in args.settings.split(",") if s]
     unknown = [s for s in settings if s not in gpu_common.SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; known: {list(gpu_common.SETTINGS)}")
+    graphs_only = [s for s in settings if s in gpu_common.ENGINE_EXTRA]
+    if graphs_only and args.mode == "eager":
+        parser.error(f"{graphs_only} set vLLM's graph options: --mode graphs only")
     mean_tokens = (args.min_len + args.max_len) / 2 + args.max_tokens
     kv_bytes = int(args.fit * mean_tokens * gpu_common.kv_bytes_per_token())
     max_model_len = -(-(args.max_len + args.max_tokens) // 1024) * 1024
@@ -233,7 +239,17 @@ def main(argv: list[str] | None = None) -> int:
             "calls": [],
         }
     report["environment"] = env_info
-    report["calls"].append({"started_utc": env_info.get("time_utc"), "settings": settings, "rounds": args.rounds})
+    # Runs of one tag may come from several windows (tools/gpu/window.sh seeds the committed file): each run names its
+    # call, each call its commit and device.
+    report["calls"].append(
+        {
+            "started_utc": env_info.get("time_utc"),
+            "settings": settings,
+            "rounds": args.rounds,
+            "commit": env_info.get("commit"),
+            "device": env_info.get("device"),
+        }
+    )
     done = {(r["setting"], r["round"]) for r in report["runs"] if r.get("ok")}
     plan = [(k, s) for k in range(1, args.rounds + 1) for s in settings if (s, k) not in done]
     model = gpu_common.dummy_model_dir()
@@ -251,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
             break
         env, rcstat = gpu_common.SETTINGS[setting]
         engine = gpu_common.engine_kwargs(
-            model, rcstat, eager=(args.mode == "eager"), max_model_len=max_model_len, kv_bytes=kv_bytes
+            model,
+            rcstat,
+            eager=(args.mode == "eager"),
+            max_model_len=max_model_len,
+            kv_bytes=kv_bytes,
+            **gpu_common.ENGINE_EXTRA.get(setting, {}),
         )
         spec = {
             "engine": engine,
@@ -265,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[throughput] round {round_index} {setting} ...", file=sys.stderr, flush=True)
         timeout = max(60.0, min(args.run_timeout, args.budget_s - elapsed + 30))
         result = gpu_common.run_worker(Path(__file__).resolve(), spec, env, f"{name}_{setting}_r{round_index}", timeout)
-        result.update(setting=setting, round=round_index, rcstat=rcstat, env=env)
+        result.update(setting=setting, round=round_index, rcstat=rcstat, env=env, call=len(report["calls"]) - 1)
         report["runs"] = [r for r in report["runs"] if (r["setting"], r["round"]) != (setting, round_index)] + [result]
         durations.append(result.get("process_wall_s", 0))
         ran += 1
