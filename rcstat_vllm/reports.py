@@ -192,9 +192,9 @@ class StepCompactions:
     #: requests' results the worker keeps for the Python API (sent when it changed; None: not sent), at most
     #: ``MAX_RESULTS`` (``rcstat:worker_results``)
     worker_results: int | None = None
-    #: (compression ratio, global eviction ratio) of each prompt compacted here whose plan was scored at its copy
-    #: (lazy eviction, budget mode): the scheduler saw no ratio in its plan
-    scored_at_copy: tuple[tuple[float, float], ...] = ()
+    #: (compression ratio, global eviction ratio, head consensus) of each prompt compacted here whose plan was scored
+    #: at its copy (lazy eviction, budget mode): the scheduler saw none of them in its plan
+    scored_at_copy: tuple[tuple[float, float, float], ...] = ()
     #: parked plans (lazy eviction) whose every layer this step finished scoring ahead of their copy: a relief for a
     #: waiting prompt may now compact them without stalling a step for their scoring
     scored_ahead: tuple[str, ...] = ()

@@ -24,11 +24,13 @@ def test_observed_reports_move_the_prometheus_counters():
         "rcstat:compression_ratio_sum",
         "rcstat:global_eviction_ratio_count",
         "rcstat:global_eviction_ratio_sum",
+        "rcstat:head_consensus_count",
+        "rcstat:head_consensus_sum",
     )
     before = {name: _value(name) for name in names}
     stats = CompressionStats()
     compressed = CompressionReport(
-        "a", 640, "rc", keep_blocks=6, kept=[[160, 320]], block_size=32, global_eviction_ratio=0.25
+        "a", 640, "rc", keep_blocks=6, kept=[[160, 320]], block_size=32, global_eviction_ratio=0.25, head_consensus=0.5
     )
     skipped = CompressionReport(
         "b", 40, "rc", keep_blocks=2, kept=[[40, 40]], skipped_reason="too short", block_size=32
@@ -44,6 +46,8 @@ def test_observed_reports_move_the_prometheus_counters():
         "rcstat:compression_ratio_sum": pytest.approx(1 - 480 / 1280),
         "rcstat:global_eviction_ratio_count": 1.0,
         "rcstat:global_eviction_ratio_sum": pytest.approx(0.25),
+        "rcstat:head_consensus_count": 1.0,  # the skipped request has none
+        "rcstat:head_consensus_sum": pytest.approx(0.5),
     }
     assert stats.requests_compressed == 1 and stats.requests_skipped == 1 and stats.blocks_freed == 14
     # A second stats object (a second scheduler in the process) shares the registered metrics.
@@ -93,6 +97,7 @@ def test_the_workers_copies_per_step_reach_time_and_count_histograms():
         "rcstat:compression_ratio_count",
         "rcstat:compression_ratio_sum",
         "rcstat:global_eviction_ratio_sum",
+        "rcstat:head_consensus_sum",
     )
 
     before = {name: _value(name) for name in names}
@@ -100,7 +105,7 @@ def test_the_workers_copies_per_step_reach_time_and_count_histograms():
     stats.observe_step(
         StepCompactions(
             (CopyRun("a", "prompt", 0.25), CopyRun("b", "prompt", 0.125), CopyRun("c", "decode", 0.5)),
-            scored_at_copy=((0.75, 0.5),),
+            scored_at_copy=((0.75, 0.5, 0.375),),
         )
     )
     stats.observe_step(StepCompactions((CopyRun("c", "decode", 0.0625),)))
@@ -120,6 +125,7 @@ def test_the_workers_copies_per_step_reach_time_and_count_histograms():
         "rcstat:compression_ratio_count": 1.0,
         "rcstat:compression_ratio_sum": 0.75,
         "rcstat:global_eviction_ratio_sum": 0.5,
+        "rcstat:head_consensus_sum": 0.375,
     }
     assert (stats.prompt_copies, stats.decode_copies, stats.compaction_steps) == (2, 2, 2)
     assert stats.compaction_seconds == 0.9375 and stats.max_step_compaction_seconds == 0.875

@@ -136,7 +136,9 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
             time.sleep(seconds)
             return SimpleNamespace(req_id=req_id)
 
-        outcome = CompressionReport(req_id, 64, "rc", keep_blocks=1, kept=[[16, 32]], global_eviction_ratio=0.25)
+        outcome = CompressionReport(
+            req_id, 64, "rc", keep_blocks=1, kept=[[16, 32]], global_eviction_ratio=0.25, head_consensus=0.125
+        )
         return SimpleNamespace(
             kind="prompt",
             compact=compact,
@@ -166,7 +168,7 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
     assert step.count("prompt") == 2 and step.count("decode") == 0
     assert step.copies[0].seconds >= 0.02 and step.seconds >= 0.02
     assert [pages.req_id for pages in attached] == ["a", "c"]
-    assert step.scored_at_copy == ((1 - 48 / 128, 0.25),)  # a's only (b was refused, c's ratio was in its plan)
+    assert step.scored_at_copy == ((1 - 48 / 128, 0.25, 0.125),)  # a's only (b was refused, c's ratio was in its plan)
     assert step.worker_requests == 2  # b, refused, left the table; a and c are compressed
     assert step.worker_results == 2  # a's and c's outcomes, kept for the Python API (rcstat:worker_results)
     assert worker.pop_step_compactions() is None  # handed over once

@@ -18,6 +18,8 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
                                           eviction, from the worker's step output after the copy)
     rcstat:global_eviction_ratio          histogram of the share of prompt tokens evicted from every head of
                                           every layer per compressed request (the quality cliff's early warning)
+    rcstat:head_consensus                 histogram of the mean pairwise overlap of a layer's heads' kept sets per
+                                          compressed request (1: every head keeps the same tokens, rigid routing)
     rcstat:decode_compactions_total       decode-time compactions (``decode_budget``) whose copy ran
     rcstat:decode_compactions_skipped_total decode-time compactions planned but not run (no free blocks for the copy)
     rcstat:decode_tokens_evicted_total    generated KV entries (layer x KV head x token) they evicted
@@ -77,6 +79,7 @@ class PrometheusMetrics:
     kv_blocks_freed_per_compaction: Any
     compression_ratio: Any
     global_eviction_ratio: Any
+    head_consensus: Any
     decode_compactions: Any
     decode_compactions_skipped: Any
     decode_tokens_evicted: Any
@@ -117,6 +120,11 @@ def prometheus_metrics() -> PrometheusMetrics | None:
             "rcstat:global_eviction_ratio",
             "Share of prompt tokens evicted from every KV head of every layer, per compressed request.",
             buckets=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+        ),
+        Histogram(
+            "rcstat:head_consensus",
+            "Mean pairwise overlap of a layer's KV heads' kept token sets, per compressed request (1: all alike).",
+            buckets=RATIO_BUCKETS,
         ),
         Counter("rcstat:decode_compactions", "Decode-time compactions of generated KV that rcstat ran."),
         Counter("rcstat:decode_compactions_skipped", "Decode-time compactions planned but not run (no free blocks)."),
@@ -170,6 +178,7 @@ class CompressionStats:
     ratio_count: int = 0
     ratio_sum: float = 0.0
     global_eviction_sum: float = 0.0
+    head_consensus_sum: float = 0.0
     #: prompt tokens of compressed requests served from the prefix cache
     cached_tokens: int = 0
     #: decode-time compactions run, skipped (no free blocks for the copy), and generated entries evicted
@@ -204,6 +213,7 @@ class CompressionStats:
                 self.ratio_count += 1
                 self.ratio_sum += report.compression_ratio
                 self.global_eviction_sum += report.global_eviction_ratio
+                self.head_consensus_sum += report.head_consensus
         self.blocks_freed += blocks_freed
         self._dirty = True
         if self.prometheus is not None:
@@ -215,6 +225,7 @@ class CompressionStats:
                 if report.kept:
                     self.prometheus.compression_ratio.observe(report.compression_ratio)
                     self.prometheus.global_eviction_ratio.observe(report.global_eviction_ratio)
+                    self.prometheus.head_consensus.observe(report.head_consensus)
 
     def observe_planned(self) -> None:
         """Lazy eviction parked a plan."""
@@ -273,13 +284,15 @@ class CompressionStats:
                 self.prometheus.worker_results.set(step.worker_results)
         if not step.copies:
             return
-        for ratio, global_eviction in step.scored_at_copy:
+        for ratio, global_eviction, consensus in step.scored_at_copy:
             self.ratio_count += 1
             self.ratio_sum += ratio
             self.global_eviction_sum += global_eviction
+            self.head_consensus_sum += consensus
             if self.prometheus is not None:
                 self.prometheus.compression_ratio.observe(ratio)
                 self.prometheus.global_eviction_ratio.observe(global_eviction)
+                self.prometheus.head_consensus.observe(consensus)
         seconds = step.seconds
         self.prompt_copies += step.count("prompt")
         self.decode_copies += step.count("decode")
@@ -303,12 +316,14 @@ class CompressionStats:
         if not self._dirty or (not force and now - self._last_log < LOG_INTERVAL_S):
             return
         logger.info(
-            "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f over the %d "
-            "whose ratio is known, %d of their prompt tokens from the prefix cache), %d run uncompressed%s; %d KV "
+            "rcstat: %d requests compressed (mean compression ratio %.3f, mean global eviction ratio %.3f, mean head "
+            "consensus %.3f over the %d whose ratio is known, %d of their prompt tokens from the prefix cache), %d run "
+            "uncompressed%s; %d KV "
             "blocks freed in total; %d blocks free now%s%s",
             self.requests_compressed,
             self.mean_ratio,
             self.global_eviction_sum / self.ratio_count if self.ratio_count else 0.0,
+            self.head_consensus_sum / self.ratio_count if self.ratio_count else 0.0,
             self.ratio_count,
             self.cached_tokens,
             self.requests_skipped,

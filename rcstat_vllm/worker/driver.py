@@ -83,7 +83,7 @@ class WorkerCompression(CompressedLayers):
         #: the results log's size last sent
         self._results_sent = 0
         #: this step's prompts scored at their copy: (compression ratio, global eviction ratio) each
-        self._scored_at_copy: list[tuple[float, float]] = []
+        self._scored_at_copy: list[tuple[float, float, float]] = []
         #: parked plans whose scoring ahead finished in this step (sent with the step's compactions)
         self._scored_ahead: list[str] = []
 
@@ -263,7 +263,9 @@ class WorkerCompression(CompressedLayers):
             outcome = job.outcome(compaction)
             self.results_log.record(outcome)
             if getattr(job, "deferred_bound", None) is not None and outcome.kept:  # its plan carried no ratio
-                self._scored_at_copy.append((outcome.compression_ratio, outcome.global_eviction_ratio))
+                self._scored_at_copy.append(
+                    (outcome.compression_ratio, outcome.global_eviction_ratio, outcome.head_consensus)
+                )
             watcher = job.decode_watcher(pages)
             if watcher is not None:
                 self.requests.watch_decode(record.req_id, watcher)
