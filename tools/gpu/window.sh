@@ -153,6 +153,8 @@ else:
         summary["plan"] = r
     if r.get("remaining"):
         step["remaining"] = r["remaining"]
+    if isinstance(r.get("dry_probe"), dict):  # check serving's dry run: imports, tokenizer, the dataset sampled
+        step["dry_probe_ok"] = bool(r["dry_probe"].get("ok"))
 summary["steps"] = [s for s in summary["steps"] if s["step"] != name] + [step]
 summary["seconds"] = int(os.environ["WINDOW_ELAPSED"])
 with open(summary_path + ".tmp", "w") as f:
@@ -255,7 +257,8 @@ if s["dry_run"]:
     s["dry_run_env_failed_imports"] = failed
     s["dry_run_ok"] = bool(steps.get("receive", {}).get("ok") and steps.get("install", {}).get("ok") and env_ok
                            and steps.get("plan", {}).get("ok")
-                           and all(steps.get(n, {}).get("dry_run_stub") for n in plan_steps))
+                           and all(steps.get(n, {}).get("dry_run_stub") and steps[n].get("dry_probe_ok", True)
+                                   for n in plan_steps))
 s["files_in_out"] = sorted(os.listdir(out))
 s["files_in_out_ok"] = len(s["files_in_out"]) <= 8
 json.dump(s, open(path, "w"), indent=1, default=str)
