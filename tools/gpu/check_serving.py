@@ -54,6 +54,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also when imported by path: build_carry.py, the tests)
 import gpu_common
 
 #: row -> (kind, setting)
