@@ -345,6 +345,7 @@ def test_window_dry_runs_the_serving_plan(tmp_path):
     assert report["tokenizer"]["from"] == f"carry: {dry / 'carry' / 'core' / 'tokenizer' / 'smollm2'}"
     probe = report["dry_probe"]
     assert set(probe["imports"].values()) == {"ok"} and probe["sampled_ok"] and probe["vocab_size"] == 49152
+    assert set(probe["parsed"].values()) == {"ok"} and len(probe["parsed"]) == 13 and probe["parser_rejects_unknown"]
     assert [r["row"] for r in report["runs"] if r.get("dry_run")] == list(plan.SERVING_ROWS)
     assert report["remaining"] == list(plan.SERVING_ROWS) and step["remaining"] == list(plan.SERVING_ROWS)
     assert sorted(os.listdir(dry / "out2")) == sorted(

@@ -327,7 +327,9 @@ def test_check_serving_resumes_the_seeded_rows_in_a_dry_run(tmp_path):
     assert report["tokenizer"]["from"].startswith("carry") and report["tokenizer"]["path"] == str(tokenizer)
     assert (tokenizer / "tokenizer.json").read_bytes() == (local / "tokenizer.json").read_bytes()
     probe = report["dry_probe"]
-    assert probe["ok"] and probe["vocab_size"] == 49152, probe
+    assert probe["ok"] and probe["vocab_size"] == 49152 and probe["parser_rejects_unknown"], probe
+    # every server (4) and bench command (2 + 1 + 1 + 2) of the rows tried, through vLLM's own CLI parsers
+    assert len(probe["parsed"]) == 4 + 6 and set(probe["parsed"].values()) == {"ok"}, probe["parsed"]
     assert all(4096 <= n <= 8192 for n in probe["sampled_prompt_lens"]), probe  # vLLM's random dataset, 4-8k
     by_row = {r["row"]: r for r in tried}
     for row, run in by_row.items():

