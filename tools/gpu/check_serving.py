@@ -170,8 +170,10 @@ def model_dir() -> Path:
 
 
 def vllm_cli() -> list[str]:
-    """``vllm ...`` as this Python runs it (the carry installs no console script on PATH)."""
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    """``vllm ...`` as this Python runs it (the carry installs no console script on PATH); ``RCSTAT_VLLM_CLI``
+    replaces it (tests/fake_vllm_cli.py: the non-dry path on a machine without CUDA)."""
+    launcher = os.environ.get("RCSTAT_VLLM_CLI")
+    return launcher.split() if launcher else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def server_command(model: Path, tokenizer: Path, port: int, rcstat: dict | None, workload: dict, mode: str) -> list:
@@ -554,7 +556,7 @@ def parse_with_vllm(commands: dict[str, list]) -> dict[str, str]:
     out = {}
     saved_argv = sys.argv
     for name, cmd in commands.items():
-        argv = [str(a) for a in cmd[cmd.index("vllm.entrypoints.cli.main") + 1 :]]
+        argv = [str(a) for a in cmd[len(vllm_cli()) :]]
         sys.argv = ["vllm", *argv]  # `vllm bench` adds its bench types only when sys.argv names it
         try:
             parser = FlexibleArgumentParser(prog="vllm")
