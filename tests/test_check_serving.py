@@ -30,7 +30,7 @@ serving = load("check_serving")
 def run_check(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
     results = tmp_path / "results"
     tokenizer = tmp_path / "tokenizer"
-    tokenizer.mkdir(exist_ok=True)
+    tokenizer.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RCSTAT_DRY_RUN", "TRITON_INTERPRET")}
     env.update(
         RCSTAT_RESULTS=str(results),
@@ -126,3 +126,14 @@ def test_unknown_rows_are_refused_with_json(tmp_path):
 def test_metrics_are_summed_over_labels():
     text = 'a 1\nb{x="1"} 2\nb{x="2"} 3\n# c 9\nd_bucket{le="1"} 4\n'
     assert serving.parse_metrics(text) == {"a": 1.0, "b": 5.0}
+
+
+def test_the_model_has_the_tokenizers_vocabulary_unless_llama_vocab(tmp_path):
+    common = load("gpu_common")
+    assert run_check(tmp_path, "--rows", "sat:vanilla").returncode == 0
+    assert run_check(tmp_path / "b", "--rows", "sat:vanilla", "--llama-vocab").returncode == 0
+    cut, full = (servers(path)[0]["argv"][0] for path in (tmp_path, tmp_path / "b"))
+    assert Path(cut).name == "llama-3.1-8b-shape-vocab49152" and Path(full).name == "llama-3.1-8b-shape"
+    assert json.loads((Path(cut) / "config.json").read_text())["vocab_size"] == 49152
+    assert json.loads((Path(full) / "config.json").read_text()) == common.LLAMA_31_8B
+    assert [report_of(p)["workload"]["model_vocab"] for p in (tmp_path, tmp_path / "b")] == [49152, 128256]

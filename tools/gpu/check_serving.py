@@ -17,8 +17,11 @@ server at a time, in ``$RCSTAT_RESULTS`` as working directory, never the reposit
 Model: Llama-3.1-8B's shapes (tools/gpu/gpu_common.py LLAMA_31_8B), ``--load-format dummy``, bf16, with the vocabulary
 cut to the tokenizer's (49152): vLLM's random dataset needs a tokenizer (text prompts) and the dummy model has none,
 so SmolLM2-135M's travels in the carry (build_carry.py: ``tokenizer/smollm2/`` in the core bundle, LZMA-compressed)
-and is passed to the server and the client; with Llama's 128256 the random weights would sample ids that tokenizer
-cannot detokenize. Only the embedding and LM head shrink (4% of the weights); KV per token is the 8B's.
+and is passed to the server and the client. With Llama's 128256 (``--llama-vocab``: the model of the other checks) the
+random weights sample ids of which 62% have no token in that vocabulary: the tokenizers library decodes them to
+nothing (checked), so the server streams them as empty text (it still sends the chunks) and does less detokenizing
+than a real one. Cut to 49152, only the embedding and LM head shrink (by 0.65 of the 8 billion weights); KV per
+token is the 8B's.
 KV pool: the KV-bound workload's (``--fit`` 4 requests of 4-8k + 512: 26624 tokens, as ``throughput --tag first``),
 prefix caching off (the random prompts share nothing), ``--mode graphs`` (vLLM's defaults: torch.compile and CUDA
 graphs, the plugin's PIECEWISE) or ``eager``.
@@ -161,9 +164,12 @@ def find_tokenizer(explicit: str | None) -> tuple[Path, str]:
     )
 
 
-def model_dir() -> Path:
-    config = dict(gpu_common.LLAMA_31_8B, vocab_size=TOKENIZER_VOCAB, bos_token_id=1, eos_token_id=2)
-    return gpu_common.dummy_model_dir(config, name=f"llama-3.1-8b-shape-vocab{TOKENIZER_VOCAB}")
+def model_dir(vocab: int = TOKENIZER_VOCAB) -> Path:
+    """Llama-3.1-8B's config.json with ``vocab`` (the tokenizer's by default; Llama's own with ``--llama-vocab``)."""
+    if vocab == gpu_common.LLAMA_31_8B["vocab_size"]:
+        return gpu_common.dummy_model_dir()  # the model of the other checks, unchanged
+    config = dict(gpu_common.LLAMA_31_8B, vocab_size=vocab, bos_token_id=1, eos_token_id=2)
+    return gpu_common.dummy_model_dir(config, name=f"llama-3.1-8b-shape-vocab{vocab}")
 
 
 # ---- commands ----
@@ -281,6 +287,7 @@ def workload_of(args) -> dict:
         "kv_tokens": kv_bytes // gpu_common.kv_bytes_per_token(),
         "max_model_len": -(-(longest + 64) // 1024) * 1024,
         "mode": args.mode,
+        "model_vocab": gpu_common.LLAMA_31_8B["vocab_size"] if args.llama_vocab else TOKENIZER_VOCAB,
         "prompts": "vLLM's random dataset (random ids of SmolLM2's vocabulary, decoded to text), seed 0",
     }
 
@@ -427,7 +434,7 @@ def run_row(row: str, report: dict, tokenizer: Path, args, deadline: float) -> d
     env_extra, rcstat = SETTINGS[setting]
     workload = report["workload"]
     port = free_port()
-    cmd = server_command(model_dir(), tokenizer, port, rcstat, workload, args.mode)
+    cmd = server_command(model_dir(workload["model_vocab"]), tokenizer, port, rcstat, workload, args.mode)
     url = f"http://127.0.0.1:{port}"
     result: dict = {"row": row, "kind": kind, "setting": setting, "rcstat": rcstat, "env": env_extra}
     result["server_command"] = cmd
@@ -636,6 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"in this order; known: {list(ROWS)}")
     parser.add_argument("--mode", choices=("graphs", "eager"), default="graphs")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the carry's SmolLM2)")
+    parser.add_argument(
+        "--llama-vocab",
+        action="store_true",
+        help="the model of the other checks (vocabulary 128256): generated ids >= 49152 then have no text",
+    )
     parser.add_argument("--sat-prompts", type=int, default=16, help="prompts sent all at once (saturation)")
     parser.add_argument("--half-prompts", type=int, default=8, help="prompts at half of vanilla's saturation rate")
     parser.add_argument("--sat-input", type=int, default=6144, help="mean prompt tokens (+- --sat-range)")
@@ -677,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             "check": "serving",
             "benchmark": "serving_gpu",
             "workload": workload,
-            "model": f"dummy-weight Llama-3.1-8B shapes, vocabulary {TOKENIZER_VOCAB} (SmolLM2's tokenizer), bf16",
+            "model": f"dummy-weight Llama-3.1-8B shapes, vocabulary {workload['model_vocab']}, bf16",
             "client": "vllm bench serve (vLLM's own), /v1/completions, streaming, greedy, ignore_eos",
             "runs": [],
             "calls": [],
