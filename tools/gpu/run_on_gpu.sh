@@ -8,7 +8,8 @@
 #   tools/gpu/run_on_gpu.sh checks [NAME...]               several checks with their defaults
 #                                                          (default: env engine compress kernels smollm2)
 #   tools/gpu/run_on_gpu.sh check NAME [ARGS...]           one check, ARGS passed to tools/gpu/check_NAME.py
-#                                                          (NAME: env engine compress kernels smollm2 throughput)
+#                                                          (NAME: env engine compress kernels smollm2 throughput
+#                                                          serving)
 #   eval "$(tools/gpu/run_on_gpu.sh env)"                  the environment the checks run in, for your own commands
 #
 # Every check writes $OUT/<name>.json (and keeps a copy in $RCSTAT_RESULTS, which lasts while the machine is held),
@@ -44,6 +45,7 @@ limit_for() {
         kernels) echo "${RCSTAT_LIMIT_KERNELS:-540}" ;;  # (66 checks + live path: over 300 s on an H200, 2026-11-28)
         smollm2) echo "${RCSTAT_LIMIT_SMOLLM2:-300}" ;;
         throughput) echo "${RCSTAT_LIMIT_THROUGHPUT:-570}" ;;
+        serving) echo "${RCSTAT_LIMIT_SERVING:-570}" ;;  # (resumable: rows that do not fit its --budget-s wait)
         *) echo 300 ;;
     esac
 }

@@ -23,7 +23,8 @@
 #   plan 30         window_plan.py: reads WINDOW_RESULTS (default benchmarks/results) for this machine's GPU
 #                   (WINDOW_DEVICE, else nvidia-smi's), copies the committed file a resumable step continues from
 #                   into $RCSTAT_RESULTS; its steps then run with the caps it gives (first: compress 180, then the
-#                   kernel checks with the rest; defaults: the throughput rows owed, with the rest)
+#                   kernel checks with the rest; defaults: the throughput rows owed, with the rest; serving:
+#                   check_serving.py's rows owed, with the rest)
 #   (env, plan and its steps are skipped when install failed)
 #
 # Dry run (`dry`): both calls on this machine, in scratch folders under /tmp/rcstat-dry (WINDOW_DRY_DIR).
@@ -31,7 +32,9 @@
 # env imports the CPU wheel (.venv) behind tools/gpu/gpu_image_guard.py (only the GPU image's packages and the
 # carry's are importable) instead of the carried CUDA vLLM; the plan is decided as on the GPU (device "cuda" unless
 # WINDOW_DEVICE), and its steps run their whole scripts but start no engine and launch no kernel (RCSTAT_DRY_RUN: it
-# needs CUDA), recording the engine arguments and workload they would use. Every JSON of a dry run says dry_run.
+# needs CUDA), recording the engine arguments and workload they would use (check serving also its dry_probe: the
+# carried tokenizer, the server's and client's imports, their commands through vLLM's parsers; required by
+# dry_run_ok). Every JSON of a dry run says dry_run.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 mode="${1:-}"
@@ -153,6 +156,8 @@ else:
         summary["plan"] = r
     if r.get("remaining"):
         step["remaining"] = r["remaining"]
+    if isinstance(r.get("dry_probe"), dict):  # check serving's dry run: imports, tokenizer, the dataset sampled
+        step["dry_probe_ok"] = bool(r["dry_probe"].get("ok"))
 summary["steps"] = [s for s in summary["steps"] if s["step"] != name] + [step]
 summary["seconds"] = int(os.environ["WINDOW_ELAPSED"])
 with open(summary_path + ".tmp", "w") as f:
@@ -255,7 +260,8 @@ if s["dry_run"]:
     s["dry_run_env_failed_imports"] = failed
     s["dry_run_ok"] = bool(steps.get("receive", {}).get("ok") and steps.get("install", {}).get("ok") and env_ok
                            and steps.get("plan", {}).get("ok")
-                           and all(steps.get(n, {}).get("dry_run_stub") for n in plan_steps))
+                           and all(steps.get(n, {}).get("dry_run_stub") and steps[n].get("dry_probe_ok", True)
+                                   for n in plan_steps))
 s["files_in_out"] = sorted(os.listdir(out))
 s["files_in_out_ok"] = len(s["files_in_out"]) <= 8
 json.dump(s, open(path, "w"), indent=1, default=str)

@@ -12,8 +12,11 @@ and picks the first plan not yet done:
 2. ``defaults``: ``throughput --tag defaults`` at vLLM's defaults (no ``enforce_eager``), rows in the order of what
    they answer (:data:`DEFAULTS_ROWS`), one round; rows of this window's device already measured are not run again
    (the committed file is copied into ``$RCSTAT_RESULTS``, where ``throughput.py`` resumes its plan).
-3. ``serving``: ``check serving`` (``vllm bench serve`` against ``vllm serve``), skipped while
-   ``tools/gpu/check_serving.py`` does not exist (its GPU preset is not built yet): the decision says so.
+3. ``serving``: ``check serving`` (``vllm bench serve`` against ``vllm serve``, vLLM's defaults: graphs), rows in the
+   order of :data:`SERVING_ROWS`; done when one device's ``serving`` file of that mode has every row ok with each of
+   its bench runs complete (:func:`serving_row_done`); rows of this window's device already measured are not run
+   again (the committed file is seeded, as for the defaults). Skipped while ``tools/gpu/check_serving.py`` does not
+   exist (the decision says so).
 4. ``kernels``: every part of ``check kernels``.
 5. ``defaults2``: the defaults plan with a second round (``--rounds 2``), then ``done``.
 
@@ -59,6 +62,12 @@ DEFAULTS_ROWS = (
     "none-graphs",
     "bare-async",
 )
+#: The serving plan's rows (tools/gpu/check_serving.py ROWS), in the order of what they answer: vanilla at saturation
+#: and half of it, the bare flag against it (window-3 targets), long outputs vanilla vs decode_budget 1024, RC 0.8.
+SERVING_ROWS = ("sat:vanilla", "sat:bare", "long:vanilla", "long:decode1024", "sat:rc0.8")
+SERVING_MODE = "graphs"
+#: The bench runs each kind of serving row holds: saturation and half of vanilla's saturation rate; the long run
+SERVING_RUNS = {"sat": ("sat", "half"), "long": ("long",)}
 KERNEL_PARTS = ("live_path", "decode_speed", "kernels", "bench", "pytest")
 #: Seconds a step may take at most (the call's budget cuts it further); "the rest" is 10000
 CAPS = {"compress": 180, "throughput_first": 10000, "kernels": 10000, "defaults": 10000, "serving": 10000}
@@ -216,6 +225,50 @@ def defaults_status(results: list[dict], rounds: int) -> dict:
     return out
 
 
+def serving_row_done(run: dict) -> bool:
+    """A serving row counts when it says ok and each of its bench runs completed every request, none failed, with
+    a request rate and TTFT/ITL percentiles measured."""
+    if not (isinstance(run, dict) and run.get("ok") and run.get("row") in SERVING_ROWS):
+        return False
+    for name in SERVING_RUNS[run["row"].split(":")[0]]:
+        bench = run.get(name) or {}
+        if not (bench.get("ok") and bench.get("completed") and not bench.get("failed")):
+            return False
+        if not all(bench.get(k) for k in ("request_throughput", "p99_ttft_ms", "p99_itl_ms")):
+            return False
+    return True
+
+
+def serving_status(results: list[dict]) -> dict:
+    """Per device: the serving file (mode :data:`SERVING_MODE`) with the most rows done, and the rows it still owes."""
+    per_device: dict[str, dict] = {}
+    for f in results:
+        r = f["result"]
+        if r.get("check") != "serving" or (r.get("workload") or {}).get("mode") != SERVING_MODE:
+            continue
+        rows = {run["row"] for run in r.get("runs") or [] if serving_row_done(run)}
+        best = per_device.get(f["device"])
+        if best is None or len(rows) > len(best["rows"]):
+            per_device[f["device"]] = {"file": f["path"], "rows": rows}
+    return {
+        device: {
+            "file": entry["file"].name,
+            "path": str(entry["file"]),
+            "remaining": [row for row in SERVING_ROWS if row not in entry["rows"]],
+        }
+        for device, entry in per_device.items()
+    }
+
+
+def serving_step() -> dict:
+    return {
+        "name": "serving",
+        "cap_s": CAPS["serving"],
+        "glob": "serving_*.json",
+        "args": ["serving", "--mode", SERVING_MODE, "--rows", ",".join(SERVING_ROWS), "--budget-s", "%L-15%"],
+    }
+
+
 def arg_list(*parts) -> list[str]:
     return [str(p) for p in parts]
 
@@ -244,16 +297,19 @@ def decide(folder: Path, device: str, serving_script: Path | None = None) -> dic
     kernels = kernels_status(results)
     defaults1 = defaults_status(results, rounds=1)
     defaults2 = defaults_status(results, rounds=2)
+    serving = serving_status(results)
     status = {
         "first": first,
         "defaults": defaults1,
-        "serving": {"done": False, "built": serving_script.exists()},
+        "serving": {
+            "done": any(not entry["remaining"] for entry in serving.values()),
+            "built": serving_script.exists(),
+            "by_device": serving,
+            "files": [f["path"].name for f in results if f["result"].get("check") == "serving"],
+        },
         "kernels": kernels,
         "defaults2": defaults2,
     }
-    serving_files = [f["path"].name for f in results if f["result"].get("check") == "serving"]
-    status["serving"]["done"] = any(f["result"].get("ok") for f in results if f["result"].get("check") == "serving")
-    status["serving"]["files"] = serving_files
     decision: dict = {
         "check": "window_plan",
         "device": device,
@@ -305,11 +361,18 @@ def decide(folder: Path, device: str, serving_script: Path | None = None) -> dic
         chosen = defaults_plan("defaults", 1, defaults1)
     if chosen is None and not status["serving"]["done"]:
         if serving_script.exists():
+            mine = serving.get(device)
+            remaining = mine["remaining"] if mine else list(SERVING_ROWS)
             chosen = {
                 "plan": "serving",
-                "why": "no serving result yet",
-                "steps": [{"name": "serving", "cap_s": CAPS["serving"], "glob": "serving*.json", "args": ["serving"]}],
+                "why": f"{len(remaining)} serving rows owed on {device}"
+                + (f" ({mine['file']})" if mine else " (none measured on it yet)")
+                + (f" (partial on {sorted(serving)}: rows compare within a device)" if serving and not mine else ""),
+                "remaining_rows": remaining,
+                "steps": [serving_step()],
             }
+            if mine:
+                chosen["seed"] = {"from": mine["path"], "as": f"serving_{SERVING_MODE}_{device}.json"}
         else:
             decision["skipped_plans"].append(
                 {
@@ -328,6 +391,11 @@ def decide(folder: Path, device: str, serving_script: Path | None = None) -> dic
     return decision
 
 
+def ok_count(result: dict) -> int:
+    """Runs (throughput) or rows (serving) a result file holds measured."""
+    return sum(1 for r in result.get("runs") or [] if isinstance(r, dict) and r.get("ok"))
+
+
 def seed(decision: dict, folder: Path) -> str | None:
     """Copy the committed file a resumable step continues from into ``folder`` (``$RCSTAT_RESULTS``), unless what is
     there already holds as many measured rows (a second call on the same machine)."""
@@ -337,10 +405,10 @@ def seed(decision: dict, folder: Path) -> str | None:
     target = folder / entry["as"]
     source = Path(entry["from"])
     try:
-        have = len(ok_runs(json.loads(target.read_text())))
+        have = ok_count(json.loads(target.read_text()))
     except (OSError, ValueError):
         have = -1
-    if have >= len(ok_runs(json.loads(source.read_text()))):
+    if have >= ok_count(json.loads(source.read_text())):
         return f"kept {target} ({have} rows measured)"
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
@@ -359,6 +427,9 @@ def describe(decision: dict) -> str:
     for item, entry in [*status["first"].items(), ("kernels", status["kernels"])]:
         where = entry.get("done_in") if entry["done"] else entry.get("last", "never ran")
         lines.append(f"  {item}: {'done in' if entry['done'] else 'owed, last attempt:'} {where}")
+    serving = status["serving"]
+    per_device = "; ".join(f"{d}: {e['file']} owes {e['remaining']}" for d, e in serving["by_device"].items())
+    lines.append(f"  serving: {'done' if serving['done'] else 'owed'} ({per_device or 'no serving file'})")
     return "\n".join(lines)
 
 
