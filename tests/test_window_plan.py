@@ -3,7 +3,6 @@ content; and throughput.py resuming the rows the plan left owed (a dry run: no G
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,17 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpu_tools import GPU, REPO, load
 
-REPO = Path(__file__).resolve().parents[1]
-GPU = REPO / "tools" / "gpu"
 COMMITTED = REPO / "benchmarks" / "results"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"tools_gpu_{name}", GPU / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 plan = load("window_plan")
