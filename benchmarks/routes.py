@@ -399,6 +399,60 @@ def print_table(report: dict) -> None:
         print(f"  {label}: {tasks}")
 
 
+def side_by_side(routes_report: dict, kvpress_report: dict) -> dict:
+    """The routes run's settings and kvpress's presses (``kvpress_reference.py`` on the prompts ``--write-prompts``
+    wrote) on the prompts both ran: per setting, the values found and how many of those the full cache found it found
+    too, against this run's full cache (``kept_of_full``) and against kvpress's own (``kept_of_kvpress_full``), per
+    task and in all."""
+    ids = {s["sample_id"] for s in kvpress_report["rows"][0]["samples"]}
+    found: dict[str, dict[str, list[bool]]] = {}
+    tasks: dict[str, str] = {}
+    evicted: dict[str, list[float]] = {}
+    for r in routes_report["rows"]:
+        if r["sample"] in ids:
+            found.setdefault(r["label"], {})[r["sample"]] = r["found"]
+            tasks[r["sample"]] = r["task"]
+            if r.get("ratio") is not None:
+                evicted.setdefault(r["label"], []).append(r["ratio"])
+    for row in kvpress_report["rows"]:
+        label = "full" if row["label"] == "full" else f"kvpress_{row['label']}"
+        key = "kvpress_full" if label == "full" else label
+        found[key] = {o["sample_id"]: o["found"] for o in row["samples"]}
+        evicted[key] = [o["evicted"] for o in row["samples"]]
+    if "full" not in found:
+        raise SystemExit("the routes run holds none of the kvpress run's prompts")
+    common = sorted(set.intersection(*(set(f) for f in found.values())))
+    out: dict = {"prompts": common, "settings": {}}
+    for label, mine in found.items():
+        entry: dict = {"per_task": {}}
+        for task in [*sorted({tasks[i] for i in common}), "all"]:
+            chosen = [i for i in common if task in ("all", tasks[i])]
+            cell = {"values": sum(len(mine[i]) for i in chosen), "found": sum(sum(mine[i]) for i in chosen)}
+            for name, ref in (("full", found["full"]), ("kvpress_full", found["kvpress_full"])):
+                cell[f"{name}_found"] = sum(sum(ref[i]) for i in chosen)
+                kept = sum(a and b for i in chosen for a, b in zip(ref[i], mine[i]))
+                cell["kept_of_full" if name == "full" else "kept_of_kvpress_full"] = kept
+            entry["per_task"][task] = cell
+        if evicted.get(label):
+            entry["evicted"] = statistics.fmean(evicted[label])
+        out["settings"][label] = entry
+    return out
+
+
+def print_side_by_side(report: dict) -> None:
+    table = report["side_by_side"]
+    print(f"{len(table['prompts'])} prompts both ran")
+    for label, entry in table["settings"].items():
+        a = entry["per_task"]["all"]
+        tasks = ", ".join(
+            f"{t} {c['kept_of_full']}/{c['full_found']}" for t, c in entry["per_task"].items() if t != "all"
+        )
+        print(
+            f"{label:<28} kept {a['kept_of_full']}/{a['full_found']} of this full, {a['kept_of_kvpress_full']}/"
+            f"{a['kvpress_full_found']} of kvpress's  evicted {entry.get('evicted', 0):.3f}  ({tasks})"
+        )
+
+
 def build_samples(tokenizer, args, seed: int) -> list[data.Sample]:
     needles = [t for t in args.tasks if t in NEEDLE_FAMILIES]
     samples: list[data.Sample] = []
@@ -451,11 +505,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-samples", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--write-prompts", default=None, help="write the prompts (with ids) as JSON and stop")
+    parser.add_argument(
+        "--side-by-side",
+        nargs=2,
+        metavar=("ROUTES_JSON", "KVPRESS_JSON"),
+        default=None,
+        help="write (--json) this run's settings beside kvpress's presses on the prompts both ran, and stop",
+    )
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/routes_seed<seed>_cpu.json)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     seeds = args.seeds or [args.seed]
+    if args.side_by_side:
+        routes_path, kvpress_path = map(Path, args.side_by_side)
+        report = {
+            "benchmark": "routes_side_by_side",
+            "sources": {"routes": routes_path.name, "kvpress": kvpress_path.name},
+            "side_by_side": side_by_side(json.loads(routes_path.read_text()), json.loads(kvpress_path.read_text())),
+        }
+        write_report(report, Path(args.json or RESULTS_DIR / "routes_side_by_side_cpu.json"), print_side_by_side)
+        return 0
     tokenizer = data.load_tokenizer()
     samples = [s for seed in seeds for s in build_samples(tokenizer, args, seed)]
     if args.max_samples:

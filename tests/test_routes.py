@@ -111,3 +111,46 @@ def test_greedy_stops_where_asked_and_not_before():
     assert len(full) == 8
     cut = ref.greedy(prefill, 8, stop_at_eos=False, stop=lambda tokens: len(tokens) >= 3)
     assert cut == full[:3]
+
+
+def test_side_by_side_scores_kvpress_against_both_full_caches_on_the_prompts_both_ran():
+    routes_report = {
+        "rows": [
+            {"sample": "a", "task": "niah_multi", "label": "full", "found": [True, True]},
+            {"sample": "a", "task": "niah_multi", "label": "rc", "found": [True, False], "ratio": 0.8},
+            {"sample": "b", "task": "probe_coref", "label": "full", "found": [True]},
+            {"sample": "b", "task": "probe_coref", "label": "rc", "found": [True], "ratio": 0.8},
+            {"sample": "c", "task": "probe_coref", "label": "full", "found": [True]},  # kvpress did not run it
+        ]
+    }
+    kvpress_report = {
+        "rows": [
+            {
+                "label": "full",
+                "samples": [
+                    {"sample_id": "a", "found": [True, False], "evicted": 0.0},
+                    {"sample_id": "b", "found": [True], "evicted": 0.0},
+                ],
+            },
+            {
+                "label": "kvzip_r0.8",
+                "samples": [
+                    {"sample_id": "a", "found": [False, True], "evicted": 0.8},
+                    {"sample_id": "b", "found": [True], "evicted": 0.8},
+                ],
+            },
+        ]
+    }
+    table = routes.side_by_side(routes_report, kvpress_report)
+    assert table["prompts"] == ["a", "b"]
+    kvzip = table["settings"]["kvpress_kvzip_r0.8"]
+    assert kvzip["per_task"]["all"] == {
+        "values": 3,
+        "found": 2,
+        "full_found": 3,
+        "kept_of_full": 2,
+        "kvpress_full_found": 2,
+        "kept_of_kvpress_full": 1,
+    }
+    assert kvzip["evicted"] == pytest.approx(0.8)
+    assert table["settings"]["rc"]["per_task"]["niah_multi"]["kept_of_full"] == 1
