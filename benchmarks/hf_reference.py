@@ -22,6 +22,7 @@ are kept here, per layer, and the model is called with explicit position ids and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,9 +213,15 @@ class ReferenceModel:
 
     @torch.no_grad()
     def greedy(
-        self, prefill: Prefill, max_new_tokens: int, masks: list[Tensor] | None = None, stop_at_eos: bool = True
+        self,
+        prefill: Prefill,
+        max_new_tokens: int,
+        masks: list[Tensor] | None = None,
+        stop_at_eos: bool = True,
+        stop: Callable[[list[int]], bool] | None = None,
     ) -> list[int]:
-        """Greedy decode under the masks: the first token comes from the (uncompressed) prefill."""
+        """Greedy decode under the masks: the first token comes from the (uncompressed) prefill; ``stop(tokens)``
+        true ends it early (after any token)."""
         st = _STATE
         st.__init__()
         st.prompt_keys, st.prompt_values, st.masks, st.append = prefill.keys, prefill.values, masks, True
@@ -222,6 +229,8 @@ class ReferenceModel:
         n = prefill.n
         try:
             while len(tokens) < max_new_tokens and not (stop_at_eos and tokens[-1] in self.eos_ids):
+                if stop is not None and stop(tokens):
+                    break
                 st.mode = "decode"
                 pos = n + len(tokens) - 1
                 out = self.model(

@@ -57,7 +57,9 @@ DEFAULT_PRESSES = ["snapkv", "tova", "expected_attention", "adakv_expected_atten
 DEFAULT_RATIOS = [0.5, 0.8]
 #: Tasks scored by string match; summaries (no reference answers offline) are left out unless asked for.
 NEEDLE_TASKS = list(data.NEEDLE_TASKS)
-SCORED_TASKS = [*NEEDLE_TASKS, "vt"]
+#: routes.py's probes (the KV-compression-physics paper's synthetic tasks), scored the same way.
+PROBE_TASKS = ["probe_entities", "probe_instances", "probe_coref"]
+SCORED_TASKS = [*NEEDLE_TASKS, "vt", *PROBE_TASKS]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

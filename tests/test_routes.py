@@ -1,0 +1,156 @@
+"""benchmarks/routes.py (past the cliff): its probes hold what they ask, its early stop never changes what is found,
+settings that differ in scoring are scored apart, and the summary splits tuning from held-out prompts."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import data  # noqa: E402
+import hf_reference  # noqa: E402
+import routes  # noqa: E402
+from test_benchmarks import _tokenizer  # noqa: E402
+
+from rcstat_vllm.config import RCStatConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _tokenizer()
+
+
+@pytest.mark.parametrize("task", routes.PROBES)
+def test_probes_hide_their_facts_in_a_haystack_and_ask_one(tokenizer, task):
+    for i in range(3):
+        sample = routes.probe_sample(tokenizer, task, random.Random(f"t-{task}-{i}"), "x", length=512, count=4)
+        assert 400 <= sample.num_tokens <= 512
+        facts = sample.meta["facts"]
+        assert all(sample.prompt.count(f) == 1 for f in facts)
+        (answer,) = sample.answers
+        # The asked value is in the context, in one fact only; the distractors are there too and differ from it.
+        assert sum(answer in f for f in facts) == 1
+        assert answer not in sample.meta["distractors"]
+        assert all(d in sample.prompt for d in sample.meta["distractors"])
+        if task == "probe_instances":
+            first = sample.meta["distractors"][sample.meta["asked_index"]]
+            assert sample.prompt.index(first) < sample.prompt.index(answer)  # the first code, then the change
+        assert data.found_answers(sample, f" {answer}.") == [True]
+
+
+def test_same_seed_same_probes(tokenizer):
+    a = routes.build_probes(tokenizer, 3, 2, 4, [512])
+    b = routes.build_probes(tokenizer, 3, 2, 4, [512])
+    assert [s.prompt_ids for s in a] == [s.prompt_ids for s in b]
+    assert len({tuple(s.prompt_ids) for s in a}) == len(a) == 2 * len(routes.PROBES)
+
+
+def test_settled_means_no_later_token_can_change_what_is_found():
+    assert not routes.settled(["123"], " 123")  # "1234" could still follow
+    assert routes.settled(["123"], " 123.")
+    assert not routes.settled(["123"], " 1234.")
+    assert not routes.settled(["123", "45"], " 123, 4")
+    assert routes.settled(["123", "45"], " 123, 45 and")
+    for text, answers in ((" 123.", ["123"]), (" 123, 45 and", ["123", "45"]), (" 123 x", ["123"])):
+        assert routes.settled(answers, text)
+        # Whatever follows, the whole-word match stays.
+        assert all(all(data.answers_found(answers, text + more)) for more in ("9", "x", "0.5", ""))
+
+
+def test_settings_that_score_differently_are_scored_apart():
+    base = RCStatConfig().merged({"method": "rc", "target_ratio": 0.8})
+    selection_only = [{"coverage_floor": 0.5}, {"layer_floor": 0.5}, {"target_ratio": 0.9}, {}]
+    for change in selection_only:
+        assert routes.scoring_key(base.merged(change)) == routes.scoring_key(base)
+    for change in ({"smoothing": 5}, {"observation_window": 64}, {"carry_forward": 0}, {"local_contrast": 0.0}):
+        assert routes.scoring_key(base.merged(change)) != routes.scoring_key(base)
+
+
+def test_extra_settings_parse_and_labels_must_differ():
+    settings = routes.settings_for([0.8], [], [], ['x={"target_ratio": 0.9, "coverage_floor": 0.5}'])
+    assert [s.label for s in settings] == ["full", "default", "rc_r0.8", "x"]
+    assert settings[-1].rcstat == {"target_ratio": 0.9, "coverage_floor": 0.5}
+    with pytest.raises(SystemExit):
+        routes.settings_for([0.8], [], [], ['rc_r0.8={"target_ratio": 0.8}'])
+
+
+def test_summary_splits_tuning_from_held_out_prompts():
+    settings = routes.settings_for([], [], [], ['x={"target_ratio": 0.9}'])
+    rows = []
+    for seed, (full, x) in {5: ([True, True], [True, False]), 6: ([True, False], [True, True])}.items():
+        for label, found in (("full", full), ("default", full), ("x", x)):
+            rows.append({"sample": f"s{seed}", "task": "niah_multi", "label": label, "found": found, "seed": seed})
+    summary = routes.split_summaries(rows, settings, [5])
+    assert summary["all"]["x"]["totals"]["needles"] == {"full_found": 3, "kept_of_full": 2, "share": 2 / 3}
+    assert summary["tuning"]["x"]["totals"]["needles"]["kept_of_full"] == 1
+    assert summary["heldout"]["x"]["totals"]["needles"] == {"full_found": 1, "kept_of_full": 1, "share": 1.0}
+    assert summary["heldout"]["x"]["per_task"]["niah_multi"]["found"] == 2
+
+
+def test_greedy_stops_where_asked_and_not_before():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    ref = hf_reference.ReferenceModel(model=LlamaForCausalLM(config))
+    ids = torch.randint(3, 96, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    prefill = ref.prefill(ids)
+    full = ref.greedy(prefill, 8, stop_at_eos=False)
+    assert len(full) == 8
+    cut = ref.greedy(prefill, 8, stop_at_eos=False, stop=lambda tokens: len(tokens) >= 3)
+    assert cut == full[:3]
+
+
+def test_side_by_side_scores_kvpress_against_both_full_caches_on_the_prompts_both_ran():
+    routes_report = {
+        "rows": [
+            {"sample": "a", "task": "niah_multi", "label": "full", "found": [True, True]},
+            {"sample": "a", "task": "niah_multi", "label": "rc", "found": [True, False], "ratio": 0.8},
+            {"sample": "b", "task": "probe_coref", "label": "full", "found": [True]},
+            {"sample": "b", "task": "probe_coref", "label": "rc", "found": [True], "ratio": 0.8},
+            {"sample": "c", "task": "probe_coref", "label": "full", "found": [True]},  # kvpress did not run it
+        ]
+    }
+    kvpress_report = {
+        "rows": [
+            {
+                "label": "full",
+                "samples": [
+                    {"sample_id": "a", "found": [True, False], "evicted": 0.0},
+                    {"sample_id": "b", "found": [True], "evicted": 0.0},
+                ],
+            },
+            {
+                "label": "kvzip_r0.8",
+                "samples": [
+                    {"sample_id": "a", "found": [False, True], "evicted": 0.8},
+                    {"sample_id": "b", "found": [True], "evicted": 0.8},
+                ],
+            },
+        ]
+    }
+    table = routes.side_by_side(routes_report, kvpress_report)
+    assert table["prompts"] == ["a", "b"]
+    kvzip = table["settings"]["kvpress_kvzip_r0.8"]
+    assert kvzip["per_task"]["all"] == {
+        "values": 3,
+        "found": 2,
+        "full_found": 3,
+        "kept_of_full": 2,
+        "kvpress_full_found": 2,
+        "kept_of_kvpress_full": 1,
+    }
+    assert kvzip["evicted"] == pytest.approx(0.8)
+    assert table["settings"]["rc"]["per_task"]["niah_multi"]["kept_of_full"] == 1
