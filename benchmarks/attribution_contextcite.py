@@ -402,9 +402,13 @@ def run_plugin(
     rounds: int = 1,
     dtype: str | None = None,
     ab_prompts: int | None = None,
+    save_traces: str | None = None,
 ) -> dict:
     """Serve every prompt with attribution (and, for the first ``ab_prompts`` of each family, None = all, the same
-    request without it: the A/B timing), score its sources; fills the prompts' plugin fields in place."""
+    request without it: the A/B timing), score its sources; fills the prompts' plugin fields in place.
+    ``save_traces``: a folder where each served request's trace (a copy, before results()) and its prompt and
+    answer token ranges per level are saved (``torch.save``), so that other scorings can be compared on exactly
+    the served traces afterwards (benchmarks/attribution_variants.py)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # results() in-process
     from vllm import LLM, SamplingParams
 
@@ -464,6 +468,8 @@ def run_plugin(
                 if round_ == 0:  # untimed: the scores the served path gave before issue 55, on a copy of the trace
                     for level in ("document", "sentence"):
                         item["levels"][level]["plugin_before"] = before_issue55(llm, out, chunks[level])
+                    if save_traces is not None:
+                        item["trace_file"] = save_trace(llm, out, chunks, Path(save_traces), item)
                 for level in ("document", "sentence"):
                     t, c = time.perf_counter(), time.process_time()
                     got = results(
@@ -521,6 +527,40 @@ def run_plugin(
     from common import engine_options
 
     return {"engine": engine_options(kwargs), "engine_start_s": round(engine_start, 1)}
+
+
+def save_trace(llm, out, chunks: dict, folder: Path, item: dict) -> str:
+    """A copy of the served request's trace and its token ranges per level, saved under ``folder``."""
+    import copy
+
+    import torch
+
+    from rcstat_vllm.attribution.capture import attribution_capture
+    from rcstat_vllm.attribution.report import plan_spans
+
+    found = attribution_capture().find(str(out.request_id))
+    assert found is not None, "no trace for the served request"
+    trace = copy.deepcopy(found[1])
+    output = out.outputs[0]
+    ranges = {}
+    for level, level_chunks in chunks.items():
+        _, prompt_spans, _, gen_spans = plan_spans(
+            llm.get_tokenizer(),
+            out.prompt,
+            list(out.prompt_token_ids),
+            list(output.token_ids),
+            "chunks",
+            level_chunks,
+            "all",
+        )
+        ranges[level] = {
+            "prompt": [[s.token_start, s.token_end] for s in prompt_spans],
+            "generated": [[s.token_start, s.token_end] for s in gen_spans],
+        }
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{item['family'].replace(':', '_')}_{item['seed']}_{item['index']}.pt"
+    torch.save({"trace": trace, "ranges": ranges, "answer_ids": list(output.token_ids)}, folder / name)
+    return name
 
 
 def before_issue55(llm, out, chunks: Sequence) -> dict:
@@ -972,6 +1012,11 @@ def main(argv=None) -> int:
         help="no ContextCite stage: reuse its attributions from this earlier result file where the served answer and "
         "the sources are identical (same seed and dtype: the first prompts of each family are the same)",
     )
+    parser.add_argument(
+        "--save-traces",
+        metavar="DIR",
+        help="save each served request's trace and token ranges here (benchmarks/attribution_variants.py reads them)",
+    )
     args = parser.parse_args(argv)
     if args.stage == "contextcite":
         run_contextcite(args)
@@ -1024,7 +1069,13 @@ def main(argv=None) -> int:
     dtype = (embedded_model_dtype() or "bfloat16") if args.dtype == "auto" else args.dtype
     t = time.perf_counter()
     engine = run_plugin(
-        prompts, model_dir, args.max_tokens, args.timing_rounds, dtype, None if args.ab_prompts < 0 else args.ab_prompts
+        prompts,
+        model_dir,
+        args.max_tokens,
+        args.timing_rounds,
+        dtype,
+        None if args.ab_prompts < 0 else args.ab_prompts,
+        args.save_traces,
     )
     plugin_wall = time.perf_counter() - t
     load_after_plugin = load_avg()

@@ -26,6 +26,7 @@ from rcstat_vllm.attribution.estimators import (
     weighted_token_relative_contextualization,
 )
 from rcstat_vllm.attribution.options import AttributionOptions
+from rcstat_vllm.attribution.report import echo_mask
 from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.config import ConfigError
 from tests.test_attribution import planted_sequence, random_sequence, stream
@@ -104,6 +105,46 @@ def test_trace_uniform_weighting_is_today_s_scores():
         AttributionOptions(token_weighting="nope")
     with pytest.raises(ConfigError):
         AttributionOptions(heads="best")
+
+
+def test_echo_mask_exact():
+    # prompt tokens 1..4 are the two scored spans; 1, 9, 5, 3 occur outside them (position 0 and 5..7)
+    prompt_ids = [1, 5, 6, 7, 8, 9, 5, 3]
+    ranges = [(1, 3), (3, 5)]
+    assert echo_mask(prompt_ids, ranges, [5, 6, 9, 12, 3], (0, 5)) == [False, True, False, True, False]
+    assert echo_mask(prompt_ids, ranges, [5, 6, 9, 12, 3], (1, 4)) == [True, False, True]
+    # spans covering the whole prompt: nothing is echoed
+    assert echo_mask(prompt_ids, [(0, 8)], [5, 6, 9], (0, 3)) == [True, True, True]
+
+
+def test_token_mask_keeps_only_the_marked_queries():
+    queries, keys = random_sequence(m=12, n=6)
+    spans = [(0, 4), (4, 12)]
+    trace = AttributionTrace.from_sequence(queries, keys, 12, AttributionOptions(k=3))
+    heads = trace.finalize(prune=False)
+    q, kp, kg = trace.head_tensors(heads, 6)
+    per_query = query_token_relative_contextualization(q[:, 1:5], kp, kg, 1).float()  # queries 1..4
+    mask = [False, True, False, True]  # queries 2 and 4
+    got = trace.weighted_token_scores((1, 5), heads, spans, "uniform", mask)
+    assert torch.allclose(got, per_query[:, [1, 3]].mean(dim=1), rtol=1e-6, atol=1e-9)
+    # nothing marked: the mask is ignored; all marked: the unmasked scores
+    unmasked = trace.weighted_token_scores((1, 5), heads, spans, "uniform")
+    assert torch.equal(trace.weighted_token_scores((1, 5), heads, spans, "uniform", [False] * 4), unmasked)
+    assert torch.allclose(trace.weighted_token_scores((1, 5), heads, spans, "uniform", [True] * 4), unmasked)
+    # peak weights restricted to the marked queries (the unmarked ones weigh 0)
+    peak = token_weights(per_query.double(), spans, "peak", trace.options.span_window)
+    masked = peak * torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    assert bool((masked > 0).any())
+    expected = weighted_token_relative_contextualization(per_query.double(), masked).float()
+    assert torch.allclose(trace.weighted_token_scores((1, 5), heads, spans, "peak", mask), expected, atol=1e-6)
+    # span_scores with a mask: Eq. 10 of the masked per-token RC (window of 8 over the summed RC)
+    scored = trace.span_scores(spans, (1, 5), token_mask=mask)
+    assert scored.scores.sum() == pytest.approx(1.0)
+    assert torch.allclose(
+        trace.span_scores(spans, (1, 5), token_mask=[True] * 4).scores,
+        trace.span_scores(spans, (1, 5)).scores,
+        atol=1e-6,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
