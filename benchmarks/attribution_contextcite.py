@@ -612,7 +612,12 @@ def reuse_contextcite(prompts: Sequence[dict], path: Path) -> int:
 # --------------------------------------------------------------------------------------------------------
 
 
-def contextcite_units(prompts: Sequence[dict], on: str = "answered") -> list[tuple[int, str]]:
+def contextcite_units(
+    prompts: Sequence[dict],
+    on: str = "answered",
+    levels: Sequence[str] = ("document", "sentence"),
+    families: Sequence[str] | None = None,
+) -> list[tuple[int, str]]:
     """The (prompt, level) pairs ContextCite attributes, in the order it runs them: the prompts whose answer holds
     the asked value (``on="answered"``, where the accuracies are read) or all, round robin over families (the
     j-th such prompt of every family, at document level, then at sentence level), so a budget cut leaves each
@@ -620,11 +625,13 @@ def contextcite_units(prompts: Sequence[dict], on: str = "answered") -> list[tup
     rank: dict[int, int] = {}
     seen: dict[str, int] = {}
     for i, item in enumerate(prompts):
+        if families is not None and item["family"] not in families:
+            continue
         if on == "all" or item.get("answered"):
             rank[i] = seen.get(item["family"], 0)
             seen[item["family"]] = rank[i] + 1
     return sorted(
-        ((i, level) for i in rank for level in ("document", "sentence")),
+        ((i, level) for i in rank for level in levels),
         key=lambda u: (rank[u[0]], u[1] != "document", u[0]),
     )
 
@@ -673,7 +680,12 @@ def run_contextcite(args) -> None:
     tokenizer.padding_side = "left"  # as ContextCiter.from_pretrained sets it
     model = AutoModelForCausalLM.from_pretrained(data["model"], dtype=dtype).eval()
     ladder = [n for n in LADDER if n <= args.ablations]
-    units = contextcite_units(data["prompts"], args.contextcite_on)
+    units = contextcite_units(
+        data["prompts"],
+        args.contextcite_on,
+        args.contextcite_levels.split(","),
+        args.contextcite_families.split(",") if args.contextcite_families else None,
+    )
     started = time.perf_counter()
     import signal
 
@@ -1013,6 +1025,14 @@ def main(argv=None) -> int:
         "the sources are identical (same seed and dtype: the first prompts of each family are the same)",
     )
     parser.add_argument(
+        "--contextcite-levels",
+        default="document,sentence",
+        help="the levels ContextCite attributes (comma-separated; document only halves its time)",
+    )
+    parser.add_argument(
+        "--contextcite-families", default="", help="the families ContextCite attributes (comma-separated; all: empty)"
+    )
+    parser.add_argument(
         "--save-traces",
         metavar="DIR",
         help="save each served request's trace and token ranges here (benchmarks/attribution_variants.py reads them)",
@@ -1130,6 +1150,10 @@ def contextcite_stage(args, data: dict) -> dict:
             str(args.threads),
             "--contextcite-on",
             args.contextcite_on,
+            "--contextcite-levels",
+            args.contextcite_levels,
+            "--contextcite-families",
+            args.contextcite_families,
         ]
         print("ContextCite stage: " + " ".join(command[:2]), file=sys.stderr, flush=True)
         subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

@@ -209,16 +209,37 @@ def synthetic_section(calibration, count: int, seed: int, max_new_tokens: int = 
 # --------------------------------------------------------------------------------------------------------
 
 
-def served_section(calibration, traces: Path, raw_file: Path) -> dict:
+def served_section(
+    calibration,
+    traces: Path,
+    raw_file: Path,
+    earlier: dict | None = None,
+    families: Sequence[str] | None = None,
+    answered_only: bool = False,
+) -> dict:
+    """``earlier``: a previous run's section: its variant scores and timings are kept (same prompt, same answer),
+    only ContextCite's attributions are read again from ``raw_file`` (e.g. after ``--more-contextcite``)."""
     import torch
     from transformers import AutoTokenizer
 
     raw = json.loads(raw_file.read_text())
     prompts = raw["data"]["prompts"]
     tokenizer = AutoTokenizer.from_pretrained(raw["data"]["model"])
+    done = {(r["family"], r["index"], tuple(r["answer_ids"])): r for r in (earlier or {}).get("rows", [])}
     rows = []
     for n, item in enumerate(prompts):
-        if "trace_file" not in item:
+        if "trace_file" not in item or (families is not None and item["family"] not in families):
+            continue
+        if answered_only and not item["answered"]:
+            continue
+        previous = done.get((item["family"], item["index"], tuple(item["answer_ids"])))
+        if previous is not None:
+            row = {k: v for k, v in previous.items() if k != "contextcite"}
+            for lvl in LEVELS:
+                cc = item["levels"][lvl].get("contextcite")
+                if cc is not None:
+                    row.setdefault("contextcite", {})[lvl] = cc["fits"][str(cc["ablations"])]["scores"]
+            rows.append(row)
             continue
         saved = torch.load(traces / item["trace_file"], weights_only=False)
         trace = saved["trace"]
@@ -233,6 +254,7 @@ def served_section(calibration, traces: Path, raw_file: Path) -> dict:
             "family": item["family"],
             "index": item["index"],
             "answered": item["answered"],
+            "answer_ids": item["answer_ids"],
             "targets": {lvl: item["levels"][lvl]["target"] for lvl in LEVELS},
             "variants": {},
         }
@@ -255,7 +277,9 @@ def served_section(calibration, traces: Path, raw_file: Path) -> dict:
     for family in families:
         items = [r for r in rows if r["family"] == family]
         answered = [r for r in items if r["answered"]]
-        fam: dict = {"prompts": len(items), "answered": len(answered)}
+        total = sum(1 for p in prompts if p["family"] == family)
+        fam: dict = {"prompts": total, "answered": sum(1 for p in prompts if p["family"] == family and p["answered"])}
+        assert fam["answered"] == len(answered), family
         for lvl in LEVELS:
             entry: dict = {}
             flat = [{"target": r["targets"][lvl], **r} for r in answered]
@@ -279,17 +303,73 @@ def served_section(calibration, traces: Path, raw_file: Path) -> dict:
     return {"summary": summary, "rows": rows}
 
 
+def markdown_tables(result: dict, sections: Sequence[str] = ("served",)) -> str:
+    """The docs' tables: top-1 of every variant per family and level (answered prompts), then the same on the
+    prompts ContextCite attributed, beside it, and each variant's results() time."""
+    names = list(VARIANTS)
+    lines = []
+    for key in sections:
+        summary = result.get(key, {}).get("summary", {})
+        if not summary:
+            continue
+        lines.append(f"`{key}`: top-1 on the answered prompts")
+        lines.append("")
+        lines.append("| family | level | answered | " + " | ".join(names) + " |")
+        lines.append("|---|---|---|" + "---|" * len(names))
+        for family, fam in summary.items():
+            for lvl in LEVELS:
+                cells = [f"{fam[lvl][n]['top1']:.2f}" for n in names]
+                lines.append(
+                    f"| {family} | {lvl} | {fam['answered']} of {fam['prompts']} | " + " | ".join(cells) + " |"
+                )
+        lines.append("")
+        lines.append("top-1 where ContextCite (64 ablations) attributed the same answer")
+        lines.append("")
+        lines.append("| family | level | n | ContextCite | " + " | ".join(names) + " |")
+        lines.append("|---|---|---|---|" + "---|" * len(names))
+        for family, fam in summary.items():
+            for lvl in LEVELS:
+                sub = fam[lvl]["contextcite_subset"]
+                if not sub["n"]:
+                    continue
+                cells = [f"{sub[n]['top1']:.2f}" for n in names]
+                lines.append(
+                    f"| {family} | {lvl} | {sub['n']} | {sub['contextcite']['top1']:.2f} | " + " | ".join(cells) + " |"
+                )
+        lines.append("")
+        lines.append("results() seconds per answer (mean; document call with the trace's finalization, then sentences)")
+        lines.append("")
+        lines.append("| family | level | " + " | ".join(names) + " |")
+        lines.append("|---|---|" + "---|" * len(names))
+        for family, fam in summary.items():
+            for lvl in LEVELS:
+                cells = [f"{fam[lvl]['results_s_mean'][n]:.3f}" for n in names]
+                lines.append(f"| {family} | {lvl} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calibration", required=True, help="the calibration file (rcstat_attribution_heads.json)")
+    parser.add_argument("--calibration", help="the calibration file (rcstat_attribution_heads.json)")
     parser.add_argument("--calibration-samples", help="the samples file of calibrate-attribution --samples-out")
     parser.add_argument("--synthetic", type=int, default=0, help="held-out licence prompts (0: skip)")
     parser.add_argument("--synthetic-seed", type=int, default=1)
     parser.add_argument("--traces")
     parser.add_argument("--raw")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--families", default="", help="served section: only these families (comma-separated)")
+    parser.add_argument(
+        "--answered-only", action="store_true", help="served section: score only the answered prompts (the metrics')"
+    )
+    parser.add_argument("--section", default="served", help="the served section's key in the output JSON")
     parser.add_argument("--json", default=str(HERE / "results" / "attribution_issue55_cpu.json"))
+    parser.add_argument("--table", metavar="JSON", help="print the docs' tables of a result file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        data = json.loads(Path(args.table).read_text())
+        print(markdown_tables(data, [k for k in data if k.startswith("served")]))
+        return 0
 
     import torch
     from common import environment, load_avg
@@ -299,6 +379,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     path = Path(args.json)
     result = json.loads(path.read_text()) if path.exists() else {"benchmark": "attribution_issue55"}
+    if not args.calibration:
+        parser.error("--calibration is needed (except with --table)")
     calibration = HeadWeights.from_dict(json.loads(Path(args.calibration).read_text()))
     result["variants"] = {
         name: dict(zip(("heads", "token_weighting", "echo_left_out"), v)) for name, v in VARIANTS.items()
@@ -311,8 +393,11 @@ def main(argv=None) -> int:
         result["synthetic_heldout"] = synthetic_section(calibration, args.synthetic, args.synthetic_seed)
         result["synthetic_heldout"]["environment"] = env
     if args.traces:
-        result["served"] = served_section(calibration, Path(args.traces), Path(args.raw))
-        result["served"]["environment"] = env
+        families = args.families.split(",") if args.families else None
+        result[args.section] = served_section(
+            calibration, Path(args.traces), Path(args.raw), result.get(args.section), families, args.answered_only
+        )
+        result[args.section]["environment"] = env
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")

@@ -344,3 +344,33 @@ def test_calibration_prompts_are_seeded_and_not_the_benchmarks():
     for example in first:
         assert len(example["docs"]) == 4 and example["fact"] in example["docs"][example["target"]]
         assert "Document" not in example["docs"][0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# the embedded model's shipped calibration
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_fetch_model_places_the_shipped_calibration_once(tmp_path, monkeypatch):
+    from rcstat_vllm import model as model_module
+    from rcstat_vllm.attribution.embedded_calibration import EMBEDDED_CALIBRATION
+
+    monkeypatch.setenv("RCSTAT_VLLM_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    monkeypatch.setattr(model_module, "is_converted", lambda _: True)  # converted already: only the placement runs
+    assert model_module.fetch_model(folder) == folder
+    written = json.loads((folder / CALIBRATION_FILE).read_text())
+    assert written["heads"] == EMBEDDED_CALIBRATION["heads"] and written["weights"] == EMBEDDED_CALIBRATION["weights"]
+    loaded = load_head_weights(folder)
+    assert loaded is not None and loaded.fits(30, 9) and not loaded.fits(30, 8)  # SmolLM2-135M: 30 layers x 9 heads
+    # a calibration the user made is never replaced, next to the model or in the cache dir
+    own = HeadWeights([(0, 0)], [1.0], {"shape": [30, 9]})
+    save_head_weights(own, folder)
+    model_module.fetch_model(folder)
+    assert load_head_weights(folder).heads == [(0, 0)]
+    other = tmp_path / "Other"
+    other.mkdir()
+    cached = tmp_path / "cache" / "attribution" / "Other" / CALIBRATION_FILE
+    save_head_weights(own, other, cached)
+    assert model_module.place_attribution_calibration(other) is None and not (other / CALIBRATION_FILE).exists()
