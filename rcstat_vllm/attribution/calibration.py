@@ -22,7 +22,8 @@ model, a weight per (layer, head) from ablations on generated synthetic prompts:
   drown the others).
 
 The file (:data:`CALIBRATION_FILE`, JSON) is written next to the model or in the cache dir; the served path
-(:func:`load_head_weights`) uses it when present and today's RC ranking when not.
+(:func:`load_head_weights`) uses it when present and today's RC ranking when not. The embedded model's is shipped
+(:mod:`rcstat_vllm.attribution.embedded_calibration`) and placed by ``rcstat-vllm fetch-model``.
 """
 
 from __future__ import annotations
