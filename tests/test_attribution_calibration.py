@@ -374,3 +374,38 @@ def test_fetch_model_places_the_shipped_calibration_once(tmp_path, monkeypatch):
     cached = tmp_path / "cache" / "attribution" / "Other" / CALIBRATION_FILE
     save_head_weights(own, other, cached)
     assert model_module.place_attribution_calibration(other) is None and not (other / CALIBRATION_FILE).exists()
+
+
+def test_issue55_variants_score_copies_of_one_trace():
+    """benchmarks/attribution_issue55.py: each variant is score_spans on a copy of the served trace with its options;
+    the trace itself is left as served (not finalized), ``before`` is the RC ranking with uniform tokens."""
+    import sys
+    from pathlib import Path
+
+    from rcstat_vllm.attribution.report import score_spans
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attribution_issue55 as variants
+
+    queries, keys = planted_sequence(PLANTED)
+    trace = AttributionTrace.from_sequence(queries, keys, 20, AttributionOptions(k=3))
+    chosen = HeadWeights([(1, 0), (0, 4)], [0.25, 0.75], {"shape": [4, 6]})
+    ranges = {"document": [[0, 10], [10, 20]]}
+    generated = {"document": [[0, 10]]}
+    prompt_ids, answer_ids = list(range(20)), list(range(100, 110))
+    before = variants.score_variant(trace, chosen, "before", ranges, generated, prompt_ids, answer_ids)["document"]
+    calibrated = variants.score_variant(trace, chosen, "calibrated_uniform", ranges, generated, prompt_ids, answer_ids)[
+        "document"
+    ]
+    assert not trace.finalized and trace.calibration is None
+    reference = AttributionTrace.from_sequence(queries, keys, 20, AttributionOptions(k=3, heads="rc"))
+    expected = score_spans(reference, ranges["document"], generated["document"], prune=False)
+    assert before["scores"] == [round(v, 6) for v in expected["scores"][0]] and not before["calibrated"]
+    assert set(map(tuple, before["heads"])) == PLANTED
+    assert calibrated["calibrated"] and calibrated["heads"] == [[1, 0], [0, 4]]
+    with_file = AttributionTrace.from_sequence(queries, keys, 20, AttributionOptions(k=3), calibration=chosen)
+    expected = score_spans(with_file, ranges["document"], generated["document"], prune=False)
+    assert calibrated["scores"] == [round(v, 6) for v in expected["scores"][0]]
+    # no answer token occurs outside the spans: the echo variant is the plain one
+    echo = variants.score_variant(trace, chosen, "rc_echo", ranges, generated, prompt_ids, answer_ids)["document"]
+    assert echo["scores"] == before["scores"]
