@@ -402,9 +402,13 @@ def run_plugin(
     rounds: int = 1,
     dtype: str | None = None,
     ab_prompts: int | None = None,
+    save_traces: str | None = None,
 ) -> dict:
     """Serve every prompt with attribution (and, for the first ``ab_prompts`` of each family, None = all, the same
-    request without it: the A/B timing), score its sources; fills the prompts' plugin fields in place."""
+    request without it: the A/B timing), score its sources; fills the prompts' plugin fields in place.
+    ``save_traces``: a folder where each served request's trace (a copy, before results()) and its prompt and
+    answer token ranges per level are saved (``torch.save``), so that other scorings can be compared on exactly
+    the served traces afterwards (benchmarks/attribution_variants.py)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # results() in-process
     from vllm import LLM, SamplingParams
 
@@ -464,6 +468,8 @@ def run_plugin(
                 if round_ == 0:  # untimed: the scores the served path gave before issue 55, on a copy of the trace
                     for level in ("document", "sentence"):
                         item["levels"][level]["plugin_before"] = before_issue55(llm, out, chunks[level])
+                    if save_traces is not None:
+                        item["trace_file"] = save_trace(llm, out, chunks, Path(save_traces), item)
                 for level in ("document", "sentence"):
                     t, c = time.perf_counter(), time.process_time()
                     got = results(
@@ -523,6 +529,40 @@ def run_plugin(
     return {"engine": engine_options(kwargs), "engine_start_s": round(engine_start, 1)}
 
 
+def save_trace(llm, out, chunks: dict, folder: Path, item: dict) -> str:
+    """A copy of the served request's trace and its token ranges per level, saved under ``folder``."""
+    import copy
+
+    import torch
+
+    from rcstat_vllm.attribution.capture import attribution_capture
+    from rcstat_vllm.attribution.report import plan_spans
+
+    found = attribution_capture().find(str(out.request_id))
+    assert found is not None, "no trace for the served request"
+    trace = copy.deepcopy(found[1])
+    output = out.outputs[0]
+    ranges = {}
+    for level, level_chunks in chunks.items():
+        _, prompt_spans, _, gen_spans = plan_spans(
+            llm.get_tokenizer(),
+            out.prompt,
+            list(out.prompt_token_ids),
+            list(output.token_ids),
+            "chunks",
+            level_chunks,
+            "all",
+        )
+        ranges[level] = {
+            "prompt": [[s.token_start, s.token_end] for s in prompt_spans],
+            "generated": [[s.token_start, s.token_end] for s in gen_spans],
+        }
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{item['family'].replace(':', '_')}_{item['seed']}_{item['index']}.pt"
+    torch.save({"trace": trace, "ranges": ranges, "answer_ids": list(output.token_ids)}, folder / name)
+    return name
+
+
 def before_issue55(llm, out, chunks: Sequence) -> dict:
     """The served request's sources scored as before issue 55 (the RC top k, every answer token alike), on a copy
     of its trace in this process (the engine is in-process), so that the timed results() call is untouched."""
@@ -572,7 +612,12 @@ def reuse_contextcite(prompts: Sequence[dict], path: Path) -> int:
 # --------------------------------------------------------------------------------------------------------
 
 
-def contextcite_units(prompts: Sequence[dict], on: str = "answered") -> list[tuple[int, str]]:
+def contextcite_units(
+    prompts: Sequence[dict],
+    on: str = "answered",
+    levels: Sequence[str] = ("document", "sentence"),
+    families: Sequence[str] | None = None,
+) -> list[tuple[int, str]]:
     """The (prompt, level) pairs ContextCite attributes, in the order it runs them: the prompts whose answer holds
     the asked value (``on="answered"``, where the accuracies are read) or all, round robin over families (the
     j-th such prompt of every family, at document level, then at sentence level), so a budget cut leaves each
@@ -580,11 +625,13 @@ def contextcite_units(prompts: Sequence[dict], on: str = "answered") -> list[tup
     rank: dict[int, int] = {}
     seen: dict[str, int] = {}
     for i, item in enumerate(prompts):
+        if families is not None and item["family"] not in families:
+            continue
         if on == "all" or item.get("answered"):
             rank[i] = seen.get(item["family"], 0)
             seen[item["family"]] = rank[i] + 1
     return sorted(
-        ((i, level) for i in rank for level in ("document", "sentence")),
+        ((i, level) for i in rank for level in levels),
         key=lambda u: (rank[u[0]], u[1] != "document", u[0]),
     )
 
@@ -633,7 +680,12 @@ def run_contextcite(args) -> None:
     tokenizer.padding_side = "left"  # as ContextCiter.from_pretrained sets it
     model = AutoModelForCausalLM.from_pretrained(data["model"], dtype=dtype).eval()
     ladder = [n for n in LADDER if n <= args.ablations]
-    units = contextcite_units(data["prompts"], args.contextcite_on)
+    units = contextcite_units(
+        data["prompts"],
+        args.contextcite_on,
+        args.contextcite_levels.split(","),
+        args.contextcite_families.split(",") if args.contextcite_families else None,
+    )
     started = time.perf_counter()
     import signal
 
@@ -972,6 +1024,19 @@ def main(argv=None) -> int:
         help="no ContextCite stage: reuse its attributions from this earlier result file where the served answer and "
         "the sources are identical (same seed and dtype: the first prompts of each family are the same)",
     )
+    parser.add_argument(
+        "--contextcite-levels",
+        default="document,sentence",
+        help="the levels ContextCite attributes (comma-separated; document only halves its time)",
+    )
+    parser.add_argument(
+        "--contextcite-families", default="", help="the families ContextCite attributes (comma-separated; all: empty)"
+    )
+    parser.add_argument(
+        "--save-traces",
+        metavar="DIR",
+        help="save each served request's trace and token ranges here (benchmarks/attribution_variants.py reads them)",
+    )
     args = parser.parse_args(argv)
     if args.stage == "contextcite":
         run_contextcite(args)
@@ -1024,7 +1089,13 @@ def main(argv=None) -> int:
     dtype = (embedded_model_dtype() or "bfloat16") if args.dtype == "auto" else args.dtype
     t = time.perf_counter()
     engine = run_plugin(
-        prompts, model_dir, args.max_tokens, args.timing_rounds, dtype, None if args.ab_prompts < 0 else args.ab_prompts
+        prompts,
+        model_dir,
+        args.max_tokens,
+        args.timing_rounds,
+        dtype,
+        None if args.ab_prompts < 0 else args.ab_prompts,
+        args.save_traces,
     )
     plugin_wall = time.perf_counter() - t
     load_after_plugin = load_avg()
@@ -1079,6 +1150,10 @@ def contextcite_stage(args, data: dict) -> dict:
             str(args.threads),
             "--contextcite-on",
             args.contextcite_on,
+            "--contextcite-levels",
+            args.contextcite_levels,
+            "--contextcite-families",
+            args.contextcite_families,
         ]
         print("ContextCite stage: " + " ".join(command[:2]), file=sys.stderr, flush=True)
         subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

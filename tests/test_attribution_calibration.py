@@ -26,6 +26,7 @@ from rcstat_vllm.attribution.estimators import (
     weighted_token_relative_contextualization,
 )
 from rcstat_vllm.attribution.options import AttributionOptions
+from rcstat_vllm.attribution.report import echo_mask
 from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.config import ConfigError
 from tests.test_attribution import planted_sequence, random_sequence, stream
@@ -104,6 +105,46 @@ def test_trace_uniform_weighting_is_today_s_scores():
         AttributionOptions(token_weighting="nope")
     with pytest.raises(ConfigError):
         AttributionOptions(heads="best")
+
+
+def test_echo_mask_exact():
+    # prompt tokens 1..4 are the two scored spans; 1, 9, 5, 3 occur outside them (position 0 and 5..7)
+    prompt_ids = [1, 5, 6, 7, 8, 9, 5, 3]
+    ranges = [(1, 3), (3, 5)]
+    assert echo_mask(prompt_ids, ranges, [5, 6, 9, 12, 3], (0, 5)) == [False, True, False, True, False]
+    assert echo_mask(prompt_ids, ranges, [5, 6, 9, 12, 3], (1, 4)) == [True, False, True]
+    # spans covering the whole prompt: nothing is echoed
+    assert echo_mask(prompt_ids, [(0, 8)], [5, 6, 9], (0, 3)) == [True, True, True]
+
+
+def test_token_mask_keeps_only_the_marked_queries():
+    queries, keys = random_sequence(m=12, n=6)
+    spans = [(0, 4), (4, 12)]
+    trace = AttributionTrace.from_sequence(queries, keys, 12, AttributionOptions(k=3))
+    heads = trace.finalize(prune=False)
+    q, kp, kg = trace.head_tensors(heads, 6)
+    per_query = query_token_relative_contextualization(q[:, 1:5], kp, kg, 1).float()  # queries 1..4
+    mask = [False, True, False, True]  # queries 2 and 4
+    got = trace.weighted_token_scores((1, 5), heads, spans, "uniform", mask)
+    assert torch.allclose(got, per_query[:, [1, 3]].mean(dim=1), rtol=1e-6, atol=1e-9)
+    # nothing marked: the mask is ignored; all marked: the unmasked scores
+    unmasked = trace.weighted_token_scores((1, 5), heads, spans, "uniform")
+    assert torch.equal(trace.weighted_token_scores((1, 5), heads, spans, "uniform", [False] * 4), unmasked)
+    assert torch.allclose(trace.weighted_token_scores((1, 5), heads, spans, "uniform", [True] * 4), unmasked)
+    # peak weights restricted to the marked queries (the unmarked ones weigh 0)
+    peak = token_weights(per_query.double(), spans, "peak", trace.options.span_window)
+    masked = peak * torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    assert bool((masked > 0).any())
+    expected = weighted_token_relative_contextualization(per_query.double(), masked).float()
+    assert torch.allclose(trace.weighted_token_scores((1, 5), heads, spans, "peak", mask), expected, atol=1e-6)
+    # span_scores with a mask: Eq. 10 of the masked per-token RC (window of 8 over the summed RC)
+    scored = trace.span_scores(spans, (1, 5), token_mask=mask)
+    assert scored.scores.sum() == pytest.approx(1.0)
+    assert torch.allclose(
+        trace.span_scores(spans, (1, 5), token_mask=[True] * 4).scores,
+        trace.span_scores(spans, (1, 5)).scores,
+        atol=1e-6,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -303,3 +344,68 @@ def test_calibration_prompts_are_seeded_and_not_the_benchmarks():
     for example in first:
         assert len(example["docs"]) == 4 and example["fact"] in example["docs"][example["target"]]
         assert "Document" not in example["docs"][0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# the embedded model's shipped calibration
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_fetch_model_places_the_shipped_calibration_once(tmp_path, monkeypatch):
+    from rcstat_vllm import model as model_module
+    from rcstat_vllm.attribution.embedded_calibration import EMBEDDED_CALIBRATION
+
+    monkeypatch.setenv("RCSTAT_VLLM_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    monkeypatch.setattr(model_module, "is_converted", lambda _: True)  # converted already: only the placement runs
+    assert model_module.fetch_model(folder) == folder
+    written = json.loads((folder / CALIBRATION_FILE).read_text())
+    assert written["heads"] == EMBEDDED_CALIBRATION["heads"] and written["weights"] == EMBEDDED_CALIBRATION["weights"]
+    loaded = load_head_weights(folder)
+    assert loaded is not None and loaded.fits(30, 9) and not loaded.fits(30, 8)  # SmolLM2-135M: 30 layers x 9 heads
+    # a calibration the user made is never replaced, next to the model or in the cache dir
+    own = HeadWeights([(0, 0)], [1.0], {"shape": [30, 9]})
+    save_head_weights(own, folder)
+    model_module.fetch_model(folder)
+    assert load_head_weights(folder).heads == [(0, 0)]
+    other = tmp_path / "Other"
+    other.mkdir()
+    cached = tmp_path / "cache" / "attribution" / "Other" / CALIBRATION_FILE
+    save_head_weights(own, other, cached)
+    assert model_module.place_attribution_calibration(other) is None and not (other / CALIBRATION_FILE).exists()
+
+
+def test_issue55_variants_score_copies_of_one_trace():
+    """benchmarks/attribution_issue55.py: each variant is score_spans on a copy of the served trace with its options;
+    the trace itself is left as served (not finalized), ``before`` is the RC ranking with uniform tokens."""
+    import sys
+    from pathlib import Path
+
+    from rcstat_vllm.attribution.report import score_spans
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attribution_issue55 as variants
+
+    queries, keys = planted_sequence(PLANTED)
+    trace = AttributionTrace.from_sequence(queries, keys, 20, AttributionOptions(k=3))
+    chosen = HeadWeights([(1, 0), (0, 4)], [0.25, 0.75], {"shape": [4, 6]})
+    ranges = {"document": [[0, 10], [10, 20]]}
+    generated = {"document": [[0, 10]]}
+    prompt_ids, answer_ids = list(range(20)), list(range(100, 110))
+    before = variants.score_variant(trace, chosen, "before", ranges, generated, prompt_ids, answer_ids)["document"]
+    calibrated = variants.score_variant(trace, chosen, "calibrated_uniform", ranges, generated, prompt_ids, answer_ids)[
+        "document"
+    ]
+    assert not trace.finalized and trace.calibration is None
+    reference = AttributionTrace.from_sequence(queries, keys, 20, AttributionOptions(k=3, heads="rc"))
+    expected = score_spans(reference, ranges["document"], generated["document"], prune=False)
+    assert before["scores"] == [round(v, 6) for v in expected["scores"][0]] and not before["calibrated"]
+    assert set(map(tuple, before["heads"])) == PLANTED
+    assert calibrated["calibrated"] and calibrated["heads"] == [[1, 0], [0, 4]]
+    with_file = AttributionTrace.from_sequence(queries, keys, 20, AttributionOptions(k=3), calibration=chosen)
+    expected = score_spans(with_file, ranges["document"], generated["document"], prune=False)
+    assert calibrated["scores"] == [round(v, 6) for v in expected["scores"][0]]
+    # no answer token occurs outside the spans: the echo variant is the plain one
+    echo = variants.score_variant(trace, chosen, "rc_echo", ranges, generated, prompt_ids, answer_ids)["document"]
+    assert echo["scores"] == before["scores"]

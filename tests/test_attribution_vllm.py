@@ -62,7 +62,9 @@ DOCS = [
     "Greta Lindqvist keeps bees on the roof of the town library. Her honey won a prize at the autumn fair.",
     "The ferry to Oskaro leaves at seven every morning. The crossing takes forty minutes.",
 ]
-ASK = {"rcstat_attribution": {"spans": "chunks", "chunks": DOCS}}
+# heads pinned to the RC ranking, on both sides: the outcome must not depend on whether the shared model folder
+# holds a calibration file (rcstat-vllm calibrate-attribution / fetch-model may have written one there)
+ASK = {"rcstat_attribution": {"spans": "chunks", "chunks": DOCS, "heads": "rc"}}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +133,7 @@ def test_attribution_end_to_end(engine):
     _prompt_text, prompt_spans, _, gen_spans = plan_spans(
         tokenizer, prompt, outputs[0].prompt_token_ids, generated, "chunks", DOCS, "all"
     )
-    reference = trace_sequence(model, outputs[0].prompt_token_ids, generated[:-1])
+    reference = trace_sequence(model, outputs[0].prompt_token_ids, generated[:-1], calibration=None)
     expected = score_spans(
         reference,
         [(s.token_start, s.token_end) for s in prompt_spans],
@@ -169,7 +171,10 @@ def test_long_chunks_through_vllm_match_the_reference(engine):
         SamplingParams(
             temperature=0,
             max_tokens=24,
-            extra_args={"rcstat_attribution": {"spans": "chunks", "chunks": e["docs"]}, "rcstat": {"method": "none"}},
+            extra_args={
+                "rcstat_attribution": {"spans": "chunks", "chunks": e["docs"], "heads": "rc"},
+                "rcstat": {"method": "none"},
+            },
         )
         for e in examples
     ]
@@ -189,7 +194,7 @@ def test_long_chunks_through_vllm_match_the_reference(engine):
         _, prompt_spans, _, gen_spans = plan_spans(
             tokenizer, prompt, output.prompt_token_ids, generated, "chunks", example["docs"], "all"
         )
-        reference = trace_sequence(model, output.prompt_token_ids, generated[:-1])
+        reference = trace_sequence(model, output.prompt_token_ids, generated[:-1], calibration=None)
         expected = score_spans(
             reference,
             [(s.token_start, s.token_end) for s in prompt_spans],

@@ -22,7 +22,8 @@ model, a weight per (layer, head) from ablations on generated synthetic prompts:
   drown the others).
 
 The file (:data:`CALIBRATION_FILE`, JSON) is written next to the model or in the cache dir; the served path
-(:func:`load_head_weights`) uses it when present and today's RC ranking when not.
+(:func:`load_head_weights`) uses it when present and today's RC ranking when not. The embedded model's is shipped
+(:mod:`rcstat_vllm.attribution.embedded_calibration`) and placed by ``rcstat-vllm fetch-model``.
 """
 
 from __future__ import annotations
@@ -363,8 +364,17 @@ def calibrate(
     dtype: torch.dtype = torch.float32,
     out: str | Path | None = None,
     verbose: bool = True,
+    token_weighting: str = "uniform",
+    samples_out: str | Path | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Generate ``count`` synthetic prompts, answer them, ablate each document, fit the heads, write the file."""
+    """Generate ``count`` synthetic prompts, answer them, ablate each document, fit the heads, write the file.
+
+    ``token_weighting``: how the answer's tokens are weighted in the per-head span scores the fit reads (as served
+    with that option). ``samples_out``: also write every kept prompt's per-head span scores under both token
+    weightings, its source and its ablation drops (``torch.save``), so that fits can be redone without the model.
+    """
+    import dataclasses
+
     from rcstat_vllm.attribution.hf import chat_prompt, generate, load_model, trace_sequence
     from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
     from rcstat_vllm.attribution.spans import chunk_spans, prompt_offsets, token_spans
@@ -375,8 +385,9 @@ def calibrate(
         model_dir = default_model_dir()
     started = time.perf_counter()
     model, tokenizer = load_model(model_dir, dtype=dtype)
-    options = AttributionOptions()
+    options = AttributionOptions(token_weighting=token_weighting)
     samples, kept, answered = [], 0, 0
+    records: list[dict[str, Any]] = []
     for index, example in enumerate(make_prompts(tokenizer, count, seed)):
         prompt = chat_prompt(tokenizer, user_message(example["docs"], example["question"]))
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -387,12 +398,28 @@ def calibrate(
         answered += 1
         drops = ablation_target(model, tokenizer, example, answer_ids)
         source = max(range(len(drops)), key=lambda i: drops[i])
+        record = {
+            "index": index,
+            "multi": example["multi"],
+            "target": example["target"],
+            "answer": answer,
+            "drops": [round(d, 4) for d in drops],
+            "source": source,
+            "kept": source == example["target"],
+        }
+        records.append(record)
         if source != example["target"]:
             continue
         text, offsets = prompt_offsets(tokenizer, prompt, prompt_ids)
         spans = token_spans(text, offsets, chunk_spans(text, example["docs"]))
+        ranges = [(s.token_start, s.token_end) for s in spans]
         trace = trace_sequence(model, prompt_ids, answer_ids, options, calibration=None)
-        samples.append((head_span_scores(trace, [(s.token_start, s.token_end) for s in spans]), source))
+        samples.append((head_span_scores(trace, ranges), source))
+        if samples_out is not None:
+            for weighting in ("uniform", "peak"):
+                trace.options = dataclasses.replace(options, token_weighting=weighting)
+                record[f"scores_{weighting}"] = head_span_scores(trace, ranges)
+            trace.options = options
         kept += 1
         if verbose:
             print(f"[calibrate {time.perf_counter() - started:5.0f}s] {index + 1}/{count} kept {kept}", flush=True)
@@ -407,10 +434,13 @@ def calibrate(
             f"{', '.join(t.__name__[1:] for t in TEMPLATES)}), seed {seed}",
             "answered": answered,
             "samples": kept,
+            "samples_multi": sum(1 for r in records if r["kept"] and r["multi"]),
             "dtype": str(dtype).replace("torch.", ""),
             "token_weighting": options.token_weighting,
             "seconds": round(time.perf_counter() - started, 1),
         }
     )
+    if samples_out is not None:
+        torch.save({"meta": dict(weights.meta), "records": records}, samples_out)
     path = save_head_weights(weights, model_dir, out)
     return path, weights.to_dict()

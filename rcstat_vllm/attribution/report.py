@@ -24,7 +24,15 @@ from rcstat_vllm.attribution.spans import (
 )
 from rcstat_vllm.attribution.trace import AttributionTrace
 
-__all__ = ["AttributionResult", "GeneratedAttribution", "assemble", "build_result", "plan_spans", "score_spans"]
+__all__ = [
+    "AttributionResult",
+    "GeneratedAttribution",
+    "assemble",
+    "build_result",
+    "echo_mask",
+    "plan_spans",
+    "score_spans",
+]
 
 
 @dataclass
@@ -110,19 +118,42 @@ def plan_spans(
     return prompt_text, prompt_spans, gen_text, gen_spans
 
 
+def echo_mask(
+    prompt_ids: Sequence[int],
+    prompt_ranges: Sequence[Sequence[int]],
+    generated_ids: Sequence[int],
+    generated_range: Sequence[int],
+) -> list[bool]:
+    """One bool per generated token of ``generated_range``: False where the token's id occurs in the prompt outside
+    every scored prompt range (the question, the instruction, the chat markup), i.e. the answer echoes the request
+    rather than a source; True elsewhere (the answer's own words: the value that carries the provenance)."""
+    inside = [False] * len(prompt_ids)
+    for a, b in prompt_ranges:
+        for t in range(max(0, int(a)), min(len(prompt_ids), int(b))):
+            inside[t] = True
+    outside = {int(token) for token, covered in zip(prompt_ids, inside) if not covered}
+    a, b = int(generated_range[0]), int(generated_range[1])
+    return [int(token) not in outside for token in generated_ids[a:b]]
+
+
 def score_spans(
     trace: AttributionTrace,
     prompt_ranges: Sequence[Sequence[int]],
     generated_ranges: Sequence[Sequence[int]],
     prune: bool = True,
+    token_masks: Sequence[Sequence[bool] | None] | None = None,
 ) -> dict[str, Any]:
-    """Eq. 10 of every generated token range over the prompt token ranges (JSON-able)."""
+    """Eq. 10 of every generated token range over the prompt token ranges (JSON-able); ``token_masks``: one
+    per generated range (:meth:`AttributionTrace.span_scores`' ``token_mask``), or None."""
     heads = trace.finalize(prune=prune)
     prompt_pairs = [(int(a), int(b)) for a, b in prompt_ranges]
     scores, degenerate = [], []
     exact = trace.options.use_exact(trace.num_generated)
-    for a, b in generated_ranges:
-        result = trace.span_scores(prompt_pairs, (int(a), int(b)), heads, head_weights=trace.top_weights)
+    masks = list(token_masks) if token_masks is not None else [None] * len(generated_ranges)
+    for (a, b), mask in zip(generated_ranges, masks):
+        result = trace.span_scores(
+            prompt_pairs, (int(a), int(b)), heads, head_weights=trace.top_weights, token_mask=mask
+        )
         scores.append(result.scores.tolist())
         degenerate.append(result.degenerate)
     head_scores = [float(trace.head_scores[layer, h]) for layer, h in heads] if trace.head_scores is not None else []

@@ -328,6 +328,7 @@ class AttributionTrace:
         span_score: str | None = None,
         head_weights: Sequence[float] | None = None,
         token_weighting: str | None = None,
+        token_mask: Sequence[bool] | Tensor | None = None,
     ) -> SpanScores:
         """Eq. 10 for the generated tokens [a, b) (indices into the generation) over ``prompt_spans``.
 
@@ -336,6 +337,9 @@ class AttributionTrace:
         :func:`select_span_tokens` chooses on the RC summed over ``heads`` (weighted), each head's term being its
         mean (or sum) over those tokens, times its weight, then Eq. 10's normalization over heads and spans. The
         answer's tokens are weighted by ``token_weighting`` (default ``options.token_weighting``; exact only).
+        ``token_mask`` (one bool per generated token of [a, b), exact only): the tokens marked False are left out of
+        the weighting (e.g. the answer's words echoed from the question: :func:`echo_mask`); when it leaves none,
+        it is ignored.
         """
         if heads is None:
             heads = self.finalize(prune=False) if not self.finalized else self.top
@@ -349,15 +353,16 @@ class AttributionTrace:
             per_head = torch.zeros(len(heads), len(prompt_spans))
         else:
             weights = torch.ones(len(heads)) if head_weights is None else torch.as_tensor(head_weights).float()
-            if method == "mean" and (token_weighting or self.options.token_weighting) == "uniform":
+            plain = (token_weighting or self.options.token_weighting) == "uniform" and token_mask is None
+            if method == "mean" and plain:
                 q, kp, kg = self.head_tensors(heads, b)
                 per_head = span_relative_contextualization(q[:, a:b], kp, kg, a, prompt_spans, exact=exact).float()
             else:
-                per_token = self.weighted_token_scores((a, b), heads, prompt_spans, token_weighting)
+                per_token = self.weighted_token_scores((a, b), heads, prompt_spans, token_weighting, token_mask)
                 per_token = per_token * weights.unsqueeze(1)
                 chosen = select_span_tokens(per_token.sum(dim=0), prompt_spans, method, self.options.span_window)
                 per_head = selected_span_scores(per_token, chosen, method)
-            if method == "mean" and (token_weighting or self.options.token_weighting) == "uniform":
+            if method == "mean" and plain:
                 per_head = per_head * weights.unsqueeze(1)
         scores, degenerate = normalize_span_scores(per_head)
         return SpanScores(scores=scores, per_head=per_head, heads=list(heads), degenerate=degenerate, exact=exact)
@@ -368,10 +373,12 @@ class AttributionTrace:
         heads: Sequence[tuple[int, int]],
         prompt_spans: Sequence[tuple[int, int]],
         token_weighting: str | None = None,
+        token_mask: Sequence[bool] | Tensor | None = None,
     ) -> Tensor:
         """[len(heads), m]: every prompt token's RC per head, the answer's queries weighted by ``token_weighting``
-        (default ``options.token_weighting``, the weights read off these heads' RC over ``prompt_spans``); the
-        upper-bound estimator (long generations) has no per-query split and stays uniform."""
+        (default ``options.token_weighting``, the weights read off these heads' RC over ``prompt_spans``) and
+        restricted to ``token_mask`` (one bool per token of ``generated_span`` before clipping; ignored when it
+        keeps none); the upper-bound estimator (long generations) has no per-query split and stays uniform."""
         method = self.options.token_weighting if token_weighting is None else token_weighting
         n = self.num_generated
         exact = self.options.use_exact(n)
@@ -379,10 +386,19 @@ class AttributionTrace:
         if b <= a or not heads:
             return torch.zeros(len(heads), self.num_prompt_tokens)
         q, kp, kg = self.head_tensors(heads, b)
-        if method == "uniform" or not exact:
+        mask = None
+        if token_mask is not None:
+            full = torch.as_tensor(token_mask, dtype=torch.bool).flatten()
+            mask = full[a - generated_span[0] : b - generated_span[0]]
+            if mask.numel() != b - a or not bool(mask.any()):
+                mask = None
+        if (method == "uniform" and mask is None) or not exact:
             return token_relative_contextualization(q[:, a:b], kp, kg, a, exact=exact).float()
         per_query = query_token_relative_contextualization(q[:, a:b], kp, kg, a)
         weights = token_weights(per_query, prompt_spans, method, self.options.span_window)
+        if mask is not None:
+            masked = weights * mask.to(weights.dtype)
+            weights = masked if bool((masked > 0).any()) else mask.to(weights.dtype)
         return weighted_token_relative_contextualization(per_query, weights).float()
 
     def token_scores(
