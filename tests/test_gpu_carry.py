@@ -263,11 +263,9 @@ def test_window_dry_end_to_end(tmp_path):
         assert kernels["dry_run"] and list(kernels["parts"]) == parts
 
 
-@needs_vllm
-def test_window_dry_runs_the_defaults_rows_still_owed(tmp_path):
-    """A window after a complete first plan, with some defaults rows committed for an H200: call 2 copies that file
-    into the machine's results and throughput.py runs (up to its engines) only the rows owed, in the plan's order."""
-    plan = load("window_plan")
+def _first_plan_done(tmp_path):
+    """A results folder where the first plan is done on an H200: the second window's committed files plus a passing
+    compress check; returns it and the committed eager throughput result."""
     results = tmp_path / "results"
     results.mkdir()
     for name in ("gpu_compress_w2_h200.json", "throughput_first_w2_h200.json"):
@@ -280,6 +278,15 @@ def test_window_dry_runs_the_defaults_rows_still_owed(tmp_path):
     compress = {"check": "compress", "environment": {"device": "NVIDIA H200"}, "graphs": False, "ok": True}
     (results / "gpu_compress_w3_h200.json").write_text(json.dumps({**compress, "no_leak": True, "cases": cases}))
     first = json.loads((results / "throughput_first_w2_h200.json").read_text())
+    return results, first
+
+
+@needs_vllm
+def test_window_dry_runs_the_defaults_rows_still_owed(tmp_path):
+    """A window after a complete first plan, with some defaults rows committed for an H200: call 2 copies that file
+    into the machine's results and throughput.py runs (up to its engines) only the rows owed, in the plan's order."""
+    plan = load("window_plan")
+    results, first = _first_plan_done(tmp_path)
     done = [dict(run, setting=s, round=1) for s, run in zip(("vanilla", "bare"), first["runs"])]
     defaults = dict(first, tag="defaults", workload=dict(first["workload"], mode="graphs"), runs=done)
     (results / "throughput_defaults_w4_h200.json").write_text(json.dumps(defaults))
@@ -309,18 +316,7 @@ def test_window_dry_runs_the_serving_plan(tmp_path):
     serving = load("check_serving")
     if not serving.default_tokenizer_source().exists():
         pytest.skip("SmolLM2 is not converted here (./rcstat test does it)")
-    results = tmp_path / "results"
-    results.mkdir()
-    for name in ("gpu_compress_w2_h200.json", "throughput_first_w2_h200.json"):
-        (results / name).write_bytes((REPO / "benchmarks" / "results" / name).read_bytes())
-    cases = {
-        name: {"ok": True, "blocks_returned": True, "measured_blocks_freed": 9, "predicted_blocks_freed": 9}
-        for name in ("bare", "none")
-    }
-    cases["rc0.8"] = {**cases["bare"], "triton_live_path": True}
-    compress = {"check": "compress", "environment": {"device": "NVIDIA H200"}, "graphs": False, "ok": True}
-    (results / "gpu_compress_w3_h200.json").write_text(json.dumps({**compress, "no_leak": True, "cases": cases}))
-    first = json.loads((results / "throughput_first_w2_h200.json").read_text())
+    results, first = _first_plan_done(tmp_path)
     rows = [{"setting": row, "round": 1, "ok": True} for row in plan.DEFAULTS_ROWS]
     defaults = dict(first, tag="defaults", workload=dict(first["workload"], mode="graphs"), runs=rows)
     (results / "throughput_defaults_w4_h200.json").write_text(json.dumps(defaults))
