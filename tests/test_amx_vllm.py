@@ -59,11 +59,11 @@ def untagged(run, tag):
 
 
 def test_compressed_layers_keep_vllms_amx_kernels_and_the_amx_layout(driver):
-    from rcstat_vllm.paging.kv_layout import CPU_AMX
+    from rcstat_vllm.paging.cpu_kv_layout import CPU_AMX_PACKED
     from rcstat_vllm.vllm_private.internals import forward_context
 
     owner = driver.compression
-    assert owner.disabled_reason is None and owner.layout is CPU_AMX
+    assert owner.disabled_reason is None and owner.layout is CPU_AMX_PACKED
     layers = forward_context(driver.engine.vllm_config.compilation_config)
     assert {layers[name].isa for name in owner.layer_names} == {"amx"}
 
