@@ -1,0 +1,165 @@
+"""What the values RC loses past 0.8 are made of: selections that are not settings, beside RC's own, on the needle
+prompts of ``routes.py`` (transformers reference, float32, the plugin's scorers and selection).
+
+For each prompt: the full cache, RC at each ``--ratios`` and, at the same ratio and pooled budget, variants of its
+keep sets that answer one question each:
+
+* ``oracle_values`` / ``oracle_needles``: RC's keep sets plus the asked values' tokens (or the whole needle
+  sentences: key and value) in every head of every layer, on the prompts where RC lost a value the full cache finds.
+  More entries than the ratio allows (their count is recorded): whether the lost values come back once their own
+  tokens (or their needles) are everywhere. If the values' tokens alone do not bring them back, what fails is not
+  their coverage (the physics paper's erasure: a token no head keeps) but how the rest of the cache routes to them.
+* ``shared_max`` / ``shared_mean``: every head of a layer scores a token alike (the max or mean of its heads'
+  scores), so the heads of a layer keep the same tokens: head consensus 1, the paper's rigidity at its extreme, at
+  the same budget.
+* ``copies_G``: a token's k-th best head of its layer counts ``G ** (k - 1)`` of its score (the paper's
+  Proposition 1: a k-th copy of a token adds least), at the same budget: consensus discouraged, not forbidden.
+
+    python benchmarks/route_probes.py --seeds 5 6 7 --json benchmarks/results/route_probes_seeds5_6_7_1k_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import data
+import hf_reference as ref_lib
+import routes
+from common import environment, load_avg, write_report
+
+from rcstat_vllm.config import RCStatConfig
+
+NEEDLES = ["niah_single", "niah_multi", "niah_multikey", "niah_multivalue"]
+
+
+def shared(scores: list[torch.Tensor], how: str) -> list[torch.Tensor]:
+    """Each layer's heads given one score per token: the max or mean over its heads."""
+    if how == "max":
+        return [x.max(dim=0, keepdim=True).values.expand_as(x).contiguous() for x in scores]
+    return [x.mean(dim=0, keepdim=True).expand_as(x).contiguous() for x in scores]
+
+
+def copies_discounted(scores: list[torch.Tensor], g: float) -> list[torch.Tensor]:
+    """A token's k-th best head (by score, within its layer) keeps ``g ** (k - 1)`` of its score."""
+    out = []
+    for x in scores:
+        order = x.argsort(dim=0, descending=True)
+        rank = torch.empty_like(order)
+        rank.scatter_(0, order, torch.arange(x.shape[0]).unsqueeze(1).expand_as(x).contiguous())
+        out.append(x * g ** rank.to(x.dtype))
+    return out
+
+
+def token_positions(tokenizer, sample: data.Sample, texts: list[str]) -> list[int]:
+    """Prompt token positions of each of ``texts`` (its first occurrence in the prompt)."""
+    enc = tokenizer(sample.prompt, add_special_tokens=False, return_offsets_mapping=True)
+    positions: set[int] = set()
+    for text in texts:
+        start = sample.prompt.find(text)
+        if start < 0:
+            continue
+        end = start + len(text)
+        positions.update(i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start)
+    return sorted(positions)
+
+
+def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
+    """Keep sets plus ``positions`` in every head of every layer."""
+    out = [m.clone() for m in masks]
+    for m in out:
+        m[:, positions] = True
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="*", default=[5, 6, 7])
+    parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.9])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[1024])
+    parser.add_argument("--copies", type=float, nargs="*", default=[0.7, 0.4], help="discounts G of copies_G")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=str(routes.RESULTS_DIR / "route_probes_cpu.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    tokenizer = data.load_tokenizer()
+    spec = types.SimpleNamespace(
+        tasks=NEEDLES, lengths=args.lengths, depths=[0.25, 0.75], probes=0, people=4, probe_lengths=None
+    )
+    samples = [s for seed in args.seeds for s in routes.build_samples(tokenizer, spec, seed)]
+    ref = ref_lib.ReferenceModel()
+    started, load_before = time.time(), load_avg()
+
+    def found(prefill, masks, sample) -> list[bool]:
+        def stop(tokens):
+            return routes.settled(sample.answers, tokenizer.decode(tokens, skip_special_tokens=True))
+
+        tokens = ref.greedy(prefill, sample.max_new_tokens, masks=masks, stop=stop)
+        return data.found_answers(sample, tokenizer.decode(tokens, skip_special_tokens=True))
+
+    rows: list[dict] = []
+    totals: dict[str, int] = {}
+    recovered: dict[str, int] = {}
+    for sample in tqdm(samples, desc="prompts", file=sys.stderr):
+        prefill = ref.prefill(sample.prompt_ids)
+        full = found(prefill, None, sample)
+        row: dict = {"sample": sample.sample_id, "task": sample.task, "full": full, "variants": {}}
+        for ratio in args.ratios:
+            config = RCStatConfig().merged({"method": "rc", "target_ratio": ratio})
+            scores = ref_lib.score_layers(prefill, config)
+            keep = ref_lib.select_layers(scores, config)
+            rc = found(prefill, keep.masks, sample)
+            variants: dict[str, tuple[list[torch.Tensor], int]] = {
+                "shared_max": (ref_lib.select_layers(shared(scores, "max"), config).masks, 0),
+                "shared_mean": (ref_lib.select_layers(shared(scores, "mean"), config).masks, 0),
+            }
+            for g in args.copies:
+                variants[f"copies_{g:g}"] = (ref_lib.select_layers(copies_discounted(scores, g), config).masks, 0)
+            if any(f and not r for f, r in zip(full, rc)):
+                kept = sum(int(m.sum()) for m in keep.masks)
+                for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):
+                    masks = with_tokens(keep.masks, token_positions(tokenizer, sample, texts))
+                    variants[name] = (masks, sum(int(m.sum()) for m in masks) - kept)
+            results = {"rc": {"found": rc}}
+            for name, (masks, extra) in variants.items():
+                results[name] = {"found": found(prefill, masks, sample), "extra_entries": extra}
+            lost = [f and not r for f, r in zip(full, rc)]
+            for name, result in results.items():
+                label = f"{name}_r{ratio:g}"
+                row["variants"][label] = result
+                if name.startswith("oracle"):  # of the values RC lost, how many come back
+                    recovered[label] = recovered.get(label, 0) + sum(x and g for x, g in zip(lost, result["found"]))
+                else:
+                    totals[label] = totals.get(label, 0) + sum(f and g for f, g in zip(full, result["found"]))
+            recovered[f"lost_by_rc_r{ratio:g}"] = recovered.get(f"lost_by_rc_r{ratio:g}", 0) + sum(lost)
+        totals["full"] = totals.get("full", 0) + sum(full)
+        rows.append(row)
+    report = {
+        "benchmark": "route_probes",
+        "environment": environment(load_avg_before=load_before, load_avg_after=load_avg()),
+        "path": "transformers reference (hf_reference.py)",
+        "dtype": "float32",
+        "seeds": args.seeds,
+        "lengths": args.lengths,
+        "rows": rows,
+        "kept_of_full": totals,
+        "oracle_recovered": recovered,
+        "notes": "oracle_* rows exist only for prompts where RC at that ratio lost a value the full cache finds; "
+        "kept_of_full counts, per variant, the values both it and the full cache find; oracle_recovered, of the "
+        "values RC lost (lost_by_rc_*), those the oracle finds",
+        "wall_s": time.time() - started,
+    }
+    write_report(report, Path(args.json), lambda r: print(r["kept_of_full"], r["oracle_recovered"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
