@@ -15,7 +15,16 @@ keep sets that answer one question each:
 * ``copies_G``: a token's k-th best head of its layer counts ``G ** (k - 1)`` of its score (the paper's
   Proposition 1: a k-th copy of a token adds least), at the same budget: consensus discouraged, not forbidden.
 
+``--lookahead K ...`` instead: lazy eviction (the default) compacts a request when memory runs short, often some
+tokens into its answer. Here each prompt is compacted ``K`` tokens into the full cache's answer, its prompt scored
+either from the window the prefill kept (the prompt's last tokens: what the plugin does; the ``K`` generated tokens
+kept by every head) or from the window of the most recent tokens at that point (the answer's first ``K`` queries
+among them, the window's tokens kept), at the same ratio; then greedy decoding goes on from there. Values the full
+cache finds that each keeps; a value already whole in the first ``K`` tokens counts for both.
+
     python benchmarks/route_probes.py --seeds 5 6 7 --json benchmarks/results/route_probes_seeds5_6_7_1k_cpu.json
+    python benchmarks/route_probes.py --seeds 5 6 7 8 9 --lookahead 4 12 \
+        --json benchmarks/results/route_probes_lookahead_seeds5_9_1k_cpu.json
 """
 
 from __future__ import annotations
@@ -80,12 +89,36 @@ def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.T
     return out
 
 
+def lookahead_row(ref, sample, prefill, full_tokens, full, ks, ratios, found_after, totals) -> dict:
+    """One prompt compacted ``k`` tokens into its answer, for each ``k`` and ratio: scored from the prefill's window
+    or from the most recent tokens' (see the module's docstring)."""
+    row: dict = {}
+    for k in ks:
+        generated = full_tokens[: min(k, len(full_tokens) - 1)]  # (an answer shorter than k: compacted before its end)
+        at_compaction = ref.prefill(sample.prompt_ids + generated)
+        for ratio in ratios:
+            config = RCStatConfig().merged({"method": "rc", "target_ratio": ratio})
+            prefill_window = ref_lib.select_layers(ref_lib.score_layers(prefill, config), config).masks
+            prefill_window = [torch.cat([m, m.new_ones(m.shape[0], len(generated))], dim=1) for m in prefill_window]
+            recent_window = ref_lib.select_layers(ref_lib.score_layers(at_compaction, config), config).masks
+            for name, masks in (("prefill_window", prefill_window), ("recent_window", recent_window)):
+                label = f"{name}_k{k}_r{ratio:g}"
+                row[label] = {
+                    "found": found_after(at_compaction, masks, sample, generated),
+                    "kept_entries": sum(int(m.sum()) for m in masks),
+                    "generated_before": len(generated),
+                }
+                totals[label] = totals.get(label, 0) + sum(f and g for f, g in zip(full, row[label]["found"]))
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="*", default=[5, 6, 7])
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.9])
     parser.add_argument("--lengths", type=int, nargs="*", default=[1024])
     parser.add_argument("--copies", type=float, nargs="*", default=[0.7, 0.4], help="discounts G of copies_G")
+    parser.add_argument("--lookahead", type=int, nargs="*", default=None, help="compaction points K (see above)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=str(routes.RESULTS_DIR / "route_probes_cpu.json"))
     args = parser.parse_args(argv)
@@ -98,18 +131,32 @@ def main(argv: list[str] | None = None) -> int:
     ref = ref_lib.ReferenceModel()
     started, load_before = time.time(), load_avg()
 
-    def found(prefill, masks, sample) -> list[bool]:
-        def stop(tokens):
-            return routes.settled(sample.answers, tokenizer.decode(tokens, skip_special_tokens=True))
+    def found_after(prefill, masks, sample, generated: list[int]) -> list[bool]:
+        """Values found when greedy decoding over ``masks`` goes on from ``generated`` (``prefill``: its end)."""
 
-        tokens = ref.greedy(prefill, sample.max_new_tokens, masks=masks, stop=stop)
-        return data.found_answers(sample, tokenizer.decode(tokens, skip_special_tokens=True))
+        def stop(tokens):
+            return routes.settled(sample.answers, tokenizer.decode(generated + tokens, skip_special_tokens=True))
+
+        tokens = ref.greedy(prefill, sample.max_new_tokens - len(generated), masks=masks, stop=stop)
+        return data.found_answers(sample, tokenizer.decode(generated + tokens, skip_special_tokens=True))
+
+    def found(prefill, masks, sample) -> list[bool]:
+        return found_after(prefill, masks, sample, [])
 
     rows: list[dict] = []
     totals: dict[str, int] = {}
     recovered: dict[str, int] = {}
     for sample in tqdm(samples, desc="prompts", file=sys.stderr):
         prefill = ref.prefill(sample.prompt_ids)
+        if args.lookahead:
+            full_tokens = ref.greedy(prefill, sample.max_new_tokens)
+            full = data.found_answers(sample, tokenizer.decode(full_tokens, skip_special_tokens=True))
+            variants = lookahead_row(
+                ref, sample, prefill, full_tokens, full, args.lookahead, args.ratios, found_after, totals
+            )
+            rows.append({"sample": sample.sample_id, "task": sample.task, "full": full, "variants": variants})
+            totals["full"] = totals.get("full", 0) + sum(full)
+            continue
         full = found(prefill, None, sample)
         row: dict = {"sample": sample.sample_id, "task": sample.task, "full": full, "variants": {}}
         for ratio in args.ratios:
