@@ -68,19 +68,6 @@ def copies_discounted(scores: list[torch.Tensor], g: float) -> list[torch.Tensor
     return out
 
 
-def token_positions(tokenizer, sample: data.Sample, texts: list[str]) -> list[int]:
-    """Prompt token positions of each of ``texts`` (its first occurrence in the prompt)."""
-    enc = tokenizer(sample.prompt, add_special_tokens=False, return_offsets_mapping=True)
-    positions: set[int] = set()
-    for text in texts:
-        start = sample.prompt.find(text)
-        if start < 0:
-            continue
-        end = start + len(text)
-        positions.update(i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start)
-    return sorted(positions)
-
-
 def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
     """Keep sets plus ``positions`` in every head of every layer."""
     out = [m.clone() for m in masks]
@@ -173,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(f and not r for f, r in zip(full, rc)):
                 kept = sum(int(m.sum()) for m in keep.masks)
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):
-                    masks = with_tokens(keep.masks, token_positions(tokenizer, sample, texts))
+                    masks = with_tokens(keep.masks, routes.token_positions(tokenizer, sample, texts))
                     variants[name] = (masks, sum(int(m.sum()) for m in masks) - kept)
             results = {"rc": {"found": rc}}
             for name, (masks, extra) in variants.items():

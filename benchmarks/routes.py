@@ -225,15 +225,21 @@ def build_probes(tokenizer, seed: int, per_task: int, count: int, lengths: list[
 
 def answer_token_positions(tokenizer, sample: data.Sample) -> list[int]:
     """Prompt token positions of the asked values' characters (their first occurrence in the prompt's context)."""
+    return token_positions(tokenizer, sample, sample.answers)
+
+
+def token_positions(tokenizer, sample: data.Sample, texts: list[str]) -> list[int]:
+    """Prompt token positions of each of ``texts``' characters (its first occurrence in the prompt); none when the
+    prompt's text does not tokenize back to its ids."""
     enc = tokenizer(sample.prompt, add_special_tokens=False, return_offsets_mapping=True)
     if enc["input_ids"] != sample.prompt_ids:
         return []
     positions: set[int] = set()
-    for value in sample.answers:
-        start = sample.prompt.find(value)
+    for text in texts:
+        start = sample.prompt.find(text)
         if start < 0:
             continue
-        end = start + len(value)
+        end = start + len(text)
         positions.update(i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start)
     return sorted(positions)
 

@@ -154,3 +154,26 @@ def test_side_by_side_scores_kvpress_against_both_full_caches_on_the_prompts_bot
     }
     assert kvzip["evicted"] == pytest.approx(0.8)
     assert table["settings"]["rc"]["per_task"]["niah_multi"]["kept_of_full"] == 1
+
+
+def test_route_probes_selections_keep_the_budget_and_do_what_they_say():
+    """benchmarks/route_probes.py's variants: head-shared scores give every head of a layer the same keep set, and
+    discounted copies scale a token's k-th best head by g**(k-1), both at the plugin's exact budget; the oracle adds
+    its tokens to every head."""
+    import route_probes
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 200, generator=gen) for _ in range(4)]
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.8})
+    want = hf_reference.select_layers(scores, config)
+    for how in ("max", "mean"):
+        keep = hf_reference.select_layers(route_probes.shared(scores, how), config)
+        assert keep.ratio == pytest.approx(want.ratio, abs=1e-3)
+        assert all(torch.equal(m[0], m[1]) and torch.equal(m[0], m[2]) for m in keep.masks)
+    discounted = route_probes.copies_discounted(scores, 0.5)
+    for x, y in zip(scores, discounted):
+        ranked, _ = x.sort(dim=0, descending=True)
+        torch.testing.assert_close(y.sort(dim=0, descending=True).values, ranked * torch.tensor([[1.0], [0.5], [0.25]]))
+    assert hf_reference.select_layers(discounted, config).ratio == pytest.approx(want.ratio, abs=1e-3)
+    added = route_probes.with_tokens(want.masks, [5, 6])
+    assert all(m[:, [5, 6]].all() for m in added) and not all(m[:, [5, 6]].all() for m in want.masks)
