@@ -191,6 +191,6 @@ def write_report(report: dict, path: Path, print_table: Callable[[dict], None]) 
     if "environment" not in report:
         report["environment"] = environment()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps(report, separators=(",", ":")) + "\n")  # compact: every GPU call sends the results
     print_table(report)
     print(f"wrote {path} ({report.get('wall_s')} s)", file=sys.stderr)

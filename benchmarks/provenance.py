@@ -107,10 +107,30 @@ def _is_ancestor(older: str, newer: str) -> bool | None:
     return {0: True, 1: False}.get(out.returncode)
 
 
+#: Commits that rewrote result files without changing what they hold (the same JSON, written more compactly), one
+#: sha per line, ``#`` comments: the last commit that *wrote* a file dates it, so these are skipped (as
+#: ``git blame --ignore-revs-file`` skips formatting commits).
+REWRITES_FILE = REPO / "benchmarks" / "results" / "REWRITES"
+
+
+@functools.cache
+def rewrite_commits() -> frozenset[str]:
+    if not REWRITES_FILE.exists():
+        return frozenset()
+    lines = (line.split("#", 1)[0].strip() for line in REWRITES_FILE.read_text().splitlines())
+    return frozenset(line for line in lines if line)
+
+
 @functools.cache
 def _last_commit(path: str) -> tuple[str, str] | None:
-    out = _git("log", "-1", "--format=%H %cI", "--", path)
-    return tuple(out.split()) if out else None  # type: ignore[return-value]
+    """The last commit that wrote ``path``, rewrites (:data:`REWRITES_FILE`) skipped."""
+    skipped = rewrite_commits()
+    out = _git("log", f"-{len(skipped) + 1}", "--format=%H %cI", "--", path)
+    for line in (out or "").splitlines():
+        sha, date = line.split()
+        if sha not in skipped:
+            return sha, date
+    return None
 
 
 def history_available() -> bool:

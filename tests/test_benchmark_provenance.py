@@ -174,3 +174,46 @@ def test_the_table_of_default_changes_ends_at_todays_defaults():
     assert last == {field: now[field] for field in last}
     dates = [c.date for c in provenance.DEFAULT_CHANGES]
     assert dates == sorted(dates)
+
+
+def test_a_file_is_dated_by_the_last_commit_that_wrote_it_rewrites_skipped(tmp_path, monkeypatch):
+    """A result file without a recorded commit is dated by git history: the last commit that wrote it, skipping the
+    commits benchmarks/results/REWRITES lists (the same JSON written again, e.g. compactly)."""
+
+    def git(*args):
+        return subprocess.run(
+            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    git("init", "-q")
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"rows": [1, 2]}, indent=1))
+    git("add", "r.json")
+    git("commit", "-qm", "run")
+    made = git("rev-parse", "HEAD")
+    result.write_text(json.dumps({"rows": [1, 2]}, separators=(",", ":")))
+    git("commit", "-qam", "compact")
+    rewrite = git("rev-parse", "HEAD")
+    rewrites = tmp_path / "REWRITES"
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    monkeypatch.setattr(provenance, "REWRITES_FILE", rewrites)
+    for cached in (provenance._last_commit, provenance.rewrite_commits):
+        cached.cache_clear()
+    try:
+        assert provenance.origin(result)["commit"] == rewrite  # no REWRITES file: the rewrite dates it
+        rewrites.write_text(f"# formatting only\n{rewrite}  # compact\n")
+        for cached in (provenance._last_commit, provenance.rewrite_commits):
+            cached.cache_clear()
+        assert provenance.rewrite_commits() == {rewrite}
+        assert provenance.origin(result) == {
+            "commit": made,
+            "date": provenance._last_commit("r.json")[1],
+            "source": "git history",
+            "dirty": None,
+        }
+    finally:
+        for cached in (provenance._last_commit, provenance.rewrite_commits):
+            cached.cache_clear()
