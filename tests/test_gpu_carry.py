@@ -127,6 +127,23 @@ def test_the_guard_catches_a_seed_left_out():
     assert result["missing_modules"] == ["llguidance"]
 
 
+#: The core carry as last built (MiB: vLLM's slimmed wheel, its dependencies, the tokenizer; tools/gpu/README.md)
+CORE_CARRY_MIB = 102.5
+
+
+def test_the_working_tree_leaves_room_for_two_carry_parts_per_gpu_call():
+    """Every GPU call sends the working tree with one carry part, 64 MiB in all (build_carry's call target: 63), and
+    a window is two calls: the tree (results included) must stay small enough for half the core beside it. When it
+    fails, make the tree smaller (the results are JSON written compactly: look for what grew) or plan a third call."""
+    tree = build_carry.working_tree_bytes(REPO)
+    if tree is None:
+        pytest.skip("not a git checkout")
+    room = build_carry.CALL_TARGET_MIB * (1 << 20) - build_carry.MANIFEST_RESERVE - CORE_CARRY_MIB / 2 * (1 << 20)
+    assert tree <= room, (
+        f"working tree {tree / (1 << 20):.2f} MiB: two carry parts fit beside at most {room / (1 << 20):.2f}"
+    )
+
+
 def test_gpu_present_is_the_image_list():
     kinds = Path("/work/.library/device/KINDS.md")
     if not kinds.exists():
