@@ -21,8 +21,8 @@ settings, a request of ``n`` prompt tokens is compacted over and over, its parts
                   the same, the copy one layer at a time (before runs of layers were copied together:
                   ``compaction.COPY_GROUP_BYTES`` set to 0)
   scored_ahead_torch_writes
-                  (AMX tiles only) the copy's writes by the torch scatter into the tiles (``CPUAmxLayout``) instead of
-                  vLLM's own packing op (``VllmPackedAmxLayout``, what the engine writes with)
+                  the copy's writes by the layout's torch scatter (``CPUAmxLayout``, ``CPUVecLayout``) instead of
+                  vLLM's own cache write (``cpu_kv_layout.VllmWrites``, what the engine writes with)
 
 The cache is bf16 in vLLM-CPU's AMX tiles where the CPU has AMX (the layout the engine uses there), else float32
 rows (``vec``); ``--layout amx`` takes the AMX tiles on any AVX-512 CPU (the scoring and the copy's reads are plain
@@ -53,7 +53,7 @@ import rcstat_vllm.paging.compaction as copying
 import rcstat_vllm.worker.prompt_compression as compression
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.paging.compaction import compact_request
-from rcstat_vllm.paging.cpu_kv_layout import CPU_AMX_PACKED
+from rcstat_vllm.paging.cpu_kv_layout import CPU_AMX_PACKED, CPU_VEC_WRITTEN
 from rcstat_vllm.paging.kv_layout import CPU_AMX, CPU_VEC, amx_unsupported_reason
 from rcstat_vllm.paging.page_space import PageSpace, cdiv
 from rcstat_vllm.reports import SCORE_AHEAD_STEPS
@@ -61,8 +61,7 @@ from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCo
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compaction_step_cpu.json"
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 32
-MODES = ("layer_by_layer", "stacked", "scored_ahead", "scored_ahead_copy_by_layer")
-AMX_MODES = (*MODES, "scored_ahead_torch_writes")
+MODES = ("layer_by_layer", "stacked", "scored_ahead", "scored_ahead_copy_by_layer", "scored_ahead_torch_writes")
 
 
 def machine_layout(choice: str = "auto"):
@@ -71,7 +70,7 @@ def machine_layout(choice: str = "auto"):
     if choice == "auto":
         has_amx = torch.backends.cpu.get_cpu_capability() == "AVX512" and "amx" in Path("/proc/cpuinfo").read_text()
         choice = "amx" if has_amx and amx_unsupported_reason(torch.bfloat16, BLOCK, HEAD_DIM) is None else "vec"
-    return (CPU_AMX_PACKED, torch.bfloat16) if choice == "amx" else (CPU_VEC, torch.float32)
+    return (CPU_AMX_PACKED, torch.bfloat16) if choice == "amx" else (CPU_VEC_WRITTEN["vec"], torch.float32)
 
 
 class Setup:
@@ -123,7 +122,8 @@ class Setup:
             request.select(self.space)
             t2 = time.perf_counter()
             dest = torch.arange(self.num_blocks - self.keep_blocks, self.num_blocks)
-            copy_layout = CPU_AMX if mode == "scored_ahead_torch_writes" else self.layout
+            torch_writes = CPU_AMX if self.layout is CPU_AMX_PACKED else CPU_VEC
+            copy_layout = torch_writes if mode == "scored_ahead_torch_writes" else self.layout
             compact_request(self.caches, self.row, request.masks, dest, self.space, copy_layout)
             t3 = time.perf_counter()
         finally:
@@ -140,22 +140,21 @@ class Setup:
 
 def run(sizes: list[int], rounds: int, layout_choice: str = "auto") -> dict:
     layout, dtype = machine_layout(layout_choice)
-    modes = AMX_MODES if layout is CPU_AMX_PACKED else MODES
     results = {}
     for n in sizes:
         setup = Setup(n, layout, dtype)
-        for mode in modes:  # warm-up: allocator, oneDNN primitives
+        for mode in MODES:  # warm-up: allocator, oneDNN primitives
             setup.compaction(mode)
-        per_round: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+        per_round: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         for _ in tqdm(range(rounds), desc=f"n={n}", file=sys.stderr):
-            for mode in modes:
+            for mode in MODES:
                 per_round[mode].append(setup.compaction(mode))
         summary: dict = {
             mode: {part: statistics.median(r[part] for r in rows) for part in rows[0]}
             for mode, rows in per_round.items()
         }
         # within each round, the copy step's stall against scoring it layer by layer at the copy (as before)
-        for mode in modes[1:]:
+        for mode in MODES[1:]:
             summary[mode]["copy_step_vs_layer_by_layer"] = statistics.median(
                 r["copy_step_ms"] / base["copy_step_ms"] for r, base in zip(per_round[mode], per_round[MODES[0]])
             )
@@ -163,11 +162,10 @@ def run(sizes: list[int], rounds: int, layout_choice: str = "auto") -> dict:
             r["copy_ms"] / base["copy_ms"]
             for r, base in zip(per_round["scored_ahead"], per_round["scored_ahead_copy_by_layer"])
         )
-        if "scored_ahead_torch_writes" in summary:
-            summary["scored_ahead"]["copy_vs_torch_writes"] = statistics.median(
-                r["copy_ms"] / base["copy_ms"]
-                for r, base in zip(per_round["scored_ahead"], per_round["scored_ahead_torch_writes"])
-            )
+        summary["scored_ahead"]["copy_vs_torch_writes"] = statistics.median(
+            r["copy_ms"] / base["copy_ms"]
+            for r, base in zip(per_round["scored_ahead"], per_round["scored_ahead_torch_writes"])
+        )
         results[str(n)] = summary
         print(
             f"n={n}: copy step (ms) layer_by_layer {summary['layer_by_layer']['copy_step_ms']:.1f}, "

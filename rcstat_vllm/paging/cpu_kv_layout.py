@@ -16,15 +16,23 @@ import functools
 import torch
 from torch import Tensor
 
-from rcstat_vllm.paging.kv_layout import CPU_VEC, CacheLayout, CPUAmxLayout, amx_unsupported_reason, head_page_caches
+from rcstat_vllm.paging.kv_layout import (
+    CacheLayout,
+    CPUAmxLayout,
+    CPUVecLayout,
+    amx_unsupported_reason,
+    head_page_caches,
+)
 
 
-class VllmPackedAmxLayout(CPUAmxLayout):
-    """:class:`~rcstat_vllm.paging.kv_layout.CPUAmxLayout` whose writes go through vLLM's own packing op
-    (``cpu_attn_reshape_and_cache`` with one head per row, slot ``page * N + offset``: what the engine does for
-    every token it appends to head pages), the same bytes as the torch scatter into the tiles (``tests/
-    test_amx_layout.py``) in about a third of its time: a compaction's writes are half of its copy. Reads stay the
-    torch gathers (vLLM has no op that unpacks a tile)."""
+class VllmWrites:
+    """A CPU layout whose writes go through vLLM's own cache write (``cpu_attn_reshape_and_cache`` for its ISA, one
+    head per row, slot ``page * N + offset``: what the engine does for every token it appends to head pages): the
+    same bytes as the layout's torch scatter (``tests/test_amx_layout.py``), in a third of its time under ``amx`` (its
+    tiles take strided scatters) and about two thirds under ``vec``. Only where :func:`layout_matches` has checked
+    vLLM's op against the layout's map. Reads stay the layout's torch gathers (vLLM has no op that reads a slot)."""
+
+    isa: str
 
     def write(self, kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor) -> None:
         from rcstat_vllm.vllm_private.internals import custom_ops as ops
@@ -36,13 +44,26 @@ class VllmPackedAmxLayout(CPUAmxLayout):
             values.to(kv_cache.dtype).reshape(rows).contiguous(),
             *head_page_caches(kv_cache),
             (pages * block_size + offsets).flatten().to(torch.int64),
-            "amx",
+            self.isa,
         )
 
 
-#: The AMX layout the engine compacts with (:func:`cpu_cache_layout`), used only where :func:`layout_matches` has
-#: checked vLLM's op against the tile map.
+class VllmPackedAmxLayout(VllmWrites, CPUAmxLayout):
+    """:class:`~rcstat_vllm.paging.kv_layout.CPUAmxLayout`, written by vLLM's op (its tiles' packing)."""
+
+    isa = "amx"
+
+
+class VllmWrittenVecLayout(VllmWrites, CPUVecLayout):
+    """:class:`~rcstat_vllm.paging.kv_layout.CPUVecLayout`, written by vLLM's op for ``vec`` or ``vec16``."""
+
+    def __init__(self, isa: str):
+        self.isa = isa
+
+
+#: The layouts the engine compacts with (:func:`cpu_cache_layout`), by vLLM's ISA.
 CPU_AMX_PACKED = VllmPackedAmxLayout()
+CPU_VEC_WRITTEN = {isa: VllmWrittenVecLayout(isa) for isa in ("vec", "vec16")}
 
 
 def cpu_cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> CacheLayout | None:
@@ -50,7 +71,7 @@ def cpu_cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: in
     ``amx``, a dtype or shape) whose layout head pages do not know."""
     if isa == "amx":
         return CPU_AMX_PACKED if amx_unsupported_reason(dtype, block_size, head_dim) is None else None
-    return CPU_VEC if isa in ("vec", "vec16") else None
+    return CPU_VEC_WRITTEN.get(isa)
 
 
 @functools.cache
