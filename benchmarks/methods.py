@@ -329,6 +329,10 @@ CLIFF_VARIANTS = {
     "rc_model_w32_s3_k4_c8_max_lc0.5": _rc_variant(
         32, "model", 3, sinks=4, carry_forward=8, query_reduction="max", local_contrast=0.5, contrast_radius=256
     ),
+    # ... with smoothing over 5 tokens (issue 56: the candidate for the high ratios).
+    "rc_model_w32_s5_k4_c8_max_lc0.5": _rc_variant(
+        32, "model", 5, sinks=4, carry_forward=8, query_reduction="max", local_contrast=0.5, contrast_radius=256
+    ),
     # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
     "rc_model_w32_o8_s3_k4": _rc_variant(32, "model", 3, sinks=4, observation_window=8),
     "rc_layer_w8_k4": _rc_variant(8, "layer", 1, sinks=4),

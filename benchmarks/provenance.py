@@ -213,6 +213,18 @@ def merge(base: Mapping, override: Mapping | None) -> dict:
     return out
 
 
+def now_config(server: Mapping | None, override: Mapping | None) -> dict:
+    """The config a row's flag and override give today, resolved as the plugin resolves them (``RCStatConfig``: a
+    default that depends on ``target_ratio``, ``Knob.by_ratio``, follows the row's ratio); a plain :func:`merge` over
+    today's defaults where today's plugin would not take the override (a field since renamed or removed)."""
+    from rcstat_vllm.config import ConfigError, RCStatConfig
+
+    try:
+        return RCStatConfig.from_dict(server or {}).merged(override).to_dict()
+    except (ConfigError, TypeError):
+        return merge(merge(current_defaults(), server), override)
+
+
 def changes_after(o: Mapping) -> list[DefaultChange]:
     return [c for c in DEFAULT_CHANGES if not in_effect(c, o)]
 

@@ -163,7 +163,6 @@ def row_configs(data: dict) -> dict[str, dict]:
     o = provenance.origin(RESULTS / data.get("_file", ""), data)
     recorded = data.get("plugin_defaults") or (data.get("environment") or {}).get("plugin_defaults")
     then = provenance.defaults_at(o, recorded)
-    now = provenance.current_defaults()
     server, server_source = server_flag(data)
     ignore = ("eviction",) if server is None else ()
     current = current_overrides(data) or {}
@@ -188,7 +187,7 @@ def row_configs(data: dict) -> dict[str, dict]:
                 ),
             }
         pinned = current.get(label)
-        now_cfg = provenance.merge(provenance.merge(now, server), override if pinned is None else pinned)
+        now_cfg = provenance.now_config(server, override if pinned is None else pinned)
         if e.get("matched_to"):  # the per-prompt ratio of the RC row it is matched to
             ran["target_ratio"] = now_cfg["target_ratio"] = e.get("ratio")
         reasons = provenance.row_status(ran, now_cfg, pinned, o, ignore)
@@ -955,7 +954,7 @@ def value_error_line() -> list[str]:
         if ran.get("method") == "snapkv" and ran.get("observation_window") is None:
             words += ", SnapKV's own observation window"
         if what == "RC with the defaults":
-            now = provenance.merge(provenance.current_defaults(), {"target_ratio": 0.8})
+            now = provenance.now_config(None, {"target_ratio": 0.8})
             same = not provenance.row_status(ran, now, None, info["origin"], ("eviction",))
             what = what if same else "RC with the defaults when it ran †"
         cells.append(f"{what} {_f(e['ver'])} (`{name}`: {words}{' †' if info['reasons'] else ''})")

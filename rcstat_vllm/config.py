@@ -21,9 +21,11 @@ from rcstat_vllm.knobs import ConfigError, Knob, is_int, is_number
 from rcstat_vllm.scoring.registry import REGISTRY, SINK_TOKENS, method_knobs, observing_methods
 
 __all__ = [
+    "BY_RATIO",
     "CONFIG_KEY",
     "KNOBS",
     "METHODS",
+    "RATIO_KNOBS",
     "ConfigError",
     "RCStatConfig",
     "is_int",
@@ -157,6 +159,24 @@ GENERAL_KNOBS = (
 #: Every setting by name: the general ones, then each method's own (the config's fields, in this order).
 KNOBS: dict[str, Knob] = {knob.name: knob for knob in (*GENERAL_KNOBS, *method_knobs())}
 
+#: The settings whose default depends on ``target_ratio`` (``Knob.by_ratio``; docs/defaults.md, "Knobs by ratio").
+RATIO_KNOBS = tuple(name for name, knob in KNOBS.items() if knob.by_ratio)
+
+
+class _ByRatio:
+    """A field's value until :class:`RCStatConfig` resolves it: the knob's default at the config's ``target_ratio``."""
+
+    def __repr__(self) -> str:
+        return "BY_RATIO"
+
+
+#: The default of a :data:`RATIO_KNOBS` field: replaced in ``__post_init__`` by the value for ``target_ratio``.
+BY_RATIO: Any = _ByRatio()
+
+
+def _default(name: str) -> Any:
+    return BY_RATIO if KNOBS[name].by_ratio else KNOBS[name].default
+
 
 @dataclass(frozen=True)
 class RCStatConfig:
@@ -189,7 +209,9 @@ class RCStatConfig:
             heads; exactly as many entries are kept as without it. 0 = off.
         smoothing: RC only: each score is averaged over this many neighbouring tokens (an odd window centred on
             the token, as SnapKV pools its scores) before selection, so a fact's span is kept or evicted whole;
-            1 = no smoothing.
+            1 = no smoothing. Its default depends on the budget (``Knob.by_ratio``): 3, and 5 from ``target_ratio``
+            0.9 on; left out, it follows the ratio of each merge (a request's own ``target_ratio`` too), given, it
+            stays.
         carry_forward: RC only: after smoothing, each token's score is raised to the highest score among the
             ``carry_forward`` tokens before it, so what follows a contextualized token (a value after the key a
             question names) is kept with it: the window's queries find the key, the value is read only by queries
@@ -223,31 +245,37 @@ class RCStatConfig:
             does host work (a prefill, a compaction scored, queries kept for one, attribution) still run piecewise.
     """
 
-    method: str = KNOBS["method"].default
+    method: str = _default("method")
     # Each field's default, allowed values and meaning are its Knob's (GENERAL_KNOBS above, a method's own on its
     # registry line); __post_init__ checks each against its Knob, then the relations between fields.
-    c: float = KNOBS["c"].default
-    window: int = KNOBS["window"].default
-    observation_window: int | None = KNOBS["observation_window"].default
-    target_ratio: float | None = KNOBS["target_ratio"].default
-    sink_tokens: int = KNOBS["sink_tokens"].default
-    min_prompt_len: int = KNOBS["min_prompt_len"].default
-    budget_scope: str = KNOBS["budget_scope"].default
-    layer_floor: float = KNOBS["layer_floor"].default
-    coverage_floor: float = KNOBS["coverage_floor"].default
-    smoothing: int = KNOBS["smoothing"].default
-    carry_forward: int = KNOBS["carry_forward"].default
-    local_contrast: float = KNOBS["local_contrast"].default
-    contrast_radius: int = KNOBS["contrast_radius"].default
-    query_reduction: str = KNOBS["query_reduction"].default
-    kernel_size: int = KNOBS["kernel_size"].default
-    eviction: str = KNOBS["eviction"].default
-    decode_budget: int | None = KNOBS["decode_budget"].default
-    decode_interval: int = KNOBS["decode_interval"].default
-    async_scheduling: str = KNOBS["async_scheduling"].default
-    cuda_graphs: str = KNOBS["cuda_graphs"].default
+    c: float = _default("c")
+    window: int = _default("window")
+    observation_window: int | None = _default("observation_window")
+    target_ratio: float | None = _default("target_ratio")
+    sink_tokens: int = _default("sink_tokens")
+    min_prompt_len: int = _default("min_prompt_len")
+    budget_scope: str = _default("budget_scope")
+    layer_floor: float = _default("layer_floor")
+    coverage_floor: float = _default("coverage_floor")
+    smoothing: int = _default("smoothing")
+    carry_forward: int = _default("carry_forward")
+    local_contrast: float = _default("local_contrast")
+    contrast_radius: int = _default("contrast_radius")
+    query_reduction: str = _default("query_reduction")
+    kernel_size: int = _default("kernel_size")
+    eviction: str = _default("eviction")
+    decode_budget: int | None = _default("decode_budget")
+    decode_interval: int = _default("decode_interval")
+    async_scheduling: str = _default("async_scheduling")
+    cuda_graphs: str = _default("cuda_graphs")
 
     def __post_init__(self) -> None:
+        # A field whose default depends on the budget and was left out takes the value for this target_ratio; which
+        # fields follow the ratio is kept, so a later merge that changes the ratio moves them too (a value given wins).
+        follows = frozenset(name for name in RATIO_KNOBS if getattr(self, name) is BY_RATIO)
+        for name in follows:
+            object.__setattr__(self, name, KNOBS[name].default_at(self.target_ratio))
+        object.__setattr__(self, "_follows_ratio", follows)
         for knob in KNOBS.values():  # (declared order: a field named as another's minimum is checked first)
             knob.check(getattr(self, knob.name), self)
         if self.observation_window is not None and self.method not in (*OBSERVING_METHODS, "none"):
@@ -271,6 +299,12 @@ class RCStatConfig:
     @property
     def budget_mode(self) -> bool:
         return self.target_ratio is not None
+
+    @property
+    def follows_ratio(self) -> frozenset[str]:
+        """The fields left at their ratio-dependent default (:data:`RATIO_KNOBS` not given): their values are the
+        defaults for ``target_ratio``, and a merge that changes ``target_ratio`` resolves them again."""
+        return getattr(self, "_follows_ratio", frozenset())
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | str | None) -> RCStatConfig:
@@ -302,7 +336,9 @@ class RCStatConfig:
         if "c" in overrides and "target_ratio" not in overrides:
             # Setting c asks for threshold mode (Eq. 9): it would be ignored under a budget.
             overrides["target_ratio"] = None
-        return dataclasses.replace(self, **overrides)
+        # Fields still at their ratio-dependent default are resolved again under the merged target_ratio.
+        follow = {name: BY_RATIO for name in self.follows_ratio if name not in overrides}
+        return dataclasses.replace(self, **{**follow, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -338,5 +374,5 @@ def settings_table() -> str:
     rows = ["| field | default | meaning | allowed |", "|---|---|---|---|"]
     for knob in KNOBS.values():
         allowed = ", ".join(f"`{choice}`" for choice in knob.choices) if knob.choices else knob.allowed()
-        rows.append(f"| `{knob.name}` | `{json.dumps(knob.default)}` | {knob.doc} | {allowed} |")
+        rows.append(f"| `{knob.name}` | {knob.default_text()} | {knob.doc} | {allowed} |")
     return "\n".join(rows)

@@ -8,6 +8,7 @@ settings table (:func:`rcstat_vllm.config.settings_table`). Plain Python: the sc
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,10 @@ class Knob:
         nullable: null allowed (off, or "the method's own").
         option: the scorer's constructor argument it sets, when a scorer reads it (None: the scorer does not).
         server_only: set for the whole engine (``--additional-config``); a per-request override is an error.
+        by_ratio: a default that depends on the budget: ``((ratio, value), ...)`` in rising order, each ``value``
+            the default from ``target_ratio >= ratio`` on (below the first, and in threshold mode: ``default``). A
+            config that leaves the field out follows its ``target_ratio``; a value given (server-wide or per
+            request) wins (:class:`~rcstat_vllm.config.RCStatConfig`).
     """
 
     name: str
@@ -58,6 +63,23 @@ class Knob:
     nullable: bool = False
     option: str | None = None
     server_only: bool = False
+    by_ratio: tuple[tuple[float, Any], ...] = ()
+
+    def default_at(self, target_ratio: Any) -> Any:
+        """The default under ``target_ratio`` (None: threshold mode, the plain ``default``)."""
+        value = self.default
+        if is_number(target_ratio):
+            for ratio, scheduled in self.by_ratio:
+                if target_ratio >= ratio:
+                    value = scheduled
+        return value
+
+    def default_text(self) -> str:
+        """The default in words for the settings table: ``3``, or ``3``; ``5`` from ``target_ratio`` 0.9."""
+        text = f"`{json.dumps(self.default)}`"
+        for ratio, scheduled in self.by_ratio:
+            text += f"; `{json.dumps(scheduled)}` from `target_ratio` {ratio:g}"
+        return text
 
     def allowed(self, values: Any = None) -> str:
         """The allowed values in words; ``values`` (a config) names a field minimum's current value."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rcstat_vllm.config import KNOBS, ConfigError, RCStatConfig, settings_table
+from rcstat_vllm.config import BY_RATIO, KNOBS, RATIO_KNOBS, ConfigError, RCStatConfig, settings_table
 from rcstat_vllm.knobs import Knob
 from rcstat_vllm.scoring.registry import REGISTRY
 
@@ -23,7 +23,10 @@ def test_every_config_field_is_a_declared_knob_with_its_default():
     fields = {f.name: f.default for f in dataclasses.fields(RCStatConfig)}
     assert list(fields) == [*KNOBS][:1] + [n for n in fields if n != "method"]  # (method first, as declared)
     assert set(fields) == set(KNOBS)
-    assert fields == {name: knob.default for name, knob in KNOBS.items()}
+    # A default that depends on the budget is resolved at construction (BY_RATIO until then): the bare flag's is the
+    # knob's default.
+    assert fields == {name: BY_RATIO if knob.by_ratio else knob.default for name, knob in KNOBS.items()}
+    assert RCStatConfig().to_dict() == {name: knob.default for name, knob in KNOBS.items()}
 
 
 @pytest.mark.parametrize("name", sorted(KNOBS))
@@ -75,3 +78,75 @@ def test_a_new_methods_knob_is_one_declaration():
     with pytest.raises(ConfigError, match="'kernel_size': got 4, allowed: an odd integer >= 1"):
         knob.check(4)
     assert KNOBS["decode_budget"].allowed(RCStatConfig(window=16)) == "null or an integer >= window (16)"
+
+
+# ---------------------------------------------------------------------------------------------- defaults by ratio
+# Issue 56 (docs/defaults.md, "Knobs by ratio"): RC smooths over 5 tokens from a budget of 0.9 on, over 3 below it.
+
+
+def test_smoothing_is_the_one_knob_whose_default_follows_the_ratio():
+    assert RATIO_KNOBS == ("smoothing",)
+    assert KNOBS["smoothing"].default == 3 and KNOBS["smoothing"].by_ratio == ((0.9, 5),)
+
+
+@pytest.mark.parametrize(
+    ("target_ratio", "smoothing"), [(0.4, 3), (0.5, 3), (0.8, 3), (0.89, 3), (0.9, 5), (0.95, 5), (None, 3)]
+)
+def test_smoothing_resolves_by_target_ratio(target_ratio, smoothing):
+    assert RCStatConfig.from_dict({"target_ratio": target_ratio}).smoothing == smoothing
+    assert RCStatConfig(target_ratio=target_ratio).smoothing == smoothing  # built directly: the same rule
+    assert RCStatConfig().merged({"target_ratio": target_ratio}).smoothing == smoothing  # a request's override
+
+
+def test_the_bare_flag_is_unchanged():
+    """{} (RC at 0.4) resolves every knob to the values it had before the schedule: smoothing 3."""
+    bare = RCStatConfig.from_dict({})
+    assert bare.target_ratio == 0.4 and bare.smoothing == 3 and bare.carry_forward == 8
+    assert bare.local_contrast == 0.5 and bare.window == 32 and bare.observation_window is None
+    assert bare == RCStatConfig() and bare.follows_ratio == frozenset({"smoothing"})
+    assert RCStatConfig.from_dict({"c": 1.0}).smoothing == 3  # threshold mode: the plain default
+
+
+def test_a_given_value_wins_over_the_ratio_server_wide_and_per_request():
+    assert RCStatConfig.from_dict({"target_ratio": 0.9, "smoothing": 3}).smoothing == 3
+    assert RCStatConfig(target_ratio=0.9, smoothing=3).smoothing == 3
+    assert RCStatConfig.from_dict({"target_ratio": 0.9}).merged({"smoothing": 1}).smoothing == 1
+    # a server that gives smoothing keeps it under every request's ratio
+    server = RCStatConfig.from_dict({"smoothing": 7})
+    assert server.follows_ratio == frozenset()
+    assert server.merged({"target_ratio": 0.9}).smoothing == 7
+    assert server.merged({"target_ratio": 0.4}).smoothing == 7
+    # a request that gives smoothing keeps it when a later merge changes the ratio
+    assert RCStatConfig().merged({"smoothing": 3, "target_ratio": 0.9}).merged({"target_ratio": 0.95}).smoothing == 3
+
+
+def test_a_left_out_value_follows_each_merges_ratio():
+    """The server's 0.9 smooths over 5; a request asking 0.4 of it gets 0.4's 3, and back; threshold mode 3."""
+    server = RCStatConfig.from_dict({"target_ratio": 0.9})
+    assert server.smoothing == 5
+    assert server.merged({"target_ratio": 0.4}).smoothing == 3
+    assert server.merged({"target_ratio": 0.4}).merged({"target_ratio": 0.9}).smoothing == 5
+    assert server.merged({"c": 2.0}).smoothing == 3
+    assert server.merged({"carry_forward": 12}).smoothing == 5  # another field's override leaves it as resolved
+
+
+def test_the_resolved_value_is_what_the_scorer_and_the_record_see():
+    import pickle
+
+    from rcstat_vllm.settings import RequestSettings, scorer_options
+
+    server = RCStatConfig.from_dict({})
+    request = RequestSettings.resolve({"rcstat": {"target_ratio": 0.9}}, server).config
+    assert scorer_options(request)["smoothing"] == 5
+    assert scorer_options(server)["smoothing"] == 3
+    assert request.to_dict()["smoothing"] == 5  # results and benchmark JSON record the value that ran
+    again = pickle.loads(pickle.dumps(request))  # (a config crosses processes pickled)
+    assert again == request and again.follows_ratio == request.follows_ratio
+    assert again.merged({"target_ratio": 0.5}).smoothing == 3
+
+
+def test_the_settings_table_gives_the_schedule():
+    assert "| `smoothing` | `3`; `5` from `target_ratio` 0.9 |" in settings_table()
+    assert Knob("x", 3, "x", by_ratio=((0.7, 5), (0.9, 7))).default_at(0.8) == 5
+    assert Knob("x", 3, "x", by_ratio=((0.7, 5), (0.9, 7))).default_at(0.9) == 7
+    assert Knob("x", 3, "x", by_ratio=((0.7, 5),)).default_at(None) == 3

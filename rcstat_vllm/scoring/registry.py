@@ -61,7 +61,8 @@ class Method:
 
 _METHODS = "rcstat_vllm.scoring.methods"
 
-#: RC's knobs: the plugin's defaults, chosen by measurement (docs/defaults.md): 3-token smoothing; each score carried 8
+#: RC's knobs: the plugin's defaults, chosen by measurement (docs/defaults.md): 3-token smoothing, 5 from a budget of
+#: 0.9 on (issue 56: a value's digits kept or lost together, "Knobs by ratio"); each score carried 8
 #: tokens forward, so a value is kept with the key the window's queries find ("Carrying scores forward"); each raw
 #: score divided by the square root of its neighbourhood's mean (radius 256), against RC's drift towards the prompt's
 #: end ("Local contrast"); the max over the window's queries, so a fact one copy head's query reads is not averaged
@@ -74,6 +75,7 @@ RC_KNOBS = (
         minimum=1,
         odd=True,
         option="smoothing",
+        by_ratio=((0.9, 5),),
     ),
     Knob(
         "carry_forward",
