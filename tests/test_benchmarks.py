@@ -130,6 +130,11 @@ def test_needle_is_in_the_prompt_at_the_requested_depth(tokenizer, depth):
 
 @pytest.fixture(scope="module")
 def tiny_reference():
+    return tiny_reference_model()
+
+
+def tiny_reference_model():
+    """A 2-layer random Llama (seed 0) behind the transformers reference: mechanics, not quality."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(BENCH))
 import data  # noqa: E402
 import hf_reference  # noqa: E402
 import routes  # noqa: E402
-from test_benchmarks import _tokenizer  # noqa: E402
+from test_benchmarks import _tokenizer, tiny_reference_model  # noqa: E402
 
 from rcstat_vllm.config import RCStatConfig  # noqa: E402
 
@@ -94,19 +94,7 @@ def test_summary_splits_tuning_from_held_out_prompts():
 
 
 def test_greedy_stops_where_asked_and_not_before():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    ref = hf_reference.ReferenceModel(model=LlamaForCausalLM(config))
+    ref = tiny_reference_model()
     ids = torch.randint(3, 96, (50,), generator=torch.Generator().manual_seed(3)).tolist()
     prefill = ref.prefill(ids)
     full = ref.greedy(prefill, 8, stop_at_eos=False)
