@@ -716,8 +716,9 @@ def main(argv=None) -> None:
     from common import environment
 
     result["environment"] = environment(threads=args.threads)  # commit, machine, versions (benchmarks/common.py)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    import result_files
+
+    result_files.write(result, args.json)
     keys = ("examples", "k", "accuracy", "answered_examples", "accuracy_answered", "sweep_accuracy", "seconds")
     summary = {key: result[key] for key in keys}
     print(json.dumps(summary, indent=1))

@@ -66,6 +66,8 @@ REPO = HERE.parent
 RESULTS_DIR = HERE / "results"
 sys.path.insert(0, str(HERE))
 
+import result_files  # noqa: E402
+
 DEBIAN_FAQ = Path("/usr/share/doc/debian/FAQ/debian-faq.en.txt.gz")
 INSTRUCTION = "Answer the question using the documents."
 #: ContextCite's prompt template, made to render the plugin benchmark's user message exactly
@@ -593,7 +595,7 @@ def before_issue55(llm, out, chunks: Sequence) -> dict:
 def reuse_contextcite(prompts: Sequence[dict], path: Path) -> int:
     """Attach ContextCite's attributions from an earlier result file to the prompts whose served answer (token ids)
     and sources are identical (same family, seed and index); returns how many (prompt, level) pairs got one."""
-    old = {(p["family"], p["seed"], p["index"]): p for p in json.loads(Path(path).read_text())["prompts"]}
+    old = {(p["family"], p["seed"], p["index"]): p for p in result_files.read(path)["prompts"]}
     attached = 0
     for item in prompts:
         before = old.get((item["family"], item["seed"], item["index"]))
@@ -1042,7 +1044,7 @@ def main(argv=None) -> int:
         run_contextcite(args)
         return 0
     if args.table:
-        print(markdown_table(json.loads(Path(args.table).read_text())))
+        print(markdown_table(result_files.read(args.table)))
         return 0
     if args.quick:
         args.examples, args.ablations, args.budget_s = "1", 16, min(args.budget_s, 240.0)
@@ -1105,7 +1107,7 @@ def main(argv=None) -> int:
     if args.contextcite_from:
         data = {"model": model_dir, "dtype": dtype, "prompts": prompts}
         attached = reuse_contextcite(prompts, Path(args.contextcite_from))
-        previous = json.loads(Path(args.contextcite_from).read_text())["settings"]["contextcite"]
+        previous = result_files.read(args.contextcite_from)["settings"]["contextcite"]
         data["contextcite_env"] = {**previous, "reused_from": str(args.contextcite_from), "reused_units": attached}
         args.ablations = previous["ablations"]
     else:
@@ -1192,10 +1194,9 @@ def finish(args, path, data, env, engine, families, dtype, plugin_wall, wall) ->
         "summary": summary,
         "prompts": [{k: v for k, v in p.items() if k not in ("prompt", "context", "docs")} for p in data["prompts"]],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    written = result_files.write(result, path)
     print_report(summary)
-    print(f"wrote {path} ({result['wall_s']} s)", file=sys.stderr)
+    print(f"wrote {written} ({result['wall_s']} s)", file=sys.stderr)
     return 0
 
 

@@ -39,6 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import result_files  # noqa: E402
+
 #: name -> (heads, token_weighting, echo tokens left out)
 VARIANTS = {
     "before": ("rc", "uniform", False),
@@ -367,7 +369,7 @@ def main(argv=None) -> int:
     parser.add_argument("--table", metavar="JSON", help="print the docs' tables of a result file and exit")
     args = parser.parse_args(argv)
     if args.table:
-        data = json.loads(Path(args.table).read_text())
+        data = result_files.read(args.table)
         print(markdown_tables(data, [k for k in data if k.startswith("served")]))
         return 0
 
@@ -378,7 +380,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     path = Path(args.json)
-    result = json.loads(path.read_text()) if path.exists() else {"benchmark": "attribution_issue55"}
+    result = result_files.read(path) if result_files.find(path) else {"benchmark": "attribution_issue55"}
     if not args.calibration:
         parser.error("--calibration is needed (except with --table)")
     calibration = HeadWeights.from_dict(json.loads(Path(args.calibration).read_text()))
@@ -398,9 +400,7 @@ def main(argv=None) -> int:
             calibration, Path(args.traces), Path(args.raw), result.get(args.section), families, args.answered_only
         )
         result[args.section]["environment"] = env
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {result_files.write(result, path)}")
     return 0
 
 

@@ -15,13 +15,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
-import json
 import os
 import platform
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+try:
+    import result_files
+except ImportError:  # imported as benchmarks.common (compaction_memory.py, planner.py), benchmarks/ not on sys.path
+    from benchmarks import result_files
 
 REPO = Path(__file__).resolve().parents[1]
 #: /proc/cpuinfo flags that decide which kernels run: bf16 natively (AVX512-BF16, AMX) or not (AVX2 only).
@@ -190,7 +194,6 @@ def resolved_config(server: Mapping | None, override: Mapping | None = None) -> 
 def write_report(report: dict, path: Path, print_table: Callable[[dict], None]) -> None:
     if "environment" not in report:
         report["environment"] = environment()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, separators=(",", ":")) + "\n")  # compact: every GPU call sends the results
+    written = result_files.write(report, path)  # compact, gzipped when large: every GPU call sends the results
     print_table(report)
-    print(f"wrote {path} ({report.get('wall_s')} s)", file=sys.stderr)
+    print(f"wrote {written} ({report.get('wall_s')} s)", file=sys.stderr)

@@ -108,15 +108,15 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(**shape, destination=args.destination[0])))
         return
+    from benchmarks import result_files
     from benchmarks.common import environment, load_avg
 
     rows = []
     for destination in args.destination:
         rows.append(measure_in_fresh_process(**shape, destination=destination))
         print(json.dumps(rows[-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"environment": environment(load_avg=load_avg()), "shapes": rows}, indent=1))
-    print(f"wrote {args.out}", file=sys.stderr)
+    written = result_files.write({"environment": environment(load_avg=load_avg()), "shapes": rows}, args.out)
+    print(f"wrote {written}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ self prompts are compared with the full cache's: common-prefix length and ROUGE-
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data
 import decode_reference as dr
 import hf_reference as ref_lib
+import result_files
 from common import environment, load_avg, write_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -362,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             summary=summarize(spans, methods),
             spans=spans,
         )
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(report, indent=1))
+        result_files.write(report, out_path)  # each span's results kept as it goes
     bar.close()
     write_report(report, out_path, print_table)
     return 0

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The prompts' own module (pure Python here: no vLLM, no plugin): the same string match as the plugin's rows.
 import data
+import result_files
 from data import answers_found as found_answers
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -104,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_samples(path: str | Path, tasks: list[str], limit: int | None = None) -> tuple[dict, list[dict]]:
     """(the file's header, its samples of ``tasks``): accepts accuracy.py's {..., "samples": [...]} and data.py's
     bare list."""
-    raw = json.loads(Path(path).read_text())
+    raw = result_files.read(path)
     header, samples = (
         ({k: v for k, v in raw.items() if k != "samples"}, raw["samples"]) if isinstance(raw, dict) else ({}, raw)
     )

@@ -152,6 +152,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.requests[0], args.tokens[0], args.repeats, args.one)))
         return
+    from benchmarks import result_files
     from benchmarks.common import environment, load_avg
 
     rows = []
@@ -163,9 +164,8 @@ def main() -> None:
             row.update(layers=LAYERS, kv_heads=KV_HEADS, block_size=BLOCK)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"environment": environment(load_avg=load_avg()), "shapes": rows}, indent=1))
-    print(f"wrote {args.out}", file=sys.stderr)
+    written = result_files.write({"environment": environment(load_avg=load_avg()), "shapes": rows}, args.out)
+    print(f"wrote {written}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import result_files
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -123,9 +125,10 @@ def rewrite_commits() -> frozenset[str]:
 
 @functools.cache
 def _last_commit(path: str) -> tuple[str, str] | None:
-    """The last commit that wrote ``path``, rewrites (:data:`REWRITES_FILE`) skipped."""
+    """The last commit that wrote ``path``, in either of its forms (``NAME.json`` or ``NAME.json.gz``: a result
+    gzipped by a rewrite keeps the history of its plain file), rewrites (:data:`REWRITES_FILE`) skipped."""
     skipped = rewrite_commits()
-    out = _git("log", f"-{len(skipped) + 1}", "--format=%H %cI", "--", path)
+    out = _git("log", f"-{len(skipped) + 1}", "--format=%H %cI", "--", *map(str, result_files.forms(path)))
     for line in (out or "").splitlines():
         sha, date = line.split()
         if sha not in skipped:

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data
 import hf_reference as ref_lib
 import methods
+import result_files
 from common import environment, load_avg, resolved_config, write_report
 
 from rcstat_vllm.config import RCStatConfig
@@ -528,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "benchmark": "routes_side_by_side",
             "sources": {"routes": routes_path.name, "kvpress": kvpress_path.name},
-            "side_by_side": side_by_side(json.loads(routes_path.read_text()), json.loads(kvpress_path.read_text())),
+            "side_by_side": side_by_side(result_files.read(routes_path), result_files.read(kvpress_path)),
         }
         write_report(report, Path(args.json or RESULTS_DIR / "routes_side_by_side_cpu.json"), print_side_by_side)
         return 0

@@ -14,7 +14,6 @@ ratio is taken against ``q_window @ K^T`` with the same w: the cost every logit-
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -242,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": [asdict(t) for t in timings],
         "environment": _environment(),
     }
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import result_files
+
+    print(f"wrote {result_files.write(report, path)}")
     return 0
 
 

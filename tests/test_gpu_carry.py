@@ -134,7 +134,8 @@ CORE_CARRY_MIB = 102.5
 def test_the_working_tree_leaves_room_for_two_carry_parts_per_gpu_call():
     """Every GPU call sends the working tree with one carry part, 64 MiB in all (build_carry's call target: 63), and
     a window is two calls: the tree (results included) must stay small enough for half the core beside it. When it
-    fails, make the tree smaller (the results are JSON written compactly: look for what grew) or plan a third call."""
+    fails, make the tree smaller (results are compact JSON, gzipped over 64 KiB by benchmarks/result_files.py: look for
+    what grew) or plan a third call."""
     tree = build_carry.working_tree_bytes(REPO)
     if tree is None:
         pytest.skip("not a git checkout")

@@ -31,6 +31,7 @@ image too.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import shutil
@@ -99,15 +100,16 @@ def is_dry(result: dict) -> bool:
 
 
 def load_results(folder: Path) -> list[dict]:
-    """Every ``*_h100.json`` / ``*_h200.json`` that is a measurement: ``{"path", "device", "result"}``; dry runs and
-    results whose own device is not that kind are left out."""
+    """Every ``*_h100.json`` / ``*_h200.json`` (or ``.json.gz``) that is a measurement: ``{"path", "device",
+    "result"}``; dry runs and results whose own device is not that kind are left out."""
     found = []
-    for path in sorted(folder.glob("*.json")):
-        match = re.search(r"_(h100|h200)\.json$", path.name)
+    for path in sorted([*folder.glob("*.json"), *folder.glob("*.json.gz")]):  # (large results are stored gzipped)
+        match = re.search(r"_(h100|h200)\.json(\.gz)?$", path.name)
         if not match:
             continue
         try:
-            result = json.loads(path.read_text())
+            raw = path.read_bytes()
+            result = json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
         except (OSError, ValueError):
             continue
         if not isinstance(result, dict) or is_dry(result):
