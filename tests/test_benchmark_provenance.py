@@ -176,19 +176,25 @@ def test_the_table_of_default_changes_ends_at_todays_defaults():
     assert dates == sorted(dates)
 
 
-def test_a_file_is_dated_by_the_last_commit_that_wrote_it_rewrites_skipped(tmp_path, monkeypatch):
-    """A result file without a recorded commit is dated by git history: the last commit that wrote it, skipping the
-    commits benchmarks/results/REWRITES lists (the same JSON written again, e.g. compactly)."""
+def scratch_git(folder: Path):
+    """``git(*args)`` in a new repository at ``folder``: its output."""
 
     def git(*args):
         return subprocess.run(
-            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            ["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", *args],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.strip()
 
     git("init", "-q")
+    return git
+
+
+def test_a_file_is_dated_by_the_last_commit_that_wrote_it_rewrites_skipped(tmp_path, monkeypatch):
+    """A result file without a recorded commit is dated by git history: the last commit that wrote it, skipping the
+    commits benchmarks/results/REWRITES lists (the same JSON written again, e.g. compactly)."""
+    git = scratch_git(tmp_path)
     result = tmp_path / "r.json"
     result.write_text(json.dumps({"rows": [1, 2]}, indent=1))
     git("add", "r.json")

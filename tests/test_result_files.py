@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from gpu_tools import load
+from test_benchmark_provenance import scratch_git
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -86,15 +86,7 @@ def test_the_window_plan_reads_gzipped_gpu_results(tmp_path):
 
 
 def test_a_result_gzipped_by_a_listed_rewrite_is_dated_by_its_plain_files_last_run(tmp_path, monkeypatch):
-    def git(*args):
-        return subprocess.run(
-            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-
-    git("init", "-q")
+    git = scratch_git(tmp_path)
     plain = tmp_path / "r.json"
     plain.write_text(json.dumps(LARGE))
     git("add", "r.json")
