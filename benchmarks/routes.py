@@ -406,12 +406,31 @@ def print_table(report: dict) -> None:
         print(f"  {label}: {tasks}")
 
 
+def check_same_prompts(routes_report: dict, kvpress_report: dict) -> None:
+    """Both runs must have seen the same prompt under each sample id: an id names a task, seed, length and depth, but
+    the text also depends on which lengths the build was asked for (``--lengths 1024`` alone builds other 1k prompts
+    than ``--lengths 1024 2048``), so ``--write-prompts`` must be given the routes run's own arguments."""
+    mine = {s["sample_id"]: s for s in routes_report.get("samples", [])}
+    differ = [
+        s["sample_id"]
+        for s in kvpress_report["rows"][0]["samples"]
+        if s["sample_id"] in mine
+        and any(k in s and mine[s["sample_id"]].get(k) != s[k] for k in ("answers", "num_tokens"))
+    ]
+    if differ:
+        raise SystemExit(
+            f"{len(differ)} prompts differ between the two runs under the same id ({', '.join(differ[:3])}...): "
+            "write the kvpress prompts with the routes run's own --seeds/--tasks/--lengths/--probes"
+        )
+
+
 def side_by_side(routes_report: dict, kvpress_report: dict) -> dict:
     """The routes run's settings and kvpress's presses (``kvpress_reference.py`` on the prompts ``--write-prompts``
     wrote) on the prompts both ran: per setting, the values found and how many of those the full cache found it found
     too, against this run's full cache (``kept_of_full``) and against kvpress's own (``kept_of_kvpress_full``), per
     task and in all."""
     ids = {s["sample_id"] for s in kvpress_report["rows"][0]["samples"]}
+    check_same_prompts(routes_report, kvpress_report)
     found: dict[str, dict[str, list[bool]]] = {}
     tasks: dict[str, str] = {}
     evicted: dict[str, list[float]] = {}

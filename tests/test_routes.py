@@ -146,6 +146,29 @@ def test_side_by_side_scores_kvpress_against_both_full_caches_on_the_prompts_bot
     assert table["settings"]["rc"]["per_task"]["niah_multi"]["kept_of_full"] == 1
 
 
+def test_side_by_side_refuses_prompts_that_differ_under_the_same_id():
+    """An id does not fix a prompt (the build depends on the lengths asked for): answers or lengths that differ stop
+    the join instead of scoring kvpress on other prompts."""
+    routes_report = {
+        "samples": [{"sample_id": "a", "answers": ["123"], "num_tokens": 1000}],
+        "rows": [{"sample": "a", "task": "niah_single", "label": "full", "found": [True]}],
+    }
+    kvpress = {
+        "rows": [
+            {
+                "label": "full",
+                "samples": [
+                    {"sample_id": "a", "answers": ["123"], "num_tokens": 1000, "found": [True], "evicted": 0.0}
+                ],
+            }
+        ]
+    }
+    assert routes.side_by_side(routes_report, kvpress)["prompts"] == ["a"]
+    kvpress["rows"][0]["samples"][0]["answers"] = ["456"]
+    with pytest.raises(SystemExit, match="1 prompts differ between the two runs under the same id"):
+        routes.side_by_side(routes_report, kvpress)
+
+
 def test_route_probes_selections_keep_the_budget_and_do_what_they_say():
     """benchmarks/route_probes.py's variants: head-shared scores give every head of a layer the same keep set, and
     discounted copies scale a token's k-th best head by g**(k-1), both at the plugin's exact budget; the oracle adds
