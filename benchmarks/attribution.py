@@ -522,13 +522,6 @@ def _long_row(model, tokenizer, options, example, seed, max_new_tokens) -> dict:
     }
 
 
-def dump_long(result: dict) -> str:
-    """JSON text with the summary indented and one line per example row."""
-    head = json.dumps({key: value for key, value in result.items() if key != "rows"}, indent=1)
-    rows = ",\n".join("  " + json.dumps(row) for row in result["rows"])
-    return head[:-2] + ',\n "rows": [\n' + rows + "\n ]\n}\n"
-
-
 def print_long(
     summary: dict,
     keys: tuple[str, ...] = (
@@ -708,8 +701,9 @@ def main(argv=None) -> None:
         if args.json == str(RESULTS_DIR / "attribution_cpu.json"):
             args.json = str(RESULTS_DIR / "attribution_long_cpu.json")
         result = run_long(args)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(dump_long(result))
+        import result_files
+
+        result_files.write(result, args.json)
         print_long(result["summary"])
         return
     result = run(args)

@@ -25,7 +25,6 @@ and how many of the values the full cache found the press found too (``kept_of_f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -375,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report["runs_planned"] = [row_label(p, r) for p, r in runs]
     previous = {}
-    if args.resume and out.exists():
-        previous = resumable_rows(json.loads(out.read_text()), samples, args.dtype, report["environment"]["kvpress"])
+    if args.resume and result_files.find(out):
+        previous = resumable_rows(result_files.read(out), samples, args.dtype, report["environment"]["kvpress"])
         print(
             f"resuming: {len(previous)} runs kept from {out}"
             if previous
@@ -404,10 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         # After every run, with the earlier output's runs not reached yet: a long run cut short keeps what it did
         # and loses nothing it resumed from.
         done = {r["label"] for r in report["rows"]}
-        out.write_text(
-            json.dumps(
-                {**report, "rows": report["rows"] + [r for label, r in previous.items() if label not in done]}, indent=1
-            )
+        result_files.write(
+            {**report, "rows": report["rows"] + [r for label, r in previous.items() if label not in done]}, out
         )
         t = row["totals"]
         bar.write(
@@ -416,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             + (" (kept from the earlier run)" if label in previous else "")
         )
     bar.close()
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {result_files.find(out)}", file=sys.stderr)
     return 0
 
 
