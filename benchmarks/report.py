@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import math
 import os
@@ -953,7 +954,7 @@ def value_error_line() -> list[str]:
         prompts.add((len(q.get("samples", [])), q.get("seed")))
         info = row_configs(q).get(label)
         if info is None:  # kvpress's keep sets: no plugin config
-            cells.append(f"{what} {_f(e['ver'])} (`{name}`)")
+            cells.append(f"{what} {_f(e['ver'])} (`{q['_file']}`)")
             continue
         ran = info["ran"]
         words = describe(e, ran).replace(f"budget {ran['target_ratio']:g} ", "budget ")
@@ -965,7 +966,7 @@ def value_error_line() -> list[str]:
             now = provenance.now_config(None, {"target_ratio": 0.8})
             same = not provenance.row_status(ran, now, None, info["origin"], ("eviction",))
             what = what if same else "RC with the defaults when it ran †"
-        cells.append(f"{what} {_f(e['ver'])} (`{name}`: {words}{' †' if info['reasons'] else ''})")
+        cells.append(f"{what} {_f(e['ver'])} (`{q['_file']}`: {words}{' †' if info['reasons'] else ''})")
     if not cells:
         return []
     n = ", ".join(f"{p} prompts, seed {seed}" for p, seed in sorted(prompts))
@@ -1365,21 +1366,39 @@ def check() -> list[str]:
     return problems
 
 
-#: A result file named in prose: ``benchmarks/results/NAME.json`` (``.json.gz``, ``.png``).
-RESULT_REFERENCE = re.compile(r"benchmarks/results/([\w.-]+\.(?:json(?:\.gz)?|png))\b")
+#: A result file named in prose: ``benchmarks/results/NAME`` (``.json``, ``.json.gz``, ``.png``), or a bare
+#: ``NAME_cpu.json`` (``_h100``, ``_h200``; a suffix after them as in ``_cpu_before``) in backticks; ``*`` and
+#: ``{a,b}`` stand for several files.
+RESULT_REFERENCE = re.compile(
+    r"benchmarks/results/([\w*{},.-]+\.(?:json(?:\.gz)?|png))|`([\w*{][\w*{},.-]*_(?:cpu|h100|h200)\w*\.json(?:\.gz)?)`"
+)
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``a_{x,y}_b`` -> ``[a_x_b, a_y_b]`` (nested and repeated braces too)."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [name for alt in match.group(1).split(",") for name in expand_braces(head + alt + tail)]
 
 
 def missing_files() -> list[str]:
-    """Result files the README and docs/ name that do not exist (a result gzipped or made plain by a rerun changes
-    its name: result_files.py)."""
+    """Result files the README and docs/ name that do not exist under that name (a result gzipped or made plain by
+    a rerun changes its name: result_files.py); a pattern must match at least one file."""
+    names = [p.name for p in RESULTS.iterdir()] if RESULTS.is_dir() else []
     problems = []
     for doc in figure_documents():
-        for name in sorted(set(RESULT_REFERENCE.findall(doc.read_text()))):
-            if (RESULTS / name).exists():
-                continue
-            stored = result_files.find(RESULTS / name)
-            now = f" (stored as {stored.name} now)" if stored else ""
-            problems.append(f"{doc.name} names benchmarks/results/{name}, which does not exist{now}")
+        found = RESULT_REFERENCE.findall(doc.read_text())
+        for reference in sorted({a or b for a, b in found}):
+            for name in expand_braces(reference):
+                if any(fnmatch.fnmatchcase(n, name) for n in names):
+                    continue
+                other = [
+                    n for n in names if fnmatch.fnmatchcase(result_files.base_name(n), result_files.base_name(name))
+                ]
+                now = f" (stored as {', '.join(sorted(other)[:3])} now)" if other else ""
+                problems.append(f"{doc.name} names {name}, which does not exist in benchmarks/results{now}")
     return problems
 
 

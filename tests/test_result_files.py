@@ -65,13 +65,18 @@ def test_check_names_a_doc_reference_to_a_result_that_changed_form(tmp_path, mon
     (tmp_path / "docs").mkdir()
     results = tmp_path / "results"
     result_files.write(LARGE, results / "big_cpu.json")
+    result_files.write(SMALL, results / "a_seed1_cpu.json")
     readme = tmp_path / "README.md"
-    readme.write_text("see `benchmarks/results/big_cpu.json` and benchmarks/results/big_cpu.json.gz\n")
+    readme.write_text(
+        "see `benchmarks/results/big_cpu.json` and benchmarks/results/big_cpu.json.gz, `a_seed{1,2}_cpu.json`,\n"
+        "`a_seed*_cpu.json`, `big_*.json.gz`, `config.json` (not a result) and `..._cpu.json` (an ellipsis)\n"
+    )
     monkeypatch.setattr(report, "RESULTS", results)
     monkeypatch.setattr(report, "README", readme)
     monkeypatch.setattr(report, "RESULTS_DOC", tmp_path / "docs" / "benchmarks.md")
     assert report.missing_files() == [
-        "README.md names benchmarks/results/big_cpu.json, which does not exist (stored as big_cpu.json.gz now)"
+        "README.md names a_seed2_cpu.json, which does not exist in benchmarks/results",
+        "README.md names big_cpu.json, which does not exist in benchmarks/results (stored as big_cpu.json.gz now)",
     ]
 
 
