@@ -36,8 +36,10 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
     python benchmarks/route_probes.py --seeds 5 6 7 --json benchmarks/results/route_probes_seeds5_6_7_1k_cpu.json
     python benchmarks/route_probes.py --seeds 5 6 7 8 9 --lookahead 4 12 \
         --json benchmarks/results/route_probes_lookahead_seeds5_9_1k_cpu.json
-    python benchmarks/route_probes.py --seeds 5 --variants --cross-layer 0.25 0.5 --value-norm 1 \
-        --json benchmarks/results/route_probes_issue56_seed5_1k_cpu.json
+    python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --cross-layer 0.1 0.25 0.5 \
+        --value-norm 0.5 1 2 --json benchmarks/results/route_probes_issue56_crosslayer_valuenorm_seed5_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 8 9 10 11 --lengths 1024 2048 --variants --value-norm 1 \
+        --json benchmarks/results/route_probes_issue56_valuenorm_seeds8_11_1k2k_cpu.json
 """
 
 from __future__ import annotations
