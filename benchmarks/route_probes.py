@@ -14,6 +14,17 @@ keep sets that answer one question each:
   the same budget.
 * ``copies_G``: a token's k-th best head of its layer counts ``G ** (k - 1)`` of its score (the paper's
   Proposition 1: a k-th copy of a token adds least), at the same budget: consensus discouraged, not forbidden.
+* ``cross_layer_W`` (``--cross-layer W ...``): a token that many layers rank high is lifted in the layers that do
+  not. Scores are not comparable across layers, so each head's scores become percentiles of its own (among the
+  tokens every head scores: not the window); a token's consensus is the mean over layers of its best head's
+  percentile in that layer (the mean, not the max: at 0.9 nearly every token is some layer's best somewhere), itself
+  turned into a percentile over tokens. Each head then orders its tokens by ``(1 - W) * own + W * consensus`` and
+  hands its own scores out again in that order: every head keeps its score distribution, so the model-wide
+  selection keeps as many entries per head as RC (the budget exact by construction) and only which tokens changes;
+  with ``W < 0.5`` the head's own order dominates, ``W = 0`` is RC exactly.
+* ``value_norm_A`` (``--value-norm A ...``): each head's score times the norm of the token's value vector in that KV
+  head to the power ``A`` (attention's output is ``sum_t a_t v_t``: a token's expected share is ``a_t * ||v_t||``,
+  as VATP and CriticalKV weight it), then the same model-wide selection (layers compared by their means as ever).
 
 ``--lookahead K ...`` instead: lazy eviction (the default) compacts a request when memory runs short, often some
 tokens into its answer. Here each prompt is compacted ``K`` tokens into the full cache's answer, its prompt scored
@@ -25,6 +36,10 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
     python benchmarks/route_probes.py --seeds 5 6 7 --json benchmarks/results/route_probes_seeds5_6_7_1k_cpu.json
     python benchmarks/route_probes.py --seeds 5 6 7 8 9 --lookahead 4 12 \
         --json benchmarks/results/route_probes_lookahead_seeds5_9_1k_cpu.json
+    python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --cross-layer 0.1 0.25 0.5 \
+        --value-norm 0.5 1 2 --json benchmarks/results/route_probes_issue56_crosslayer_valuenorm_seed5_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 8 9 10 11 --lengths 1024 2048 --variants --value-norm 1 \
+        --json benchmarks/results/route_probes_issue56_valuenorm_seeds8_11_1k2k_cpu.json
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ import data
 import hf_reference as ref_lib
 import routes
 from common import environment, load_avg, write_report
+from layer_budgets import layer_rank
 
 from rcstat_vllm.config import RCStatConfig
 
@@ -66,6 +82,32 @@ def copies_discounted(scores: list[torch.Tensor], g: float) -> list[torch.Tensor
         rank.scatter_(0, order, torch.arange(x.shape[0]).unsqueeze(1).expand_as(x).contiguous())
         out.append(x * g ** rank.to(x.dtype))
     return out
+
+
+def cross_layer(scores: list[torch.Tensor], w: float, sinks: int = 0) -> list[torch.Tensor]:
+    """Each head's tokens reordered by ``(1 - w) * own percentile + w * cross-layer consensus``, its own scores handed
+    out again in that order (the module's docstring); the window and the first ``sinks`` tokens (kept anyway) keep
+    their scores, so every head's scores that compete for the budget are the same as before."""
+    scored = torch.stack([torch.isfinite(x).all(dim=0) for x in scores]).all(dim=0)  # not the window
+    scored[:sinks] = False
+    pct = [torch.stack([layer_rank(row[scored].unsqueeze(0), 0)[0] for row in x]) for x in scores]  # [H, m] each
+    consensus = torch.stack([p.max(dim=0).values for p in pct]).mean(dim=0)  # best head's, mean over layers
+    lift = layer_rank(consensus.unsqueeze(0), 0)[0]
+    out = []
+    for x, p in zip(scores, pct):
+        order = ((1 - w) * p + w * lift).argsort(dim=1, stable=True)  # ascending mixed rank
+        y = x.clone()
+        sub = torch.empty_like(x[:, scored])
+        sub.scatter_(1, order, x[:, scored].sort(dim=1, stable=True).values)  # k-th lowest mix gets k-th lowest score
+        y[:, scored] = sub
+        out.append(y)
+    return out
+
+
+def value_weighted(scores: list[torch.Tensor], values: dict, a: float) -> list[torch.Tensor]:
+    """Each head's scores times ``||v_t|| ** a``, the norm of the token's value in that KV head (``values``: per
+    layer [Hkv, n, d])."""
+    return [x * values[i].float().norm(dim=-1).clamp_min(1e-12) ** a for i, x in enumerate(scores)]
 
 
 def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
@@ -105,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.9])
     parser.add_argument("--lengths", type=int, nargs="*", default=[1024])
     parser.add_argument("--copies", type=float, nargs="*", default=[0.7, 0.4], help="discounts G of copies_G")
+    parser.add_argument("--cross-layer", type=float, nargs="*", default=[], help="weights W of cross_layer_W")
+    parser.add_argument("--value-norm", type=float, nargs="*", default=[], help="powers A of value_norm_A")
+    parser.add_argument(
+        "--variants", nargs="*", default=["shared", "copies", "oracle"], choices=["shared", "copies", "oracle"]
+    )
     parser.add_argument("--lookahead", type=int, nargs="*", default=None, help="compaction points K (see above)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=str(routes.RESULTS_DIR / "route_probes_cpu.json"))
@@ -151,13 +198,19 @@ def main(argv: list[str] | None = None) -> int:
             scores = ref_lib.score_layers(prefill, config)
             keep = ref_lib.select_layers(scores, config)
             rc = found(prefill, keep.masks, sample)
-            variants: dict[str, tuple[list[torch.Tensor], int]] = {
-                "shared_max": (ref_lib.select_layers(shared(scores, "max"), config).masks, 0),
-                "shared_mean": (ref_lib.select_layers(shared(scores, "mean"), config).masks, 0),
-            }
-            for g in args.copies:
+            variants: dict[str, tuple[list[torch.Tensor], int]] = {}
+            if "shared" in args.variants:
+                for how in ("max", "mean"):
+                    variants[f"shared_{how}"] = (ref_lib.select_layers(shared(scores, how), config).masks, 0)
+            for g in args.copies if "copies" in args.variants else []:
                 variants[f"copies_{g:g}"] = (ref_lib.select_layers(copies_discounted(scores, g), config).masks, 0)
-            if any(f and not r for f, r in zip(full, rc)):
+            for w in args.cross_layer:
+                lifted = cross_layer(scores, w, config.sink_tokens)
+                variants[f"cross_layer_{w:g}"] = (ref_lib.select_layers(lifted, config).masks, 0)
+            for a in args.value_norm:
+                weighted = value_weighted(scores, prefill.values, a)
+                variants[f"value_norm_{a:g}"] = (ref_lib.select_layers(weighted, config).masks, 0)
+            if "oracle" in args.variants and any(f and not r for f, r in zip(full, rc)):
                 kept = sum(int(m.sum()) for m in keep.masks)
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):
                     masks = with_tokens(keep.masks, routes.token_positions(tokenizer, sample, texts))

@@ -190,3 +190,34 @@ def test_route_probes_selections_keep_the_budget_and_do_what_they_say():
     assert hf_reference.select_layers(discounted, config).ratio == pytest.approx(want.ratio, abs=1e-3)
     added = route_probes.with_tokens(want.masks, [5, 6])
     assert all(m[:, [5, 6]].all() for m in added) and not all(m[:, [5, 6]].all() for m in want.masks)
+
+
+def test_route_probes_cross_layer_lifts_a_token_many_layers_keep_and_value_norm_weights_by_values():
+    """cross_layer: a token every head of half the layers ranks first, and the other layers' heads rank just below
+    what they keep, is kept by no head of those layers under RC and by some head of every layer with W = 0.5; each
+    head keeps exactly as many entries as under RC, and W = 0 gives RC's scores. value_norm: all-equal value norms
+    give RC's masks exactly; a token with a large value in one head is kept there."""
+    import route_probes
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 1000, generator=gen) for _ in range(4)]
+    for x in scores:
+        x[:, -32:] = float("inf")  # RC marks its window kept
+    t = 100
+    for i, x in enumerate(scores):
+        for h in range(3):
+            x[h, t] = 10.0 if i < 2 else x[h, :-32].quantile(0.8)
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.8})
+    want = hf_reference.select_layers(scores, config)
+    assert [bool(m[:, t].any()) for m in want.masks] == [True, True, False, False]
+    assert all(torch.equal(x, y) for x, y in zip(route_probes.cross_layer(scores, 0.0, 4), scores))
+    lifted = hf_reference.select_layers(route_probes.cross_layer(scores, 0.5, config.sink_tokens), config)
+    assert all(bool(m[:, t].any()) for m in lifted.masks)
+    assert lifted.kept == want.kept
+
+    values = {i: torch.nn.functional.normalize(torch.randn(3, 1000, 8, generator=gen), dim=-1) * 2 for i in range(4)}
+    same = hf_reference.select_layers(route_probes.value_weighted(scores, values, 1.0), config)
+    assert all(torch.equal(m, w) for m, w in zip(same.masks, want.masks))
+    values[2][1, t] *= 100
+    weighted = hf_reference.select_layers(route_probes.value_weighted(scores, values, 1.0), config)
+    assert bool(weighted.masks[2][1, t]) and weighted.ratio == pytest.approx(want.ratio, abs=1e-3)
