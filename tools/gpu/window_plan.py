@@ -31,7 +31,6 @@ image too.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import shutil
@@ -41,6 +40,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import result_files  # noqa: E402  (standard library only, as this script)
+
 DEVICES = ("h100", "h200")
 
 #: The KV-bound workload of plans first and defaults (16 x 4-8k random ids + 512 out, a pool for 4 of them)
@@ -103,13 +106,12 @@ def load_results(folder: Path) -> list[dict]:
     """Every ``*_h100.json`` / ``*_h200.json`` (or ``.json.gz``) that is a measurement: ``{"path", "device",
     "result"}``; dry runs and results whose own device is not that kind are left out."""
     found = []
-    for path in sorted([*folder.glob("*.json"), *folder.glob("*.json.gz")]):  # (large results are stored gzipped)
+    for path in result_files.all_results(folder):  # (large results are stored gzipped)
         match = re.search(r"_(h100|h200)\.json(\.gz)?$", path.name)
         if not match:
             continue
         try:
-            raw = path.read_bytes()
-            result = json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
+            result = result_files.read(path)
         except (OSError, ValueError):
             continue
         if not isinstance(result, dict) or is_dry(result):
