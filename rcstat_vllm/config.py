@@ -226,6 +226,10 @@ class RCStatConfig:
             token's expected RC under the one window query that reads it most (a fact read by a single copy head's
             query is not averaged away by the window's other queries); ``mean`` = Eq. 6 over all of them, the
             paper's scores.
+        value_weight: RC in budget mode only: last, each score is multiplied by the norm of the token's value in
+            that KV head to this power (attention's output is the attention-weighted sum of values, so a token's
+            share of it is its weight times its value's norm); the prompt's values are then read at scoring time.
+            0 = the paper's scores. Threshold mode compares the scores themselves with ``c`` and ignores it.
         kernel_size: SnapKV only: the width of its average pooling along tokens (odd; 5 as published).
         eviction: when the selected entries are compacted and the freed blocks returned: ``eager`` right after the
             prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
@@ -262,6 +266,7 @@ class RCStatConfig:
     local_contrast: float = _default("local_contrast")
     contrast_radius: int = _default("contrast_radius")
     query_reduction: str = _default("query_reduction")
+    value_weight: float = _default("value_weight")
     kernel_size: int = _default("kernel_size")
     eviction: str = _default("eviction")
     decode_budget: int | None = _default("decode_budget")

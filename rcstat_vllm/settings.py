@@ -80,11 +80,12 @@ def window_queries(config: RCStatConfig) -> int:
 def scorer_options(config: RCStatConfig) -> dict:
     """The scorer's constructor options, from its registry line: the observed queries (:func:`observed_queries`,
     when the method observes a window), each of its own knobs (``Knob.option``) and the general settings it shares
-    (StreamingLLM's sinks). One rule on top: RC's local contrast applies in budget mode only. Threshold mode is
-    RCStat's own rule (Eq. 9: each head evicts what scores below ``c`` times its mean, so heads and layers keep what
-    their scores say); the contrast flattens the differences it adapts to (the capacity test's layers kept 1.4-5.5x
-    more in the fullest than the emptiest with it, 1.5-5.8x without) and was measured in budget mode only, where it
-    changes the ranking and not the share."""
+    (StreamingLLM's sinks). One rule on top: RC's local contrast and value weighting apply in budget mode only.
+    Threshold mode is RCStat's own rule (Eq. 9: each head evicts what scores below ``c`` times its mean, so heads and
+    layers keep what their scores say); the contrast flattens the differences it adapts to (the capacity test's
+    layers kept 1.4-5.5x more in the fullest than the emptiest with it, 1.5-5.8x without) and was measured in budget
+    mode only, where it changes the ranking and not the share (value weighting likewise: measured in budget mode
+    only)."""
     line = REGISTRY[config.method]
     options = {knob.option: getattr(config, knob.name) for knob in line.knobs if knob.option is not None}
     options.update({option: getattr(config, knob.name) for option, knob in line.shared})
@@ -92,6 +93,7 @@ def scorer_options(config: RCStatConfig) -> dict:
         options["window_size"] = observed_queries(config)
     if config.method == "rc" and not config.budget_mode:
         options["local_contrast"] = 0.0
+        options["value_weight"] = 0.0
     return options
 
 

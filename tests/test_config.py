@@ -141,6 +141,7 @@ def test_good_config_round_trips():
         "local_contrast": 0.25,
         "contrast_radius": 128,
         "query_reduction": "mean",
+        "value_weight": 0.5,
         "observation_window": None,
         "eviction": "lazy",
         "kernel_size": 7,

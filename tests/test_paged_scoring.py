@@ -45,6 +45,7 @@ from rcstat_vllm.paging.kv_layout import CPU_AMX, CPU_VEC, FLASH  # noqa: E402
 from rcstat_vllm.scoring import SCORERS, PagedPrompt, RCScorer, SnapKVScorer, get_scorer  # noqa: E402
 from rcstat_vllm.scoring.rc_knobs import RC_PAPER  # noqa: E402
 from rcstat_vllm.scoring.selection import select_keep_masks  # noqa: E402
+from rcstat_vllm.settings import scorer_options  # noqa: E402
 from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, triton_scoring  # noqa: E402
 
 # SmolLM2's attention: 9 query heads over 3 KV heads (G = 3), head dim 64.
@@ -199,6 +200,8 @@ SCORER_CASES = [
         "rc",
         {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "local_contrast": 0.5, "contrast_radius": 7},
     ),
+    ("rc", {"value_weight": 1.0}),
+    ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "value_weight": 0.5}),
     ("snapkv", {}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
     ("tova", {}),
@@ -350,7 +353,35 @@ def test_no_scorer_reads_values(monkeypatch, method):
         got = score_layer(config, poisoned, block_row, query)
         assert not torch.isnan(got).any()
         torch.testing.assert_close(got, clean, rtol=0, atol=0)
-    assert not SCORERS[method].needs_values
+    assert not SCORERS[method]().needs_values
+
+
+def test_rc_value_weighting_multiplies_each_finished_score_by_its_values_norm(monkeypatch):
+    """value_weight A: RC's finished scores (window +inf) times ||v_t|| ** A in that KV head, on the dense path and
+    both paged paths (the Triton kernel reads keys, the norms come from the value cache); a zero value keeps the
+    window at +inf and a score at 0 (never NaN); poisoned values reach the scores (they are read); off in threshold
+    mode, as the local contrast."""
+    _, keys, values, q_window = paged_prompt_case(61, 16)
+    values[1, 3] = 0.0
+    plain = get_scorer("rc").score(q_window, keys, values, SCALE)
+    for power in (0.5, 1.0, 2.0):
+        weighted = get_scorer("rc", value_weight=power).score(q_window, keys, values, SCALE)
+        want = plain * values.norm(dim=-1).clamp_min(1e-12) ** power
+        torch.testing.assert_close(weighted, want, rtol=0, atol=0)
+        assert not torch.isnan(weighted).any() and torch.isinf(weighted[:, -16:]).all()
+    config = RCStatConfig(method="rc", window=8, target_ratio=0.9, value_weight=1.0)
+    kv_cache, block_row, query = flash_request(61, 3, seed=2)
+    _, dense_values = gather_prompt(kv_cache, block_row, 61, FLASH)
+    torch_path = score_layer(config, kv_cache, block_row, query)
+    unweighted = score_layer(config.merged({"value_weight": 0.0}), kv_cache, block_row, query)
+    torch.testing.assert_close(torch_path, unweighted * dense_values.float().norm(dim=-1), rtol=1e-6, atol=0)
+    fake_cuda(monkeypatch)
+    torch.testing.assert_close(score_layer(config, kv_cache, block_row, query), torch_path, rtol=1e-5, atol=1e-5)
+    poisoned = kv_cache.clone()
+    poisoned[..., HEAD_DIM:] = float("nan")
+    assert torch.isnan(score_layer(config, poisoned, block_row, query)).all(dim=0).any()
+    threshold = RCStatConfig(method="rc", window=8, target_ratio=None, c=1.0, value_weight=1.0)
+    assert not get_scorer("rc", **scorer_options(threshold)).needs_values
 
 
 def test_dispatch_picks_triton_for_flash_on_cuda_and_torch_for_cpu_vec(monkeypatch, spy_kernels):

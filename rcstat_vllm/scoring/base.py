@@ -39,6 +39,7 @@ __all__ = [
     "local_contrast",
     "mark_window_kept",
     "smooth_scores",
+    "value_weighted",
 ]
 
 
@@ -108,6 +109,19 @@ def local_contrast(scores: Tensor, strength: float, radius: int) -> Tensor:
     return contrasted.to(scores.dtype).reshape(scores.shape)
 
 
+def value_weighted(scores: Tensor, value_norms: Tensor, power: float) -> Tensor:
+    """Each score times the norm of its token's value to the power ``power``: [..., n] x [..., n] -> [..., n].
+
+    Why: attention's output is ``sum_t a_t v_t``, so what evicting token t removes from a head's output is
+    ``a_t * ||v_t||``, not ``a_t`` alone (VATP, CriticalKV). A score measures ``a_t``'s side; weighting it by the
+    value's norm ranks the tokens by their share of the output. +inf (kept) stays +inf; a zero value counts as a
+    tiny one, so a score is never multiplied by 0 (nor +inf into NaN).
+    """
+    if power == 0:
+        return scores
+    return scores * value_norms.to(scores.dtype).clamp_min(1e-12).pow(power)
+
+
 #: Cache dtypes the Triton scoring kernels take (tensor-core dots on 16-bit inputs, IEEE products on float32);
 #: others (fp8 caches, float64 in tests) score in torch.
 PAGED_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -142,6 +156,10 @@ class PagedPrompt:
         """[Hkv, n, d_v] float32 copy of the prompt's values (only for scorers that read them)."""
         return gather_paged_tokens(self.values, self.block_table, 0, self.num_tokens).float()
 
+    def value_norms(self) -> Tensor:
+        """[Hkv, n] float32 norms of the prompt's values (a value-weighted scorer's only read of them)."""
+        return self.gather_values().norm(dim=-1)
+
     @property
     def kernel_dtype(self) -> bool:
         """Whether the Triton kernels take this cache's dtype."""
@@ -169,13 +187,12 @@ class Scorer(ABC):
             it gets; given more, it uses the last ``window_size``.
         name: registry name (its line in :data:`rcstat_vllm.scoring.registry.REGISTRY`).
         needs_keys, needs_values: whether :meth:`score` reads the prompt's keys / values; :meth:`score_paged`
-            gathers nothing else (no method here reads values: a value-aware one would set ``needs_values``).
+            gathers nothing else (``needs_values`` is a property: RC reads values only when weighting by them).
     """
 
     name: ClassVar[str]
     default_window_size: ClassVar[int] = 0
     needs_keys: ClassVar[bool] = True
-    needs_values: ClassVar[bool] = False
     #: whether a KV head's scores depend only on its own queries, keys and values: then :meth:`score_layers` stacks
     #: several layers' heads into one :meth:`score` call (TOVA averages a layer's heads; random draws per call)
     heads_independent: ClassVar[bool] = False
@@ -209,6 +226,12 @@ class Scorer(ABC):
                 knob.check(getattr(self, knob.option))
         for option, knob in line.shared:
             knob.check(getattr(self, option))
+
+    @property
+    def needs_values(self) -> bool:
+        """Whether :meth:`score` reads the prompt's values (None is passed otherwise). No method reads them by default;
+        a value-aware scorer overrides this."""
+        return False
 
     @classmethod
     def options(cls) -> tuple[str, ...]:

@@ -24,8 +24,8 @@ class RCKnobs:
 
     Attributes:
         window: the observation window (the config's ``window``: RC observes the window it keeps).
-        smoothing, carry_forward, local_contrast, contrast_radius, query_reduction: the scorer's knobs, under the
-            config's names.
+        smoothing, carry_forward, local_contrast, contrast_radius, query_reduction, value_weight: the scorer's knobs,
+            under the config's names.
     """
 
     window: int
@@ -34,6 +34,7 @@ class RCKnobs:
     local_contrast: float
     contrast_radius: int
     query_reduction: str
+    value_weight: float
 
     def scorer_options(self) -> dict:
         """The scorer's constructor options (``window`` is its ``window_size``)."""
@@ -49,5 +50,11 @@ RC_DEFAULTS = RCKnobs(window=REGISTRY["rc"].window, **{knob.name: knob.default f
 
 #: The RCStat paper's scores: Eq. 6 (the mean over the window's queries) over an 8-query window, nothing after.
 RC_PAPER = RCKnobs(
-    window=8, smoothing=1, carry_forward=0, local_contrast=0.0, contrast_radius=256, query_reduction="mean"
+    window=8,
+    smoothing=1,
+    carry_forward=0,
+    local_contrast=0.0,
+    contrast_radius=256,
+    query_reduction="mean",
+    value_weight=0.0,
 )

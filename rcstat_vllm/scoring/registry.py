@@ -104,6 +104,15 @@ RC_KNOBS = (
     Knob(
         "contrast_radius", 256, "RC: tokens on either side in that neighbourhood", minimum=1, option="contrast_radius"
     ),
+    Knob(
+        "value_weight",
+        0.0,
+        "RC, budget mode: each score times its token's value norm (in that KV head) to this power (0 = RCStat's)",
+        kind="number",
+        minimum=0,
+        maximum=2,
+        option="value_weight",
+    ),
 )
 
 #: A general setting a method reads too: StreamingLLM's attention sinks are the tokens every head keeps (the config

@@ -20,6 +20,7 @@ from ..base import (
     local_contrast,
     mark_window_kept,
     smooth_scores,
+    value_weighted,
 )
 from ..rc import check_query_reduction, expected_rc_grouped, window_self_logits
 from ..rc_knobs import RC_DEFAULTS, RC_PAPER
@@ -53,6 +54,10 @@ class RCScorer(Scorer):
         query_reduction: how the window's queries combine (the config's ``query_reduction``): ``mean`` = Eq. 6 over
             all of them (the paper's scores), ``max`` = the highest expected RC of the token under any one window
             query (:func:`~rcstat_vllm.scoring.rc.expected_rc_grouped`).
+        value_weight: last, each finished score is multiplied by the norm of the token's value in that KV head to
+            this power (:func:`~rcstat_vllm.scoring.base.value_weighted`; the config's ``value_weight``): RC says how
+            much the window reads a token, the norm how much reading it moves the head's output; 0 = the paper's
+            scores (and the values are not read).
     """
 
     name = "rc"
@@ -65,6 +70,12 @@ class RCScorer(Scorer):
     local_contrast: float = RC_DEFAULTS.local_contrast
     contrast_radius: int = RC_DEFAULTS.contrast_radius
     query_reduction: str = RC_DEFAULTS.query_reduction
+    value_weight: float = RC_DEFAULTS.value_weight
+
+    @property
+    def needs_values(self) -> bool:
+        """The values are read only to weight by their norms."""
+        return self.value_weight != 0
 
     @classmethod
     def paper(cls, **knobs) -> RCScorer:
@@ -72,12 +83,21 @@ class RCScorer(Scorer):
         no contrast, smoothing or carrying), with ``knobs`` changed."""
         return cls(**{**RC_PAPER.scorer_options(), **knobs})
 
-    def _finish(self, scores: Tensor, window: int) -> Tensor:
+    def _finish(self, scores: Tensor, window: int, value_norms: Tensor | None) -> Tensor:
         """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: contrasted with its neighbourhood, smoothed,
-        carried forward, window kept."""
+        carried forward, window kept, weighted by ``value_norms`` ``[Hkv, n]`` (None when ``value_weight`` is 0)."""
         scores = local_contrast(scores, self.local_contrast, self.contrast_radius)
         scores = carry_forward(smooth_scores(scores, self.smoothing), self.carry_forward)
-        return mark_window_kept(scores, window)
+        scores = mark_window_kept(scores, window)
+        if not self.needs_values:
+            return scores
+        if value_norms is None:
+            raise ValueError("RC with value_weight needs the prompt's values")
+        return value_weighted(scores, value_norms, self.value_weight)
+
+    def _value_norms(self, values: Tensor | None) -> Tensor | None:
+        """[Hkv, n] norms of ``values`` ``[Hkv, n, d_v]`` when the scores are weighted by them (else None, unread)."""
+        return values.float().norm(dim=-1) if self.needs_values and values is not None else None
 
     def scored_from(self, first_token: int, num_tokens: int, num_queries: int) -> int:
         """Eq. 6 of a token reads only its own key and the window's; the contrast reads ``contrast_radius`` tokens on
@@ -91,7 +111,7 @@ class RCScorer(Scorer):
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         queries = self._trailing_window(q_window, keys)
         per_query_head = expected_rc_grouped(queries, keys, self.query_reduction)  # [Hkv, G, n - w]
-        return self._finish(per_query_head.mean(dim=1), queries.shape[2])
+        return self._finish(per_query_head.mean(dim=1), queries.shape[2], self._value_norms(values))
 
     def score_ragged(
         self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
@@ -104,20 +124,33 @@ class RCScorer(Scorer):
         if min(lengths) < w:
             return super().score_ragged(q_window, keys, values, lengths, scale)
         per_token = expected_rc_grouped(queries, keys, self.query_reduction).mean(dim=1)  # [Hkv, n - w]
-        return self._finish_ragged(per_token, lengths, w)
+        return self._finish_ragged(per_token, lengths, w, self._value_norms(values))
 
-    def _finish_ragged(self, per_token: Tensor, lengths: list[int], window: int) -> list[Tensor]:
+    def _finish_ragged(
+        self, per_token: Tensor, lengths: list[int], window: int, value_norms: Tensor | None = None
+    ) -> list[Tensor]:
         """Right-aligned ``[Hkv, n - w]`` per-entry RC (head ``h``'s last ``lengths[h] - w`` columns its own) -> each
-        head's ``[lengths[h]]`` scores, finished over its own entries alone (contrast, smoothing, carrying, window)."""
+        head's ``[lengths[h]]`` scores, finished over its own entries alone (contrast, smoothing, carrying, window,
+        weighting by the right-aligned ``[Hkv, n]`` ``value_norms``)."""
         n = per_token.shape[1] + window
         return [
-            self._finish(per_token[head : head + 1, n - length :], window)[0] for head, length in enumerate(lengths)
+            self._finish(
+                per_token[head : head + 1, n - length :],
+                window,
+                None if value_norms is None else value_norms[head : head + 1, n - length :],
+            )[0]
+            for head, length in enumerate(lengths)
         ]
 
     def head_pages_kernel_applies(self, key_cache: Tensor, num_queries: int, counts: Tensor) -> bool:
         """The decode-time kernel computes :meth:`score_ragged` when the cache's dtype is one it takes and every
-        head holds the window (``counts`` host ints; else :meth:`score_ragged` scores each head alone)."""
-        return key_cache.dtype in PAGED_KERNEL_DTYPES and int(counts.min()) >= min(num_queries, self.window_size)
+        head holds the window (``counts`` host ints; else :meth:`score_ragged` scores each head alone). Weighted by
+        values, the worker gathers keys and values and :meth:`score_ragged` scores (the kernel reads keys only)."""
+        return (
+            not self.needs_values
+            and key_cache.dtype in PAGED_KERNEL_DTYPES
+            and int(counts.min()) >= min(num_queries, self.window_size)
+        )
 
     def score_head_pages(
         self, q_window: Tensor, key_cache: Tensor, pages: Tensor, starts: Tensor, counts: Tensor, scale: float
@@ -139,7 +172,7 @@ class RCScorer(Scorer):
         scores = rc_scores_paged(
             queries, prompt.keys, prompt.block_table, prompt.num_tokens, query_reduction=self.query_reduction
         )
-        return self._finish(scores, queries.shape[1])
+        return self._finish(scores, queries.shape[1], prompt.value_norms() if self.needs_values else None)
 
 
 def rc_scores_paged_reference(
