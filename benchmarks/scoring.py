@@ -4,6 +4,11 @@ Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), one re
 lengths n (default 4k, 16k, 64k). RC uses a window of w = 8 queries, SnapKV its default 64. Each method's
 ratio is taken against ``q_window @ K^T`` with the same w: the cost every logit-based scorer must pay.
 
+Besides the paper's scores, RC as the plugin ships it (its knobs' defaults, w = 32) scores a paged cache the way the
+engine does (``Scorer.score_paged``: the torch gather on a CPU, the Triton kernel on CUDA), once as the defaults are
+and once weighted by the values' norms (``value_weight`` 1, issue 56: the only row that reads the value cache); the
+second's ratio is taken against the first (``baseline``), the cost of value weighting.
+
 * CPU (always): the torch paths the engine runs on vLLM-CPU, float32.
 * CUDA (when available): the torch paths plus the Triton kernels reading a paged bf16 cache.
 
@@ -27,10 +32,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rcstat_vllm.scoring import RCScorer, SnapKVScorer
+from rcstat_vllm.scoring import PagedPrompt, RCScorer, SnapKVScorer
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 RC_WINDOW, SNAPKV_WINDOW = 8, 64
+SHIPPED_RC_WINDOW = 32  # RCScorer()'s (the config's default window)
 PAGE_SIZE = 16
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -101,16 +107,40 @@ def make_inputs(n: int, device: torch.device, dtype: torch.dtype, generator: tor
     return queries, keys
 
 
-def paged_cache(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same keys in a vLLM-style cache [blocks, Hkv, page, d] under a shuffled block table."""
+def paged_cache(keys: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same keys in a vLLM-style cache [blocks, Hkv, page, d] under a shuffled block table (``perm``: a given
+    one, so values land on their keys' pages)."""
     n = keys.shape[1]
     pages = math.ceil(n / PAGE_SIZE)
     padded = torch.nn.functional.pad(keys, (0, 0, 0, pages * PAGE_SIZE - n))
     ordered = padded.reshape(NUM_KV_HEADS, pages, PAGE_SIZE, HEAD_DIM).transpose(0, 1)
-    perm = torch.randperm(pages, device=keys.device)
+    if perm is None:
+        perm = torch.randperm(pages, device=keys.device)
     cache = torch.empty_like(ordered)
-    cache[perm] = ordered
+    cache[perm.long()] = ordered
     return cache.contiguous(), perm.to(torch.int32)
+
+
+def shipped_rc_rows(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device) -> list[tuple]:
+    """RC with the plugin's defaults through ``score_paged`` over a paged key and value cache, without and with
+    ``value_weight`` 1 (the second's baseline the first: what weighting by the values' norms adds)."""
+    values = torch.randn_like(keys)
+    key_cache, table = paged_cache(keys)
+    value_cache, _ = paged_cache(values, table)
+    prompt = PagedPrompt(key_cache, value_cache, table, n)
+    q_window = queries[:, -SHIPPED_RC_WINDOW:]
+    use_triton = device.type == "cuda"
+    path = "triton paged" if use_triton else "torch paged"
+    plain, weighted = RCScorer(), RCScorer(value_weight=1.0)
+    return [
+        (f"rc shipped {path}", SHIPPED_RC_WINDOW, None, lambda: plain.score_paged(q_window, prompt, 1.0, use_triton)),
+        (
+            f"rc shipped value_weight 1 {path}",
+            SHIPPED_RC_WINDOW,
+            f"rc shipped {path}",
+            lambda: weighted.score_paged(q_window, prompt, 1.0, use_triton),
+        ),
+    ]
 
 
 def plan(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device):
@@ -131,6 +161,7 @@ def plan(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device
         (f"matmul w={SNAPKV_WINDOW}", SNAPKV_WINDOW, None, matmul(SNAPKV_WINDOW)),
         ("snapkv torch", SNAPKV_WINDOW, f"matmul w={SNAPKV_WINDOW}", lambda: snapkv.score(queries, keys, keys, scale)),
     ]
+    rows += shipped_rc_rows(n, queries, keys, device)
     if device.type == "cuda":
         from rcstat_vllm.scoring.methods.rc import rc_scores_paged
         from rcstat_vllm.scoring.methods.snapkv import snapkv_scores_paged
@@ -171,12 +202,19 @@ def run(sizes: list[int], repeats: int, device: torch.device, dtype: torch.dtype
 
 
 def print_table(timings: list[Timing]) -> None:
-    header = f"{'n':>7}  {'method':<20} {'w':>3} {'reps':>4} {'ms (median)':>12} {'ms (min)':>10}  {'x matmul':>8}"
+    """One line per row; ``x baseline``: its median over its baseline row's (the matmul, or RC as shipped)."""
+    header = (
+        f"{'n':>7}  {'method':<38} {'w':>3} {'reps':>4} {'ms (median)':>12} {'ms (min)':>10}  "
+        f"{'x baseline':>10}  baseline"
+    )
     print(header)
     print("-" * len(header))
     for t in timings:
-        ratio = f"{t.ratio_vs_matmul:8.1f}" if t.ratio_vs_matmul is not None else f"{'1.0':>8}"
-        print(f"{t.n:>7}  {t.method:<20} {t.window:>3} {t.repeats:>4} {t.ms_median:>12.2f} {t.ms_min:>10.2f}  {ratio}")
+        ratio = f"{t.ratio_vs_matmul:10.2f}" if t.ratio_vs_matmul is not None else f"{'1.00':>10}"
+        print(
+            f"{t.n:>7}  {t.method:<38} {t.window:>3} {t.repeats:>4} {t.ms_median:>12.2f} {t.ms_min:>10.2f}  {ratio}  "
+            f"{t.baseline}"
+        )
 
 
 def _environment() -> dict:
@@ -237,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             "snapkv_window": SNAPKV_WINDOW,
             "page_size": PAGE_SIZE,
         },
-        "note": "ratio_vs_matmul = median ms / median ms of q_window @ K^T with the same window (baseline)",
+        "note": "ratio_vs_matmul = median ms / median ms of the row named by baseline: q_window @ K^T with the same "
+        "window for the scorers, RC as shipped for RC as shipped with value_weight 1",
         "results": [asdict(t) for t in timings],
         "environment": _environment(),
     }
