@@ -473,6 +473,14 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these settings (labels as the table prints them; the full cache always runs: "
         "the others are scored against it)",
     )
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        metavar="LABEL=JSON",
+        help='more settings, each a label and its per-request override (\'rc_r0.9_v1={"method": "rc", '
+        '"target_ratio": 0.9, "value_weight": 1}\'); run after --only\'s choice',
+    )
     parser.add_argument("--json", default=None, help="output (default benchmarks/results/accuracy_cpu.json)")
     parser.add_argument(
         "--write-prompts",
@@ -509,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--only: no settings {unknown} (there are {[s.label for s in settings]})")
         settings = [s for s in settings if s.label in args.only or s.family == "full"]
+    settings += [methods.extra_setting(spec) for spec in args.extra]
+    labels = [s.label for s in settings]
+    if len(set(labels)) != len(labels):
+        parser.error(f"settings' labels repeat: {labels}")
     out_path = Path(args.json) if args.json else RESULTS_DIR / default_name
 
     from rcstat_vllm.model import default_model_dir

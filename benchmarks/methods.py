@@ -9,6 +9,7 @@ mode at the ratio RC's threshold mode achieved on the same prompt (filled in per
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 BASELINES = ("snapkv", "tova", "knorm", "streaming", "random")
@@ -251,6 +252,21 @@ def accuracy_settings(
                 for r in baseline_ratios
             ]
     return settings
+
+
+def extra_setting(spec: str) -> Setting:
+    """A setting of its own from the command line: ``label=JSON``, the JSON its per-request override
+    (``'rc_r0.9_v1={"method": "rc", "target_ratio": 0.9, "value_weight": 1}'``); family ``extra``."""
+    label, sep, override = spec.partition("=")
+    if not sep or not label:
+        raise SystemExit(f"--extra {spec!r}: expected label=JSON")
+    try:
+        rcstat = json.loads(override)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"--extra {label}: the override is not JSON ({error})") from None
+    if not isinstance(rcstat, dict):
+        raise SystemExit(f"--extra {label}: the override must be a JSON object")
+    return Setting(label, "extra", rcstat)
 
 
 def resolve(setting: Setting, rc_ratios: dict[str, float]) -> dict:

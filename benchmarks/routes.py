@@ -260,9 +260,7 @@ def settings_for(
             )
             for f in floors
         ]
-    for spec in extra:
-        label, _, override = spec.partition("=")
-        out.append(methods.Setting(label, "extra", json.loads(override)))
+    out += [methods.extra_setting(spec) for spec in extra]
     labels = [s.label for s in out]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"settings' labels repeat: {labels}")
