@@ -33,9 +33,12 @@ def windows(num_queries, seed=1):
     return [torch.randn(KV_HEADS * GROUP, num_queries, HEAD_DIM, generator=gen) for _ in range(LAYERS)]
 
 
-@pytest.mark.parametrize("method", ["rc", "snapkv", "knorm", "streaming", "tova"])
-def test_score_layers_gives_each_layers_own_scores(method):
-    config = RCStatConfig(method=method)
+@pytest.mark.parametrize(
+    "method, knobs",
+    [("rc", {}), ("rc", {"value_weight": 1.0}), ("snapkv", {}), ("knorm", {}), ("streaming", {}), ("tova", {})],
+)
+def test_score_layers_gives_each_layers_own_scores(method, knobs):
+    config = RCStatConfig(method=method, **knobs)
     scorer = get_scorer(method, **scorer_options(config))
     caches = layer_caches(torch.float32)
     row = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3))[:8]
@@ -74,10 +77,12 @@ def deferred_request(config, num_tokens, caches, layout, cached_tokens):
 @pytest.mark.parametrize("layout, dtype", [(CPU_VEC, torch.float32), (CPU_AMX, torch.bfloat16)], ids=["vec", "amx"])
 @pytest.mark.parametrize("layers_per_call", [1, 2, LAYERS])
 @pytest.mark.parametrize("cached_tokens", [0, 320])
+@pytest.mark.parametrize("value_weight", [0.0, 1.0])
 def test_deferred_scoring_in_layer_groups_equals_layer_by_layer(
-    monkeypatch, layout, dtype, layers_per_call, cached_tokens
+    monkeypatch, layout, dtype, layers_per_call, cached_tokens, value_weight
 ):
-    config = RCStatConfig.from_dict({})  # the bare flag: RC, lazy, budget over pooled pages (scoring deferred)
+    # the bare flag: RC, lazy, budget over pooled pages (scoring deferred); weighted by values (they are read too)
+    config = RCStatConfig.from_dict({"value_weight": value_weight})
     n, caches = 700, layer_caches(dtype)
     want = deferred_request(config, n, caches, layout, cached_tokens)
     for layer, (q_window, scale) in enumerate(want.windows):  # one layer at a time, as the Triton path does
@@ -87,7 +92,7 @@ def test_deferred_scoring_in_layer_groups_equals_layer_by_layer(
     calls = []
     score = got.scorer.score
     monkeypatch.setattr(got.scorer, "score", lambda *args: calls.append(args[1].shape[0]) or score(*args))
-    per_layer_bytes = KV_HEADS * n * HEAD_DIM * 4
+    per_layer_bytes = KV_HEADS * n * HEAD_DIM * 4 * (2 if value_weight else 1)  # gathered keys (and values)
     monkeypatch.setattr(compression, "DEFERRED_LAYERS_BYTES", per_layer_bytes * layers_per_call)
     got.score_deferred(caches, layout)
 

@@ -257,10 +257,11 @@ class RequestCompressor:
         return len(todo)
 
     def _layers_per_call(self, kv_cache: torch.Tensor, layout: CacheLayout) -> int:
-        """Layers whose gathered float32 keys fit :data:`DEFERRED_LAYERS_BYTES` (at least one)."""
+        """Layers whose gathered float32 keys (and values, for a scorer that reads them) fit
+        :data:`DEFERRED_LAYERS_BYTES` (at least one)."""
         num_blocks, num_heads, block_size = layout.shape(kv_cache)
         head_dim = kv_cache.numel() // (num_blocks * num_heads * block_size * 2)  # (a key and a value per slot)
-        per_layer = num_heads * self.decision.num_tokens * head_dim * 4
+        per_layer = num_heads * self.decision.num_tokens * head_dim * 4 * (2 if self.scorer.needs_values else 1)
         return max(1, DEFERRED_LAYERS_BYTES // max(per_layer, 1))
 
     def _prompt_to_score(
