@@ -169,11 +169,15 @@ def test_torch_path_over_amx_tiles_scores_what_plain_rows_of_the_same_tokens_sco
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("method, window, smoothing, group, num_tokens", [CASES[1], CASES[2], CASES[5]])
+@pytest.mark.parametrize(
+    "method, window, smoothing, group, num_tokens, knobs",
+    [(*CASES[1], {}), (*CASES[2], {}), (*CASES[2], {"value_weight": 1.0}), (*CASES[5], {})],
+)
 def test_triton_path_on_half_caches_is_close_to_the_float32_reference(
-    monkeypatch, method, window, smoothing, group, num_tokens
+    monkeypatch, method, window, smoothing, group, num_tokens, knobs
 ):
-    config = RCStatConfig(method=method, window=window, smoothing=smoothing)
+    """(RC weighted by values too: the norms summed in float32 from the half cache's values.)"""
+    config = RCStatConfig(method=method, window=window, smoothing=smoothing, **knobs)
     kv_cache, block_row, query = flash_request(num_tokens, group, seed=7, dtype=torch.float16)
     # The reference: the torch path on float32 copies of the same (rounded) values.
     want = score_layer(config, kv_cache.float(), block_row, query.float())

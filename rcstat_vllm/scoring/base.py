@@ -157,8 +157,10 @@ class PagedPrompt:
         return gather_paged_tokens(self.values, self.block_table, 0, self.num_tokens).float()
 
     def value_norms(self) -> Tensor:
-        """[Hkv, n] float32 norms of the prompt's values (a value-weighted scorer's only read of them)."""
-        return self.gather_values().norm(dim=-1)
+        """[Hkv, n] float32 norms of the prompt's values (a value-weighted scorer's only read of them): gathered in the
+        cache's dtype, summed in float32."""
+        values = gather_paged_tokens(self.values, self.block_table, 0, self.num_tokens)
+        return torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
 
     @property
     def kernel_dtype(self) -> bool:
