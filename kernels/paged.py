@@ -20,6 +20,7 @@ __all__ = [
     "host_to_device",
     "next_power_of_2",
     "paged_block_size",
+    "paged_token_norms",
     "row_blocking",
 ]
 
@@ -60,6 +61,34 @@ def gather_paged_tokens(key_cache: Tensor, block_table: Tensor, start: int, stop
     slots = positions % block_size
     # Advanced indexing on dims 0 and 2 with a slice between puts the token dim first: [tokens, Hkv, d].
     return key_cache[blocks, :, slots].transpose(0, 1).contiguous()
+
+
+#: Bytes of whole pages a CPU norm pass copies at once: small enough for the copy to be in cache when the norm reads
+#: it (16k tokens at Llama-3.1-8B shapes, float32: 4.3 ms in 2-8 MiB pieces against 25 ms in one piece, 41 ms for the
+#: token-by-token gather).
+NORM_CHUNK_BYTES = 4 << 20
+
+
+def paged_token_norms(cache: Tensor, block_table: Tensor, start: int, stop: int) -> Tensor:
+    """The norms of tokens start..stop-1 of one request over their last dim: float32 [Hkv, stop - start], what
+    ``vector_norm(gather_paged_tokens(cache, ...), dim=-1)`` gives (the reference; the tiled views take that path)
+    without the token-by-token gather: the request's whole pages are copied and normed a few MiB at a time on a
+    CPU (one piece on CUDA), then the norms, ``d`` times smaller, are put in token order."""
+    if cache.dim() == 6:
+        return torch.linalg.vector_norm(
+            _gather_tiled_tokens(cache, block_table, start, stop), dim=-1, dtype=torch.float32
+        )
+    num_heads, block_size = cache.shape[1], cache.shape[2]
+    first, last = start // block_size, cdiv(stop, block_size)
+    blocks = block_table[first:last].to(device=cache.device, dtype=torch.long)
+    page_bytes = cache[0].numel() * cache.element_size()
+    step = len(blocks) if cache.device.type == "cuda" else max(1, NORM_CHUNK_BYTES // max(page_bytes, 1))
+    norms = torch.empty(len(blocks), num_heads, block_size, dtype=torch.float32, device=cache.device)
+    for piece in range(0, len(blocks), step):
+        pages = cache.index_select(0, blocks[piece : piece + step])
+        torch.linalg.vector_norm(pages, dim=-1, dtype=torch.float32, out=norms[piece : piece + step])
+    in_order = norms.transpose(0, 1).reshape(num_heads, len(blocks) * block_size)
+    return in_order[:, start - first * block_size : stop - first * block_size].contiguous()
 
 
 def _gather_tiled_tokens(tiles: Tensor, block_table: Tensor, start: int, stop: int) -> Tensor:

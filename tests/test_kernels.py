@@ -33,6 +33,7 @@ for _name in _JIT_MODULES:
     if _module in sys.modules:
         importlib.reload(sys.modules[_module])
 
+import rcstat_vllm.kernels.paged as paged  # noqa: E402
 from rcstat_vllm.kernels.decode_scoring import (  # noqa: E402
     gather_head_entries,
     rc_head_table_scores,
@@ -68,6 +69,23 @@ def test_gather_paged_tokens_follows_block_table():
     block_table = torch.tensor([2, 0, 3], dtype=torch.int32)
     tokens = gather_paged_tokens(key_cache, block_table, 1, 8)  # pages 2, 0, 3 -> values 6..8, 0..2, 9..11
     assert tokens.squeeze(-1).tolist() == [[7.0, 8.0, 0.0, 1.0, 2.0, 9.0, 10.0]]
+
+
+@pytest.mark.parametrize("start, stop", [(0, 45), (5, 45), (16, 48), (17, 18), (0, 0)])
+@pytest.mark.parametrize("chunk_pages", [1, 2, 100])
+def test_paged_token_norms_equal_the_norms_of_the_gathered_tokens(monkeypatch, start, stop, chunk_pages):
+    """paged_token_norms (whole pages normed a piece at a time, then put in token order) == the norms of
+    gather_paged_tokens, on the value half of a fused cache (a strided view), with pieces of 1, 2 and all pages."""
+    gen = torch.Generator().manual_seed(4)
+    fused = torch.randn(7, 2, 3, 16, 2 * 8, generator=gen).bfloat16()[:, 0]  # [blocks, Hkv, page, 2d]
+    values = fused[..., 8:]
+    block_table = torch.tensor([5, 1, 6, 0], dtype=torch.int32)
+    page_bytes = values[0].numel() * values.element_size()
+    monkeypatch.setattr(paged, "NORM_CHUNK_BYTES", chunk_pages * page_bytes)
+    got = paged.paged_token_norms(values, block_table, start, stop)
+    want = torch.linalg.vector_norm(gather_paged_tokens(values, block_table, start, stop).float(), dim=-1)
+    assert got.shape == (3, stop - start) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(

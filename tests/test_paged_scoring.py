@@ -149,11 +149,14 @@ def test_torch_path_equals_the_dense_gather_it_replaces(layout, method):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("method", sorted(SCORERS))
-def test_torch_path_over_amx_tiles_scores_what_plain_rows_of_the_same_tokens_score(method):
+@pytest.mark.parametrize(
+    "method, knobs", [(method, {}) for method in sorted(SCORERS)] + [("rc", {"value_weight": 1.0})]
+)
+def test_torch_path_over_amx_tiles_scores_what_plain_rows_of_the_same_tokens_score(method, knobs):
     """vLLM-CPU's AMX layout (bf16 tiles of 32 tokens): the scorer gathers the prompt from tiled views; it scores
-    exactly what it scores from the same tokens in the vec layout's plain rows, and what the dense gather gives."""
-    config = RCStatConfig(method=method, window=8, smoothing=3)
+    exactly what it scores from the same tokens in the vec layout's plain rows, and what the dense gather gives (RC
+    weighted by values too: their norms from tiles, from plain rows page by page, and from the dense copy)."""
+    config = RCStatConfig(method=method, window=8, smoothing=3, **knobs)
     gen = torch.Generator().manual_seed(2)
     amx = torch.randn(NUM_BLOCKS, KV_HEADS, 32, 2 * HEAD_DIM, generator=gen).bfloat16()
     num_tokens = 100  # the last page part-full

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.kernels.paged import gather_paged_tokens, paged_block_size
+from rcstat_vllm.kernels.paged import gather_paged_tokens, paged_block_size, paged_token_norms
 
 from .registry import REGISTRY
 
@@ -157,10 +157,9 @@ class PagedPrompt:
         return gather_paged_tokens(self.values, self.block_table, 0, self.num_tokens).float()
 
     def value_norms(self) -> Tensor:
-        """[Hkv, n] float32 norms of the prompt's values (a value-weighted scorer's only read of them): gathered in the
-        cache's dtype, summed in float32."""
-        values = gather_paged_tokens(self.values, self.block_table, 0, self.num_tokens)
-        return torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+        """[Hkv, n] float32 norms of the prompt's values (a value-weighted scorer's only read of them), normed page by
+        page where they lie (:func:`~rcstat_vllm.kernels.paged.paged_token_norms`)."""
+        return paged_token_norms(self.values, self.block_table, 0, self.num_tokens)
 
     @property
     def kernel_dtype(self) -> bool:
