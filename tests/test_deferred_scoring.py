@@ -92,7 +92,7 @@ def test_deferred_scoring_in_layer_groups_equals_layer_by_layer(
     calls = []
     score = got.scorer.score
     monkeypatch.setattr(got.scorer, "score", lambda *args: calls.append(args[1].shape[0]) or score(*args))
-    per_layer_bytes = KV_HEADS * n * HEAD_DIM * 4 * (2 if value_weight else 1)  # gathered keys (and values)
+    per_layer_bytes = KV_HEADS * n * HEAD_DIM * 4  # gathered keys (a value-weighted RC reads only the values' norms)
     monkeypatch.setattr(compression, "DEFERRED_LAYERS_BYTES", per_layer_bytes * layers_per_call)
     got.score_deferred(caches, layout)
 

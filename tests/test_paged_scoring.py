@@ -360,7 +360,7 @@ def test_no_scorer_reads_values(monkeypatch, method):
         got = score_layer(config, poisoned, block_row, query)
         assert not torch.isnan(got).any()
         torch.testing.assert_close(got, clean, rtol=0, atol=0)
-    assert not SCORERS[method]().needs_values
+    assert not SCORERS[method]().needs_values and not SCORERS[method]().needs_value_norms
 
 
 def test_rc_value_weighting_multiplies_each_finished_score_by_its_values_norm(monkeypatch):
@@ -388,7 +388,7 @@ def test_rc_value_weighting_multiplies_each_finished_score_by_its_values_norm(mo
     poisoned[..., HEAD_DIM:] = float("nan")
     assert torch.isnan(score_layer(config, poisoned, block_row, query)).all(dim=0).any()
     threshold = RCStatConfig(method="rc", window=8, target_ratio=None, c=1.0, value_weight=1.0)
-    assert not get_scorer("rc", **scorer_options(threshold)).needs_values
+    assert not get_scorer("rc", **scorer_options(threshold)).needs_value_norms
 
 
 def test_dispatch_picks_triton_for_flash_on_cuda_and_torch_for_cpu_vec(monkeypatch, spy_kernels):

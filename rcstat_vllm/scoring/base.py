@@ -12,7 +12,8 @@ FasterDecoding/SnapKV#22).
 Inside the engine the prompt lives in a paged KV cache: :meth:`Scorer.score_paged` scores it there
 (:class:`PagedPrompt`), with a Triton kernel that reads the keys in place where one computes the method
 (RC and SnapKV, :mod:`rcstat_vllm.kernels`), otherwise by gathering only the tensors the method reads
-(:attr:`Scorer.needs_keys`, :attr:`Scorer.needs_values`) and calling :meth:`Scorer.score`.
+(:attr:`Scorer.needs_keys`, :attr:`Scorer.needs_values`, :attr:`Scorer.needs_value_norms`) and calling
+:meth:`Scorer.score`.
 """
 
 from __future__ import annotations
@@ -188,7 +189,9 @@ class Scorer(ABC):
             it gets; given more, it uses the last ``window_size``.
         name: registry name (its line in :data:`rcstat_vllm.scoring.registry.REGISTRY`).
         needs_keys, needs_values: whether :meth:`score` reads the prompt's keys / values; :meth:`score_paged`
-            gathers nothing else (``needs_values`` is a property: RC reads values only when weighting by them).
+            gathers nothing else. ``needs_values`` and ``needs_value_norms`` are properties (a scorer's knobs decide):
+            a scorer that reads only the values' norms (RC weighted by them) is given those instead
+            (:meth:`_paged_values`).
     """
 
     name: ClassVar[str]
@@ -233,6 +236,23 @@ class Scorer(ABC):
         """Whether :meth:`score` reads the prompt's values (None is passed otherwise). No method reads them by default;
         a value-aware scorer overrides this."""
         return False
+
+    @property
+    def needs_value_norms(self) -> bool:
+        """Whether :meth:`score` reads only the norms of the prompt's values (over their last dim): from a paged cache
+        it is then given ``[Hkv, n, 1]`` values holding the norms (:meth:`_paged_values`)."""
+        return False
+
+    def _paged_values(self, prompt: PagedPrompt) -> Tensor | None:
+        """What :meth:`score` is given as values from a paged prompt: None when it reads none; the values gathered
+        (``needs_values``); or, for a scorer that reads only their norms, ``[Hkv, n, 1]`` of the norms, each a vector
+        of one entry whose norm is itself (the same scores; normed page by page where the values lie, ``d`` times
+        less copied than the gather: :meth:`PagedPrompt.value_norms`)."""
+        if self.needs_values:
+            return prompt.gather_values()
+        if self.needs_value_norms:
+            return prompt.value_norms().unsqueeze(-1)
+        return None
 
     @classmethod
     def options(cls) -> tuple[str, ...]:
@@ -284,9 +304,8 @@ class Scorer(ABC):
         if self.scores_in_triton(prompt, use_triton):
             return self._score_paged_triton(q_window, prompt, scale)
         keys = prompt.gather_keys() if self.needs_keys else self._key_placeholder(prompt)
-        values = prompt.gather_values() if self.needs_values else None
-        # (values None: only a scorer with needs_values reads them)
-        return self.score(q_window.float(), keys, values, scale)  # type: ignore[arg-type]
+        # (values None: only a scorer with needs_values or needs_value_norms reads them)
+        return self.score(q_window.float(), keys, self._paged_values(prompt), scale)  # type: ignore[arg-type]
 
     def score_layers(self, q_windows: list[Tensor], prompts: list[PagedPrompt], scale: float) -> list[Tensor]:
         """:meth:`score_paged` (torch path) of one request's prompt in several layers at once, each layer's
@@ -302,7 +321,8 @@ class Scorer(ABC):
         keys = torch.cat(
             [prompt.gather_keys() if self.needs_keys else self._key_placeholder(prompt) for prompt in prompts]
         )
-        values = torch.cat([prompt.gather_values() for prompt in prompts]) if self.needs_values else None
+        read = [self._paged_values(prompt) for prompt in prompts]
+        values = torch.cat([v for v in read if v is not None]) if read[0] is not None else None
         queries = torch.cat([q.float() for q in q_windows])
         scores = self.score(queries, keys, values, scale)  # type: ignore[arg-type]
         return list(scores.split([prompt.num_kv_heads for prompt in prompts]))

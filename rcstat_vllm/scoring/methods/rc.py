@@ -73,8 +73,8 @@ class RCScorer(Scorer):
     value_weight: float = RC_DEFAULTS.value_weight
 
     @property
-    def needs_values(self) -> bool:
-        """The values are read only to weight by their norms."""
+    def needs_value_norms(self) -> bool:
+        """Weighted by values, RC reads their norms (and nothing else of them)."""
         return self.value_weight != 0
 
     @classmethod
@@ -89,7 +89,7 @@ class RCScorer(Scorer):
         scores = local_contrast(scores, self.local_contrast, self.contrast_radius)
         scores = carry_forward(smooth_scores(scores, self.smoothing), self.carry_forward)
         scores = mark_window_kept(scores, window)
-        if not self.needs_values:
+        if not self.needs_value_norms:
             return scores
         if value_norms is None:
             raise ValueError("RC with value_weight needs the prompt's values")
@@ -97,7 +97,7 @@ class RCScorer(Scorer):
 
     def _value_norms(self, values: Tensor | None) -> Tensor | None:
         """[Hkv, n] norms of ``values`` ``[Hkv, n, d_v]`` when the scores are weighted by them (else None, unread)."""
-        return values.float().norm(dim=-1) if self.needs_values and values is not None else None
+        return values.float().norm(dim=-1) if self.needs_value_norms and values is not None else None
 
     def scored_from(self, first_token: int, num_tokens: int, num_queries: int) -> int:
         """Eq. 6 of a token reads only its own key and the window's; the contrast reads ``contrast_radius`` tokens on
@@ -147,7 +147,7 @@ class RCScorer(Scorer):
         head holds the window (``counts`` host ints; else :meth:`score_ragged` scores each head alone). Weighted by
         values, the worker gathers keys and values and :meth:`score_ragged` scores (the kernel reads keys only)."""
         return (
-            not self.needs_values
+            not self.needs_value_norms
             and key_cache.dtype in PAGED_KERNEL_DTYPES
             and int(counts.min()) >= min(num_queries, self.window_size)
         )
@@ -172,7 +172,7 @@ class RCScorer(Scorer):
         scores = rc_scores_paged(
             queries, prompt.keys, prompt.block_table, prompt.num_tokens, query_reduction=self.query_reduction
         )
-        return self._finish(scores, queries.shape[1], prompt.value_norms() if self.needs_values else None)
+        return self._finish(scores, queries.shape[1], prompt.value_norms() if self.needs_value_norms else None)
 
 
 def rc_scores_paged_reference(
