@@ -81,14 +81,12 @@ def test_a_new_methods_knob_is_one_declaration():
 
 
 # ---------------------------------------------------------------------------------------------- defaults by ratio
-# Issue 56 (docs/defaults.md, "Knobs by ratio"): RC smooths over 5 tokens from a budget of 0.9 on, over 3 below it,
-# and weights its scores by the values' norms from 0.9 on ("Value weighting from 0.9"), not below.
+# Issue 56 (docs/defaults.md, "Knobs by ratio"): RC smooths over 5 tokens from a budget of 0.9 on, over 3 below it.
 
 
-def test_smoothing_and_value_weight_are_the_knobs_whose_defaults_follow_the_ratio():
-    assert RATIO_KNOBS == ("smoothing", "value_weight")
+def test_smoothing_is_the_one_knob_whose_default_follows_the_ratio():
+    assert RATIO_KNOBS == ("smoothing",)
     assert KNOBS["smoothing"].default == 3 and KNOBS["smoothing"].by_ratio == ((0.9, 5),)
-    assert KNOBS["value_weight"].default == 0.0 and KNOBS["value_weight"].by_ratio == ((0.9, 1.0),)
 
 
 @pytest.mark.parametrize(
@@ -100,22 +98,12 @@ def test_smoothing_resolves_by_target_ratio(target_ratio, smoothing):
     assert RCStatConfig().merged({"target_ratio": target_ratio}).smoothing == smoothing  # a request's override
 
 
-@pytest.mark.parametrize(
-    ("target_ratio", "value_weight"), [(0.4, 0.0), (0.8, 0.0), (0.89, 0.0), (0.9, 1.0), (0.95, 1.0), (None, 0.0)]
-)
-def test_value_weight_resolves_by_target_ratio(target_ratio, value_weight):
-    assert RCStatConfig.from_dict({"target_ratio": target_ratio}).value_weight == value_weight
-    assert RCStatConfig().merged({"target_ratio": target_ratio}).value_weight == value_weight
-    assert RCStatConfig.from_dict({"target_ratio": 0.9, "value_weight": 0}).value_weight == 0  # given: it stays
-
-
 def test_the_bare_flag_is_unchanged():
-    """{} (RC at 0.4) resolves every knob to the values it had before the schedule: smoothing 3, no value weighting."""
+    """{} (RC at 0.4) resolves every knob to the values it had before the schedule: smoothing 3."""
     bare = RCStatConfig.from_dict({})
     assert bare.target_ratio == 0.4 and bare.smoothing == 3 and bare.carry_forward == 8
     assert bare.local_contrast == 0.5 and bare.window == 32 and bare.observation_window is None
-    assert bare.value_weight == 0.0
-    assert bare == RCStatConfig() and bare.follows_ratio == frozenset({"smoothing", "value_weight"})
+    assert bare == RCStatConfig() and bare.follows_ratio == frozenset({"smoothing"})
     assert RCStatConfig.from_dict({"c": 1.0}).smoothing == 3  # threshold mode: the plain default
 
 
@@ -125,7 +113,7 @@ def test_a_given_value_wins_over_the_ratio_server_wide_and_per_request():
     assert RCStatConfig.from_dict({"target_ratio": 0.9}).merged({"smoothing": 1}).smoothing == 1
     # a server that gives smoothing keeps it under every request's ratio
     server = RCStatConfig.from_dict({"smoothing": 7})
-    assert server.follows_ratio == frozenset({"value_weight"})  # (the knob it gives no longer follows)
+    assert server.follows_ratio == frozenset()
     assert server.merged({"target_ratio": 0.9}).smoothing == 7
     assert server.merged({"target_ratio": 0.4}).smoothing == 7
     # a request that gives smoothing keeps it when a later merge changes the ratio
@@ -149,8 +137,8 @@ def test_the_resolved_value_is_what_the_scorer_and_the_record_see():
 
     server = RCStatConfig.from_dict({})
     request = RequestSettings.resolve({"rcstat": {"target_ratio": 0.9}}, server).config
-    assert scorer_options(request)["smoothing"] == 5 and scorer_options(request)["value_weight"] == 1.0
-    assert scorer_options(server)["smoothing"] == 3 and scorer_options(server)["value_weight"] == 0.0
+    assert scorer_options(request)["smoothing"] == 5
+    assert scorer_options(server)["smoothing"] == 3
     assert request.to_dict()["smoothing"] == 5  # results and benchmark JSON record the value that ran
     again = pickle.loads(pickle.dumps(request))  # (a config crosses processes pickled)
     assert again == request and again.follows_ratio == request.follows_ratio

@@ -66,8 +66,7 @@ _METHODS = "rcstat_vllm.scoring.methods"
 #: tokens forward, so a value is kept with the key the window's queries find ("Carrying scores forward"); each raw
 #: score divided by the square root of its neighbourhood's mean (radius 256), against RC's drift towards the prompt's
 #: end ("Local contrast"); the max over the window's queries, so a fact one copy head's query reads is not averaged
-#: away; from a budget of 0.9 on, each score weighted by its value's norm (issue 56: "Value weighting from 0.9"). The
-#: paper's own values: ``rc_knobs.RC_PAPER``.
+#: away. The paper's own values: ``rc_knobs.RC_PAPER``.
 RC_KNOBS = (
     Knob(
         "smoothing",
@@ -113,7 +112,6 @@ RC_KNOBS = (
         minimum=0,
         maximum=2,
         option="value_weight",
-        by_ratio=((0.9, 1.0),),
     ),
 )
 
