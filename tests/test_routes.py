@@ -13,6 +13,7 @@ sys.path.insert(0, str(BENCH))
 
 import data  # noqa: E402
 import hf_reference  # noqa: E402
+import methods  # noqa: E402
 import routes  # noqa: E402
 from test_benchmarks import _tokenizer, tiny_reference_model  # noqa: E402
 
@@ -78,6 +79,13 @@ def test_extra_settings_parse_and_labels_must_differ():
     assert settings[-1].rcstat == {"target_ratio": 0.9, "coverage_floor": 0.5}
     with pytest.raises(SystemExit):
         routes.settings_for([0.8], [], [], ['rc_r0.8={"target_ratio": 0.8}'])
+
+
+@pytest.mark.parametrize("spec", ["x", "=1", 'x={"target_ratio": 0.9', "x=[1]"])
+def test_a_malformed_extra_setting_is_refused_naming_it(spec):
+    """--extra (routes.py, accuracy.py) takes label=JSON object; anything else stops the run before it starts."""
+    with pytest.raises(SystemExit, match="--extra"):
+        methods.extra_setting(spec)
 
 
 def test_summary_splits_tuning_from_held_out_prompts():
