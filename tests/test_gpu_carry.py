@@ -380,3 +380,16 @@ def test_engine_subprocesses_run_outside_the_repository(tmp_path, monkeypatch):
     cwd = Path(seen["cwd"]).resolve()
     assert cwd != REPO and REPO not in cwd.parents
     assert Path(seen["cmd"][1]).is_absolute() and seen["env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+def test_check_compress_reads_the_pool_right_after_the_compaction():
+    """The third H200 window's trace: the result is read a step after the compaction, when the next decode token
+    holds a fresh block; a chunked prefill's early steps are not the post-compaction count either."""
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    try:
+        import check_compress
+    finally:
+        sys.path.remove(str(REPO / "tools" / "gpu"))
+    assert check_compress.free_after_compaction([3991, 3990], [True, True], 3990) == 3991
+    assert check_compress.free_after_compaction([3967, 3839, 3787, 3786], [False, False, True, True], 3786) == 3787
+    assert check_compress.free_after_compaction([3967], [False], 3900) == 3900
