@@ -145,7 +145,8 @@ def origin(path: Path, data: Mapping | None = None) -> dict:
     """``{"commit", "date", "source", "dirty"}``: the commit a result file was made at. ``source`` is ``recorded``
     (the file's ``environment.git``), ``git history`` (the last commit that wrote the file: the run came before
     it) or ``working tree`` (not committed and not recorded: taken as made now)."""
-    git = ((data or {}).get("environment") or {}).get("git") or {}
+    env = (data or {}).get("environment") or {}
+    git = env.get("git") or {}
     if git.get("commit"):
         return {
             "commit": git["commit"],
@@ -153,6 +154,10 @@ def origin(path: Path, data: Mapping | None = None) -> dict:
             "source": "recorded",
             "dirty": git.get("dirty"),
         }
+    if env.get("commit"):
+        # tools/gpu's files: the commit the call was told (RCSTAT_COMMIT; the copy on the GPU machine has no .git)
+        # and the time it ran; whether that tree was clean is not known there.
+        return {"commit": env["commit"], "date": env.get("time_utc"), "source": "recorded", "dirty": None}
     try:
         rel = str(Path(path).resolve().relative_to(REPO))
     except ValueError:

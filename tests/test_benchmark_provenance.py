@@ -223,3 +223,15 @@ def test_a_file_is_dated_by_the_last_commit_that_wrote_it_rewrites_skipped(tmp_p
     finally:
         for cached in (provenance._last_commit, provenance.rewrite_commits):
             cached.cache_clear()
+
+
+def test_origin_reads_the_commit_a_gpu_call_records():
+    """tools/gpu's files record ``environment.commit`` (the call's RCSTAT_COMMIT) and ``time_utc``, not
+    ``environment.git``: that commit dates them, not the later commit that brought the file home."""
+    data = {"environment": {"commit": "c7d17cd091feb4e6bee4c4b3d85ae3ecbe857c63", "time_utc": "2026-11-28T19:07:31Z"}}
+    assert provenance.origin(Path("benchmarks/results/gpu_compress_w3_h200.json"), data) == {
+        "commit": "c7d17cd091feb4e6bee4c4b3d85ae3ecbe857c63",
+        "date": "2026-11-28T19:07:31Z",
+        "source": "recorded",
+        "dirty": None,
+    }
