@@ -501,3 +501,54 @@ def test_a_due_step_scores_and_selects_without_reading_the_device(monkeypatch, d
     lengths = state.lengths(t)
     assert [m.shape for m in plan.masks] == [(HEADS, int(lengths[layer].max())) for layer in range(LAYERS)]
     assert {m.device.type for m in plan.masks} == {"meta"}
+
+
+@pytest.mark.parametrize("layout", ["CPU_VEC", "CPU_AMX", "FLASH"])
+def test_read_keys_is_reads_keys(layout):
+    """Each layout's ``read_keys`` gives ``read``'s keys (the AMX layout over its bf16 tiles), pages in any shape."""
+    from rcstat_vllm.paging import kv_layout
+
+    g = torch.Generator().manual_seed(5)
+    cache_layout = getattr(kv_layout, layout)
+    block, dim = (32, 32) if layout == "CPU_AMX" else (BLOCK, DIM)
+    kv = torch.randn(6, HEADS, block, 2 * dim, generator=g).bfloat16()
+    pages = torch.randint(0, 6 * HEADS, (3, 7), generator=g)
+    offsets = torch.randint(0, block, (3, 7), generator=g)
+    assert torch.equal(cache_layout.read_keys(kv, pages, offsets), cache_layout.read(kv, pages, offsets)[0])
+
+
+@pytest.mark.parametrize("options", [{}, {"value_weight": 1.0}], ids=["keys-only", "value-weighted"])
+def test_decode_scoring_reads_values_only_for_a_scorer_that_weighs_by_them(monkeypatch, options):
+    """The torch path gathers the generated entries' values only when the scorer reads them (RC with value_weight),
+    and scores what it would with both read."""
+    g = torch.Generator().manual_seed(12)
+    caches, _space, state, row, blocks = _request(g)
+    t = state.num_compacted_tokens + 40
+    _grow(state, row, blocks, t)
+    decode = DecodeCompressor(
+        RCStatConfig(window=8, decode_budget=24, decode_interval=16, **options),
+        _uneven(state, g),
+        state.num_compacted_tokens,
+    )
+    reads = []
+    real_read = type(CPU_VEC).read
+    monkeypatch.setattr(type(CPU_VEC), "read", lambda self, *a: reads.append(1) or real_read(self, *a))
+    queries = torch.randn(decode.num_queries, QUERY_HEADS, DIM, generator=g)
+    decode.save_queries(0, queries)
+    decode.score_layer(0, state, caches[0], CPU_VEC, DIM**-0.5, t)
+    assert bool(reads) == bool(options)
+    # the same scores as with keys and values read, right-aligned per head
+    starts, counts = decode.prompt_entries[0], state.lengths(t)[0] - decode.prompt_entries[0]
+    width = int(counts.max())
+    cache = state.space.cache(0, caches[0])
+    for head in range(HEADS):
+        entries = starts[head] + torch.arange(int(counts[head]))
+        keys, values = real_read(CPU_VEC, cache, state.tables[0][head, entries // BLOCK], entries % BLOCK)
+        want = decode.scorer.score(
+            queries.transpose(0, 1)[head * 2 : head * 2 + 2].float(),
+            keys[None].float(),
+            values[None].float(),
+            DIM**-0.5,
+        )[0]
+        got = decode.scores[0][head, width - int(counts[head]) :]
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

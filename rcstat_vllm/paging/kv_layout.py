@@ -45,6 +45,10 @@ class CacheLayout:
         """Keys and values ``[*pages.shape, D]`` stored at ``(page, offset)`` (copies)."""
         raise NotImplementedError
 
+    def read_keys(self, kv_cache: Tensor, pages: Tensor, offsets: Tensor) -> Tensor:
+        """:meth:`read`'s keys alone, the values not copied (for scorers that never read them)."""
+        return self.read(kv_cache, pages, offsets)[0]
+
     def write(self, kv_cache: Tensor, pages: Tensor, offsets: Tensor, keys: Tensor, values: Tensor) -> None:
         raise NotImplementedError
 
@@ -81,6 +85,9 @@ class CPUVecLayout(CacheLayout):
         keys, values = key_value_pages(kv_cache)
         # (indices side by side: torch gathers [E, D] directly, up to 2.7x faster than keys[pages, :, offsets])
         return keys.transpose(1, 2)[pages, offsets], values[pages, offsets]
+
+    def read_keys(self, kv_cache, pages, offsets):
+        return key_value_pages(kv_cache)[0].transpose(1, 2)[pages, offsets]
 
     def write(self, kv_cache, pages, offsets, keys, values):
         key_pages, value_pages = key_value_pages(kv_cache)
@@ -137,6 +144,10 @@ class CPUAmxLayout(CacheLayout):
             values[pages, offsets // 2, offsets % 2].flatten(-2),
         )
 
+    def read_keys(self, kv_cache, pages, offsets):
+        keys, _ = amx_key_value_tiles(kv_cache)
+        return keys[pages, offsets // 16, offsets % 16].view(kv_cache.dtype)
+
     def write(self, kv_cache, pages, offsets, keys, values):
         key_tiles, value_tiles = amx_key_value_tiles(kv_cache)
         key_tiles[pages, offsets // 16, offsets % 16] = keys.to(kv_cache.dtype).contiguous().view(torch.int32)
@@ -192,6 +203,10 @@ class FlashLayout(CacheLayout):
         num_heads, head_dim = kv_cache.shape[1], kv_cache.shape[3] // 2
         rows = kv_cache[pages // num_heads, pages % num_heads, offsets]
         return rows[..., :head_dim], rows[..., head_dim:]
+
+    def read_keys(self, kv_cache, pages, offsets):
+        num_heads, head_dim = kv_cache.shape[1], kv_cache.shape[3] // 2
+        return kv_cache[pages // num_heads, pages % num_heads, offsets, :head_dim]  # (a row's first half only)
 
     def write(self, kv_cache, pages, offsets, keys, values):
         num_heads = kv_cache.shape[1]

@@ -167,8 +167,13 @@ class DecodeCompressor:
         entries = host_to_device(starts.unsqueeze(1) + columns.clamp_min(0), kv_cache.device)
         tables = host_to_device(state.tables[layer], kv_cache.device)
         pages = torch.gather(tables, 1, entries // state.block_size)
-        keys, values = layout.read(cache, pages, entries % state.block_size)
-        per_head = self.scorer.score_ragged(q_window.float(), keys.float(), values.float(), counts.tolist(), scale)
+        offsets = entries % state.block_size
+        if self.scorer.needs_values or self.scorer.needs_value_norms:
+            keys, values = layout.read(cache, pages, offsets)
+            values = values.float()
+        else:  # (most scorers: the values' gather would be as large as the keys' and unread)
+            keys, values = layout.read_keys(cache, pages, offsets), None
+        per_head = self.scorer.score_ragged(q_window.float(), keys.float(), values, counts.tolist(), scale)
         self.scores[layer] = right_aligned(per_head, width)
 
     def _comparable(self, scores: Tensor) -> Tensor:
