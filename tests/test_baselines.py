@@ -102,6 +102,22 @@ def test_local_contrast_divides_by_the_neighbourhood_mean_to_a_power():
             torch.testing.assert_close(local_contrast(rows, strength, radius), rows / mean**strength)
 
 
+def test_local_contrast_of_right_aligned_rows_is_each_row_alone():
+    """``first``: rows of different lengths right-aligned (zeros before each), each contrasted over its own tokens
+    only, as decode-time scoring finishes all heads at once."""
+    g = torch.Generator().manual_seed(4)
+    lengths, n = [30, 11, 1, 24], 30
+    rows = torch.zeros(len(lengths), n)
+    for row, length in enumerate(lengths):
+        rows[row, n - length :] = torch.rand(length, generator=g) + 0.1
+    first = torch.tensor([n - length for length in lengths])
+    for radius in (3, 256):
+        together = local_contrast(rows, 0.5, radius, first=first)
+        for row, length in enumerate(lengths):
+            alone = local_contrast(rows[row : row + 1, n - length :], 0.5, radius)[0]
+            assert torch.allclose(together[row, n - length :], alone, rtol=1e-6, atol=0)
+
+
 def test_local_contrast_lets_a_peak_early_in_the_prompt_outrank_the_trend_at_its_end():
     # RC's drift towards the prompt's end, as a ramp, with one token standing out early on: by raw score most of
     # the ramp outranks it; with the drift removed (strength 1) it comes first, with half of it (0.5, the

@@ -282,7 +282,8 @@ SHIPPED = scorer_options(RCStatConfig(window=8))
         "streaming",
     ],
 )
-def test_ragged_scoring_equals_each_head_scored_alone(method, options):
+@pytest.mark.parametrize("lengths", [[40, 17, 33], [40, 8, 33]], ids=["uneven", "a-head-of-the-window-only"])
+def test_ragged_scoring_equals_each_head_scored_alone(method, options, lengths):
     """score_ragged (heads holding different numbers of entries, right-aligned in one padded tensor) gives each
     head what score() gives it alone (to float rounding: RC scores all heads in one batched call, then contrasts,
     smooths and carries per head; the padding never reaches a head's scores), with the shipped defaults too."""
@@ -290,9 +291,8 @@ def test_ragged_scoring_equals_each_head_scored_alone(method, options):
 
     g = torch.Generator().manual_seed(3)
     scorer = get_scorer(method, **options)
-    lengths = [40, 17, 33]
     keys, values = torch.randn(3, 40, DIM, generator=g), torch.randn(3, 40, DIM, generator=g)
-    keys[1, :23] = 1e3  # padding: never read into head 1's scores
+    keys[1, : 40 - lengths[1]] = 1e3  # padding: never read into head 1's scores
     q_window = torch.randn(3 * 2, 8, DIM, generator=g)
     ragged = scorer.score_ragged(q_window, keys, values, lengths, DIM**-0.5)
     for head, length in enumerate(lengths):

@@ -85,9 +85,11 @@ def carry_forward(scores: Tensor, tokens: int) -> Tensor:
     return F.max_pool1d(padded, kernel_size=tokens + 1, stride=1).reshape(scores.shape)
 
 
-def local_contrast(scores: Tensor, strength: float, radius: int) -> Tensor:
+def local_contrast(scores: Tensor, strength: float, radius: int, first: Tensor | None = None) -> Tensor:
     """Each score divided by the mean score of the tokens within ``radius`` of it, to the power ``strength``:
-    [..., n] -> [..., n] (the mean over the tokens that exist: fewer near either end).
+    [..., n] -> [..., n] (the mean over the tokens that exist: fewer near either end). ``first`` ``[rows]`` (of a
+    2-D ``scores``), when given: each row's tokens start at that column (right-aligned rows of different lengths,
+    as decode-time scoring holds them; the columns before must be 0, and their results are meaningless).
 
     ``out[..., i] = scores[..., i] / mean(scores[..., i - radius : i + radius + 1]) ** strength``. Why RC wants it:
     RoPE makes a query's logits fall with distance on average, and the window's self logits Y are all at distances
@@ -104,7 +106,11 @@ def local_contrast(scores: Tensor, strength: float, radius: int) -> Tensor:
     sums = F.pad(flat.cumsum(dim=-1), (1, 0))  # sums[:, j] = total of the first j scores
     index = torch.arange(n, device=scores.device)
     low, high = (index - radius).clamp_min(0), (index + radius + 1).clamp_max(n)
-    mean = (sums[:, high] - sums[:, low]) / (high - low)
+    if first is None:
+        mean = (sums[:, high] - sums[:, low]) / (high - low)
+    else:  # each row's own left edge (the zeros before it add nothing to the sums, but would to the counts)
+        low = torch.maximum(low, first.unsqueeze(1)).clamp_max(n - 1)
+        mean = (sums[:, high] - sums.gather(1, low)) / (high - low).clamp_min(1)
     # A neighbourhood of zeros holds only zeros: 0 / tiny stays 0.
     contrasted = flat / mean.clamp_min(torch.finfo(torch.float64).tiny).pow(strength)
     return contrasted.to(scores.dtype).reshape(scores.shape)
