@@ -249,6 +249,11 @@ class Scorer(ABC):
         it is then given ``[Hkv, n, 1]`` values holding the norms (:meth:`_paged_values`)."""
         return False
 
+    @property
+    def reads_values(self) -> bool:
+        """Whether :meth:`score` reads the values at all (whole or their norms): else it is given None."""
+        return self.needs_values or self.needs_value_norms
+
     def _paged_values(self, prompt: PagedPrompt) -> Tensor | None:
         """What :meth:`score` is given as values from a paged prompt: None when it reads none; the values gathered
         (``needs_values``); or, for a scorer that reads only their norms, ``[Hkv, n, 1]`` of the norms, each a vector
@@ -310,7 +315,7 @@ class Scorer(ABC):
         if self.scores_in_triton(prompt, use_triton):
             return self._score_paged_triton(q_window, prompt, scale)
         keys = prompt.gather_keys() if self.needs_keys else self._key_placeholder(prompt)
-        # (values None: only a scorer with needs_values or needs_value_norms reads them)
+        # (values None unless the scorer reads_values)
         return self.score(q_window.float(), keys, self._paged_values(prompt), scale)  # type: ignore[arg-type]
 
     def score_layers(self, q_windows: list[Tensor], prompts: list[PagedPrompt], scale: float) -> list[Tensor]:

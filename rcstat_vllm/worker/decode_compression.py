@@ -168,7 +168,7 @@ class DecodeCompressor:
         tables = host_to_device(state.tables[layer], kv_cache.device)
         pages = torch.gather(tables, 1, entries // state.block_size)
         offsets = entries % state.block_size
-        if self.scorer.needs_values or self.scorer.needs_value_norms:
+        if self.scorer.reads_values:
             keys, values = layout.read(cache, pages, offsets)
             values = values.float()
         else:  # (most scorers: the values' gather would be as large as the keys' and unread)

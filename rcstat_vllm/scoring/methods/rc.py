@@ -88,7 +88,11 @@ class RCScorer(Scorer):
         carried forward, window kept, weighted by ``value_norms`` ``[Hkv, n]`` (None when ``value_weight`` is 0)."""
         scores = local_contrast(scores, self.local_contrast, self.contrast_radius)
         scores = carry_forward(smooth_scores(scores, self.smoothing), self.carry_forward)
-        scores = mark_window_kept(scores, window)
+        return self._weighted(mark_window_kept(scores, window), value_norms)
+
+    def _weighted(self, scores: Tensor, value_norms: Tensor | None) -> Tensor:
+        """Finished ``[Hkv, n]`` scores weighted by ``value_norms`` when ``value_weight`` asks (the last step of
+        :meth:`_finish` and :meth:`_finish_ragged`)."""
         if not self.needs_value_norms:
             return scores
         if value_norms is None:
@@ -144,11 +148,7 @@ class RCScorer(Scorer):
         scores = local_contrast(scores, self.local_contrast, self.contrast_radius, first=first)
         scores = smooth_scores(scores.masked_fill(padding, 0.0), self.smoothing)
         scores = carry_forward(scores.masked_fill(padding, float("-inf")), self.carry_forward)
-        scores = mark_window_kept(scores, window)
-        if self.needs_value_norms:
-            if value_norms is None:
-                raise ValueError("RC with value_weight needs the prompt's values")
-            scores = value_weighted(scores, value_norms, self.value_weight)
+        scores = self._weighted(mark_window_kept(scores, window), value_norms)
         return [scores[head, n - length :] for head, length in enumerate(lengths)]
 
     def head_pages_kernel_applies(self, key_cache: Tensor, num_queries: int, counts: Tensor) -> bool:
