@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rcstat_vllm.scoring import KeepSet, budget_keep_count, select_budget, select_threshold
-from rcstat_vllm.scoring.selection import forced_keep_mask
+from rcstat_vllm.scoring.selection import first_in_order, forced_keep_mask
 
 INF = float("inf")
 
@@ -166,6 +166,35 @@ def test_budget_ties_go_to_lower_head_then_token():
     scores = torch.ones(2, 4)
     keep = select_budget(scores, window=0, ratio=0.5)  # keep 4 of 8 equal scores
     assert keep.mask.tolist() == [[True, True, True, True], [False, False, False, False]]
+
+
+def _first_by_stable_sort(priority: torch.Tensor, keep: int) -> torch.Tensor:
+    """What the device path computes: the first ``keep`` of a stable descending sort."""
+    order = torch.sort(priority, descending=True, stable=True).indices
+    return torch.zeros(priority.numel(), dtype=torch.bool).index_fill_(0, order[:keep], True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([-2.0, -0.5, 0.0, 0.5, 1.0, 3.0, INF]), min_size=1, max_size=40),
+    keep_share=st.floats(0.0, 1.0),
+)
+def test_cpu_selection_keeps_what_the_stable_sort_keeps(values, keep_share):
+    # Few distinct values: most cuts fall inside a run of ties, which must go to the lower indices.
+    priority = torch.tensor(values, dtype=torch.float64)
+    keep = round(keep_share * len(values))
+    assert first_in_order(priority, keep).tolist() == _first_by_stable_sort(priority, keep).tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_budget_on_cpu_equals_the_sorted_selection_at_model_size(seed):
+    # 30 layers x 3 heads x 2000 tokens, scores rounded so that ties are common, window and sinks forced.
+    gen = torch.Generator().manual_seed(seed)
+    scores = (torch.rand(90, 2000, generator=gen) * 50).round()
+    keep = select_budget(scores, window=32, ratio=0.4, sink_tokens=4)
+    priority = scores.double().masked_fill(forced_keep_mask(scores, 32, 4), INF).flatten()
+    count = budget_keep_count(scores.numel(), 0.4, int(forced_keep_mask(scores, 32, 4).sum()))
+    assert keep.mask.flatten().tolist() == _first_by_stable_sort(priority, count).tolist()
 
 
 def test_keepset_indices_ascending_per_head():
