@@ -53,6 +53,10 @@ one output token (prefill only) are timed; in the rc_c1 engine the same prompts 
 per-request methods none / rc / snapkv / tova, so the difference is scoring + compaction alone (all on the
 plugin's kernels); vanilla's number is vLLM's own prefill.
 
+``--compiled yes|both``: engines at vLLM's default compilation instead of eager (on vLLM-CPU one Dynamo trace
+compiled by Inductor, what ``vllm serve`` runs); ``both`` runs each setting eager and compiled side by side, each
+compared with the vanilla of its own kind (``default+compiled`` against ``vanilla+compiled``).
+
     python benchmarks/throughput.py                     # default, writes benchmarks/results/throughput_cpu.json
     python benchmarks/throughput.py --quick --json /tmp/t.json
 """
@@ -304,10 +308,12 @@ def worker(spec: dict) -> dict:
         "workload",
         spec.get("shared_prefix", 0),
     )
+    # Eager unless the run asks for vLLM's own default compilation (``--compiled``: on vLLM-CPU one Dynamo trace
+    # compiled by Inductor, what a user's ``vllm serve`` runs).
+    eager = {} if spec.get("compiled") else dict(enforce_eager=True, compilation_config={"mode": 0})
     kwargs = dict(
         model=spec["model"],
-        enforce_eager=True,
-        compilation_config={"mode": 0},
+        **eager,
         max_model_len=spec["max_model_len"],
         kv_cache_memory_bytes=spec["kv_bytes"],
         block_size=BLOCK_SIZE,
@@ -328,6 +334,7 @@ def worker(spec: dict) -> dict:
         # How this run was made: its engine's options, its flag as given and as the plugin resolves it (None:
         # the plugin not loaded or the flag absent), per-request overrides where the run has them.
         "engine": engine_options(kwargs),
+        "compilation_mode_resolved": int(llm.llm_engine.vllm_config.compilation_config.mode),
         "rcstat": spec.get("rcstat"),
         "resolved": None if spec.get("rcstat") is None else resolved_config(spec["rcstat"]),
         "per_request": spec.get("per_request"),
@@ -476,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill only (1 output token, pool not limiting): vanilla, method none, the bare flag, "
         "RC 0.5 per layer, interleaved rounds; writes benchmarks/results/throughput_prefill_cpu.json",
     )
+    parser.add_argument(
+        "--compiled",
+        choices=("no", "yes", "both"),
+        default="no",
+        help="engines at vLLM's default compilation (yes: every run; both: each run eager and again compiled, "
+        "named NAME+compiled and compared with vanilla+compiled); no (default): eager, compilation mode 0",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -571,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = [p for p in plan if p[0] in args.runs]
     if args.no_prefill_overhead:
         plan = [(name, env, {k: v for k, v in extra.items() if k != "overhead"}) for name, env, extra in plan]
+    plan = with_compilation(plan, args.compiled)
 
     t_start = time.time()
     load_start = load_avg()
@@ -608,8 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             }
 
     for name, r in results.items():
-        # each run against vanilla with the same prefix caching (the prefix-caching study's "+pc" runs)
-        vanilla = results.get("vanilla+pc" if name.endswith("+pc") else "vanilla", {})
+        vanilla = results.get(vanilla_for(name), {})
         if "error" in r or "error" in vanilla or not vanilla:
             continue
         r["vs_vanilla"] = {
@@ -617,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("output_tok_per_s", "requests_per_s", "peak_running", "mean_running")
             if vanilla.get(k)
         }
+        r.update(round_ratios(r, vanilla))
     report = {
         "benchmark": "throughput",
         "preset": preset,
@@ -649,6 +664,31 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json) if args.json else RESULTS_DIR / (f"{name}_quick.json" if args.quick else f"{name}.json")
     write_report(report, out, print_prefill_table if args.prefill_study else print_table)
     return 0
+
+
+def with_compilation(plan: list, compiled: str) -> list:
+    """``--compiled``: ``no``, the plan as it is (eager engines); ``yes``, every run at vLLM's default compilation,
+    named ``NAME+compiled``; ``both``, each run eager and then compiled, next to each other in every round."""
+    if compiled == "no":
+        return plan
+    at_defaults = [(f"{name}+compiled", env, {**extra, "compiled": True}) for name, env, extra in plan]
+    return at_defaults if compiled == "yes" else [run for pair in zip(plan, at_defaults) for run in pair]
+
+
+def vanilla_for(name: str) -> str:
+    """The vanilla run a run is compared with: the one with the same prefix caching and compilation (``default+pc``
+    against ``vanilla+pc``, ``rc_r0.8+compiled`` against ``vanilla+compiled``; ``snapkv@rc_c1`` against ``vanilla``)."""
+    return "vanilla" + name[len(name.split("+", 1)[0]) :]
+
+
+def round_ratios(run: dict, vanilla: dict) -> dict:
+    """Side by side: a run's output tokens/s over its vanilla's within each round (``--repeat``), and their median;
+    nothing for one round or unequal rounds."""
+    rounds, vanilla_rounds = run.get("rounds_output_tok_per_s", []), vanilla.get("rounds_output_tok_per_s", [])
+    if len(rounds) < 2 or len(rounds) != len(vanilla_rounds):
+        return {}
+    by_round = [x / v for x, v in zip(rounds, vanilla_rounds)]
+    return {"vs_vanilla_by_round": by_round, "vs_vanilla_median_of_rounds": statistics.median(by_round)}
 
 
 def print_prefill_table(report: dict) -> None:

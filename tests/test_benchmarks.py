@@ -681,3 +681,23 @@ def test_quality_measures_keep_sets_made_elsewhere():
     )
     with pytest.raises(SystemExit, match="keep masks for 4 tokens, the prompt has 5"):
         quality.given_keep_set(mask, 5, "x")
+
+
+def test_throughput_compiled_runs_pair_with_their_own_vanilla():
+    import throughput
+
+    plan = [("vanilla", {"VLLM_PLUGINS": "__none__"}, {"rcstat": None}), ("default", {}, {"rcstat": {}})]
+    assert throughput.with_compilation(plan, "no") == plan
+    both = throughput.with_compilation(plan, "both")
+    assert [name for name, _, _ in both] == ["vanilla", "vanilla+compiled", "default", "default+compiled"]
+    assert [extra.get("compiled", False) for _, _, extra in both] == [False, True, False, True]
+    assert both[1][1] == {"VLLM_PLUGINS": "__none__"}  # vanilla stays without the plugin
+    assert [name for name, _, _ in throughput.with_compilation(plan, "yes")] == ["vanilla+compiled", "default+compiled"]
+    assert throughput.vanilla_for("rc_r0.8+compiled") == "vanilla+compiled"
+    assert throughput.vanilla_for("default+pc") == "vanilla+pc"
+    assert throughput.vanilla_for("snapkv@rc_c1") == "vanilla"
+    ratios = throughput.round_ratios(
+        {"rounds_output_tok_per_s": [45.0, 44.0]}, {"rounds_output_tok_per_s": [40.0, 44.0]}
+    )
+    assert ratios == {"vs_vanilla_by_round": [1.125, 1.0], "vs_vanilla_median_of_rounds": 1.0625}
+    assert throughput.round_ratios({"rounds_output_tok_per_s": [45.0]}, {"rounds_output_tok_per_s": [40.0]}) == {}
