@@ -308,7 +308,8 @@ def test_window_dry_runs_the_defaults_rows_still_owed(tmp_path):
     plan = load("window_plan")
     results, first = _first_plan_done(tmp_path)
     done = [dict(run, setting=s, round=1) for s, run in zip(("vanilla", "bare"), first["runs"])]
-    defaults = dict(first, tag="defaults", workload=dict(first["workload"], mode="graphs"), runs=done)
+    graphs = dict(first["workload"], mode="graphs", max_num_seqs=first["workload"]["requests"])  # (graphs: capped)
+    defaults = dict(first, tag="defaults", workload=graphs, runs=done)
     (results / "throughput_defaults_w4_h200.json").write_text(json.dumps(defaults))
     assert plan.decide(results, "h200")["plan"] == "defaults"
 

@@ -396,6 +396,7 @@ def test_throughput_resumes_the_seeded_rows_in_a_dry_run(tmp_path):
         "mode": "graphs",
         "seed": 0,
         "prompts": "uniform random token ids in [1000, 128000)",
+        "max_num_seqs": 16,  # graphs: capped at the requests (the capture sizes; no step changes)
     }
     seeded = throughput("defaults", "graphs", [("vanilla", 1), ("bare", 1)], workload=workload, calls=[{}])
     for run in seeded["runs"]:
@@ -418,6 +419,10 @@ def test_throughput_resumes_the_seeded_rows_in_a_dry_run(tmp_path):
     tried = [r["setting"] for r in report["runs"] if r.get("dry_run")]
     assert kept == [("vanilla", 1), ("bare", 1)]
     assert tried == list(plan.DEFAULTS_ROWS[2:])  # only the rows owed, in the plan's order (a dry run takes no time)
+    engines = {r["setting"]: r["spec"]["engine"] for r in report["runs"] if r.get("dry_run")}
+    assert {e["max_num_seqs"] for e in engines.values()} == {16}  # capture capped at the workload's requests
+    assert "enforce_eager" not in engines["rc0.8"]  # vLLM's defaults
+    assert engines["vanilla-piecewise"]["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     assert all(r["call"] == 1 for r in report["runs"] if r.get("dry_run"))
     assert report["remaining"] == [f"r1:{row}" for row in plan.DEFAULTS_ROWS[2:]]
     piecewise = next(r for r in report["runs"] if r["setting"] == "vanilla-piecewise")
