@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "graphs":
         # The workload never runs more than --requests at once, so capping vLLM's max_num_seqs there changes no step;
         # it caps CUDA-graph capture at 2 x requests tokens (1, 2, 4, 8, 16, 24, 32 for 16 requests, instead of 51
-        # sizes up to 512): every decode batch pads to the same size as at the default, and engines start sooner.
+        # sizes up to 512): every decode-only batch pads to the same size as at the default, and engines start
+        # sooner; a mixed step of 33-512 tokens (a prompt's short last chunk beside decodes) runs without a graph.
         graph_cap = {"max_num_seqs": args.requests}
         workload["max_num_seqs"] = args.requests
     report = None if args.fresh else gpu_common.read_result(name)
