@@ -266,6 +266,31 @@ def test_layer_floor_interpolates_between_model_wide_and_per_layer_budgets():
         select_budget_across_layers(scores, window, ratio, layer_floor=1.5)
 
 
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+@pytest.mark.parametrize("normalise", ["layer", "head"])
+def test_model_wide_selection_normalises_each_layer_on_its_own(floor, normalise):
+    """All layers normalised at once equal each layer normalised alone, then stacked (the selection's reference)."""
+    from rcstat_vllm.scoring.selection import (
+        relative_to_head_mean,
+        relative_to_layer_mean,
+        select_budget_across_layers,
+    )
+
+    rule = relative_to_layer_mean if normalise == "layer" else relative_to_head_mean
+    g = torch.Generator().manual_seed(5)
+    scores = [torch.rand(3, 200, generator=g) * (layer + 1) for layer in range(6)]
+    scores[2][1, 17] = INF  # a scorer's forced keep
+    each = []
+    for s in scores:
+        layer = torch.where(torch.isfinite(s), rule(s, 16), s.double())
+        if floor:
+            layer = layer.masked_fill(select_budget(s, 16, 1 - floor * 0.3, 4).mask, INF)
+        each.append(layer)
+    reference = select_budget(torch.cat(each), 16, 0.7, 4).mask.view(6, 3, 200)
+    masks = select_budget_across_layers(scores, 16, 0.7, 4, layer_floor=floor, normalise=rule)
+    assert torch.equal(torch.stack(masks), reference)
+
+
 # ------------------------------------------------------------------------------------- coverage floor (issue 56)
 
 

@@ -281,20 +281,17 @@ def head_consensus(masks: list[Tensor], window: int, sink_tokens: int = 0) -> Te
     The paper's own consensus (its Section 5.1: distinct top-attended tokens / heads, from the compressed model's
     attention) needs the attention of generated tokens; this is its selection-side counterpart, from the keep
     masks alone, and moves with the selection rule."""
-    values = []
-    for mask in masks:
-        heads, n = mask.shape
-        decided = mask[:, min(sink_tokens, n) : max(n - window, min(sink_tokens, n))].to(torch.float64)
-        if heads < 2:
-            values.append(torch.ones((), dtype=torch.float64, device=mask.device))
-            continue
-        shared = decided @ decided.T  # [H, H]
-        sizes = decided.sum(dim=1)
-        either = sizes[:, None] + sizes[None, :] - shared
-        overlap = torch.where(either > 0, shared / either.clamp_min(1), torch.ones_like(shared))
-        pairs = torch.triu(torch.ones(heads, heads, dtype=torch.bool, device=mask.device), diagonal=1)
-        values.append(overlap[pairs].mean())
-    return torch.stack(values).mean()
+    stacked = torch.stack(masks)  # [L, H, n] (every layer's masks have one shape)
+    _, heads, n = stacked.shape
+    if heads < 2:
+        return torch.ones((), dtype=torch.float64, device=stacked.device)
+    decided = stacked[..., min(sink_tokens, n) : max(n - window, min(sink_tokens, n))].to(torch.float64)
+    shared = decided @ decided.transpose(1, 2)  # [L, H, H]: the layers at once
+    sizes = decided.sum(dim=2)
+    either = sizes[:, :, None] + sizes[:, None, :] - shared
+    overlap = torch.where(either > 0, shared / either.clamp_min(1), torch.ones_like(shared))
+    pairs = torch.triu(torch.ones(heads, heads, dtype=torch.bool, device=stacked.device), diagonal=1)
+    return overlap[:, pairs].mean(dim=1).mean()  # per layer over its pairs, then over the layers
 
 
 def _finite_non_window_mean(scores: Tensor, window: int, dim) -> Tensor:
@@ -356,13 +353,11 @@ def select_budget_across_layers(
     floor_ratio = layer_floor_ratio(ratio, layer_floor)
     # Non-finite scores stay non-finite (forced keeps) whatever the normalisation; a layer's floor entries are
     # made +inf, so the model-wide selection keeps them and gives out only the rest of the budget.
-    layers = []
-    for s in scores:
-        layer = torch.where(torch.isfinite(s), normalise(s, window), s.to(torch.float64))
-        if layer_floor > 0:
-            layer = layer.masked_fill(select_budget(s, window, floor_ratio, sink_tokens).mask, float("inf"))
-        layers.append(layer)
-    comparable_scores = torch.stack(layers)
+    raw = torch.stack(scores)  # [L, Hkv, n]: normalised per layer, all layers at once (``normalise`` keeps dims)
+    comparable_scores = torch.where(torch.isfinite(raw), normalise(raw, window), raw.to(torch.float64))
+    if layer_floor > 0:
+        floors = torch.stack([select_budget(s, window, floor_ratio, sink_tokens).mask for s in scores])
+        comparable_scores = comparable_scores.masked_fill(floors, float("inf"))
     num_layers, num_heads, n = comparable_scores.shape
     keep = select_budget(
         comparable_scores.view(num_layers * num_heads, n),
