@@ -302,9 +302,11 @@ def test_ragged_scoring_equals_each_head_scored_alone(method, options, lengths):
             values[head : head + 1, 40 - length :],
             DIM**-0.5,
         )[0]
-        assert ragged[head].shape == (length,)
-        assert torch.equal(torch.isinf(ragged[head]), torch.isinf(alone))
-        assert torch.allclose(ragged[head], alone, rtol=1e-5, atol=1e-6)
+        assert ragged.shape == (3, 40)  # right-aligned as the keys: -inf before the head's own entries
+        assert bool((ragged[head, : 40 - length] == float("-inf")).all())
+        own = ragged[head, 40 - length :]
+        assert torch.equal(torch.isinf(own), torch.isinf(alone))
+        assert torch.allclose(own, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_an_uncompressed_request_is_compacted_from_its_own_blocks():

@@ -286,23 +286,24 @@ class Scorer(ABC):
 
     def score_ragged(
         self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
-    ) -> list[Tensor]:
+    ) -> Tensor:
         """:meth:`score` of each KV head alone over its own entries, when heads hold different numbers of them
         (decode-time compression): head ``h``'s are the last ``lengths[h]`` of ``keys[h]`` / ``values[h]``
-        ``[Hkv, n, d]`` (right-aligned; the columns before are padding). Returns each head's ``[lengths[h]]``
-        scores, as :meth:`score` gives them for that head alone. One call per head here; a scorer whose
-        per-token statistics do not depend on the other tokens batches the heads."""
+        ``[Hkv, n, d]`` (right-aligned; the columns before are padding). Returns ``[Hkv, n]`` laid out as the keys:
+        head ``h``'s last ``lengths[h]`` columns are the scores :meth:`score` gives that head alone, the columns before
+        -inf. One call per head here; a scorer whose per-token statistics do not depend on the other tokens batches
+        the heads."""
         group = q_window.shape[0] // keys.shape[0]
         n = keys.shape[1]
-        return [
-            self.score(
+        out = torch.full((keys.shape[0], n), float("-inf"), dtype=torch.float32, device=keys.device)
+        for head, length in enumerate(lengths):  # (host lengths: no read of the device)
+            out[head, n - length :] = self.score(
                 q_window[head * group : (head + 1) * group],
                 keys[head : head + 1, n - length :],
                 None if values is None else values[head : head + 1, n - length :],  # type: ignore[arg-type]
                 scale,
             )[0]
-            for head, length in enumerate(lengths)
-        ]
+        return out
 
     def score_paged(self, q_window: Tensor, prompt: PagedPrompt, scale: float, use_triton: bool = False) -> Tensor:
         """:meth:`score` of a prompt read from a paged cache: same arguments and result, ``prompt`` for keys/values.
@@ -365,10 +366,11 @@ class Scorer(ABC):
 
     def score_head_pages(
         self, q_window: Tensor, key_cache: Tensor, pages: Tensor, starts: Tensor, counts: Tensor, scale: float
-    ) -> list[Tensor]:
-        """:meth:`score_ragged` of each KV head's entries ``starts[h] .. starts[h] + counts[h] - 1`` read in place
-        from its head pages ``pages[h]`` of ``key_cache`` ``[num_blocks, Hkv, block_size, d]`` (see
-        :mod:`rcstat_vllm.kernels.decode_scoring`), by a Triton kernel (where :meth:`head_pages_kernel_applies`)."""
+    ) -> Tensor:
+        """:meth:`score_ragged` (its right-aligned ``[Hkv, max(counts)]``) of each KV head's entries ``starts[h] ..
+        starts[h] + counts[h] - 1`` read in place from its head pages ``pages[h]`` of ``key_cache`` ``[num_blocks, Hkv,
+        block_size, d]`` (see :mod:`rcstat_vllm.kernels.decode_scoring`), by a Triton kernel (where
+        :meth:`head_pages_kernel_applies`)."""
         raise NotImplementedError(f"{self.name} has no Triton head-page kernel")
 
     @staticmethod

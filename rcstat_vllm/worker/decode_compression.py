@@ -37,15 +37,6 @@ from rcstat_vllm.settings import decode_queries, scorer_options
 from rcstat_vllm.worker.prompt_compression import triton_scoring
 
 
-def right_aligned(per_head: list[Tensor], width: int) -> Tensor:
-    """Each head's scores right-aligned in one float32 ``[H, width]`` tensor (a head's latest entry in the last
-    column), -inf before a head's first entry: the layout :meth:`DecodeCompressor.select` reads."""
-    out = torch.full((len(per_head), width), float("-inf"), dtype=torch.float32, device=per_head[0].device)
-    for head, scores in enumerate(per_head):  # (host lengths: no read of the device)
-        out[head, width - scores.shape[0] :] = scores
-    return out
-
-
 def kept_on_host(kept: Tensor) -> Tensor:
     """The decode-time compaction's one host synchronisation, at the end of its due step's selection: each (layer,
     head)'s kept entries ``[L, H]``, which the blocks it needs and the plan the scheduler receives are counted in."""
@@ -95,8 +86,8 @@ class DecodeCompressor:
         self.num_queries = decode_queries(config)
         #: per layer, the last generated tokens' queries ``[num_queries, Hq, D]`` (None until saved)
         self.queries: list[Tensor | None] = [None] * self.num_layers
-        #: per layer, this step's generated-entry scores ``[H, width]``, right-aligned (:func:`right_aligned`), on the
-        #: cache's device (while a step scores the request)
+        #: per layer, this step's generated-entry scores ``[H, width]``, right-aligned, -inf before each head's first
+        #: entry (:meth:`~rcstat_vllm.scoring.Scorer.score_ragged`), on the cache's device (while a step scores it)
         self.scores: list[Tensor | None] = [None] * self.num_layers
         #: the plan sent to the scheduler, until its compaction runs (or is cancelled)
         self.pending: DecodePlan | None = None
@@ -158,8 +149,9 @@ class DecodeCompressor:
         if triton_scoring(layout, kv_cache):
             keys_view, _ = layout.key_value_caches(cache)
             if self.scorer.head_pages_kernel_applies(keys_view, q_window.shape[1], counts):
-                per_head = self.scorer.score_head_pages(q_window, keys_view, state.tables[layer], starts, counts, scale)
-                self.scores[layer] = right_aligned(per_head, width)
+                self.scores[layer] = self.scorer.score_head_pages(
+                    q_window, keys_view, state.tables[layer], starts, counts, scale
+                )
                 return
         # Right-aligned [H, width] entry indices (a head's latest entries last, as the window's queries see them);
         # the padding before a head's first generated entry repeats it and is never scored (score_ragged).
@@ -173,8 +165,8 @@ class DecodeCompressor:
             values = values.float()
         else:  # (most scorers: the values' gather would be as large as the keys' and unread)
             keys, values = layout.read_keys(cache, pages, offsets), None
-        per_head = self.scorer.score_ragged(q_window.float(), keys.float(), values, counts.tolist(), scale)
-        self.scores[layer] = right_aligned(per_head, width)
+        # right-aligned [H, width], -inf before each head's first entry: the layout select reads
+        self.scores[layer] = self.scorer.score_ragged(q_window.float(), keys.float(), values, counts.tolist(), scale)
 
     def _comparable(self, scores: Tensor) -> Tensor:
         """A layer's right-aligned ``[H, width]`` generated-entry scores (non-finite before each head's first entry),

@@ -119,7 +119,7 @@ class RCScorer(Scorer):
 
     def score_ragged(
         self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
-    ) -> list[Tensor]:
+    ) -> Tensor:
         """Eq. 6 of a token depends only on its key and the window (the last entries, real in every head when each
         holds at least the window): one call for all heads, then each head's own smoothing and carrying over its
         entries alone: :meth:`score` of each head alone, to float rounding (a batched matmul)."""
@@ -132,16 +132,16 @@ class RCScorer(Scorer):
 
     def _finish_ragged(
         self, per_token: Tensor, lengths: list[int], window: int, value_norms: Tensor | None = None
-    ) -> list[Tensor]:
-        """Right-aligned ``[Hkv, n - w]`` per-entry RC (head ``h``'s last ``lengths[h] - w`` columns its own) -> each
-        head's ``[lengths[h]]`` scores, finished over its own entries alone (contrast, smoothing, carrying, window,
-        weighting by the right-aligned ``[Hkv, n]`` ``value_norms``): :meth:`_finish` of each head alone, to float
-        rounding, in one pass over all heads. Why one pass: a decode-time compaction finishes every layer's heads in
-        its due step, and head by head that was ~25 small ops per head (on an H200, 6 ms a layer at any length).
+    ) -> Tensor:
+        """Right-aligned ``[Hkv, n - w]`` per-entry RC (head ``h``'s last ``lengths[h] - w`` columns its own) ->
+        right-aligned ``[Hkv, n]`` scores (-inf before each head's entries), each head finished over its own entries
+        alone (contrast, smoothing, carrying, window, weighting by the right-aligned ``[Hkv, n]`` ``value_norms``):
+        :meth:`_finish` of each head alone, to float rounding, in one pass over all heads. Why one pass: a decode-time
+        compaction finishes every layer's heads in its due step, and head by head that was ~25 small ops per head (on
+        an H200, 6 ms a layer at any length).
         The columns before a head's first entry are set to what :meth:`_finish` pads with at that step (0 before
         the contrast and the smoothing, -inf before the carrying), so they never reach its scores."""
         m = per_token.shape[1]
-        n = m + window
         first = host_to_device(torch.tensor([m - (length - window) for length in lengths]), per_token.device)
         padding = torch.arange(m, device=per_token.device) < first.unsqueeze(1)  # [Hkv, n - w]
         scores = per_token.masked_fill(padding, 0.0)
@@ -149,7 +149,7 @@ class RCScorer(Scorer):
         scores = smooth_scores(scores.masked_fill(padding, 0.0), self.smoothing)
         scores = carry_forward(scores.masked_fill(padding, float("-inf")), self.carry_forward)
         scores = self._weighted(mark_window_kept(scores, window), value_norms)
-        return [scores[head, n - length :] for head, length in enumerate(lengths)]
+        return scores.masked_fill(torch.nn.functional.pad(padding, (0, window)), float("-inf"))  # (-inf already)
 
     def head_pages_kernel_applies(self, key_cache: Tensor, num_queries: int, counts: Tensor) -> bool:
         """The decode-time kernel computes :meth:`score_ragged` when the cache's dtype is one it takes and every
@@ -163,7 +163,7 @@ class RCScorer(Scorer):
 
     def score_head_pages(
         self, q_window: Tensor, key_cache: Tensor, pages: Tensor, starts: Tensor, counts: Tensor, scale: float
-    ) -> list[Tensor]:
+    ) -> Tensor:
         """:meth:`score_ragged` of each KV head's entries read in place from its head pages by the Triton kernel
         (:func:`rc_head_scores_paged`; arguments as :func:`rcstat_vllm.kernels.decode_scoring.rc_head_table_scores`,
         ``scale`` unused: RC is scale-free); then each head finished alone, as :meth:`score_ragged` does."""
