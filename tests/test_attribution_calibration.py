@@ -9,14 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rcstat_vllm.attribution import calibration
-from rcstat_vllm.attribution.calibration import (
-    CALIBRATION_FILE,
-    HeadWeights,
-    fit_head_weights,
-    load_head_weights,
-    save_head_weights,
-)
+from rcstat_vllm.attribution import calibration, head_weights
+from rcstat_vllm.attribution.calibration import fit_head_weights
 from rcstat_vllm.attribution.capture import AttributionCapture
 from rcstat_vllm.attribution.estimators import (
     query_token_relative_contextualization,
@@ -24,6 +18,12 @@ from rcstat_vllm.attribution.estimators import (
     token_relative_contextualization,
     token_weights,
     weighted_token_relative_contextualization,
+)
+from rcstat_vllm.attribution.head_weights import (
+    CALIBRATION_FILE,
+    HeadWeights,
+    load_head_weights,
+    save_head_weights,
 )
 from rcstat_vllm.attribution.options import AttributionOptions
 from rcstat_vllm.attribution.report import echo_mask
@@ -373,7 +373,7 @@ def test_fetch_model_places_the_shipped_calibration_once(tmp_path, monkeypatch):
     other.mkdir()
     cached = tmp_path / "cache" / "attribution" / "Other" / CALIBRATION_FILE
     save_head_weights(own, other, cached)
-    assert model_module.place_attribution_calibration(other) is None and not (other / CALIBRATION_FILE).exists()
+    assert head_weights.place_embedded_calibration(other) is None and not (other / CALIBRATION_FILE).exists()
 
 
 def test_issue55_variants_score_copies_of_one_trace():

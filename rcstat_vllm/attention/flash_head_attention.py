@@ -10,16 +10,11 @@ torch: the reference the tests check the path against on CPU tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from rcstat_vllm.attention.head_plan import HeadSequencePlan
+from rcstat_vllm.attention.head_plan import HeadSequencePlan, HeadSequences
 from rcstat_vllm.paging.kv_layout import flash_head_page_caches
-
-if TYPE_CHECKING:  # (annotations only)
-    from rcstat_vllm.attention.decode_graph import DecodeGraphPlan
 
 
 class HeadPageKernels:
@@ -35,7 +30,7 @@ class HeadPageKernels:
         key_pages: Tensor,
         value_pages: Tensor,
         out: Tensor,
-        plan: HeadSequencePlan | DecodeGraphPlan,
+        plan: HeadSequences,
         layer_index: int,
         *,
         scale: float,

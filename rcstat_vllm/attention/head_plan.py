@@ -30,6 +30,7 @@ plain rows' sub-batch (their rows of vLLM's block table, cut to the longest plai
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,6 +38,19 @@ import torch
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.page_space import PageSpace
 from rcstat_vllm.paging.page_tables import HeadPageTables, to_device
+
+
+class HeadSequences(Protocol):
+    """What the head-page attention kernels read of a plan (``HeadPageKernels.attend``): a step's
+    :class:`HeadSequencePlan`, or a full-decode-graph step's ``DecodeGraphPlan`` over persistent buffers."""
+
+    #: [sequences + 1] int32 query offsets; the most queries of one sequence
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    #: per layer: [L, sequences, P] int32 head-page tables, [L, sequences] int32 lengths and their bound
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_lens: list[int] | None
 
 
 @dataclass

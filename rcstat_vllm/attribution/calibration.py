@@ -21,14 +21,14 @@ model, a weight per (layer, head) from ablations on generated synthetic prompts:
   are kept, each weighted by its hit rate above chance over its mean span score (so that heads of large RC do not
   drown the others).
 
-The file (:data:`CALIBRATION_FILE`, JSON) is written next to the model or in the cache dir; the served path
-(:func:`load_head_weights`) uses it when present and today's RC ranking when not. The embedded model's is shipped
-(:mod:`rcstat_vllm.attribution.embedded_calibration`) and placed by ``rcstat-vllm fetch-model``.
+The file (:mod:`rcstat_vllm.attribution.head_weights`: its format, where it is looked for, written and read; JSON) is
+written next to the model or in the cache dir; the served path uses it when present and today's RC ranking when not.
+The embedded model's is shipped (:mod:`rcstat_vllm.attribution.embedded_calibration`) and placed by ``rcstat-vllm
+fetch-model``.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import time
@@ -38,21 +38,13 @@ from typing import Any
 
 import torch
 
-from rcstat_vllm.log import logger
+from rcstat_vllm.attribution.head_weights import HeadWeights, save_head_weights
 
 __all__ = [
-    "CALIBRATION_FILE",
-    "HeadWeights",
-    "calibration_path",
+    "calibrate",
     "fit_head_weights",
-    "load_head_weights",
     "make_prompts",
-    "save_head_weights",
 ]
-
-#: The calibration file's name (in the model folder, or in ``cache_dir()/attribution/<model folder name>/``).
-CALIBRATION_FILE = "rcstat_attribution_heads.json"
-FORMAT = 1
 
 LICENCES = ("GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-2.1", "Artistic")
 LICENCE_DIR = Path("/usr/share/common-licenses")
@@ -202,76 +194,6 @@ def ablation_target(model, tokenizer, example: dict, answer_ids: Sequence[int]) 
         rest = [d for j, d in enumerate(example["docs"]) if j != i]
         drops.append(full - answer_logprob(model, ids(rest), answer_ids))
     return drops
-
-
-# --------------------------------------------------------------------------------------------------------
-# the file
-# --------------------------------------------------------------------------------------------------------
-
-
-class HeadWeights:
-    """Calibrated heads of one model: (layer, head) pairs, best first, and their weights (> 0)."""
-
-    def __init__(self, heads: Sequence[Sequence[int]], weights: Sequence[float], meta: dict[str, Any] | None = None):
-        if len(heads) != len(weights) or not heads:
-            raise ValueError(f"need as many weights as heads (at least one), got {len(heads)} and {len(weights)}")
-        if any(not w > 0 for w in weights):
-            raise ValueError(f"head weights must be > 0, got {list(weights)}")
-        self.heads = [(int(layer), int(head)) for layer, head in heads]
-        self.weights = [float(w) for w in weights]
-        self.meta = dict(meta or {})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "heads": [list(h) for h in self.heads], "weights": self.weights, **self.meta}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HeadWeights:
-        if data.get("format") != FORMAT:
-            raise ValueError(f"calibration format {data.get('format')!r}, expected {FORMAT}")
-        meta = {k: v for k, v in data.items() if k not in ("format", "heads", "weights")}
-        return cls(data["heads"], data["weights"], meta)
-
-    def fits(self, num_layers: int, num_heads: int) -> bool:
-        shape = self.meta.get("shape")
-        if shape is not None and list(shape) != [num_layers, num_heads]:
-            return False
-        return all(0 <= layer < num_layers and 0 <= head < num_heads for layer, head in self.heads)
-
-
-def calibration_path(model_dir: str | Path) -> list[Path]:
-    """Where a model's calibration file is looked for, in order: the model folder, then the cache dir."""
-    from rcstat_vllm.model import cache_dir
-
-    model_dir = Path(model_dir)
-    return [model_dir / CALIBRATION_FILE, cache_dir() / "attribution" / model_dir.name / CALIBRATION_FILE]
-
-
-def save_head_weights(weights: HeadWeights, model_dir: str | Path, path: str | Path | None = None) -> Path:
-    """Write the file next to the model when that folder is writable, else in the cache dir."""
-    candidates = [Path(path)] if path is not None else calibration_path(model_dir)
-    for target in candidates:
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(json.dumps(weights.to_dict(), indent=1) + "\n")
-            return target
-        except OSError:
-            continue
-    raise OSError(f"cannot write the calibration file to any of {[str(c) for c in candidates]}")
-
-
-def load_head_weights(model_dir: str | Path | None) -> HeadWeights | None:
-    """The model's calibration, or None (no file, or one that cannot be read: logged, never an error)."""
-    if model_dir is None:
-        return None
-    for path in calibration_path(model_dir):
-        if not path.exists():
-            continue
-        try:
-            return HeadWeights.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("rcstat: attribution calibration %s unreadable (%s): using the RC ranking", path, exc)
-            return None
-    return None
 
 
 # --------------------------------------------------------------------------------------------------------

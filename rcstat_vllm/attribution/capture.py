@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
-from rcstat_vllm.attribution.calibration import HeadWeights
+from rcstat_vllm.attribution.head_weights import HeadWeights
 from rcstat_vllm.attribution.options import AttributionOptions
 from rcstat_vllm.attribution.trace import AttributionTrace
 from rcstat_vllm.config import ConfigError
@@ -142,9 +142,9 @@ class AttributionCapture:
 
     def activate(self, model_dir: str | None = None) -> None:
         """Start capturing; ``model_dir`` (the served model's folder) is where its calibration file is looked for
-        (:func:`rcstat_vllm.attribution.calibration.load_head_weights`; absent = the RC ranking)."""
+        (:func:`rcstat_vllm.attribution.head_weights.load_head_weights`; absent = the RC ranking)."""
         if not self.active and model_dir is not None:
-            from rcstat_vllm.attribution.calibration import calibration_path, load_head_weights
+            from rcstat_vllm.attribution.head_weights import calibration_path, load_head_weights
 
             self.calibration = load_head_weights(model_dir)
             if self.calibration is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rcstat_vllm.attribution.calibration import HeadWeights, load_head_weights
+from rcstat_vllm.attribution.head_weights import HeadWeights, load_head_weights
 from rcstat_vllm.attribution.options import AttributionOptions
 from rcstat_vllm.attribution.report import AttributionResult, build_result
 from rcstat_vllm.attribution.trace import AttributionTrace

@@ -68,7 +68,7 @@ from rcstat_vllm.attribution.estimators import (
 from rcstat_vllm.attribution.options import AttributionOptions, num_top_heads
 
 if TYPE_CHECKING:
-    from rcstat_vllm.attribution.calibration import HeadWeights
+    from rcstat_vllm.attribution.head_weights import HeadWeights
 
 
 class _LayerStore:
