@@ -39,6 +39,7 @@ __all__ = [
     "group_queries",
     "local_contrast",
     "mark_window_kept",
+    "ragged_padding",
     "smooth_scores",
     "value_weighted",
 ]
@@ -58,6 +59,13 @@ def mark_window_kept(non_window_scores: Tensor, window: int) -> Tensor:
         (non_window_scores.shape[0], window), float("inf"), dtype=torch.float32, device=non_window_scores.device
     )
     return torch.cat([non_window_scores.to(torch.float32), kept], dim=1)
+
+
+def ragged_padding(lengths: list[int], n: int, device: torch.device) -> Tensor:
+    """[Hkv, n] bool: the columns before each head's own entries when head ``h``'s are the last ``lengths[h]`` of
+    ``n`` (right-aligned, as :meth:`Scorer.score_ragged` lays them out); built from host lengths, no device read."""
+    first = torch.tensor([n - length for length in lengths]).unsqueeze(1)
+    return (torch.arange(n) < first).to(device)
 
 
 def smooth_scores(scores: Tensor, kernel_size: int) -> Tensor:

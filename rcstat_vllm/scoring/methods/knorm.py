@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Scorer
+from ..base import Scorer, ragged_padding
 
 
 @dataclass(eq=False)
@@ -19,3 +19,10 @@ class KnormScorer(Scorer):
 
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         return -torch.linalg.vector_norm(keys.float(), dim=-1)
+
+    def score_ragged(
+        self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
+    ) -> Tensor:
+        """Each key's own norm: every head's entries at once, the padding set to -inf."""
+        scores = self.score(q_window, keys, values, scale)  # type: ignore[arg-type]
+        return scores.masked_fill(ragged_padding(lengths, keys.shape[1], keys.device), float("-inf"))

@@ -34,3 +34,14 @@ class StreamingLLMScorer(Scorer):
         positions = torch.arange(n, dtype=torch.float32, device=keys.device)
         positions[: self.n_sink] = float("inf")
         return positions.unsqueeze(0).expand(num_kv_heads, n).clone()
+
+    def score_ragged(
+        self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
+    ) -> Tensor:
+        """Each head's own positions (0 at its first entry, its first ``n_sink`` entries +inf), all heads at once,
+        the padding set to -inf."""
+        n = keys.shape[1]
+        first = torch.tensor([n - length for length in lengths], dtype=torch.float32).unsqueeze(1)
+        positions = (torch.arange(n, dtype=torch.float32) - first).to(keys.device)  # [Hkv, n]
+        positions = positions.masked_fill((positions >= 0) & (positions < self.n_sink), float("inf"))
+        return positions.masked_fill(positions < 0, float("-inf"))
