@@ -270,6 +270,7 @@ SHIPPED = scorer_options(RCStatConfig(window=8))
         ("snapkv", {"window_size": 8}),
         ("tova", {}),
         ("streaming", {}),
+        ("knorm", {}),
     ],
     ids=[
         "rc-shipped-defaults",
@@ -280,6 +281,7 @@ SHIPPED = scorer_options(RCStatConfig(window=8))
         "snapkv",
         "tova",
         "streaming",
+        "knorm",
     ],
 )
 @pytest.mark.parametrize("lengths", [[40, 17, 33], [40, 8, 33]], ids=["uneven", "a-head-of-the-window-only"])
