@@ -23,19 +23,23 @@ from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_
 __all__ = ["snapkv_attention_paged", "snapkv_attention_paged_reference", "window_attention"]
 
 
-def window_attention(queries: Tensor, keys: Tensor, scale: float) -> Tensor:
+def window_attention(queries: Tensor, keys: Tensor, scale: float, key_padding: Tensor | None = None) -> Tensor:
     """Causal softmax attention of the w window queries over all n keys, float32 (dense; the scorer's torch path).
 
     Args:
         queries: [Hkv, G, w, d], the queries of positions n-w..n-1; keys: [Hkv, n, d].
+        key_padding: [Hkv, n] bool, keys no query sees (a head's padding when heads hold different numbers of
+            entries, right-aligned): attention 0.
     Returns:
         [Hkv, G, w, n]: window query j (absolute position n-w+j) sees keys 0..n-w+j.
     """
     w, n = queries.shape[2], keys.shape[1]
     logits = torch.einsum("hgjd,hnd->hgjn", queries.float(), keys.float()) * scale
     # Key i is in query j's future when i > n - w + j.
-    future = torch.ones(w, n, dtype=torch.bool, device=keys.device).triu(diagonal=n - w + 1)
-    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+    hidden = torch.ones(w, n, dtype=torch.bool, device=keys.device).triu(diagonal=n - w + 1)
+    if key_padding is not None:
+        hidden = hidden | key_padding[:, None, None, :]
+    return torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
 
 
 def snapkv_attention_paged_reference(

@@ -11,7 +11,7 @@ from rcstat_vllm.kernels import snapkv_scoring as snapkv_kernel
 from rcstat_vllm.kernels.paged import check_paged_inputs, gather_paged_tokens
 from rcstat_vllm.kernels.snapkv_scoring import window_attention
 
-from ..base import PagedPrompt, Scorer, mark_window_kept, smooth_scores
+from ..base import PagedPrompt, Scorer, mark_window_kept, ragged_padding, smooth_scores
 from ..registry import knob_default
 
 __all__ = ["SnapKVScorer", "snapkv_scores_paged", "snapkv_scores_paged_reference"]
@@ -45,6 +45,21 @@ class SnapKVScorer(Scorer):
         attention_to_token = torch.cat(per_head, dim=0)  # [Hkv, G, n - w]
         pooled = smooth_scores(attention_to_token, self.kernel_size)
         return mark_window_kept(pooled.mean(dim=1), w)
+
+    def score_ragged(
+        self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
+    ) -> Tensor:
+        """Every head at once over its own entries: the padding before them masked out of the softmax (attention 0,
+        which is also what the pooling's zero padding adds at a head's first entry), then set to -inf. Heads holding
+        fewer entries than the window score alone (:meth:`score` would take fewer queries for them)."""
+        queries = self._trailing_window(q_window, keys)
+        w, n = queries.shape[2], keys.shape[1]
+        if min(lengths) < w:
+            return super().score_ragged(q_window, keys, values, lengths, scale)
+        padding = ragged_padding(lengths, n, keys.device)
+        attention = window_attention(queries, keys, scale, key_padding=padding)  # [Hkv, G, w, n]
+        pooled = smooth_scores(attention[..., : n - w].mean(dim=2), self.kernel_size)
+        return mark_window_kept(pooled.mean(dim=1), w).masked_fill(padding, float("-inf"))
 
     def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
         # The kernel averages the G query heads before pooling: equal to pooling first, the mean being linear.
