@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rcstat_vllm.kernels.paged import gather_paged_tokens, paged_block_size, paged_token_norms
+from rcstat_vllm.kernels.paged import gather_paged_tokens, host_to_device, paged_block_size, paged_token_norms
 
 from .registry import REGISTRY
 
@@ -65,7 +65,7 @@ def ragged_padding(lengths: list[int], n: int, device: torch.device) -> Tensor:
     """[Hkv, n] bool: the columns before each head's own entries when head ``h``'s are the last ``lengths[h]`` of
     ``n`` (right-aligned, as :meth:`Scorer.score_ragged` lays them out); built from host lengths, no device read."""
     first = torch.tensor([n - length for length in lengths]).unsqueeze(1)
-    return (torch.arange(n) < first).to(device)
+    return host_to_device(torch.arange(n) < first, device)  # (pinned and asynchronous to a GPU: no stream sync)
 
 
 def smooth_scores(scores: Tensor, kernel_size: int) -> Tensor:

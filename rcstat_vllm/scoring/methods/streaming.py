@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rcstat_vllm.kernels.paged import host_to_device
+
 from ..base import Scorer
 
 
@@ -42,6 +44,6 @@ class StreamingLLMScorer(Scorer):
         the padding set to -inf."""
         n = keys.shape[1]
         first = torch.tensor([n - length for length in lengths], dtype=torch.float32).unsqueeze(1)
-        positions = (torch.arange(n, dtype=torch.float32) - first).to(keys.device)  # [Hkv, n]
+        positions = host_to_device(torch.arange(n, dtype=torch.float32) - first, keys.device)  # [Hkv, n]
         positions = positions.masked_fill((positions >= 0) & (positions < self.n_sink), float("inf"))
         return positions.masked_fill(positions < 0, float("-inf"))
