@@ -311,6 +311,25 @@ def test_ragged_scoring_equals_each_head_scored_alone(method, options, lengths):
         assert torch.allclose(own, alone, rtol=1e-5, atol=1e-6)
 
 
+def test_snapkv_scores_every_head_at_once_as_each_alone():
+    """SnapKV's one pass over a layer's heads (a GPU's path; a CPU scores head by head): the padding masked out of the
+    window softmax gives each head what scoring it alone gives, and -inf before its entries."""
+    from rcstat_vllm.scoring import get_scorer
+
+    g = torch.Generator().manual_seed(4)
+    scorer = get_scorer("snapkv", window_size=8)
+    keys = torch.randn(3, 40, DIM, generator=g)
+    keys[1, :23] = 1e3  # padding: never read into head 1's scores
+    q_window = torch.randn(3 * 2, 8, DIM, generator=g)
+    lengths = [40, 17, 33]
+    at_once = scorer.score_heads_at_once(q_window, keys, lengths, DIM**-0.5)
+    head_by_head = scorer.score_ragged(q_window, keys, None, lengths, DIM**-0.5)  # (on a CPU)
+    assert torch.equal(torch.isinf(at_once), torch.isinf(head_by_head))
+    assert bool((at_once[1, :23] == float("-inf")).all())
+    finite = torch.isfinite(head_by_head)
+    assert torch.allclose(at_once[finite], head_by_head[finite], rtol=1e-5, atol=1e-7)
+
+
 def test_an_uncompressed_request_is_compacted_from_its_own_blocks():
     """A request whose prompt stayed whole (too short to compress): its blocks seen as head pages
     (CompactedRequest.uncompressed) are the first decode-time compaction's sources; every head then reads back its

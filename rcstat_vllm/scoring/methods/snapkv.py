@@ -49,13 +49,20 @@ class SnapKVScorer(Scorer):
     def score_ragged(
         self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
     ) -> Tensor:
-        """Every head at once over its own entries: the padding before them masked out of the softmax (attention 0,
-        which is also what the pooling's zero padding adds at a head's first entry), then set to -inf. Heads holding
-        fewer entries than the window score alone (:meth:`score` would take fewer queries for them)."""
+        """Every head at once over its own entries on a GPU: the padding before them masked out of the softmax
+        (attention 0, which is also what the pooling's zero padding adds at a head's first entry), then set to -inf.
+        On a CPU head by head, as :meth:`score` scores a prompt: all heads' ``[G, w, n]`` attention at once leaves the
+        cache (8 heads x 2048 entries, one thread: 15.6 ms against 11.1 head by head). Heads holding fewer entries
+        than the window score alone too (:meth:`score` would take fewer queries for them)."""
+        w = self._window_length(q_window.shape[1], keys.shape[1])
+        if min(lengths) < w or keys.device.type == "cpu":
+            return super().score_ragged(q_window, keys, values, lengths, scale)
+        return self.score_heads_at_once(q_window, keys, lengths, scale)
+
+    def score_heads_at_once(self, q_window: Tensor, keys: Tensor, lengths: list[int], scale: float) -> Tensor:
+        """:meth:`score_ragged`'s one pass over every head (each holding at least the window's entries)."""
         queries = self._trailing_window(q_window, keys)
         w, n = queries.shape[2], keys.shape[1]
-        if min(lengths) < w:
-            return super().score_ragged(q_window, keys, values, lengths, scale)
         padding = ragged_padding(lengths, n, keys.device)
         attention = window_attention(queries, keys, scale, key_padding=padding)  # [Hkv, G, w, n]
         pooled = smooth_scores(attention[..., : n - w].mean(dim=2), self.kernel_size)
