@@ -140,7 +140,8 @@ class RCScorer(Scorer):
         compaction finishes every layer's heads in its due step, and head by head that was ~25 small ops per head (on
         an H200, 6 ms a layer at any length).
         The columns before a head's first entry are set to what :meth:`_finish` pads with at that step (0 before
-        the contrast and the smoothing, -inf before the carrying), so they never reach its scores."""
+        the contrast and the smoothing, -inf before the carrying), so they never reach its scores; carried, they stay
+        -inf (each is the max of -inf columns), as the returned layout wants, and weighting keeps them so."""
         m = per_token.shape[1]
         first = host_to_device(torch.tensor([m - (length - window) for length in lengths]), per_token.device)
         padding = torch.arange(m, device=per_token.device) < first.unsqueeze(1)  # [Hkv, n - w]
@@ -148,8 +149,7 @@ class RCScorer(Scorer):
         scores = local_contrast(scores, self.local_contrast, self.contrast_radius, first=first)
         scores = smooth_scores(scores.masked_fill(padding, 0.0), self.smoothing)
         scores = carry_forward(scores.masked_fill(padding, float("-inf")), self.carry_forward)
-        scores = self._weighted(mark_window_kept(scores, window), value_norms)
-        return scores.masked_fill(torch.nn.functional.pad(padding, (0, window)), float("-inf"))  # (-inf already)
+        return self._weighted(mark_window_kept(scores, window), value_norms)
 
     def head_pages_kernel_applies(self, key_cache: Tensor, num_queries: int, counts: Tensor) -> bool:
         """The decode-time kernel computes :meth:`score_ragged` when the cache's dtype is one it takes and every
