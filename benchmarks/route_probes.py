@@ -22,6 +22,10 @@ keep sets that answer one question each:
   hands its own scores out again in that order: every head keeps its score distribution, so the model-wide
   selection keeps as many entries per head as RC (the budget exact by construction) and only which tokens changes;
   with ``W < 0.5`` the head's own order dominates, ``W = 0`` is RC exactly.
+* ``chunk_C`` (``--chunk C ...``): ChunkKV's unit (Liu et al., 2025): each head's tokens in fixed chunks of ``C``
+  (by position), every token of a chunk scored with the chunk's mean, then the same model-wide selection: a long
+  value's digits kept or lost together, as smoothing does softly (the window's and sinks' +inf stay; a chunk that
+  holds one is scored over its finite tokens).
 * ``value_norm_A`` (``--value-norm A ...``): each head's score times the norm of the token's value vector in that KV
   head to the power ``A`` (attention's output is ``sum_t a_t v_t``: a token's expected share is ``a_t * ||v_t||``,
   as VATP and CriticalKV weight it), then the same model-wide selection (layers compared by their means as ever).
@@ -40,6 +44,8 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --value-norm 0.5 1 2 --json benchmarks/results/route_probes_issue56_crosslayer_valuenorm_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 8 9 10 11 --lengths 1024 2048 --variants --value-norm 1 \
         --json benchmarks/results/route_probes_issue56_valuenorm_seeds8_11_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --chunk 4 8 16 --threads 2 \
+        --json benchmarks/results/route_probes_issue56_chunk_seed5_1k2k_cpu.json
 """
 
 from __future__ import annotations
@@ -110,6 +116,18 @@ def value_weighted(scores: list[torch.Tensor], values: dict, a: float) -> list[t
     return [x * values[i].float().norm(dim=-1).clamp_min(1e-12) ** a for i, x in enumerate(scores)]
 
 
+def chunked(scores: list[torch.Tensor], c: int) -> list[torch.Tensor]:
+    """Each head's finite scores replaced by the mean of their chunk of ``c`` positions (``chunk_C`` above)."""
+    out = []
+    for x in scores:
+        finite = torch.isfinite(x)
+        chunk = torch.arange(x.shape[1]) // c
+        total = x.new_zeros(x.shape[0], int(chunk[-1]) + 1).index_add_(1, chunk, torch.where(finite, x, 0.0))
+        count = x.new_zeros(total.shape).index_add_(1, chunk, finite.to(x.dtype))
+        out.append(torch.where(finite, (total / count.clamp_min(1))[:, chunk], x))
+    return out
+
+
 def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
     """Keep sets plus ``positions`` in every head of every layer."""
     out = [m.clone() for m in masks]
@@ -149,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies", type=float, nargs="*", default=[0.7, 0.4], help="discounts G of copies_G")
     parser.add_argument("--cross-layer", type=float, nargs="*", default=[], help="weights W of cross_layer_W")
     parser.add_argument("--value-norm", type=float, nargs="*", default=[], help="powers A of value_norm_A")
+    parser.add_argument("--chunk", type=int, nargs="*", default=[], help="chunk sizes C of chunk_C")
     parser.add_argument(
         "--variants", nargs="*", default=["shared", "copies", "oracle"], choices=["shared", "copies", "oracle"]
     )
@@ -207,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.cross_layer:
                 lifted = cross_layer(scores, w, config.sink_tokens)
                 variants[f"cross_layer_{w:g}"] = (ref_lib.select_layers(lifted, config).masks, 0)
+            for c in args.chunk:
+                variants[f"chunk_{c}"] = (ref_lib.select_layers(chunked(scores, c), config).masks, 0)
             for a in args.value_norm:
                 weighted = value_weighted(scores, prefill.values, a)
                 variants[f"value_norm_{a:g}"] = (ref_lib.select_layers(weighted, config).masks, 0)

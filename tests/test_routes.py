@@ -229,3 +229,21 @@ def test_route_probes_cross_layer_lifts_a_token_many_layers_keep_and_value_norm_
     values[2][1, t] *= 100
     weighted = hf_reference.select_layers(route_probes.value_weighted(scores, values, 1.0), config)
     assert bool(weighted.masks[2][1, t]) and weighted.ratio == pytest.approx(want.ratio, abs=1e-3)
+
+
+def test_route_probes_chunks_score_every_token_of_a_chunk_alike_and_leave_the_window_alone():
+    """chunk_C: a chunk's finite tokens all get the chunk's mean (a chunk holding a window's +inf is averaged over
+    the rest), +inf stays; the selection over them keeps the plugin's exact budget."""
+    import route_probes
+
+    inf = float("inf")
+    x = torch.tensor([[inf, 1.0, 2.0, 3.0, 4.0, 5.0, inf], [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]])
+    (got,) = route_probes.chunked([x], 2)
+    assert torch.equal(got, torch.tensor([[inf, 1.0, 2.5, 2.5, 4.5, 4.5, inf], [1.0, 1.0, 5.0, 5.0, 9.0, 9.0, 12.0]]))
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 200, generator=gen) for _ in range(4)]
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.8})
+    chunks = hf_reference.select_layers(route_probes.chunked(scores, 8), config)
+    want = hf_reference.select_layers(scores, config)
+    assert sum(map(sum, chunks.kept)) == sum(map(sum, want.kept)) and chunks.kept != want.kept
