@@ -26,6 +26,10 @@ keep sets that answer one question each:
   (by position), every token of a chunk scored with the chunk's mean, then the same model-wide selection: a long
   value's digits kept or lost together, as smoothing does softly (the window's and sinks' +inf stay; a chunk that
   holds one is scored over its finite tokens).
+* ``peaks_K`` (``--peaks K ...``): the ``K`` tokens the layers agree on most (the cross-layer consensus of
+  ``cross_layer_W``) and the ``PEAK_REACH`` tokens after each, lifted to the top of every head of every layer: RC's
+  ``carry_forward`` (what follows a found token is kept with it) made model-wide for the few tokens the whole model
+  finds, since a lost value is one its key's layers find but most layers do not keep.
 * ``value_norm_A`` (``--value-norm A ...``): each head's score times the norm of the token's value vector in that KV
   head to the power ``A`` (attention's output is ``sum_t a_t v_t``: a token's expected share is ``a_t * ||v_t||``,
   as VATP and CriticalKV weight it), then the same model-wide selection (layers compared by their means as ever).
@@ -46,6 +50,8 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --json benchmarks/results/route_probes_issue56_valuenorm_seeds8_11_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --chunk 4 8 16 --threads 2 \
         --json benchmarks/results/route_probes_issue56_chunk_seed5_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --peaks 2 4 8 --threads 2 \
+        --json benchmarks/results/route_probes_issue56_peaks_seed5_1k2k_cpu.json
 """
 
 from __future__ import annotations
@@ -110,6 +116,26 @@ def cross_layer(scores: list[torch.Tensor], w: float, sinks: int = 0) -> list[to
     return out
 
 
+PEAK_REACH = 10
+
+
+def peaks_lifted(scores: list[torch.Tensor], k: int, sinks: int = 0, reach: int = PEAK_REACH) -> list[torch.Tensor]:
+    """``peaks_K`` above: the ``k`` highest-consensus tokens and the ``reach`` after each raised, in every head of
+    every layer, just below the window's +inf (above every finite score)."""
+    scored = torch.stack([torch.isfinite(x).all(dim=0) for x in scores]).all(dim=0)
+    scored[:sinks] = False
+    pct = [torch.stack([layer_rank(row[scored].unsqueeze(0), 0)[0] for row in x]) for x in scores]
+    consensus = torch.full_like(scored, float("-inf"), dtype=torch.float32)
+    consensus[scored] = torch.stack([p.max(dim=0).values for p in pct]).mean(dim=0).float()
+    peaks = consensus.topk(k).indices
+    lift = torch.zeros_like(scored)
+    for start in peaks.tolist():
+        lift[start : start + reach + 1] = True
+    lift &= scored
+    top = max(float(x[:, scored].max()) for x in scores) * 2 + 1
+    return [x.masked_fill(lift, top) for x in scores]
+
+
 def value_weighted(scores: list[torch.Tensor], values: dict, a: float) -> list[torch.Tensor]:
     """Each head's scores times ``||v_t|| ** a``, the norm of the token's value in that KV head (``values``: per
     layer [Hkv, n, d])."""
@@ -167,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies", type=float, nargs="*", default=[0.7, 0.4], help="discounts G of copies_G")
     parser.add_argument("--cross-layer", type=float, nargs="*", default=[], help="weights W of cross_layer_W")
     parser.add_argument("--value-norm", type=float, nargs="*", default=[], help="powers A of value_norm_A")
+    parser.add_argument("--peaks", type=int, nargs="*", default=[], help="counts K of peaks_K")
     parser.add_argument("--chunk", type=int, nargs="*", default=[], help="chunk sizes C of chunk_C")
     parser.add_argument(
         "--variants", nargs="*", default=["shared", "copies", "oracle"], choices=["shared", "copies", "oracle"]
@@ -226,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.cross_layer:
                 lifted = cross_layer(scores, w, config.sink_tokens)
                 variants[f"cross_layer_{w:g}"] = (ref_lib.select_layers(lifted, config).masks, 0)
+            for k in args.peaks:
+                lifted = peaks_lifted(scores, k, config.sink_tokens)
+                variants[f"peaks_{k}"] = (ref_lib.select_layers(lifted, config).masks, 0)
             for c in args.chunk:
                 variants[f"chunk_{c}"] = (ref_lib.select_layers(chunked(scores, c), config).masks, 0)
             for a in args.value_norm:

@@ -247,3 +247,25 @@ def test_route_probes_chunks_score_every_token_of_a_chunk_alike_and_leave_the_wi
     chunks = hf_reference.select_layers(route_probes.chunked(scores, 8), config)
     want = hf_reference.select_layers(scores, config)
     assert sum(map(sum, chunks.kept)) == sum(map(sum, want.kept)) and chunks.kept != want.kept
+
+
+def test_route_probes_peaks_lift_what_follows_the_tokens_every_layer_finds_in_every_head():
+    """peaks_K: the token every head of every layer ranks first and the PEAK_REACH tokens after it are kept by every
+    head of every layer (under RC one layer in four keeps them), the window stays +inf, the budget is exact."""
+    import route_probes
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 400, generator=gen) for _ in range(4)]
+    for x in scores:
+        x[:, -32:] = float("inf")
+        x[:, 100] = 10.0  # every head's best: the consensus peak
+    scores[0][:, 101:111] = 5.0  # one layer finds what follows it
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.8})
+    want = hf_reference.select_layers(scores, config)
+    reach = slice(100, 101 + route_probes.PEAK_REACH)
+    assert [bool(m[:, reach].all()) for m in want.masks] == [True, False, False, False]
+    lifted = route_probes.peaks_lifted(scores, 1, config.sink_tokens)
+    assert all(torch.isinf(x[:, -32:]).all() for x in lifted)
+    keep = hf_reference.select_layers(lifted, config)
+    assert all(bool(m[:, reach].all()) for m in keep.masks)
+    assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
