@@ -18,7 +18,7 @@ from rcstat_vllm.paging.compaction import (
     recompact_request,
 )
 from rcstat_vllm.paging.kv_layout import CPU_VEC
-from rcstat_vllm.paging.page_space import PageSpace, cdiv, pooled_space_or_reason
+from rcstat_vllm.paging.page_space import PageSpace, cdiv, div_mod, pooled_space_or_reason
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.compaction_memory import measure_in_fresh_process
@@ -249,3 +249,13 @@ def test_cpu_layout_reads_what_it_writes():
     CPU_VEC.write(cache, pages, offsets, keys, values)
     got_keys, got_values = CPU_VEC.read(cache, pages, offsets)
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+
+
+@pytest.mark.parametrize("size", [1, 2, 16, 32, 48, 528])
+def test_div_mod_is_floor_division_and_remainder_for_every_size(size):
+    """Shift and mask for powers of two, division otherwise: the same pages and offsets as ``//`` and ``%``,
+    negative indices included, in the index dtype."""
+    index = torch.arange(-3 * size - 5, 5 * size + 7)
+    quotient, remainder = div_mod(index, size)
+    assert torch.equal(quotient, index // size) and torch.equal(remainder, index % size)
+    assert quotient.dtype == remainder.dtype == index.dtype

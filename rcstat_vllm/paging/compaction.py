@@ -20,7 +20,7 @@ from torch import Tensor
 
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CPU_VEC, CacheLayout
-from rcstat_vllm.paging.page_space import PageSpace, cdiv, identity_pages
+from rcstat_vllm.paging.page_space import PageSpace, cdiv, div_mod, identity_pages
 
 #: Kept entries (keys, values and their int64 indices) copied in one gather and one scatter, across the layers of a
 #: pooled space (they all index one all-layers tensor). A layer's copy is a dozen small tensor ops whatever its size,
@@ -36,9 +36,9 @@ def gather_prompt(
 ) -> tuple[Tensor, Tensor]:
     """Keys and values ``[H, n, D]`` of an uncompressed request's first ``n`` tokens."""
     _, num_heads, block_size = layout.shape(kv_cache)
-    tokens = torch.arange(num_tokens, device=kv_cache.device)
-    pages = identity_pages(block_row[: cdiv(num_tokens, block_size)], num_heads)[:, tokens // block_size]
-    return layout.read(kv_cache, pages, (tokens % block_size).expand_as(pages))
+    blocks, offsets = div_mod(torch.arange(num_tokens, device=kv_cache.device), block_size)
+    pages = identity_pages(block_row[: cdiv(num_tokens, block_size)], num_heads)[:, blocks]
+    return layout.read(kv_cache, pages, offsets.expand_as(pages))
 
 
 def compaction_order(pages_per_head: Tensor, space: PageSpace, reused: Tensor) -> list[int]:
@@ -292,7 +292,8 @@ def _read_kept(cache: Tensor, mask: Tensor, source: Tensor, block_size: int, lay
     """One layer's kept entries (``mask`` ``[H, n]`` over the pages ``source`` ``[H, blocks]``): (keys, values)
     copies, heads in order, each head's entries in order."""
     head_idx, token_idx = torch.nonzero(mask, as_tuple=True)
-    return layout.read(cache, source[head_idx, token_idx // block_size], token_idx % block_size)
+    blocks, offsets = div_mod(token_idx, block_size)
+    return layout.read(cache, source[head_idx, blocks], offsets)
 
 
 def _write_kept(cache: Tensor, mask: Tensor, dest: Tensor, entries, block_size: int, layout: CacheLayout) -> None:
@@ -300,9 +301,10 @@ def _write_kept(cache: Tensor, mask: Tensor, dest: Tensor, entries, block_size: 
     counts = mask.sum(dim=1)
     head_idx = torch.repeat_interleave(torch.arange(mask.shape[0], device=mask.device), counts)
     rank = torch.arange(head_idx.numel(), device=mask.device) - (torch.cumsum(counts, 0) - counts)[head_idx]
-    dest_pages = dest[head_idx, rank // block_size]
-    del head_idx
-    layout.write(cache, dest_pages, rank % block_size, *entries)
+    page_index, offsets = div_mod(rank, block_size)
+    dest_pages = dest[head_idx, page_index]
+    del head_idx, page_index
+    layout.write(cache, dest_pages, offsets, *entries)
 
 
 def compact_layer(

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rcstat_vllm.paging.page_space import PageSpace, cdiv
+from rcstat_vllm.paging.page_space import PageSpace, cdiv, div_mod
 
 
 class PageTable(Protocol):
@@ -226,8 +226,9 @@ class CompactedRequest:
     def slots(self, positions: Tensor) -> Tensor:
         """[L, T, H] head-page slots (page * N + offset) of tokens at logical ``positions`` (>= compaction)."""
         index = self.kept.unsqueeze(1) + (positions.view(1, -1, 1) - self.num_compacted_tokens)
-        pages = torch.gather(self.tables, 2, (index // self.block_size).transpose(1, 2)).transpose(1, 2)
-        return pages * self.block_size + index % self.block_size
+        page_index, offsets = div_mod(index, self.block_size)
+        pages = torch.gather(self.tables, 2, page_index.transpose(1, 2)).transpose(1, 2)
+        return pages * self.block_size + offsets
 
 
 def ranges(starts: Tensor, counts: Tensor) -> Tensor:

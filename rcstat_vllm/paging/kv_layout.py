@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rcstat_vllm.paging.page_space import div_mod
+
 
 def key_value_pages(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     """Views of a CPU cache as head pages: keys ``[num_pages, D, N]`` and values ``[num_pages, N, D]``.
@@ -139,19 +141,19 @@ class CPUAmxLayout(CacheLayout):
 
     def read(self, kv_cache, pages, offsets):
         keys, values = amx_key_value_tiles(kv_cache)
-        return (
-            keys[pages, offsets // 16, offsets % 16].view(kv_cache.dtype),
-            values[pages, offsets // 2, offsets % 2].flatten(-2),
-        )
+        (key_row, key_col), (value_row, value_col) = div_mod(offsets, 16), div_mod(offsets, 2)
+        return keys[pages, key_row, key_col].view(kv_cache.dtype), values[pages, value_row, value_col].flatten(-2)
 
     def read_keys(self, kv_cache, pages, offsets):
         keys, _ = amx_key_value_tiles(kv_cache)
-        return keys[pages, offsets // 16, offsets % 16].view(kv_cache.dtype)
+        key_row, key_col = div_mod(offsets, 16)
+        return keys[pages, key_row, key_col].view(kv_cache.dtype)
 
     def write(self, kv_cache, pages, offsets, keys, values):
         key_tiles, value_tiles = amx_key_value_tiles(kv_cache)
-        key_tiles[pages, offsets // 16, offsets % 16] = keys.to(kv_cache.dtype).contiguous().view(torch.int32)
-        value_tiles[pages, offsets // 2, offsets % 2] = values.to(kv_cache.dtype).unflatten(-1, (-1, 16))
+        (key_row, key_col), (value_row, value_col) = div_mod(offsets, 16), div_mod(offsets, 2)
+        key_tiles[pages, key_row, key_col] = keys.to(kv_cache.dtype).contiguous().view(torch.int32)
+        value_tiles[pages, value_row, value_col] = values.to(kv_cache.dtype).unflatten(-1, (-1, 16))
 
     def unsupported_reason(self, kv_cache):
         reason = amx_unsupported_reason(kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[3] // 2)

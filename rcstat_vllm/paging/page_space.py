@@ -28,6 +28,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def div_mod(index: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """``(index // size, index % size)``: which page (or tile row) and where in it. By shift and mask when ``size``
+    is a power of two, as block sizes and tile sides are: 8-10x faster than integer division on a CPU, where a
+    compaction's copy divides every kept entry's index several times (about 3 of its 38 ms at 2000 prompt tokens).
+    The same values for negative indices (an arithmetic shift floors, the mask gives the non-negative remainder)."""
+    if size > 0 and size & (size - 1) == 0:
+        return index >> (size.bit_length() - 1), index & (size - 1)
+    return index // size, index % size
+
+
 def identity_pages(block_row: Tensor, num_heads: int) -> Tensor:
     """``[H, num_blocks_in_row]``: head h's pages of an uncompressed request, ``row[j] * H + h``."""
     heads = torch.arange(num_heads, device=block_row.device, dtype=torch.int64)
