@@ -52,6 +52,8 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --json benchmarks/results/route_probes_issue56_chunk_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --peaks 2 4 8 --threads 2 \
         --json benchmarks/results/route_probes_issue56_peaks_seed5_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 22 23 24 25 --lengths 1024 2048 --variants --copies --peaks 8 --chunk 4 \
+        --threads 2 --json benchmarks/results/route_probes_issue56_heldout4_seeds22_25_1k2k_cpu.json
 """
 
 from __future__ import annotations
