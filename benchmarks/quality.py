@@ -79,13 +79,15 @@ def given_keep_set(mask: torch.Tensor, num_tokens: int, label: str) -> tuple[lis
     return list(mask), mask.sum(dim=2).tolist(), 1.0 - float(mask.float().mean())
 
 
-def kvpress_settings(masks_file: dict) -> list[methods.Setting]:
-    """One setting per press and ratio of a ``kvpress_reference.py --keep-masks`` file (labels
-    ``kvpress_<press>_r<ratio>``, family ``kvpress_<press>``)."""
+def given_settings(masks_file: dict) -> list[methods.Setting]:
+    """One setting per selection and ratio of a keep-masks file: ``kvpress_reference.py --keep-masks``' (labels
+    ``kvpress_<press>_r<ratio>``, family ``kvpress_<press>``) or ``route_probes.py --keep-masks``' (its ``source``,
+    ``route_probes``, in their place)."""
+    source = masks_file.get("source", "kvpress")
     settings = []
     for label in masks_file["masks"]:
         press, ratio = label.rsplit("_r", 1)
-        settings.append(methods.Setting(f"kvpress_{label}", f"kvpress_{press}", {"target_ratio": float(ratio)}))
+        settings.append(methods.Setting(f"{source}_{label}", f"{source}_{press}", {"target_ratio": float(ratio)}))
     return settings
 
 
@@ -202,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--kvpress-masks",
+        "--given-masks",
         metavar="PATH",
         default=None,
-        help="also measure the keep sets kvpress's masking presses chose on these prompts "
-        "(kvpress_reference.py --keep-masks on --write-prompts' file)",
+        help="also measure keep sets chosen elsewhere on these prompts: kvpress's masking presses' "
+        "(kvpress_reference.py --keep-masks on --write-prompts' file) or route_probes.py --keep-masks'",
     )
     parser.add_argument(
         "--json",
@@ -257,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(samples)} prompts written to {args.write_prompts}", file=sys.stderr)
         return 0
     kvpress_masks = {"masks": {}}
+    given_labels: set[str] = set()
     if args.kvpress_masks:
         kvpress_masks = torch.load(args.kvpress_masks, weights_only=True)
-        settings += kvpress_settings(kvpress_masks)
+        settings += given_settings(kvpress_masks)
+        given_labels = {s.label for s in settings[-len(kvpress_masks["masks"]) :]}
     ref = ref_lib.ReferenceModel(args.model, dtype=getattr(torch, args.dtype))
     print(
         f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens), {len(settings)} settings",
@@ -271,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     for sample in bar:
         bar.set_postfix_str(f"{sample.sample_id} ({sample.num_tokens} tok)")
         t0 = time.perf_counter()
-        given = {f"kvpress_{label}": masks[sample.sample_id] for label, masks in kvpress_masks["masks"].items()}
+        source = kvpress_masks.get("source", "kvpress")
+        given = {f"{source}_{label}": masks[sample.sample_id] for label, masks in kvpress_masks["masks"].items()}
         row = evaluate_sample(ref, sample.prompt_ids, settings, args.max_new_tokens, given)
         row.update(
             sample_id=sample.sample_id,
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         # Each setting as it ran (no engine: the transformers reference selects with this config; a matched
         # setting's target_ratio is set per prompt to the ratio its RC row achieved there).
         "settings": [
-            {**s.to_dict(), "resolved": None if s.family.startswith("kvpress_") else resolved_config(None, s.rcstat)}
+            {**s.to_dict(), "resolved": None if s.label in given_labels else resolved_config(None, s.rcstat)}
             for s in settings
         ],
         "engine": {

@@ -34,6 +34,10 @@ keep sets that answer one question each:
   head to the power ``A`` (attention's output is ``sum_t a_t v_t``: a token's expected share is ``a_t * ||v_t||``,
   as VATP and CriticalKV weight it), then the same model-wide selection (layers compared by their means as ever).
 
+``--keep-masks PATH --prompts FILE`` instead: RC's and the variants' keep masks (no oracles) on the prompts of
+``quality.py --write-prompts FILE``, for ``quality.py --given-masks PATH`` to measure their value error beside its own
+rows (its RC row at a ratio must equal ``rc_r<ratio>`` here).
+
 ``--lookahead K ...`` instead: lazy eviction (the default) compacts a request when memory runs short, often some
 tokens into its answer. Here each prompt is compacted ``K`` tokens into the full cache's answer, its prompt scored
 either from the window the prefill kept (the prompt's last tokens: what the plugin does; the ``K`` generated tokens
@@ -54,11 +58,18 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --json benchmarks/results/route_probes_issue56_peaks_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 22 23 24 25 --lengths 1024 2048 --variants --copies --peaks 8 --chunk 4 \
         --threads 2 --json benchmarks/results/route_probes_issue56_heldout4_seeds22_25_1k2k_cpu.json
+    python benchmarks/quality.py --write-prompts /tmp/quality_prompts.json
+    python benchmarks/route_probes.py --keep-masks /tmp/probe_masks.pt --prompts /tmp/quality_prompts.json \
+        --ratios 0.8 0.9 --variants --copies --chunk 4 --peaks 8
+    python benchmarks/quality.py --cliff-ablation --variants rc_model_w32_s3_k4_c8_max_lc0.5 \
+        rc_model_w32_s5_k4_c8_max_lc0.5 --ratios 0.8 0.9 --given-masks /tmp/probe_masks.pt --threads 1 \
+        --json benchmarks/results/quality_issue56_chunk_peaks_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import types
@@ -164,6 +175,48 @@ def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.T
     return out
 
 
+def selections(scores: list[torch.Tensor], prefill, config: RCStatConfig, args) -> dict[str, list[torch.Tensor]]:
+    """The keep sets of every variant ``args`` asks for (not the oracles, which need the answers), by name, at
+    ``config``'s ratio and pooled budget."""
+    out: dict[str, list[torch.Tensor]] = {}
+    if "shared" in args.variants:
+        for how in ("max", "mean"):
+            out[f"shared_{how}"] = ref_lib.select_layers(shared(scores, how), config).masks
+    for g in args.copies if "copies" in args.variants else []:
+        out[f"copies_{g:g}"] = ref_lib.select_layers(copies_discounted(scores, g), config).masks
+    for w in args.cross_layer:
+        out[f"cross_layer_{w:g}"] = ref_lib.select_layers(cross_layer(scores, w, config.sink_tokens), config).masks
+    for k in args.peaks:
+        out[f"peaks_{k}"] = ref_lib.select_layers(peaks_lifted(scores, k, config.sink_tokens), config).masks
+    for c in args.chunk:
+        out[f"chunk_{c}"] = ref_lib.select_layers(chunked(scores, c), config).masks
+    for a in args.value_norm:
+        out[f"value_norm_{a:g}"] = ref_lib.select_layers(value_weighted(scores, prefill.values, a), config).masks
+    return out
+
+
+def export_keep_masks(ref, args) -> None:
+    """``--keep-masks``: RC's and every variant's keep masks on the prompts of ``--prompts`` (``quality.py
+    --write-prompts``' file), for ``quality.py --given-masks``: {"source": "route_probes", "environment", "masks":
+    {label: {sample_id: [L, H, n] bool}}, "prompt_lengths"}, labels ``<variant>_r<ratio>`` (``rc_r0.8``: RC's own,
+    which quality.py's RC row at that ratio must equal)."""
+    samples = json.loads(Path(args.prompts).read_text())["samples"]
+    env = {key: str(value) if isinstance(value, str) else value for key, value in environment().items()}
+    out: dict = {"source": "route_probes", "environment": env, "masks": {}, "prompt_lengths": {}}
+    for sample in tqdm(samples, desc="keep masks", file=sys.stderr):
+        prefill = ref.prefill(sample["prompt_ids"])
+        out["prompt_lengths"][sample["sample_id"]] = len(sample["prompt_ids"])
+        for ratio in args.ratios:
+            config = RCStatConfig().merged({"method": "rc", "target_ratio": ratio})
+            scores = ref_lib.score_layers(prefill, config)
+            masks = {"rc": ref_lib.select_layers(scores, config).masks, **selections(scores, prefill, config, args)}
+            for name, layers in masks.items():
+                out["masks"].setdefault(f"{name}_r{ratio:g}", {})[sample["sample_id"]] = torch.stack(layers)
+    Path(args.keep_masks).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, args.keep_masks)
+    print(f"keep masks of {', '.join(out['masks'])} for {len(samples)} prompts written to {args.keep_masks}")
+
+
 def lookahead_row(ref, sample, prefill, full_tokens, full, ks, ratios, found_after, totals) -> dict:
     """One prompt compacted ``k`` tokens into its answer, for each ``k`` and ratio: scored from the prefill's window
     or from the most recent tokens' (see the module's docstring)."""
@@ -201,10 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", nargs="*", default=["shared", "copies", "oracle"], choices=["shared", "copies", "oracle"]
     )
     parser.add_argument("--lookahead", type=int, nargs="*", default=None, help="compaction points K (see above)")
+    parser.add_argument("--keep-masks", metavar="PATH", default=None, help="write keep masks instead (see above)")
+    parser.add_argument("--prompts", metavar="PATH", default=None, help="--keep-masks' prompts (quality.py's)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=str(routes.RESULTS_DIR / "route_probes_cpu.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.keep_masks:
+        if not args.prompts:
+            parser.error("--keep-masks needs --prompts (quality.py --write-prompts' file)")
+        export_keep_masks(ref_lib.ReferenceModel(), args)
+        return 0
     tokenizer = data.load_tokenizer()
     spec = types.SimpleNamespace(
         tasks=NEEDLES, lengths=args.lengths, depths=[0.25, 0.75], probes=0, people=4, probe_lengths=None
@@ -246,23 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             scores = ref_lib.score_layers(prefill, config)
             keep = ref_lib.select_layers(scores, config)
             rc = found(prefill, keep.masks, sample)
-            variants: dict[str, tuple[list[torch.Tensor], int]] = {}
-            if "shared" in args.variants:
-                for how in ("max", "mean"):
-                    variants[f"shared_{how}"] = (ref_lib.select_layers(shared(scores, how), config).masks, 0)
-            for g in args.copies if "copies" in args.variants else []:
-                variants[f"copies_{g:g}"] = (ref_lib.select_layers(copies_discounted(scores, g), config).masks, 0)
-            for w in args.cross_layer:
-                lifted = cross_layer(scores, w, config.sink_tokens)
-                variants[f"cross_layer_{w:g}"] = (ref_lib.select_layers(lifted, config).masks, 0)
-            for k in args.peaks:
-                lifted = peaks_lifted(scores, k, config.sink_tokens)
-                variants[f"peaks_{k}"] = (ref_lib.select_layers(lifted, config).masks, 0)
-            for c in args.chunk:
-                variants[f"chunk_{c}"] = (ref_lib.select_layers(chunked(scores, c), config).masks, 0)
-            for a in args.value_norm:
-                weighted = value_weighted(scores, prefill.values, a)
-                variants[f"value_norm_{a:g}"] = (ref_lib.select_layers(weighted, config).masks, 0)
+            variants = {name: (masks, 0) for name, masks in selections(scores, prefill, config, args).items()}
             if "oracle" in args.variants and any(f and not r for f, r in zip(full, rc)):
                 kept = sum(int(m.sum()) for m in keep.masks)
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):

@@ -662,16 +662,19 @@ def test_planted_facts_prompts_hold_their_fact_once_at_their_depth(tokenizer):
 
 
 def test_quality_measures_keep_sets_made_elsewhere():
-    """quality.py --kvpress-masks: a kvpress masking press's keep sets become settings (label, family, ratio) and
-    are measured as given: their evicted share and kept counts come from the masks."""
+    """quality.py --kvpress-masks / --given-masks: a kvpress masking press's keep sets (or route_probes.py's, under
+    their source's name) become settings (label, family, ratio) and are measured as given: their evicted share and
+    kept counts come from the masks."""
     import quality
     import torch
 
-    settings = quality.kvpress_settings({"masks": {"kvzip_r0.8": {}, "adakv_expected_attention_r0.5": {}}})
+    settings = quality.given_settings({"masks": {"kvzip_r0.8": {}, "adakv_expected_attention_r0.5": {}}})
     assert [(s.label, s.family, s.rcstat) for s in settings] == [
         ("kvpress_kvzip_r0.8", "kvpress_kvzip", {"target_ratio": 0.8}),
         ("kvpress_adakv_expected_attention_r0.5", "kvpress_adakv_expected_attention", {"target_ratio": 0.5}),
     ]
+    probes = quality.given_settings({"source": "route_probes", "masks": {"chunk_4_r0.8": {}}})
+    assert [(s.label, s.family) for s in probes] == [("route_probes_chunk_4_r0.8", "route_probes_chunk_4")]
     mask = torch.tensor([[[True, False, False, True]], [[True, True, True, True]]])  # [L=2, H=1, n=4]
     masks, kept, ratio = quality.given_keep_set(mask, 4, "x")
     assert (
