@@ -263,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     given_labels: set[str] = set()
     if args.kvpress_masks:
         kvpress_masks = torch.load(args.kvpress_masks, weights_only=True)
-        settings += given_settings(kvpress_masks)
-        given_labels = {s.label for s in settings[-len(kvpress_masks["masks"]) :]}
+        given = given_settings(kvpress_masks)
+        settings += given
+        given_labels = {s.label for s in given}
+    source = kvpress_masks.get("source", "kvpress")
     ref = ref_lib.ReferenceModel(args.model, dtype=getattr(torch, args.dtype))
     print(
         f"{len(samples)} prompts ({sum(s.num_tokens for s in samples)} tokens), {len(settings)} settings",
@@ -276,9 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     for sample in bar:
         bar.set_postfix_str(f"{sample.sample_id} ({sample.num_tokens} tok)")
         t0 = time.perf_counter()
-        source = kvpress_masks.get("source", "kvpress")
-        given = {f"{source}_{label}": masks[sample.sample_id] for label, masks in kvpress_masks["masks"].items()}
-        row = evaluate_sample(ref, sample.prompt_ids, settings, args.max_new_tokens, given)
+        given_masks = {f"{source}_{label}": masks[sample.sample_id] for label, masks in kvpress_masks["masks"].items()}
+        row = evaluate_sample(ref, sample.prompt_ids, settings, args.max_new_tokens, given_masks)
         row.update(
             sample_id=sample.sample_id,
             task=sample.task,
