@@ -361,6 +361,18 @@ CLIFF_VARIANTS = {
         contrast_radius=256,
         value_weight=1.0,
     ),
+    # The 0.8 defaults with chunks of 4 (issue 56: ChunkKV's unit, the lead route_probes.py's held-out seeds left).
+    "rc_model_w32_s3_k4_c8_max_lc0.5_ch4": _rc_variant(
+        32,
+        "model",
+        3,
+        sinks=4,
+        carry_forward=8,
+        query_reduction="max",
+        local_contrast=0.5,
+        contrast_radius=256,
+        chunk=4,
+    ),
     # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
     "rc_model_w32_o8_s3_k4": _rc_variant(32, "model", 3, sinks=4, observation_window=8),
     "rc_layer_w8_k4": _rc_variant(8, "layer", 1, sinks=4),

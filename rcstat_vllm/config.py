@@ -230,6 +230,10 @@ class RCStatConfig:
             that KV head to this power (attention's output is the attention-weighted sum of values, so a token's
             share of it is its weight times its value's norm); the prompt's values are then read at scoring time.
             0 = the paper's scores. Threshold mode compares the scores themselves with ``c`` and ignores it.
+        chunk: RC in budget mode only: after carrying, each score is replaced by the mean over its chunk of this many
+            tokens, counted from the first token scored (the prompt's first, or the first block boundary a prefix-cache
+            hit leaves to score: a chunk that divides the block size chunks both alike), so a head keeps or drops a
+            multi-token value together (ChunkKV's unit). 1 = the paper's scores.
         kernel_size: SnapKV only: the width of its average pooling along tokens (odd; 5 as published).
         eviction: when the selected entries are compacted and the freed blocks returned: ``eager`` right after the
             prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
@@ -267,6 +271,7 @@ class RCStatConfig:
     contrast_radius: int = _default("contrast_radius")
     query_reduction: str = _default("query_reduction")
     value_weight: float = _default("value_weight")
+    chunk: int = _default("chunk")
     kernel_size: int = _default("kernel_size")
     eviction: str = _default("eviction")
     decode_budget: int | None = _default("decode_budget")

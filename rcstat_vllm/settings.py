@@ -80,7 +80,7 @@ def window_queries(config: RCStatConfig) -> int:
 def scorer_options(config: RCStatConfig) -> dict:
     """The scorer's constructor options, from its registry line: the observed queries (:func:`observed_queries`,
     when the method observes a window), each of its own knobs (``Knob.option``) and the general settings it shares
-    (StreamingLLM's sinks). One rule on top: RC's local contrast and value weighting apply in budget mode only.
+    (StreamingLLM's sinks). One rule on top: RC's local contrast, value weighting and chunks apply in budget mode only.
     Threshold mode is RCStat's own rule (Eq. 9: each head evicts what scores below ``c`` times its mean, so heads and
     layers keep what their scores say); the contrast flattens the differences it adapts to (the capacity test's
     layers kept 1.4-5.5x more in the fullest than the emptiest with it, 1.5-5.8x without) and was measured in budget
@@ -94,6 +94,7 @@ def scorer_options(config: RCStatConfig) -> dict:
     if config.method == "rc" and not config.budget_mode:
         options["local_contrast"] = 0.0
         options["value_weight"] = 0.0
+        options["chunk"] = 1
     return options
 
 

@@ -18,7 +18,7 @@ from rcstat_vllm.scoring import (
     get_scorer,
     select_budget,
 )
-from rcstat_vllm.scoring.base import carry_forward, local_contrast, smooth_scores
+from rcstat_vllm.scoring.base import carry_forward, chunk_mean, local_contrast, smooth_scores
 
 INF = float("inf")
 LN2, LN3 = math.log(2), math.log(3)
@@ -87,6 +87,33 @@ def test_carry_forward_is_a_one_sided_running_max():
     for tokens in (1, 3, 10, 20):
         expect = torch.stack([rows[..., max(0, i - tokens) : i + 1].amax(-1) for i in range(11)], dim=-1)
         assert torch.equal(carry_forward(rows, tokens), expect)
+
+
+def test_chunk_mean_averages_each_chunk_from_the_rows_first_token():
+    """Chunks of ``size`` from the first token (a last, shorter one averaging what it has); right-aligned rows
+    chunked from their own first column, the columns before left as they are (-inf padding stays -inf)."""
+    scores = torch.tensor([[1.0, 3.0, 5.0, 7.0, 9.0], [0.0, 2.0, 4.0, 6.0, 8.0]])
+    assert chunk_mean(scores, 2).tolist() == [[2.0, 2.0, 6.0, 6.0, 9.0], [1.0, 1.0, 5.0, 5.0, 8.0]]
+    assert chunk_mean(scores, 1) is scores
+    padded = torch.tensor([[float("-inf"), float("-inf"), 1.0, 3.0, 5.0], [0.0, 2.0, 4.0, 6.0, 8.0]])
+    ragged = chunk_mean(padded, 2, first=torch.tensor([2, 0]))
+    assert ragged.tolist() == [[float("-inf"), float("-inf"), 2.0, 2.0, 5.0], [1.0, 1.0, 5.0, 5.0, 8.0]]
+    # Against the definition on random rows, every size (wider than the row included).
+    rows = torch.randn(3, 2, 11)
+    for size in (2, 3, 4, 11, 16):
+        expect = torch.stack([rows[..., i // size * size : (i // size + 1) * size].mean(-1) for i in range(11)], -1)
+        torch.testing.assert_close(chunk_mean(rows, size), expect)
+
+
+def test_rc_scorer_averages_by_chunk_after_carrying_and_before_the_window_is_marked():
+    """RC with ``chunk``: its finished scores (carried, the window +inf) are its unchunked scores' chunk means over
+    the prompt tokens, the window untouched."""
+    gen = torch.Generator().manual_seed(3)
+    q_window, keys = torch.randn(4, 8, 16, generator=gen), torch.randn(2, 70, 16, generator=gen)
+    plain = RCScorer(window_size=8).score(q_window, keys, keys, 1.0)
+    chunked = RCScorer(window_size=8, chunk=4).score(q_window, keys, keys, 1.0)
+    assert torch.isinf(chunked[:, -8:]).all()
+    torch.testing.assert_close(chunked[:, :-8], chunk_mean(plain[:, :-8], 4))
 
 
 def test_local_contrast_divides_by_the_neighbourhood_mean_to_a_power():

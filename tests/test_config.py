@@ -142,6 +142,7 @@ def test_good_config_round_trips():
         "contrast_radius": 128,
         "query_reduction": "mean",
         "value_weight": 0.5,
+        "chunk": 4,
         "observation_window": None,
         "eviction": "lazy",
         "kernel_size": 7,
@@ -232,6 +233,9 @@ def test_local_contrast_reaches_rcs_scorer_in_budget_mode_only():
     assert contrast(target_ratio=0.8, local_contrast=0.25, contrast_radius=64) == (0.25, 64)
     assert contrast(local_contrast=0) == (0.0, RCStatConfig().contrast_radius)
     assert contrast(c=1.0, target_ratio=None)[0] == 0.0
+    chunk = get_scorer("rc", **scorer_options(RCStatConfig.from_dict({"chunk": 4}))).chunk
+    threshold_chunk = get_scorer("rc", **scorer_options(RCStatConfig.from_dict({"chunk": 4, "c": 1.0}))).chunk
+    assert (chunk, threshold_chunk) == (4, 1)
 
 
 def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction_defers_it(caplog):

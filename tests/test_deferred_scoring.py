@@ -35,7 +35,15 @@ def windows(num_queries, seed=1):
 
 @pytest.mark.parametrize(
     "method, knobs",
-    [("rc", {}), ("rc", {"value_weight": 1.0}), ("snapkv", {}), ("knorm", {}), ("streaming", {}), ("tova", {})],
+    [
+        ("rc", {}),
+        ("rc", {"value_weight": 1.0}),
+        ("rc", {"chunk": 4}),
+        ("snapkv", {}),
+        ("knorm", {}),
+        ("streaming", {}),
+        ("tova", {}),
+    ],
 )
 def test_score_layers_gives_each_layers_own_scores(method, knobs):
     config = RCStatConfig(method=method, **knobs)

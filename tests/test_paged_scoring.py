@@ -209,6 +209,8 @@ SCORER_CASES = [
     ),
     ("rc", {"value_weight": 1.0}),
     ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "value_weight": 0.5}),
+    ("rc", {"chunk": 4}),
+    ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "chunk": 3}),
     ("snapkv", {}),
     ("snapkv", {"window_size": 6, "kernel_size": 3}),
     ("tova", {}),
@@ -298,20 +300,22 @@ def test_every_scorer_scores_a_paged_prompt_as_its_dense_copy(spy_kernels, metho
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize(
-    "method, cached, first_block, contrast",
+    "method, cached, first_block, contrast, chunk",
     [
-        ("rc", 64, 3, 0.0),  # reads from 64 - (8 + 3 // 2) = 55, in block 3 (48..63)
-        ("rc", 96, 5, 0.0),  # 96 - 9 = 87, in block 5 (80..95)
-        ("rc", 120, 5, 0.0),  # 112 shared; the window (the last 32 of 123) reaches back to 91, in block 5
-        ("rc", 8, 0, 0.0),  # less than a block cached: nothing shared, all read
-        ("rc", 96, 4, 0.5),  # contrasted over 20 tokens each side: 96 - 9 - 20 = 67, in block 4 (64..79)
-        ("rc", 64, 2, 0.5),  # 64 - 29 = 35, in block 2 (32..47)
-        ("snapkv", 96, 0, 0.0),  # a softmax over every key: all read
-        ("tova", 96, 0, 0.0),
+        ("rc", 64, 3, 0.0, 1),  # reads from 64 - (8 + 3 // 2) = 55, in block 3 (48..63)
+        ("rc", 96, 5, 0.0, 1),  # 96 - 9 = 87, in block 5 (80..95)
+        ("rc", 120, 5, 0.0, 1),  # 112 shared; the window (the last 32 of 123) reaches back to 91, in block 5
+        ("rc", 8, 0, 0.0, 1),  # less than a block cached: nothing shared, all read
+        ("rc", 96, 4, 0.5, 1),  # contrasted over 20 tokens each side: 96 - 9 - 20 = 67, in block 4 (64..79)
+        ("rc", 64, 2, 0.5, 1),  # 64 - 29 = 35, in block 2 (32..47)
+        ("rc", 96, 5, 0.0, 8),  # chunks of 8: 96 - 9 - 7 = 80, in block 5 (80..95), chunks counted from there alike
+        ("rc", 64, 2, 0.0, 16),  # chunks of 16 (the block size): 64 - 9 - 15 = 40, in block 2 (32..47)
+        ("snapkv", 96, 0, 0.0, 1),  # a softmax over every key: all read
+        ("tova", 96, 0, 0.0, 1),
     ],
 )
 def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(
-    monkeypatch, spy_kernels, method, cached, first_block, contrast, use_triton
+    monkeypatch, spy_kernels, method, cached, first_block, contrast, chunk, use_triton
 ):
     """Prompt tokens served from the prefix cache are kept whole, so their scores are never read: RC (each token's
     score from its own key and the window's, then smoothing and carrying a few tokens) reads the prompt from the
@@ -321,7 +325,7 @@ def test_a_cached_prefix_is_not_scored_and_what_is_scored_is_unchanged(
         fake_cuda(monkeypatch)
     num_tokens = 123
     config = RCStatConfig(
-        method=method, smoothing=3, carry_forward=8, window=32, local_contrast=contrast, contrast_radius=20
+        method=method, smoothing=3, carry_forward=8, window=32, local_contrast=contrast, contrast_radius=20, chunk=chunk
     )
     kv_cache, block_row, query = flash_request(num_tokens, 3, seed=9)
     whole = score_layer(config, kv_cache, block_row, query)

@@ -36,6 +36,7 @@ __all__ = [
     "PagedPrompt",
     "Scorer",
     "carry_forward",
+    "chunk_mean",
     "group_queries",
     "local_contrast",
     "mark_window_kept",
@@ -122,6 +123,32 @@ def local_contrast(scores: Tensor, strength: float, radius: int, first: Tensor |
     # A neighbourhood of zeros holds only zeros: 0 / tiny stays 0.
     contrasted = flat / mean.clamp_min(torch.finfo(torch.float64).tiny).pow(strength)
     return contrasted.to(scores.dtype).reshape(scores.shape)
+
+
+def chunk_mean(scores: Tensor, size: int, first: Tensor | None = None) -> Tensor:
+    """Each score replaced by the mean of its chunk: ``size`` consecutive tokens counted from the first (a last,
+    shorter chunk averages the tokens it has): [..., n] -> [..., n]. ``first`` ``[rows]`` (of a 2-D ``scores``),
+    when given: each row's tokens start at that column (right-aligned rows of different lengths, as decode-time
+    scoring holds them) and its chunks are counted from there; the columns before keep their values.
+
+    Why RC may want it (ChunkKV's unit): a value the answer copies is several tokens (a number's digits), read one by
+    one by the answer's own queries, not by the window's; scored by chunk, a head keeps or drops them together. No
+    host synchronisation (a decode step's scoring runs it)."""
+    if size == 1 or scores.shape[-1] == 0:
+        return scores
+    n = scores.shape[-1]
+    flat = scores.reshape(-1, n)
+    rows = flat.shape[0]
+    start = torch.zeros(rows, dtype=torch.int64, device=scores.device) if first is None else first.to(torch.int64)
+    column = torch.arange(n, device=scores.device) - start.unsqueeze(1)  # [rows, n]: position in the row's tokens
+    real = column >= 0
+    chunks = -(-n // size)
+    index = torch.arange(rows, device=scores.device).unsqueeze(1) * chunks + column.clamp_min(0) // size
+    weight = real.to(flat.dtype)
+    sums = flat.new_zeros(rows * chunks).index_add_(0, index.flatten(), torch.where(real, flat, 0.0).flatten())
+    counts = flat.new_zeros(rows * chunks).index_add_(0, index.flatten(), weight.flatten())
+    means = (sums / counts.clamp_min(1))[index]
+    return torch.where(real, means, flat).reshape(scores.shape)
 
 
 def value_weighted(scores: Tensor, value_norms: Tensor, power: float) -> Tensor:

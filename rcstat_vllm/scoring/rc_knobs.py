@@ -24,8 +24,8 @@ class RCKnobs:
 
     Attributes:
         window: the observation window (the config's ``window``: RC observes the window it keeps).
-        smoothing, carry_forward, local_contrast, contrast_radius, query_reduction, value_weight: the scorer's knobs,
-            under the config's names.
+        smoothing, carry_forward, local_contrast, contrast_radius, query_reduction, value_weight, chunk: the
+            scorer's knobs, under the config's names.
     """
 
     window: int
@@ -35,6 +35,7 @@ class RCKnobs:
     contrast_radius: int
     query_reduction: str
     value_weight: float
+    chunk: int
 
     def scorer_options(self) -> dict:
         """The scorer's constructor options (``window`` is its ``window_size``)."""
@@ -57,4 +58,5 @@ RC_PAPER = RCKnobs(
     contrast_radius=256,
     query_reduction="mean",
     value_weight=0.0,
+    chunk=1,
 )

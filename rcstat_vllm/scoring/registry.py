@@ -113,6 +113,13 @@ RC_KNOBS = (
         maximum=2,
         option="value_weight",
     ),
+    Knob(
+        "chunk",
+        1,
+        "RC, budget mode: each score the mean over its chunk of this many tokens (1 = RCStat's)",
+        minimum=1,
+        option="chunk",
+    ),
 )
 
 #: A general setting a method reads too: StreamingLLM's attention sinks are the tokens every head keeps (the config

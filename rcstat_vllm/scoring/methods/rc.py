@@ -17,6 +17,7 @@ from ..base import (
     PagedPrompt,
     Scorer,
     carry_forward,
+    chunk_mean,
     local_contrast,
     mark_window_kept,
     smooth_scores,
@@ -58,6 +59,9 @@ class RCScorer(Scorer):
             this power (:func:`~rcstat_vllm.scoring.base.value_weighted`; the config's ``value_weight``): RC says how
             much the window reads a token, the norm how much reading it moves the head's output; 0 = the paper's
             scores (and the values are not read).
+        chunk: after carrying, each score is the mean over its chunk of this many tokens, counted from the first
+            token scored (:func:`~rcstat_vllm.scoring.base.chunk_mean`; the config's ``chunk``): a head keeps or
+            drops a multi-token value together; 1 = the paper's scores.
     """
 
     name = "rc"
@@ -71,6 +75,7 @@ class RCScorer(Scorer):
     contrast_radius: int = RC_DEFAULTS.contrast_radius
     query_reduction: str = RC_DEFAULTS.query_reduction
     value_weight: float = RC_DEFAULTS.value_weight
+    chunk: int = RC_DEFAULTS.chunk
 
     @property
     def needs_value_norms(self) -> bool:
@@ -85,9 +90,11 @@ class RCScorer(Scorer):
 
     def _finish(self, scores: Tensor, window: int, value_norms: Tensor | None) -> Tensor:
         """[Hkv, n - w] per-token RC (already the GQA mean) -> [Hkv, n]: contrasted with its neighbourhood, smoothed,
-        carried forward, window kept, weighted by ``value_norms`` ``[Hkv, n]`` (None when ``value_weight`` is 0)."""
+        carried forward, averaged by chunk, window kept, weighted by ``value_norms`` ``[Hkv, n]`` (None when
+        ``value_weight`` is 0)."""
         scores = local_contrast(scores, self.local_contrast, self.contrast_radius)
         scores = carry_forward(smooth_scores(scores, self.smoothing), self.carry_forward)
+        scores = chunk_mean(scores, self.chunk)
         return self._weighted(mark_window_kept(scores, window), value_norms)
 
     def _weighted(self, scores: Tensor, value_norms: Tensor | None) -> Tensor:
@@ -105,10 +112,11 @@ class RCScorer(Scorer):
 
     def scored_from(self, first_token: int, num_tokens: int, num_queries: int) -> int:
         """Eq. 6 of a token reads only its own key and the window's; the contrast reads ``contrast_radius`` tokens on
-        either side, smoothing ``smoothing // 2`` and carrying the ``carry_forward`` before, so scoring from
-        ``first_token - reach`` gives the whole prompt's scores from ``first_token`` on (the window, the last
-        tokens, always read)."""
+        either side, smoothing ``smoothing // 2`` and carrying the ``carry_forward`` before, a chunk its other
+        tokens, so scoring from ``first_token - reach`` gives the whole prompt's scores from ``first_token`` on (the
+        window, the last tokens, always read; chunks are counted from where scoring starts, a block boundary)."""
         reach = self.carry_forward + self.smoothing // 2 + (self.contrast_radius if self.local_contrast else 0)
+        reach += self.chunk - 1
         window = min(num_queries, self.window_size, num_tokens)
         return max(0, min(first_token - reach, num_tokens - window))
 
@@ -149,6 +157,7 @@ class RCScorer(Scorer):
         scores = local_contrast(scores, self.local_contrast, self.contrast_radius, first=first)
         scores = smooth_scores(scores.masked_fill(padding, 0.0), self.smoothing)
         scores = carry_forward(scores.masked_fill(padding, float("-inf")), self.carry_forward)
+        scores = chunk_mean(scores, self.chunk, first=first)  # (the padding stays -inf)
         return self._weighted(mark_window_kept(scores, window), value_norms)
 
     def head_pages_kernel_applies(self, key_cache: Tensor, num_queries: int, counts: Tensor) -> bool:
