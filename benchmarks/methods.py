@@ -317,6 +317,11 @@ def _rc_variant(
     }
 
 
+#: The current defaults' knobs past the window, scope and smoothing (sinks, carrying, the max over queries, local
+#: contrast), which the ``..._k4_c8_max_lc0.5`` variants share.
+_CONTRASTED = dict(sinks=4, carry_forward=8, query_reduction="max", local_contrast=0.5, contrast_radius=256)
+
+
 #: RC variants of the high-compression ablation (benchmarks/results/accuracy_cliff*.json): label -> settings on top of
 #: {"method": "rc", "target_ratio": r}.
 CLIFF_VARIANTS = {
@@ -342,37 +347,13 @@ CLIFF_VARIANTS = {
     # ... and each token scored by the window query that reads it most.
     "rc_model_w32_s3_k4_c8_max": _rc_variant(32, "model", 3, sinks=4, carry_forward=8, query_reduction="max"),
     # ... and each score divided by the square root of its 256 neighbours' mean: the current default's settings.
-    "rc_model_w32_s3_k4_c8_max_lc0.5": _rc_variant(
-        32, "model", 3, sinks=4, carry_forward=8, query_reduction="max", local_contrast=0.5, contrast_radius=256
-    ),
+    "rc_model_w32_s3_k4_c8_max_lc0.5": _rc_variant(32, "model", 3, **_CONTRASTED),
     # ... with smoothing over 5 tokens (issue 56: the candidate for the high ratios).
-    "rc_model_w32_s5_k4_c8_max_lc0.5": _rc_variant(
-        32, "model", 5, sinks=4, carry_forward=8, query_reduction="max", local_contrast=0.5, contrast_radius=256
-    ),
+    "rc_model_w32_s5_k4_c8_max_lc0.5": _rc_variant(32, "model", 5, **_CONTRASTED),
     # ... and each score times its token's value norm (issue 56: value weighting, the candidate from 0.9 on).
-    "rc_model_w32_s5_k4_c8_max_lc0.5_v1": _rc_variant(
-        32,
-        "model",
-        5,
-        sinks=4,
-        carry_forward=8,
-        query_reduction="max",
-        local_contrast=0.5,
-        contrast_radius=256,
-        value_weight=1.0,
-    ),
+    "rc_model_w32_s5_k4_c8_max_lc0.5_v1": _rc_variant(32, "model", 5, **_CONTRASTED, value_weight=1.0),
     # The 0.8 defaults with chunks of 4 (issue 56: ChunkKV's unit, the lead route_probes.py's held-out seeds left).
-    "rc_model_w32_s3_k4_c8_max_lc0.5_ch4": _rc_variant(
-        32,
-        "model",
-        3,
-        sinks=4,
-        carry_forward=8,
-        query_reduction="max",
-        local_contrast=0.5,
-        contrast_radius=256,
-        chunk=4,
-    ),
+    "rc_model_w32_s3_k4_c8_max_lc0.5_ch4": _rc_variant(32, "model", 3, **_CONTRASTED, chunk=4),
     # The default with 8 observed queries (the chat template's tail) while keeping the last 32 tokens.
     "rc_model_w32_o8_s3_k4": _rc_variant(32, "model", 3, sinks=4, observation_window=8),
     "rc_layer_w8_k4": _rc_variant(8, "layer", 1, sinks=4),
