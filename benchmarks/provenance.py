@@ -67,6 +67,7 @@ INTRODUCED = {
     "decode_interval": 128,
     "smoothing": 1,
     "budget_scope": "layer",
+    "chunk": 1,
 }
 #: Fields that do not change what a row measures when nothing reads them (threshold mode ignores the contrast, a
 #: per-layer budget the floor, decode fields with no decode budget): left out of comparisons where unread.
@@ -84,6 +85,7 @@ COMPARED = (
     "local_contrast",
     "contrast_radius",
     "query_reduction",
+    "chunk",
     "eviction",
     "decode_budget",
     "decode_interval",
@@ -243,9 +245,9 @@ def _read(config: Mapping) -> set[str]:
     if config.get("method") == "none":
         return {"method"}
     if config.get("method") != "rc":
-        fields -= {"smoothing", "carry_forward", "local_contrast", "contrast_radius", "query_reduction"}
+        fields -= {"smoothing", "carry_forward", "local_contrast", "contrast_radius", "query_reduction", "chunk"}
     if config.get("target_ratio") is None:
-        fields -= {"local_contrast", "contrast_radius", "budget_scope", "layer_floor"}
+        fields -= {"local_contrast", "contrast_radius", "budget_scope", "layer_floor", "chunk"}
     else:
         fields -= {"c"}
     if config.get("budget_scope") != "model":

@@ -414,6 +414,11 @@ def describe(entry: dict, config: dict | None = None, eviction: bool = False) ->
         # Older runs predate it too (no contrast); threshold mode does not apply it.
         if c.get("local_contrast") and c.get("target_ratio") is not None:
             parts.append(f"contrast {c['local_contrast']:g} over {c['contrast_radius']} tokens")
+        # Budget mode only, and off in runs that predate them.
+        if c.get("chunk", 1) > 1 and c.get("target_ratio") is not None:
+            parts.append(f"chunks of {c['chunk']}")
+        if c.get("value_weight") and c.get("target_ratio") is not None:
+            parts.append(f"value weight {c['value_weight']:g}")
     if c.get("sink_tokens"):
         parts.append(f"{c['sink_tokens']} sink tokens")
     if c.get("target_ratio") is not None and c.get("budget_scope") == "model" and c.get("layer_floor"):

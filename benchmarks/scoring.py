@@ -7,7 +7,8 @@ ratio is taken against ``q_window @ K^T`` with the same w: the cost every logit-
 Besides the paper's scores, RC as the plugin ships it (its knobs' defaults, w = 32) scores a paged cache the way the
 engine does (``Scorer.score_paged``: the torch gather on a CPU, the Triton kernel on CUDA), once as the defaults are
 and once weighted by the values' norms (``value_weight`` 1, issue 56: the only row that reads the value cache); the
-second's ratio is taken against the first (``baseline``), the cost of value weighting.
+second's ratio is taken against the first (``baseline``), the cost of value weighting; and once with scores averaged
+over chunks of 4 tokens (``chunk`` 4, the default from a budget of 0.8 up to 0.9), against the first too.
 
 * CPU (always): the torch paths the engine runs on vLLM-CPU, float32.
 * CUDA (when available): the torch paths plus the Triton kernels reading a paged bf16 cache.
@@ -122,8 +123,8 @@ def paged_cache(keys: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[t
 
 
 def shipped_rc_rows(n: int, queries: torch.Tensor, keys: torch.Tensor, device: torch.device) -> list[tuple]:
-    """RC with the plugin's defaults through ``score_paged`` over a paged key and value cache, without and with
-    ``value_weight`` 1 (the second's baseline the first: what weighting by the values' norms adds)."""
+    """RC with the plugin's defaults through ``score_paged`` over a paged key and value cache, as they are, with
+    ``value_weight`` 1 and with ``chunk`` 4 (the baseline of both the first: what each adds)."""
     values = torch.randn_like(keys)
     key_cache, table = paged_cache(keys)
     value_cache, _ = paged_cache(values, table)
@@ -131,7 +132,7 @@ def shipped_rc_rows(n: int, queries: torch.Tensor, keys: torch.Tensor, device: t
     q_window = queries[:, -SHIPPED_RC_WINDOW:]
     use_triton = device.type == "cuda"
     path = "triton paged" if use_triton else "torch paged"
-    plain, weighted = RCScorer(), RCScorer(value_weight=1.0)
+    plain, weighted, chunked = RCScorer(), RCScorer(value_weight=1.0), RCScorer(chunk=4)
     return [
         (f"rc shipped {path}", SHIPPED_RC_WINDOW, None, lambda: plain.score_paged(q_window, prompt, 1.0, use_triton)),
         (
@@ -139,6 +140,12 @@ def shipped_rc_rows(n: int, queries: torch.Tensor, keys: torch.Tensor, device: t
             SHIPPED_RC_WINDOW,
             f"rc shipped {path}",
             lambda: weighted.score_paged(q_window, prompt, 1.0, use_triton),
+        ),
+        (
+            f"rc shipped chunk 4 {path}",
+            SHIPPED_RC_WINDOW,
+            f"rc shipped {path}",
+            lambda: chunked.score_paged(q_window, prompt, 1.0, use_triton),
         ),
     ]
 
