@@ -81,6 +81,7 @@ PAPER_RC = {
     "sink_tokens": 0,
     "query_reduction": "mean",
     "local_contrast": 0.0,
+    "chunk": 1,
 }
 #: What kvpress's presses do beside their scoring, pinned for the baselines of build_settings: a per-layer budget,
 #: no sink tokens (the plugin's defaults became model-wide with 4 sinks; a baseline row must not follow them).

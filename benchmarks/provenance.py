@@ -33,6 +33,15 @@ class DefaultChange:
     before: Any
     after: Any
     words: str
+    #: A default that depends on the budget (``Knob.by_ratio``): the ``[from, to)`` range of ``target_ratio`` it
+    #: changed at (``to`` None: no end); None: the default at every ratio, the bare config's.
+    ratios: tuple[float, float | None] | None = None
+
+    def applies_at(self, target_ratio: Any) -> bool:
+        if self.ratios is None:
+            return True
+        low, high = self.ratios
+        return isinstance(target_ratio, (int, float)) and target_ratio >= low and (high is None or target_ratio < high)
 
 
 #: Every change of a default of ``RCStatConfig`` (oldest first; ``git log -G<field> -- rcstat_vllm/config.py``). A
@@ -53,6 +62,9 @@ DEFAULT_CHANGES = (
         "74f331a", "2026-11-25T21:25:17+00:00", "query_reduction", "mean", "max", "Eq. 6's mean over queries -> the max"
     ),
     DefaultChange("5ef548a", "2026-11-26T00:42:08+00:00", "local_contrast", 0.0, 0.5, "local contrast 0 -> 0.5"),
+    # Defaults by budget (Knob.by_ratio): only rows whose target_ratio is in the range moved.
+    DefaultChange("b1317ab", "2026-11-28T11:02:12+00:00", "smoothing", 3, 5, "smoothing 3 -> 5 from 0.9", (0.9, None)),
+    DefaultChange("533158e", "2026-11-29T03:35:15+00:00", "chunk", 1, 4, "chunks of 1 -> 4 at 0.8", (0.8, 0.9)),
 )
 #: Fields that exist only since a change (absent from an older record: read as the change's ``before``).
 INTRODUCED = {
@@ -208,9 +220,22 @@ def defaults_at(o: Mapping, recorded: Mapping | None = None) -> dict:
         return {**now, **{k: v for k, v in INTRODUCED.items() if k not in recorded}, **recorded}
     then = dict(now)
     for change in reversed(DEFAULT_CHANGES):  # newest first, so the oldest undone change sets the value
-        if not in_effect(change, o):
+        if change.ratios is None and not in_effect(change, o):
             then[change.field] = change.before
     return then
+
+
+def ran_config(then: Mapping, server: Mapping | None, override: Mapping | None, o: Mapping) -> dict:
+    """The config a row ran with, from the defaults when its file was made (:func:`defaults_at`), the engine's flag
+    and the row's override: a default that depended on the budget then (a ratio-scoped change in effect) resolved
+    at the row's ``target_ratio``, unless the flag or the override gave the field."""
+    ran = merge(merge(then, server), override)
+    given = set(server or {}) | set(override or {})
+    for change in DEFAULT_CHANGES:  # oldest first: a later change of the same range wins
+        scoped = change.ratios is not None and change.field not in given
+        if scoped and in_effect(change, o) and change.applies_at(ran.get("target_ratio")):
+            ran[change.field] = change.after
+    return ran
 
 
 def merge(base: Mapping, override: Mapping | None) -> dict:

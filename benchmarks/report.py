@@ -181,7 +181,7 @@ def row_configs(data: dict) -> dict[str, dict]:
         override = e.get("rcstat", settings.get(label, {}).get("rcstat"))
         if override is None or family.startswith("kvpress_"):
             continue
-        ran = provenance.merge(provenance.merge(then, server), override)
+        ran = provenance.ran_config(then, server, override, o)
         if e.get("resolved") or settings.get(label, {}).get("resolved"):
             res = e.get("resolved") or settings[label]["resolved"]
             # A recorded resolved config is what ran; before the engine was recorded, its eviction was
