@@ -103,6 +103,9 @@ def test_chunk_mean_averages_each_chunk_from_the_rows_first_token():
     for size in (2, 3, 4, 11, 16):
         expect = torch.stack([rows[..., i // size * size : (i // size + 1) * size].mean(-1) for i in range(11)], -1)
         torch.testing.assert_close(chunk_mean(rows, size), expect)
+        # the aligned path (a view's sums) and the per-row one (scatters) agree
+        flat = rows.reshape(-1, 11)
+        torch.testing.assert_close(chunk_mean(flat, size), chunk_mean(flat, size, first=torch.zeros(6)))
 
 
 def test_rc_scorer_averages_by_chunk_after_carrying_and_before_the_window_is_marked():
