@@ -81,23 +81,12 @@ def test_a_new_methods_knob_is_one_declaration():
 
 
 # ---------------------------------------------------------------------------------------------- defaults by ratio
-# Issue 56 (docs/defaults.md, "Knobs by ratio"): RC smooths over 5 tokens from a budget of 0.9 on, over 3 below it;
-# it averages its scores over chunks of 4 tokens from 0.8 up to 0.9 (measured through vLLM at 0.8 only).
+# Issue 56 (docs/defaults.md, "Knobs by ratio"): RC smooths over 5 tokens from a budget of 0.9 on, over 3 below it.
 
 
-def test_smoothing_and_chunk_are_the_knobs_whose_defaults_follow_the_ratio():
-    assert RATIO_KNOBS == ("smoothing", "chunk")
+def test_smoothing_is_the_one_knob_whose_default_follows_the_ratio():
+    assert RATIO_KNOBS == ("smoothing",)
     assert KNOBS["smoothing"].default == 3 and KNOBS["smoothing"].by_ratio == ((0.9, 5),)
-    assert KNOBS["chunk"].default == 1 and KNOBS["chunk"].by_ratio == ((0.8, 4), (0.9, 1))
-
-
-@pytest.mark.parametrize(
-    ("target_ratio", "chunk"), [(0.4, 1), (0.79, 1), (0.8, 4), (0.85, 4), (0.9, 1), (0.95, 1), (None, 1)]
-)
-def test_chunk_resolves_by_target_ratio(target_ratio, chunk):
-    assert RCStatConfig.from_dict({"target_ratio": target_ratio}).chunk == chunk
-    assert RCStatConfig().merged({"target_ratio": target_ratio}).chunk == chunk
-    assert RCStatConfig.from_dict({"target_ratio": target_ratio, "chunk": 2}).chunk == 2  # given: it stays
 
 
 @pytest.mark.parametrize(
@@ -114,7 +103,7 @@ def test_the_bare_flag_is_unchanged():
     bare = RCStatConfig.from_dict({})
     assert bare.target_ratio == 0.4 and bare.smoothing == 3 and bare.carry_forward == 8
     assert bare.local_contrast == 0.5 and bare.window == 32 and bare.observation_window is None
-    assert bare.chunk == 1 and bare == RCStatConfig() and bare.follows_ratio == frozenset({"smoothing", "chunk"})
+    assert bare == RCStatConfig() and bare.follows_ratio == frozenset({"smoothing"})
     assert RCStatConfig.from_dict({"c": 1.0}).smoothing == 3  # threshold mode: the plain default
 
 
@@ -124,7 +113,7 @@ def test_a_given_value_wins_over_the_ratio_server_wide_and_per_request():
     assert RCStatConfig.from_dict({"target_ratio": 0.9}).merged({"smoothing": 1}).smoothing == 1
     # a server that gives smoothing keeps it under every request's ratio
     server = RCStatConfig.from_dict({"smoothing": 7})
-    assert server.follows_ratio == frozenset({"chunk"})
+    assert server.follows_ratio == frozenset()
     assert server.merged({"target_ratio": 0.9}).smoothing == 7
     assert server.merged({"target_ratio": 0.4}).smoothing == 7
     # a request that gives smoothing keeps it when a later merge changes the ratio
@@ -158,7 +147,6 @@ def test_the_resolved_value_is_what_the_scorer_and_the_record_see():
 
 def test_the_settings_table_gives_the_schedule():
     assert "| `smoothing` | `3`; `5` from `target_ratio` 0.9 |" in settings_table()
-    assert "| `chunk` | `1`; `4` from `target_ratio` 0.8; `1` from `target_ratio` 0.9 |" in settings_table()
     assert Knob("x", 3, "x", by_ratio=((0.7, 5), (0.9, 7))).default_at(0.8) == 5
     assert Knob("x", 3, "x", by_ratio=((0.7, 5), (0.9, 7))).default_at(0.9) == 7
     assert Knob("x", 3, "x", by_ratio=((0.7, 5),)).default_at(None) == 3

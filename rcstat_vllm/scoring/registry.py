@@ -62,8 +62,7 @@ class Method:
 _METHODS = "rcstat_vllm.scoring.methods"
 
 #: RC's knobs: the plugin's defaults, chosen by measurement (docs/defaults.md): 3-token smoothing, 5 from a budget of
-#: 0.9 on (issue 56: a value's digits kept or lost together, "Knobs by ratio"), and from 0.8 up to 0.9 each score
-#: the mean over its chunk of 4 tokens ("Past the cliff"); each score carried 8
+#: 0.9 on (issue 56: a value's digits kept or lost together, "Knobs by ratio"); each score carried 8
 #: tokens forward, so a value is kept with the key the window's queries find ("Carrying scores forward"); each raw
 #: score divided by the square root of its neighbourhood's mean (radius 256), against RC's drift towards the prompt's
 #: end ("Local contrast"); the max over the window's queries, so a fact one copy head's query reads is not averaged
@@ -120,7 +119,6 @@ RC_KNOBS = (
         "RC, budget mode: each score the mean over its chunk of this many tokens (1 = RCStat's)",
         minimum=1,
         option="chunk",
-        by_ratio=((0.8, 4), (0.9, 1)),
     ),
 )
 
