@@ -65,6 +65,7 @@ DEFAULT_CHANGES = (
     # Defaults by budget (Knob.by_ratio): only rows whose target_ratio is in the range moved.
     DefaultChange("b1317ab", "2026-11-28T11:02:12+00:00", "smoothing", 3, 5, "smoothing 3 -> 5 from 0.9", (0.9, None)),
     DefaultChange("533158e", "2026-11-29T03:35:15+00:00", "chunk", 1, 4, "chunks of 1 -> 4 at 0.8", (0.8, 0.9)),
+    DefaultChange("77801a0", "2026-11-29T04:00:22+00:00", "chunk", 4, 1, "chunks of 4 -> 1 at 0.8 again", (0.8, 0.9)),
 )
 #: Fields that exist only since a change (absent from an older record: read as the change's ``before``).
 INTRODUCED = {

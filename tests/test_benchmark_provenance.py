@@ -111,10 +111,7 @@ def test_a_row_made_before_a_default_changed_says_so():
     rows = report.row_configs(data)
     # Left to the defaults: ran with no contrast, which the default has been since.
     assert rows["rc_r0.8"]["ran"]["local_contrast"] == 0.0 and rows["rc_r0.8"]["ran"]["query_reduction"] == "max"
-    assert rows["rc_r0.8"]["reasons"] == [
-        "chunk 1 when it ran (default 4 since 533158e)",
-        "local_contrast 0.0 when it ran (default 0.5 since 5ef548a)",
-    ]
+    assert rows["rc_r0.8"]["reasons"] == ["local_contrast 0.0 when it ran (default 0.5 since 5ef548a)"]
     # A label build_settings pins now: carried and max when it ran (the defaults of then), the paper's now.
     reasons = " ".join(rows["rc_budget_r0.8"]["reasons"])
     assert "carry_forward 8 when it ran, pinned to 0 now" in reasons
@@ -173,16 +170,16 @@ def test_the_table_of_default_changes_ends_at_todays_defaults():
     from rcstat_vllm.config import KNOBS
 
     now = provenance.current_defaults()
-    last = {}
+    last, last_by_budget = {}, {}
     for change in provenance.DEFAULT_CHANGES:
         if change.ratios is None:
             last[change.field] = change.after
-        else:  # a default by budget: today's schedule gives it over its whole range
-            low, high = change.ratios
-            for ratio in (low, (low + high) / 2 if high else 0.99):
-                assert KNOBS[change.field].default_at(ratio) == change.after, change
-            assert KNOBS[change.field].default_at(low - 0.01) != change.after, change
+        else:
+            last_by_budget[change.field, change.ratios] = change.after
     assert last == {field: now[field] for field in last}
+    for (field, (low, high)), after in last_by_budget.items():  # today's schedule gives it over its whole range
+        for ratio in (low, (low + high) / 2 if high else 0.99):
+            assert KNOBS[field].default_at(ratio) == after, (field, low, high)
     dates = [c.date for c in provenance.DEFAULT_CHANGES]
     assert dates == sorted(dates)
 
@@ -249,10 +246,11 @@ def test_origin_reads_the_commit_a_gpu_call_records():
 
 
 def test_a_default_by_budget_is_resolved_at_the_rows_ratio_as_it_was_then():
-    """Smoothing 5 from 0.9 (b1317ab) and chunks of 4 from 0.8 up to 0.9 (533158e) moved only the rows at those
-    budgets: a row left to the defaults ran with the schedule in the code that made its file."""
+    """Smoothing 5 from 0.9 (b1317ab) and chunks of 4 from 0.8 up to 0.9 (533158e, undone in 77801a0) moved only the
+    rows at those budgets: a row left to the defaults ran with the schedule in the code that made its file."""
     before = {"commit": _full_hash("b1317ab~1"), "source": "recorded"}
     between = {"commit": _full_hash("533158e~1"), "source": "recorded"}
+    chunked = {"commit": _full_hash("533158e"), "source": "recorded"}
     today = {"commit": _full_hash("HEAD"), "source": "recorded"}
 
     def ran(o, override):
@@ -261,13 +259,15 @@ def test_a_default_by_budget_is_resolved_at_the_rows_ratio_as_it_was_then():
     assert ran(before, {"target_ratio": 0.9})["smoothing"] == 3
     assert ran(between, {"target_ratio": 0.9})["smoothing"] == 5
     assert ran(between, {"target_ratio": 0.8})["chunk"] == 1
-    assert (ran(today, {"target_ratio": 0.8})["chunk"], ran(today, {"target_ratio": 0.9})["chunk"]) == (4, 1)
-    assert ran(today, {"target_ratio": 0.5})["chunk"] == 1 and ran(today, {"c": 1.0})["smoothing"] == 3
-    assert ran(today, {"target_ratio": 0.8, "chunk": 2})["chunk"] == 2  # given: it stays
+    assert (ran(chunked, {"target_ratio": 0.8})["chunk"], ran(chunked, {"target_ratio": 0.9})["chunk"]) == (4, 1)
+    assert ran(today, {"target_ratio": 0.8})["chunk"] == 1  # the change undone
+    assert ran(chunked, {"target_ratio": 0.5})["chunk"] == 1 and ran(today, {"c": 1.0})["smoothing"] == 3
+    assert ran(chunked, {"target_ratio": 0.8, "chunk": 2})["chunk"] == 2  # given: it stays
     for override in ({"target_ratio": 0.8}, {"target_ratio": 0.9}, {"target_ratio": 0.4}, {"c": 1.0}):
         assert ran(today, override) == provenance.now_config(None, override)
-    # A row at 0.8 made before chunks says why it no longer means what its label says.
-    reasons = provenance.row_status(
-        ran(between, {"target_ratio": 0.8}), provenance.now_config(None, {"target_ratio": 0.8}), None, between
-    )
-    assert reasons == ["chunk 1 when it ran (default 4 since 533158e)"]
+    # A row at 0.8 made while chunks of 4 were the default says why it no longer means what its label says.
+    now = provenance.now_config(None, {"target_ratio": 0.8})
+    assert provenance.row_status(ran(chunked, {"target_ratio": 0.8}), now, None, chunked) == [
+        "chunk 4 when it ran (default 1 since 77801a0)"
+    ]
+    assert not provenance.row_status(ran(between, {"target_ratio": 0.8}), now, None, between)
