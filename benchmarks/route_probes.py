@@ -34,6 +34,11 @@ keep sets that answer one question each:
   head to the power ``A`` (attention's output is ``sum_t a_t v_t``: a token's expected share is ``a_t * ||v_t||``,
   as VATP and CriticalKV weight it), then the same model-wide selection (layers compared by their means as ever).
 
+* ``induction_SxB`` (``--induction S ... --induction-boost B ...``): the share ``S`` of KV heads (over the whole
+  model) that act most as induction heads (:func:`induction_scores`: one 64-token calibration prefill per model, the
+  way RazorAttention finds its retrieval heads) have their scores times ``B`` before the same model-wide selection:
+  a copied value is read through such heads, so they keep more of the budget.
+
 ``--keep-masks PATH --prompts FILE`` instead: RC's and the variants' keep masks (no oracles) on the prompts of
 ``quality.py --write-prompts FILE``, for ``quality.py --given-masks PATH`` to measure their value error beside its own
 rows (its RC row at a ratio must equal ``rc_r<ratio>`` here).
@@ -167,6 +172,49 @@ def chunked(scores: list[torch.Tensor], c: int) -> list[torch.Tensor]:
     return out
 
 
+INDUCTION_LENGTH = 32  # random tokens, repeated once: the calibration sequence (MAX_WINDOW queries in all)
+
+
+def induction_scores(ref, seed: int = 0) -> torch.Tensor:
+    """[layers, Hkv]: how much each KV head acts as an induction head (Olsson et al.; RazorAttention's retrieval
+    heads): on ``INDUCTION_LENGTH`` random tokens repeated once, the mean attention a query of the second copy pays
+    to the token after its previous occurrence, the max over the KV head's query heads. One prefill of 64 tokens per
+    model, not per prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = ref.model.config.vocab_size
+    low = min(100, vocab // 4)  # (past the special tokens at the vocabulary's start)
+    first = torch.randint(low, vocab - low, (INDUCTION_LENGTH,), generator=generator).tolist()
+    prefill = ref.prefill(first + first)
+    n, length = prefill.n, INDUCTION_LENGTH
+    group = ref.num_q_heads // ref.num_kv_heads
+    rows = []
+    for layer in range(prefill.num_layers):
+        q = prefill.queries[layer][:, -n:].float()  # [Hq, n, d]
+        k = prefill.keys[layer].float().repeat_interleave(group, dim=0)  # [Hq, n, d]
+        logits = q @ k.transpose(1, 2) * prefill.scale
+        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        attn = logits.softmax(dim=-1)
+        i = torch.arange(1, length - 1)
+        per_q_head = attn[:, length + i, i + 1].mean(dim=-1)  # [Hq]
+        rows.append(per_q_head.view(ref.num_kv_heads, group).max(dim=1).values)
+    return torch.stack(rows)
+
+
+def induction_boosted(scores: list[torch.Tensor], induction: torch.Tensor, share: float, boost: float):
+    """The KV heads in the top ``share`` of ``induction`` (over the whole model) have their finite scores times
+    ``boost``: in the model-wide selection they keep more of the budget, where a copied value is read."""
+    flat = induction.flatten()
+    top = flat.topk(max(1, round(share * flat.numel()))).indices
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[top] = True
+    chosen = chosen.view_as(induction)
+    out = []
+    for layer, x in enumerate(scores):
+        factor = torch.where(chosen[layer], boost, 1.0).to(x.dtype).unsqueeze(1)
+        out.append(torch.where(torch.isfinite(x), x * factor, x))
+    return out
+
+
 def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
     """Keep sets plus ``positions`` in every head of every layer."""
     out = [m.clone() for m in masks]
@@ -192,6 +240,10 @@ def selections(scores: list[torch.Tensor], prefill, config: RCStatConfig, args) 
         out[f"chunk_{c}"] = ref_lib.select_layers(chunked(scores, c), config).masks
     for a in args.value_norm:
         out[f"value_norm_{a:g}"] = ref_lib.select_layers(value_weighted(scores, prefill.values, a), config).masks
+    for share in args.induction:
+        for boost in args.induction_boost:
+            boosted = induction_boosted(scores, args.induction_heads, share, boost)
+            out[f"induction_{share:g}x{boost:g}"] = ref_lib.select_layers(boosted, config).masks
     return out
 
 
@@ -250,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--value-norm", type=float, nargs="*", default=[], help="powers A of value_norm_A")
     parser.add_argument("--peaks", type=int, nargs="*", default=[], help="counts K of peaks_K")
     parser.add_argument("--chunk", type=int, nargs="*", default=[], help="chunk sizes C of chunk_C")
+    parser.add_argument("--induction", type=float, nargs="*", default=[], help="shares S of induction_SxB")
+    parser.add_argument("--induction-boost", type=float, nargs="*", default=[4.0], help="boosts B of induction_SxB")
     parser.add_argument(
         "--variants", nargs="*", default=["shared", "copies", "oracle"], choices=["shared", "copies", "oracle"]
     )
@@ -271,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     samples = [s for seed in args.seeds for s in routes.build_samples(tokenizer, spec, seed)]
     ref = ref_lib.ReferenceModel()
+    args.induction_heads = induction_scores(ref) if args.induction else None
     started, load_before = time.time(), load_avg()
 
     def found_after(prefill, masks, sample, generated: list[int]) -> list[bool]:

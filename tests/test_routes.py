@@ -269,3 +269,31 @@ def test_route_probes_peaks_lift_what_follows_the_tokens_every_layer_finds_in_ev
     keep = hf_reference.select_layers(lifted, config)
     assert all(bool(m[:, reach].all()) for m in keep.masks)
     assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
+
+
+def test_route_probes_induction_heads_are_measured_once_and_boosted_at_the_same_budget():
+    """induction_SxB: induction_scores is one [layers, Hkv] table from a repeated random sequence (attention weights,
+    so in [0, 1]); the top share of heads get their finite scores times B (the window's +inf stays), and the
+    model-wide selection keeps exactly as many entries, more of them in the boosted heads."""
+    import route_probes
+
+    ref = tiny_reference_model()
+    table = route_probes.induction_scores(ref)
+    assert table.shape == (ref.num_layers, ref.num_kv_heads) and bool(((table >= 0) & (table <= 1)).all())
+    assert torch.equal(table, route_probes.induction_scores(ref))  # the same calibration every time
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 300, generator=gen) for _ in range(4)]
+    for x in scores:
+        x[:, -32:] = float("inf")
+    induction = torch.zeros(4, 3)
+    induction[2, 1] = 0.9  # the one induction head
+    boosted = route_probes.induction_boosted(scores, induction, share=1 / 12, boost=4.0)
+    for layer, (x, y) in enumerate(zip(scores, boosted)):
+        for head in range(3):
+            factor = 4.0 if (layer, head) == (2, 1) else 1.0
+            torch.testing.assert_close(y[head, :-32], x[head, :-32] * factor)
+        assert torch.isinf(y[:, -32:]).all()
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.8})
+    want, keep = hf_reference.select_layers(scores, config), hf_reference.select_layers(boosted, config)
+    assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
+    assert keep.kept[2][1] > want.kept[2][1]
