@@ -233,8 +233,8 @@ class RCStatConfig:
         chunk: RC in budget mode only: after carrying, each score is replaced by the mean over its chunk of this many
             tokens, counted from the first token scored (the prompt's first, or the first block boundary a prefix-cache
             hit leaves to score: a chunk that divides the block size chunks both alike), so a head keeps or drops a
-            multi-token value together (ChunkKV's unit). 1 = the paper's scores (the default at every ratio: 4 at 0.8
-            was the default for two commits, docs/defaults.md "Past the cliff").
+            multi-token value together (ChunkKV's unit). 1 = the paper's scores, the default at every ratio
+            (docs/defaults.md, "Past the cliff": why 4 is not the default at 0.8).
         kernel_size: SnapKV only: the width of its average pooling along tokens (odd; 5 as published).
         eviction: when the selected entries are compacted and the freed blocks returned: ``eager`` right after the
             prefill (every compressed request, pool short or not); ``lazy`` only when the scheduler needs blocks (a
