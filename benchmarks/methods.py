@@ -82,6 +82,7 @@ PAPER_RC = {
     "query_reduction": "mean",
     "local_contrast": 0.0,
     "chunk": 1,
+    "value_weight": 0.0,
 }
 #: What kvpress's presses do beside their scoring, pinned for the baselines of build_settings: a per-layer budget,
 #: no sink tokens (the plugin's defaults became model-wide with 4 sinks; a baseline row must not follow them).

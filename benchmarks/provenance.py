@@ -64,6 +64,12 @@ DEFAULT_CHANGES = (
     DefaultChange("5ef548a", "2026-11-26T00:42:08+00:00", "local_contrast", 0.0, 0.5, "local contrast 0 -> 0.5"),
     # Defaults by budget (Knob.by_ratio): only rows whose target_ratio is in the range moved.
     DefaultChange("b1317ab", "2026-11-28T11:02:12+00:00", "smoothing", 3, 5, "smoothing 3 -> 5 from 0.9", (0.9, None)),
+    DefaultChange(
+        "0d7382a", "2026-11-28T16:46:16+00:00", "value_weight", 0.0, 1.0, "value weight 0 -> 1 from 0.9", (0.9, None)
+    ),
+    DefaultChange(
+        "9918e28", "2026-11-28T16:54:43+00:00", "value_weight", 1.0, 0.0, "value weight 1 -> 0 again", (0.9, None)
+    ),
     DefaultChange("533158e", "2026-11-29T03:35:15+00:00", "chunk", 1, 4, "chunks of 1 -> 4 at 0.8", (0.8, 0.9)),
     DefaultChange("77801a0", "2026-11-29T04:00:22+00:00", "chunk", 4, 1, "chunks of 4 -> 1 at 0.8 again", (0.8, 0.9)),
 )
@@ -81,6 +87,8 @@ INTRODUCED = {
     "smoothing": 1,
     "budget_scope": "layer",
     "chunk": 1,
+    "value_weight": 0.0,
+    "coverage_floor": 0.0,
 }
 #: Fields that do not change what a row measures when nothing reads them (threshold mode ignores the contrast, a
 #: per-layer budget the floor, decode fields with no decode budget): left out of comparisons where unread.
@@ -99,6 +107,8 @@ COMPARED = (
     "contrast_radius",
     "query_reduction",
     "chunk",
+    "value_weight",
+    "coverage_floor",
     "eviction",
     "decode_budget",
     "decode_interval",
@@ -271,9 +281,11 @@ def _read(config: Mapping) -> set[str]:
     if config.get("method") == "none":
         return {"method"}
     if config.get("method") != "rc":
-        fields -= {"smoothing", "carry_forward", "local_contrast", "contrast_radius", "query_reduction", "chunk"}
+        fields -= {"smoothing", "carry_forward", "local_contrast", "contrast_radius", "query_reduction"}
+        fields -= {"chunk", "value_weight"}
     if config.get("target_ratio") is None:
-        fields -= {"local_contrast", "contrast_radius", "budget_scope", "layer_floor", "chunk"}
+        fields -= {"local_contrast", "contrast_radius", "budget_scope", "layer_floor", "chunk", "value_weight"}
+        fields.discard("coverage_floor")
     else:
         fields -= {"c"}
     if config.get("budget_scope") != "model":

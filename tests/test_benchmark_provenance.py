@@ -257,6 +257,13 @@ def test_a_default_by_budget_is_resolved_at_the_rows_ratio_as_it_was_then():
         return provenance.ran_config(provenance.defaults_at(o), None, override, o)
 
     assert ran(before, {"target_ratio": 0.9})["smoothing"] == 3
+    # value weighting from 0.9 on for one commit (0d7382a, undone in 9918e28)
+    weighted = {"commit": _full_hash("0d7382a"), "source": "recorded"}
+    assert (
+        ran(weighted, {"target_ratio": 0.9})["value_weight"],
+        ran(weighted, {"target_ratio": 0.8})["value_weight"],
+    ) == (1.0, 0.0)
+    assert ran(between, {"target_ratio": 0.9})["value_weight"] == 0.0
     assert ran(between, {"target_ratio": 0.9})["smoothing"] == 5
     assert ran(between, {"target_ratio": 0.8})["chunk"] == 1
     assert (ran(chunked, {"target_ratio": 0.8})["chunk"], ran(chunked, {"target_ratio": 0.9})["chunk"]) == (4, 1)
