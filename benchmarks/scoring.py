@@ -8,7 +8,7 @@ Besides the paper's scores, RC as the plugin ships it (its knobs' defaults, w = 
 engine does (``Scorer.score_paged``: the torch gather on a CPU, the Triton kernel on CUDA), once as the defaults are
 and once weighted by the values' norms (``value_weight`` 1, issue 56: the only row that reads the value cache); the
 second's ratio is taken against the first (``baseline``), the cost of value weighting; and once with scores averaged
-over chunks of 4 tokens (``chunk`` 4, the default from a budget of 0.8 up to 0.9), against the first too.
+over chunks of 4 tokens (``chunk`` 4, an option: issue 56), against the first too.
 
 * CPU (always): the torch paths the engine runs on vLLM-CPU, float32.
 * CUDA (when available): the torch paths plus the Triton kernels reading a paged bf16 cache.
