@@ -34,6 +34,12 @@ keep sets that answer one question each:
   head to the power ``A`` (attention's output is ``sum_t a_t v_t``: a token's expected share is ``a_t * ||v_t||``,
   as VATP and CriticalKV weight it), then the same model-wide selection (layers compared by their means as ever).
 
+* ``group_P`` (``--group-reduction P ...``): each KV head's score of a token from its G query heads' expected RC by
+  their power mean of order ``P`` (``inf``: the max) instead of RC's mean, then the same model-wide selection. A KV
+  head's entry is every one of its query heads' route to the token: evicting it closes the route the query head that
+  reads it most uses, so one copy head of a group that reads a value's digits and G - 1 that do not should not
+  score a third of it (as ``query_reduction: max`` does for the window's queries).
+
 * ``induction_SxB`` (``--induction S ... --induction-boost B ...``): the share ``S`` of KV heads (over the whole
   model) that act most as induction heads (:func:`induction_scores`: one 64-token calibration prefill per model, the
   way RazorAttention finds its retrieval heads) have their scores times ``B`` before the same model-wide selection:
@@ -92,6 +98,9 @@ from common import environment, load_avg, write_report
 from layer_budgets import layer_rank
 
 from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.scoring import get_scorer
+from rcstat_vllm.scoring.rc import expected_rc_grouped
+from rcstat_vllm.settings import scorer_options, window_queries
 
 NEEDLES = ["niah_single", "niah_multi", "niah_multikey", "niah_multivalue"]
 
@@ -215,6 +224,21 @@ def induction_boosted(scores: list[torch.Tensor], induction: torch.Tensor, share
     return out
 
 
+def group_reduced(prefill, config: RCStatConfig, p: float) -> list[torch.Tensor]:
+    """RC's per layer [Hkv, n] scores as :func:`hf_reference.score_layers` computes them, with each KV head's query
+    heads combined by their power mean of order ``p`` (``inf``: the max) in place of the mean (``group_P`` above)."""
+    scorer = get_scorer(config.method, **scorer_options(config))
+    width = min(window_queries(config), prefill.n)
+    out = []
+    for layer in range(prefill.num_layers):
+        keys, values = prefill.keys[layer].float(), prefill.values[layer].float()
+        queries = scorer._trailing_window(prefill.queries[layer][:, -width:].float(), keys)
+        per_head = expected_rc_grouped(queries, keys, scorer.query_reduction).clamp_min(0)  # [Hkv, G, n - w]
+        reduced = per_head.amax(dim=1) if p == float("inf") else per_head.pow(p).mean(dim=1).pow(1 / p)
+        out.append(scorer._finish(reduced, queries.shape[2], scorer._value_norms(values)))
+    return out
+
+
 def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
     """Keep sets plus ``positions`` in every head of every layer."""
     out = [m.clone() for m in masks]
@@ -240,6 +264,8 @@ def selections(scores: list[torch.Tensor], prefill, config: RCStatConfig, args) 
         out[f"chunk_{c}"] = ref_lib.select_layers(chunked(scores, c), config).masks
     for a in args.value_norm:
         out[f"value_norm_{a:g}"] = ref_lib.select_layers(value_weighted(scores, prefill.values, a), config).masks
+    for p in args.group_reduction:
+        out[f"group_{p:g}"] = ref_lib.select_layers(group_reduced(prefill, config, p), config).masks
     for share in args.induction:
         for boost in args.induction_boost:
             boosted = induction_boosted(scores, args.induction_heads, share, boost)
@@ -302,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--value-norm", type=float, nargs="*", default=[], help="powers A of value_norm_A")
     parser.add_argument("--peaks", type=int, nargs="*", default=[], help="counts K of peaks_K")
     parser.add_argument("--chunk", type=int, nargs="*", default=[], help="chunk sizes C of chunk_C")
+    parser.add_argument(
+        "--group-reduction", type=float, nargs="*", default=[], help="power-mean orders P of group_P (inf: the max)"
+    )
     parser.add_argument("--induction", type=float, nargs="*", default=[], help="shares S of induction_SxB")
     parser.add_argument("--induction-boost", type=float, nargs="*", default=[4.0], help="boosts B of induction_SxB")
     parser.add_argument(
