@@ -297,3 +297,31 @@ def test_route_probes_induction_heads_are_measured_once_and_boosted_at_the_same_
     want, keep = hf_reference.select_layers(scores, config), hf_reference.select_layers(boosted, config)
     assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
     assert keep.kept[2][1] > want.kept[2][1]
+
+
+def test_route_probes_group_reduction_is_rc_at_order_1_and_the_query_heads_max_at_inf():
+    """group_P: order 1 is RC's own scores (the GQA mean) to float rounding; order inf scores each KV head's token
+    by its strongest query head (against expected_rc_grouped's per-query-head RC); order 2 never scores a token below
+    the mean (the finishing steps off, so raw scores compare), and the selection keeps the plugin's exact budget."""
+    import route_probes
+
+    from rcstat_vllm.scoring.rc import expected_rc_grouped
+
+    ref = tiny_reference_model()
+    prefill = ref.prefill(torch.randint(3, 96, (120,), generator=torch.Generator().manual_seed(2)).tolist())
+    raw = {"method": "rc", "target_ratio": 0.8, "smoothing": 1, "carry_forward": 0, "local_contrast": 0}
+    for config in (RCStatConfig().merged({"method": "rc", "target_ratio": 0.8}), RCStatConfig().merged(raw)):
+        for x, y in zip(route_probes.group_reduced(prefill, config, 1.0), hf_reference.score_layers(prefill, config)):
+            torch.testing.assert_close(x, y)
+    config = RCStatConfig().merged(raw)
+    mean = hf_reference.score_layers(prefill, config)
+    for layer, (best, second) in enumerate(
+        zip(route_probes.group_reduced(prefill, config, float("inf")), route_probes.group_reduced(prefill, config, 2.0))
+    ):
+        queries = prefill.queries[layer][:, -32:].float().reshape(2, 2, 32, -1)  # [Hkv, G, w, d]
+        per_head = expected_rc_grouped(queries, prefill.keys[layer].float(), config.query_reduction)
+        torch.testing.assert_close(best[:, :-32], per_head.amax(dim=1))
+        assert torch.isinf(best[:, -32:]).all() and torch.isinf(second[:, -32:]).all()
+        assert bool((second[:, :-32] >= mean[layer][:, :-32] - 1e-6).all())
+    keep = hf_reference.select_layers(route_probes.group_reduced(prefill, config, 2.0), config)
+    assert sum(map(sum, keep.kept)) == sum(map(sum, hf_reference.select_layers(mean, config).kept))
