@@ -80,6 +80,7 @@ PAPER_RC = {
     "budget_scope": "layer",
     "sink_tokens": 0,
     "query_reduction": "mean",
+    "group_reduction": "mean",
     "local_contrast": 0.0,
     "chunk": 1,
     "value_weight": 0.0,

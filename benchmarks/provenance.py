@@ -77,6 +77,7 @@ DEFAULT_CHANGES = (
 INTRODUCED = {
     "carry_forward": 0,
     "query_reduction": "mean",
+    "group_reduction": "mean",
     "local_contrast": 0.0,
     "contrast_radius": 256,
     "eviction": "eager",
@@ -106,6 +107,7 @@ COMPARED = (
     "local_contrast",
     "contrast_radius",
     "query_reduction",
+    "group_reduction",
     "chunk",
     "value_weight",
     "coverage_floor",
@@ -282,7 +284,7 @@ def _read(config: Mapping) -> set[str]:
         return {"method"}
     if config.get("method") != "rc":
         fields -= {"smoothing", "carry_forward", "local_contrast", "contrast_radius", "query_reduction"}
-        fields -= {"chunk", "value_weight"}
+        fields -= {"group_reduction", "chunk", "value_weight"}
     if config.get("target_ratio") is None:
         fields -= {"local_contrast", "contrast_radius", "budget_scope", "layer_floor", "chunk", "value_weight"}
         fields.discard("coverage_floor")

@@ -40,6 +40,7 @@ def rc_tile_scores(
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     MAX_OVER_QUERIES: tl.constexpr,
+    MAX_OVER_HEADS: tl.constexpr,
     W: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     NUM_ROW_BLOCKS: tl.constexpr,
@@ -55,10 +56,13 @@ def rc_tile_scores(
     Mean (Eq. 6): every row's gaps are summed. MAX_OVER_QUERIES: the sum of gaps does not decrease as x grows and a
     query head's W rows all meet the same Y, so the best row's sum is the sum at the row's highest logit: a running
     max logit per query head ([G_PAD, BLOCK_N]; row blocks may split a head's rows) and one search per query head at
-    the end, instead of one per row."""
+    the end, instead of one per row.
+    MAX_OVER_HEADS: the highest of the G query heads' sums instead of their total (gaps are >= 0, so a padding
+    head's 0 never wins); with the mean over queries each head's rows are summed apart ([G_PAD, BLOCK_N])."""
     scores = tl.zeros([BLOCK_N], dtype=tl.float32)
     heads = tl.arange(0, G_PAD)
     best = tl.full([G_PAD, BLOCK_N], float("-inf"), dtype=tl.float32)  # MAX_OVER_QUERIES: highest logit per head
+    per_head = tl.zeros([G_PAD, BLOCK_N], dtype=tl.float32)  # MAX_OVER_HEADS with the mean: each head's sum
     for row_block in tl.static_range(NUM_ROW_BLOCKS):
         q, rows, rows_valid = load_group_queries(
             q_ptr, stride_qh, stride_qw, stride_qd, kv_head, row_block * ROW_BLOCK, G, W, ROW_BLOCK, D, D_PAD
@@ -78,14 +82,25 @@ def rc_tile_scores(
             gaps = sum_positive_gaps(
                 logits - center[:, None], q_head, rows_valid, y_sorted_ptr, prefix_ptr, m, SEARCH_STEPS
             )
-            scores += tl.sum(gaps, axis=0)
+            if MAX_OVER_HEADS:
+                for g in tl.static_range(G):
+                    head_sum = tl.sum(tl.where((rows // W == g)[:, None], gaps, 0.0), axis=0)
+                    per_head = tl.where(heads[:, None] == g, per_head + head_sum[None, :], per_head)
+            else:
+                scores += tl.sum(gaps, axis=0)
     if MAX_OVER_QUERIES:
         heads_valid = heads < G
         q_head = kv_head * G + heads
         center = tl.load(center_ptr + q_head, mask=heads_valid, other=0.0)
         # Padding heads (>= G) hold -inf: masked out in the search, their gaps 0.
         x = tl.where(heads_valid[:, None], best - center[:, None], 0.0)
-        scores = tl.sum(sum_positive_gaps(x, q_head, heads_valid, y_sorted_ptr, prefix_ptr, m, SEARCH_STEPS), axis=0)
+        gaps = sum_positive_gaps(x, q_head, heads_valid, y_sorted_ptr, prefix_ptr, m, SEARCH_STEPS)
+        if MAX_OVER_HEADS:
+            scores = tl.max(gaps, axis=0)
+        else:
+            scores = tl.sum(gaps, axis=0)
+    elif MAX_OVER_HEADS:
+        scores = tl.max(per_head, axis=0)
     return scores
 
 
@@ -112,6 +127,7 @@ def rc_scores_paged_kernel(
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     MAX_OVER_QUERIES: tl.constexpr,
+    MAX_OVER_HEADS: tl.constexpr,
     W: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     NUM_ROW_BLOCKS: tl.constexpr,
@@ -155,6 +171,7 @@ def rc_scores_paged_kernel(
         G,
         G_PAD,
         MAX_OVER_QUERIES,
+        MAX_OVER_HEADS,
         W,
         ROW_BLOCK,
         NUM_ROW_BLOCKS,
@@ -164,7 +181,7 @@ def rc_scores_paged_kernel(
         IEEE,
         SEARCH_STEPS,
     )
-    # norm: 1 / (W * m * G) (mean over Eq. 6's W*m pairs, then the G query heads) or 1 / (m * G) (max over queries).
+    # norm: 1 / (W * m) (mean over Eq. 6's W*m pairs) or 1 / m (max over queries), times 1 / G unless MAX_OVER_HEADS.
     tl.store(out_ptr + kv_head * stride_oh + tokens, scores * norm, mask=tokens_valid)
 
 
@@ -195,6 +212,7 @@ def rc_head_pages_kernel(
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     MAX_OVER_QUERIES: tl.constexpr,
+    MAX_OVER_HEADS: tl.constexpr,
     W: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     NUM_ROW_BLOCKS: tl.constexpr,
@@ -242,6 +260,7 @@ def rc_head_pages_kernel(
         G,
         G_PAD,
         MAX_OVER_QUERIES,
+        MAX_OVER_HEADS,
         W,
         ROW_BLOCK,
         NUM_ROW_BLOCKS,

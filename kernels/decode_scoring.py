@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .paged import cdiv, host_to_device
-from .rc_scoring import rc_table_launch
+from .rc_scoring import over_query_heads, rc_table_launch
 
 __all__ = ["check_head_inputs", "gather_head_entries", "rc_head_table_scores", "rc_head_table_scores_reference"]
 
@@ -73,6 +73,7 @@ def rc_head_table_scores_reference(
     prefix: Tensor,
     center: Tensor,
     max_over_queries: bool = False,
+    max_over_heads: bool = False,
 ) -> Tensor:
     """Torch reference of :func:`rc_head_table_scores`: Eq. 6 by its definition, every gap max(x - y, 0) summed
     (``prefix`` unused). Materialises [Hkv, G, w, width - w, m]: for tiny shapes (tests).
@@ -84,6 +85,7 @@ def rc_head_table_scores_reference(
         y_sorted, prefix, center: [Hq, m], [Hq, m + 1], [Hq]: each query head's window self logits (of its KV head's
             window entries) minus ``center``, sorted, and their prefix sums.
         max_over_queries: the highest of the w queries' expected RC per query head instead of their mean.
+        max_over_heads: the highest of a KV head's G query heads' RC instead of their mean.
     Returns:
         float32 [Hkv, width - w], right-aligned, 0 before each head's first entry.
     """
@@ -97,7 +99,7 @@ def rc_head_table_scores_reference(
         cross = cross.amax(dim=2, keepdim=True)
     x = cross - center.float().reshape(num_kv_heads, group, 1, 1)
     gaps = (x.unsqueeze(-1) - y_sorted.float().reshape(num_kv_heads, group, 1, 1, m)).clamp_min(0).sum(-1)
-    scores = (gaps.mean(dim=2) / m).mean(dim=1)
+    scores = over_query_heads(gaps.mean(dim=2) / m, max_over_heads)
     scored = torch.arange(width - w, device=scores.device) >= (width - counts).to(scores.device).unsqueeze(1)
     return torch.where(scored, scores, torch.zeros((), device=scores.device))
 
@@ -112,6 +114,7 @@ def rc_head_table_scores(
     prefix: Tensor,
     center: Tensor,
     max_over_queries: bool = False,
+    max_over_heads: bool = False,
     block_n: int = 64,
 ) -> Tensor:
     """Triton version of :func:`rc_head_table_scores_reference`: same arguments, float32 [Hkv, width - w].
@@ -148,6 +151,8 @@ def rc_head_table_scores(
         width - w,
         num_kv_heads,
         m,
-        **rc_table_launch(group, w, m, head_dim, block_size, block_n, key_cache.dtype, max_over_queries),
+        **rc_table_launch(
+            group, w, m, head_dim, block_size, block_n, key_cache.dtype, max_over_queries, max_over_heads
+        ),
     )
     return out

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .paged import cdiv, check_paged_inputs, gather_paged_tokens, next_power_of_2, row_blocking
 
-__all__ = ["rc_table_scores_paged", "rc_table_scores_paged_reference", "triton_available"]
+__all__ = ["over_query_heads", "rc_table_scores_paged", "rc_table_scores_paged_reference", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -43,6 +43,7 @@ def rc_table_scores_paged_reference(
     prefix: Tensor,
     center: Tensor,
     max_over_queries: bool = False,
+    max_over_heads: bool = False,
 ) -> Tensor:
     """Torch reference of :func:`rc_table_scores_paged`: Eq. 6 by its definition, every gap max(x - y, 0) summed
     (``prefix`` is unused: the kernel's shortcut). Materialises [Hkv, G, w, n - w, m]: for tiny shapes (tests).
@@ -55,6 +56,7 @@ def rc_table_scores_paged_reference(
         y_sorted, prefix, center: [Hq, m], [Hq, m + 1], [Hq]: each query head's window self logits Y minus
             ``center``, sorted ascending, and their prefix sums (``prefix[:, c]`` = the c smallest summed).
         max_over_queries: the highest of the w queries' expected RC per query head instead of their mean.
+        max_over_heads: the highest of a KV head's G query heads' RC instead of their mean.
     Returns:
         float32 [Hkv, n - w].
     """
@@ -67,7 +69,7 @@ def rc_table_scores_paged_reference(
         cross = cross.amax(dim=2, keepdim=True)
     x = cross - center.float().reshape(num_kv_heads, group, 1, 1)
     gaps = (x.unsqueeze(-1) - y_sorted.float().reshape(num_kv_heads, group, 1, 1, m)).clamp_min(0).sum(-1)
-    return (gaps.mean(dim=2) / m).mean(dim=1)
+    return over_query_heads(gaps.mean(dim=2) / m, max_over_heads)
 
 
 def rc_table_scores_paged(
@@ -79,6 +81,7 @@ def rc_table_scores_paged(
     prefix: Tensor,
     center: Tensor,
     max_over_queries: bool = False,
+    max_over_heads: bool = False,
     block_n: int = 64,
 ) -> Tensor:
     """Triton version of :func:`rc_table_scores_paged_reference`: same arguments, float32 [Hkv, n - w].
@@ -110,23 +113,39 @@ def rc_table_scores_paged(
         out.stride(0),
         num_scored,
         m,
-        **rc_table_launch(group, w, m, head_dim, block_size, block_n, key_cache.dtype, max_over_queries),
+        **rc_table_launch(
+            group, w, m, head_dim, block_size, block_n, key_cache.dtype, max_over_queries, max_over_heads
+        ),
     )
     return out
 
 
+def over_query_heads(per_head: Tensor, max_over_heads: bool) -> Tensor:
+    """[Hkv, G, n] each query head's RC -> [Hkv, n]: the G query heads' mean, or their max (the references')."""
+    return per_head.amax(dim=1) if max_over_heads else per_head.mean(dim=1)
+
+
 def rc_table_launch(
-    group: int, w: int, m: int, head_dim: int, block_size: int, block_n: int, dtype: torch.dtype, max_over_queries: bool
+    group: int,
+    w: int,
+    m: int,
+    head_dim: int,
+    block_size: int,
+    block_n: int,
+    dtype: torch.dtype,
+    max_over_queries: bool,
+    max_over_heads: bool = False,
 ) -> dict:
     """The launch arguments the RC table kernels share (the prompt's :func:`rc_table_scores_paged` and decode time's
     ``decode_scoring.rc_head_table_scores``): the score's norm and the compile-time constants."""
     return dict(
         # mean: over the W*m (x, y) pairs of Eq. 6, then over the G query heads; max: over the m self logits of each
-        # query's best row, then over the G query heads.
-        norm=1.0 / (m * group) if max_over_queries else 1.0 / (w * m * group),
+        # query's best row, then over the G query heads (unless the kernel takes their max: no 1 / G).
+        norm=(1.0 / m if max_over_queries else 1.0 / (w * m)) / (1 if max_over_heads else group),
         G=group,
         G_PAD=next_power_of_2(group),
         MAX_OVER_QUERIES=bool(max_over_queries),
+        MAX_OVER_HEADS=bool(max_over_heads),
         W=w,
         **row_blocking(group * w),
         D=head_dim,

@@ -226,6 +226,10 @@ class RCStatConfig:
             token's expected RC under the one window query that reads it most (a fact read by a single copy head's
             query is not averaged away by the window's other queries); ``mean`` = Eq. 6 over all of them, the
             paper's scores.
+        group_reduction: RC only: how a KV head's query heads (its GQA group) combine into its score of a token:
+            ``max`` = the query head that reads the token most (evicting a KV head's entry closes every one of its
+            query heads' routes to the token, so one copy head's read is not divided by the group's size); ``mean``
+            = the group's mean, the paper's scores.
         value_weight: RC in budget mode only: last, each score is multiplied by the norm of the token's value in
             that KV head to this power (attention's output is the attention-weighted sum of values, so a token's
             share of it is its weight times its value's norm); the prompt's values are then read at scoring time.
@@ -271,6 +275,7 @@ class RCStatConfig:
     local_contrast: float = _default("local_contrast")
     contrast_radius: int = _default("contrast_radius")
     query_reduction: str = _default("query_reduction")
+    group_reduction: str = _default("group_reduction")
     value_weight: float = _default("value_weight")
     chunk: int = _default("chunk")
     kernel_size: int = _default("kernel_size")

@@ -59,6 +59,7 @@ BAD_FIELDS = [
     ({"contrast_radius": 64.5}, "contrast_radius"),
     ({"query_reduction": "sum"}, "query_reduction"),
     ({"query_reduction": None}, "query_reduction"),
+    ({"group_reduction": "sum"}, "group_reduction"),
     ({"decode_budget": 16}, "decode_budget"),  # below the window (32)
     ({"decode_budget": "512"}, "decode_budget"),
     ({"decode_interval": 31}, "decode_interval"),
@@ -141,6 +142,7 @@ def test_good_config_round_trips():
         "local_contrast": 0.25,
         "contrast_radius": 128,
         "query_reduction": "mean",
+        "group_reduction": "max",
         "value_weight": 0.5,
         "chunk": 4,
         "observation_window": None,
@@ -279,9 +281,11 @@ def test_start_up_says_whether_generated_kv_is_compressed_and_when_lazy_eviction
 def test_query_reductions_are_the_scorers():
     """The config (no torch) allows RC's query reductions from their declaration: the same as the scorers take."""
     from rcstat_vllm.config import KNOBS
+    from rcstat_vllm.scoring.rc import GROUP_REDUCTIONS
     from rcstat_vllm.scoring.rc import QUERY_REDUCTIONS as SCORER_REDUCTIONS
 
     assert KNOBS["query_reduction"].choices == SCORER_REDUCTIONS
+    assert KNOBS["group_reduction"].choices == GROUP_REDUCTIONS
 
 
 def test_config_and_settings_import_no_torch():

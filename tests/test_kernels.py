@@ -50,7 +50,7 @@ from rcstat_vllm.scoring.methods.rc import (  # noqa: E402
     rc_scores_paged_reference,
 )
 from rcstat_vllm.scoring.methods.snapkv import snapkv_scores_paged, snapkv_scores_paged_reference  # noqa: E402
-from rcstat_vllm.scoring.rc import window_self_logits  # noqa: E402
+from rcstat_vllm.scoring.rc import expected_rc_grouped, window_self_logits  # noqa: E402
 
 
 def paged_request(num_kv_heads, head_dim, num_tokens, block_size, seed, dtype=torch.float32, num_blocks=12):
@@ -142,8 +142,37 @@ def test_rc_reference_equals_scorer_on_gathered_keys():
     torch.testing.assert_close(single, expected_rc(q_window[::3], keys), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("query_reduction", ["mean", "max"])
+def test_rc_group_max_is_the_strongest_query_heads_rc(query_reduction):
+    """group_reduction max: the paged reference scores each KV head's token by the max over its query heads of
+    expected_rc_grouped (float64, exact), the mean is RCStat's; the max is never below the mean, and the paged
+    kernel agrees with the reference."""
+    key_cache, block_table, gen = paged_request(2, 8, 29, 4, seed=4, dtype=torch.float64)
+    q_window = torch.randn(6, 8, 8, generator=gen, dtype=torch.float64).to(DEVICE)
+    keys = gather_paged_tokens(key_cache, block_table, 0, 29)
+    per_head = expected_rc_grouped(q_window.reshape(2, 3, 8, 8), keys, query_reduction)  # [Hkv, G, n - w]
+    got = rc_scores_paged_reference(q_window, key_cache, block_table, 29, query_reduction, "max")
+    torch.testing.assert_close(got, per_head.amax(dim=1), rtol=0, atol=0)
+    mean = rc_scores_paged_reference(q_window, key_cache, block_table, 29, query_reduction, "mean")
+    torch.testing.assert_close(mean, per_head.mean(dim=1), rtol=0, atol=0)
+    assert bool((got >= mean).all()) and not torch.equal(got, mean)
+    kernel = rc_scores_paged(
+        q_window.float(),
+        key_cache.float(),
+        block_table,
+        29,
+        block_n=16,
+        query_reduction=query_reduction,
+        group_reduction="max",
+    )
+    torch.testing.assert_close(kernel, got.float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="group_reduction"):
+        rc_scores_paged_reference(q_window, key_cache, block_table, 29, query_reduction, "sum")
+
+
+@pytest.mark.parametrize("max_over_heads", [False, True])
 @pytest.mark.parametrize("max_over_queries", [False, True])
-def test_rc_kernel_matches_its_own_torch_reference(max_over_queries):
+def test_rc_kernel_matches_its_own_torch_reference(max_over_queries, max_over_heads):
     """The kernel module's contract alone (a given table of sorted window self logits), against the reference beside
     it, which sums every gap max(x - y, 0) by the definition."""
     num_kv_heads, group, window, head_dim, num_tokens = 2, 3, 4, 24, 37
@@ -152,14 +181,18 @@ def test_rc_kernel_matches_its_own_torch_reference(max_over_queries):
     window_keys = gather_paged_tokens(key_cache, block_table, num_tokens - window, num_tokens)
     table = window_self_logits(q_window.reshape(num_kv_heads, group, window, head_dim), window_keys)
     args = (q_window, key_cache, block_table, num_tokens, table.sorted, table.prefix, table.center, max_over_queries)
+    args += (max_over_heads,)
     got = rc_table_scores_paged(*args, block_n=16)
     want = rc_table_scores_paged_reference(*args)
     assert got.shape == want.shape == (num_kv_heads, num_tokens - window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # And the scorer's wrapper is that table and that kernel (Eq. 6, or its max over queries).
-    reduction = "max" if max_over_queries else "mean"
+    # And the scorer's wrapper is that table and that kernel (Eq. 6, or its max over queries; over the query heads the
+    # mean, or their max).
+    reduction, over_heads = ("max" if max_over_queries else "mean"), ("max" if max_over_heads else "mean")
     torch.testing.assert_close(
-        rc_scores_paged(q_window, key_cache, block_table, num_tokens, query_reduction=reduction),
+        rc_scores_paged(
+            q_window, key_cache, block_table, num_tokens, query_reduction=reduction, group_reduction=over_heads
+        ),
         want,
         rtol=1e-5,
         atol=1e-5,
@@ -262,8 +295,12 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("window, group, block_size, starts, counts", DECODE_CASES)
-@pytest.mark.parametrize("max_over_queries", [False, True])
-def test_decode_kernel_matches_its_own_torch_reference(window, group, block_size, starts, counts, max_over_queries):
+@pytest.mark.parametrize(
+    "max_over_queries, max_over_heads", [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_decode_kernel_matches_its_own_torch_reference(
+    window, group, block_size, starts, counts, max_over_queries, max_over_heads
+):
     """The head-page kernel against the reference beside it, given each query head's window table: every
     right-aligned column of every head, and exact zeros before a head's first entry."""
     num_kv_heads, head_dim = len(starts), 24  # head_dim not a power of 2: padded lanes must not count
@@ -273,6 +310,7 @@ def test_decode_kernel_matches_its_own_torch_reference(window, group, block_size
     window_keys = gather_head_entries(key_cache, pages, starts, counts, width)[:, width - window :]
     table = window_self_logits(q_window.reshape(num_kv_heads, group, window, head_dim), window_keys)
     args = (q_window, key_cache, pages, starts, counts, table.sorted, table.prefix, table.center, max_over_queries)
+    args += (max_over_heads,)
     got = rc_head_table_scores(*args, block_n=16)
     want = rc_head_table_scores_reference(*args)
     assert got.shape == want.shape == (num_kv_heads, width - window) and got.dtype == torch.float32
@@ -282,15 +320,19 @@ def test_decode_kernel_matches_its_own_torch_reference(window, group, block_size
 
 
 @pytest.mark.parametrize("window, group, block_size, starts, counts", DECODE_CASES)
-@pytest.mark.parametrize("query_reduction", ["mean", "max"])
-def test_decode_rc_scores_match_the_torch_reference(window, group, block_size, starts, counts, query_reduction):
+@pytest.mark.parametrize("query_reduction, group_reduction", [("mean", "mean"), ("max", "mean"), ("max", "max")])
+def test_decode_rc_scores_match_the_torch_reference(
+    window, group, block_size, starts, counts, query_reduction, group_reduction
+):
     """rc_head_scores_paged (the window table in torch, then the kernel) against RC's torch statistics over each head's
     gathered entries (what the scorer's ragged torch path computes)."""
     num_kv_heads, head_dim = len(starts), 24
     key_cache, pages, starts, counts, gen = head_pages_request(num_kv_heads, head_dim, block_size, starts, counts, 8)
     q_window = torch.randn(num_kv_heads * group, window, head_dim, generator=gen).to(DEVICE)
-    got = rc_head_scores_paged(q_window, key_cache, pages, starts, counts, query_reduction, block_n=16)
-    want = rc_head_scores_paged_reference(q_window, key_cache, pages, starts, counts, query_reduction)
+    got = rc_head_scores_paged(
+        q_window, key_cache, pages, starts, counts, query_reduction, block_n=16, group_reduction=group_reduction
+    )
+    want = rc_head_scores_paged_reference(q_window, key_cache, pages, starts, counts, query_reduction, group_reduction)
     assert got.shape == want.shape == (num_kv_heads, int(counts.max()) - window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

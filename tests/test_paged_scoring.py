@@ -203,6 +203,11 @@ SCORER_CASES = [
     ("rc", {**PAPER, "window_size": 4, "smoothing": 3}),
     ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5}),
     ("rc", {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "query_reduction": "max"}),
+    ("rc", {"group_reduction": "max"}),
+    (
+        "rc",
+        {**PAPER, "window_size": 4, "smoothing": 3, "group_reduction": "max"},
+    ),  # the mean over queries, max over heads
     (
         "rc",
         {**PAPER, "window_size": 4, "smoothing": 3, "carry_forward": 5, "local_contrast": 0.5, "contrast_radius": 7},

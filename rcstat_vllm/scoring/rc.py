@@ -28,13 +28,15 @@ import torch
 from torch import Tensor
 
 from .binned_search import BinnedSearch
-from .rc_knobs import QUERY_REDUCTIONS
+from .rc_knobs import GROUP_REDUCTIONS, QUERY_REDUCTIONS
 
 __all__ = [
+    "GROUP_REDUCTIONS",
     "QUERY_REDUCTIONS",
     "WindowSelfLogits",
     "accumulation_dtype",
     "cdfs_at_midpoints",
+    "check_group_reduction",
     "check_query_reduction",
     "expected_rc",
     "expected_rc_grouped",
@@ -182,6 +184,13 @@ def check_query_reduction(query_reduction: str) -> str:
     if query_reduction not in QUERY_REDUCTIONS:
         raise ValueError(f"query_reduction must be one of {QUERY_REDUCTIONS}, got {query_reduction!r}")
     return query_reduction
+
+
+def check_group_reduction(group_reduction: str) -> str:
+    """One of :data:`GROUP_REDUCTIONS`, else a ValueError naming it (the scorer, the torch paths and the kernels)."""
+    if group_reduction not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduction must be one of {GROUP_REDUCTIONS}, got {group_reduction!r}")
+    return group_reduction
 
 
 def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "mean") -> Tensor:

@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass
 
 from .registry import RC_KNOBS, REGISTRY
 
-__all__ = ["QUERY_REDUCTIONS", "RC_DEFAULTS", "RC_PAPER", "RCKnobs"]
+__all__ = ["GROUP_REDUCTIONS", "QUERY_REDUCTIONS", "RC_DEFAULTS", "RC_PAPER", "RCKnobs"]
 
 #: How the observation window's queries combine into one score per token (``mean`` = Eq. 6, the paper's).
 QUERY_REDUCTIONS = next(knob.choices for knob in RC_KNOBS if knob.name == "query_reduction")
+#: How a KV head's query heads (its GQA group) combine into its score of a token (``mean`` = the paper's).
+GROUP_REDUCTIONS = next(knob.choices for knob in RC_KNOBS if knob.name == "group_reduction")
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,8 @@ class RCKnobs:
 
     Attributes:
         window: the observation window (the config's ``window``: RC observes the window it keeps).
-        smoothing, carry_forward, local_contrast, contrast_radius, query_reduction, value_weight, chunk: the
+        smoothing, carry_forward, local_contrast, contrast_radius, query_reduction, group_reduction, value_weight,
+            chunk: the
             scorer's knobs, under the config's names.
     """
 
@@ -34,6 +37,7 @@ class RCKnobs:
     local_contrast: float
     contrast_radius: int
     query_reduction: str
+    group_reduction: str
     value_weight: float
     chunk: int
 
@@ -57,6 +61,7 @@ RC_PAPER = RCKnobs(
     local_contrast=0.0,
     contrast_radius=256,
     query_reduction="mean",
+    group_reduction="mean",
     value_weight=0.0,
     chunk=1,
 )

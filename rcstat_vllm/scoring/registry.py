@@ -93,6 +93,15 @@ RC_KNOBS = (
         option="query_reduction",
     ),
     Knob(
+        "group_reduction",
+        "mean",
+        "RC: `max` = a KV head scores a token by the query head of its GQA group that reads it most; `mean` = "
+        "RCStat's GQA mean",
+        kind="choice",
+        choices=("max", "mean"),
+        option="group_reduction",
+    ),
+    Knob(
         "local_contrast",
         0.5,
         "RC, budget mode: each score divided by its neighbourhood's mean to this power (0 = RCStat's)",

@@ -11,6 +11,7 @@ from rcstat_vllm.kernels import decode_scoring as decode_kernel
 from rcstat_vllm.kernels import rc_scoring as rc_kernel
 from rcstat_vllm.kernels.decode_scoring import check_head_inputs, gather_head_entries
 from rcstat_vllm.kernels.paged import check_paged_inputs, gather_paged_tokens, host_to_device
+from rcstat_vllm.kernels.rc_scoring import over_query_heads
 
 from ..base import (
     PAGED_KERNEL_DTYPES,
@@ -23,7 +24,7 @@ from ..base import (
     smooth_scores,
     value_weighted,
 )
-from ..rc import check_query_reduction, expected_rc_grouped, window_self_logits
+from ..rc import check_group_reduction, check_query_reduction, expected_rc_grouped, window_self_logits
 from ..rc_knobs import RC_DEFAULTS, RC_PAPER
 
 __all__ = [
@@ -38,7 +39,7 @@ __all__ = [
 @dataclass(eq=False)
 class RCScorer(Scorer):
     """RCStat: Eq. 6 per query head over the trailing ``window_size`` queries, averaged over each KV head's G
-    query heads; the window tokens get +inf.
+    query heads (or their max: ``group_reduction``); the window tokens get +inf.
 
     Scale-free (raw logits): the softmax scale multiplies all scores of a layer alike.
 
@@ -55,6 +56,10 @@ class RCScorer(Scorer):
         query_reduction: how the window's queries combine (the config's ``query_reduction``): ``mean`` = Eq. 6 over
             all of them (the paper's scores), ``max`` = the highest expected RC of the token under any one window
             query (:func:`~rcstat_vllm.scoring.rc.expected_rc_grouped`).
+        group_reduction: how a KV head's G query heads combine (the config's ``group_reduction``): ``mean`` =
+            RCStat's GQA mean, ``max`` = the query head that reads the token most. Evicting a KV head's entry closes
+            the route of every query head of its group, the one that reads the token most included (docs/defaults.md
+            "Past the cliff": a copy head's read of a value's digits is not divided by G).
         value_weight: last, each finished score is multiplied by the norm of the token's value in that KV head to
             this power (:func:`~rcstat_vllm.scoring.base.value_weighted`; the config's ``value_weight``): RC says how
             much the window reads a token, the norm how much reading it moves the head's output; 0 = the paper's
@@ -74,6 +79,7 @@ class RCScorer(Scorer):
     local_contrast: float = RC_DEFAULTS.local_contrast
     contrast_radius: int = RC_DEFAULTS.contrast_radius
     query_reduction: str = RC_DEFAULTS.query_reduction
+    group_reduction: str = RC_DEFAULTS.group_reduction
     value_weight: float = RC_DEFAULTS.value_weight
     chunk: int = RC_DEFAULTS.chunk
 
@@ -123,7 +129,11 @@ class RCScorer(Scorer):
     def score(self, q_window: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         queries = self._trailing_window(q_window, keys)
         per_query_head = expected_rc_grouped(queries, keys, self.query_reduction)  # [Hkv, G, n - w]
-        return self._finish(per_query_head.mean(dim=1), queries.shape[2], self._value_norms(values))
+        return self._finish(self._over_heads(per_query_head), queries.shape[2], self._value_norms(values))
+
+    def _over_heads(self, per_query_head: Tensor) -> Tensor:
+        """[Hkv, G, n] each query head's RC -> [Hkv, n] as ``group_reduction`` asks."""
+        return over_query_heads(per_query_head, check_group_reduction(self.group_reduction) == "max")
 
     def score_ragged(
         self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
@@ -135,7 +145,7 @@ class RCScorer(Scorer):
         w = queries.shape[2]
         if min(lengths) < w:
             return super().score_ragged(q_window, keys, values, lengths, scale)
-        per_token = expected_rc_grouped(queries, keys, self.query_reduction).mean(dim=1)  # [Hkv, n - w]
+        per_token = self._over_heads(expected_rc_grouped(queries, keys, self.query_reduction))  # [Hkv, n - w]
         return self._finish_ragged(per_token, lengths, w, self._value_norms(values))
 
     def _finish_ragged(
@@ -178,7 +188,9 @@ class RCScorer(Scorer):
         ``scale`` unused: RC is scale-free); then each head finished alone, as :meth:`score_ragged` does."""
         w = self._window_length(q_window.shape[1], int(counts.min()))
         queries = q_window[:, q_window.shape[1] - w :]
-        per_token = rc_head_scores_paged(queries, key_cache, pages, starts, counts, self.query_reduction)
+        per_token = rc_head_scores_paged(
+            queries, key_cache, pages, starts, counts, self.query_reduction, group_reduction=self.group_reduction
+        )
         return self._finish_ragged(per_token, counts.tolist(), w)
 
     def triton_kernel_applies(self, prompt: PagedPrompt) -> bool:
@@ -186,18 +198,28 @@ class RCScorer(Scorer):
 
     def _score_paged_triton(self, q_window: Tensor, prompt: PagedPrompt, scale: float) -> Tensor:
         queries = self._paged_window(q_window, prompt)
-        # [Hkv, n - w'] for the non-window tokens, already the GQA mean; RC is scale-free (no ``scale``).
+        # [Hkv, n - w'] for the non-window tokens, already over the GQA group; RC is scale-free (no ``scale``).
         scores = rc_scores_paged(
-            queries, prompt.keys, prompt.block_table, prompt.num_tokens, query_reduction=self.query_reduction
+            queries,
+            prompt.keys,
+            prompt.block_table,
+            prompt.num_tokens,
+            query_reduction=self.query_reduction,
+            group_reduction=self.group_reduction,
         )
         return self._finish(scores, queries.shape[1], prompt.value_norms() if self.needs_value_norms else None)
 
 
 def rc_scores_paged_reference(
-    q_window: Tensor, key_cache: Tensor, block_table: Tensor, num_tokens: int, query_reduction: str = "mean"
+    q_window: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    num_tokens: int,
+    query_reduction: str = "mean",
+    group_reduction: str = "mean",
 ) -> Tensor:
     """Torch reference of :func:`rc_scores_paged`: gather the request's keys via the block table, then
-    :func:`~rcstat_vllm.scoring.rc.expected_rc_grouped` and the GQA mean.
+    :func:`~rcstat_vllm.scoring.rc.expected_rc_grouped` and the GQA mean (or max).
 
     Args:
         q_window:    [Hq, w, d] queries of the last w prompt positions.
@@ -205,13 +227,15 @@ def rc_scores_paged_reference(
         block_table: [pages] int32 block ids of this request, in token order.
         num_tokens:  n, prompt length.
         query_reduction: ``mean`` (Eq. 6) or ``max`` over the window's queries.
+        group_reduction: ``mean`` (RCStat's) or ``max`` over each KV head's query heads.
     Returns:
         float32 [Hkv, n - w] (float64 for float64 inputs).
     """
     group, _ = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
     keys = gather_paged_tokens(key_cache, block_table, 0, num_tokens)
     queries = q_window.reshape(keys.shape[0], group, *q_window.shape[1:])
-    return expected_rc_grouped(queries, keys, query_reduction).mean(dim=1)
+    by_head = expected_rc_grouped(queries, keys, query_reduction)
+    return over_query_heads(by_head, check_group_reduction(group_reduction) == "max")
 
 
 def rc_scores_paged(
@@ -221,6 +245,7 @@ def rc_scores_paged(
     num_tokens: int,
     block_n: int = 64,
     query_reduction: str = "mean",
+    group_reduction: str = "mean",
 ) -> Tensor:
     """RC's scores of the non-window tokens read in place (same arguments as the reference): float32 [Hkv, n - w].
 
@@ -248,6 +273,7 @@ def rc_scores_paged(
         table.prefix,
         table.center,
         max_over_queries=query_reduction == "max",
+        max_over_heads=check_group_reduction(group_reduction) == "max",
         block_n=block_n,
     )
 
@@ -259,17 +285,19 @@ def rc_head_scores_paged_reference(
     starts: Tensor,
     counts: Tensor,
     query_reduction: str = "mean",
+    group_reduction: str = "mean",
 ) -> Tensor:
     """Torch reference of :func:`rc_head_scores_paged`: each head's entries gathered through its page list,
     right-aligned (:func:`~rcstat_vllm.kernels.decode_scoring.gather_head_entries`), then
-    :func:`~rcstat_vllm.scoring.rc.expected_rc_grouped` and the GQA mean, as :meth:`RCScorer.score_ragged` computes
-    them. Arguments as :func:`rcstat_vllm.kernels.decode_scoring.rc_head_table_scores`; float32 ``[Hkv, width - w]``
-    (float64 for float64 inputs), 0 before each head's first entry."""
+    :func:`~rcstat_vllm.scoring.rc.expected_rc_grouped` and the GQA mean (or max), as :meth:`RCScorer.score_ragged`
+    computes them. Arguments as :func:`rcstat_vllm.kernels.decode_scoring.rc_head_table_scores`; float32
+    ``[Hkv, width - w]`` (float64 for float64 inputs), 0 before each head's first entry."""
     group = check_head_inputs(q_window, key_cache, pages, starts, counts)
     w, width = q_window.shape[1], int(counts.max())
     keys = gather_head_entries(key_cache, pages, starts, counts, width)
     queries = q_window.reshape(keys.shape[0], group, w, -1)
-    per_token = expected_rc_grouped(queries, keys, query_reduction).mean(dim=1)
+    by_head = expected_rc_grouped(queries, keys, query_reduction)
+    per_token = over_query_heads(by_head, check_group_reduction(group_reduction) == "max")
     scored = torch.arange(width - w, device=keys.device) >= (width - counts).to(keys.device).unsqueeze(1)
     return torch.where(scored, per_token, torch.zeros((), dtype=per_token.dtype, device=keys.device))
 
@@ -282,6 +310,7 @@ def rc_head_scores_paged(
     counts: Tensor,
     query_reduction: str = "mean",
     block_n: int = 64,
+    group_reduction: str = "mean",
 ) -> Tensor:
     """Decode-time RC of each KV head's non-window entries read in place from its head pages (same arguments as the
     reference): float32 ``[Hkv, width - w]``, right-aligned. Each head's w window keys are gathered and its query
@@ -306,5 +335,6 @@ def rc_head_scores_paged(
         table.prefix,
         table.center,
         max_over_queries=query_reduction == "max",
+        max_over_heads=check_group_reduction(group_reduction) == "max",
         block_n=block_n,
     )
