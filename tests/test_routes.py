@@ -310,7 +310,9 @@ def test_route_probes_group_reduction_is_rc_at_order_1_and_the_query_heads_max_a
     ref = tiny_reference_model()
     prefill = ref.prefill(torch.randint(3, 96, (120,), generator=torch.Generator().manual_seed(2)).tolist())
     raw = {"method": "rc", "target_ratio": 0.8, "smoothing": 1, "carry_forward": 0, "local_contrast": 0}
-    for config in (RCStatConfig().merged({"method": "rc", "target_ratio": 0.8}), RCStatConfig().merged(raw)):
+    raw["group_reduction"] = "mean"  # (the default from 0.8 on is the max: group_P's order 1 is the mean)
+    defaults_but_mean = {"method": "rc", "target_ratio": 0.8, "group_reduction": "mean"}
+    for config in (RCStatConfig().merged(defaults_but_mean), RCStatConfig().merged(raw)):
         for x, y in zip(route_probes.group_reduced(prefill, config, 1.0), hf_reference.score_layers(prefill, config)):
             torch.testing.assert_close(x, y)
     config = RCStatConfig().merged(raw)
