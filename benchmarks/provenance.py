@@ -72,6 +72,15 @@ DEFAULT_CHANGES = (
     ),
     DefaultChange("533158e", "2026-11-29T03:35:15+00:00", "chunk", 1, 4, "chunks of 1 -> 4 at 0.8", (0.8, 0.9)),
     DefaultChange("77801a0", "2026-11-29T04:00:22+00:00", "chunk", 4, 1, "chunks of 4 -> 1 at 0.8 again", (0.8, 0.9)),
+    DefaultChange(
+        "3d665c9",
+        "2026-12-06T04:26:58+00:00",
+        "group_reduction",
+        "mean",
+        "max",
+        "query heads' mean -> max from 0.8",
+        (0.8, None),
+    ),
 )
 #: Fields that exist only since a change (absent from an older record: read as the change's ``before``).
 INTRODUCED = {
