@@ -41,6 +41,7 @@ __all__ = [
     "expected_rc",
     "expected_rc_grouped",
     "expected_rc_samples",
+    "over_group",
     "rc_upper_bound",
     "window_self_logits",
 ]
@@ -191,6 +192,14 @@ def check_group_reduction(group_reduction: str) -> str:
     if group_reduction not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduction must be one of {GROUP_REDUCTIONS}, got {group_reduction!r}")
     return group_reduction
+
+
+def over_group(per_query_head: Tensor, group_reduction: str) -> Tensor:
+    """[Hkv, G, n] each query head's RC -> [Hkv, n]: a KV head's G query heads combined as ``group_reduction`` says
+    (``mean``, RCStat's per-head scores averaged; ``max``, the query head that reads the token most)."""
+    if check_group_reduction(group_reduction) == "max":
+        return per_query_head.amax(dim=1)
+    return per_query_head.mean(dim=1)
 
 
 def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "mean") -> Tensor:

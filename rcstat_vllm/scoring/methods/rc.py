@@ -11,7 +11,6 @@ from rcstat_vllm.kernels import decode_scoring as decode_kernel
 from rcstat_vllm.kernels import rc_scoring as rc_kernel
 from rcstat_vllm.kernels.decode_scoring import check_head_inputs, gather_head_entries
 from rcstat_vllm.kernels.paged import check_paged_inputs, gather_paged_tokens, host_to_device
-from rcstat_vllm.kernels.rc_scoring import over_query_heads
 
 from ..base import (
     PAGED_KERNEL_DTYPES,
@@ -24,7 +23,7 @@ from ..base import (
     smooth_scores,
     value_weighted,
 )
-from ..rc import check_group_reduction, check_query_reduction, expected_rc_grouped, window_self_logits
+from ..rc import check_group_reduction, check_query_reduction, expected_rc_grouped, over_group, window_self_logits
 from ..rc_knobs import RC_DEFAULTS, RC_PAPER
 
 __all__ = [
@@ -133,7 +132,7 @@ class RCScorer(Scorer):
 
     def _over_heads(self, per_query_head: Tensor) -> Tensor:
         """[Hkv, G, n] each query head's RC -> [Hkv, n] as ``group_reduction`` asks."""
-        return over_query_heads(per_query_head, check_group_reduction(self.group_reduction) == "max")
+        return over_group(per_query_head, self.group_reduction)
 
     def score_ragged(
         self, q_window: Tensor, keys: Tensor, values: Tensor | None, lengths: list[int], scale: float
@@ -234,8 +233,7 @@ def rc_scores_paged_reference(
     group, _ = check_paged_inputs(q_window, key_cache, block_table, num_tokens)
     keys = gather_paged_tokens(key_cache, block_table, 0, num_tokens)
     queries = q_window.reshape(keys.shape[0], group, *q_window.shape[1:])
-    by_head = expected_rc_grouped(queries, keys, query_reduction)
-    return over_query_heads(by_head, check_group_reduction(group_reduction) == "max")
+    return over_group(expected_rc_grouped(queries, keys, query_reduction), group_reduction)
 
 
 def rc_scores_paged(
@@ -296,8 +294,7 @@ def rc_head_scores_paged_reference(
     w, width = q_window.shape[1], int(counts.max())
     keys = gather_head_entries(key_cache, pages, starts, counts, width)
     queries = q_window.reshape(keys.shape[0], group, w, -1)
-    by_head = expected_rc_grouped(queries, keys, query_reduction)
-    per_token = over_query_heads(by_head, check_group_reduction(group_reduction) == "max")
+    per_token = over_group(expected_rc_grouped(queries, keys, query_reduction), group_reduction)
     scored = torch.arange(width - w, device=keys.device) >= (width - counts).to(keys.device).unsqueeze(1)
     return torch.where(scored, per_token, torch.zeros((), dtype=per_token.dtype, device=keys.device))
 
