@@ -345,10 +345,9 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
     assert accuracy.resolved_config(by_label["default"]) == engine
     assert accuracy.resolved_config(by_label["default"], "lazy") == {**defaults.to_dict(), "eviction": "lazy"}
     assert by_label["full"].rcstat == {"method": "none"}
-    for r in (0.5, 0.7, 0.8):  # RC at each budget, its defaults otherwise (a KV head's query heads' max from 0.8)
+    for r in (0.5, 0.7, 0.8):  # RC at each budget, its defaults otherwise
         resolved = accuracy.resolved_config(by_label[f"rc_r{r:g}"])
-        by_ratio = {"group_reduction": "max"} if r >= 0.8 else {}
-        assert resolved == {**engine, "method": "rc", "target_ratio": r, **by_ratio}
+        assert resolved == {**engine, "method": "rc", "target_ratio": r}
     # Each later change of the defaults undone, alone and (the scoring changes) together, at the bare flag and at 0.8.
     undone = {
         "carry0": {"carry_forward": 0},
@@ -362,7 +361,6 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
             **engine,
             "method": "rc",
             "target_ratio": 0.8,
-            "group_reduction": "max",
             **override,
         }
     paper = accuracy.resolved_config(by_label["rc_paper_r0.5"])
