@@ -81,6 +81,15 @@ DEFAULT_CHANGES = (
         "query heads' mean -> max from 0.8",
         (0.8, None),
     ),
+    DefaultChange(
+        "22ebcdd",
+        "2026-12-06T04:58:57+00:00",
+        "group_reduction",
+        "max",
+        "mean",
+        "query heads' max -> mean from 0.8 again",
+        (0.8, None),
+    ),
 )
 #: Fields that exist only since a change (absent from an older record: read as the change's ``before``).
 INTRODUCED = {
