@@ -229,8 +229,9 @@ class RCStatConfig:
         group_reduction: RC only: how a KV head's query heads (its GQA group) combine into its score of a token:
             ``max`` = the query head that reads the token most (evicting a KV head's entry closes every one of its
             query heads' routes to the token, so one copy head's read is not divided by the group's size); ``mean``
-            = the group's mean, the paper's scores and the default at every ratio (``max`` was the default from 0.8 on
-            for two commits: docs/defaults.md, "Past the cliff").
+            = the group's mean, the paper's scores. The default is ``mean`` below a ``target_ratio`` of 0.9 (the
+            bare flag's 0.4 included) and in threshold mode, ``max`` from 0.9 on (docs/defaults.md, "Past the
+            cliff": from 0.8 on it lost values on a confirmation set).
         value_weight: RC in budget mode only: last, each score is multiplied by the norm of the token's value in
             that KV head to this power (attention's output is the attention-weighted sum of values, so a token's
             share of it is its weight times its value's norm); the prompt's values are then read at scoring time.

@@ -81,13 +81,24 @@ def test_a_new_methods_knob_is_one_declaration():
 
 
 # ---------------------------------------------------------------------------------------------- defaults by ratio
-# Issue 56 (docs/defaults.md, "Knobs by ratio"): RC smooths over 5 tokens from a budget of 0.9 on, over 3 below it.
+# Issue 56 (docs/defaults.md, "Knobs by ratio"): RC smooths over 5 tokens from a budget of 0.9 on, over 3 below it;
+# a KV head's query heads combine by their max from 0.9 on ("Past the cliff"), by their mean below it.
 
 
-def test_smoothing_is_the_one_knob_whose_default_follows_the_ratio():
-    assert RATIO_KNOBS == ("smoothing",)
+def test_smoothing_and_group_reduction_are_the_knobs_whose_defaults_follow_the_ratio():
+    assert RATIO_KNOBS == ("smoothing", "group_reduction")
     assert KNOBS["smoothing"].default == 3 and KNOBS["smoothing"].by_ratio == ((0.9, 5),)
-    assert KNOBS["group_reduction"].default == "mean" and not KNOBS["group_reduction"].by_ratio  # (undone: 0.8)
+    assert KNOBS["group_reduction"].default == "mean" and KNOBS["group_reduction"].by_ratio == ((0.9, "max"),)
+
+
+@pytest.mark.parametrize(
+    ("target_ratio", "group_reduction"),
+    [(0.4, "mean"), (0.5, "mean"), (0.8, "mean"), (0.89, "mean"), (0.9, "max"), (0.95, "max"), (None, "mean")],
+)
+def test_group_reduction_resolves_by_target_ratio(target_ratio, group_reduction):
+    assert RCStatConfig.from_dict({"target_ratio": target_ratio}).group_reduction == group_reduction
+    assert RCStatConfig().merged({"target_ratio": target_ratio}).group_reduction == group_reduction
+    assert RCStatConfig.from_dict({"target_ratio": 0.9, "group_reduction": "mean"}).group_reduction == "mean"
 
 
 @pytest.mark.parametrize(
@@ -105,7 +116,7 @@ def test_the_bare_flag_is_unchanged():
     assert bare.target_ratio == 0.4 and bare.smoothing == 3 and bare.carry_forward == 8
     assert bare.local_contrast == 0.5 and bare.window == 32 and bare.observation_window is None
     assert bare.group_reduction == "mean"
-    assert bare == RCStatConfig() and bare.follows_ratio == frozenset({"smoothing"})
+    assert bare == RCStatConfig() and bare.follows_ratio == frozenset({"smoothing", "group_reduction"})
     assert RCStatConfig.from_dict({"c": 1.0}).smoothing == 3  # threshold mode: the plain default
 
 
@@ -115,7 +126,7 @@ def test_a_given_value_wins_over_the_ratio_server_wide_and_per_request():
     assert RCStatConfig.from_dict({"target_ratio": 0.9}).merged({"smoothing": 1}).smoothing == 1
     # a server that gives smoothing keeps it under every request's ratio
     server = RCStatConfig.from_dict({"smoothing": 7})
-    assert server.follows_ratio == frozenset()
+    assert server.follows_ratio == frozenset({"group_reduction"})
     assert server.merged({"target_ratio": 0.9}).smoothing == 7
     assert server.merged({"target_ratio": 0.4}).smoothing == 7
     # a request that gives smoothing keeps it when a later merge changes the ratio

@@ -66,8 +66,9 @@ _METHODS = "rcstat_vllm.scoring.methods"
 #: tokens forward, so a value is kept with the key the window's queries find ("Carrying scores forward"); each raw
 #: score divided by the square root of its neighbourhood's mean (radius 256), against RC's drift towards the prompt's
 #: end ("Local contrast"); the max over the window's queries, so a fact one copy head's query reads is not averaged
-#: away; the mean over a KV head's query heads (their max, ``group_reduction``, an option: docs/defaults.md, "Past
-#: the cliff"). The paper's own values: ``rc_knobs.RC_PAPER``.
+#: away; from a budget of 0.9 on, the max over a KV head's query heads too, below it their mean (issue 56, "Past the
+#: cliff": evicting a KV head's entry closes every one of its query heads' routes to the token). The paper's own
+#: values: ``rc_knobs.RC_PAPER``.
 RC_KNOBS = (
     Knob(
         "smoothing",
@@ -101,6 +102,7 @@ RC_KNOBS = (
         kind="choice",
         choices=("max", "mean"),
         option="group_reduction",
+        by_ratio=((0.9, "max"),),
     ),
     Knob(
         "local_contrast",
