@@ -90,6 +90,15 @@ DEFAULT_CHANGES = (
         "query heads' max -> mean from 0.8 again",
         (0.8, None),
     ),
+    DefaultChange(
+        "6e6dabb",
+        "2026-12-06T05:16:36+00:00",
+        "group_reduction",
+        "mean",
+        "max",
+        "query heads' mean -> max from 0.9",
+        (0.9, None),
+    ),
 )
 #: Fields that exist only since a change (absent from an older record: read as the change's ``before``).
 INTRODUCED = {
@@ -322,7 +331,10 @@ def row_status(ran: Mapping, now: Mapping, pinned: Mapping | None, o: Mapping, i
     file (``field X when it ran, Y now (default since <commit>)``) or the label's settings changed (``pinned now``).
     Empty when the row still means the same."""
     reasons = []
-    later = {c.field: c for c in changes_after(o)}
+    # the last change of each field after the file, among those at the row's own ratio (a default by budget moves
+    # only the rows in its range)
+    ratio = now.get("target_ratio")
+    later = {c.field: c for c in changes_after(o) if c.applies_at(ratio)}
     for field in sorted((_read(ran) | _read(now)) - set(ignore)):
         a, b = ran.get(field), now.get(field)
         if a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)):

@@ -177,9 +177,10 @@ def test_the_table_of_default_changes_ends_at_todays_defaults():
         else:
             last_by_budget[change.field, change.ratios] = change.after
     assert last == {field: now[field] for field in last}
-    for (field, (low, high)), after in last_by_budget.items():  # today's schedule gives it over its whole range
+    for field, (low, high) in last_by_budget:  # at every ratio a change covers, the last change there is today's
         for ratio in (low, (low + high) / 2 if high else 0.99):
-            assert KNOBS[field].default_at(ratio) == after, (field, low, high)
+            here = [c for c in provenance.DEFAULT_CHANGES if c.field == field and c.applies_at(ratio)]
+            assert KNOBS[field].default_at(ratio) == here[-1].after, (field, ratio)
     dates = [c.date for c in provenance.DEFAULT_CHANGES]
     assert dates == sorted(dates)
 
@@ -283,8 +284,10 @@ def test_a_default_by_budget_is_resolved_at_the_rows_ratio_as_it_was_then():
     group_max = {"commit": _full_hash("3d665c9"), "source": "recorded"}
     assert [ran(chunked, {"target_ratio": r})["group_reduction"] for r in (0.4, 0.8, 0.9)] == ["mean"] * 3
     assert [ran(group_max, {"target_ratio": r})["group_reduction"] for r in (0.4, 0.8, 0.9)] == ["mean", "max", "max"]
-    assert [ran(today, {"target_ratio": r})["group_reduction"] for r in (0.4, 0.8, 0.9)] == ["mean"] * 3
+    # and from 0.9 on since 6e6dabb: a row at 0.9 made with the max then means what it says today, one at 0.8 not
+    assert [ran(today, {"target_ratio": r})["group_reduction"] for r in (0.4, 0.8, 0.9)] == ["mean", "mean", "max"]
     now_09 = provenance.now_config(None, {"target_ratio": 0.9})
-    assert provenance.row_status(ran(group_max, {"target_ratio": 0.9}), now_09, None, group_max) == [
+    assert not provenance.row_status(ran(group_max, {"target_ratio": 0.9}), now_09, None, group_max)
+    assert provenance.row_status(ran(group_max, {"target_ratio": 0.8}), now, None, group_max) == [
         "group_reduction 'max' when it ran (default 'mean' since 22ebcdd)"
     ]
