@@ -21,7 +21,12 @@ DEFAULTS_UNDONE = {
     "carry0": ({"carry_forward": 0}, "scores not carried forward"),
     "mean": ({"query_reduction": "mean"}, "Eq. 6's mean over the window's queries"),
     "contrast0": ({"local_contrast": 0.0}, "no local contrast"),
-    "mean_contrast0": ({"query_reduction": "mean", "local_contrast": 0.0}, "Eq. 6's mean, no local contrast"),
+    # group_reduction pinned too: Eq. 6 scores per query head, and a KV head's are its query heads' mean (the max
+    # is the default from 0.9 on), so the row keeps Eq. 6's scores at every ratio.
+    "mean_contrast0": (
+        {"query_reduction": "mean", "group_reduction": "mean", "local_contrast": 0.0},
+        "Eq. 6's mean, no local contrast",
+    ),
 }
 FAMILY_LABELS = {
     "full": "full cache",

@@ -68,6 +68,8 @@ def test_build_settings_pins_the_papers_scoring_and_the_baselines_budget():
     # The defaults' own rows follow the defaults on purpose, at every ratio, and once with Eq. 6's scores.
     assert labels["rc_r0.8"].rcstat == {"method": "rc", "target_ratio": 0.8}
     assert labels["rc_r0.8_mean_contrast0"].rcstat["query_reduction"] == "mean"
+    # Eq. 6's scores at any ratio: the GQA group's mean too, though the max is the default from 0.9 on.
+    assert labels["rc_r0.8_mean_contrast0"].rcstat["group_reduction"] == "mean"
     for s in methods.budget_scope_settings():
         if s.family != "full":
             assert changed - {"budget_scope"} <= set(s.rcstat), s.label

@@ -353,7 +353,7 @@ def test_accuracy_settings_follow_the_plugin_defaults_and_the_baselines_publishe
         "carry0": {"carry_forward": 0},
         "mean": {"query_reduction": "mean"},
         "contrast0": {"local_contrast": 0.0},
-        "mean_contrast0": {"query_reduction": "mean", "local_contrast": 0.0},
+        "mean_contrast0": {"query_reduction": "mean", "group_reduction": "mean", "local_contrast": 0.0},
     }
     for name, override in undone.items():
         assert accuracy.resolved_config(by_label[f"default_{name}"]) == {**engine, **override}
