@@ -181,6 +181,48 @@ def chunked(scores: list[torch.Tensor], c: int) -> list[torch.Tensor]:
     return out
 
 
+SPACE_MARKS = ("Ġ", "▁", "Ċ")  # byte-level BPE's space and newline, sentencepiece's space
+MAX_WORD_TOKENS = 16  # a longer run of continuation tokens (a hash, a URL) is cut into units of this many
+
+
+def word_units(tokenizer, ids: list[int]) -> torch.Tensor:
+    """[n] int64 unit index per position: a unit is a word as the tokenizer split it. A token that starts with a
+    letter or digit continues the unit before it when that one ends in a letter or digit or is a bare space (the
+    space before a number whose digits are tokens of their own); spaced and punctuation tokens start units."""
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    starts, run, previous = [], 0, ""
+
+    def plain(text: str) -> bool:  # letters or digits, not a byte-level space or newline marker
+        return text.isalnum() and not any(mark in text for mark in SPACE_MARKS)
+
+    for piece in pieces:
+        after = previous in SPACE_MARKS[:2] or plain(previous[-1:])
+        joins = plain(piece[:1]) and after and run < MAX_WORD_TOKENS
+        starts.append(not joins)
+        run = run + 1 if joins else 1
+        previous = piece
+    return torch.tensor(starts).cumsum(0) - 1
+
+
+def by_words(scores: list[torch.Tensor], units: torch.Tensor, how: str) -> list[torch.Tensor]:
+    """``words_{how}``: each head's finite scores replaced by the max (or mean) of their word's finite scores (the
+    window's and sinks' +inf stay), then the same model-wide selection: a word, and a number whose digits are tokens
+    of their own, kept or evicted whole in each head."""
+    out = []
+    count = int(units[-1]) + 1
+    for x in scores:
+        finite = torch.isfinite(x)
+        index = units.unsqueeze(0).expand_as(x)
+        if how == "max":
+            pooled = x.new_full((x.shape[0], count), float("-inf"))
+            pooled.scatter_reduce_(1, index, torch.where(finite, x, float("-inf")), reduce="amax")
+        else:
+            total = x.new_zeros(x.shape[0], count).index_add_(1, units, torch.where(finite, x, 0.0))
+            pooled = total / x.new_zeros(total.shape).index_add_(1, units, finite.to(x.dtype)).clamp_min(1)
+        out.append(torch.where(finite, pooled[:, units], x))
+    return out
+
+
 INDUCTION_LENGTH = 32  # random tokens, repeated once: the calibration sequence (MAX_WINDOW queries in all)
 
 
@@ -262,6 +304,8 @@ def selections(scores: list[torch.Tensor], prefill, config: RCStatConfig, args) 
         out[f"peaks_{k}"] = ref_lib.select_layers(peaks_lifted(scores, k, config.sink_tokens), config).masks
     for c in args.chunk:
         out[f"chunk_{c}"] = ref_lib.select_layers(chunked(scores, c), config).masks
+    for how in args.words:
+        out[f"words_{how}"] = ref_lib.select_layers(by_words(scores, args.units, how), config).masks
     for a in args.value_norm:
         out[f"value_norm_{a:g}"] = ref_lib.select_layers(value_weighted(scores, prefill.values, a), config).masks
     for p in args.group_reduction:
@@ -281,8 +325,10 @@ def export_keep_masks(ref, args) -> None:
     samples = json.loads(Path(args.prompts).read_text())["samples"]
     env = {key: str(value) if isinstance(value, str) else value for key, value in environment().items()}
     out: dict = {"source": "route_probes", "environment": env, "masks": {}, "prompt_lengths": {}}
+    tokenizer = data.load_tokenizer()
     for sample in tqdm(samples, desc="keep masks", file=sys.stderr):
         prefill = ref.prefill(sample["prompt_ids"])
+        args.units = word_units(tokenizer, sample["prompt_ids"])
         out["prompt_lengths"][sample["sample_id"]] = len(sample["prompt_ids"])
         for ratio in args.ratios:
             config = RCStatConfig().merged({"method": "rc", "target_ratio": ratio})
@@ -331,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--group-reduction", type=float, nargs="*", default=[], help="power-mean orders P of group_P (inf: the max)"
     )
+    parser.add_argument("--words", nargs="*", default=[], choices=["max", "mean"], help="poolings of words_{how}")
     parser.add_argument("--induction", type=float, nargs="*", default=[], help="shares S of induction_SxB")
     parser.add_argument("--induction-boost", type=float, nargs="*", default=[4.0], help="boosts B of induction_SxB")
     parser.add_argument(
@@ -374,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     recovered: dict[str, int] = {}
     for sample in tqdm(samples, desc="prompts", file=sys.stderr):
         prefill = ref.prefill(sample.prompt_ids)
+        args.units = word_units(tokenizer, sample.prompt_ids)
         if args.lookahead:
             full_tokens = ref.greedy(prefill, sample.max_new_tokens)
             full = data.found_answers(sample, tokenizer.decode(full_tokens, skip_special_tokens=True))

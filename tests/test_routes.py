@@ -249,6 +249,47 @@ def test_route_probes_chunks_score_every_token_of_a_chunk_alike_and_leave_the_wi
     assert sum(map(sum, chunks.kept)) == sum(map(sum, want.kept)) and chunks.kept != want.kept
 
 
+def test_route_probes_words_pool_a_numbers_digits_and_a_words_pieces_and_leave_the_window_alone(tokenizer):
+    """words_{how}: units are words as the tokenizer split them (a number's digits after its bare space, a name's
+    pieces), punctuation and spaced tokens start units; pooling gives a unit's finite tokens its max or mean, +inf
+    stays, and the selection over them keeps the plugin's exact budget."""
+    import route_probes
+
+    ids = tokenizer("Grey Heron is 9056558. Mrs. Thistlewood\nNext")["input_ids"]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    units = route_probes.word_units(tokenizer, ids)
+    groups: dict[int, str] = {}
+    for piece, unit in zip(pieces, units.tolist()):
+        groups[unit] = groups.get(unit, "") + piece
+    assert [text.replace("Ġ", " ").replace("Ċ", "\\n") for text in groups.values()] == [
+        "Grey",
+        " Heron",
+        " is",
+        " 9056558",
+        ".",
+        " Mrs",
+        ".",
+        " Thistlewood",
+        "\\n",
+        "Next",
+    ]
+
+    inf = float("inf")
+    x = torch.tensor([[inf, 1.0, 2.0, 6.0, 4.0, 5.0, inf], [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]])
+    units = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    (got,) = route_probes.by_words([x], units, "max")
+    assert torch.equal(got, torch.tensor([[inf, 1.0, 6.0, 6.0, 6.0, 5.0, inf], [2.0, 2.0, 8.0, 8.0, 8.0, 12.0, 12.0]]))
+    (got,) = route_probes.by_words([x], units, "mean")
+    assert torch.equal(got, torch.tensor([[inf, 1.0, 4.0, 4.0, 4.0, 5.0, inf], [1.0, 1.0, 6.0, 6.0, 6.0, 11.0, 11.0]]))
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 200, generator=gen) for _ in range(4)]
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.8})
+    pooled = hf_reference.select_layers(route_probes.by_words(scores, torch.arange(200) // 3, "max"), config)
+    want = hf_reference.select_layers(scores, config)
+    assert sum(map(sum, pooled.kept)) == sum(map(sum, want.kept)) and pooled.kept != want.kept
+
+
 def test_route_probes_peaks_lift_what_follows_the_tokens_every_layer_finds_in_every_head():
     """peaks_K: the token every head of every layer ranks first and the PEAK_REACH tokens after it are kept by every
     head of every layer (under RC one layer in four keeps them), the window stays +inf, the budget is exact."""
