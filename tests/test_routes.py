@@ -368,3 +368,34 @@ def test_route_probes_group_reduction_is_rc_at_order_1_and_the_query_heads_max_a
         assert bool((second[:, :-32] >= mean[layer][:, :-32] - 1e-6).all())
     keep = hf_reference.select_layers(route_probes.group_reduced(prefill, config, 2.0), config)
     assert sum(map(sum, keep.kept)) == sum(map(sum, hf_reference.select_layers(mean, config).kept))
+
+
+def test_route_losses_sorts_a_lost_value_by_what_was_written_in_its_place():
+    """benchmarks/route_losses.py: a near miss of the value itself, another value of the prompt (or a near miss of
+    one), or nothing of the prompt's; only values the full cache finds and the setting loses are counted."""
+    import route_losses
+
+    values = {"9056558", "1773034", "Graz", "Turin"}
+    assert route_losses.loss_kind("9056558", " 90565.", values) == "near_miss"
+    assert route_losses.loss_kind("Graz", " Grapeflemm to work", values) == "near_miss"
+    assert route_losses.loss_kind("9056558", "1. 1773034\n2. 1773034", values) == "another_value"
+    assert route_losses.loss_kind("9056558", "1. 17730341", values) == "another_value"  # another value, copied wrong
+    assert route_losses.loss_kind("Graz", " Turin, where", values) == "another_value"
+    assert route_losses.loss_kind("9056558", " 4242424.", values) == "absent"
+
+    sample = {
+        "sample_id": "s",
+        "task": "niah_multivalue",
+        "answers": ["9056558", "1773034"],
+        "meta": {"needles": ["The number is: 9056558.", "The number is: 1773034."], "distractors": []},
+    }
+    report = {
+        "samples": [sample],
+        "rows": [
+            {"sample": "s", "label": "full", "found": [True, False], "output": "9056558"},
+            {"sample": "s", "label": "rc_r0.9", "found": [False, False], "output": "1. 1773034"},
+            {"sample": "s", "label": "rc_r0.8", "found": [True, False], "output": "9056558"},
+        ],
+    }
+    rows = route_losses.losses(report, ["rc_r0.8", "rc_r0.9"])
+    assert rows == [{"sample": "s", "task": "niah_multivalue", "label": "rc_r0.9", "kind": "another_value"}]
