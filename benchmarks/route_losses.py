@@ -48,24 +48,41 @@ def loss_kind(value: str, output: str, prompt_values: set[str]) -> str:
     return "absent"
 
 
-def losses(report: dict, labels: list[str]) -> list[dict]:
-    """One row per value the full cache finds and a setting of ``labels`` loses, in one ``routes.py`` report."""
+def losses(report: dict, labels: list[str] | None = None) -> list[dict]:
+    """One row per value the full cache finds and a setting loses (those of ``labels``; every setting when None), in
+    one ``routes.py`` report (its ``samples`` and ``rows``)."""
     samples = {s["sample_id"]: s for s in report["samples"]}
     full = {row["sample"]: row["found"] for row in report["rows"] if row["label"] == "full"}
     out = []
     for row in report["rows"]:
-        if row["label"] not in labels:
+        if row["label"] == "full" or row["sample"] not in full or (labels is not None and row["label"] not in labels):
             continue
         sample = samples[row["sample"]]
         meta = sample["meta"]
-        prompt_values = {
-            v for text in meta.get("needles", []) + meta.get("distractors", []) for v in VALUE.findall(text)
-        }
+        texts = meta.get("needles", []) + meta.get("distractors", [])
+        prompt_values = {v for text in texts for v in VALUE.findall(text)} | set(meta.get("distractors", []))
+        prompt_values |= set(sample["answers"])
         for value, by_full, by_setting in zip(sample["answers"], full[row["sample"]], row["found"]):
             if by_full and not by_setting:
                 kind = loss_kind(value, row["output"], prompt_values)
                 out.append({"sample": row["sample"], "task": sample["task"], "label": row["label"], "kind": kind})
     return out
+
+
+def count(rows: list[dict], labels: list[str]) -> dict:
+    """``{"kinds": {label: {kind: n}}, "by_task": {label: {task: {kind: n}}}}`` of :func:`losses`' rows."""
+    by_kind = Counter((row["label"], row["kind"]) for row in rows)
+    by_task = Counter((row["label"], row["task"], row["kind"]) for row in rows)
+    return {
+        "kinds": {label: {kind: by_kind[(label, kind)] for kind in KINDS} for label in labels},
+        "by_task": {
+            label: {
+                task: {kind: by_task[(label, task, kind)] for kind in KINDS}
+                for task in sorted({row["task"] for row in rows if row["label"] == label})
+            }
+            for label in labels
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,20 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = [row for path in args.results for row in losses(result_files.read(path), args.labels)]
-    by_kind = Counter((row["label"], row["kind"]) for row in rows)
-    by_task = Counter((row["label"], row["task"], row["kind"]) for row in rows)
     report = {
         "benchmark": "route_losses",
         "sources": [result_files.base_name(path) for path in args.results],
         "labels": args.labels,
-        "kinds": {label: {kind: by_kind[(label, kind)] for kind in KINDS} for label in args.labels},
-        "by_task": {
-            label: {
-                task: {kind: by_task[(label, task, kind)] for kind in KINDS}
-                for task in sorted({row["task"] for row in rows if row["label"] == label})
-            }
-            for label in args.labels
-        },
+        **count(rows, args.labels),
         "rows": rows,
     }
 

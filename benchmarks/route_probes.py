@@ -9,6 +9,8 @@ keep sets that answer one question each:
   More entries than the ratio allows (their count is recorded): whether the lost values come back once their own
   tokens (or their needles) are everywhere. If the values' tokens alone do not bring them back, what fails is not
   their coverage (the physics paper's erasure: a token no head keeps) but how the rest of the cache routes to them.
+* ``oracle_layers_A_B`` (``--layer-bands B``, with the oracles): RC's keep sets with layers A to B kept whole, one
+  band of B layers at a time, on the same prompts: where in depth the lost values' routes are cut.
 * ``shared_max`` / ``shared_mean``: every head of a layer scores a token alike (the max or mean of its heads'
   scores), so the heads of a layer keep the same tokens: head consensus 1, the paper's rigidity at its extreme, at
   the same budget.
@@ -281,6 +283,11 @@ def group_reduced(prefill, config: RCStatConfig, p: float) -> list[torch.Tensor]
     return out
 
 
+def with_layers(masks: list[torch.Tensor], layers: range) -> list[torch.Tensor]:
+    """Keep sets with every token kept in every head of ``layers`` (``oracle_layers_A_B``)."""
+    return [torch.ones_like(m) if i in layers else m.clone() for i, m in enumerate(masks)]
+
+
 def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
     """Keep sets plus ``positions`` in every head of every layer."""
     out = [m.clone() for m in masks]
@@ -377,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--group-reduction", type=float, nargs="*", default=[], help="power-mean orders P of group_P (inf: the max)"
     )
+    parser.add_argument(
+        "--layer-bands", type=int, default=0, help="oracle_layers_A_B: bands of this many layers kept whole (0: none)"
+    )
     parser.add_argument("--words", nargs="*", default=[], choices=["max", "mean"], help="poolings of words_{how}")
     parser.add_argument("--induction", type=float, nargs="*", default=[], help="shares S of induction_SxB")
     parser.add_argument("--induction-boost", type=float, nargs="*", default=[4.0], help="boosts B of induction_SxB")
@@ -444,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):
                     masks = with_tokens(keep.masks, routes.token_positions(tokenizer, sample, texts))
                     variants[name] = (masks, sum(int(m.sum()) for m in masks) - kept)
+                for start in range(0, len(keep.masks) if args.layer_bands else 0, args.layer_bands or 1):
+                    band = range(start, min(start + args.layer_bands, len(keep.masks)))
+                    masks = with_layers(keep.masks, band)
+                    variants[f"oracle_layers_{band.start}_{band.stop - 1}"] = (
+                        masks,
+                        sum(int(m.sum()) for m in masks) - kept,
+                    )
             results = {"rc": {"found": rc}}
             for name, (masks, extra) in variants.items():
                 results[name] = {"found": found(prefill, masks, sample), "extra_entries": extra}

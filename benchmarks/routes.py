@@ -19,7 +19,8 @@ Per setting and task: values found, and of the values the full cache finds, how 
 from every KV head of every layer, as the plugin reports it), the paper's task-aware GER (the share of the asked
 value's tokens evicted from every head: its Section 5.1 restricted to T_ans), its per-layer counterpart
 (``answer_layer_ger``: the share of the value's tokens no head of a layer keeps, averaged over layers) and head
-consensus (``rcstat_vllm.scoring.selection.head_consensus``: mean pairwise overlap of a layer's heads' kept sets).
+consensus (``rcstat_vllm.scoring.selection.head_consensus``: mean pairwise overlap of a layer's heads' kept sets);
+per setting, what it wrote in place of each value it lost (``loss_kinds``: ``route_losses.py``).
 Several seeds: ``--seeds``; ``--tuning-seeds`` splits the summary into the prompts that chose a rule and the held-out
 rest. ``--write-prompts`` writes the prompts for ``kvpress_reference.py`` (kvpress's presses on the same prompts).
 Each prompt is prefilled once and scored once per scorer configuration (settings that differ only in selection share
@@ -52,6 +53,7 @@ import data
 import hf_reference as ref_lib
 import methods
 import result_files
+import route_losses
 from common import environment, load_avg, resolved_config, write_report
 
 from rcstat_vllm.config import RCStatConfig
@@ -566,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     name = f"seed{seeds[0]}" if len(seeds) == 1 else "seeds" + "_".join(map(str, seeds))
     out = Path(args.json) if args.json else RESULTS_DIR / f"routes_{name}_cpu.json"
 
+    sample_dicts = [s.to_dict() for s in samples]
+
     def report(done: bool) -> dict:
         return {
             "benchmark": "routes",
@@ -578,9 +582,13 @@ def main(argv: list[str] | None = None) -> int:
             "settings": [
                 {**s.to_dict(), "resolved": resolved_config(None, s.rcstat) if s.rcstat else {}} for s in settings
             ],
-            "samples": [s.to_dict() for s in samples],
+            "samples": sample_dicts,
             "rows": rows,
             "summary": split_summaries(rows, settings, args.tuning_seeds),
+            "loss_kinds": route_losses.count(
+                route_losses.losses({"samples": sample_dicts, "rows": rows}),
+                [s.label for s in settings if s.label != "full"],
+            ),
             "wall_s": time.time() - started,
         }
 

@@ -179,8 +179,8 @@ def test_side_by_side_refuses_prompts_that_differ_under_the_same_id():
 
 def test_route_probes_selections_keep_the_budget_and_do_what_they_say():
     """benchmarks/route_probes.py's variants: head-shared scores give every head of a layer the same keep set, and
-    discounted copies scale a token's k-th best head by g**(k-1), both at the plugin's exact budget; the oracle adds
-    its tokens to every head."""
+    discounted copies scale a token's k-th best head by g**(k-1), both at the plugin's exact budget; the oracles add
+    their tokens to every head, or keep a band of layers whole."""
     import route_probes
 
     gen = torch.Generator().manual_seed(0)
@@ -198,6 +198,9 @@ def test_route_probes_selections_keep_the_budget_and_do_what_they_say():
     assert hf_reference.select_layers(discounted, config).ratio == pytest.approx(want.ratio, abs=1e-3)
     added = route_probes.with_tokens(want.masks, [5, 6])
     assert all(m[:, [5, 6]].all() for m in added) and not all(m[:, [5, 6]].all() for m in want.masks)
+    banded = route_probes.with_layers(want.masks, range(1, 3))
+    assert [bool(m.all()) for m in banded] == [False, True, True, False]
+    assert torch.equal(banded[0], want.masks[0]) and torch.equal(banded[3], want.masks[3])
 
 
 def test_route_probes_cross_layer_lifts_a_token_many_layers_keep_and_value_norm_weights_by_values():
@@ -399,3 +402,10 @@ def test_route_losses_sorts_a_lost_value_by_what_was_written_in_its_place():
     }
     rows = route_losses.losses(report, ["rc_r0.8", "rc_r0.9"])
     assert rows == [{"sample": "s", "task": "niah_multivalue", "label": "rc_r0.9", "kind": "another_value"}]
+    assert route_losses.losses(report) == rows  # every setting but the full cache
+    counted = route_losses.count(rows, ["rc_r0.8", "rc_r0.9"])
+    assert counted["kinds"] == {
+        "rc_r0.8": {"near_miss": 0, "another_value": 0, "absent": 0},
+        "rc_r0.9": {"near_miss": 0, "another_value": 1, "absent": 0},
+    }
+    assert counted["by_task"] == {"rc_r0.8": {}, "rc_r0.9": {"niah_multivalue": counted["kinds"]["rc_r0.9"]}}
