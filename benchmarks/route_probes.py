@@ -71,6 +71,10 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --json benchmarks/results/route_probes_issue56_peaks_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 22 23 24 25 --lengths 1024 2048 --variants --copies --peaks 8 --chunk 4 \
         --threads 2 --json benchmarks/results/route_probes_issue56_heldout4_seeds22_25_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --words max mean --threads 2 \
+        --json benchmarks/results/route_probes_issue56_words_seed5_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 8 9 --ratios 0.9 --variants oracle --copies --layer-bands 5 --threads 2 \
+        --json benchmarks/results/route_probes_issue56_layer_bands_seeds8_9_1k_cpu.json
     python benchmarks/quality.py --write-prompts /tmp/quality_prompts.json
     python benchmarks/route_probes.py --keep-masks /tmp/probe_masks.pt --prompts /tmp/quality_prompts.json \
         --ratios 0.8 0.9 --variants --copies --chunk 4 --peaks 8
@@ -283,6 +287,11 @@ def group_reduced(prefill, config: RCStatConfig, p: float) -> list[torch.Tensor]
     return out
 
 
+def layer_bands(num_layers: int, size: int) -> list[range]:
+    """The model's layers in consecutive bands of ``size`` (the last may be shorter); none for ``size`` 0."""
+    return [range(start, min(start + size, num_layers)) for start in range(0, num_layers, size)] if size else []
+
+
 def with_layers(masks: list[torch.Tensor], layers: range) -> list[torch.Tensor]:
     """Keep sets with every token kept in every head of ``layers`` (``oracle_layers_A_B``)."""
     return [torch.ones_like(m) if i in layers else m.clone() for i, m in enumerate(masks)]
@@ -454,8 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):
                     masks = with_tokens(keep.masks, routes.token_positions(tokenizer, sample, texts))
                     variants[name] = (masks, sum(int(m.sum()) for m in masks) - kept)
-                for start in range(0, len(keep.masks) if args.layer_bands else 0, args.layer_bands or 1):
-                    band = range(start, min(start + args.layer_bands, len(keep.masks)))
+                for band in layer_bands(len(keep.masks), args.layer_bands):
                     masks = with_layers(keep.masks, band)
                     variants[f"oracle_layers_{band.start}_{band.stop - 1}"] = (
                         masks,

@@ -198,6 +198,9 @@ def test_route_probes_selections_keep_the_budget_and_do_what_they_say():
     assert hf_reference.select_layers(discounted, config).ratio == pytest.approx(want.ratio, abs=1e-3)
     added = route_probes.with_tokens(want.masks, [5, 6])
     assert all(m[:, [5, 6]].all() for m in added) and not all(m[:, [5, 6]].all() for m in want.masks)
+    assert route_probes.layer_bands(30, 5)[-1] == range(25, 30) and len(route_probes.layer_bands(30, 5)) == 6
+    assert route_probes.layer_bands(7, 3) == [range(0, 3), range(3, 6), range(6, 7)]
+    assert route_probes.layer_bands(30, 0) == []
     banded = route_probes.with_layers(want.masks, range(1, 3))
     assert [bool(m.all()) for m in banded] == [False, True, True, False]
     assert torch.equal(banded[0], want.masks[0]) and torch.equal(banded[3], want.masks[3])
