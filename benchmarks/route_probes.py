@@ -305,7 +305,9 @@ def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.T
     return out
 
 
-def selections(scores: list[torch.Tensor], prefill, config: RCStatConfig, args) -> dict[str, list[torch.Tensor]]:
+def selections(
+    scores: list[torch.Tensor], prefill, config: RCStatConfig, args, units: torch.Tensor
+) -> dict[str, list[torch.Tensor]]:
     """The keep sets of every variant ``args`` asks for (not the oracles, which need the answers), by name, at
     ``config``'s ratio and pooled budget."""
     out: dict[str, list[torch.Tensor]] = {}
@@ -321,7 +323,7 @@ def selections(scores: list[torch.Tensor], prefill, config: RCStatConfig, args) 
     for c in args.chunk:
         out[f"chunk_{c}"] = ref_lib.select_layers(chunked(scores, c), config).masks
     for how in args.words:
-        out[f"words_{how}"] = ref_lib.select_layers(by_words(scores, args.units, how), config).masks
+        out[f"words_{how}"] = ref_lib.select_layers(by_words(scores, units, how), config).masks
     for a in args.value_norm:
         out[f"value_norm_{a:g}"] = ref_lib.select_layers(value_weighted(scores, prefill.values, a), config).masks
     for p in args.group_reduction:
@@ -344,12 +346,15 @@ def export_keep_masks(ref, args) -> None:
     tokenizer = data.load_tokenizer()
     for sample in tqdm(samples, desc="keep masks", file=sys.stderr):
         prefill = ref.prefill(sample["prompt_ids"])
-        args.units = word_units(tokenizer, sample["prompt_ids"])
+        units = word_units(tokenizer, sample["prompt_ids"])
         out["prompt_lengths"][sample["sample_id"]] = len(sample["prompt_ids"])
         for ratio in args.ratios:
             config = RCStatConfig().merged({"method": "rc", "target_ratio": ratio})
             scores = ref_lib.score_layers(prefill, config)
-            masks = {"rc": ref_lib.select_layers(scores, config).masks, **selections(scores, prefill, config, args)}
+            masks = {
+                "rc": ref_lib.select_layers(scores, config).masks,
+                **selections(scores, prefill, config, args, units),
+            }
             for name, layers in masks.items():
                 out["masks"].setdefault(f"{name}_r{ratio:g}", {})[sample["sample_id"]] = torch.stack(layers)
     Path(args.keep_masks).parent.mkdir(parents=True, exist_ok=True)
@@ -440,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     recovered: dict[str, int] = {}
     for sample in tqdm(samples, desc="prompts", file=sys.stderr):
         prefill = ref.prefill(sample.prompt_ids)
-        args.units = word_units(tokenizer, sample.prompt_ids)
+        units = word_units(tokenizer, sample.prompt_ids)
         if args.lookahead:
             full_tokens = ref.greedy(prefill, sample.max_new_tokens)
             full = data.found_answers(sample, tokenizer.decode(full_tokens, skip_special_tokens=True))
@@ -457,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             scores = ref_lib.score_layers(prefill, config)
             keep = ref_lib.select_layers(scores, config)
             rc = found(prefill, keep.masks, sample)
-            variants = {name: (masks, 0) for name, masks in selections(scores, prefill, config, args).items()}
+            variants = {name: (masks, 0) for name, masks in selections(scores, prefill, config, args, units).items()}
             if "oracle" in args.variants and any(f and not r for f, r in zip(full, rc)):
                 kept = sum(int(m.sum()) for m in keep.masks)
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):
