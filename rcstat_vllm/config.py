@@ -219,8 +219,9 @@ class RCStatConfig:
         local_contrast: RC in budget mode only: before smoothing, each token's score is divided by the mean score
             of the tokens within ``contrast_radius`` of it, to this power: RC's scores drift towards the prompt's end
             (the window's self logits are all near it), and this keeps what stands out in its own part of the prompt
-            instead; 0 = the paper's scores, 1 = the drift removed fully. Threshold mode (Eq. 9) compares the
-            scores themselves with ``c`` and ignores it.
+            instead; 0 = the paper's scores, 1 = the drift removed fully, and with it how strongly each head reads
+            its part of the prompt, which the model-wide budget allocates by (SmolLM2 at 0.9 then loses every value:
+            docs/defaults.md). Threshold mode (Eq. 9) compares the scores themselves with ``c`` and ignores it.
         contrast_radius: RC only, with ``local_contrast``: the tokens on either side whose mean divides a score.
         query_reduction: RC only: how the observation window's queries combine into a token's score: ``max`` = the
             token's expected RC under the one window query that reads it most (a fact read by a single copy head's

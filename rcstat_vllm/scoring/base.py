@@ -106,7 +106,10 @@ def local_contrast(scores: Tensor, strength: float, radius: int, first: Tensor |
     slow trend towards the prompt's end (SmolLM2, summaries of 2k tokens at 0.8: 63-72% of the last tenth kept, 6-8%
     of the middle; KVzip keeps about 18% everywhere). Dividing by the neighbourhood's mean removes the trend and
     keeps what stands out where it is (a needle among its sentences): 1 removes it fully, 0 leaves the scores as
-    they are. The means come from one cumulative sum (O(n) whatever the radius), in float64.
+    they are. Between them, because a model-wide budget compares scores across heads and layers: at 1 every head's
+    scores average about 1 wherever it reads, so that comparison loses how strongly each head reads its part of the
+    prompt (SmolLM2 at 0.9 loses every value); 0.5 keeps half of it (log score - 0.5 log mean). The means come
+    from one cumulative sum (O(n) whatever the radius), in float64.
     """
     if strength == 0 or scores.shape[-1] == 0:
         return scores
