@@ -52,6 +52,7 @@ class _State:
     prompt_keys: dict | None = None
     prompt_values: dict | None = None
     masks: list | None = None  # per layer [Hkv, n] bool (True = keep) or None = keep all
+    evicted: str | None = None  # one of EVICTED_SUMMARIES: an entry per head for its evicted entries (or none)
     extra_keys: dict = field(default_factory=dict)  # generated tokens so far (incremental greedy decode)
     extra_values: dict = field(default_factory=dict)
     append: bool = False
@@ -60,6 +61,34 @@ class _State:
 
 
 _STATE = _State()
+
+#: What stands for a head's evicted prompt entries in the reference's decode (``greedy``/``decode``'s ``evicted``):
+#: ``mass_mean``: one entry with their exact share of each query's softmax and the plain mean of their values
+#: (an oracle: it reads every evicted key); ``merged``: one entry with their keys' mean, its logit raised by the
+#: log of their count, and their values' mean (what a kernel with a per-entry logit bias could serve). Renormalising
+#: over the kept entries alone (none) is what the plugin does.
+EVICTED_SUMMARIES = ("mass_mean", "merged")
+
+
+def evicted_summary(how: str, q: Tensor, logits: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float):
+    """One entry per KV head standing for its evicted prompt entries (``mask`` [Hkv, n], True = kept), as
+    :data:`EVICTED_SUMMARIES` says: its logit for each query [Hkv, G, T, 1] and its value [Hkv, d] (q [Hkv, G, T, d],
+    ``logits`` [Hkv, G, T, S] before masking, ``keys``/``values`` [Hkv, S, d]). A head that evicted nothing gets a
+    logit of -inf."""
+    if how not in EVICTED_SUMMARIES:
+        raise ValueError(f"evicted summary {how!r}: one of {EVICTED_SUMMARIES}")
+    n = mask.shape[1]
+    evicted = ~mask
+    count = evicted.sum(dim=1)  # [Hkv]
+    weights = evicted.float() / count.clamp_min(1).unsqueeze(1)
+    mean_value = torch.einsum("hn,hnd->hd", weights, values[:, :n].float())
+    if how == "mass_mean":
+        logit = logits[..., :n].masked_fill(mask[:, None, None, :], float("-inf")).logsumexp(dim=-1, keepdim=True)
+    else:
+        mean_key = torch.einsum("hn,hnd->hd", weights, keys[:, :n].float())
+        logit = torch.einsum("hgtd,hd->hgt", q.float(), mean_key).unsqueeze(-1) * scaling
+        logit = logit + count.clamp_min(1).float().log()[:, None, None, None]
+    return logit.masked_fill((count == 0)[:, None, None, None], float("-inf")), mean_value
 
 
 def _masked_attention(
@@ -105,9 +134,16 @@ def _masked_attention(
         visible[:, :, :, :n] = mask[:, None, None, :]
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     visible[:, :, :, n + extra :] = causal
+    summary = None
+    if mask is not None and st.evicted is not None:
+        summary = evicted_summary(st.evicted, q, logits, keys, values, mask, scaling)
     logits = logits.masked_fill(~visible, float("-inf"))
+    values = values.float()
+    if summary is not None:  # one more entry per head, after the others
+        logits = torch.cat([logits, summary[0]], dim=-1)
+        values = torch.cat([values, summary[1].unsqueeze(1)], dim=1)
     probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("hgts,hsd->hgtd", probs, values.float())  # [Hkv, G, T, d]
+    out = torch.einsum("hgts,hsd->hgtd", probs, values)  # [Hkv, G, T, d]
     out = out.reshape(num_q, t, -1).transpose(0, 1)  # [T, Hq, d]
     st.outputs[layer] = out
     return out.unsqueeze(0).to(query.dtype), None
@@ -187,9 +223,15 @@ class ReferenceModel:
 
     @torch.no_grad()
     def decode(
-        self, prefill: Prefill, tokens: list[int], masks: list[Tensor] | None = None, all_layers: bool = False
+        self,
+        prefill: Prefill,
+        tokens: list[int],
+        masks: list[Tensor] | None = None,
+        all_layers: bool = False,
+        evicted: str | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Teacher-force ``tokens`` at positions n.. over the (masked) prompt KV.
+        """Teacher-force ``tokens`` at positions n.. over the (masked) prompt KV (``evicted``: what stands for each
+        head's evicted entries, :data:`EVICTED_SUMMARIES`; None: nothing, the plugin's attention).
 
         Returns (logits [T, V], attention outputs [T, Hq, d] of the last layer, or [L, T, Hq, d] with
         ``all_layers``), float32.
@@ -197,6 +239,7 @@ class ReferenceModel:
         st = _STATE
         st.__init__()
         st.mode, st.prompt_keys, st.prompt_values, st.masks = "decode", prefill.keys, prefill.values, masks
+        st.evicted = evicted
         n = prefill.n
         try:
             out = self.model(
@@ -219,12 +262,14 @@ class ReferenceModel:
         masks: list[Tensor] | None = None,
         stop_at_eos: bool = True,
         stop: Callable[[list[int]], bool] | None = None,
+        evicted: str | None = None,
     ) -> list[int]:
         """Greedy decode under the masks: the first token comes from the (uncompressed) prefill; ``stop(tokens)``
-        true ends it early (after any token)."""
+        true ends it early (after any token); ``evicted`` as in :meth:`decode`."""
         st = _STATE
         st.__init__()
         st.prompt_keys, st.prompt_values, st.masks, st.append = prefill.keys, prefill.values, masks, True
+        st.evicted = evicted
         tokens = [prefill.first_token]
         n = prefill.n
         try:

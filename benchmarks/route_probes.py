@@ -47,6 +47,13 @@ keep sets that answer one question each:
   way RazorAttention finds its retrieval heads) have their scores times ``B`` before the same model-wide selection:
   a copied value is read through such heads, so they keep more of the budget.
 
+* ``summary_{how}`` (``--evicted-summary mass_mean merged``): RC's own keep sets, decoded with one more entry per
+  head that stands for its evicted entries (:data:`hf_reference.EVICTED_SUMMARIES`): ``mass_mean`` their exact share
+  of each query's softmax with their values' mean (an oracle), ``merged`` their keys' mean with a log-count bias.
+  The plugin renormalises each query's softmax over what a head kept, so a kept value weighs more than it did; if
+  the lost values come back with the evicted mass put back, what past 0.8 loses is that reweighting, not which
+  tokens are kept. One entry more per head (``extra_entries``), on every prompt.
+
 ``--keep-masks PATH --prompts FILE`` instead: RC's and the variants' keep masks (no oracles) on the prompts of
 ``quality.py --write-prompts FILE``, for ``quality.py --given-masks PATH`` to measure their value error beside its own
 rows (its RC row at a ratio must equal ``rc_r<ratio>`` here).
@@ -75,6 +82,9 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --json benchmarks/results/route_probes_issue56_words_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 8 9 --ratios 0.9 --variants oracle --copies --layer-bands 5 --threads 2 \
         --json benchmarks/results/route_probes_issue56_layer_bands_seeds8_9_1k_cpu.json
+    python benchmarks/route_probes.py --seeds 8 9 10 11 --ratios 0.8 0.9 --variants --copies \
+        --evicted-summary mass_mean merged --threads 2 \
+        --json benchmarks/results/route_probes_issue56_evicted_summary_seeds8_11_1k_cpu.json
     python benchmarks/quality.py --write-prompts /tmp/quality_prompts.json
     python benchmarks/route_probes.py --keep-masks /tmp/probe_masks.pt --prompts /tmp/quality_prompts.json \
         --ratios 0.8 0.9 --variants --copies --chunk 4 --peaks 8
@@ -407,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants", nargs="*", default=["shared", "copies", "oracle"], choices=["shared", "copies", "oracle"]
     )
+    parser.add_argument(
+        "--evicted-summary",
+        nargs="*",
+        default=[],
+        choices=ref_lib.EVICTED_SUMMARIES,
+        help="what stands for a head's evicted entries in summary_{how} (see above)",
+    )
     parser.add_argument("--lookahead", type=int, nargs="*", default=None, help="compaction points K (see above)")
     parser.add_argument("--keep-masks", metavar="PATH", default=None, help="write keep masks instead (see above)")
     parser.add_argument("--prompts", metavar="PATH", default=None, help="--keep-masks' prompts (quality.py's)")
@@ -428,17 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     args.induction_heads = induction_scores(ref) if args.induction else None
     started, load_before = time.time(), load_avg()
 
-    def found_after(prefill, masks, sample, generated: list[int]) -> list[bool]:
+    def found_after(prefill, masks, sample, generated: list[int], evicted: str | None = None) -> list[bool]:
         """Values found when greedy decoding over ``masks`` goes on from ``generated`` (``prefill``: its end)."""
 
         def stop(tokens):
             return routes.settled(sample.answers, tokenizer.decode(generated + tokens, skip_special_tokens=True))
 
-        tokens = ref.greedy(prefill, sample.max_new_tokens - len(generated), masks=masks, stop=stop)
+        tokens = ref.greedy(prefill, sample.max_new_tokens - len(generated), masks=masks, stop=stop, evicted=evicted)
         return data.found_answers(sample, tokenizer.decode(generated + tokens, skip_special_tokens=True))
 
-    def found(prefill, masks, sample) -> list[bool]:
-        return found_after(prefill, masks, sample, [])
+    def found(prefill, masks, sample, evicted: str | None = None) -> list[bool]:
+        return found_after(prefill, masks, sample, [], evicted)
 
     rows: list[dict] = []
     totals: dict[str, int] = {}
@@ -477,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
             results = {"rc": {"found": rc}}
             for name, (masks, extra) in variants.items():
                 results[name] = {"found": found(prefill, masks, sample), "extra_entries": extra}
+            for how in args.evicted_summary:  # RC's keep sets, one entry more per head
+                heads = sum(m.shape[0] for m in keep.masks)
+                results[f"summary_{how}"] = {"found": found(prefill, keep.masks, sample, how), "extra_entries": heads}
             lost = [f and not r for f, r in zip(full, rc)]
             for name, result in results.items():
                 label = f"{name}_r{ratio:g}"

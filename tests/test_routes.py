@@ -412,3 +412,40 @@ def test_route_losses_sorts_a_lost_value_by_what_was_written_in_its_place():
         "rc_r0.9": {"near_miss": 0, "another_value": 1, "absent": 0},
     }
     assert counted["by_task"] == {"rc_r0.8": {}, "rc_r0.9": {"niah_multivalue": counted["kinds"]["rc_r0.9"]}}
+
+
+def test_an_evicted_summary_carries_the_evicted_mass_and_is_exact_when_the_evicted_entries_are_alike():
+    """route_probes' summary_{how}: ``mass_mean``'s one entry takes exactly the softmax share the evicted entries had;
+    when a head's evicted entries are all one key and value, both summaries give the full cache's logits through
+    the whole model, and renormalising over the kept entries (the plugin's attention) does not."""
+    ref = tiny_reference_model()
+    n = 120
+    prefill = ref.prefill(torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(3)).tolist())
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[:, :8], mask[:, -24:] = True, True
+    mask[0, 40:50] = True  # heads keep different entries
+    masks = [mask] * 2
+
+    g = torch.Generator().manual_seed(4)
+    q, keys = torch.randn(2, 2, 3, 16, generator=g), torch.randn(2, n, 16, generator=g)
+    logits = torch.einsum("hgtd,hsd->hgts", q, keys) * 0.25
+    logit, _ = hf_reference.evicted_summary("mass_mean", q, logits, keys, keys, mask, 0.25)
+    kept = torch.softmax(torch.cat([logits.masked_fill(~mask[:, None, None, :], float("-inf")), logit], -1), -1)
+    full = torch.softmax(logits, -1)
+    torch.testing.assert_close(kept[..., -1], full.masked_fill(mask[:, None, None, :], 0).sum(-1))
+    torch.testing.assert_close(kept[..., :-1], full.masked_fill(~mask[:, None, None, :], 0))
+
+    for layer in range(2):  # every evicted entry of a head becomes the head's first evicted one
+        for h in range(2):
+            evicted = (~mask[h]).nonzero().flatten()
+            prefill.keys[layer][h, evicted] = prefill.keys[layer][h, evicted[0]]
+            prefill.values[layer][h, evicted] = prefill.values[layer][h, evicted[0]]
+    tokens = [5, 9, 11]
+    full_logits, _ = ref.decode(prefill, tokens, None)
+    for how in hf_reference.EVICTED_SUMMARIES:
+        summary_logits, _ = ref.decode(prefill, tokens, masks, evicted=how)
+        torch.testing.assert_close(summary_logits, full_logits, atol=1e-4, rtol=1e-4)
+    renormalised, _ = ref.decode(prefill, tokens, masks)
+    assert (renormalised - full_logits).abs().max().item() > 1e-2
+    with pytest.raises(ValueError, match="evicted summary"):
+        ref.decode(prefill, tokens, masks, evicted="median")
