@@ -494,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             results = {"rc": {"found": rc}}
             for name, (masks, extra) in variants.items():
                 results[name] = {"found": found(prefill, masks, sample), "extra_entries": extra}
+            heads = sum(m.shape[0] for m in keep.masks)  # a summary's extra entries: one per head of every layer
             for how in args.evicted_summary:  # RC's keep sets, one entry more per head
-                heads = sum(m.shape[0] for m in keep.masks)
                 results[f"summary_{how}"] = {"found": found(prefill, keep.masks, sample, how), "extra_entries": heads}
             lost = [f and not r for f, r in zip(full, rc)]
             for name, result in results.items():
