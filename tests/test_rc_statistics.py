@@ -181,6 +181,24 @@ def test_token_chunking_matches_single_pass(monkeypatch):
     torch.testing.assert_close(expected_rc_iot(q, k), whole_iot, rtol=0, atol=1e-13)
 
 
+def test_max_reduction_chunks_by_its_own_bound(monkeypatch):
+    """``max`` counts a chunk by its cross logits (:data:`_CPU_MAX_CHUNK_ELEMENTS`), ``mean`` by
+    :data:`_CPU_CHUNK_ELEMENTS`: each bound alone sets its reduction's chunks, and the scores are a single pass's."""
+    import rcstat_vllm.scoring.rc as rc
+
+    q = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    k = torch.randn(2, 40, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    whole = {reduction: expected_rc_grouped(q, k, reduction) for reduction in ("max", "mean")}
+    seen: list[int] = []
+    chunk = rc._token_chunk
+    monkeypatch.setattr(rc, "_token_chunk", lambda *args: seen.append(chunk(*args)) or seen[-1])
+    monkeypatch.setattr(rc, "_CPU_MAX_CHUNK_ELEMENTS", 2 * 3 * 4 * 17)  # 17 tokens of 24 cross logits
+    monkeypatch.setattr(rc, "_CPU_CHUNK_ELEMENTS", 1)  # (16 tokens, the floor)
+    for reduction, tokens in (("max", 17), ("mean", 16)):
+        torch.testing.assert_close(expected_rc_grouped(q, k, reduction), whole[reduction], rtol=0, atol=1e-13)
+        assert seen.pop() == tokens
+
+
 def test_dtypes_accumulate_in_float32():
     q64, k64 = random_inputs((2, 8, 50, 16), seed=11)
     exact = expected_rc(q64, k64)

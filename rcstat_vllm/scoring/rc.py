@@ -60,13 +60,22 @@ _TOKEN_CHUNK = 8192
 #: L2 cache instead of streaming through memory between the ~10 passes over them. SmolLM2 shapes (3 KV heads x 3
 #: queries x window 32), one layer, 2 threads: 640 tokens 4.1 -> 3.1 ms, 2000 tokens 7.4 -> 5.6, 8000 tokens 53 -> 23.
 _CPU_CHUNK_ELEMENTS = 1 << 16
+#: The same bound for ``query_reduction`` ``max`` (the default), where a chunk's cross logits meet one matmul and one
+#: max over the window's queries and the ~10 passes after run over the w-times smaller maxima: counted as cross
+#: logits (4 MiB in float32), its chunks are 16x longer. Stacked layers (a deferred scoring: 10 layers x 3 KV heads
+#: x 3 queries x window 32) had chunks of 22 tokens under :data:`_CPU_CHUNK_ELEMENTS`, and dispatch cost more than
+#: arithmetic; one thread: 320 tokens 13.7 -> 7.1 ms, 2000 tokens 64 -> 27, 8000 tokens 325 -> 94; one layer (3 KV
+#: heads): 2000 tokens 4.3 -> 2.2 ms, 8000 tokens 13.3 -> 11.0.
+_CPU_MAX_CHUNK_ELEMENTS = 1 << 20
 
 
-def _token_chunk(keys: Tensor, queries_per_token: int) -> int:
-    """Tokens scored per chunk: :data:`_TOKEN_CHUNK`, or on the CPU as many as fill :data:`_CPU_CHUNK_ELEMENTS`."""
+def _token_chunk(keys: Tensor, queries_per_token: int, elements: int | None = None) -> int:
+    """Tokens scored per chunk: :data:`_TOKEN_CHUNK`, or on the CPU as many as fill ``elements`` cross logits
+    (:data:`_CPU_CHUNK_ELEMENTS` when None)."""
     if keys.device.type != "cpu":
         return _TOKEN_CHUNK
-    return min(_TOKEN_CHUNK, max(16, _CPU_CHUNK_ELEMENTS // max(queries_per_token, 1)))
+    elements = _CPU_CHUNK_ELEMENTS if elements is None else elements
+    return min(_TOKEN_CHUNK, max(16, elements // max(queries_per_token, 1)))
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -231,7 +240,8 @@ def expected_rc_grouped(q_window: Tensor, keys: Tensor, query_reduction: str = "
     pair_count = w * m
     queries = q_window.to(acc).reshape(num_kv_heads, group * w, -1)
     scores = torch.empty(num_kv_heads, group, n - w, dtype=acc, device=keys.device)
-    chunk = _token_chunk(keys, num_kv_heads * group * w)
+    elements = _CPU_MAX_CHUNK_ELEMENTS if query_reduction == "max" else _CPU_CHUNK_ELEMENTS
+    chunk = _token_chunk(keys, num_kv_heads * group * w, elements)
     for start in range(0, n - w, chunk):
         stop = min(start + chunk, n - w)
         cross = torch.matmul(queries, keys[:, start:stop].to(acc).transpose(1, 2))  # [Hkv, G*w, chunk]
