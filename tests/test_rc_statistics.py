@@ -199,6 +199,21 @@ def test_max_reduction_chunks_by_its_own_bound(monkeypatch):
         assert seen.pop() == tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sort_last_is_torch_sort(dtype):
+    """RC's tables sort by NumPy on the CPU (float32 / float64; torch's sort otherwise): the same values as
+    ``torch.sort``, NaN and infinities and ties included, from a non-contiguous view too."""
+    from rcstat_vllm.scoring.rc import sort_last
+
+    values = torch.randn(6, 40, generator=torch.Generator().manual_seed(5)).round(decimals=1).to(dtype)
+    values[0, 3], values[1, 7], values[2, 9], values[3, 1] = float("nan"), float("inf"), float("-inf"), -0.0
+    view = values.t().contiguous().t()[:, 1::2]  # (strided)
+    for x in (values, view):
+        got = sort_last(x)
+        assert got.is_contiguous() and got.dtype == dtype
+        assert torch.equal(got.nan_to_num(nan=99.0), torch.sort(x, dim=-1).values.nan_to_num(nan=99.0))
+
+
 def test_dtypes_accumulate_in_float32():
     q64, k64 = random_inputs((2, 8, 50, 16), seed=11)
     exact = expected_rc(q64, k64)

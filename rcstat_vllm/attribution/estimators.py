@@ -116,10 +116,7 @@ def span_relative_contextualization(
         cross = torch.matmul(q, k_prompt[h0:h1].to(acc).transpose(1, 2))  # [h, s, m]
         y = _causal_self_logits(q, k_gen[h0:h1].to(acc), offset)  # [h, |Y'|]
         if exact:
-            center = y.mean(dim=-1)
-            y_sorted = torch.sort(y - center.unsqueeze(-1), dim=-1).values.contiguous()
-            prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0)).contiguous()
-            table = WindowSelfLogits(center, y_sorted, prefix)
+            table = WindowSelfLogits.of(y)
             gaps = table.sum_positive_gaps(cross.reshape(h1 - h0, s * m)).reshape(h1 - h0, s, m).sum(dim=1)
             cumulative = torch.nn.functional.pad(torch.cumsum(gaps, dim=-1), (1, 0))  # [h, m + 1]
             totals = cumulative[:, ranges[:, 1]] - cumulative[:, ranges[:, 0]]
@@ -280,10 +277,7 @@ def query_token_relative_contextualization(q_span: Tensor, k_prompt: Tensor, k_g
         q = q_span[h0:h1].to(acc)
         cross = torch.matmul(q, k_prompt[h0:h1].to(acc).transpose(1, 2))  # [h, s, m]
         y = _causal_self_logits(q, k_gen[h0:h1].to(acc), offset)
-        center = y.mean(dim=-1)
-        y_sorted = torch.sort(y - center.unsqueeze(-1), dim=-1).values.contiguous()
-        prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0)).contiguous()
-        table = WindowSelfLogits(center, y_sorted, prefix)
+        table = WindowSelfLogits.of(y)
         gaps = table.sum_positive_gaps(cross.reshape(h1 - h0, s * m)).reshape(h1 - h0, s, m)
         out[h0:h1] = gaps / y.shape[-1]
     return out

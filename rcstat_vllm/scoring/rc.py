@@ -24,6 +24,7 @@ force.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -83,6 +84,15 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def sort_last(values: Tensor) -> Tensor:
+    """``torch.sort(values, dim=-1).values``, contiguous. On the CPU by NumPy's sort: a SIMD quicksort, where torch's
+    sorts row by row (RC's window tables, 90 rows of 528 float32 values: 0.17 against 2.4 ms on one AVX2 thread).
+    The same values: a sort's output does not depend on its algorithm (NaNs last in both)."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
+        return torch.from_numpy(np.sort(values.contiguous().numpy(), axis=-1))
+    return torch.sort(values, dim=-1).values.contiguous()
+
+
 # --------------------------------------------------------------------------------------------------------
 # Window self logits: the sorted sample Y and its prefix sums, computed once per query head.
 # --------------------------------------------------------------------------------------------------------
@@ -104,6 +114,14 @@ class WindowSelfLogits:
         self.sorted = sorted_values
         self.prefix = prefix
         self._bins: BinnedSearch | None = None
+
+    @classmethod
+    def of(cls, y: Tensor) -> WindowSelfLogits:
+        """The table of the values ``y`` ``[..., m]`` (in the dtype they come in): centred, sorted, summed."""
+        center = y.mean(dim=-1)
+        y_sorted = sort_last(y - center.unsqueeze(-1))
+        prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0))
+        return cls(center, y_sorted, prefix.contiguous())
 
     def count_below(self, x_centered: Tensor) -> Tensor:
         """``[..., k]`` int64: how many values of ``sorted`` are strictly below each (centred) x. Equal to
@@ -161,10 +179,7 @@ def window_self_logits(q_window: Tensor, window_keys: Tensor) -> WindowSelfLogit
     self_logits = torch.einsum("hgld,hkd->hglk", q_window.to(acc), window_keys.to(acc))
     rows, cols = torch.tril_indices(w, w, device=q_window.device)  # col <= row: key at or before query
     y = self_logits[..., rows, cols]  # [Hkv, G, m]
-    center = y.mean(dim=-1)
-    y_sorted = torch.sort(y - center.unsqueeze(-1), dim=-1).values
-    prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0))
-    return WindowSelfLogits(center, y_sorted.contiguous(), prefix.contiguous())
+    return WindowSelfLogits.of(y)
 
 
 def _check_window_shapes(q_window: Tensor, keys: Tensor, grouped: bool) -> tuple[int, int]:
@@ -290,11 +305,7 @@ def expected_rc_samples(x: Tensor, y: Tensor) -> Tensor:
     """
     acc = accumulation_dtype(x.dtype)
     x, y = x.to(acc), y.to(acc)
-    center = y.mean(dim=-1)
-    y_sorted = torch.sort(y - center.unsqueeze(-1), dim=-1).values.contiguous()
-    prefix = torch.nn.functional.pad(torch.cumsum(y_sorted, dim=-1), (1, 0))
-    table = WindowSelfLogits(center, y_sorted, prefix.contiguous())
-    return table.sum_positive_gaps(x).mean(dim=-1) / y.shape[-1]
+    return WindowSelfLogits.of(y).sum_positive_gaps(x).mean(dim=-1) / y.shape[-1]
 
 
 def cdfs_at_midpoints(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
