@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(RESULTS))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    measured = run(args.sizes, args.rounds, args.layout)
     report = {
         "benchmark": "compaction_step",
         "shapes": dict(layers=LAYERS, kv_heads=KV_HEADS, query_heads=KV_HEADS * GROUP, head_dim=HEAD_DIM, block=BLOCK),
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "settings": "the bare flag (RC, budget 0.4 model-wide, lazy: scored at the copy)",
         "copy_group_bytes": copying.COPY_GROUP_BYTES,
-        **run(args.sizes, args.rounds, args.layout),
+        **measured,
+        "wall_s": round(time.perf_counter() - start, 1),
         "environment": environment(),
     }
     write_report(report, Path(args.json), lambda report: None)
