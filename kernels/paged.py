@@ -61,15 +61,42 @@ def _page_span(
     return blocks, slice(start - first * block_size, stop - first * block_size)
 
 
-def gather_paged_tokens(key_cache: Tensor, block_table: Tensor, start: int, stop: int) -> Tensor:
-    """Tokens start..stop-1 of one request, contiguous: [Hkv, stop - start, d] in the cache's dtype."""
+def gather_paged_tokens(
+    key_cache: Tensor, block_table: Tensor, start: int, stop: int, dtype: torch.dtype | None = None
+) -> Tensor:
+    """Tokens start..stop-1 of one request, contiguous: [Hkv, stop - start, d] in ``dtype`` (None: the cache's)."""
     if key_cache.dim() == 6:
-        return _gather_tiled_tokens(key_cache, block_table, start, stop)
+        tokens = _gather_tiled_tokens(key_cache, block_table, start, stop)
+        return tokens if dtype is None else tokens.to(dtype)
     blocks, tokens = _page_span(block_table, key_cache.shape[2], start, stop, key_cache.device)
+    if key_cache.stride(-2) == 1 and key_cache.stride(-1) != 1:
+        return _gather_dim_major_tokens(key_cache, blocks, tokens, dtype or key_cache.dtype)
     # Whole pages, head-major ([Hkv, pages, block_size, d]: one index per page, not per token: 1.8-2.9x faster on a
     # CPU at 0.7-4k tokens than indexing each token), then the tokens asked for (a copy only when they start or end
     # inside a page).
-    return key_cache.transpose(0, 1)[:, blocks].flatten(1, 2)[:, tokens].contiguous()
+    tokens = key_cache.transpose(0, 1)[:, blocks].flatten(1, 2)[:, tokens].contiguous()
+    return tokens if dtype is None else tokens.to(dtype)
+
+
+def _gather_dim_major_tokens(key_cache: Tensor, blocks: Tensor, tokens: slice, dtype: torch.dtype) -> Tensor:
+    """:func:`gather_paged_tokens` of a cache that stores each page dim-major (vLLM-CPU's ``vec`` keys, ``[d,
+    block_size]`` per page): the pages copied whole as they lie, then put token-major straight into the result (the
+    full pages in one copy, a last part-full page in another; the same values, in ``dtype``). Indexing the pages
+    through the token-major view instead copied every element alone, then again to cut the tokens (SmolLM2's
+    shapes, one thread: 2000 tokens 1.1 -> 0.38 ms, 8000 tokens 3.6 -> 1.8 ms)."""
+    pages = key_cache.transpose(2, 3).index_select(0, blocks)  # [pages, Hkv, d, block_size]
+    num_heads, head_dim, block_size = pages.shape[1:]
+    if tokens.start:  # (the first page part-read: lay the pages out whole, then cut)
+        whole = torch.empty(num_heads, len(blocks) * block_size, head_dim, dtype=dtype, device=key_cache.device)
+        whole.view(num_heads, len(blocks), block_size, head_dim).copy_(pages.permute(1, 0, 3, 2))
+        return whole[:, tokens].contiguous()
+    count = tokens.stop
+    out = torch.empty(num_heads, count, head_dim, dtype=dtype, device=key_cache.device)
+    full = count // block_size
+    out[:, : full * block_size].view(num_heads, full, block_size, head_dim).copy_(pages[:full].permute(1, 0, 3, 2))
+    if count > full * block_size:
+        out[:, full * block_size :].copy_(pages[full, :, :, : count - full * block_size].transpose(1, 2))
+    return out
 
 
 #: Bytes of whole pages a CPU norm pass copies at once: small enough for the copy to be in cache when the norm reads

@@ -71,6 +71,23 @@ def test_gather_paged_tokens_follows_block_table():
     assert tokens.squeeze(-1).tolist() == [[7.0, 8.0, 0.0, 1.0, 2.0, 9.0, 10.0]]
 
 
+@pytest.mark.parametrize("start, stop", [(0, 45), (0, 48), (5, 45), (16, 48), (17, 18), (0, 3), (0, 0)])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_gather_from_dim_major_pages_equals_the_token_major_gather(start, stop, dtype):
+    """vLLM-CPU's vec keys lie dim-major in each page (``[d, block_size]``): gathered page by page and put
+    token-major, they are exactly what the same tokens gathered from a token-major cache give (first page
+    part-read, last page part-full, whole pages, nothing), contiguous, in ``dtype`` (None: the cache's, bf16)."""
+    gen = torch.Generator().manual_seed(6)
+    pages = torch.randn(7, 3, 2, 8, 16, generator=gen).bfloat16()  # [blocks, Hkv, (key, value), d, page]
+    dim_major = pages[:, :, 0].transpose(2, 3)  # [blocks, Hkv, page, d] view, the page's dims outermost
+    token_major = dim_major.contiguous()
+    block_table = torch.tensor([5, 1, 6, 0], dtype=torch.int32)
+    got = gather_paged_tokens(dim_major, block_table, start, stop, dtype)
+    want = gather_paged_tokens(token_major, block_table, start, stop)
+    assert got.is_contiguous() and got.dtype == (dtype or torch.bfloat16)
+    assert torch.equal(got, want.to(got.dtype)) and got.shape == (3, stop - start, 8)
+
+
 @pytest.mark.parametrize("start, stop", [(0, 45), (5, 45), (16, 48), (17, 18), (0, 0)])
 @pytest.mark.parametrize("chunk_pages", [1, 2, 100])
 def test_paged_token_norms_equal_the_norms_of_the_gathered_tokens(monkeypatch, start, stop, chunk_pages):

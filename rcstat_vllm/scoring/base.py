@@ -200,7 +200,7 @@ class PagedPrompt:
 
     def gather_keys(self) -> Tensor:
         """[Hkv, n, d] float32 copy of the prompt's keys (the torch path)."""
-        return gather_paged_tokens(self.keys, self.block_table, 0, self.num_tokens).float()
+        return gather_paged_tokens(self.keys, self.block_table, 0, self.num_tokens, torch.float32)
 
     def gather_values(self) -> Tensor:
         """[Hkv, n, d_v] float32 copy of the prompt's values (only for scorers that read them)."""
