@@ -66,16 +66,16 @@ def gather_paged_tokens(
 ) -> Tensor:
     """Tokens start..stop-1 of one request, contiguous: [Hkv, stop - start, d] in ``dtype`` (None: the cache's)."""
     if key_cache.dim() == 6:
-        tokens = _gather_tiled_tokens(key_cache, block_table, start, stop)
-        return tokens if dtype is None else tokens.to(dtype)
+        gathered = _gather_tiled_tokens(key_cache, block_table, start, stop)
+        return gathered if dtype is None else gathered.to(dtype)
     blocks, tokens = _page_span(block_table, key_cache.shape[2], start, stop, key_cache.device)
     if key_cache.stride(-2) == 1 and key_cache.stride(-1) != 1:
         return _gather_dim_major_tokens(key_cache, blocks, tokens, dtype or key_cache.dtype)
     # Whole pages, head-major ([Hkv, pages, block_size, d]: one index per page, not per token: 1.8-2.9x faster on a
     # CPU at 0.7-4k tokens than indexing each token), then the tokens asked for (a copy only when they start or end
     # inside a page).
-    tokens = key_cache.transpose(0, 1)[:, blocks].flatten(1, 2)[:, tokens].contiguous()
-    return tokens if dtype is None else tokens.to(dtype)
+    gathered = key_cache.transpose(0, 1)[:, blocks].flatten(1, 2)[:, tokens].contiguous()
+    return gathered if dtype is None else gathered.to(dtype)
 
 
 def _gather_dim_major_tokens(key_cache: Tensor, blocks: Tensor, tokens: slice, dtype: torch.dtype) -> Tensor:
