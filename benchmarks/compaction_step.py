@@ -15,8 +15,9 @@ settings, a request of ``n`` prompt tokens is compacted over and over, its parts
   stacked         scored at the copy, the layers stacked into one call per ``DEFERRED_LAYERS_BYTES`` of keys
                   (``Scorer.score_layers``): a plan the relief needs at once (a prompt arriving for more blocks than
                   are free)
-  scored_ahead    scored ahead of the copy, a third of the layers per step (what the worker does for the plans the
-                  relief names ``SCORE_AHEAD_STEPS`` steps ahead): the copy step selects and copies only
+  scored_ahead    scored ahead of the copy, a third of the layers per step, then selected in a step of its own
+                  (what the worker does for the plans the relief names ``SCORE_AHEAD_STEPS`` steps ahead): the copy
+                  step only copies
   scored_ahead_copy_by_layer
                   the same, the copy one layer at a time (before runs of layers were copied together:
                   ``compaction.COPY_GROUP_BYTES`` set to 0)
@@ -109,17 +110,23 @@ class Setup:
         compression.DEFERRED_LAYERS_BYTES = 0 if mode == "layer_by_layer" else saved  # 0: one layer per call
         copying.COPY_GROUP_BYTES = 0 if mode == "scored_ahead_copy_by_layer" else saved_copy
         try:
-            ahead = []
-            if mode.startswith("scored_ahead"):  # the steps before the copy, a share of the layers each
-                share = cdiv(LAYERS, SCORE_AHEAD_STEPS - 1)
-                while any(scores is None for scores in request.scores):
+            ahead, select_ahead = [], 0.0
+            if mode.startswith("scored_ahead"):  # the steps before the copy: a share of the layers each, then select
+                share = cdiv(LAYERS, SCORE_AHEAD_STEPS - 2)
+                while not request.scored_deferred:
                     t = time.perf_counter()
                     request.score_deferred(self.caches, self.layout, share)
                     ahead.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                request.select_deferred(self.caches, self.space, self.layout)
+                select_ahead = time.perf_counter() - t
+                ahead.append(select_ahead)
             t0 = time.perf_counter()
-            request.score_deferred(self.caches, self.layout)  # at the copy: the layers left
+            if request.deferred:
+                request.score_deferred(self.caches, self.layout)  # at the copy: every layer
             t1 = time.perf_counter()
-            request.select(self.space)
+            if request.masks is None:
+                request.select(self.space)
             t2 = time.perf_counter()
             dest = torch.arange(self.num_blocks - self.keep_blocks, self.num_blocks)
             torch_writes = CPU_AMX if self.layout is CPU_AMX_PACKED else CPU_VEC
@@ -132,6 +139,7 @@ class Setup:
             "copy_step_ms": (t3 - t0) * 1e3,
             "score_at_copy_ms": (t1 - t0) * 1e3,
             "select_ms": (t2 - t1) * 1e3,
+            "select_ahead_ms": select_ahead * 1e3,
             "copy_ms": (t3 - t2) * 1e3,
             "ahead_step_ms": max(ahead, default=0.0) * 1e3,
             "ahead_total_ms": sum(ahead) * 1e3,
@@ -171,7 +179,8 @@ def run(sizes: list[int], rounds: int, layout_choice: str = "auto") -> dict:
             f"n={n}: copy step (ms) layer_by_layer {summary['layer_by_layer']['copy_step_ms']:.1f}, "
             f"stacked {summary['stacked']['copy_step_ms']:.1f}, "
             f"scored_ahead {summary['scored_ahead']['copy_step_ms']:.1f} "
-            f"(select {summary['scored_ahead']['select_ms']:.1f}, copy {summary['scored_ahead']['copy_ms']:.1f}, "
+            f"(copy {summary['scored_ahead']['copy_ms']:.1f}, "
+            f"selected ahead {summary['scored_ahead']['select_ahead_ms']:.1f}, "
             f"copied layer by layer {summary['scored_ahead_copy_by_layer']['copy_ms']:.1f}; "
             f"longest step before it {summary['scored_ahead']['ahead_step_ms']:.1f})"
         )

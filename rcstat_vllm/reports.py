@@ -160,9 +160,10 @@ class Compaction:
 
 #: How far ahead, in steps, the lazy relief names the parked plans it expects to compact next
 #: (``engine.pressure_policy.to_score_ahead``, sent as ``RCStatSchedulerOutput.rcstat_score_ahead``); the workers
-#: score such a plan over the steps before its copy, ``1 / (SCORE_AHEAD_STEPS - 1)`` of its layers per step at most
-#: (``WorkerCompression.score_ahead``), so the step that copies it waits only for the selection and the copy.
-SCORE_AHEAD_STEPS = 4
+#: score such a plan over the steps before its copy, ``1 / (SCORE_AHEAD_STEPS - 2)`` of its layers per step at most,
+#: and select what its heads keep in a step of its own (``WorkerCompression.score_ahead``), so the step that copies it
+#: waits only for the copy.
+SCORE_AHEAD_STEPS = 5
 
 
 class CopyRun(NamedTuple):

@@ -129,3 +129,45 @@ def test_scoring_ahead_in_shares_then_the_rest_at_the_copy_gives_the_same_scores
     assert got.score_deferred(caches, CPU_AMX) == 1 and got.windows is None  # at the copy: the last layer
     for layer in range(LAYERS):
         torch.testing.assert_close(got.scores[layer], want.scores[layer], rtol=1e-6, atol=1e-6)
+
+
+def test_selecting_ahead_of_the_copy_then_copying_equals_scoring_and_selecting_at_the_copy():
+    """A parked plan scored ahead in shares, then selected in a step of its own (``select_deferred``): its copy
+    writes the very entries a copy that scored and selected everything itself writes, and reports the same."""
+    from rcstat_vllm.paging.page_space import PageSpace
+    from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks
+
+    config = RCStatConfig.from_dict({})  # the bare flag: lazy, budget over pooled pages
+    n = 500
+    prompt_blocks = -(-n // BLOCK)
+    num_blocks = 2 * prompt_blocks + 2
+    gen = torch.Generator().manual_seed(8)
+    backing = torch.randn(LAYERS * num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=gen)
+    base = [layer * num_blocks * KV_HEADS for layer in range(LAYERS)]
+    row = torch.arange(prompt_blocks)
+
+    def planned(backing):
+        caches = list(backing.view(LAYERS, num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM).unbind(0))
+        space = PageSpace.pooled(backing, base, KV_HEADS, BLOCK)
+        request = RequestCompressor(CompressionDecision("r", config, n, 0, n), LAYERS, row)
+        request.defer_scoring()
+        for layer, queries in enumerate(windows(n)):
+            request.observe_layer(layer, queries.transpose(0, 1), caches[layer], SCALE, CPU_VEC)
+        request.keep_blocks = request.plan_deferred(space, deferred_keep_blocks(config, n, LAYERS, space))
+        return request, caches, space
+
+    want_backing, got_backing = backing.clone(), backing.clone()
+    want, want_caches, want_space = planned(want_backing)
+    got, got_caches, got_space = planned(got_backing)
+    dest = torch.arange(num_blocks - want.keep_blocks, num_blocks)
+    want_pages = want.compact(want_caches, dest, want_space, CPU_VEC, n)
+
+    assert got.score_deferred(got_caches, CPU_VEC, max_layers=3) == 3 and not got.scored_deferred
+    assert got.score_deferred(got_caches, CPU_VEC, max_layers=3) == LAYERS - 3 and got.scored_deferred
+    got.select_deferred(got_caches, got_space, CPU_VEC)
+    assert not got.deferred and got.masks is not None  # the copy has nothing left to score or select
+    got_pages = got.compact(got_caches, dest, got_space, CPU_VEC, n)
+
+    assert torch.equal(got_backing, want_backing) and not torch.equal(want_backing, backing)  # (entries moved)
+    assert [t.tolist() for t in got_pages.tables] == [t.tolist() for t in want_pages.tables]
+    assert got.report().kept == want.report().kept and got.report().keep_blocks == want.report().keep_blocks

@@ -179,24 +179,34 @@ def test_the_worker_times_each_copy_it_runs_and_hands_them_over_once_per_step():
 
 def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_per_step_in_the_schedulers_order():
     """Lazy eviction: the scheduler names the parked plans it expects to compact within SCORE_AHEAD_STEPS steps; each
-    step the worker scores at most 1 / (SCORE_AHEAD_STEPS - 1) of the model's layers of them (6 layers: 2), the
-    first named first, each run timed as a ``score_ahead`` run of the step's compaction work (no copy)."""
+    step the worker scores at most 1 / (SCORE_AHEAD_STEPS - 2) of the model's layers of them (6 layers: 2), the
+    first named first, and a plan scored in earlier steps is selected in a step of its own (the step's whole share);
+    each run timed as a ``score_ahead`` run of the step's compaction work (no copy). The scheduler learns a plan is
+    ready once it is selected."""
     from rcstat_vllm.reports import SCORE_AHEAD_STEPS
 
-    assert SCORE_AHEAD_STEPS == 4
+    assert SCORE_AHEAD_STEPS == 5
     worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
     worker.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
     worker.pages = SimpleNamespace(layer_caches=["caches"])
+    worker.space = "space"
     calls = []
 
     def job(req_id, layers_left):
         fake = SimpleNamespace(kind="prompt", scored_ahead=False)
 
-        def score_ahead(caches, max_layers):
+        def score_ahead(caches, max_layers, space):
             nonlocal layers_left
+            assert (caches, space) == (["caches"], "space")
+            if fake.scored_ahead:
+                calls.append((req_id, max_layers, 0))
+                return 0
+            if layers_left == 0:  # scored in earlier steps: selected now
+                fake.scored_ahead = True
+                calls.append((req_id, max_layers, "selected"))
+                return max_layers
             scored = min(max_layers, layers_left)
             layers_left -= scored
-            fake.scored_ahead = layers_left == 0
             calls.append((req_id, max_layers, scored))
             return scored
 
@@ -221,10 +231,11 @@ def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_
     assert step("a", "b") == ([("a", 2, 2)], [("a", "score_ahead")])
     # a has 1 layer left: the step's other layer goes to b
     assert step("a", "b") == ([("a", 2, 1), ("b", 1, 1)], [("a", "score_ahead"), ("b", "score_ahead")])
-    assert step("a", "b") == ([("a", 2, 0), ("b", 2, 2)], [("b", "score_ahead")])  # a, fully scored, is no run
+    assert step("a", "b") == ([("a", 2, "selected")], [("a", "score_ahead")])  # a's selection: the whole share
+    assert step("a", "b") == ([("a", 2, 0), ("b", 2, 2)], [("b", "score_ahead")])  # a, selected, is no run
     assert step() == ([], [])  # nothing named: nothing scored
-    # the scheduler learns when a plan's copy has nothing left to score: a in the 3rd step; b (5 of 6 layers) not yet
-    assert done == [(), (), ("a",), (), ()]
+    # the scheduler learns when a plan's copy has nothing left to score or select: a in the 4th step; b not yet
+    assert done == [(), (), (), ("a",), (), ()]
 
 
 def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_without_reports(monkeypatch):

@@ -265,7 +265,7 @@ class EngineCompaction:
             held = running(record.req_id)
             if held is not None:
                 gain = exchange_sizes(held[0], record.plan, held[1]).gain  # type: ignore[arg-type]  # (PLANNED)
-                # ready: its copy scores nothing (scored at prefill: the plan names what each head keeps; or ahead)
+                # ready: its copy only copies (scored at prefill: the plan names each head's keeps; or selected ahead)
                 ready = bool(record.plan.kept) or record.scored_ahead  # type: ignore[union-attr]
                 plans.append(ParkedPlan(record.req_id, gain, ready))
         return tuple(plans)

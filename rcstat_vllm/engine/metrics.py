@@ -24,7 +24,8 @@ Prometheus (vLLM's naming: ``<namespace>:<name>``, counters with ``_total``)::
     rcstat:decode_compactions_skipped_total decode-time compactions planned but not run (no free blocks for the copy)
     rcstat:decode_tokens_evicted_total    generated KV entries (layer x KV head x token) they evicted
     rcstat:compaction_seconds{kind}       histogram of the worker's host time for one copy (kind: prompt, decode; and
-                                          score_ahead: a parked plan's layers scored before its copy); its
+                                          score_ahead: a parked plan's layers scored, or its selection, before its
+                                          copy); its
                                           _count is the compactions the worker ran, by kind (equal to
                                           requests_compressed_total, decode_compactions_total). A plan scored at its
                                           copy (lazy eviction: the bare flag) is scored and selected there too: the

@@ -65,7 +65,7 @@ class ParkedPlan:
 
     req_id: str
     blocks_freed: int
-    #: its copy scores nothing: scored at prefill, or every layer scored ahead of the copy (:func:`to_score_ahead`)
+    #: its copy only copies: scored at prefill, or scored and selected ahead of the copy (:func:`to_score_ahead`)
     ready: bool = True
 
 

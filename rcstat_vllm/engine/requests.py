@@ -47,7 +47,7 @@ class EngineRequest:
     since: int = 0
     #: PLANNED: the worker's plan
     plan: CompressionReport | None = None
-    #: PLANNED: the workers scored every layer of its deferred plan ahead of its copy (``StepCompactions.scored_ahead``)
+    #: PLANNED: the workers scored and selected its deferred plan ahead of its copy (``StepCompactions.scored_ahead``)
     scored_ahead: bool = False
     #: AWAITING_COMPACTION: the compaction for the next scheduler output
     compaction: Compaction | None = None

@@ -275,17 +275,18 @@ class WorkerCompression(CompressedLayers):
 
     def _score_ahead(self, req_ids: tuple[str, ...]) -> None:
         """Score parked plans the scheduler expects to compact within ``SCORE_AHEAD_STEPS`` steps, in its order (those
-        freeing most first), at most ``1 / (SCORE_AHEAD_STEPS - 1)`` of the model's layers in this step: the step that
-        copies a plan then waits only for its selection and copy, and no step waits for more than that share of a
-        scoring. Timed as a ``score_ahead`` run of the step's compaction work."""
-        budget = cdiv(len(self.layer_names), SCORE_AHEAD_STEPS - 1)
+        freeing most first), at most ``1 / (SCORE_AHEAD_STEPS - 2)`` of the model's layers in this step, or select
+        what a plan scored in earlier steps keeps (the step's whole share): the step that copies a plan then waits
+        only for its copy, and no step waits for more than that share of a scoring. Timed as a ``score_ahead`` run of
+        the step's compaction work."""
+        budget = cdiv(len(self.layer_names), SCORE_AHEAD_STEPS - 2)
         for req_id in req_ids:
             record = self.requests.get(req_id)
             if budget <= 0 or record is None or record.phase is not Phase.AWAITING_BLOCKS or record.job is None:
                 continue
             assert self.pages is not None  # (a plan is made only once the layers are attached)
             start = time.perf_counter()
-            scored = record.job.score_ahead(self.pages.layer_caches, budget)  # type: ignore[arg-type]
+            scored = record.job.score_ahead(self.pages.layer_caches, budget, self.space)  # type: ignore[arg-type]
             if scored:
                 budget -= scored
                 self._copies.append(CopyRun(req_id, "score_ahead", time.perf_counter() - start))

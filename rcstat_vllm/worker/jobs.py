@@ -62,13 +62,13 @@ class CompactionJob(ABC):
     def cancelled(self, reason: str) -> CompressionReport | None:
         """The scheduler sent no blocks: the outcome to record, if any."""
 
-    def score_ahead(self, caches: list[Tensor], max_layers: int) -> int:
+    def score_ahead(self, caches: list[Tensor], max_layers: int, space: PageSpace) -> int:
         """Work the job can do before its copy, named by the scheduler: none by default (0 layers scored)."""
         return 0
 
     @property
     def scored_ahead(self) -> bool:
-        """Whether :meth:`score_ahead` left its copy nothing to score."""
+        """Whether :meth:`score_ahead` left its copy nothing to score or select."""
         return False
 
 
@@ -140,17 +140,23 @@ class PromptJob(CompactionJob):
         self.compressor.keep_blocks = keep_blocks
         return self.compressor.report()
 
-    def score_ahead(self, caches: list[Tensor], max_layers: int) -> int:
-        """A parked plan whose copy the scheduler expects soon: score up to ``max_layers`` more of its layers now, so
-        the step that copies it waits only for what is left (the selection and the copy). Returns the layers scored
-        (0: nothing deferred, or every layer scored already)."""
+    def score_ahead(self, caches: list[Tensor], max_layers: int, space: PageSpace) -> int:
+        """A parked plan whose copy the scheduler expects soon: score up to ``max_layers`` more of its layers now,
+        and once every layer was scored in an earlier step, select what its heads keep (the step's whole share: the
+        selection of a 2000-token prompt costs about as much as 2 of SmolLM2's 30 layers), so the step that copies
+        it waits only for the copy. Returns the work done in layers (``max_layers`` for the selection; 0: nothing
+        deferred is left)."""
         if not self.compressor.deferred:
             return 0
+        if self.compressor.scored_deferred:
+            self.compressor.select_deferred(caches, space, self.layout)
+            return max_layers
         return self.compressor.score_deferred(caches, self.layout, max_layers)
 
     @property
     def scored_ahead(self) -> bool:
-        return self.compressor.deferred and all(scores is not None for scores in self.compressor.scores)
+        """Selected ahead of the copy (a deferred plan no longer deferred, its masks set)."""
+        return self.deferred_bound is not None and not self.compressor.deferred and self.compressor.masks is not None
 
     def compact(self, caches: list[Tensor], compaction: Compaction, space: PageSpace) -> CompactedRequest:
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)

@@ -364,6 +364,19 @@ class RequestCompressor:
         self.num_kv_heads = space.num_heads
         return keep_blocks
 
+    @property
+    def scored_deferred(self) -> bool:
+        """A deferred plan whose every layer is scored: only its selection is left before the copy."""
+        return self.deferred and all(scores is not None for scores in self.scores)
+
+    def select_deferred(self, caches: list[torch.Tensor], space: PageSpace, layout: CacheLayout) -> None:
+        """Select a deferred plan ahead of its copy, once :attr:`scored_deferred` (the scheduler expects its copy
+        soon): what each head keeps, within the blocks allocated for the plan, as :meth:`compact` would select it
+        (the prompt's scores, the shared blocks and the bound do not change while it waits); its copy then only
+        copies."""
+        assert self.scored_deferred
+        self._score_and_select_within(caches, space, layout, self.keep_blocks)
+
     def _score_and_select_within(self, caches, space: PageSpace, layout: CacheLayout, allocated: int) -> None:
         """Deferred scoring at compaction time: score, select, and check the selection fits the blocks the scheduler
         allocated from the bound. Only non-finite scores (forced keeps) can exceed it; then the budget tightens
