@@ -196,8 +196,8 @@ class StepCompactions:
     #: (compression ratio, global eviction ratio, head consensus) of each prompt compacted here whose plan was scored
     #: at its copy (lazy eviction, budget mode): the scheduler saw none of them in its plan
     scored_at_copy: tuple[tuple[float, float, float], ...] = ()
-    #: parked plans (lazy eviction) whose every layer this step finished scoring ahead of their copy: a relief for a
-    #: waiting prompt may now compact them without stalling a step for their scoring
+    #: parked plans (lazy eviction) this step finished scoring and selecting ahead of their copy: a relief for a
+    #: waiting prompt may now compact them without stalling a step for their scoring or selection
     scored_ahead: tuple[str, ...] = ()
 
     @property

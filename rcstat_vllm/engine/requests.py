@@ -127,8 +127,8 @@ class EngineRequests:
         return plan  # type: ignore[return-value]  # (PLANNED: a plan is parked)
 
     def mark_scored_ahead(self, req_ids) -> None:
-        """The workers scored these parked plans ahead of their copy (ids no longer parked are ignored: the plan was
-        compacted or dropped since the workers were asked)."""
+        """The workers scored and selected these parked plans ahead of their copy (ids no longer parked are ignored:
+        the plan was compacted or dropped since the workers were asked)."""
         for req_id in req_ids:
             record = self._records.get(req_id)
             if record is not None and record.phase is Phase.PLANNED:
