@@ -131,35 +131,41 @@ def test_scoring_ahead_in_shares_then_the_rest_at_the_copy_gives_the_same_scores
         torch.testing.assert_close(got.scores[layer], want.scores[layer], rtol=1e-6, atol=1e-6)
 
 
-def test_selecting_ahead_of_the_copy_then_copying_equals_scoring_and_selecting_at_the_copy():
-    """A parked plan scored ahead in shares, then selected in a step of its own (``select_deferred``): its copy
-    writes the very entries a copy that scored and selected everything itself writes, and reports the same."""
+PLANNED_TOKENS = 500
+PLANNED_BLOCKS = 2 * -(-PLANNED_TOKENS // BLOCK) + 2
+
+
+def planned(backing):
+    """A lazy plan (the bare flag: budget over pooled pages) of a ``PLANNED_TOKENS``-token prompt in ``backing``, a
+    pooled all-layers cache: windows kept, nothing scored; with its layers' caches and page space."""
     from rcstat_vllm.paging.page_space import PageSpace
     from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks
 
-    config = RCStatConfig.from_dict({})  # the bare flag: lazy, budget over pooled pages
-    n = 500
-    prompt_blocks = -(-n // BLOCK)
-    num_blocks = 2 * prompt_blocks + 2
+    config, n = RCStatConfig.from_dict({}), PLANNED_TOKENS
+    caches = list(backing.view(LAYERS, PLANNED_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM).unbind(0))
+    space = PageSpace.pooled(backing, [layer * PLANNED_BLOCKS * KV_HEADS for layer in range(LAYERS)], KV_HEADS, BLOCK)
+    request = RequestCompressor(CompressionDecision("r", config, n, 0, n), LAYERS, torch.arange(-(-n // BLOCK)))
+    request.defer_scoring()
+    for layer, queries in enumerate(windows(n)):
+        request.observe_layer(layer, queries.transpose(0, 1), caches[layer], SCALE, CPU_VEC)
+    request.keep_blocks = request.plan_deferred(space, deferred_keep_blocks(config, n, LAYERS, space))
+    return request, caches, space
+
+
+def planned_backing():
     gen = torch.Generator().manual_seed(8)
-    backing = torch.randn(LAYERS * num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=gen)
-    base = [layer * num_blocks * KV_HEADS for layer in range(LAYERS)]
-    row = torch.arange(prompt_blocks)
+    return torch.randn(LAYERS * PLANNED_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=gen)
 
-    def planned(backing):
-        caches = list(backing.view(LAYERS, num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM).unbind(0))
-        space = PageSpace.pooled(backing, base, KV_HEADS, BLOCK)
-        request = RequestCompressor(CompressionDecision("r", config, n, 0, n), LAYERS, row)
-        request.defer_scoring()
-        for layer, queries in enumerate(windows(n)):
-            request.observe_layer(layer, queries.transpose(0, 1), caches[layer], SCALE, CPU_VEC)
-        request.keep_blocks = request.plan_deferred(space, deferred_keep_blocks(config, n, LAYERS, space))
-        return request, caches, space
 
+def test_selecting_ahead_of_the_copy_then_copying_equals_scoring_and_selecting_at_the_copy():
+    """A parked plan scored ahead in shares, then selected in a step of its own (``select_deferred``): its copy
+    writes the very entries a copy that scored and selected everything itself writes, and reports the same."""
+    backing = planned_backing()
     want_backing, got_backing = backing.clone(), backing.clone()
     want, want_caches, want_space = planned(want_backing)
     got, got_caches, got_space = planned(got_backing)
-    dest = torch.arange(num_blocks - want.keep_blocks, num_blocks)
+    n = PLANNED_TOKENS
+    dest = torch.arange(PLANNED_BLOCKS - want.keep_blocks, PLANNED_BLOCKS)
     want_pages = want.compact(want_caches, dest, want_space, CPU_VEC, n)
 
     assert got.score_deferred(got_caches, CPU_VEC, max_layers=3) == 3 and not got.scored_deferred
@@ -171,3 +177,18 @@ def test_selecting_ahead_of_the_copy_then_copying_equals_scoring_and_selecting_a
     assert torch.equal(got_backing, want_backing) and not torch.equal(want_backing, backing)  # (entries moved)
     assert [t.tolist() for t in got_pages.tables] == [t.tolist() for t in want_pages.tables]
     assert got.report().kept == want.report().kept and got.report().keep_blocks == want.report().keep_blocks
+
+
+def test_a_plan_selected_ahead_whose_request_leaves_uncopied_reports_its_full_kv_kept():
+    """Selected ahead, then never copied (its request finished or was preempted, or the scheduler refused blocks):
+    the outcome is the uncompressed one with the reason, every head keeping every token; the selection made ahead
+    is not reported as done, and the cache is untouched."""
+    backing = planned_backing()
+    request, caches, space = planned(backing.clone())
+    request.score_deferred(caches, CPU_VEC, max_layers=LAYERS)  # (ahead: every layer in one share)
+    request.select_deferred(caches, space, CPU_VEC)
+    assert request.kept is not None and int(request.kept.sum()) < LAYERS * KV_HEADS * PLANNED_TOKENS
+    report = request.report("preempted before its KV was compacted (vLLM recomputes it when it resumes)")
+    assert report.skipped_reason.startswith("preempted") and report.kept == [[PLANNED_TOKENS] * KV_HEADS] * LAYERS
+    assert report.keep_blocks == -(-PLANNED_TOKENS // BLOCK)
+    assert torch.equal(torch.stack(caches), backing.view(LAYERS, PLANNED_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM))
