@@ -239,6 +239,28 @@ def by_words(scores: list[torch.Tensor], units: torch.Tensor, how: str) -> list[
     return out
 
 
+SEPARATOR_CHARS = frozenset(".!?;:")  # sentence and clause ends; a newline (Ċ) counts too
+
+
+def separator_mask(tokenizer, ids: list[int]) -> torch.Tensor:
+    """[n] bool: the tokens SepLLM (Chen et al., 2024) finds the model packs its segments into: a piece that is a
+    newline or only sentence and clause punctuation (after its byte-level space mark, if any)."""
+    out = []
+    for piece in tokenizer.convert_ids_to_tokens(ids):
+        bare = piece.lstrip("Ġ▁")
+        out.append(bool(bare) and ("Ċ" in bare or set(bare) <= SEPARATOR_CHARS))
+    return torch.tensor(out)
+
+
+def separators_boosted(scores: list[torch.Tensor], separators: torch.Tensor, boost: float) -> list[torch.Tensor]:
+    """``separators_B``: every head's finite scores of the separator tokens times ``boost`` (``inf``: lifted above
+    every finite score, in every head of every layer), then the same model-wide selection."""
+    if boost == float("inf"):
+        top = max(float(x[torch.isfinite(x)].max()) for x in scores) * 2 + 1
+        return [torch.where(torch.isfinite(x) & separators, top, x) for x in scores]
+    return [torch.where(torch.isfinite(x) & separators, x * boost, x) for x in scores]
+
+
 INDUCTION_LENGTH = 32  # random tokens, repeated once: the calibration sequence (MAX_WINDOW queries in all)
 
 
@@ -316,7 +338,7 @@ def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.T
 
 
 def selections(
-    scores: list[torch.Tensor], prefill, config: RCStatConfig, args, units: torch.Tensor
+    scores: list[torch.Tensor], prefill, config: RCStatConfig, args, units: torch.Tensor, separators=None
 ) -> dict[str, list[torch.Tensor]]:
     """The keep sets of every variant ``args`` asks for (not the oracles, which need the answers), by name, at
     ``config``'s ratio and pooled budget."""
@@ -336,6 +358,8 @@ def selections(
         out[f"words_{how}"] = ref_lib.select_layers(by_words(scores, units, how), config).masks
     for a in args.value_norm:
         out[f"value_norm_{a:g}"] = ref_lib.select_layers(value_weighted(scores, prefill.values, a), config).masks
+    for b in args.separators:
+        out[f"separators_{b:g}"] = ref_lib.select_layers(separators_boosted(scores, separators, b), config).masks
     for p in args.group_reduction:
         out[f"group_{p:g}"] = ref_lib.select_layers(group_reduced(prefill, config, p), config).masks
     for share in args.induction:
@@ -363,7 +387,7 @@ def export_keep_masks(ref, args) -> None:
             scores = ref_lib.score_layers(prefill, config)
             masks = {
                 "rc": ref_lib.select_layers(scores, config).masks,
-                **selections(scores, prefill, config, args, units),
+                **selections(scores, prefill, config, args, units, separator_mask(tokenizer, sample["prompt_ids"])),
             }
             for name, layers in masks.items():
                 out["masks"].setdefault(f"{name}_r{ratio:g}", {})[sample["sample_id"]] = torch.stack(layers)
@@ -412,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layer-bands", type=int, default=0, help="oracle_layers_A_B: bands of this many layers kept whole (0: none)"
     )
     parser.add_argument("--words", nargs="*", default=[], choices=["max", "mean"], help="poolings of words_{how}")
+    parser.add_argument("--separators", type=float, nargs="*", default=[], help="boosts B of separators_B")
     parser.add_argument("--induction", type=float, nargs="*", default=[], help="shares S of induction_SxB")
     parser.add_argument("--induction-boost", type=float, nargs="*", default=[4.0], help="boosts B of induction_SxB")
     parser.add_argument(
@@ -463,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     for sample in tqdm(samples, desc="prompts", file=sys.stderr):
         prefill = ref.prefill(sample.prompt_ids)
         units = word_units(tokenizer, sample.prompt_ids)
+        separators = separator_mask(tokenizer, sample.prompt_ids)
         if args.lookahead:
             full_tokens = ref.greedy(prefill, sample.max_new_tokens)
             full = data.found_answers(sample, tokenizer.decode(full_tokens, skip_special_tokens=True))
@@ -479,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             scores = ref_lib.score_layers(prefill, config)
             keep = ref_lib.select_layers(scores, config)
             rc = found(prefill, keep.masks, sample)
-            variants = {name: (masks, 0) for name, masks in selections(scores, prefill, config, args, units).items()}
+            variants = {name: (masks, 0) for name, masks in selections(scores, prefill, config, args, units, separators).items()}
             if "oracle" in args.variants and any(f and not r for f, r in zip(full, rc)):
                 kept = sum(int(m.sum()) for m in keep.masks)
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):

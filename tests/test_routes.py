@@ -318,6 +318,40 @@ def test_route_probes_peaks_lift_what_follows_the_tokens_every_layer_finds_in_ev
     assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
 
 
+def test_route_probes_separators_are_newlines_and_sentence_ends_boosted_at_the_same_budget(tokenizer):
+    """separators_B: the separator tokens are newlines and pieces of sentence or clause punctuation only (not a
+    word's dot-less neighbours, not a number); their finite scores times B in every head (inf: above every finite
+    score, so every head keeps them), the window's +inf stays and the selection keeps exactly as many entries."""
+    import route_probes
+
+    ids = tokenizer("Grey Heron is 9056558. Who?\nNext: a, b")["input_ids"]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    mask = route_probes.separator_mask(tokenizer, ids)
+    assert [p.replace("Ġ", " ").replace("Ċ", "\\n") for p, m in zip(pieces, mask.tolist()) if m] == [
+        ".",
+        "?",
+        "\\n",
+        ":",
+    ]
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 600, generator=gen) for _ in range(4)]
+    for x in scores:
+        x[:, -32:] = float("inf")
+    separators = torch.zeros(600, dtype=torch.bool)
+    separators[[10, 50, 90, 590]] = True  # 590: in the window
+    doubled = route_probes.separators_boosted(scores, separators, 2.0)
+    for x, y in zip(scores, doubled):
+        torch.testing.assert_close(y[:, :-32], torch.where(separators[:-32], x[:, :-32] * 2, x[:, :-32]))
+        assert torch.isinf(y[:, -32:]).all()
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.9})
+    want = hf_reference.select_layers(scores, config)
+    keep = hf_reference.select_layers(route_probes.separators_boosted(scores, separators, float("inf")), config)
+    assert all(bool(m[:, [10, 50, 90]].all()) for m in keep.masks)
+    assert not all(bool(m[:, [10, 50, 90]].all()) for m in want.masks)
+    assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
+
+
 def test_route_probes_induction_heads_are_measured_once_and_boosted_at_the_same_budget():
     """induction_SxB: induction_scores is one [layers, Hkv] table from a repeated random sequence (attention weights,
     so in [0, 1]); the top share of heads get their finite scores times B (the window's +inf stays), and the
