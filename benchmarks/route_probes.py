@@ -505,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
             scores = ref_lib.score_layers(prefill, config)
             keep = ref_lib.select_layers(scores, config)
             rc = found(prefill, keep.masks, sample)
-            variants = {name: (masks, 0) for name, masks in selections(scores, prefill, config, args, units, separators).items()}
+            variants = {
+                name: (masks, 0) for name, masks in selections(scores, prefill, config, args, units, separators).items()
+            }
             if "oracle" in args.variants and any(f and not r for f, r in zip(full, rc)):
                 kept = sum(int(m.sum()) for m in keep.masks)
                 for name, texts in (("oracle_values", sample.answers), ("oracle_needles", sample.meta["needles"])):
