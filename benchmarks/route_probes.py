@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     totals: dict[str, int] = {}
     recovered: dict[str, int] = {}
+    found_any: dict[str, int] = {}  # values each finds, whether the full cache finds them or not
     for sample in tqdm(samples, desc="prompts", file=sys.stderr):
         prefill = ref.prefill(sample.prompt_ids)
         units = word_units(tokenizer, sample.prompt_ids)
@@ -533,8 +534,10 @@ def main(argv: list[str] | None = None) -> int:
                     recovered[label] = recovered.get(label, 0) + sum(x and g for x, g in zip(lost, result["found"]))
                 else:
                     totals[label] = totals.get(label, 0) + sum(f and g for f, g in zip(full, result["found"]))
+                    found_any[label] = found_any.get(label, 0) + sum(result["found"])
             recovered[f"lost_by_rc_r{ratio:g}"] = recovered.get(f"lost_by_rc_r{ratio:g}", 0) + sum(lost)
         totals["full"] = totals.get("full", 0) + sum(full)
+        found_any["full"] = totals["full"]
         rows.append(row)
     report = {
         "benchmark": "route_probes",
@@ -545,13 +548,15 @@ def main(argv: list[str] | None = None) -> int:
         "lengths": args.lengths,
         "rows": rows,
         "kept_of_full": totals,
+        **({"found": found_any} if found_any else {}),  # (not with --lookahead)
         "oracle_recovered": recovered,
         "notes": "oracle_* rows exist only for prompts where RC at that ratio lost a value the full cache finds; "
-        "kept_of_full counts, per variant, the values both it and the full cache find; oracle_recovered, of the "
+        "kept_of_full counts, per variant, the values both it and the full cache find (found: all it finds, the "
+        "values the full cache misses too); oracle_recovered, of the "
         "values RC lost (lost_by_rc_*), those the oracle finds",
         "wall_s": time.time() - started,
     }
-    write_report(report, Path(args.json), lambda r: print(r["kept_of_full"], r["oracle_recovered"]))
+    write_report(report, Path(args.json), lambda r: print(r["kept_of_full"], r.get("found"), r["oracle_recovered"]))
     return 0
 
 
