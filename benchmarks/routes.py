@@ -355,10 +355,14 @@ def summarize(rows: list[dict], settings: list[methods.Setting]) -> dict:
             if parts:
                 full_found = sum(p["full_found"] for p in parts)
                 kept = sum(p["kept_of_full"] for p in parts)
+                found = sum(p["found"] for p in parts)
                 totals[name] = {
                     "full_found": full_found,
                     "kept_of_full": kept,
                     "share": kept / full_found if full_found else None,
+                    # values found that the full cache misses: "kept" counts a value found in place of another as
+                    # lost, so a family the full cache itself half answers shows swaps as losses
+                    "gained": found - kept,
                 }
         mean = {}
         for key in (*METRICS, "select_s", "decode_s"):
@@ -383,26 +387,29 @@ def split_summaries(rows: list[dict], settings: list[methods.Setting], tuning_se
 
 def print_table(report: dict) -> None:
     for split, summary in report["summary"].items():
-        head = f"{'needles kept':>13} {'probes kept':>12} {'ratio':>6} {'GER':>6} {'ansGER':>7} {'layGER':>7}"
+        head = f"{'needles kept':>16} {'probes kept':>12} {'ratio':>6} {'GER':>6} {'ansGER':>7} {'layGER':>7}"
         head += f" {'cons':>6}"
         print(f"\n[{split}] {'setting':<26} {head}")
         for label, entry in summary.items():
             cells = []
             for group in ("needles", "probes"):
                 t = entry["totals"].get(group)
-                cells.append(f"{t['kept_of_full']}/{t['full_found']}" if t else "-")
+                cells.append(f"{t['kept_of_full']}/{t['full_found']} +{t['gained']}" if t else "-")
             m = entry["mean"]
 
             def fmt(key, m=m):
                 return f"{m[key]:.3f}" if key in m else "-"
 
             print(
-                f"{'':<{len(split) + 3}}{label:<26} {cells[0]:>13} {cells[1]:>12} {fmt('ratio'):>6} "
+                f"{'':<{len(split) + 3}}{label:<26} {cells[0]:>16} {cells[1]:>12} {fmt('ratio'):>6} "
                 f"{fmt('global_eviction_ratio'):>6} {fmt('answer_ger'):>7} {fmt('answer_layer_ger'):>7} "
                 f"{fmt('head_consensus'):>6}"
             )
     for label, entry in report["summary"]["all"].items():
-        tasks = ", ".join(f"{t} {e['kept_of_full']}/{e['full_found']}" for t, e in entry["per_task"].items())
+        tasks = ", ".join(
+            f"{t} {e['kept_of_full']}/{e['full_found']} +{e['found'] - e['kept_of_full']}"
+            for t, e in entry["per_task"].items()
+        )
         print(f"  {label}: {tasks}")
 
 

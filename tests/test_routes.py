@@ -95,9 +95,14 @@ def test_summary_splits_tuning_from_held_out_prompts():
         for label, found in (("full", full), ("default", full), ("x", x)):
             rows.append({"sample": f"s{seed}", "task": "niah_multi", "label": label, "found": found, "seed": seed})
     summary = routes.split_summaries(rows, settings, [5])
-    assert summary["all"]["x"]["totals"]["needles"] == {"full_found": 3, "kept_of_full": 2, "share": 2 / 3}
+    assert summary["all"]["x"]["totals"]["needles"] == {"full_found": 3, "kept_of_full": 2, "share": 2 / 3, "gained": 1}
     assert summary["tuning"]["x"]["totals"]["needles"]["kept_of_full"] == 1
-    assert summary["heldout"]["x"]["totals"]["needles"] == {"full_found": 1, "kept_of_full": 1, "share": 1.0}
+    assert summary["heldout"]["x"]["totals"]["needles"] == {
+        "full_found": 1,
+        "kept_of_full": 1,
+        "share": 1.0,
+        "gained": 1,
+    }
     assert summary["heldout"]["x"]["per_task"]["niah_multi"]["found"] == 2
 
 
