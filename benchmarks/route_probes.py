@@ -42,6 +42,11 @@ keep sets that answer one question each:
   reads it most uses, so one copy head of a group that reads a value's digits and G - 1 that do not should not
   score a third of it (as ``query_reduction: max`` does for the window's queries).
 
+* ``separators_B`` (``--separators B ...``): the separator tokens (newlines and pieces of sentence or clause
+  punctuation only: :func:`separator_mask`), into which SepLLM (Chen et al., 2024) finds a model packs the segment
+  they end, have every head's finite scores times ``B`` (``inf``: kept by every head of every layer), then the same
+  model-wide selection.
+
 * ``induction_SxB`` (``--induction S ... --induction-boost B ...``): the share ``S`` of KV heads (over the whole
   model) that act most as induction heads (:func:`induction_scores`: one 64-token calibration prefill per model, the
   way RazorAttention finds its retrieval heads) have their scores times ``B`` before the same model-wide selection:
@@ -78,6 +83,8 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --json benchmarks/results/route_probes_issue56_peaks_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 22 23 24 25 --lengths 1024 2048 --variants --copies --peaks 8 --chunk 4 \
         --threads 2 --json benchmarks/results/route_probes_issue56_heldout4_seeds22_25_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 50 51 52 53 --lengths 1024 2048 --variants --separators 1.5 3 \
+        --threads 2 --json benchmarks/results/route_probes_issue56_separators_heldout_seeds50_53_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --words max mean --threads 2 \
         --json benchmarks/results/route_probes_issue56_words_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 8 9 --ratios 0.9 --variants oracle --copies --layer-bands 5 --threads 2 \
@@ -338,7 +345,7 @@ def with_tokens(masks: list[torch.Tensor], positions: list[int]) -> list[torch.T
 
 
 def selections(
-    scores: list[torch.Tensor], prefill, config: RCStatConfig, args, units: torch.Tensor, separators=None
+    scores: list[torch.Tensor], prefill, config: RCStatConfig, args, units: torch.Tensor, separators: torch.Tensor
 ) -> dict[str, list[torch.Tensor]]:
     """The keep sets of every variant ``args`` asks for (not the oracles, which need the answers), by name, at
     ``config``'s ratio and pooled budget."""
