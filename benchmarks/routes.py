@@ -342,7 +342,10 @@ def summarize(rows: list[dict], settings: list[methods.Setting]) -> dict:
             total = sum(len(r["found"]) for r in task_rows)
             full_found = sum(sum(full[r["sample"]]) for r in task_rows)
             kept = sum(sum(a and b for a, b in zip(full[r["sample"]], r["found"])) for r in task_rows)
+            # gained: values found that the full cache misses ("kept" counts a value found in place of another as
+            # lost, so a family the full cache itself half answers shows swaps as losses)
             entry = {"values": total, "found": found, "full_found": full_found, "kept_of_full": kept}
+            entry["gained"] = found - kept
             for key in METRICS:
                 vals = [r[key] for r in task_rows if r.get(key) is not None]
                 if vals:
@@ -355,14 +358,11 @@ def summarize(rows: list[dict], settings: list[methods.Setting]) -> dict:
             if parts:
                 full_found = sum(p["full_found"] for p in parts)
                 kept = sum(p["kept_of_full"] for p in parts)
-                found = sum(p["found"] for p in parts)
                 totals[name] = {
                     "full_found": full_found,
                     "kept_of_full": kept,
                     "share": kept / full_found if full_found else None,
-                    # values found that the full cache misses: "kept" counts a value found in place of another as
-                    # lost, so a family the full cache itself half answers shows swaps as losses
-                    "gained": found - kept,
+                    "gained": sum(p["gained"] for p in parts),
                 }
         mean = {}
         for key in (*METRICS, "select_s", "decode_s"):
@@ -407,8 +407,7 @@ def print_table(report: dict) -> None:
             )
     for label, entry in report["summary"]["all"].items():
         tasks = ", ".join(
-            f"{t} {e['kept_of_full']}/{e['full_found']} +{e['found'] - e['kept_of_full']}"
-            for t, e in entry["per_task"].items()
+            f"{t} {e['kept_of_full']}/{e['full_found']} +{e['gained']}" for t, e in entry["per_task"].items()
         )
         print(f"  {label}: {tasks}")
 
