@@ -47,6 +47,11 @@ keep sets that answer one question each:
   they end, have every head's finite scores times ``B`` (``inf``: kept by every head of every layer), then the same
   model-wide selection.
 
+* ``focal_S`` (``--focal S ...``): each head's focal tokens, the ones its window queries put most softmax mass on
+  (SnapKV's per-token mean: :func:`focal_lifted`), ``S`` of an average head's budget, lifted above every finite score
+  in that head, then the same model-wide selection: the physics paper's rigidity (Proposition 3) says evicting the
+  tokens a head reads most forces it to re-route, which RC's relative scores do not protect.
+
 * ``induction_SxB`` (``--induction S ... --induction-boost B ...``): the share ``S`` of KV heads (over the whole
   model) that act most as induction heads (:func:`induction_scores`: one 64-token calibration prefill per model, the
   way RazorAttention finds its retrieval heads) have their scores times ``B`` before the same model-wide selection:
@@ -85,6 +90,8 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --threads 2 --json benchmarks/results/route_probes_issue56_heldout4_seeds22_25_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 50 51 52 53 --lengths 1024 2048 --variants --separators 1.5 3 \
         --threads 2 --json benchmarks/results/route_probes_issue56_separators_heldout_seeds50_53_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --focal 0.1 0.3 --threads 2 \
+        --json benchmarks/results/route_probes_issue56_focal_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --words max mean --threads 2 \
         --json benchmarks/results/route_probes_issue56_words_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 8 9 --ratios 0.9 --variants oracle --copies --layer-bands 5 --threads 2 \
@@ -268,6 +275,24 @@ def separators_boosted(scores: list[torch.Tensor], separators: torch.Tensor, boo
     return [torch.where(torch.isfinite(x) & separators, x * boost, x) for x in scores]
 
 
+def focal_lifted(scores: list[torch.Tensor], mass: list[torch.Tensor], share: float, keep: float) -> list[torch.Tensor]:
+    """``focal_S``: each head's focal tokens (the physics paper's Proposition 3: the tokens a head's window queries
+    put most of their softmax on, which evicting forces the head to re-route) lifted above every finite score in
+    that head: its ``share * keep * n`` tokens of most window attention (``mass``: SnapKV's per-token mean, finite
+    outside the window), then the same model-wide selection (the budget exact; the lifted tokens are paid for by
+    the lowest scores anywhere)."""
+    top = max(float(x[torch.isfinite(x)].max()) for x in scores) * 2 + 1
+    out = []
+    for x, m in zip(scores, mass):
+        count = max(1, round(share * keep * x.shape[1]))
+        finite = torch.where(torch.isfinite(m) & torch.isfinite(x), m, torch.full_like(m, float("-inf")))
+        focal = finite.topk(min(count, x.shape[1]), dim=1).indices
+        lifted = x.clone()
+        lifted.scatter_(1, focal, top)
+        out.append(torch.where(torch.isfinite(x), lifted, x))
+    return out
+
+
 INDUCTION_LENGTH = 32  # random tokens, repeated once: the calibration sequence (MAX_WINDOW queries in all)
 
 
@@ -365,6 +390,12 @@ def selections(
         out[f"words_{how}"] = ref_lib.select_layers(by_words(scores, units, how), config).masks
     for a in args.value_norm:
         out[f"value_norm_{a:g}"] = ref_lib.select_layers(value_weighted(scores, prefill.values, a), config).masks
+    if args.focal:
+        snapkv = RCStatConfig().merged({"method": "snapkv", "target_ratio": config.target_ratio})
+        mass = ref_lib.score_layers(prefill, snapkv)
+        for share in args.focal:
+            lifted = focal_lifted(scores, mass, share, 1.0 - config.target_ratio)
+            out[f"focal_{share:g}"] = ref_lib.select_layers(lifted, config).masks
     for b in args.separators:
         out[f"separators_{b:g}"] = ref_lib.select_layers(separators_boosted(scores, separators, b), config).masks
     for p in args.group_reduction:
@@ -443,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layer-bands", type=int, default=0, help="oracle_layers_A_B: bands of this many layers kept whole (0: none)"
     )
     parser.add_argument("--words", nargs="*", default=[], choices=["max", "mean"], help="poolings of words_{how}")
+    parser.add_argument("--focal", type=float, nargs="*", default=[], help="shares S of focal_S")
     parser.add_argument("--separators", type=float, nargs="*", default=[], help="boosts B of separators_B")
     parser.add_argument("--induction", type=float, nargs="*", default=[], help="shares S of induction_SxB")
     parser.add_argument("--induction-boost", type=float, nargs="*", default=[4.0], help="boosts B of induction_SxB")

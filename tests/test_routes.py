@@ -357,6 +357,32 @@ def test_route_probes_separators_are_newlines_and_sentence_ends_boosted_at_the_s
     assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
 
 
+def test_route_probes_focal_tokens_are_each_heads_own_most_attended_kept_at_the_same_budget():
+    """focal_S: each head's share * keep * n tokens of most window attention (its own, not its layer's) are lifted
+    above every finite score, so that head keeps them; the window's +inf stays and the selection keeps exactly as
+    many entries as RC's."""
+    import route_probes
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(2, 600, generator=gen) for _ in range(3)]
+    mass = [torch.rand(2, 600, generator=gen) * 0.01 for _ in range(3)]
+    for x, m in zip(scores, mass):
+        x[:, -32:] = m[:, -32:] = float("inf")
+        x[:, [40, 41, 300, 301]] = 0.0  # RC's lowest: evicted by every head
+        m[0, [40, 41]] = 1.0  # head 0's focal tokens
+        m[1, [300, 301]] = 1.0  # head 1's
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.9})
+    want = hf_reference.select_layers(scores, config)
+    assert not any(bool(m[:, [40, 41, 300, 301]].any()) for m in want.masks)
+    lifted = route_probes.focal_lifted(scores, mass, 2 / 60, 0.1)  # 2 tokens a head
+    keep = hf_reference.select_layers(lifted, config)
+    for m, x in zip(keep.masks, lifted):
+        assert m[0, [40, 41]].all() and m[1, [300, 301]].all()
+        assert not m[0, [300, 301]].any() and not m[1, [40, 41]].any()
+        assert torch.isinf(x[:, -32:]).all()
+    assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
+
+
 def test_route_probes_induction_heads_are_measured_once_and_boosted_at_the_same_budget():
     """induction_SxB: induction_scores is one [layers, Hkv] table from a repeated random sequence (attention weights,
     so in [0, 1]); the top share of heads get their finite scores times B (the window's +inf stays), and the
