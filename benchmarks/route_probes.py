@@ -92,6 +92,8 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --threads 2 --json benchmarks/results/route_probes_issue56_separators_heldout_seeds50_53_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --focal 0.1 0.3 --threads 2 \
         --json benchmarks/results/route_probes_issue56_focal_seed5_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 58 59 60 61 --lengths 1024 2048 --ratios 0.8 --variants --focal 0.1 \
+        --threads 2 --json benchmarks/results/route_probes_issue56_focal_r0.8_seeds58_61_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --words max mean --threads 2 \
         --json benchmarks/results/route_probes_issue56_words_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 8 9 --ratios 0.9 --variants oracle --copies --layer-bands 5 --threads 2 \
