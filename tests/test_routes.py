@@ -383,6 +383,24 @@ def test_route_probes_focal_tokens_are_each_heads_own_most_attended_kept_at_the_
     assert sum(map(sum, keep.kept)) == sum(map(sum, want.kept))
 
 
+def test_route_probes_kept_by_task_counts_each_familys_values_found_by_both_and_leaves_oracles_out():
+    import route_probes
+
+    rows = [
+        {
+            "task": "lists",
+            "full": [True, True, False],
+            "variants": {
+                "rc_r0.9": {"found": [True, False, True]},  # the third is found in place of the second: not kept
+                "oracle_values_r0.9": {"found": [True, True, True], "extra_entries": 9},
+            },
+        },
+        {"task": "lists", "full": [True, False], "variants": {"rc_r0.9": {"found": [True, False]}}},
+        {"task": "single", "full": [True], "variants": {"rc_r0.9": {"found": [False]}}},
+    ]
+    assert route_probes.kept_by_task(rows) == {"lists": {"full": 3, "rc_r0.9": 2}, "single": {"full": 1, "rc_r0.9": 0}}
+
+
 def test_route_probes_induction_heads_are_measured_once_and_boosted_at_the_same_budget():
     """induction_SxB: induction_scores is one [layers, Hkv] table from a repeated random sequence (attention weights,
     so in [0, 1]); the top share of heads get their finite scores times B (the window's +inf stays), and the
