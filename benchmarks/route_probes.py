@@ -52,6 +52,10 @@ keep sets that answer one question each:
   in that head, then the same model-wide selection: the physics paper's rigidity (Proposition 3) says evicting the
   tokens a head reads most forces it to re-route, which RC's relative scores do not protect.
 
+* ``jitter_E_sN`` (``--jitter E ... --jitter-seeds N``): RC's scores times ``1 + E * z`` (z standard normal, draw
+  ``N``), then the same selection: keep sets changed near the budget's edge with no intent (:func:`jittered`), so
+  the spread of their counts is the chance a rule's gain must beat on the same prompts.
+
 * ``induction_SxB`` (``--induction S ... --induction-boost B ...``): the share ``S`` of KV heads (over the whole
   model) that act most as induction heads (:func:`induction_scores`: one 64-token calibration prefill per model, the
   way RazorAttention finds its retrieval heads) have their scores times ``B`` before the same model-wide selection:
@@ -94,6 +98,9 @@ cache finds that each keeps; a value already whole in the first ``K`` tokens cou
         --json benchmarks/results/route_probes_issue56_focal_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 58 59 60 61 --lengths 1024 2048 --ratios 0.8 --variants --focal 0.1 \
         --threads 2 --json benchmarks/results/route_probes_issue56_focal_r0.8_seeds58_61_1k2k_cpu.json
+    python benchmarks/route_probes.py --seeds 58 59 60 61 --lengths 1024 2048 --ratios 0.9 --variants \
+        --jitter 0.05 0.1 --jitter-seeds 2 --threads 2 \
+        --json benchmarks/results/route_probes_issue56_jitter_r0.9_seeds58_61_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 5 --lengths 1024 2048 --variants --copies --words max mean --threads 2 \
         --json benchmarks/results/route_probes_issue56_words_seed5_1k2k_cpu.json
     python benchmarks/route_probes.py --seeds 8 9 --ratios 0.9 --variants oracle --copies --layer-bands 5 --threads 2 \
@@ -295,6 +302,18 @@ def focal_lifted(scores: list[torch.Tensor], mass: list[torch.Tensor], share: fl
     return out
 
 
+def jittered(scores: list[torch.Tensor], spread: float, seed: int) -> list[torch.Tensor]:
+    """``jitter_E_sN``: every finite score times ``1 + E * z`` (z standard normal, generator seeded ``N``), then the
+    same model-wide selection: a change of keep sets no rule intends (entries near the budget's edge swap places), to
+    show how far the count of values kept moves by chance, the yardstick for any rule's gain on the same prompts."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for x in scores:
+        noise = 1.0 + spread * torch.randn(x.shape, generator=gen, dtype=x.dtype)
+        out.append(torch.where(torch.isfinite(x), x * noise, x))
+    return out
+
+
 INDUCTION_LENGTH = 32  # random tokens, repeated once: the calibration sequence (MAX_WINDOW queries in all)
 
 
@@ -398,6 +417,9 @@ def selections(
         for share in args.focal:
             lifted = focal_lifted(scores, mass, share, 1.0 - config.target_ratio)
             out[f"focal_{share:g}"] = ref_lib.select_layers(lifted, config).masks
+    for spread in args.jitter:
+        for seed in range(args.jitter_seeds):
+            out[f"jitter_{spread:g}_s{seed}"] = ref_lib.select_layers(jittered(scores, spread, seed), config).masks
     for b in args.separators:
         out[f"separators_{b:g}"] = ref_lib.select_layers(separators_boosted(scores, separators, b), config).masks
     for p in args.group_reduction:
@@ -498,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         "--layer-bands", type=int, default=0, help="oracle_layers_A_B: bands of this many layers kept whole (0: none)"
     )
     parser.add_argument("--words", nargs="*", default=[], choices=["max", "mean"], help="poolings of words_{how}")
+    parser.add_argument("--jitter", type=float, nargs="*", default=[], help="spreads E of jitter_E_sN")
+    parser.add_argument("--jitter-seeds", type=int, default=2, help="draws N of each jitter_E_sN (0 .. N-1)")
     parser.add_argument("--focal", type=float, nargs="*", default=[], help="shares S of focal_S")
     parser.add_argument("--separators", type=float, nargs="*", default=[], help="boosts B of separators_B")
     parser.add_argument("--induction", type=float, nargs="*", default=[], help="shares S of induction_SxB")
@@ -586,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
             results = {"rc": {"found": rc}}
             for name, (masks, extra) in variants.items():
                 results[name] = {"found": found(prefill, masks, sample), "extra_entries": extra}
+                if not extra:  # the same budget: entries it keeps in place of RC's
+                    results[name]["swapped_entries"] = sum(int((m & ~k).sum()) for m, k in zip(masks, keep.masks))
             heads = sum(m.shape[0] for m in keep.masks)  # a summary's extra entries: one per head of every layer
             for how in args.evicted_summary:  # RC's keep sets, one entry more per head
                 results[f"summary_{how}"] = {"found": found(prefill, keep.masks, sample, how), "extra_entries": heads}

@@ -401,6 +401,30 @@ def test_route_probes_kept_by_task_counts_each_familys_values_found_by_both_and_
     assert route_probes.kept_by_task(rows) == {"lists": {"full": 3, "rc_r0.9": 2}, "single": {"full": 1, "rc_r0.9": 0}}
 
 
+def test_route_probes_jitter_swaps_about_its_spread_of_entries_at_the_same_budget_and_repeats_by_draw():
+    """jitter_E_sN: finite scores times 1 + E z, the window's +inf untouched; the same draw gives the same scores,
+    another draw others; the selection keeps exactly as many entries, some of them swapped for others."""
+    import route_probes
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(3, 2000, generator=gen) for _ in range(4)]
+    for x in scores:
+        x[:, -32:] = float("inf")
+    assert all(
+        torch.equal(a, b) for a, b in zip(route_probes.jittered(scores, 0.1, 0), route_probes.jittered(scores, 0.1, 0))
+    )
+    assert not torch.equal(route_probes.jittered(scores, 0.1, 0)[0], route_probes.jittered(scores, 0.1, 1)[0])
+    assert all(torch.isinf(x[:, -32:]).all() for x in route_probes.jittered(scores, 0.1, 0))
+    config = RCStatConfig().merged({"method": "rc", "target_ratio": 0.9})
+    want = hf_reference.select_layers(scores, config)
+    kept = sum(map(sum, want.kept))
+    for spread in (0.0, 0.1):
+        keep = hf_reference.select_layers(route_probes.jittered(scores, spread, 0), config)
+        assert sum(map(sum, keep.kept)) == kept
+        swapped = sum(int((m & ~k).sum()) for m, k in zip(keep.masks, want.masks))
+        assert swapped == 0 if spread == 0 else 0.02 * kept < swapped < 0.5 * kept
+
+
 def test_route_probes_induction_heads_are_measured_once_and_boosted_at_the_same_budget():
     """induction_SxB: induction_scores is one [layers, Hkv] table from a repeated random sequence (attention weights,
     so in [0, 1]); the top share of heads get their finite scores times B (the window's +inf stays), and the
