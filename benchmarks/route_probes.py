@@ -275,11 +275,16 @@ def separator_mask(tokenizer, ids: list[int]) -> torch.Tensor:
     return torch.tensor(out)
 
 
+def above_every_finite(scores: list[torch.Tensor]) -> float:
+    """A score above every finite score of every layer: what a lifted token gets, so every head selects it."""
+    return max(float(x[torch.isfinite(x)].max()) for x in scores) * 2 + 1
+
+
 def separators_boosted(scores: list[torch.Tensor], separators: torch.Tensor, boost: float) -> list[torch.Tensor]:
     """``separators_B``: every head's finite scores of the separator tokens times ``boost`` (``inf``: lifted above
     every finite score, in every head of every layer), then the same model-wide selection."""
     if boost == float("inf"):
-        top = max(float(x[torch.isfinite(x)].max()) for x in scores) * 2 + 1
+        top = above_every_finite(scores)
         return [torch.where(torch.isfinite(x) & separators, top, x) for x in scores]
     return [torch.where(torch.isfinite(x) & separators, x * boost, x) for x in scores]
 
@@ -290,7 +295,7 @@ def focal_lifted(scores: list[torch.Tensor], mass: list[torch.Tensor], share: fl
     that head: its ``share * keep * n`` tokens of most window attention (``mass``: SnapKV's per-token mean, finite
     outside the window), then the same model-wide selection (the budget exact; the lifted tokens are paid for by
     the lowest scores anywhere)."""
-    top = max(float(x[torch.isfinite(x)].max()) for x in scores) * 2 + 1
+    top = above_every_finite(scores)
     out = []
     for x, m in zip(scores, mass):
         count = max(1, round(share * keep * x.shape[1]))
@@ -474,13 +479,24 @@ def kept_by_task(rows: list[dict]) -> dict[str, dict[str, int]]:
     return out
 
 
+def summed_over_tasks(by_task: dict[str, dict[str, int]]) -> dict[str, int]:
+    """``kept_of_full`` over every family (:func:`kept_by_task`), the full cache's count last."""
+    out: dict[str, int] = {}
+    for counts in by_task.values():
+        for label, count in counts.items():
+            if label != "full":
+                out[label] = out.get(label, 0) + count
+    out["full"] = sum(counts["full"] for counts in by_task.values())
+    return out
+
+
 def print_report(report: dict) -> None:
     print(report["kept_of_full"], report.get("found"), report["oracle_recovered"])
     for task, counts in report["kept_of_full_by_task"].items():
         print(f"  {task}: " + ", ".join(f"{label} {count}" for label, count in counts.items()))
 
 
-def lookahead_row(ref, sample, prefill, full_tokens, full, ks, ratios, found_after, totals) -> dict:
+def lookahead_row(ref, sample, prefill, full_tokens, ks, ratios, found_after) -> dict:
     """One prompt compacted ``k`` tokens into its answer, for each ``k`` and ratio: scored from the prefill's window
     or from the most recent tokens' (see the module's docstring)."""
     row: dict = {}
@@ -499,7 +515,6 @@ def lookahead_row(ref, sample, prefill, full_tokens, full, ks, ratios, found_aft
                     "kept_entries": sum(int(m.sum()) for m in masks),
                     "generated_before": len(generated),
                 }
-                totals[label] = totals.get(label, 0) + sum(f and g for f, g in zip(full, row[label]["found"]))
     return row
 
 
@@ -570,7 +585,6 @@ def main(argv: list[str] | None = None) -> int:
         return found_after(prefill, masks, sample, [], evicted)
 
     rows: list[dict] = []
-    totals: dict[str, int] = {}
     recovered: dict[str, int] = {}
     found_any: dict[str, int] = {}  # values each finds, whether the full cache finds them or not
     for sample in tqdm(samples, desc="prompts", file=sys.stderr):
@@ -580,11 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.lookahead:
             full_tokens = ref.greedy(prefill, sample.max_new_tokens)
             full = data.found_answers(sample, tokenizer.decode(full_tokens, skip_special_tokens=True))
-            variants = lookahead_row(
-                ref, sample, prefill, full_tokens, full, args.lookahead, args.ratios, found_after, totals
-            )
+            variants = lookahead_row(ref, sample, prefill, full_tokens, args.lookahead, args.ratios, found_after)
             rows.append({"sample": sample.sample_id, "task": sample.task, "full": full, "variants": variants})
-            totals["full"] = totals.get("full", 0) + sum(full)
             continue
         full = found(prefill, None, sample)
         row: dict = {"sample": sample.sample_id, "task": sample.task, "full": full, "variants": {}}
@@ -622,11 +633,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name.startswith("oracle"):  # of the values RC lost, how many come back
                     recovered[label] = recovered.get(label, 0) + sum(x and g for x, g in zip(lost, result["found"]))
                 else:
-                    totals[label] = totals.get(label, 0) + sum(f and g for f, g in zip(full, result["found"]))
                     found_any[label] = found_any.get(label, 0) + sum(result["found"])
             recovered[f"lost_by_rc_r{ratio:g}"] = recovered.get(f"lost_by_rc_r{ratio:g}", 0) + sum(lost)
-        totals["full"] = totals.get("full", 0) + sum(full)
-        found_any["full"] = totals["full"]
+        found_any["full"] = found_any.get("full", 0) + sum(full)
         rows.append(row)
     report = {
         "benchmark": "route_probes",
@@ -636,10 +645,10 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": args.seeds,
         "lengths": args.lengths,
         "rows": rows,
-        "kept_of_full": totals,
+        "kept_of_full": summed_over_tasks(by_task := kept_by_task(rows)),
         **({"found": found_any} if found_any else {}),  # (not with --lookahead)
         "oracle_recovered": recovered,
-        "kept_of_full_by_task": kept_by_task(rows),
+        "kept_of_full_by_task": by_task,
         "notes": "oracle_* rows exist only for prompts where RC at that ratio lost a value the full cache finds; "
         "kept_of_full counts, per variant, the values both it and the full cache find (found: all it finds, the "
         "values the full cache misses too); oracle_recovered, of the "
