@@ -27,7 +27,7 @@ from typing import Any
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from rcstat_vllm.owners import building_backends, runner_owner, start_runner_owner
-from rcstat_vllm.reports import CompressionReport, StepCompactions
+from rcstat_vllm.reports import CompressionReport, ScoreAhead, StepCompactions
 from rcstat_vllm.vllm_private.internals import forward_context, kv_cache_groups
 from rcstat_vllm.worker.step import BatchRequest, StepInfo
 
@@ -161,7 +161,7 @@ def step_info(runner, scheduler_output) -> StepInfo:
         compactions=_compactions(scheduler_output),
         block_size=None if host_table is None else host_table.block_size,
         decode_soon=frozenset(getattr(scheduler_output, "rcstat_decode_soon", None) or ()),
-        score_ahead=tuple(getattr(scheduler_output, "rcstat_score_ahead", None) or ()),
+        score_ahead=getattr(scheduler_output, "rcstat_score_ahead", None) or ScoreAhead(),
     )
 
 

@@ -32,7 +32,7 @@ from rcstat_vllm.engine.pressure_policy import RunningRequest
 from rcstat_vllm.engine.requests import Phase
 from rcstat_vllm.log import logger
 from rcstat_vllm.owners import engine_owner, start_engine_owner
-from rcstat_vllm.reports import SCORE_AHEAD_STEPS, Compaction
+from rcstat_vllm.reports import Compaction, ScoreAhead
 from rcstat_vllm.vllm_private.internals import kv_cache_groups
 
 from ._contract import Contract, wrap_method
@@ -90,7 +90,7 @@ class RCStatSchedulerOutput(SchedulerOutput):
     #: requests whose decode-time compaction the workers bring forward (the pool is about to run short)
     rcstat_decode_soon: tuple[str, ...] = ()
     #: parked plans (lazy eviction) the workers should score ahead of their copy, a share of layers per step
-    rcstat_score_ahead: tuple[str, ...] = ()
+    rcstat_score_ahead: ScoreAhead = field(default_factory=ScoreAhead)
 
 
 def scheduler_stats(scheduler) -> CompressionStats | None:
@@ -174,6 +174,10 @@ def first_waiting_tokens(scheduler) -> int:
     return scheduler.waiting.peek_request().num_tokens if len(scheduler.waiting) else 0
 
 
+def longest_running_prompt(scheduler) -> int:
+    return max((r.num_prompt_tokens for r in scheduler.running), default=0)
+
+
 def blocks_wanted(scheduler) -> tuple[int, str]:
     """The blocks the coming schedule is about to take (an upper bound), and what wants them
     (:func:`~rcstat_vllm.engine.pressure_policy.blocks_wanted`)."""
@@ -193,12 +197,13 @@ def decode_config(state: EngineCompaction, request) -> RCStatConfig | None:
     return settings.config if settings.invalid is None and settings.config.decode_compression else None
 
 
-def relieve_pressure(scheduler, state: EngineCompaction) -> tuple[str, ...]:
+def relieve_pressure(scheduler, state: EngineCompaction) -> ScoreAhead:
     """Lazy eviction, before a schedule: compact parked requests when the blocks the schedule is about to want, or
     those the running requests will want within the decode-time lead, exceed the free ones
     (:func:`~rcstat_vllm.engine.pressure_policy.relief`). Returns the parked plans the workers should score ahead:
-    those it would compact if the running requests were ``SCORE_AHEAD_STEPS`` tokens further
-    (:func:`~rcstat_vllm.engine.pressure_policy.to_score_ahead`).
+    those it would compact if the running requests were ``SCORE_AHEAD_STEPS`` tokens further, or, when none would,
+    if a prompt like the longest running one arrived (:func:`~rcstat_vllm.engine.pressure_policy.score_ahead_shortfall`,
+    :func:`~rcstat_vllm.engine.pressure_policy.to_score_ahead`).
 
     Only here, never after vLLM's schedule: until then a running request's ``num_computed_tokens`` counts only tokens
     whose KV is written. After it, it counts the step's in-flight token too, and ``allocate_slots`` has already made
@@ -219,11 +224,9 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> tuple[str, ...]:
         short, _, reason = state.decode_pressure.shortfall(list(running), snapshot.free_blocks, snapshot.block_size)
         decode = short, reason
     short, reason = pressure_policy.shortfall(snapshot, decode)
-    short_ahead, _ = pressure_policy.shortfall(snapshot, decode, SCORE_AHEAD_STEPS)
-    if (
-        max(short, short_ahead) <= 0
-    ):  # (most steps: the parked plans' gains, read from their block lists, are not needed)
-        return ()
+    short_ahead, steps = pressure_policy.score_ahead_shortfall(snapshot, decode, longest_running_prompt(scheduler))
+    if max(short, short_ahead) <= 0:  # (most steps: the parked plans' gains, read from their block lists, not needed)
+        return ScoreAhead()
     parked = state.parked(
         lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id) else None
     )
@@ -239,7 +242,7 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> tuple[str, ...]:
         state.relieve_pressure(pool, relief, lambda req_id: running_request_tokens(scheduler, req_id))
     still_parked = {record.req_id for record in state.requests.in_phase(Phase.PLANNED)}
     ahead = pressure_policy.to_score_ahead(short_ahead, parked, relief.compact)
-    return tuple(req_id for req_id in ahead if req_id in still_parked)
+    return ScoreAhead(tuple(req_id for req_id in ahead if req_id in still_parked), steps)
 
 
 def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
@@ -308,12 +311,12 @@ def _schedule(original):
         state = engine_owner(self.kv_cache_manager.block_pool)
         if state is None or state.group is None:  # no flag, or no group compressed (the workers said why at start-up)
             return original(self, *args, **kwargs)
-        score_ahead = relieve_pressure(self, state) if state.requests.any_in_phase(Phase.PLANNED) else ()
+        ahead = relieve_pressure(self, state) if state.requests.any_in_phase(Phase.PLANNED) else ScoreAhead()
         output = original(self, *args, **kwargs)
         decode_soon = bring_decode_compactions_forward(self, state)
         compactions = state.take_outgoing(lambda req_id: is_running(self, req_id))
-        score_ahead = tuple(req_id for req_id in score_ahead if is_running(self, req_id))  # (not preempted by it)
-        if not compactions and not decode_soon and not score_ahead:
+        score_ahead = ahead._replace(req_ids=tuple(r for r in ahead.req_ids if is_running(self, r)))  # (not preempted)
+        if not compactions and not decode_soon and not score_ahead.req_ids:
             return output
         return RCStatSchedulerOutput(
             **{f.name: getattr(output, f.name) for f in fields(output)},

@@ -165,6 +165,26 @@ class Compaction:
 #: waits only for the copy.
 SCORE_AHEAD_STEPS = 5
 
+#: The same, when no prompt waits and the running requests' next tokens fit, but a prompt as long as the longest
+#: running one would find the pool short (``engine.pressure_policy.score_ahead_shortfall``): the plans its copy would
+#: take are scored over this many steps, a layer or so per step, before any prompt asks; a prompt that arrives then
+#: finds them selected and waits only for their copy, and no step stalls for a third of a scoring
+ANTICIPATE_STEPS = 32
+
+
+class ScoreAhead(NamedTuple):
+    """Parked plans the workers score ahead of their copy, in the scheduler's order (those freeing most first), and
+    over how many steps (``SCORE_AHEAD_STEPS`` or ``ANTICIPATE_STEPS``): ``1 / (steps - 2)`` of the model's layers
+    per step at most."""
+
+    req_ids: tuple[str, ...] = ()
+    steps: int = SCORE_AHEAD_STEPS
+
+    def layers_per_step(self, num_layers: int) -> int:
+        """The most layers of a ``num_layers``-layer model one step scores (the last two of the steps are the
+        selection's and the copy's)."""
+        return -(-num_layers // (self.steps - 2))
+
 
 class CopyRun(NamedTuple):
     """One copy the worker ran: whose, which kind ("prompt" or "decode"; "score_ahead": layers of a parked plan

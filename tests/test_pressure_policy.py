@@ -14,6 +14,7 @@ from rcstat_vllm.engine.pressure_policy import (
     expected_gain,
     relief,
     requests_to_hurry,
+    score_ahead_shortfall,
     shortfall,
     to_score_ahead,
     urgent_shortfall,
@@ -68,6 +69,26 @@ def test_the_plans_scored_ahead_are_those_the_relief_would_compact_a_few_steps_l
     assert to_score_ahead(6, plans, now.compact) == ("b",)
     assert to_score_ahead(6, plans, ()) == ("c", "b")
     assert to_score_ahead(0, plans, ()) == ()  # no pressure ahead: nothing scored before it is needed
+
+
+def test_plans_are_scored_slowly_ahead_of_a_prompt_like_the_running_ones_and_fast_ahead_of_a_waiting_one():
+    """Nothing waits and the running requests' next tokens fit: the plans are scored over ANTICIPATE_STEPS when a
+    prompt as long as the longest running one would find the pool short, not at all when the pool would hold it; a
+    real shortfall SCORE_AHEAD_STEPS later (a waiting prompt) is scored over SCORE_AHEAD_STEPS."""
+    from rcstat_vllm.reports import ANTICIPATE_STEPS, SCORE_AHEAD_STEPS
+
+    requests = (running("a", 4 * BLOCK - 8, held=4), running("b", 2 * BLOCK - 8, held=2))  # 8 tokens to spare each
+    snapshot = PoolSnapshot(6, BLOCK, requests)
+    assert score_ahead_shortfall(snapshot) == (-6, SCORE_AHEAD_STEPS)  # nothing anticipated, nothing short
+    # 32 steps later a and b take 2 blocks each: a 3-block prompt would then be 1 short (4 + 3 wanted, 6 free)
+    assert score_ahead_shortfall(snapshot, anticipated_tokens=3 * BLOCK) == (1, ANTICIPATE_STEPS)
+    assert score_ahead_shortfall(snapshot, anticipated_tokens=BLOCK)[0] == -1  # a 1-block prompt fits: none scored
+    # a 7-block prompt waits: 1 short 5 steps later (no growth by then): its copy is due within a few steps
+    waiting = replace(snapshot, first_waiting_tokens=7 * BLOCK)
+    assert score_ahead_shortfall(waiting, anticipated_tokens=3 * BLOCK) == (1, SCORE_AHEAD_STEPS)
+    # a 1-block prompt waits and fits; a 3-block one like those running would not, 32 steps later
+    small = replace(snapshot, first_waiting_tokens=BLOCK)
+    assert score_ahead_shortfall(small, anticipated_tokens=3 * BLOCK) == (1, ANTICIPATE_STEPS)
 
 
 def test_a_waiting_prompt_waits_for_plans_scored_ahead_while_the_running_requests_next_tokens_do_not():

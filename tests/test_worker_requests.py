@@ -182,10 +182,10 @@ def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_
     step the worker scores at most 1 / (SCORE_AHEAD_STEPS - 2) of the model's layers of them (6 layers: 2), the
     first named first, and a plan scored in earlier steps is selected in a step of its own (the step's whole share);
     each run timed as a ``score_ahead`` run of the step's compaction work (no copy). The scheduler learns a plan is
-    ready once it is selected."""
-    from rcstat_vllm.reports import SCORE_AHEAD_STEPS
+    ready once it is selected. Plans named to score over ANTICIPATE_STEPS (no prompt waits yet) get a layer a step."""
+    from rcstat_vllm.reports import ANTICIPATE_STEPS, SCORE_AHEAD_STEPS, ScoreAhead
 
-    assert SCORE_AHEAD_STEPS == 5
+    assert (SCORE_AHEAD_STEPS, ANTICIPATE_STEPS) == (5, 32)
     worker = WorkerCompression(fake_vllm_config({"method": "rc"}))
     worker.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
     worker.pages = SimpleNamespace(layer_caches=["caches"])
@@ -220,9 +220,9 @@ def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_
 
     done = []
 
-    def step(*names):
+    def step(*names, steps=SCORE_AHEAD_STEPS):
         calls.clear()
-        worker.begin_step(StepInfo(requests=[], score_ahead=names))
+        worker.begin_step(StepInfo(requests=[], score_ahead=ScoreAhead(names, steps)))
         copies = worker.pop_step_compactions()
         done.append(() if copies is None else copies.scored_ahead)
         return calls[:], [] if copies is None else [(c.req_id, c.kind) for c in copies.copies]
@@ -234,8 +234,11 @@ def test_parked_plans_named_to_score_ahead_are_scored_a_bounded_share_of_layers_
     assert step("a", "b") == ([("a", 2, "selected")], [("a", "score_ahead")])  # a's selection: the whole share
     assert step("a", "b") == ([("a", 2, 0), ("b", 2, 2)], [("b", "score_ahead")])  # a, selected, is no run
     assert step() == ([], [])  # nothing named: nothing scored
-    # the scheduler learns when a plan's copy has nothing left to score or select: a in the 4th step; b not yet
-    assert done == [(), (), (), ("a",), (), ()]
+    # anticipated (30 steps for 6 layers): one layer a step, then the selection as one step's whole share
+    assert step("a", "b", steps=ANTICIPATE_STEPS) == ([("a", 1, 0), ("b", 1, 1)], [("b", "score_ahead")])
+    assert step("b", steps=ANTICIPATE_STEPS) == ([("b", 1, "selected")], [("b", "score_ahead")])
+    # the scheduler learns when a plan's copy has nothing left to score or select: a in the 4th step, b in the 8th
+    assert done == [(), (), (), ("a",), (), (), (), ("b",)]
 
 
 def test_a_steps_copies_travel_with_its_output_to_the_schedulers_stats_even_without_reports(monkeypatch):

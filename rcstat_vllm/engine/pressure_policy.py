@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rcstat_vllm.config import RCStatConfig
+from rcstat_vllm.reports import ANTICIPATE_STEPS, SCORE_AHEAD_STEPS
 from rcstat_vllm.settings import decode_queries
 
 
@@ -231,6 +232,24 @@ def cover(short: int, reason: str, parked: Sequence[ParkedPlan], urgent: int | N
     more, rest = parked_to_compact(short - covered, ready)
     scoring = tuple(p.req_id for p in others if not p.ready and p.blocks_freed > 0) if short > covered else ()
     return Relief(short, reason, now + more, rest, idle, scoring)
+
+
+def score_ahead_shortfall(
+    snapshot: PoolSnapshot, decode: tuple[int, str] | None = None, anticipated_tokens: int = 0
+) -> tuple[int, int]:
+    """The blocks to score parked plans ahead for (<= 0: none), and over how many steps.
+
+    ``SCORE_AHEAD_STEPS``: the :func:`shortfall` that many steps later (a waiting prompt, the running requests'
+    growth): a copy is due within a few steps. Else ``ANTICIPATE_STEPS``, when a prompt of ``anticipated_tokens``
+    (the scheduler passes the longest running prompt's: serving traffic's next prompt is most often like those it
+    runs) would find the pool short: nothing waits yet, so the plans its copy would take are scored a layer or so per
+    step, and a prompt that arrives finds them selected, waiting only for their copy. A pool that holds another such
+    prompt scores nothing ahead (plans never compacted cost no scoring)."""
+    short, _ = shortfall(snapshot, decode, SCORE_AHEAD_STEPS)
+    if short > 0 or anticipated_tokens <= snapshot.first_waiting_tokens:
+        return short, SCORE_AHEAD_STEPS
+    anticipated = replace(snapshot, first_waiting_tokens=anticipated_tokens)
+    return shortfall(anticipated, decode, ANTICIPATE_STEPS)[0], ANTICIPATE_STEPS
 
 
 def to_score_ahead(short_ahead: int, parked: Sequence[ParkedPlan], compacted_now: Sequence[str]) -> tuple[str, ...]:

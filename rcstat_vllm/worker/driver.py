@@ -39,8 +39,7 @@ import torch
 from rcstat_vllm.capabilities import decode_compression_off_reason
 from rcstat_vllm.config import server_config
 from rcstat_vllm.log import logger
-from rcstat_vllm.paging.page_space import cdiv
-from rcstat_vllm.reports import SCORE_AHEAD_STEPS, Compaction, CopyRun, StepCompactions
+from rcstat_vllm.reports import Compaction, CopyRun, ScoreAhead, StepCompactions
 from rcstat_vllm.settings import RequestSettingsTable
 from rcstat_vllm.worker.layers import CompressedLayers
 from rcstat_vllm.worker.prompt_compression import plan_compression
@@ -273,14 +272,14 @@ class WorkerCompression(CompressedLayers):
             self.results_log.decode_compacted(record.req_id, job.decode.compactions, job.decode.tokens_evicted)
         return job.kind
 
-    def _score_ahead(self, req_ids: tuple[str, ...]) -> None:
-        """Score parked plans the scheduler expects to compact within ``SCORE_AHEAD_STEPS`` steps, in its order (those
-        freeing most first), at most ``1 / (SCORE_AHEAD_STEPS - 2)`` of the model's layers in this step, or select
-        what a plan scored in earlier steps keeps (the step's whole share): the step that copies a plan then waits
-        only for its copy, and no step waits for more than that share of a scoring. Timed as a ``score_ahead`` run of
-        the step's compaction work."""
-        budget = cdiv(len(self.layer_names), SCORE_AHEAD_STEPS - 2)
-        for req_id in req_ids:
+    def _score_ahead(self, ahead: ScoreAhead) -> None:
+        """Score parked plans the scheduler expects to compact within ``ahead.steps`` steps, in its order (those
+        freeing most first), at most ``1 / (ahead.steps - 2)`` of the model's layers in this step, or select what a
+        plan scored in earlier steps keeps (the step's whole share): the step that copies a plan then waits only for
+        its copy, and no step waits for more than that share of a scoring. Timed as a ``score_ahead`` run of the
+        step's compaction work."""
+        budget = ahead.layers_per_step(len(self.layer_names))
+        for req_id in ahead.req_ids:
             record = self.requests.get(req_id)
             if budget <= 0 or record is None or record.phase is not Phase.AWAITING_BLOCKS or record.job is None:
                 continue

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rcstat_vllm.reports import Compaction
+from rcstat_vllm.reports import Compaction, ScoreAhead
 
 
 @dataclass(frozen=True)
@@ -53,4 +53,4 @@ class StepInfo:
     #: requests whose decode-time compaction the scheduler brings forward (the pool is about to run short)
     decode_soon: frozenset[str] = frozenset()
     #: parked plans (lazy eviction) the scheduler expects to compact within a few steps: scored ahead of their copy
-    score_ahead: tuple[str, ...] = ()
+    score_ahead: ScoreAhead = field(default_factory=ScoreAhead)
