@@ -240,9 +240,12 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> ScoreAhead:
         )
     if relief.compact:
         state.relieve_pressure(pool, relief, lambda req_id: running_request_tokens(scheduler, req_id))
-    still_parked = {record.req_id for record in state.requests.in_phase(Phase.PLANNED)}
+    # (a ready plan has nothing left to score: naming it would only send the workers an output each step)
+    to_score = {record.req_id for record in state.requests.in_phase(Phase.PLANNED)} - {
+        p.req_id for p in parked if p.ready
+    }
     ahead = pressure_policy.to_score_ahead(short_ahead, parked, relief.compact)
-    return ScoreAhead(tuple(req_id for req_id in ahead if req_id in still_parked), steps)
+    return ScoreAhead(tuple(req_id for req_id in ahead if req_id in to_score), steps)
 
 
 def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
