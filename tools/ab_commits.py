@@ -128,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", default="HEAD", help="the commit with the change (default HEAD)")
     parser.add_argument("--rounds", type=int, default=4, help="runs per side, alternating ABBA (default 4)")
     parser.add_argument("--out", required=True, help="the result file (benchmarks/results/NAME.json)")
-    parser.add_argument("--scratch", default="/tmp/rcstat-ab", help="where the two clones go (replaced)")
+    parser.add_argument(
+        "--scratch",
+        default="/tmp/rcstat-ab",
+        help="where the two clones go: before/ and after/, replaced at the start, left on disk after (~4 GB each)",
+    )
     parser.add_argument("--venv", default=str(REPO / ".venv"), help="the virtual environment to copy per side")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark script and its arguments")
     args = parser.parse_args(argv)
