@@ -250,8 +250,9 @@ class RCStatConfig:
         decode_budget: decode-time compression of generated KV (off when None): once a request's KV heads hold on
             average ``decode_budget + decode_interval`` generated tokens, every layer's heads are scored over their
             generated tokens by ``method`` (the last ``window`` generated tokens' queries observing, and always
-            kept) and keep ``decode_budget`` of them on average, different numbers per head; the rest is compacted
-            away and its blocks freed. The prompt's kept KV is not rescored.
+            kept) and keep ``decode_budget`` of them on average, different numbers per head, each on a page boundary
+            (under a page more in all); the rest is compacted away and its blocks freed. The prompt's kept KV is not
+            rescored.
         decode_interval: generated tokens per head between two decode-time compactions (at least ``window``).
         async_scheduling: ``off``: the plugin turns vLLM's asynchronous scheduling off; ``keep``: leaves it on.
         cuda_graphs: the CUDA backend's graphs. ``piecewise`` (the default until a GPU window has measured the other):

@@ -15,10 +15,13 @@ from rcstat_vllm.paging.compaction import (
     compact_request,
     compaction_order,
     copy_groups,
+    page_aligned_counts,
     recompact_request,
+    top_per_row,
 )
 from rcstat_vllm.paging.kv_layout import CPU_VEC
 from rcstat_vllm.paging.page_space import PageSpace, cdiv, div_mod, pooled_space_or_reason
+from rcstat_vllm.scoring import forced_keep_mask, select_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.compaction_memory import measure_in_fresh_process
@@ -259,3 +262,39 @@ def test_div_mod_is_floor_division_and_remainder_for_every_size(size):
     quotient, remainder = div_mod(index, size)
     assert torch.equal(quotient, index // size) and torch.equal(remainder, index % size)
     assert quotient.dtype == remainder.dtype == index.dtype
+
+
+def test_page_aligned_counts_take_the_fewest_pages_the_entries_fill():
+    """Heads with uneven counts each leave a partial page; moved to page boundaries (the fullest partial pages filled,
+    the others given up) they take ceil(entries / page) pages, keep fewer than a page more in all, and stay in
+    their bounds (a head that cannot fill gives up its partial page; one that can give up nothing keeps its count)."""
+    page = 16
+    chosen = torch.tensor([20, 33, 7, 16, 45, 30])
+    held = torch.full((6,), 3)
+    low, high = torch.full((6,), 4), torch.full((6,), 100)
+
+    def pages(counts):
+        return int(((counts + held + page - 1) // page).sum())
+
+    got = page_aligned_counts(chosen, held, page, low, high)
+    # Entries with held: 23, 36, 10, 19, 48, 33 (partial pages of 7, 4, 10, 3, 0, 1 entries; 9 full pages): 169
+    # entries fill 11 pages, so the two fullest partial pages (heads 2 and 0) fill, the others give theirs up.
+    assert got.tolist() == [29, 29, 13, 13, 45, 29]
+    assert pages(chosen) == 14 and pages(got) == 11 == -(-int((chosen + held).sum()) // page)
+    assert 0 <= int(got.sum()) - int(chosen.sum()) < page
+    # Head 0 cannot fill (it has 24 entries): it gives up its partial page; head 3 must keep 14: it keeps its 16.
+    got = page_aligned_counts(chosen, held, page, torch.tensor([4, 4, 8, 14, 4, 4]), torch.tensor([24] + [100] * 5))
+    assert got.tolist() == [13, 29, 13, 16, 45, 29]
+    # Nothing to move: every head on a boundary already.
+    aligned = torch.tensor([13, 29, 13])
+    assert torch.equal(page_aligned_counts(aligned, held[:3], page, low[:3], high[:3]), aligned)
+
+
+def test_top_per_row_is_the_budgets_own_mask_at_its_counts():
+    """Each row's top counts in the stable descending order (ties: the lower index) are the mask select_budget chose,
+    when given the counts it chose: a count moved by page alignment changes only that row's tail."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 5, (3, 40), generator=g).to(torch.float64)  # many ties
+    mask = select_budget(scores, 4, 0.6).mask
+    priority = scores.masked_fill(forced_keep_mask(scores, 4), float("inf"))
+    assert torch.equal(top_per_row(priority, mask.sum(dim=1)), mask)

@@ -327,8 +327,9 @@ DECODE = dict(decode_budget=32, decode_interval=32)
 def test_decode_time_compression_keeps_a_budget_of_generated_tokens_and_frees_their_blocks(driver):
     """A 300-token prompt generating 200 tokens with decode_budget 32 and decode_interval 32 (window 8): compacted
     again each time its heads hold 64 generated entries on average (at 364 tokens, then every 32), each time
-    evicting exactly 32 per head; it holds fewer blocks at its peak than the same request without; an uncompressed
-    neighbour decodes the same tokens as alone; every block comes back."""
+    evicting 32 per head (less what page boundaries keep: under a page in all); it holds fewer blocks at its peak
+    than the same request without; an uncompressed neighbour decodes the same tokens as alone; every block comes
+    back."""
     prompt, other = driver.prompt(300, offset=40), driver.prompt(400, offset=90)
 
     def run(requests):  # each run computes its prompts in full (a prefix-cache hit would stay uncompressed)
@@ -342,7 +343,9 @@ def test_decode_time_compression_keeps_a_budget_of_generated_tokens_and_frees_th
     layers, heads = len(result["kept"]), len(result["kept"][0])
     expected = len(range(300 + 64, 300 + 200, 32))  # due steps; the last step holds 300 + 199 tokens
     assert result["decode_compactions"] == expected == 5
-    assert result["decode_tokens_evicted"] == expected * layers * heads * 32
+    # 32 per head each time, each head's count then on a page boundary: fewer than a page kept beyond it in all
+    beyond = expected * layers * heads * 32 - result["decode_tokens_evicted"]
+    assert 0 <= beyond < expected * result["block_size"]
     assert len(decoded.outputs["dcomp"]) == 200
     assert min(decoded.free_trace) > min(plain.free_trace) + 2  # generated blocks given back as it decodes
     assert driver.free_blocks() == free_plain
@@ -504,7 +507,9 @@ def test_decode_time_compression_of_a_prompt_too_short_to_compress(driver):
     assert "shorter than min_prompt_len" in result["skipped_reason"]
     layers, heads = len(result["kept"]), len(result["kept"][0])
     assert result["decode_compactions"] == len(range(40 + 64, 40 + 200, 32)) == 5
-    assert result["decode_tokens_evicted"] == 5 * layers * heads * 32
+    assert (
+        0 <= 5 * layers * heads * 32 - result["decode_tokens_evicted"] < 5 * result["block_size"]
+    )  # (page boundaries)
     assert min(decoded.free_trace) > min(plain.free_trace)
     assert decoded.outputs["dshort"][:65] == plain.outputs["dshortplain"][:65]
     driver.run([("dflush3", driver.prompt(8), greedy(1))])

@@ -324,3 +324,40 @@ def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks
     own = kept - shared_blocks * space.block_size
     pages_then = (own + to_boundary + space.block_size - 1) // space.block_size  # [L, H]
     return shared_blocks + min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size) - shared_blocks)
+
+
+def page_aligned_counts(chosen: Tensor, held: Tensor, page_size: int, low: Tensor, high: Tensor) -> Tensor:
+    """The counts ``chosen`` ``[H]`` (the entries a budget gave each head of a layer) moved to page boundaries, so
+    that the heads take no more pages than their entries fill packed together.
+
+    A head keeping ``c`` entries besides ``held`` others on its pages (``[H]``: what it keeps whatever its count, and
+    the slots of the tokens still to come before vLLM's next block, as :func:`blocks_needed` counts them) takes
+    ``ceil((c + held) / page_size)`` pages: heads keeping uneven counts each leave a partial page, half a page per head
+    on average, about a block per request over every layer's heads (SmolLM2: 90 pages a block). Here the layer's
+    pages are the fewest its entries fill, ``ceil(sum(chosen + held) / page_size)``: each head with a partial page
+    fills it (its next best entries) or gives up what is on it, the heads whose partial pages are fullest filling
+    (ties: the lower head) until that count. The layer then keeps up to ``page_size - 1`` entries more than
+    ``chosen``, never more pages. ``low <= count <= high`` per head (the entries it must keep, those it has): a head
+    that cannot fill gives up its partial page, one that cannot give it up keeps its count. Tensor ops on the counts'
+    device: no host synchronisation."""
+    filled = chosen + held
+    partial = filled % page_size
+    pages = torch.div(filled.sum() + page_size - 1, page_size, rounding_mode="floor")
+    to_fill = pages - torch.div(filled, page_size, rounding_mode="floor").sum()
+    order = torch.sort(partial, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    fill = chosen + (page_size - partial)
+    give_up = chosen - partial
+    fills = (partial > 0) & (rank < to_fill) & (fill <= high)
+    gives_up = (partial > 0) & ~fills & (give_up >= low)
+    return torch.where(fills, fill, torch.where(gives_up, give_up, chosen))
+
+
+def top_per_row(priority: Tensor, counts: Tensor) -> Tensor:
+    """``[H, n]`` mask of each row's ``counts[h]`` highest ``priority`` entries (ties: the lower index), the order
+    :func:`~rcstat_vllm.scoring.select_budget` breaks ties in, so the rows' top counts of its own mask are its mask."""
+    order = torch.sort(priority, dim=1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order).scatter_(
+        1, order, torch.arange(priority.shape[1], device=order.device).expand_as(order)
+    )
+    return ranks < counts.unsqueeze(1)

@@ -35,6 +35,7 @@ _EXPORTS = {
         (
             "KeepSet",
             "budget_keep_count",
+            "forced_keep_mask",
             "layer_floor_ratio",
             "relative_to_head_mean",
             "relative_to_layer_mean",

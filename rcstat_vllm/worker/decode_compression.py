@@ -5,7 +5,8 @@ Long outputs (reasoning, long answers) put most of a request's KV in the tokens 
 entries, the step that writes that token scores every layer's heads over their generated entries as the layer's
 attention finishes, with the request's method and the queries of its last ``window`` generated tokens (kept from
 the steps that computed them, as the prompt path keeps its window's), and selects ``decode_budget`` entries per head
-on average, different numbers per head (a layer's budget over all its heads, as ``select_budget`` does for prompts);
+on average, different numbers per head (a layer's budget over all its heads, as ``select_budget`` does for prompts),
+each head's count then on a page boundary (:func:`~rcstat_vllm.paging.compaction.page_aligned_counts`);
 the window itself is always kept, the prompt's kept entries are never rescored. The plan goes to the scheduler as a
 prompt's does; the next step copies the kept entries into the blocks it gives
 (:func:`~rcstat_vllm.paging.compaction.recompact_request`; staged when they include the request's own, under pressure)
@@ -29,10 +30,10 @@ from torch import Tensor
 
 from rcstat_vllm.config import OBSERVING_METHODS, RCStatConfig
 from rcstat_vllm.kernels.paged import host_to_device
-from rcstat_vllm.paging.compaction import blocks_needed
+from rcstat_vllm.paging.compaction import blocks_needed, page_aligned_counts, top_per_row
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
-from rcstat_vllm.scoring import get_scorer, relative_to_head_mean, select_budget
+from rcstat_vllm.scoring import forced_keep_mask, get_scorer, relative_to_head_mean, select_budget
 from rcstat_vllm.settings import decode_queries, scorer_options
 from rcstat_vllm.worker.prompt_compression import triton_scoring
 
@@ -179,29 +180,38 @@ class DecodeCompressor:
             return relative_to_head_mean(scores, self.window)
         return scores.to(torch.float64)
 
-    def _keep_mask(self, layer: int, lengths: Tensor) -> Tensor:
-        """Layer ``layer``'s ``[H, max(lengths)]`` keep mask over each head's entries (its prompt's first, all kept;
-        then its generated ones, ``decode_budget`` per head on average over the layer), on the scores' device. Tensor
-        ops over host-known shapes: nothing is read back from the device."""
+    def _budget(self, layer: int, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer ``layer``'s choice over each head's generated entries: ``[H, width]`` priorities (right-aligned,
+        the window and non-finite scores at +inf, the columns before a head's first generated entry lowest), the
+        entries each head keeps by the budget (``decode_budget`` per head on average over the layer) and those it
+        must keep, ``[H]`` each, on the scores' device. Tensor ops over host-known shapes: nothing is read back."""
         scores = self.scores[layer]
         assert scores is not None  # (every layer is scored before the due step selects)
         device, width = scores.device, scores.shape[1]
-        starts = self.prompt_entries[layer]
-        counts = lengths - starts
+        counts = lengths - self.prompt_entries[layer]
         # Right-aligned so that every head's last `window` columns are its latest tokens (the window, always kept);
         # columns before a head's first generated entry score lowest and are never chosen (the budget is below the
         # entries there are).
         generated = host_to_device(torch.arange(width) >= width - counts.unsqueeze(1), device)
         padded = self._comparable(scores).masked_fill(~generated, torch.finfo(torch.float64).min)
         ratio = max(0.0, 1.0 - self.budget / width)  # (the widest head holds more than the budget when due)
-        keep = select_budget(padded, self.window, ratio).mask  # [H, width]
+        chosen = select_budget(padded, self.window, ratio).mask.sum(dim=1)
+        forced = forced_keep_mask(padded, self.window)
+        return padded.masked_fill(forced, float("inf")), chosen, forced.sum(dim=1)
+
+    def _keep_mask(self, layer: int, lengths: Tensor, priority: Tensor, keep: Tensor) -> Tensor:
+        """Layer ``layer``'s ``[H, max(lengths)]`` keep mask over each head's entries: its prompt's first, all kept;
+        then of its generated ones the ``keep[h]`` first in ``priority`` (:meth:`_budget`). On the scores' device."""
+        device, width = priority.device, priority.shape[1]
+        starts = self.prompt_entries[layer]
+        kept = top_per_row(priority, keep)  # [H, width]
         # Entry j of head h: its prompt's when j < starts[h] (kept), else generated entry j, at keep's column
         # j - lengths[h] + width, while j < lengths[h].
         entry = torch.arange(int(lengths.max()))
         prompt = host_to_device(entry < starts.unsqueeze(1), device)
         in_generated = host_to_device((entry >= starts.unsqueeze(1)) & (entry < lengths.unsqueeze(1)), device)
         column = host_to_device((entry - lengths.unsqueeze(1) + width).clamp(0, width - 1), device)
-        return prompt | (in_generated & torch.gather(keep, 1, column))
+        return prompt | (in_generated & torch.gather(kept, 1, column))
 
     def select(self, state: CompactedRequest, num_tokens: int) -> DecodePlan:
         """After the due step's last layer: what each head keeps, and the blocks that takes.
@@ -210,7 +220,30 @@ class DecodeCompressor:
         (:func:`kept_on_host`): the heads' kept counts, which the block count and the plan sent to the scheduler
         need as host ints."""
         lengths = state.lengths(num_tokens)
-        masks = [self._keep_mask(layer, lengths[layer]) for layer in range(self.num_layers)]
+        budgets = [self._budget(layer, lengths[layer]) for layer in range(self.num_layers)]
+        device = budgets[0][0].device
+        # Each head's count moved to a page boundary, over each page pool's heads at once (all layers' when pooled):
+        # the pages the budget's counts fill packed together, where uneven heads would each leave a partial page.
+        held = host_to_device(
+            self.prompt_entries - state.shared_blocks * state.block_size + (-num_tokens % state.block_size), device
+        )
+        has = host_to_device(lengths - self.prompt_entries, device)
+        chosen = torch.stack([chosen for _, chosen, _ in budgets])  # [L, H]
+        forced = torch.stack([forced for _, _, forced in budgets])
+        keep = chosen.clone()
+        for layers in state.space.pools:
+            pool = list(layers)
+            keep[pool] = page_aligned_counts(
+                chosen[pool].flatten(),
+                held[pool].flatten(),
+                state.block_size,
+                forced[pool].flatten(),
+                has[pool].flatten(),
+            ).view(len(pool), -1)
+        masks = [
+            self._keep_mask(layer, lengths[layer], priority, keep[layer])
+            for layer, (priority, _, _) in enumerate(budgets)
+        ]
         self.scores = [None] * self.num_layers
         self.queries = [None] * self.num_layers
         kept = kept_on_host(torch.stack([mask.sum(dim=1) for mask in masks]))
