@@ -327,19 +327,20 @@ def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks
 
 
 def page_aligned_counts(chosen: Tensor, held: Tensor, page_size: int, low: Tensor, high: Tensor) -> Tensor:
-    """The counts ``chosen`` ``[H]`` (the entries a budget gave each head of a layer) moved to page boundaries, so
-    that the heads take no more pages than their entries fill packed together.
+    """The counts ``chosen`` ``[H]`` (the entries a budget gave each head of a page pool: a layer's, or every layer's
+    when pooled) moved to page boundaries, so that the heads take no more pages than their entries fill packed
+    together.
 
     A head keeping ``c`` entries besides ``held`` others on its pages (``[H]``: what it keeps whatever its count, and
     the slots of the tokens still to come before vLLM's next block, as :func:`blocks_needed` counts them) takes
     ``ceil((c + held) / page_size)`` pages: heads keeping uneven counts each leave a partial page, half a page per head
-    on average, about a block per request over every layer's heads (SmolLM2: 90 pages a block). Here the layer's
-    pages are the fewest its entries fill, ``ceil(sum(chosen + held) / page_size)``: each head with a partial page
+    on average, about a block per request over every layer's heads (SmolLM2: 90 pages a block). Here the heads'
+    pages are the fewest their entries fill, ``ceil(sum(chosen + held) / page_size)``: each head with a partial page
     fills it (its next best entries) or gives up what is on it, the heads whose partial pages are fullest filling
-    (ties: the lower head) until that count. The layer then keeps up to ``page_size - 1`` entries more than
-    ``chosen``, never more pages. ``low <= count <= high`` per head (the entries it must keep, those it has): a head
-    that cannot fill gives up its partial page, one that cannot give it up keeps its count. Tensor ops on the counts'
-    device: no host synchronisation."""
+    (ties: the lower head) until that count. The heads then keep up to ``page_size - 1`` entries more than
+    ``chosen`` in all, never more pages. ``low <= count <= high`` per head (the entries it must keep, those it
+    has): a head that cannot fill gives up its partial page, one that cannot give it up keeps its count. Tensor ops
+    on the counts' device: no host synchronisation."""
     filled = chosen + held
     partial = filled % page_size
     pages = torch.div(filled.sum() + page_size - 1, page_size, rounding_mode="floor")
