@@ -320,10 +320,17 @@ def blocks_needed(kept: Tensor, num_tokens: int, space: PageSpace, shared_blocks
     """The fewest blocks a request can hold after compaction (see :class:`CompactedRequest`): its shared blocks,
     then the pages of its other kept tokens plus those the tokens still to come before vLLM appends its next block
     need, over each pool."""
-    to_boundary = -num_tokens % space.block_size
-    own = kept - shared_blocks * space.block_size
-    pages_then = (own + to_boundary + space.block_size - 1) // space.block_size  # [L, H]
+    pages_then = (
+        own_slots(kept, num_tokens, space.block_size, shared_blocks) + space.block_size - 1
+    ) // space.block_size
     return shared_blocks + min(space.blocks_for(pages_then), cdiv(num_tokens, space.block_size) - shared_blocks)
+
+
+def own_slots(kept: Tensor, num_tokens: int, block_size: int, shared_blocks: int = 0) -> Tensor:
+    """The slots each head needs in its own pages when it keeps ``kept`` entries (``[L, H]``, the tokens of its first
+    ``shared_blocks`` blocks included: they stay in those blocks) at ``num_tokens`` tokens: those entries, and room for
+    the tokens still to come before vLLM appends the request's next block."""
+    return kept - shared_blocks * block_size + (-num_tokens % block_size)
 
 
 def page_aligned_counts(chosen: Tensor, held: Tensor, page_size: int, low: Tensor, high: Tensor) -> Tensor:
@@ -332,7 +339,7 @@ def page_aligned_counts(chosen: Tensor, held: Tensor, page_size: int, low: Tenso
     together.
 
     A head keeping ``c`` entries besides ``held`` others on its pages (``[H]``: what it keeps whatever its count, and
-    the slots of the tokens still to come before vLLM's next block, as :func:`blocks_needed` counts them) takes
+    the slots of the tokens still to come before vLLM's next block: :func:`own_slots` of what it keeps) takes
     ``ceil((c + held) / page_size)`` pages: heads keeping uneven counts each leave a partial page, half a page per head
     on average, about a block per request over every layer's heads (SmolLM2: 90 pages a block). Here the heads'
     pages are the fewest their entries fill, ``ceil(sum(chosen + held) / page_size)``: each head with a partial page

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from rcstat_vllm.config import OBSERVING_METHODS, RCStatConfig
 from rcstat_vllm.kernels.paged import host_to_device
-from rcstat_vllm.paging.compaction import blocks_needed, page_aligned_counts, top_per_row
+from rcstat_vllm.paging.compaction import blocks_needed, own_slots, page_aligned_counts, top_per_row
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.scoring import forced_keep_mask, get_scorer, relative_to_head_mean, select_budget
@@ -195,7 +195,7 @@ class DecodeCompressor:
         generated = host_to_device(torch.arange(width) >= width - counts.unsqueeze(1), device)
         padded = self._comparable(scores).masked_fill(~generated, torch.finfo(torch.float64).min)
         ratio = max(0.0, 1.0 - self.budget / width)  # (the widest head holds more than the budget when due)
-        chosen = select_budget(padded, self.window, ratio).mask.sum(dim=1)
+        chosen = select_budget(padded, self.window, ratio).counts
         forced = forced_keep_mask(padded, self.window)
         return padded.masked_fill(forced, float("inf")), chosen, forced.sum(dim=1)
 
@@ -224,12 +224,10 @@ class DecodeCompressor:
         device = budgets[0][0].device
         # Each head's count moved to a page boundary, over each page pool's heads at once (all layers' when pooled):
         # the pages the budget's counts fill packed together, where uneven heads would each leave a partial page.
-        held = host_to_device(
-            self.prompt_entries - state.shared_blocks * state.block_size + (-num_tokens % state.block_size), device
-        )
+        held = host_to_device(own_slots(self.prompt_entries, num_tokens, state.block_size, state.shared_blocks), device)
         has = host_to_device(lengths - self.prompt_entries, device)
-        chosen = torch.stack([chosen for _, chosen, _ in budgets])  # [L, H]
-        forced = torch.stack([forced for _, _, forced in budgets])
+        chosen = torch.stack([counts for _, counts, _ in budgets])  # [L, H]
+        forced = torch.stack([must for _, _, must in budgets])
         keep = chosen.clone()
         for layers in state.space.pools:
             pool = list(layers)
