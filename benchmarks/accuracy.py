@@ -230,6 +230,8 @@ def run_wave(llm, jobs: list[tuple], desc: str) -> tuple[list[dict], float]:
                 "blocks_freed": None if res is None else res.get("blocks_freed"),
                 "fragmentation": None if res is None else res.get("fragmentation"),
                 "kept": None if res is None else res.get("kept"),
+                "block_size": None if res is None else res.get("block_size"),
+                "pooled_pages": None if res is None else res.get("pooled_pages"),
                 "cached_tokens": out.num_cached_tokens or 0,
             }
         )
@@ -364,7 +366,8 @@ def fidelity_check(
                 continue
             config = RCStatConfig.from_dict(vr["override"])
             if config.enabled:
-                keep = ref_lib.keep_masks(prefill, config)
+                # (the pages the engine's heads were aligned to: its block size, one pool or one per layer)
+                keep = ref_lib.keep_masks(prefill, config, vr.get("block_size"), vr.get("pooled_pages", True))
                 masks, kept, ratio = keep.masks, keep.kept, keep.ratio
             else:
                 masks, kept, ratio = None, None, 0.0

@@ -34,6 +34,7 @@ from torch import Tensor
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.scoring import get_scorer
 from rcstat_vllm.settings import scorer_options, window_queries
+from rcstat_vllm.worker.prompt_compression import page_aligned_masks
 
 ATTN_NAME = "rcstat_bench_masked"
 #: The widest window any scorer reads (SnapKV's 64); prefill keeps this many trailing queries per layer.
@@ -311,18 +312,30 @@ def score_layers(prefill: Prefill, config: RCStatConfig) -> list[Tensor]:
     return scores
 
 
-def select_layers(scores: list[Tensor], config: RCStatConfig, comparable: str | None = None) -> KeepMasks:
-    """The plugin's own selection (``select_keep_masks``) on the reference model's scores."""
+def select_layers(
+    scores: list[Tensor],
+    config: RCStatConfig,
+    comparable: str | None = None,
+    page_size: int | None = None,
+    pooled: bool = True,
+) -> KeepMasks:
+    """The plugin's own selection (``select_keep_masks``) on the reference model's scores; with ``page_size``, each
+    head's count then moved to a page boundary as the plugin's engine moves it (``page_aligned_masks``: over all
+    layers' heads when ``pooled``, else each layer's), so that the keep sets are the engine's. Without it (the
+    research benchmarks: routes, route_probes, quality) the selection rule alone: each head within a page of it."""
     masks = layer_budgets.keep_masks(scores, config, comparable)
-    kept = [mask.sum(dim=1).tolist() for mask in masks]
     n = scores[0].shape[1]
+    if page_size:
+        pools = [list(range(len(masks)))] if pooled else [[layer] for layer in range(len(masks))]
+        masks = page_aligned_masks(masks, scores, config, n, page_size, pools)
+    kept = [mask.sum(dim=1).tolist() for mask in masks]
     total = sum(len(row) for row in kept) * n
     ratio = 1.0 - sum(map(sum, kept)) / total
     return KeepMasks(masks=masks, kept=kept, ratio=ratio)
 
 
-def keep_masks(prefill: Prefill, config: RCStatConfig) -> KeepMasks:
-    return select_layers(score_layers(prefill, config), config)
+def keep_masks(prefill: Prefill, config: RCStatConfig, page_size: int | None = None, pooled: bool = True) -> KeepMasks:
+    return select_layers(score_layers(prefill, config), config, page_size=page_size, pooled=pooled)
 
 
 def value_error(reference: Tensor, compressed: Tensor, eps: float = 1e-12) -> Tensor:

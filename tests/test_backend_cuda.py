@@ -257,7 +257,10 @@ def test_cuda_impl_compresses_then_decodes_equal_to_dense_attention_over_the_kep
     planner.begin_step(StepInfo(requests=[], compactions=[compaction]))
     compressed = planner.results["req0"]
     assert compressed.keep_blocks == plan.keep_blocks and compressed.compacted_at_tokens == lengths[0]
-    assert abs(compressed.compression_ratio - 0.5) < 0.02
+    # The budget's entries and, page alignment's, under a page more per page pool (the layers' or one for all).
+    pools = 1 if pooled else LAYERS
+    entries = LAYERS * HEADS * prompt_lens[0]
+    assert 0.5 - pools * BLOCK / entries < compressed.compression_ratio <= 0.5
 
     # Which tokens each (layer, head) kept, read back from its pages.
     state = planner.requests.compressed_state("req0")

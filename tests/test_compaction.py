@@ -17,6 +17,7 @@ from rcstat_vllm.paging.compaction import (
     copy_groups,
     page_aligned_counts,
     recompact_request,
+    resize_rows,
     top_per_row,
 )
 from rcstat_vllm.paging.kv_layout import CPU_VEC
@@ -266,8 +267,8 @@ def test_div_mod_is_floor_division_and_remainder_for_every_size(size):
 
 def test_page_aligned_counts_take_the_fewest_pages_the_entries_fill():
     """Heads with uneven counts each leave a partial page; moved to page boundaries (the fullest partial pages filled,
-    the others given up) they take ceil(entries / page) pages, keep fewer than a page more in all, and stay in
-    their bounds (a head that cannot fill gives up its partial page; one that can give up nothing keeps its count)."""
+    the others given up) they take ceil(entries / page) pages, fill every page they take, keep fewer than a page more
+    in all, and stay in their bounds (a head that must keep more than its partial page gives up fills it instead)."""
     page = 16
     chosen = torch.tensor([20, 33, 7, 16, 45, 30])
     held = torch.full((6,), 3)
@@ -276,18 +277,81 @@ def test_page_aligned_counts_take_the_fewest_pages_the_entries_fill():
     def pages(counts):
         return int(((counts + held + page - 1) // page).sum())
 
-    got = page_aligned_counts(chosen, held, page, low, high)
+    got = page_aligned_counts(chosen, held, page, low, high, max_pages=8)
     # Entries with held: 23, 36, 10, 19, 48, 33 (partial pages of 7, 4, 10, 3, 0, 1 entries; 9 full pages): 169
     # entries fill 11 pages, so the two fullest partial pages (heads 2 and 0) fill, the others give theirs up.
     assert got.tolist() == [29, 29, 13, 13, 45, 29]
     assert pages(chosen) == 14 and pages(got) == 11 == -(-int((chosen + held).sum()) // page)
     assert 0 <= int(got.sum()) - int(chosen.sum()) < page
-    # Head 0 cannot fill (it has 24 entries): it gives up its partial page; head 3 must keep 14: it keeps its 16.
-    got = page_aligned_counts(chosen, held, page, torch.tensor([4, 4, 8, 14, 4, 4]), torch.tensor([24] + [100] * 5))
-    assert got.tolist() == [13, 29, 13, 16, 45, 29]
+    # Head 3 must keep 14: with its 3 held slots that is two pages, which it fills; the page head 0's partial page
+    # would have filled is that one, so head 0 gives its partial page up. Head 0 can fill at most 24 entries: where
+    # it does fill (the next case), it keeps them all.
+    got = page_aligned_counts(chosen, held, page, torch.tensor([4, 4, 8, 14, 4, 4]), high, max_pages=8)
+    assert got.tolist() == [13, 29, 13, 29, 45, 29] and pages(got) == 11
+    got = page_aligned_counts(chosen, held, page, low, torch.tensor([24] + [100] * 5), max_pages=8)
+    assert got.tolist() == [24, 29, 13, 13, 45, 29] and pages(got) == 11
     # Nothing to move: every head on a boundary already.
     aligned = torch.tensor([13, 29, 13])
-    assert torch.equal(page_aligned_counts(aligned, held[:3], page, low[:3], high[:3]), aligned)
+    assert torch.equal(page_aligned_counts(aligned, held[:3], page, low[:3], high[:3], max_pages=8), aligned)
+    # Minimums above the selection's packed pages: three heads must keep 18 entries (two pages each) where the
+    # selection's 118 entries fill 8 pages; the fourth head gives up two whole pages, all the heads' pages full.
+    chosen, held = torch.tensor([18, 18, 18, 64]), torch.zeros(4, dtype=torch.int64)
+    got = page_aligned_counts(chosen, held, page, torch.tensor([18, 18, 18, 4]), torch.full((4,), 100), max_pages=8)
+    assert got.tolist() == [32, 32, 32, 32] and int(got.sum()) // page == 8 == -(-118 // page)
+
+
+def test_resize_rows_gives_up_the_lowest_and_takes_the_best():
+    """A row with fewer entries to keep gives up its lowest-priority ones (of equal ones the later), one with more
+    takes its best others (of equal ones the earlier); forced entries (+inf) stay; a row's top entries stay its top
+    entries at the new count (resize_rows of top_per_row is top_per_row)."""
+    priority = torch.tensor(
+        [[5.0, 1.0, 3.0, 3.0, float("inf"), 0.0], [2.0, 2.0, 2.0, 9.0, 1.0, float("inf")]], dtype=torch.float64
+    )
+    mask = torch.tensor([[1, 0, 1, 1, 1, 0], [0, 0, 1, 1, 0, 1]], dtype=torch.bool)
+    got = resize_rows(mask, priority, torch.tensor([2, 5]))
+    assert got.int().tolist() == [[1, 0, 0, 0, 1, 0], [1, 1, 1, 1, 0, 1]]
+    got = resize_rows(mask, priority, torch.tensor([3, 3]))
+    assert got.int().tolist() == [[1, 0, 1, 0, 1, 0], [0, 0, 1, 1, 0, 1]]
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 4, (6, 50), generator=g).to(torch.float64)  # many ties
+    counts = torch.randint(0, 51, (6,), generator=g)
+    for new in (torch.randint(0, 51, (6,), generator=g), counts):
+        assert torch.equal(resize_rows(top_per_row(scores, counts), scores, new), top_per_row(scores, new))
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("ratio", [0.4, 0.8, 0.95, None])
+def test_a_prompts_page_aligned_masks_fill_every_page_with_each_heads_best(pooled, ratio):
+    """The prompt's selection moved to page boundaries (what RequestCompressor.select keeps): every head fills the
+    pages it takes (with its slots to vLLM's next block), the heads of a pool take the pages the selection's entries
+    fill packed together (or, where more, each head's fewest for its window and sinks), keep at least the selection's
+    entries and under a page more per pool, every forced entry, and each head's best entries at its count."""
+    from rcstat_vllm.config import RCStatConfig
+    from rcstat_vllm.scoring.selection import select_keep_masks
+    from rcstat_vllm.worker.prompt_compression import page_aligned_masks
+
+    g = torch.Generator().manual_seed(11)
+    layers, heads, n, page = 6, 3, 203, 16
+    held = -n % page
+    config = RCStatConfig(target_ratio=ratio, eviction="eager") if ratio is not None else RCStatConfig(c=1.0)
+    scores = [torch.rand(heads, n, generator=g) ** 4 for _ in range(layers)]
+    scores[2][1, 50] = float("inf")  # a scorer's forced keep
+    chosen = select_keep_masks(scores, config)
+    pools = [list(range(layers))] if pooled else [[layer] for layer in range(layers)]
+    got = torch.stack(page_aligned_masks(chosen, scores, config, n, page, pools))
+    counts, before = got.sum(dim=2), torch.stack(chosen).sum(dim=2)
+    assert ((counts + held) % page == 0).all()  # every page full
+    forced = torch.stack([forced_keep_mask(s, config.window, config.sink_tokens) for s in scores])
+    assert (got | ~forced).all()
+    fewest = (forced.sum(dim=2) + held + page - 1) // page
+    for pool in pools:
+        pages = int((counts[pool] + held).sum()) // page
+        packed = -(-int((before[pool] + held).sum()) // page)
+        assert pages == max(packed, int(fewest[pool].sum()))
+        if pages == packed:
+            assert 0 <= int(counts[pool].sum() - before[pool].sum()) < page
+    priority = torch.stack(scores).to(torch.float64).masked_fill(forced, float("inf")).view(layers * heads, n)
+    assert torch.equal(got.view(layers * heads, n), top_per_row(priority, counts.flatten()))
 
 
 def test_top_per_row_is_the_budgets_own_mask_at_its_counts():

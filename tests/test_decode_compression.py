@@ -371,22 +371,19 @@ def test_an_uncompressed_request_is_compacted_from_its_own_blocks():
 
 
 def _page_aligned_reference(chosen, held, page, low, high):
-    """page_aligned_counts, head by head: the pages the counts fill packed together; the heads whose partial pages are
-    fullest (lower head first) fill them while that many pages are not reached, the others give up what is on theirs
-    (each within its bounds, else it keeps its count)."""
+    """page_aligned_counts, head by head: each head first takes the fewest pages holding what it must keep, then the
+    pages the counts fill packed together go out one at a time, each to the head whose next page the counts fill most
+    (lower head first); every head fills its pages, up to the entries it has."""
     x = [c + h for c, h in zip(chosen, held)]
-    to_fill = -(-sum(x) // page) - sum(v // page for v in x)
-    order = sorted(range(len(x)), key=lambda i: (-(x[i] % page), i))
-    out = list(chosen)
-    for rank, i in enumerate(order):
-        partial = x[i] % page
-        if partial == 0:
-            continue
-        if rank < to_fill and chosen[i] + page - partial <= high[i]:
-            out[i] = chosen[i] + page - partial
-        elif chosen[i] - partial >= low[i]:
-            out[i] = chosen[i] - partial
-    return out
+    pages = [-(-(lo + h) // page) for lo, h in zip(low, held)]
+    most = [-(-(hi + h) // page) for hi, h in zip(high, held)]
+    for _ in range(-(-sum(x) // page) - sum(pages)):
+        worth = [(x[i] / page - pages[i], -i) for i in range(len(x)) if pages[i] < most[i]]
+        best = max(worth, default=None)
+        if best is None or best[0] <= 0:
+            break
+        pages[-best[1]] += 1
+    return [min(p * page - h, hi) for p, h, hi in zip(pages, held, high)]
 
 
 def _select_reference(decode, scores, lengths, state, num_tokens):

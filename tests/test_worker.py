@@ -87,7 +87,7 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.paging.page_space import PageSpace
     from rcstat_vllm.scoring.selection import select_keep_masks
-    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
+    from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor, page_aligned_masks
 
     n, heads, block = 64, 2, 16
     config = RCStatConfig(method="rc", target_ratio=0.6, window=4)
@@ -97,8 +97,11 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     first[: n // 2], second[n // 2 :] = 1.0, 1.0
     compressor.scores = [torch.stack([first, first]), torch.stack([first, second])]
     caches = [torch.zeros(12, heads, block, 8), torch.zeros(12, heads, block, 8)]
-    masks = select_keep_masks(compressor.scores, config)  # the selection select() makes
     space = PageSpace.per_layer(2, heads, block)
+    # the selection select() makes: the budget's, each head's count then on a page boundary
+    masks = page_aligned_masks(
+        select_keep_masks(compressor.scores, config), compressor.scores, config, n, block, space.pools
+    )
     compressor.keep_blocks = compressor.select(space)
     compressor.compact(caches, torch.arange(6, 6 + compressor.keep_blocks), space, CPU_VEC)
     report = compressor.report()
@@ -108,12 +111,14 @@ def test_report_counts_tokens_evicted_from_every_head_of_every_layer():
     assert report.global_eviction_ratio == int((~(masks[0].any(0) | masks[1].any(0))).sum()) / n
     assert report.global_eviction_ratio <= min(report.layer_global_eviction)
     assert report.to_dict()["global_eviction_ratio"] == report.global_eviction_ratio
-    # Head consensus beside it, from the same masks (here no pair of heads shares a token it chose to keep).
+    # Head consensus beside it, from the same masks: the mean of the layers' (layer 1's heads made to agree: 1).
     from rcstat_vllm.scoring.selection import head_consensus
 
     assert report.head_consensus == pytest.approx(float(head_consensus(masks, config.window, 4)), abs=1e-6)
     masks[1][1] = masks[1][0]
-    assert float(head_consensus(masks, config.window, 4)) == pytest.approx(report.head_consensus + 0.5)
+    layer_0 = float(head_consensus(masks[:1], config.window, 4))
+    assert float(head_consensus(masks, config.window, 4)) == pytest.approx((layer_0 + 1) / 2)
+    assert report.head_consensus < (layer_0 + 1) / 2  # (layer 1's heads kept different halves)
     assert report.to_dict()["head_consensus"] == report.head_consensus
 
 

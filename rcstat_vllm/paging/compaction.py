@@ -333,32 +333,47 @@ def own_slots(kept: Tensor, num_tokens: int, block_size: int, shared_blocks: int
     return kept - shared_blocks * block_size + (-num_tokens % block_size)
 
 
-def page_aligned_counts(chosen: Tensor, held: Tensor, page_size: int, low: Tensor, high: Tensor) -> Tensor:
-    """The counts ``chosen`` ``[H]`` (the entries a budget gave each head of a page pool: a layer's, or every layer's
-    when pooled) moved to page boundaries, so that the heads take no more pages than their entries fill packed
-    together.
+def page_aligned_counts(
+    chosen: Tensor, held: Tensor, page_size: int, low: Tensor, high: Tensor, max_pages: int
+) -> Tensor:
+    """The counts ``chosen`` ``[H]`` (the entries a selection gave each head of a page pool: a layer's, or every
+    layer's when pooled) moved to page boundaries, so that the heads take no more pages than their entries fill
+    packed together.
 
     A head keeping ``c`` entries besides ``held`` others on its pages (``[H]``: what it keeps whatever its count, and
     the slots of the tokens still to come before vLLM's next block: :func:`own_slots` of what it keeps) takes
     ``ceil((c + held) / page_size)`` pages: heads keeping uneven counts each leave a partial page, half a page per head
-    on average, about a block per request over every layer's heads (SmolLM2: 90 pages a block). Here the heads'
-    pages are the fewest their entries fill, ``ceil(sum(chosen + held) / page_size)``: each head with a partial page
-    fills it (its next best entries) or gives up what is on it, the heads whose partial pages are fullest filling
-    (ties: the lower head) until that count. The heads then keep up to ``page_size - 1`` entries more than
-    ``chosen`` in all, never more pages. ``low <= count <= high`` per head (the entries it must keep, those it
-    has): a head that cannot fill gives up its partial page, one that cannot give it up keeps its count. Tensor ops
-    on the counts' device: no host synchronisation."""
+    on average, about half a block per request over every layer's heads (SmolLM2: 90 pages a block). Here the heads
+    take ``max(ceil(sum(chosen + held) / page_size), their fewest pages)`` pages in all and fill every page they take
+    (up to ``high``): each head first takes the fewest pages that hold the ``low`` entries it must keep, then the
+    pool's remaining pages go out one at a time, each to the head whose next page its selection fills most
+    (``(c + held) / page_size`` minus the pages it has; ties: the lower head). So every page the selection filled
+    whole is kept, the fullest partial pages are filled with their heads' next best entries and the others given up;
+    the heads keep at least ``chosen`` in all and under a page more (where a head's own minimum takes a page the
+    selection left partial, a page the others' partial pages would have filled goes instead, at the lowest value
+    a full page has). ``low <= count <= high`` per head (the entries it must keep, those it has); ``max_pages``
+    (a host int) bounds any head's pages, ``ceil((high + held) / page_size)``. Tensor ops on the counts' device: no
+    host synchronisation."""
+    device = chosen.device
     filled = chosen + held
-    partial = filled % page_size
+    fewest = torch.div(low + held + page_size - 1, page_size, rounding_mode="floor")
+    most = torch.div(high + held + page_size - 1, page_size, rounding_mode="floor")
     pages = torch.div(filled.sum() + page_size - 1, page_size, rounding_mode="floor")
-    to_fill = pages - torch.div(filled, page_size, rounding_mode="floor").sum()
-    order = torch.sort(partial, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    fill = chosen + (page_size - partial)
-    give_up = chosen - partial
-    fills = (partial > 0) & (rank < to_fill) & (fill <= high)
-    gives_up = (partial > 0) & ~fills & (give_up >= low)
-    return torch.where(fills, fill, torch.where(gives_up, give_up, chosen))
+    to_give = pages - fewest.sum()  # (negative: the heads' minimums alone take more)
+    # Page fewest[h] + 1 + j of head h is worth what the selection put on it: filled / page - (fewest + j), > 0 where
+    # the selection put entries on it (>= 1 when a whole page); per head it falls with j, so the best pages of the
+    # pool are each head's first ones.
+    extra = torch.arange(max_pages, device=device)
+    worth = filled.unsqueeze(1).to(torch.float64) / page_size - (fewest.unsqueeze(1) + extra)
+    usable = (worth > 0) & (fewest.unsqueeze(1) + extra < most.unsqueeze(1))
+    worth = worth.masked_fill(~usable, float("-inf")).flatten()
+    order = torch.sort(worth, descending=True, stable=True).indices
+    given = (
+        torch.empty_like(usable.flatten()).scatter_(0, order, torch.arange(worth.numel(), device=device) < to_give)
+        & usable.flatten()
+    )
+    taken = fewest + given.view_as(usable).sum(dim=1)
+    return torch.minimum(taken * page_size - held, high)
 
 
 def top_per_row(priority: Tensor, counts: Tensor) -> Tensor:
@@ -369,3 +384,42 @@ def top_per_row(priority: Tensor, counts: Tensor) -> Tensor:
         1, order, torch.arange(priority.shape[1], device=order.device).expand_as(order)
     )
     return ranks < counts.unsqueeze(1)
+
+
+def resize_rows(mask: Tensor, priority: Tensor, counts: Tensor) -> Tensor:
+    """``mask`` ``[H, n]`` with row h holding ``counts[h]`` entries: a row with more gives up its lowest-``priority``
+    entries (ties: the later first), one with fewer takes its best others (ties: the earlier first), as
+    :func:`top_per_row` breaks ties, so a mask that is each row's top entries stays so. The counts must be within
+    what each row can give or take (the page alignment's ``low`` and ``high``: forced entries at +inf priority
+    are never given up).
+
+    Each side is cut at its row's ``counts``-th value from a ``topk`` as wide as the largest change: on a CPU that
+    width is read back (no wait there), elsewhere it is the row (one sort's work, no synchronisation)."""
+    have = torch.count_nonzero(mask, dim=1)
+    take, give = (counts - have).clamp_min(0), (have - counts).clamp_min(0)
+    on_cpu = mask.device.type == "cpu"
+    width = mask.shape[1]
+    most_taken, most_given = (int(take.max()), int(give.max())) if on_cpu and width else (width, width)
+    taken = _first_per_row(priority.masked_fill(mask, float("-inf")), take, most_taken, largest=True)
+    given = _first_per_row(priority.masked_fill(~mask, float("inf")), give, most_given, largest=False)
+    return (mask & ~given) | taken
+
+
+def _first_per_row(priority: Tensor, counts: Tensor, most: int, largest: bool) -> Tensor:
+    """``[H, n]`` mask of each row's ``counts[h]`` highest (``largest``; ties: the lower index) or lowest (ties: the
+    higher index) ``priority`` entries; the entries at -inf (+inf for the lowest) are never chosen, and ``counts``
+    are no more than a row's others nor than ``most``."""
+    if most == 0:
+        return torch.zeros_like(priority, dtype=torch.bool)
+    cut = torch.topk(priority, min(most, priority.shape[1]), dim=1, largest=largest).values
+    threshold = cut.gather(1, (counts - 1).clamp_min(0).unsqueeze(1))
+    beyond = priority > threshold if largest else priority < threshold
+    ties = priority == threshold
+    room = (counts - torch.count_nonzero(beyond, dim=1)).unsqueeze(1)
+    tied = torch.count_nonzero(ties, dim=1).unsqueeze(1)
+    chosen = (counts > 0).unsqueeze(1)
+    # (a CPU skips counting the ties where no row has more than it takes)
+    if priority.device.type != "cpu" or bool(((tied > room) & chosen).any()):
+        seen = torch.cumsum(ties, dim=1) if largest else tied - torch.cumsum(ties, dim=1) + ties
+        ties = ties & (seen <= room)
+    return (beyond | ties) & chosen

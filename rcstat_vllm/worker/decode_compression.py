@@ -33,6 +33,7 @@ from rcstat_vllm.kernels.paged import host_to_device
 from rcstat_vllm.paging.compaction import blocks_needed, own_slots, page_aligned_counts, top_per_row
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
+from rcstat_vllm.paging.page_space import cdiv
 from rcstat_vllm.scoring import forced_keep_mask, get_scorer, relative_to_head_mean, select_budget
 from rcstat_vllm.settings import decode_queries, scorer_options
 from rcstat_vllm.worker.prompt_compression import triton_scoring
@@ -229,6 +230,7 @@ class DecodeCompressor:
         chosen = torch.stack([counts for _, counts, _ in budgets])  # [L, H]
         forced = torch.stack([must for _, _, must in budgets])
         keep = chosen.clone()
+        max_pages = cdiv(int((lengths - self.prompt_entries).max()), state.block_size) + 1  # (host tensors)
         for layers in state.space.pools:
             pool = list(layers)
             keep[pool] = page_aligned_counts(
@@ -237,6 +239,7 @@ class DecodeCompressor:
                 state.block_size,
                 forced[pool].flatten(),
                 has[pool].flatten(),
+                max_pages=max_pages,
             ).view(len(pool), -1)
         masks = [
             self._keep_mask(layer, lengths[layer], priority, keep[layer])

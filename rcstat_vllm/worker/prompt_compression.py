@@ -8,12 +8,14 @@ the keys in place: on CUDA through the Triton paged kernels where the method has
 otherwise by gathering the keys the scorer reads (never the values of a scorer that does not read them).
 
 Scoring and selection only queue device work: no host synchronisation per layer. The one device-to-host
-transfer is at the end of :meth:`RequestCompressor.select` (the kept counts the page bookkeeping needs).
+transfer is at the end of :meth:`RequestCompressor.select` (the kept counts the page bookkeeping needs; on a CPU,
+where reading costs no wait, the page alignment also reads how far the heads' counts move).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,13 +23,13 @@ import torch
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.kernels.rc_scoring import triton_available
 from rcstat_vllm.log import logger
-from rcstat_vllm.paging.compaction import blocks_needed, compact_request
+from rcstat_vllm.paging.compaction import blocks_needed, compact_request, page_aligned_counts, resize_rows
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
 from rcstat_vllm.paging.page_space import PageSpace, cdiv
 from rcstat_vllm.reports import CompressionReport
 from rcstat_vllm.scoring import PagedPrompt, get_scorer
-from rcstat_vllm.scoring.selection import head_consensus, select_keep_masks
+from rcstat_vllm.scoring.selection import forced_keep_mask, head_consensus, select_keep_masks
 from rcstat_vllm.settings import RequestSettings, scorer_options, window_queries
 from rcstat_vllm.worker.step import BatchRequest
 
@@ -136,19 +138,60 @@ def deferred_keep_blocks(
     scoring, so its scoring can wait until the scheduler needs its blocks (a request that never meets pressure is
     never scored). The budget fixes how many entries are kept (:func:`select_budget`: ``T - round(ratio * T)`` of the
     ``T`` entries the request computed, or the window and sinks if more, give or take one per layer of rounding);
-    only their spread over the heads is unknown, and each head rounds up to whole pages at most once. None where
-    nothing bounds it before scoring: threshold mode, eager eviction, pages per layer."""
+    only their spread over the heads is unknown, and selection packs any spread into the same pages, under one
+    more (:func:`page_aligned_masks`). None where nothing bounds it before scoring: threshold mode, eager eviction,
+    pages per layer."""
     if config.eviction != "lazy" or not config.budget_mode or not space.is_pooled:
         return None
     block_size = space.block_size
     heads = num_layers * space.num_heads
     own = num_tokens - shared_blocks * block_size
     total = heads * own
-    forced = heads * min(own, config.window + max(config.sink_tokens - shared_blocks * block_size, 0))
-    kept = min(max(total - round(config.target_ratio * total) + num_layers, forced), total)  # type: ignore[operator]
-    # sum over heads of ceil((k + to_boundary) / N) <= (sum of k + heads * (to_boundary + N - 1)) / N
-    pages = (kept + heads * (-num_tokens % block_size + block_size - 1)) // block_size
+    forced = min(own, config.window + max(config.sink_tokens - shared_blocks * block_size, 0))  # per head
+    kept = min(max(total - round(config.target_ratio * total) + num_layers, heads * forced), total)  # type: ignore[operator]
+    # Selection moves the heads' counts to page boundaries (page_aligned_counts): the pages the kept entries and
+    # each head's slots to vLLM's next block fill packed together, or, if more, each head's fewest pages.
+    to_boundary = -num_tokens % block_size
+    pages = max(cdiv(kept + heads * to_boundary, block_size), heads * cdiv(forced + to_boundary, block_size))
     return shared_blocks + min(cdiv(pages, heads), cdiv(num_tokens, block_size) - shared_blocks)
+
+
+def page_aligned_masks(
+    masks: list[torch.Tensor],
+    scores: list[torch.Tensor],
+    config: RCStatConfig,
+    num_tokens: int,
+    page_size: int,
+    pools: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
+    """A selection's per-layer ``[H, n]`` masks with each head's count moved to a page boundary over each page pool's
+    heads (``pools``: lists of layers, every layer in one when pooled: :func:`page_aligned_counts`), each head giving
+    up its lowest-scored kept entries or taking its best others (:func:`resize_rows`): uneven counts would each
+    leave a partial page, about half a block a request. ``scores`` are the selection's, ``config`` its window and
+    sinks (of the request's own tokens, after any shared blocks); ``num_tokens`` the request's, whose last page
+    keeps room for the tokens to vLLM's next block."""
+    stacked = torch.stack(masks)  # [L, H, n]
+    num_layers, num_heads, width = stacked.shape
+    flat_scores = torch.stack(scores).view(num_layers * num_heads, width)
+    forced = forced_keep_mask(flat_scores, config.window, config.sink_tokens)
+    priority = flat_scores.masked_fill(forced, float("inf"))  # (a head's order: its scores' own dtype suffices)
+    chosen = torch.count_nonzero(stacked, dim=2)
+    low = torch.count_nonzero(forced, dim=1).view(num_layers, num_heads)
+    held = torch.full_like(chosen, -num_tokens % page_size)
+    high = torch.full_like(chosen, width)
+    keep = chosen.clone()
+    for layers in pools:
+        pool = list(layers)
+        keep[pool] = page_aligned_counts(
+            chosen[pool].flatten(),
+            held[pool].flatten(),
+            page_size,
+            low[pool].flatten(),
+            high[pool].flatten(),
+            max_pages=cdiv(width, page_size) + 1,
+        ).view(len(pool), num_heads)
+    aligned = resize_rows(stacked.view(num_layers * num_heads, width), priority, keep.flatten())
+    return list(aligned.view(num_layers, num_heads, width).unbind(0))
 
 
 class RequestCompressor:
@@ -309,7 +352,15 @@ class RequestCompressor:
         self.block_size, self.pooled_pages = space.block_size, space.is_pooled
         shared = self.shared_blocks * space.block_size
         config = dataclasses.replace(self.config, sink_tokens=max(self.config.sink_tokens - shared, 0))
-        own = select_keep_masks([scores[:, shared:] for scores in self.scores], config)  # type: ignore[index]
+        own_scores = [scores[:, shared:] for scores in self.scores]  # type: ignore[index]
+        own = page_aligned_masks(
+            select_keep_masks(own_scores, config),
+            own_scores,
+            config,
+            self.decision.num_tokens,
+            space.block_size,
+            space.pools,
+        )
         self.masks = [torch.nn.functional.pad(mask, (shared, 0), value=True) for mask in own]
         kept = torch.stack([mask.sum(dim=1) for mask in self.masks])  # [L, H]
         self.num_kv_heads = kept.shape[1]
