@@ -283,21 +283,21 @@ def test_page_aligned_counts_take_the_fewest_pages_the_entries_fill():
     assert got.tolist() == [29, 29, 13, 13, 45, 29]
     assert pages(chosen) == 14 and pages(got) == 11 == -(-int((chosen + held).sum()) // page)
     assert 0 <= int(got.sum()) - int(chosen.sum()) < page
-    # Head 3 must keep 14: with its 3 held slots that is two pages, which it fills; the page head 0's partial page
-    # would have filled is that one, so head 0 gives its partial page up. Head 0 can fill at most 24 entries: where
-    # it does fill (the next case), it keeps them all.
+    # Head 3 must keep 14: with its 3 held slots that is two pages, more than its 16 entries fill: it keeps and fills
+    # them; the other heads' 150 entries fill 10 pages, as before. Head 0 can fill at most 24 entries: where it
+    # fills its page (the next case), it keeps them all.
     got = page_aligned_counts(chosen, held, page, torch.tensor([4, 4, 8, 14, 4, 4]), high, max_pages=8)
-    assert got.tolist() == [13, 29, 13, 29, 45, 29] and pages(got) == 11
+    assert got.tolist() == [29, 29, 13, 29, 45, 29] and pages(got) == 12
     got = page_aligned_counts(chosen, held, page, low, torch.tensor([24] + [100] * 5), max_pages=8)
     assert got.tolist() == [24, 29, 13, 13, 45, 29] and pages(got) == 11
     # Nothing to move: every head on a boundary already.
     aligned = torch.tensor([13, 29, 13])
     assert torch.equal(page_aligned_counts(aligned, held[:3], page, low[:3], high[:3], max_pages=8), aligned)
-    # Minimums above the selection's packed pages: three heads must keep 18 entries (two pages each) where the
-    # selection's 118 entries fill 8 pages; the fourth head gives up two whole pages, all the heads' pages full.
+    # Heads held at their minimum: three heads must keep 18 entries, two pages each, which they fill; the fourth head
+    # keeps its four pages (it gives none of them to the others' spare slots).
     chosen, held = torch.tensor([18, 18, 18, 64]), torch.zeros(4, dtype=torch.int64)
     got = page_aligned_counts(chosen, held, page, torch.tensor([18, 18, 18, 4]), torch.full((4,), 100), max_pages=8)
-    assert got.tolist() == [32, 32, 32, 32] and int(got.sum()) // page == 8 == -(-118 // page)
+    assert got.tolist() == [32, 32, 32, 64]
 
 
 def test_resize_rows_gives_up_the_lowest_and_takes_the_best():
@@ -325,7 +325,8 @@ def test_a_prompts_page_aligned_masks_fill_every_page_with_each_heads_best(poole
     """The prompt's selection moved to page boundaries (what RequestCompressor.select keeps): every head fills the
     pages it takes (with its slots to vLLM's next block), the heads of a pool take the pages the selection's entries
     fill packed together (or, where more, each head's fewest for its window and sinks), keep at least the selection's
-    entries and under a page more per pool, every forced entry, and each head's best entries at its count."""
+    entries (under a page more over a pool's heads not held at their minimum: those keep and fill their fewest
+    pages), every forced entry, and each head's best entries at its count."""
     from rcstat_vllm.config import RCStatConfig
     from rcstat_vllm.scoring.selection import select_keep_masks
     from rcstat_vllm.worker.prompt_compression import page_aligned_masks
@@ -344,12 +345,14 @@ def test_a_prompts_page_aligned_masks_fill_every_page_with_each_heads_best(poole
     forced = torch.stack([forced_keep_mask(s, config.window, config.sink_tokens) for s in scores])
     assert (got | ~forced).all()
     fewest = (forced.sum(dim=2) + held + page - 1) // page
+    held_up = fewest * page > before + held  # heads whose window and sinks take more pages than their selection
     for pool in pools:
         pages = int((counts[pool] + held).sum()) // page
-        packed = -(-int((before[pool] + held).sum()) // page)
-        assert pages == max(packed, int(fewest[pool].sum()))
-        if pages == packed:
-            assert 0 <= int(counts[pool].sum() - before[pool].sum()) < page
+        packed = -(-int((before[pool] + held)[~held_up[pool]].sum()) // page)
+        assert pages == packed + int(fewest[pool][held_up[pool]].sum())
+        assert torch.equal(counts[pool][held_up[pool]], (fewest * page - held)[pool][held_up[pool]])
+        kept_more = counts[pool][~held_up[pool]].sum() - before[pool][~held_up[pool]].sum()
+        assert 0 <= int(kept_more) < page
     priority = torch.stack(scores).to(torch.float64).masked_fill(forced, float("inf")).view(layers * heads, n)
     assert torch.equal(got.view(layers * heads, n), top_per_row(priority, counts.flatten()))
 

@@ -138,9 +138,9 @@ def deferred_keep_blocks(
     scoring, so its scoring can wait until the scheduler needs its blocks (a request that never meets pressure is
     never scored). The budget fixes how many entries are kept (:func:`select_budget`: ``T - round(ratio * T)`` of the
     ``T`` entries the request computed, or the window and sinks if more, give or take one per layer of rounding);
-    only their spread over the heads is unknown, and selection packs any spread into the same pages, under one
-    more (:func:`page_aligned_masks`). None where nothing bounds it before scoring: threshold mode, eager eviction,
-    pages per layer."""
+    only their spread over the heads is unknown: selection packs the entries of the heads above their minimum
+    (:func:`page_aligned_masks`), and the bound takes as many heads held at their minimum as the budget allows.
+    None where nothing bounds it before scoring: threshold mode, eager eviction, pages per layer."""
     if config.eviction != "lazy" or not config.budget_mode or not space.is_pooled:
         return None
     block_size = space.block_size
@@ -149,10 +149,17 @@ def deferred_keep_blocks(
     total = heads * own
     forced = min(own, config.window + max(config.sink_tokens - shared_blocks * block_size, 0))  # per head
     kept = min(max(total - round(config.target_ratio * total) + num_layers, heads * forced), total)  # type: ignore[operator]
-    # Selection moves the heads' counts to page boundaries (page_aligned_counts): the pages the kept entries and
-    # each head's slots to vLLM's next block fill packed together, or, if more, each head's fewest pages.
+    # Selection moves the heads' counts to page boundaries (page_aligned_counts): a head held at its minimum keeps
+    # its fewest pages (those of its window and sinks and its slots to vLLM's next block), the others' entries and
+    # slots are packed. The pages grow with the heads held at their minimum (each holds fewer entries than its
+    # pages could), so the bound takes as many as the budget allows: each holding all its pages can without a
+    # whole one more (``held_most``), the others every token; counted as holding the minimum.
     to_boundary = -num_tokens % block_size
-    pages = max(cdiv(kept + heads * to_boundary, block_size), heads * cdiv(forced + to_boundary, block_size))
+    fewest = cdiv(forced + to_boundary, block_size)
+    held_most = fewest * block_size - to_boundary - 1
+    held_up = heads if own <= held_most else min(heads, (total - kept) // (own - held_most))
+    rest = max(kept - held_up * forced, 0) + (heads - held_up) * to_boundary
+    pages = held_up * fewest + cdiv(rest, block_size)
     return shared_blocks + min(cdiv(pages, heads), cdiv(num_tokens, block_size) - shared_blocks)
 
 
