@@ -49,6 +49,7 @@ def main(mode: str) -> None:
                 "tokens": list(out[0].outputs[0].token_ids),
                 "compression_ratio": result.get("compression_ratio"),
                 "blocks_freed": result.get("blocks_freed"),
+                "block_size": result.get("block_size"),
                 "skipped_reason": result.get("skipped_reason", "no result"),
             }
         ),

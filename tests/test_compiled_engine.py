@@ -34,6 +34,7 @@ def test_the_flag_under_vllms_default_compilation_compacts_and_generates_as_eage
     assert eager["compilation_mode"] == 0 and compiled["compilation_mode"] != 0  # (vLLM-CPU: 2, DYNAMO_TRACE_ONCE)
     for result in (eager, compiled):
         assert result["skipped_reason"] is None and result["blocks_freed"] > 0
-        assert result["compression_ratio"] == pytest.approx(0.4, abs=1e-3)
+        # the bare flag's 0.4 of the 900 tokens' entries, less what page alignment keeps: each head within a page
+        assert 0.4 - result["block_size"] / 900 < result["compression_ratio"] <= 0.4 + 1e-9
     assert compiled["blocks_freed"] == eager["blocks_freed"]
     assert compiled["tokens"] == eager["tokens"]
