@@ -226,11 +226,12 @@ class DecodeCompressor:
         # Each head's count moved to a page boundary, over each page pool's heads at once (all layers' when pooled):
         # the pages the budget's counts fill packed together, where uneven heads would each leave a partial page.
         held = host_to_device(own_slots(self.prompt_entries, num_tokens, state.block_size, state.shared_blocks), device)
-        has = host_to_device(lengths - self.prompt_entries, device)
+        generated = lengths - self.prompt_entries  # (host tensors)
+        has = host_to_device(generated, device)
         chosen = torch.stack([counts for _, counts, _ in budgets])  # [L, H]
         forced = torch.stack([must for _, _, must in budgets])
         keep = chosen.clone()
-        max_pages = cdiv(int((lengths - self.prompt_entries).max()), state.block_size) + 1  # (host tensors)
+        max_pages = cdiv(int(generated.max()), state.block_size) + 1
         for layers in state.space.pools:
             pool = list(layers)
             keep[pool] = page_aligned_counts(
