@@ -10,7 +10,7 @@ mode at the ratio RC's threshold mode achieved on the same prompt (filled in per
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 BASELINES = ("snapkv", "tova", "knorm", "streaming", "random")
 #: The defaults' later changes, each undone (suffix -> (override, in words)): carry0, RCStat's scores not carried
@@ -59,15 +59,21 @@ class Setting:
     #: model-wide budgets: how layers' scores are made comparable (benchmarks/layer_budgets.LAYER_COMPARABLE_SCORES;
     #: None = the plugin's choice). Benchmarks only: the served plugin always uses its own choice.
     comparable: str | None = None
+    #: the transformers reference only: each head's count moved to a page boundary of this many tokens, as the engine
+    #: moves it (``hf_reference.select_layers(page_size=...)``); None = the selection rule alone.
+    page_size: int | None = None
 
     def to_dict(self) -> dict:
-        return {
+        row = {
             "label": self.label,
             "family": self.family,
             "rcstat": dict(self.rcstat),
             "matched_to": self.matched_to,
             "comparable": self.comparable,
         }
+        if self.page_size:
+            row["page_size"] = self.page_size
+        return row
 
 
 def rc_label(c: float) -> str:
@@ -284,6 +290,20 @@ def resolve(setting: Setting, rc_ratios: dict[str, float]) -> dict:
     ratio = rc_ratios[setting.matched_to]
     # The plugin accepts target_ratio in [0, 1); RC never evicts the window, so its ratio is < 1.
     return {**setting.rcstat, "target_ratio": min(max(float(ratio), 0.0), 0.999)}
+
+
+def page_alignment_settings(ratios=(0.8, 0.9), baselines=("tova", "snapkv"), page_size: int = 32) -> list[Setting]:
+    """The full cache, the bare flag, RC with the defaults at each ratio and the baselines at kvpress's windows (as
+    the cliff ablation runs them), each twice: the selection rule alone, and with each head's count moved to a page
+    boundary as the engine moves it (labels ``<label>_page<N>``): what page alignment costs in quality, prompt by
+    prompt, with the same scores."""
+    chosen = [Setting("default", "default", {})]
+    chosen += [Setting(f"rc_r{r:g}", "rc_defaults", {"method": "rc", "target_ratio": float(r)}) for r in ratios]
+    chosen += [s for s in cliff_ablation_settings(ratios, variants=(), baselines=baselines) if s.family != "full"]
+    settings = [Setting("full", "full", {"method": "none"})]
+    for s in chosen:
+        settings += [s, replace(s, label=f"{s.label}_page{page_size}", page_size=page_size)]
+    return settings
 
 
 def budget_scope_settings(

@@ -19,6 +19,7 @@ total prompt KV entries over all layers and KV heads.
     python benchmarks/quality.py                       # default, writes benchmarks/results/quality_cpu.json
     python benchmarks/quality.py --quick --json /tmp/q.json
     python benchmarks/quality.py --budget-scope-study  # per-layer vs model-wide budgets (how layers compare)
+    python benchmarks/quality.py --page-alignment-study  # each keep set alone and on the engine's page boundaries
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def evaluate_sample(
                 key = (config.method, window_queries(config), tuple(sorted(scorer_options(config).items())))
                 if key not in scores_cache:
                     scores_cache[key] = ref_lib.score_layers(prefill, config)
-                keep = ref_lib.select_layers(scores_cache[key], config, setting.comparable)
+                keep = ref_lib.select_layers(scores_cache[key], config, setting.comparable, page_size=setting.page_size)
                 masks, kept, ratio = keep.masks, keep.kept, keep.ratio
         logits, attn = ref.decode(prefill, generated, masks, all_layers=True)
         err = ref_lib.value_error(attn_full, attn)  # [L, T, Hq]
@@ -172,8 +173,27 @@ def summarize(samples: list[dict], settings: list[methods.Setting]) -> dict:
                 "ratio": statistics.fmean(r["ratio"] for r in task_rows),
                 "ver": statistics.fmean(r["ver"] for r in task_rows),
             }
+        if setting.page_size:
+            entry["vs_rule_alone"] = paired_difference(samples, setting.label.rsplit("_page", 1)[0], setting.label)
         summary[setting.label] = entry
     return summary
+
+
+def paired_difference(samples: list[dict], before: str, after: str) -> dict:
+    """``after`` minus ``before`` prompt by prompt (the same prompts, scores and generated tokens): mean differences
+    of VER, top-1 agreement and the achieved ratio, and on how many prompts VER rose or fell."""
+    pairs = [(s["settings"][before], s["settings"][after]) for s in samples if after in s["settings"]]
+    ver = [b["ver"] - a["ver"] for a, b in pairs]
+    return {
+        "of": before,
+        "n": len(pairs),
+        "ver_diff": statistics.fmean(ver),
+        "ver_all_layers_diff": statistics.fmean(b["ver_all_layers"] - a["ver_all_layers"] for a, b in pairs),
+        "top1_agree_diff": statistics.fmean(b["top1_agree"] - a["top1_agree"] for a, b in pairs),
+        "ratio_diff": statistics.fmean(b["ratio"] - a["ratio"] for a, b in pairs),
+        "prompts_ver_higher": sum(d > 0 for d in ver),
+        "prompts_ver_lower": sum(d < 0 for d in ver),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="RC budget per layer vs model-wide, with each way of comparing layers' scores "
         "(default output benchmarks/results/quality_budget_scope_cpu.json)",
+    )
+    parser.add_argument(
+        "--page-alignment-study",
+        action="store_true",
+        help="the bare flag, RC at --ratios (default 0.8 0.9), TOVA and SnapKV, each with the selection rule alone "
+        "and page-aligned as the engine aligns it (--page-size); default output "
+        "benchmarks/results/quality_page_alignment_cpu.json",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=32,
+        help="--page-alignment-study: tokens per head page (the engine's block size)",
     )
     methods.add_cliff_arguments(parser, "quality_cliff_cpu.json")
     parser.add_argument(
@@ -232,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.budget_scope_study:
         settings = methods.budget_scope_settings(ratios=tuple(args.ratios or (0.5, 0.8)))
         default_name = "quality_budget_scope_cpu.json"
+    elif args.page_alignment_study:
+        settings = methods.page_alignment_settings(ratios=tuple(args.ratios or (0.8, 0.9)), page_size=args.page_size)
+        default_name = "quality_page_alignment_cpu.json"
     else:
         settings = methods.build_settings(baselines=tuple(args.baselines), **sp)
         default_name = "quality_cpu_quick.json" if args.quick else "quality_cpu.json"

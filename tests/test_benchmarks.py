@@ -176,6 +176,44 @@ def test_ver_is_zero_for_the_full_cache_and_positive_when_only_the_window_is_kep
     assert hf_reference.value_error(full, evicted).mean().item() > 0.01
 
 
+def test_quality_page_alignment_study_pairs_each_setting_with_its_engine_pages(tiny_reference):
+    """quality.py --page-alignment-study: every setting twice, the second with each head's count on a page boundary
+    (the engine's keep sets, from the same scores), and the summary's paired difference prompt by prompt."""
+    import quality
+
+    from rcstat_vllm.config import RCStatConfig
+
+    settings = methods.page_alignment_settings(ratios=(0.8,), baselines=("tova",), page_size=8)
+    labels = [s.label for s in settings]
+    assert labels == ["full", "default", "default_page8", "rc_r0.8", "rc_r0.8_page8", "tova_r0.8", "tova_r0.8_page8"]
+    assert all(s.page_size == (8 if s.label.endswith("_page8") else None) for s in settings)
+    assert settings[2].to_dict()["page_size"] == 8 and "page_size" not in settings[1].to_dict()
+
+    ids = torch.randint(3, 96, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    row = quality.evaluate_sample(tiny_reference, ids, settings, max_new_tokens=6)
+    prefill = tiny_reference.prefill(ids)
+    for label in ("rc_r0.8", "tova_r0.8"):
+        setting = next(s for s in settings if s.label == label)
+        config = RCStatConfig.from_dict(setting.rcstat)
+        scores = hf_reference.score_layers(prefill, config)
+        alone = hf_reference.select_layers(scores, config)
+        paged = hf_reference.select_layers(scores, config, page_size=8)
+        assert row["settings"][label]["ratio"] == pytest.approx(alone.ratio)
+        assert row["settings"][f"{label}_page8"]["ratio"] == pytest.approx(paged.ratio)
+        assert all(count % 8 == 0 for layer in paged.kept for count in layer)
+        low, high = row["settings"][f"{label}_page8"]["kept_per_head_min_max"]
+        assert low % 8 == 0 and high % 8 == 0
+
+    row.update(sample_id="x", task="niah_single")
+    summary = quality.summarize([row], settings)
+    paired = summary["rc_r0.8_page8"]["vs_rule_alone"]
+    assert paired["of"] == "rc_r0.8" and paired["n"] == 1
+    ver_diff = row["settings"]["rc_r0.8_page8"]["ver"] - row["settings"]["rc_r0.8"]["ver"]
+    assert paired["ver_diff"] == pytest.approx(ver_diff)
+    assert paired["prompts_ver_higher"] == (ver_diff > 0) and paired["prompts_ver_lower"] == (ver_diff < 0)
+    assert "vs_rule_alone" not in summary["rc_r0.8"]
+
+
 def test_masked_decode_matches_plain_eager_attention(tiny_reference):
     """With no eviction, the reference's decode equals transformers' own eager forward over the sequence."""
     import copy
