@@ -300,23 +300,26 @@ def test_page_aligned_counts_take_the_fewest_pages_the_entries_fill():
     assert got.tolist() == [32, 32, 32, 64]
 
 
-def test_resize_rows_gives_up_the_lowest_and_takes_the_best():
+@pytest.mark.parametrize("read_back", [True, False], ids=["cpu_path", "device_path"])
+def test_resize_rows_gives_up_the_lowest_and_takes_the_best(read_back):
     """A row with fewer entries to keep gives up its lowest-priority ones (of equal ones the later), one with more
     takes its best others (of equal ones the earlier); forced entries (+inf) stay; a row's top entries stay its top
-    entries at the new count (resize_rows of top_per_row is top_per_row)."""
+    entries at the new count (resize_rows of top_per_row is top_per_row). Both paths: the CPU's (the cut width read
+    back) and a GPU's (the whole row, no synchronisation), on CPU tensors."""
     priority = torch.tensor(
         [[5.0, 1.0, 3.0, 3.0, float("inf"), 0.0], [2.0, 2.0, 2.0, 9.0, 1.0, float("inf")]], dtype=torch.float64
     )
     mask = torch.tensor([[1, 0, 1, 1, 1, 0], [0, 0, 1, 1, 0, 1]], dtype=torch.bool)
-    got = resize_rows(mask, priority, torch.tensor([2, 5]))
+    got = resize_rows(mask, priority, torch.tensor([2, 5]), read_back=read_back)
     assert got.int().tolist() == [[1, 0, 0, 0, 1, 0], [1, 1, 1, 1, 0, 1]]
-    got = resize_rows(mask, priority, torch.tensor([3, 3]))
+    got = resize_rows(mask, priority, torch.tensor([3, 3]), read_back=read_back)
     assert got.int().tolist() == [[1, 0, 1, 0, 1, 0], [0, 0, 1, 1, 0, 1]]
     g = torch.Generator().manual_seed(5)
     scores = torch.randint(0, 4, (6, 50), generator=g).to(torch.float64)  # many ties
     counts = torch.randint(0, 51, (6,), generator=g)
     for new in (torch.randint(0, 51, (6,), generator=g), counts):
-        assert torch.equal(resize_rows(top_per_row(scores, counts), scores, new), top_per_row(scores, new))
+        got = resize_rows(top_per_row(scores, counts), scores, new, read_back=read_back)
+        assert torch.equal(got, top_per_row(scores, new))
 
 
 @pytest.mark.parametrize("pooled", [True, False])

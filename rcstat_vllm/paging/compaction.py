@@ -391,29 +391,31 @@ def top_per_row(priority: Tensor, counts: Tensor) -> Tensor:
     return ranks < counts.unsqueeze(1)
 
 
-def resize_rows(mask: Tensor, priority: Tensor, counts: Tensor) -> Tensor:
+def resize_rows(mask: Tensor, priority: Tensor, counts: Tensor, read_back: bool | None = None) -> Tensor:
     """``mask`` ``[H, n]`` with row h holding ``counts[h]`` entries: a row with more gives up its lowest-``priority``
     entries (ties: the later first), one with fewer takes its best others (ties: the earlier first), as
     :func:`top_per_row` breaks ties, so a mask that is each row's top entries stays so. The counts must be within
     what each row can give or take (the page alignment's ``low`` and ``high``: forced entries at +inf priority
     are never given up).
 
-    Each side is cut at its row's ``counts``-th value from a ``topk`` as wide as the largest change: on a CPU that
-    width is read back (no wait there), elsewhere it is the row (one sort's work, no synchronisation)."""
+    Each side is cut at its row's ``counts``-th value from a ``topk`` as wide as the largest change: where
+    ``read_back`` (default: on a CPU, where reading costs no wait) that width is read back, else it is the row (one
+    sort's work, no synchronisation: the path a GPU takes, which the tests run on CPU tensors)."""
+    if read_back is None:
+        read_back = mask.device.type == "cpu"
     have = torch.count_nonzero(mask, dim=1)
     take, give = (counts - have).clamp_min(0), (have - counts).clamp_min(0)
-    on_cpu = mask.device.type == "cpu"
     width = mask.shape[1]
-    most_taken, most_given = (int(take.max()), int(give.max())) if on_cpu and width else (width, width)
-    taken = _first_per_row(priority.masked_fill(mask, float("-inf")), take, most_taken, largest=True)
-    given = _first_per_row(priority.masked_fill(~mask, float("inf")), give, most_given, largest=False)
+    most_taken, most_given = (int(take.max()), int(give.max())) if read_back and width else (width, width)
+    taken = _first_per_row(priority.masked_fill(mask, float("-inf")), take, most_taken, True, read_back)
+    given = _first_per_row(priority.masked_fill(~mask, float("inf")), give, most_given, False, read_back)
     return (mask & ~given) | taken
 
 
-def _first_per_row(priority: Tensor, counts: Tensor, most: int, largest: bool) -> Tensor:
+def _first_per_row(priority: Tensor, counts: Tensor, most: int, largest: bool, read_back: bool) -> Tensor:
     """``[H, n]`` mask of each row's ``counts[h]`` highest (``largest``; ties: the lower index) or lowest (ties: the
     higher index) ``priority`` entries; the entries at -inf (+inf for the lowest) are never chosen, and ``counts``
-    are no more than a row's others nor than ``most``."""
+    are no more than a row's others nor than ``most``. ``read_back``: see :func:`resize_rows`."""
     if most == 0:
         return torch.zeros_like(priority, dtype=torch.bool)
     cut = torch.topk(priority, min(most, priority.shape[1]), dim=1, largest=largest).values
@@ -423,8 +425,8 @@ def _first_per_row(priority: Tensor, counts: Tensor, most: int, largest: bool) -
     room = (counts - torch.count_nonzero(beyond, dim=1)).unsqueeze(1)
     tied = torch.count_nonzero(ties, dim=1).unsqueeze(1)
     chosen = (counts > 0).unsqueeze(1)
-    # (a CPU skips counting the ties where no row has more than it takes)
-    if priority.device.type != "cpu" or bool(((tied > room) & chosen).any()):
+    # (reading back, the ties are counted only where a row has more than it takes)
+    if not read_back or bool(((tied > room) & chosen).any()):
         seen = torch.cumsum(ties, dim=1) if largest else tied - torch.cumsum(ties, dim=1) + ties
         ties = ties & (seen <= room)
     return (beyond | ties) & chosen
