@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from rcstat_vllm.capabilities import choose_compressed_group, decode_compression_off_reason
+from rcstat_vllm.capabilities import choose_compressed_group
 from rcstat_vllm.config import RCStatConfig, server_config
 from rcstat_vllm.engine import pressure_policy
 from rcstat_vllm.engine.block_exchange import EngineCompaction
@@ -281,7 +281,6 @@ def _init(original):
                 self.kv_cache_manager.block_pool,
                 config,
                 compressed_group(self.kv_cache_manager),
-                decode_compression_off_reason(self.vllm_config),
             )
 
     return wrapper

@@ -157,13 +157,3 @@ def engine_not_pooled_reason(vllm_config, kernel_block_size: int) -> str | None:
     if any(shares_kv_cache(layer) for layer in context.values()):
         return "some layers share another layer's KV cache"
     return None
-
-
-def decode_compression_off_reason(vllm_config) -> str | None:
-    """Why this engine ignores ``decode_budget`` (decode-time compression), or None. Under asynchronous scheduling a
-    decode-time plan reaches the scheduler a step late and its copy runs two steps after it was made: the step in
-    flight between writes a token into pages the plan does not cover (a prompt's compaction carries such tokens over,
-    ``EngineCompaction.apply_reports``; a decode-time one does not yet)."""
-    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
-        return "asynchronous scheduling is on (a decode-time copy would miss the tokens of the step in flight)"
-    return None

@@ -140,7 +140,8 @@ GENERAL_KNOBS = (
         "async_scheduling",
         "off",
         "`off`: the plugin turns vLLM's asynchronous scheduling off; `keep`: as vLLM sets it (its GPU default), "
-        "compactions follow its one-step-late outputs and `decode_budget` is ignored; server only",
+        "compactions follow its one-step-late outputs, each copy carrying the tokens of the step in flight; "
+        "server only",
         kind="choice",
         choices=ASYNC_SCHEDULING,
         server_only=True,

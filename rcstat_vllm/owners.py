@@ -33,12 +33,10 @@ _ENGINE_OWNERS: weakref.WeakKeyDictionary[object, EngineCompaction] = weakref.We
 _RUNNER_OWNERS: weakref.WeakKeyDictionary[object, WorkerCompression] = weakref.WeakKeyDictionary()
 
 
-def start_engine_owner(
-    block_pool, config: RCStatConfig, group: int | None, decode_off: str | None = None
-) -> EngineCompaction:
+def start_engine_owner(block_pool, config: RCStatConfig, group: int | None) -> EngineCompaction:
     """The scheduler-side owner of the engine whose scheduler owns ``block_pool`` (``group``: the KV cache group it
-    compresses, None for none; ``decode_off``: why the engine ignores ``decode_budget``)."""
-    owner = _ENGINE_OWNERS[block_pool] = EngineCompaction(config=config, group=group, decode_off=decode_off)
+    compresses, None for none)."""
+    owner = _ENGINE_OWNERS[block_pool] = EngineCompaction(config=config, group=group)
     return owner
 
 

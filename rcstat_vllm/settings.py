@@ -5,10 +5,9 @@ no torch, no scorer, no vLLM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from rcstat_vllm.config import ConfigError, RCStatConfig, request_overrides
-from rcstat_vllm.log import logger
 from rcstat_vllm.scoring.registry import REGISTRY
 
 
@@ -34,23 +33,16 @@ class RequestSettingsTable:
     worker's) and kept until the request leaves it: a request's overrides are parsed once per process, not once per
     prefill chunk, prefix lookup or decode step. The owner drops a request when vLLM does (finished, preempted: a
     resumed request is resolved again) and when a streaming-input session's next chunk brings new parameters.
-
-    ``decode_off``: why this engine ignores ``decode_budget`` (:func:`~rcstat_vllm.capabilities.
-    decode_compression_off_reason`; said at start-up), None when it does not: both sides then see the same settings.
     """
 
-    def __init__(self, server: RCStatConfig, decode_off: str | None = None):
+    def __init__(self, server: RCStatConfig):
         self.server = server
-        self.decode_off = decode_off
         self._by_request: dict[str, RequestSettings] = {}
 
     def of(self, req_id: str, extra_args) -> RequestSettings:
         settings = self._by_request.get(req_id)
         if settings is None:
             settings = RequestSettings.resolve(extra_args, self.server)
-            if self.decode_off is not None and settings.config.decode_budget is not None:
-                logger.debug("rcstat: request %s: decode_budget ignored: %s", req_id, self.decode_off)
-                settings = RequestSettings(replace(settings.config, decode_budget=None), settings.invalid)
             self._by_request[req_id] = settings
         return settings
 

@@ -31,7 +31,7 @@ def _driver(rcstat: dict | None, **kwargs):
         dtype="float32",
         block_size=BLOCK,
         max_model_len=1024,
-        kv_cache_memory_bytes=64 << 20,
+        kv_cache_memory_bytes=kwargs.pop("kv_cache_memory_bytes", 64 << 20),
         **config,
         **kwargs,
     )
@@ -70,20 +70,44 @@ def test_an_eager_compaction_carries_the_token_of_the_step_in_flight(vanilla_out
     assert driver.free_blocks() == initial and driver.compression.num_compressed_requests == 0
 
 
-def test_lazy_eviction_under_pressure_and_decode_budget_ignored_with_a_reason():
+def test_lazy_eviction_under_pressure():
     """The defaults (lazy eviction) in a pool too small for every request: compactions under pressure with the
-    scheduler a step ahead, every block back at the end; ``decode_budget`` is ignored under asynchronous scheduling
-    (said at start-up), so no request is compacted at decode time."""
-    driver = _driver(
-        {"async_scheduling": "keep", "decode_budget": 32, "decode_interval": 32}, num_gpu_blocks_override=44
-    )
-    # (the start-up warning naming it: tests/test_worker.py; vLLM's logging config keeps it from pytest's handlers here)
-    assert driver.compression.request_settings.decode_off.startswith("asynchronous scheduling is on")
+    scheduler a step ahead, every block back at the end."""
+    driver = _driver({"async_scheduling": "keep"}, num_gpu_blocks_override=44)
     initial = driver.free_blocks()
     result = driver.run(_requests(driver, 4))
     driver.engine.step()
     assert sorted(result.outputs) == ["r0", "r1", "r2", "r3"]
     assert all(len(tokens) == OUT for tokens in result.outputs.values())
     assert driver.stats.requests_compressed >= 1  # relief compacted under pressure
-    assert driver.stats.decode_copies == 0
     assert driver.free_blocks() == initial and driver.compression.num_compressed_requests == 0
+
+
+@pytest.mark.parametrize(
+    "prompts", [{"eviction": "eager"}, {"min_prompt_len": 4096}], ids=["prompt_compacted", "prompt_whole"]
+)
+def test_decode_time_compactions_carry_the_token_of_the_step_in_flight(prompts):
+    """``decode_budget`` under asynchronous scheduling: each decode-time plan reaches the scheduler once the next step
+    was scheduled and run over the request's old pages, and its copy carries that step's token over (in the plan's
+    last block, or in the block vLLM added for it: prompts of 400 to 417 tokens put the plans on both sides of a block
+    boundary). Two compactions per request, from its head pages (its prompt compacted) or first from its own blocks
+    (its prompt kept whole: too short to compress). Two runs over caches poisoned with different values decode alike:
+    no copy left an entry it should have carried unwritten, and every block comes back."""
+    driver = _driver(
+        {"async_scheduling": "keep", "decode_budget": 32, "decode_interval": 32, **prompts},
+        kv_cache_memory_bytes=160 << 20,  # (room for every request at once)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    requests = [(f"r{n}", driver.prompt(n, offset=97 * i), params) for i, n in enumerate((400, 415, 416, 417))]
+    initial = driver.free_blocks()
+    outputs = []
+    for poison in (0.0, 30.0):
+        driver.poison_kv_cache(poison)
+        copies = driver.stats.decode_copies
+        result = driver.run(requests)
+        driver.engine.step()
+        assert all(len(tokens) == 100 for tokens in result.outputs.values())
+        assert driver.stats.decode_copies - copies == 2 * len(requests)  # at 64 and 96 generated tokens
+        assert driver.free_blocks() == initial and driver.compression.num_compressed_requests == 0
+        outputs.append(result.outputs)
+    assert outputs[0] == outputs[1]

@@ -354,21 +354,24 @@ def test_each_request_goes_through_its_phases_and_a_wrong_transition_names_it():
     assert phase("eager") is Phase.COMPACTED
 
 
-def test_an_eager_plan_arriving_a_step_late_carries_the_tokens_of_the_step_in_flight():
-    """Asynchronous scheduling: a prompt's plan arrives once the next step was scheduled (vLLM counts one more token),
-    and that step writes its token into the request's old blocks: the copy carries the tokens up to vLLM's count over,
-    as a lazy compaction carries the tokens generated before it (in the prompt's last block, or in the block vLLM added
-    for it: a tail block). Synchronous scheduling counts the prompt alone: its blocks are exchanged alone."""
-    # (prompt tokens, blocks vLLM holds for the request, tokens vLLM scheduled) -> (tokens carried, tail blocks)
+@pytest.mark.parametrize("decode", [False, True], ids=["prompt", "decode_time"])
+def test_an_eager_plan_arriving_a_step_late_carries_the_tokens_of_the_step_in_flight(decode):
+    """Asynchronous scheduling: a plan (a prompt's, or a decode-time one's at its token count) arrives once the next
+    step was scheduled (vLLM counts one more token), and that step writes its token into the request's old blocks: the
+    copy carries the tokens up to vLLM's count over, as a lazy compaction carries the tokens generated before it (in
+    the plan's last block, or in the block vLLM added for it: a tail block, for which a fresh one is taken).
+    Synchronous scheduling counts the plan's tokens alone: its blocks are exchanged alone."""
+    # (plan's tokens, blocks vLLM holds for the request, tokens vLLM scheduled) -> (tokens carried, tail blocks)
     cases = {(100, 7, 100): (0, 0), (100, 7, 101): (101, 0), (96, 7, 97): (97, 1)}  # (16-token blocks)
-    for (prompt, held, scheduled), (carried, tails) in cases.items():
+    for (tokens, held, scheduled), (carried, tails) in cases.items():
         pool = FakePool(20)
         blocks = allocate(pool, held)
         state = EngineCompaction()
-        state.apply_reports(pool, [report(2, prompt, req_id="a")], {"a": blocks}.get, {"a": scheduled}.get)
+        plan = CompressionReport("a", tokens, "rc", 2, block_size=BLOCK, decode=decode)
+        state.apply_reports(pool, [plan], {"a": blocks}.get, {"a": scheduled}.get)
         (compaction,) = queued(state)
         assert compaction.num_tokens == carried and len(compaction.tail_block_ids) == tails
-        assert len(compaction.block_ids) == 2 + tails  # the kept prompt, and the tail copied whole
+        assert len(compaction.block_ids) == 2 + tails  # the kept entries, and the tail copied whole
 
 
 def test_one_owner_per_block_pool_gone_with_its_engine():

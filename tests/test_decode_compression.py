@@ -22,10 +22,12 @@ from rcstat_vllm.paging.compaction import blocks_needed, compact_request, recomp
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CPU_VEC, FLASH
 from rcstat_vllm.paging.page_space import cdiv, identity_pages, pooled_space_or_reason
+from rcstat_vllm.reports import Compaction
 from rcstat_vllm.scoring import relative_to_head_mean, select_budget
 from rcstat_vllm.scoring.rc_knobs import RC_PAPER
 from rcstat_vllm.settings import scorer_options
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
+from rcstat_vllm.worker.jobs import DecodeJob
 
 for _name in ("_tiles_triton", "_rc_triton"):  # compiled-mode copies are reloaded, see tests/test_kernels.py
     if f"rcstat_vllm.kernels.{_name}" in sys.modules:
@@ -371,6 +373,75 @@ def test_an_uncompressed_request_is_compacted_from_its_own_blocks():
             slots = torch.arange(chosen.numel())
             got = CPU_VEC.read(space.all_layers, after.tables[layer, head, slots // BLOCK], slots % BLOCK)
             want = CPU_VEC.read(space.all_layers, space.identity(layer, row)[head, chosen // BLOCK], chosen % BLOCK)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("prompt", [100, 104], ids=["in_its_block", "starting_a_block"])
+def test_the_token_of_a_step_in_flight_is_carried_over_by_the_copy(prompt):
+    """Asynchronous scheduling: the plan reaches the scheduler once the next step was scheduled, and that step writes
+    its token into the request's head pages before the copy. The copy (``Compaction.num_tokens``) carries it over:
+    every head reads back the entries the plan chose and then that token, from the fresh blocks, which the scheduler
+    counted with a block more when the token started one (its tail block the copy's source there)."""
+    g = torch.Generator().manual_seed(6)
+    history = {}
+    caches, space, state, row, blocks = _request(g, n=prompt, history=history)
+    decode = DecodeCompressor(RCStatConfig(window=8, decode_budget=24, decode_interval=16), state.kept, prompt)
+    t = prompt + 40  # due; 144 is a multiple of the block size: the step in flight starts a new block
+    row = _decode(state, row, blocks, caches, space, prompt, t, history, g)
+    plan = _score_and_select(decode, state, caches, t, g)
+    job = DecodeJob("r", decode, state, t, CPU_VEC)
+    lengths = state.lengths(t)
+    appended = row.numel()
+    row = _decode(state, row, blocks, caches, space, t, t + 1, history, g)  # the step in flight
+    new_blocks = cdiv(t + 1, BLOCK) - cdiv(t, BLOCK)
+    assert new_blocks == (t % BLOCK == 0)
+    dest = tuple(blocks.pop() for _ in range(plan.keep_blocks + new_blocks))
+    with pytest.raises(ValueError, match="needed"):  # (the plan's blocks alone)
+        job.compact(caches, Compaction("r", dest[: plan.keep_blocks - 1], num_tokens=t + 1), space)
+    compaction = Compaction("r", dest, num_tokens=t + 1, tail_block_ids=tuple(row[appended:].tolist()))
+    after = job.compact(caches, compaction, space)
+    assert after.lengths(t + 1).tolist() == (plan.kept + 1).tolist()
+    history = {
+        (layer, head): [e for e, kept in zip(entries, plan.masks[layer][head].tolist()) if kept]
+        + entries[int(lengths[layer, head]) :]
+        for (layer, head), entries in history.items()
+    }
+    _assert_entries(space, after, caches, t + 1, history)
+    after.reserve(cdiv(t + 1, BLOCK) * BLOCK)  # pages up to vLLM's next block
+    assert decode.compactions == 1 and decode.next_due == t + 16
+
+
+def test_a_step_in_flight_over_an_uncompressed_request_is_carried_over_from_its_new_block():
+    """The same over a request whose prompt stayed whole: the plan's source is its own blocks, and the token of the
+    step in flight starts a new block (vLLM's own write, at its identity pages), which the copy reads as the tail."""
+    g = torch.Generator().manual_seed(7)
+    backing = torch.randn(LAYERS * BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g)
+    caches = list(backing.view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM).unbind(0))
+    space, _ = pooled_space_or_reason(caches, HEADS, BLOCK)
+    prompt, t = 24, 24 + 40
+    free = (torch.randperm(BLOCKS - 1, generator=g) + 1).tolist()
+    row = torch.tensor([free.pop() for _ in range(cdiv(t, BLOCK))])
+    decode = DecodeCompressor(
+        RCStatConfig(window=8, decode_budget=24, decode_interval=16), torch.full((LAYERS, HEADS), prompt), prompt
+    )
+    source = CompactedRequest.uncompressed(t, space, row, shared_blocks=prompt // BLOCK)
+    plan = _score_and_select(decode, source, caches, t, g)
+    job = DecodeJob("r", decode, source, t, CPU_VEC, own_blocks=row)
+    tail = free.pop()  # the step in flight: vLLM appends a block for token t and writes it there
+    for layer in range(LAYERS):
+        key, value = torch.randn(1, HEADS, DIM, generator=g), torch.randn(1, HEADS, DIM, generator=g)
+        pages = space.identity(layer, torch.tensor([tail]))[:, 0].unsqueeze(0)  # [1, H]
+        CPU_VEC.write(space.cache(layer, caches[layer]), pages, torch.zeros_like(pages), key, value)
+    dest = tuple(free.pop() for _ in range(plan.keep_blocks - prompt // BLOCK + 1))
+    after = job.compact(caches, Compaction("r", dest, num_tokens=t + 1, tail_block_ids=(tail,)), space)
+    blocks = torch.cat([row, torch.tensor([tail])])
+    tokens = torch.arange(t + 1)
+    for layer in range(LAYERS):
+        for head in range(HEADS):
+            chosen = torch.cat([tokens[:t][plan.masks[layer][head][:t]], torch.tensor([t])])
+            slots = torch.arange(chosen.numel())
+            got = CPU_VEC.read(space.all_layers, after.tables[layer, head, slots // BLOCK], slots % BLOCK)
+            want = CPU_VEC.read(space.all_layers, space.identity(layer, blocks)[head, chosen // BLOCK], chosen % BLOCK)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -190,23 +190,16 @@ def test_a_prefix_hit_never_reaches_past_the_prompt_of_a_request_resumed_after_p
     assert num_hit == 480 == (512 - 32) // 16 * 16 and len(blocks.blocks[0]) == 30
 
 
-def test_decode_budget_is_ignored_under_asynchronous_scheduling_on_both_sides_said_once(caplog):
-    """A decode-time plan's copy would run two steps after it under asynchronous scheduling and miss the tokens of the
-    step in flight: the engine ignores ``decode_budget`` (server flag or request override), the worker says so at
-    start-up, and the scheduler side resolves the same settings (its decode-time forecast counts on none)."""
-    from rcstat_vllm.capabilities import decode_compression_off_reason
+def test_decode_budget_holds_under_asynchronous_scheduling_on_both_sides():
+    """A decode-time copy carries the tokens of the step in flight (tests/test_async_scheduling_vllm.py), so under
+    asynchronous scheduling both sides resolve ``decode_budget`` as given (server flag or request override)."""
     from rcstat_vllm.engine.block_exchange import EngineCompaction
 
     config = _config({"method": "rc", "decode_budget": 64})
     config.scheduler_config.async_scheduling = True
     owner = WorkerCompression(config)
-    assert "decode_budget is ignored: asynchronous scheduling is on" in caplog.text
-    reason = decode_compression_off_reason(config)
-    engine = EngineCompaction(config=owner.config, decode_off=reason)
+    engine = EngineCompaction(config=owner.config)
     override = {"rcstat": {"decode_budget": 128}}
     for table in (owner.request_settings, engine._settings):
-        assert table.of("a", None).config.decode_budget is None
-        assert table.of("b", override).config.decode_budget is None and table.of("b", override).invalid is None
-    config.scheduler_config.async_scheduling = False
-    assert decode_compression_off_reason(config) is None
-    assert WorkerCompression(config).request_settings.of("a", None).config.decode_budget == 64
+        assert table.of("a", None).config.decode_budget == 64
+        assert table.of("b", override).config.decode_budget == 128

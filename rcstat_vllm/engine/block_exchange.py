@@ -148,8 +148,6 @@ class EngineCompaction:
     #: the KV cache group whose block lists compaction swaps (a hybrid model's full-attention group; None: no group
     #: is compressed and the hooks pass through)
     group: int | None = 0
-    #: why the engine ignores ``decode_budget`` (asynchronous scheduling), None when it does not
-    decode_off: str | None = None
     stats: CompressionStats = field(default_factory=CompressionStats)
     requests: EngineRequests = field(default_factory=EngineRequests)
     #: decode-time compactions brought forward when the pool is about to run short (over the same table)
@@ -163,7 +161,7 @@ class EngineCompaction:
 
     def __post_init__(self) -> None:
         self.decode_pressure = DecodePressure(self.requests)
-        self._settings = RequestSettingsTable(self.config, self.decode_off)
+        self._settings = RequestSettingsTable(self.config)
 
     def settings_of(self, req_id: str, extra_args) -> RequestSettings:
         """The request's settings over the server's flag, parsed the first time the scheduler side asks (a prefix
@@ -236,8 +234,8 @@ class EngineCompaction:
         ``running_tokens(req_id)``: the tokens vLLM has scheduled for the request so far. Under asynchronous
         scheduling a step scheduled before this report arrived is in flight: it writes its tokens into the request's
         old blocks, and the copy (sent with the next schedule, run before its forward) carries them over, as a lazy
-        compaction carries the tokens generated before it. Without it (or when it counts only the prompt) the
-        prompt's blocks are exchanged alone."""
+        compaction carries the tokens generated before it; a decode-time plan's too. Without it (or when it counts
+        only the plan's tokens) the plan's blocks are exchanged alone."""
         for report in reports:
             if report.skipped_reason is None:
                 blocks = running_blocks(report.req_id)
@@ -247,7 +245,7 @@ class EngineCompaction:
                     self.requests.park(report.req_id, report)
                     self.stats.observe_planned()
                     continue
-                num_tokens = 0 if running_tokens is None or report.decode else running_tokens(report.req_id)
+                num_tokens = 0 if running_tokens is None else running_tokens(report.req_id)
                 self._compact(pool, report, blocks, num_tokens)
             else:
                 self.stats.observe(report, 0)

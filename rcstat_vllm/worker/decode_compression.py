@@ -45,6 +45,22 @@ def kept_on_host(kept: Tensor) -> Tensor:
     return kept.cpu()
 
 
+def with_carried_entries(masks: list[Tensor], lengths: Tensor, carried: int) -> list[Tensor]:
+    """A plan's per-layer ``[H, m]`` masks over each head's entries (``lengths`` ``[L, H]`` of them when it was made)
+    with the ``carried`` entries every head stored since kept: head h's entries ``lengths[h]`` to ``lengths[h] +
+    carried - 1`` (the tokens of a step that ran between the plan and its copy, under asynchronous scheduling)."""
+    extended = []
+    for mask, ends in zip(masks, lengths):
+        width = int(ends.max()) + carried
+        entry = torch.arange(width).unsqueeze(0)
+        ends = ends.unsqueeze(1)
+        new = host_to_device((entry >= ends) & (entry < ends + carried), mask.device)
+        # (a plan's mask is False past each head's entries: cut or padded to the new width)
+        old = torch.nn.functional.pad(mask[:, :width], (0, max(width - mask.shape[1], 0)))
+        extended.append(old | new)
+    return extended
+
+
 @dataclass
 class DecodePlan:
     """A decode-time compaction chosen in one step: what each head keeps, at how many tokens, in how many blocks."""

@@ -36,9 +36,7 @@ from contextvars import ContextVar
 
 import torch
 
-from rcstat_vllm.capabilities import decode_compression_off_reason
 from rcstat_vllm.config import server_config
-from rcstat_vllm.log import logger
 from rcstat_vllm.reports import Compaction, CopyRun, ScoreAhead, StepCompactions
 from rcstat_vllm.settings import RequestSettingsTable
 from rcstat_vllm.worker.layers import CompressedLayers
@@ -68,9 +66,7 @@ class WorkerCompression(CompressedLayers):
         self.requests = WorkerRequests()
         self.results_log = ResultsLog()
         #: each request's settings, resolved the first time a step shows it, dropped when it leaves
-        self.request_settings = RequestSettingsTable(self.config, decode_compression_off_reason(vllm_config))
-        if self.request_settings.decode_off is not None and self.config.decode_compression:
-            logger.warning("rcstat: decode_budget is ignored: %s", self.request_settings.decode_off)
+        self.request_settings = RequestSettingsTable(self.config)
         #: decides each step what every row does (reads the layers, the table, the settings; logs skipped requests)
         self.planner = StepPlanner(
             self, self.requests, self.request_settings, self.results_log, self.block_agreement_group

@@ -23,9 +23,9 @@ from rcstat_vllm.log import logger
 from rcstat_vllm.paging.compaction import recompact_request
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.kv_layout import CacheLayout
-from rcstat_vllm.paging.page_space import PageSpace
+from rcstat_vllm.paging.page_space import PageSpace, cdiv
 from rcstat_vllm.reports import Compaction, CompressionReport
-from rcstat_vllm.worker.decode_compression import DecodeCompressor
+from rcstat_vllm.worker.decode_compression import DecodeCompressor, with_carried_entries
 from rcstat_vllm.worker.prompt_compression import CompressionDecision, RequestCompressor
 
 
@@ -194,14 +194,26 @@ class PromptJob(CompactionJob):
 
 class DecodeJob(CompactionJob):
     """A decode-time compaction: the generated entries of ``source`` (its head pages, or its own blocks seen as head
-    pages for a request whose prompt stayed whole) scored at ``num_tokens`` tokens, down to ``decode_budget``."""
+    pages for a request whose prompt stayed whole: ``own_blocks``, its vLLM blocks then) scored at ``num_tokens``
+    tokens, down to ``decode_budget``.
+
+    Under asynchronous scheduling the plan reaches the scheduler once the next step was scheduled, and that step
+    writes its token into the request's pages before the copy runs: the copy carries such tokens over, every head
+    keeping them (``Compaction.num_tokens``, as a lazy prompt compaction carries the tokens generated before it)."""
 
     kind: ClassVar[Literal["decode"]] = "decode"
 
     def __init__(
-        self, req_id: str, decode: DecodeCompressor, source: CompactedRequest, num_tokens: int, layout: CacheLayout
+        self,
+        req_id: str,
+        decode: DecodeCompressor,
+        source: CompactedRequest,
+        num_tokens: int,
+        layout: CacheLayout,
+        own_blocks: Tensor | None = None,
     ):
         self.req_id, self.decode, self.source, self.num_tokens, self.layout = req_id, decode, source, num_tokens, layout
+        self.own_blocks = own_blocks
         self._layers_seen = 0
 
     def observe_layer(self, layer: int, query: Tensor, kv_cache: Tensor, scale: float) -> None:
@@ -235,20 +247,35 @@ class DecodeJob(CompactionJob):
     def compact(self, caches: list[Tensor], compaction: Compaction, space: PageSpace) -> CompactedRequest:
         plan = self.decode.pending
         assert plan is not None  # (the plan the scheduler answered)
+        num_tokens = max(compaction.num_tokens, plan.num_tokens)
+        # Tokens carried over start vLLM blocks of their own past the plan's: the scheduler gave a fresh one for each.
+        block_size = self.source.block_size
+        needed = (
+            plan.keep_blocks
+            - self.source.shared_blocks
+            + cdiv(num_tokens, block_size)
+            - cdiv(plan.num_tokens, block_size)
+        )
         dest = torch.tensor(compaction.block_ids, dtype=torch.int64)
-        if dest.numel() != plan.keep_blocks - self.source.shared_blocks:
-            raise ValueError(
-                f"rcstat: {dest.numel()} fresh blocks allocated, {plan.keep_blocks - self.source.shared_blocks} needed"
-            )
+        if dest.numel() != needed:
+            raise ValueError(f"rcstat: {dest.numel()} fresh blocks allocated, {needed} needed")
+        source, masks = self.source, plan.masks
+        if num_tokens > plan.num_tokens:
+            if self.own_blocks is not None:  # (its own blocks, now with those the carried tokens started)
+                blocks = torch.cat([self.own_blocks, torch.tensor(compaction.tail_block_ids, dtype=torch.int64)])
+                source = CompactedRequest.uncompressed(num_tokens, space, blocks, self.source.shared_blocks)
+            masks = with_carried_entries(masks, self.source.lengths(plan.num_tokens), num_tokens - plan.num_tokens)
         pages = recompact_request(
-            caches, self.source, plan.num_tokens, plan.masks, dest, self.layout, staged=compaction.reuses_own_blocks
+            caches, source, num_tokens, masks, dest, self.layout, staged=compaction.reuses_own_blocks
         )
         self.decode.compacted()
         logger.debug(
-            "rcstat: request %s: decode-time compaction %d at %d tokens: %d generated entries evicted, %d blocks held",
+            "rcstat: request %s: decode-time compaction %d at %d tokens (%d carried over): %d generated entries "
+            "evicted, %d blocks held",
             self.req_id,
             self.decode.compactions,
             plan.num_tokens,
+            num_tokens - plan.num_tokens,
             plan.evicted,
             plan.keep_blocks,
         )

@@ -247,13 +247,11 @@ class StepPlanner:
         if self._watch_decode(plan, step, record, num_tokens, *rows, start_job=False):
             # Every head keeps the whole prompt: its full blocks stay as they are (prefix-cache hits stay shared with
             # the requests that hit them, its own prompt blocks stay cache entries), only the rest is copied.
+            own_blocks = self._own_blocks(step, request, block_table, row)
             source = CompactedRequest.uncompressed(
-                num_tokens,
-                self.space,
-                self._own_blocks(step, request, block_table, row),
-                shared_blocks=request.num_prompt_tokens // self.block_size,
+                num_tokens, self.space, own_blocks, shared_blocks=request.num_prompt_tokens // self.block_size
             )
-            self._start_decode_job(plan, record, source, num_tokens)
+            self._start_decode_job(plan, record, source, num_tokens, own_blocks)
 
     def _decode_watcher(self, request) -> DecodeCompressor | None:
         """Decode-time compression for a request whose prompt stayed whole, if it (or the server) asked for it."""
@@ -291,8 +289,11 @@ class StepPlanner:
             self._start_decode_job(plan, record, record.pages, num_tokens)
         return True
 
-    def _start_decode_job(self, plan: StepCompression, record, source: CompactedRequest, num_tokens: int) -> None:
-        self.requests.start_job(record, DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout))
+    def _start_decode_job(
+        self, plan: StepCompression, record, source: CompactedRequest, num_tokens: int, own_blocks=None
+    ) -> None:
+        job = DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout, own_blocks)
+        self.requests.start_job(record, job)
         plan.scoring.append(record)
 
     def _own_blocks(self, step: StepInfo, request, block_table: torch.Tensor, row: int) -> torch.Tensor:
