@@ -290,7 +290,12 @@ class StepPlanner:
         return True
 
     def _start_decode_job(
-        self, plan: StepCompression, record, source: CompactedRequest, num_tokens: int, own_blocks=None
+        self,
+        plan: StepCompression,
+        record,
+        source: CompactedRequest,
+        num_tokens: int,
+        own_blocks: torch.Tensor | None = None,
     ) -> None:
         job = DecodeJob(record.req_id, record.decode, source, num_tokens, self.layout, own_blocks)
         self.requests.start_job(record, job)
