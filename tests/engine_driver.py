@@ -117,6 +117,83 @@ class EngineDriver:
         results = self.compression.compression_results()
         return next((r for k, r in results.items() if k == request_id or k.startswith(f"{request_id}-")), None)
 
+    def engine_id(self, request_id: str) -> str:
+        """vLLM's engine-side id of a request added as ``request_id`` (it may carry a suffix)."""
+        rid = self._find(request_id)
+        assert rid is not None, f"{request_id} is not in the scheduler"
+        return rid
+
+    def _find(self, request_id: str) -> str | None:
+        return next((r for r in self.scheduler.requests if r == request_id or r.startswith(f"{request_id}-")), None)
+
+    def record(self, request_id: str):
+        """The worker's record of a request added as ``request_id`` (None when it has none)."""
+        rid = self._find(request_id)
+        return None if rid is None else self.compression.requests.get(rid)
+
+    def generated(self, request_id: str) -> int:
+        """Output tokens the scheduler has of a request (0 once it finished)."""
+        rid = self._find(request_id)
+        return 0 if rid is None else self.scheduler.requests[rid].num_output_tokens
+
+    def step(self) -> dict[str, list[int]]:
+        """One engine step; the tokens of the requests it finished."""
+        return {o.request_id: list(o.outputs[0].token_ids) for o in self.engine.step() if o.finished}
+
+    def step_until(self, done, max_steps: int = 500) -> dict[str, list[int]]:
+        """Step until ``done()``; the tokens of the requests that finished meanwhile."""
+        finished = {}
+        for _ in range(max_steps):
+            if done():
+                return finished
+            finished |= self.step()
+        raise AssertionError("the condition was never met")
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by the id it was added with (vLLM's engine-side id would abort nothing: the output processor
+        takes the caller's ids), as a client does when it goes away."""
+        self.engine.abort_request([request_id])
+        assert self._find(request_id) is None, f"{request_id} was not aborted"
+
+    # ---- streaming-input sessions (vLLM 0.32's resumable requests: AsyncLLM.generate with a StreamingInput) ----
+
+    def send_chunk(self, session: str, token_ids: list[int] | None, params) -> None:
+        """One input chunk of a streaming session, as ``AsyncLLM.generate`` sends it to the engine core (``None``: the
+        input stream closed, the session finishes)."""
+        from vllm.inputs import TokensPrompt
+
+        request = self.engine.input_processor.process_inputs(
+            request_id=session,
+            prompt=TokensPrompt(prompt_token_ids=token_ids or [0]),
+            params=params,
+            supported_tasks=self.engine.get_supported_tasks(),
+            resumable=token_ids is not None,
+        )
+        request.external_req_id = session
+        self.engine.engine_core.add_request(request)
+
+    def turn(self, session: str) -> list[int]:
+        """Step until the session's turn ends (the request waits for its next chunk, its blocks kept); its tokens."""
+        from vllm.v1.request import RequestStatus
+
+        request = self.scheduler.requests[session]
+        self.step_until(lambda: request.status == RequestStatus.WAITING_FOR_STREAMING_REQ)
+        return list(request.output_token_ids)
+
+    def end_session(self, session: str, params) -> None:
+        self.send_chunk(session, None, params)
+        self.step_until(lambda: session not in self.scheduler.requests)
+
+    def preempt(self, request_id: str) -> None:
+        """What vLLM's scheduler does to the request it preempts when the pool runs short (recompute): out of the
+        running queue, blocks freed, back to the front of the waiting queue (under asynchronous scheduling the output
+        of the step in flight marked stale, as vLLM's own preemption does)."""
+        import time
+
+        request = self.scheduler.requests[self.engine_id(request_id)]
+        self.scheduler.running.remove(request)
+        self.scheduler._preempt_request(request, time.monotonic())
+
     def run(self, requests, abort_after: dict[str, int] | None = None, max_steps: int = 100_000) -> RunResult:
         """Add ``(request_id, prompt, SamplingParams)`` requests, step until all finish."""
         abort_after = dict(abort_after or {})

@@ -111,3 +111,124 @@ def test_decode_time_compactions_carry_the_token_of_the_step_in_flight(prompts):
         assert driver.free_blocks() == initial and driver.compression.num_compressed_requests == 0
         outputs.append(result.outputs)
     assert outputs[0] == outputs[1]
+
+
+# ---- a decode-time compaction cut short: aborts and preemptions with the scheduler a step ahead ----
+
+DECODE = {"async_scheduling": "keep", "eviction": "eager", "decode_budget": 32, "decode_interval": 32}
+
+
+@pytest.fixture(scope="module")
+def decoding():
+    """Every request compacted after its prefill and again every 32 generated tokens, the scheduler a step ahead."""
+    driver = _driver(DECODE)
+    driver.initial_free = driver.free_blocks()
+    return driver
+
+
+def _decode_job_in_flight(driver, request_id: str) -> bool:
+    record = driver.record(request_id)
+    return record is not None and record.job is not None and record.job.kind == "decode"
+
+
+def _run_cut_short(driver, tag: str, event: str, late: int):
+    """A request and a bystander decode 80 tokens each; ``late`` steps after the worker first holds the request's
+    decode-time plan (at 64 generated tokens) it is aborted or preempted. Its phase then, and every finished
+    request's tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    victim, bystander = f"victim-{tag}", f"bystander-{tag}"
+    driver.engine.add_request(victim, driver.prompt(PROMPT), params)
+    driver.engine.add_request(bystander, driver.prompt(350, offset=300), params)
+    finished = driver.step_until(lambda: _decode_job_in_flight(driver, victim))
+    for _ in range(late):
+        finished |= driver.step()
+    phase = driver.record(victim).phase
+    if event == "abort":
+        driver.abort(victim)
+    else:
+        driver.preempt(victim)
+    finished |= driver.step_until(lambda: not driver.engine.has_unfinished_requests())
+    driver.engine.step()  # (the idle step that tells the worker the last requests finished)
+    return phase, finished
+
+
+@pytest.mark.parametrize("event", ["abort", "preempt"])
+def test_a_decode_time_compaction_cut_short_at_any_step_leaves_no_trace(decoding, event):
+    """A request aborted or preempted (recompute) 0 to 3 steps after the worker holds its decode-time plan: before the
+    scheduler has it, when it has granted blocks with the next step already run over the old pages, once the copy ran.
+    The engine carries on, every block comes back, the table empties; a preempted request is recomputed and compacted
+    again; each scenario run twice over caches poisoned with 0 and 30 gives the same tokens (nothing read that no one
+    wrote, no copy into a block another request took)."""
+    driver = decoding
+    phases = []
+    for late in range(4):
+        outputs = []
+        for poison in (0.0, 30.0):
+            driver.poison_kv_cache(poison)
+            phase, finished = _run_cut_short(driver, f"{event}{late}-{poison:g}", event, late)
+            assert driver.free_blocks() == driver.initial_free and driver.compression.idle
+            outputs.append({rid.split("-")[0]: tokens for rid, tokens in finished.items()})
+        phases.append(phase.value)
+        assert outputs[0] == outputs[1], f"{late} steps late: the poison read through"
+        expected = {"bystander": 80} | ({"victim": 80} if event == "preempt" else {})
+        assert {rid: len(tokens) for rid, tokens in outputs[0].items()} == expected
+        if event == "preempt":
+            result = driver.result(f"victim-{event}{late}-30")
+            assert result["passes"] == 2 and result["earlier_passes"][0]["ended"] == "preempted", result
+            assert result["skipped_reason"] is None  # recomputed, compacted again
+    print(f"\n[{event}] the request's phase at each step: {phases}")
+    assert {"awaiting blocks", "compressed"} <= set(phases)
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("first_turn", [1, 65, 67], ids=["prompt_plan_open", "decode_plan_open", "decode_copied"])
+def test_a_streaming_session_continues_with_the_scheduler_a_step_ahead(decoding, first_turn):
+    """A streaming-input session whose first turn ends with its prompt's plan open (one token), with its decode-time
+    plan open (65 tokens: the plan at 64), or just after its copy; then a chunk of 100 tokens and 40 more generated
+    (another decode-time compaction). Run twice over poisoned caches: same tokens, every block back, table empty."""
+    driver = decoding
+    turns, phases = [], []
+    for poison in (0.0, 30.0):
+        driver.poison_kv_cache(poison)
+        session = f"session-{first_turn}-{poison:g}"
+        driver.send_chunk(session, driver.token_ids(300), _greedy(first_turn))
+        first = driver.turn(session)
+        phases.append(driver.record(session).phase.value if driver.record(session) else None)
+        driver.send_chunk(session, driver.token_ids(100, offset=400), _greedy(40))
+        second = driver.turn(session)
+        driver.end_session(session, _greedy(1))
+        driver.engine.step()
+        assert (len(first), len(second)) == (first_turn, 40)
+        assert driver.free_blocks() == driver.initial_free and driver.compression.idle
+        turns.append((first, second))
+    print(f"\n[session] phase when the first turn ended: {phases[0]}")
+    assert turns[0] == turns[1]
+
+
+def test_n_samples_with_decode_time_compactions_leak_nothing(decoding):
+    """``n = 2`` (seeded sampling): two requests over one prompt, each compacted and compacting its own generated KV
+    with the scheduler a step ahead; both samples run to the end alike over poisoned caches, every block back."""
+    from vllm.sampling_params import RequestOutputKind
+
+    driver = decoding
+    params = SamplingParams(
+        n=2, temperature=0.8, seed=0, max_tokens=80, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    samples = []
+    for poison in (0.0, 30.0):
+        driver.poison_kv_cache(poison)
+        copies = driver.stats.decode_copies
+        driver.engine.add_request(f"twins-{poison:g}", driver.prompt(PROMPT), params)
+        outputs = []
+        while driver.engine.has_unfinished_requests():
+            outputs += [[list(o.token_ids) for o in out.outputs] for out in driver.engine.step() if out.finished]
+        driver.engine.step()
+        ((first, second),) = outputs
+        assert len(first) == len(second) == 80 and first != second
+        assert driver.stats.decode_copies - copies == 2  # one each, at 64 generated tokens
+        assert driver.free_blocks() == driver.initial_free and driver.compression.idle
+        samples.append((first, second))
+    assert samples[0] == samples[1]

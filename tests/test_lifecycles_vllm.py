@@ -8,8 +8,6 @@ request where a test says so), prefix caching on (vLLM's default).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -55,41 +53,12 @@ def greedy(max_tokens: int, **rcstat) -> SamplingParams:
     )
 
 
-def engine_id(driver, request_id: str) -> str:
-    """vLLM's engine-side id of a request added as ``request_id`` (it may carry a suffix)."""
-    return next(rid for rid in driver.scheduler.requests if rid == request_id or rid.startswith(f"{request_id}-"))
-
-
-def step_until(driver, done, max_steps: int = 500) -> dict[str, list[int]]:
-    finished = {}
-    for _ in range(max_steps):
-        if done():
-            return finished
-        for output in driver.engine.step():
-            if output.finished:
-                finished[output.request_id] = list(output.outputs[0].token_ids)
-    raise AssertionError("the condition was never met")
-
-
 def finish(driver) -> dict[str, list[int]]:
     """Step until every request finished, then once more with a short request: the step that tells the worker who
     finished (their results are recorded then)."""
-    outputs = step_until(driver, lambda: not driver.engine.has_unfinished_requests())
+    outputs = driver.step_until(lambda: not driver.engine.has_unfinished_requests())
     driver.run([("flush", driver.prompt(8), greedy(1))])
     return outputs
-
-
-def preempt(driver, request_id: str) -> None:
-    """What vLLM's scheduler does to the request it preempts when the pool runs short (recompute): out of the running
-    queue, blocks freed, back to the front of the waiting queue."""
-    request = driver.scheduler.requests[engine_id(driver, request_id)]
-    driver.scheduler.running.remove(request)
-    driver.scheduler._preempt_request(request, time.monotonic())
-
-
-def generated(driver, request_id: str) -> int:
-    request = driver.scheduler.requests.get(engine_id(driver, request_id))
-    return 0 if request is None else request.num_output_tokens
 
 
 @pytest.mark.parametrize("eviction", ["eager", "lazy"])
@@ -101,15 +70,15 @@ def test_a_preempted_request_is_compressed_again_when_recomputed(clean, eviction
     driver = clean
     name = f"preempted-{eviction}"
     driver.engine.add_request(name, driver.prompt(PROMPT), greedy(64, eviction=eviction))
-    step_until(driver, lambda: generated(driver, name) >= 48)
+    driver.step_until(lambda: driver.generated(name) >= 48)
     first = driver.result(name)
     if eviction == "eager":
         assert first is not None and first["skipped_reason"] is None and first["blocks_freed"] > 0
     compressed_before = driver.stats.requests_compressed
-    preempt(driver, name)
-    rid = engine_id(driver, name)
+    driver.preempt(name)
+    rid = driver.engine_id(name)
     # the resumed prefill: the prefix hit stops before the prompt's window
-    step_until(driver, lambda: driver.scheduler.requests[rid].num_computed_tokens > PROMPT)
+    driver.step_until(lambda: driver.scheduler.requests[rid].num_computed_tokens > PROMPT)
     record = driver.compression.requests.get(rid)
     if eviction == "lazy":
         from rcstat_vllm.worker.requests import Phase
@@ -134,45 +103,14 @@ def test_a_preempted_request_is_compressed_again_when_recomputed(clean, eviction
 # ---- streaming-input sessions (vLLM 0.32's resumable requests: AsyncLLM.generate with a StreamingInput) ----
 
 
-def send_chunk(driver, session: str, token_ids: list[int] | None, max_tokens: int = 1, **rcstat) -> None:
-    """One input chunk of a streaming session, as ``AsyncLLM.generate`` sends it to the engine core (``None``: the
-    input stream closed, the session finishes)."""
-    from vllm.inputs import TokensPrompt
-
-    engine = driver.engine
-    request = engine.input_processor.process_inputs(
-        request_id=session,
-        prompt=TokensPrompt(prompt_token_ids=token_ids or [0]),
-        params=greedy(max_tokens, **rcstat),
-        supported_tasks=engine.get_supported_tasks(),
-        resumable=token_ids is not None,
-    )
-    request.external_req_id = session
-    engine.engine_core.add_request(request)
-
-
-def turn(driver, session: str) -> list[int]:
-    """Step until the session's turn ends (the request waits for its next chunk, its blocks kept); its tokens."""
-    from vllm.v1.request import RequestStatus
-
-    request = driver.scheduler.requests[session]
-    step_until(driver, lambda: request.status == RequestStatus.WAITING_FOR_STREAMING_REQ)
-    return list(request.output_token_ids)
-
-
-def end_session(driver, session: str) -> None:
-    send_chunk(driver, session, None)
-    step_until(driver, lambda: session not in driver.scheduler.requests)
-
-
 def run_session(driver, session: str, first_tokens: int, second_chunk: int, **rcstat) -> tuple[list[int], list[int]]:
     """A session of two chunks (300 tokens, then ``second_chunk``), ``first_tokens`` then 8 generated; each turn's
     tokens. Starts from an empty prefix cache, so two sessions run the same forwards."""
     assert driver.engine.reset_prefix_cache()
-    send_chunk(driver, session, driver.token_ids(300), first_tokens, **rcstat)
-    tokens_1 = turn(driver, session)
-    send_chunk(driver, session, driver.token_ids(second_chunk, offset=400), 8, **rcstat)
-    tokens_2 = turn(driver, session)
+    driver.send_chunk(session, driver.token_ids(300), greedy(first_tokens, **rcstat))
+    tokens_1 = driver.turn(session)
+    driver.send_chunk(session, driver.token_ids(second_chunk, offset=400), greedy(8, **rcstat))
+    tokens_2 = driver.turn(session)
     return tokens_1, tokens_2
 
 
@@ -196,7 +134,7 @@ def test_a_streaming_input_session_survives_its_next_chunk(clean, eviction, firs
     session = f"session-{eviction}-{first_tokens}-{second_chunk}"
     tokens_1, tokens_2 = run_session(driver, session, first_tokens, second_chunk, eviction=eviction)
     assert (len(tokens_1), len(tokens_2)) == (first_tokens, 8)
-    end_session(driver, session)
+    driver.end_session(session, greedy(1))
     finish(driver)
     result = driver.result(session)
     compacted_in_turn_1 = eviction == "eager" and first_tokens > 1
@@ -210,16 +148,11 @@ def test_a_streaming_input_session_survives_its_next_chunk(clean, eviction, firs
         assert (result["skipped_reason"] is None) == (eviction == "eager" and second_chunk > WINDOW)
     if eviction == "lazy":
         reference = run_session(driver, "reference", first_tokens, second_chunk, method="none")
-        end_session(driver, "reference")
+        driver.end_session("reference", greedy(1))
         assert reference == (tokens_1, tokens_2)
 
 
 # ---- aborts at any point, n > 1 ----
-
-
-def record_of(driver, request_id: str):
-    rid = engine_id(driver, request_id)
-    return driver.compression.requests.get(rid)
 
 
 def test_a_request_aborted_while_its_lazy_plan_is_parked_gives_everything_back(clean):
@@ -230,9 +163,9 @@ def test_a_request_aborted_while_its_lazy_plan_is_parked_gives_everything_back(c
     driver = clean
     never_before = driver.stats.requests_never_compacted
     driver.engine.add_request("parked", driver.prompt(PROMPT), greedy(64, eviction="lazy"))
-    step_until(driver, lambda: (r := record_of(driver, "parked")) is not None and r.phase is Phase.AWAITING_BLOCKS)
-    step_until(driver, lambda: generated(driver, "parked") >= 4)
-    driver.engine.abort_request([engine_id(driver, "parked")])
+    driver.step_until(lambda: (r := driver.record("parked")) is not None and r.phase is Phase.AWAITING_BLOCKS)
+    driver.step_until(lambda: driver.generated("parked") >= 4)
+    driver.abort("parked")
     finish(driver)
     assert driver.stats.requests_never_compacted == never_before + 1
     assert "lazy eviction" in driver.result("parked")["skipped_reason"]
@@ -245,11 +178,10 @@ def test_a_request_aborted_with_its_decode_time_compaction_in_flight_gives_every
     driver.engine.add_request(
         "decoding", driver.prompt(PROMPT), greedy(200, decode_budget=WINDOW, decode_interval=WINDOW)
     )
-    step_until(
-        driver,
-        lambda: (r := record_of(driver, "decoding")) is not None and r.job is not None and r.job.kind == "decode",
+    driver.step_until(
+        lambda: (r := driver.record("decoding")) is not None and r.job is not None and r.job.kind == "decode",
     )
-    driver.engine.abort_request([engine_id(driver, "decoding")])
+    driver.abort("decoding")
     finish(driver)
     assert driver.result("decoding")["skipped_reason"] is None  # its prompt was compacted before
 
