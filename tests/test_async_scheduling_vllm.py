@@ -232,3 +232,51 @@ def test_n_samples_with_decode_time_compactions_leak_nothing(decoding):
         assert driver.free_blocks() == driver.initial_free and driver.compression.idle
         samples.append((first, second))
     assert samples[0] == samples[1]
+
+
+def test_a_small_pool_soak_with_preemptions_aborts_and_decode_time_compactions():
+    """A pool of 40 blocks for nine requests of 300-700 tokens, each generating 120-176 (eager, lazy, SnapKV, method
+    ``none``; ``n = 2``; three aborted mid-flight), every compressed one compacting its generated KV every 32 tokens,
+    the scheduler a step ahead: vLLM preempts (its own choice, under its own pressure), lazy plans are relieved, and
+    decode-time copies run beside both. The same run twice over caches poisoned with 0 and 30: the same tokens, every
+    block back, the worker's table empty."""
+    from vllm.sampling_params import RequestOutputKind
+
+    driver = _driver(
+        {"async_scheduling": "keep", "decode_budget": 32, "decode_interval": 32}, num_gpu_blocks_override=40
+    )
+    driver.count_preemptions()
+    settings = [
+        {"eviction": "eager", "target_ratio": 0.5},
+        {"eviction": "lazy"},
+        {"method": "none"},
+        {"eviction": "eager"},
+        {"eviction": "lazy", "target_ratio": 0.6},
+        {"method": "snapkv", "target_ratio": 0.5, "eviction": "eager"},
+    ]
+
+    def params(i: int) -> SamplingParams:
+        rcstat = settings[i % len(settings)]
+        return SamplingParams(temperature=0.0, max_tokens=120 + 8 * i, ignore_eos=True, extra_args={"rcstat": rcstat})
+
+    requests = [(f"r{i}", driver.prompt(300 + 37 * i, offset=53 * i), params(i)) for i in range(8)]
+    twins = SamplingParams(
+        n=2, temperature=0.8, seed=0, max_tokens=120, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    requests.append(("twins", driver.prompt(400, offset=900), twins))
+    aborted = {"r3": 40, "r6": 75, "r7": 110}
+    initial = driver.free_blocks()
+    runs = []
+    for poison in (0.0, 30.0):
+        driver.poison_kv_cache(poison)
+        copies, preemptions = driver.stats.decode_copies, driver._count_preemptions()
+        run = driver.run(requests, abort_after=aborted)
+        driver.engine.step()
+        assert {rid: len(t) for rid, t in run.outputs.items()} == {
+            rid: p.max_tokens for rid, _, p in requests if rid not in aborted
+        }
+        assert driver._count_preemptions() > preemptions, "the pool was meant to run short"
+        assert driver.stats.decode_copies > copies
+        assert driver.free_blocks() == initial and driver.compression.idle
+        runs.append(run.outputs)
+    assert runs[0] == runs[1]
