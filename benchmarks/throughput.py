@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -232,6 +233,18 @@ def build_prompts(
     return prompts
 
 
+def step_percentiles(durations: list[float]) -> dict:
+    """The steps' durations in ms: median, p90, p99 and the longest (nearest-rank percentiles)."""
+    if not durations:
+        return {}
+    ordered = sorted(durations)
+
+    def rank(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))], 2)
+
+    return {"step_ms_p50": rank(0.5), "step_ms_p90": rank(0.9), "step_ms_p99": rank(0.99), "step_ms_max": rank(1.0)}
+
+
 class StepSampler:
     """Wraps ``llm.llm_engine.step`` to read vLLM's gauges after every step."""
 
@@ -284,6 +297,9 @@ class StepSampler:
             "mean_kv_usage": sum(u * d for u, d in zip(usage, durations)) / total,
             "peak_kv_blocks_used": round(max(usage) * num_blocks) if num_blocks else None,
             "preemptions": preempt,
+            # Each step gives every decoding request its next token: the steps' durations are the inter-token gaps
+            # (a compacting step's own cost shows in the tail).
+            **step_percentiles(durations),
             "running_trace": running[:: max(1, len(running) // 200)],
         }
 
@@ -620,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {
                 **ordered[(len(ordered) - 1) // 2],
                 "rounds_output_tok_per_s": [x["output_tok_per_s"] for x in repeats[name]],
+                "rounds_step_ms_p99": [x.get("step_ms_p99") for x in repeats[name]],
             }
 
     for name, r in results.items():
@@ -702,7 +719,7 @@ def print_prefill_table(report: dict) -> None:
 def print_table(report: dict) -> None:
     print(
         f"{'run':20s} {'ratio':>6s} {'out tok/s':>9s} {'req/s':>7s} {'peak run':>8s} {'mean run':>8s} "
-        f"{'peak KV':>7s} {'preempt':>7s} {'cached':>7s} {'x vanilla':>9s}"
+        f"{'peak KV':>7s} {'preempt':>7s} {'cached':>7s} {'x vanilla':>9s} {'step p50':>8s} {'step p99':>8s}"
     )
     for name, r in report["runs"].items():
         if "error" in r:
@@ -712,7 +729,8 @@ def print_table(report: dict) -> None:
             f"{name:20s} {r.get('mean_ratio', 0.0):6.3f} {r['output_tok_per_s']:9.2f} {r['requests_per_s']:7.3f} "
             f"{r.get('peak_running', 0):8.0f} {r.get('mean_running', 0):8.2f} {r.get('peak_kv_usage', 0):7.2f} "
             f"{r.get('preemptions', 0):7.0f} {r.get('cached_prompt_tokens', 0):7d} "
-            f"{r.get('vs_vanilla', {}).get('output_tok_per_s', float('nan')):9.2f}"
+            f"{r.get('vs_vanilla', {}).get('output_tok_per_s', float('nan')):9.2f} "
+            f"{r.get('step_ms_p50', float('nan')):8.1f} {r.get('step_ms_p99', float('nan')):8.1f}"
         )
 
 

@@ -742,3 +742,20 @@ def test_throughput_compiled_runs_pair_with_their_own_vanilla():
     )
     assert ratios == {"vs_vanilla_by_round": [1.125, 1.0], "vs_vanilla_median_of_rounds": 1.0625}
     assert throughput.round_ratios({"rounds_output_tok_per_s": [45.0]}, {"rounds_output_tok_per_s": [40.0]}) == {}
+
+
+def test_throughput_step_percentiles_are_nearest_rank():
+    import throughput
+
+    durations = [0.001 * (i + 1) for i in range(200)]  # 1 ms .. 200 ms, shuffled
+    random.Random(0).shuffle(durations)
+    assert throughput.step_percentiles(durations) == {
+        "step_ms_p50": 100.0,
+        "step_ms_p90": 180.0,
+        "step_ms_p99": 198.0,
+        "step_ms_max": 200.0,
+    }
+    assert throughput.step_percentiles([0.25]) == dict.fromkeys(
+        ("step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_max"), 250.0
+    )
+    assert throughput.step_percentiles([]) == {}
