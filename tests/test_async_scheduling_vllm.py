@@ -89,7 +89,8 @@ def test_lazy_eviction_under_pressure():
 def test_decode_time_compactions_carry_the_token_of_the_step_in_flight(prompts):
     """``decode_budget`` under asynchronous scheduling: each decode-time plan reaches the scheduler once the next step
     was scheduled and run over the request's old pages, and its copy carries that step's token over (in the plan's
-    last block, or in the block vLLM added for it: prompts of 400 to 417 tokens put the plans on both sides of a block
+    last block, or in the block vLLM added for it: prompts of 400 to 417 tokens, due together at 64 generated tokens
+    and taking turns, one a step, are planned at 464, 480, 482 and 484 tokens, then 32 later: both sides of a block
     boundary). Two compactions per request, from its head pages (its prompt compacted) or first from its own blocks
     (its prompt kept whole: too short to compress). Two runs over caches poisoned with different values decode alike:
     no copy left an entry it should have carried unwritten, and every block comes back."""
@@ -97,7 +98,7 @@ def test_decode_time_compactions_carry_the_token_of_the_step_in_flight(prompts):
         {"async_scheduling": "keep", "decode_budget": 32, "decode_interval": 32, **prompts},
         kv_cache_memory_bytes=160 << 20,  # (room for every request at once)
     )
-    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=104, ignore_eos=True)
     requests = [(f"r{n}", driver.prompt(n, offset=97 * i), params) for i, n in enumerate((400, 415, 416, 417))]
     initial = driver.free_blocks()
     outputs = []
@@ -106,8 +107,8 @@ def test_decode_time_compactions_carry_the_token_of_the_step_in_flight(prompts):
         copies = driver.stats.decode_copies
         result = driver.run(requests)
         driver.engine.step()
-        assert all(len(tokens) == 100 for tokens in result.outputs.values())
-        assert driver.stats.decode_copies - copies == 2 * len(requests)  # at 64 and 96 generated tokens
+        assert all(len(tokens) == 104 for tokens in result.outputs.values())
+        assert driver.stats.decode_copies - copies == 2 * len(requests)
         assert driver.free_blocks() == initial and driver.compression.num_compressed_requests == 0
         outputs.append(result.outputs)
     assert outputs[0] == outputs[1]

@@ -6,6 +6,7 @@ path; and no host synchronisation while a due step scores and selects (device te
 import copy
 import dataclasses
 import importlib
+import itertools
 import os
 import sys
 
@@ -696,3 +697,67 @@ def test_decode_scoring_reads_values_only_for_a_scorer_that_weighs_by_them(monke
         )[0]
         got = decode.scores[0][head, width - int(counts[head]) :]
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _watcher(interval: int, num_tokens: int = 300) -> DecodeCompressor:
+    config = RCStatConfig(window=8, decode_budget=64, decode_interval=interval)
+    return DecodeCompressor(config, torch.full((2, 3), 256), num_tokens)
+
+
+def test_a_request_asked_for_early_is_hurried_until_its_compaction():
+    decode = _watcher(128)
+    assert not decode.hurried and decode.overdue(decode.next_due) == 0 and decode.overdue(decode.next_due + 3) == 3
+    decode.hurry(decode.next_due - 40)
+    assert decode.hurried
+    t = decode.next_due
+    decode.pending = decode_compression.DecodePlan(t, [], torch.zeros(2, 3), 0, 0)
+    decode.compacted()
+    assert not decode.hurried and decode.next_due == t + 128
+    decode.hurry(t + 100)
+    decode.pending = decode_compression.DecodePlan(t + 120, [], torch.zeros(2, 3), 0, 0)
+    decode.cancelled()
+    assert not decode.hurried
+
+
+def test_decode_time_compactions_due_together_are_spread_over_steps():
+    """Twelve requests in lockstep (interval 128: one falls due every ~11 steps on average, so one job a step is
+    allowed) all fall due in one step: one starts per step, the one due longest first, the last 11 steps late; a
+    compaction the scheduler asked for starts when due whatever the count. One round later they fall due one a step:
+    none waits."""
+    from rcstat_vllm.worker.step_plan import DueCompactions, decode_jobs_allowed
+
+    assert decode_jobs_allowed(12 / 128) == 1 and decode_jobs_allowed(128 / 128) == 2 and decode_jobs_allowed(0) == 1
+    decodes = [_watcher(128) for _ in range(12)]
+    due_at = decodes[0].next_due
+    started_at: dict[int, list[int]] = {}
+    for t in range(due_at, due_at + 2 * 128 + 12):
+        step = DueCompactions()
+        for i, decode in enumerate(decodes):
+            step.watched(decode)
+            if decode.due(t):
+                step.add(decode, t, lambda n, i=i: started_at.setdefault(i, []).append(n))
+        waiting = step.start()
+        for i, decode in enumerate(decodes):  # each job's plan is made and copied at once
+            if started_at.get(i, [None])[-1] == t:
+                decode.pending = decode_compression.DecodePlan(t, [], torch.zeros(2, 3), 0, 0)
+                decode.compacted()
+        assert waiting == sum(decode.due(t) for decode in decodes)
+    firsts = sorted(n for n, *_ in started_at.values())
+    assert firsts == list(range(due_at, due_at + 12))  # one a step, in the batch's order
+    gaps = [later - earlier for starts in started_at.values() for earlier, later in itertools.pairwise(starts)]
+    assert gaps and set(gaps) == {128}
+
+    def start_order(decodes, t):
+        step, order = DueCompactions(), []
+        for decode in decodes:
+            step.watched(decode)
+            step.add(decode, t, lambda n, d=decode: order.append(d))
+        return step.start(), order
+
+    waits = [_watcher(128) for _ in range(3)]
+    t = waits[0].next_due + 5  # due 5 steps ago: they waited their turn
+    waits[1].next_due -= 1  # due longest
+    assert start_order(waits, t) == (2, [waits[1]])
+    hurried = _watcher(128)
+    hurried.hurry(t - hurried.num_queries + 1)  # due at t
+    assert start_order([*waits, hurried], t) == (3, [hurried])  # (its work is this step's share)

@@ -118,6 +118,9 @@ class DecodeCompressor:
         self.next_due = num_tokens + max(self.budget + self.interval - generated, self.num_queries)
         #: the heads held ``held`` generated entries on average when the request had ``since`` tokens
         self.held, self.since = generated, num_tokens
+        #: the scheduler asked for the next compaction (the pool is about to run short): it starts when due, never
+        #: waits its turn behind others due in the same step (:func:`~rcstat_vllm.worker.step_plan.decode_jobs_allowed`)
+        self.hurried = False
 
     @property
     def num_layers(self) -> int:
@@ -135,6 +138,11 @@ class DecodeCompressor:
         due_at = num_tokens + self.num_queries - 1
         if self.pending is None and self.held + due_at - self.since >= self.budget + self.window:
             self.next_due = min(self.next_due, due_at)
+            self.hurried = True
+
+    def overdue(self, num_tokens: int) -> int:
+        """Tokens since the compaction fell due (0 in its due step; it may wait a few steps for its turn)."""
+        return num_tokens - self.next_due
 
     def observing(self, num_tokens: int) -> bool:
         """Whether this step's queries may be in the window of a coming decode compaction (saved only then)."""
@@ -277,11 +285,11 @@ class DecodeCompressor:
         self.tokens_evicted += self.pending.evicted
         self.next_due = self.pending.num_tokens + self.interval
         self.held, self.since = self.budget, self.pending.num_tokens
-        self.pending = None
+        self.pending, self.hurried = None, False
 
     def cancelled(self) -> None:
         """The scheduler had no free blocks for the plan's copy: the request goes on as it was and is due again once
         a new window of queries is saved."""
         assert self.pending is not None  # (a plan was sent)
         self.next_due = self.pending.num_tokens + self.num_queries
-        self.pending = None
+        self.pending, self.hurried = None, False
