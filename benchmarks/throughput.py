@@ -234,7 +234,7 @@ def build_prompts(
 
 
 def step_percentiles(durations: list[float]) -> dict:
-    """The steps' durations in ms: median, p90, p99 and the longest (nearest-rank percentiles)."""
+    """The steps' durations in ms: median, p90, p99, p99.9 and the longest (nearest-rank percentiles)."""
     if not durations:
         return {}
     ordered = sorted(durations)
@@ -242,7 +242,8 @@ def step_percentiles(durations: list[float]) -> dict:
     def rank(q: float) -> float:
         return round(1000 * ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))], 2)
 
-    return {"step_ms_p50": rank(0.5), "step_ms_p90": rank(0.9), "step_ms_p99": rank(0.99), "step_ms_max": rank(1.0)}
+    quantiles = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "p999": 0.999, "max": 1.0}
+    return {f"step_ms_{name}": rank(q) for name, q in quantiles.items()}
 
 
 class StepSampler:

@@ -747,15 +747,16 @@ def test_throughput_compiled_runs_pair_with_their_own_vanilla():
 def test_throughput_step_percentiles_are_nearest_rank():
     import throughput
 
-    durations = [0.001 * (i + 1) for i in range(200)]  # 1 ms .. 200 ms, shuffled
+    durations = [0.001 * (i + 1) for i in range(2000)]  # 1 ms .. 2 s, shuffled
     random.Random(0).shuffle(durations)
     assert throughput.step_percentiles(durations) == {
-        "step_ms_p50": 100.0,
-        "step_ms_p90": 180.0,
-        "step_ms_p99": 198.0,
-        "step_ms_max": 200.0,
+        "step_ms_p50": 1000.0,
+        "step_ms_p90": 1800.0,
+        "step_ms_p99": 1980.0,
+        "step_ms_p999": 1998.0,
+        "step_ms_max": 2000.0,
     }
     assert throughput.step_percentiles([0.25]) == dict.fromkeys(
-        ("step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_max"), 250.0
+        ("step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_p999", "step_ms_max"), 250.0
     )
     assert throughput.step_percentiles([]) == {}
