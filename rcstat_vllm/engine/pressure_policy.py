@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.reports import ANTICIPATE_STEPS, SCORE_AHEAD_STEPS
-from rcstat_vllm.settings import decode_queries
+from rcstat_vllm.settings import decode_lead
 
 
 def cdiv(a: int, b: int) -> int:
@@ -103,12 +103,12 @@ def blocks_wanted(
 
 
 def decode_shortfall(running: Sequence[RunningRequest], free_blocks: int, block_size: int) -> tuple[int, int, str]:
-    """The blocks the running requests will lack within ``lead`` steps (a window of queries to save, the scoring
-    step and the copy's; <= 0: none), the lead, and why; ``(0, 0, "")`` when none compresses generated KV."""
+    """The blocks the running requests will lack within ``lead`` steps (:func:`~rcstat_vllm.settings.decode_lead`;
+    <= 0: none), the lead, and why; ``(0, 0, "")`` when none compresses generated KV."""
     watched = [r.config for r in running if r.config is not None]
     if not watched:
         return 0, 0, ""
-    lead = max(decode_queries(config) for config in watched) + 2
+    lead = max(decode_lead(config) for config in watched)
     wanted = sum(r.growth(r.num_tokens + lead, block_size) for r in running)
     return wanted - free_blocks, lead, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"
 
