@@ -11,9 +11,9 @@ Two decisions:
 - **Decode-time compactions brought forward** (:func:`decode_shortfall`, :func:`requests_to_hurry`, after each
   schedule): requests that start together grow together, and a pool can fill before their first decode-time
   compaction is due (vLLM would preempt some, each holding generated KV its ``decode_budget`` would evict). Looking
-  ``lead`` steps ahead (a window of queries to save, the scoring step and the copy's), when the running requests'
-  growth exceeds the free blocks, the requests holding most generated KV beyond their budget are asked to compact
-  now, until what they are expected to free covers the shortfall.
+  ``lead`` steps ahead (a window of queries to save, its turn among those due with it, the scoring step and the
+  copy's), when the running requests' growth exceeds the free blocks, the requests holding most generated KV beyond
+  their budget are asked to compact now, until what they are expected to free covers the shortfall.
 """
 
 from __future__ import annotations
