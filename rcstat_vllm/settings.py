@@ -110,15 +110,3 @@ def decode_queries(config: RCStatConfig) -> int:
     """Generated tokens' queries a decode-time compaction observes (and saves before it is due): the kept window, or
     ``observation_window`` when larger."""
     return max(config.observation_window or config.window, config.window)
-
-
-#: Steps a decode-time compaction the scheduler asked for may wait for its turn once due, when others fall due with
-#: it (:class:`~rcstat_vllm.worker.step_plan.DueCompactions`); the scheduler asks that much earlier
-#: (:func:`decode_lead`).
-HURRIED_TURN_STEPS = 4
-
-
-def decode_lead(config: RCStatConfig) -> int:
-    """Steps from the scheduler asking for a decode-time compaction to the blocks it frees: a window of queries to save,
-    its turn among those due with it, the scoring step and the copy's."""
-    return decode_queries(config) + HURRIED_TURN_STEPS + 2

@@ -761,30 +761,3 @@ def test_decode_time_compactions_due_together_are_spread_over_steps():
     hurried = _watcher(128)
     hurried.hurry(t - hurried.num_queries + 1)  # due at t
     assert start_order([*waits, hurried], t) == (3, [hurried])  # (its work is this step's share)
-
-
-def test_compactions_the_scheduler_asked_for_take_turns_for_a_few_steps_at_most():
-    """Six requests asked for at once (the pool about to run short), one job a step allowed: they start one a step,
-    then together once they waited HURRIED_TURN_STEPS (the scheduler's lead counts those steps)."""
-    from rcstat_vllm.settings import HURRIED_TURN_STEPS
-    from rcstat_vllm.worker.step_plan import DueCompactions
-
-    decodes = [_watcher(128) for _ in range(6)]
-    asked_at = decodes[0].next_due - 60
-    for decode in decodes:
-        decode.hurry(asked_at)
-    due_at = decodes[0].next_due
-    started: list[tuple[int, int]] = []
-    for t in range(due_at, due_at + 8):
-        step = DueCompactions()
-        for i, decode in enumerate(decodes):
-            step.watched(decode)
-            if decode.due(t):
-                step.add(decode, t, lambda n, i=i: started.append((i, n)))
-        step.start()
-        for i, n in started:
-            if n == t:
-                decodes[i].pending = decode_compression.DecodePlan(t, [], torch.zeros(2, 3), 0, 0)
-                decodes[i].compacted()
-    last = due_at + HURRIED_TURN_STEPS
-    assert started == [(0, due_at), (1, due_at + 1), (2, due_at + 2), (3, due_at + 3), (4, last), (5, last)]

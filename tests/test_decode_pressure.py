@@ -6,7 +6,7 @@ from rcstat_vllm.engine.decode_pressure import DecodePressure
 from rcstat_vllm.engine.pressure_policy import expected_gain
 
 BLOCK = 16
-DECODE = RCStatConfig(window=8, decode_budget=64, decode_interval=64)  # lead: 8 queries + 4 turn steps + 2
+DECODE = RCStatConfig(window=8, decode_budget=64, decode_interval=64)  # lead: 8 queries + 2 steps
 
 
 def _running(pressure, req_id, prompt, generated, config=DECODE, held=None):
@@ -27,21 +27,21 @@ def _hurry(pressure, requests, free_blocks):
 
 def test_nothing_is_brought_forward_while_the_pool_holds_the_next_steps_growth():
     pressure = DecodePressure()
-    running = [_running(pressure, f"r{i}", 100, 150) for i in range(4)]  # each crosses a block within 14 steps
+    running = [_running(pressure, f"r{i}", 100, 150) for i in range(4)]  # each crosses a block within 10 steps
     assert _hurry(pressure, running, 4) == ([], "")
 
 
 def test_requests_with_most_generated_kv_beyond_their_budget_are_asked_until_the_shortfall_is_covered():
     pressure = DecodePressure()
     running = [
-        _running(pressure, "a", 100, 150),  # at the due step (+14): 164 generated, 100 beyond 64: 6 blocks
-        _running(pressure, "b", 100, 108),  # 122 generated: 58 beyond: 3 blocks
-        _running(pressure, "c", 100, 60),  # 74 generated: 0 blocks
+        _running(pressure, "a", 100, 150),  # at the due step (+10): 160 generated, 96 beyond 64: 6 blocks
+        _running(pressure, "b", 100, 108),  # 118 generated: 54 beyond: 3 blocks
+        _running(pressure, "c", 100, 60),  # 70 generated: 0 blocks
         _running(pressure, "plain", 300, 140, config=None),  # grows too, never asked
     ]
-    # Within 14 steps each crosses into a new block (250 -> 264, 208 -> 222, 160 -> 174, 440 -> 454 tokens).
+    # Within 10 steps each crosses into a new block (250 -> 260, 208 -> 218, 160 -> 170, 440 -> 450 tokens).
     chosen, reason = _hurry(pressure, running, 0)
-    assert chosen == ["a"] and "4 blocks wanted within 14 steps, 0 free" in reason
+    assert chosen == ["a"] and "4 blocks wanted within 10 steps, 0 free" in reason
     # Asked and not yet compacted: its expected 6 blocks cover the same shortfall next step.
     assert _hurry(pressure, running, 0)[0] == []
     chosen, _ = _hurry(pressure, running, -5)  # shorter still
@@ -78,6 +78,6 @@ def test_a_request_whose_worker_declined_is_asked_again_after_twice_the_lead():
     pressure = DecodePressure()
     a = _running(pressure, "a", 100, 150)
     assert _hurry(pressure, [a], 0)[0] == ["a"]
-    for _ in range(28):  # lead 14: its expected blocks count as coming for 28 checks
+    for _ in range(20):  # lead 10: its expected blocks count as coming for 20 checks
         assert _hurry(pressure, [a], 0)[0] == []
     assert _hurry(pressure, [a], 0)[0] == ["a"]

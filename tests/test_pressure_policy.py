@@ -21,7 +21,7 @@ from rcstat_vllm.engine.pressure_policy import (
 )
 
 BLOCK = 16
-DECODE = RCStatConfig(window=8, decode_budget=64, decode_interval=64)  # lead: 8 queries + 4 turn steps + 2 = 14
+DECODE = RCStatConfig(window=8, decode_budget=64, decode_interval=64)  # lead: 8 queries + 2 steps = 10
 
 
 def running(req_id, num_tokens, held=None, config=None, **decode) -> RunningRequest:
@@ -172,14 +172,12 @@ def test_the_decode_time_forecast_calls_for_relief_when_it_is_the_larger_shortfa
 # Decode-time compactions brought forward.
 
 
-def test_the_decode_lead_is_the_largest_window_of_queries_plus_the_turn_steps_plus_two():
-    """A window of queries to save, up to HURRIED_TURN_STEPS (4) waiting for its turn, the scoring and copy steps."""
+def test_the_decode_lead_is_the_largest_window_of_queries_plus_two_steps():
     wide = RCStatConfig(window=8, observation_window=20, decode_budget=64, decode_interval=64)
     requests = [running("a", 100, config=DECODE), running("b", 90, config=wide), running("plain", 250)]
-    # Within 26 steps: a 100 -> 126 (7 held, 8 wanted), b 90 -> 116 (6 held, 8), plain 250 -> 276 (16 held, 18).
-    assert decode_shortfall(requests, 1, BLOCK) == (4, 26, "5 blocks wanted within 26 steps, 1 free")
-    assert decode_shortfall([running("a", 100, config=DECODE)], 0, BLOCK)[:2] == (1, 14)  # 114 takes an 8th block
-    assert decode_shortfall([running("a", 98, config=DECODE)], 0, BLOCK)[:2] == (0, 14)  # 112 fits in 7 blocks
+    # Within 22 steps: a 100 -> 122 (7 held, 8 wanted), b 90 -> 112 (6 held, 7), plain 250 -> 272 (16 held, 17).
+    assert decode_shortfall(requests, 1, BLOCK) == (2, 22, "3 blocks wanted within 22 steps, 1 free")
+    assert decode_shortfall([running("a", 100, config=DECODE)], 0, BLOCK)[:2] == (0, 10)  # 110 fits in 7 blocks
     assert decode_shortfall([running("plain", 250)], 0, BLOCK) == (0, 0, "")
 
 

@@ -11,9 +11,9 @@ Two decisions:
 - **Decode-time compactions brought forward** (:func:`decode_shortfall`, :func:`requests_to_hurry`, after each
   schedule): requests that start together grow together, and a pool can fill before their first decode-time
   compaction is due (vLLM would preempt some, each holding generated KV its ``decode_budget`` would evict). Looking
-  ``lead`` steps ahead (a window of queries to save, its turn among those due with it, the scoring step and the
-  copy's), when the running requests' growth exceeds the free blocks, the requests holding most generated KV beyond
-  their budget are asked to compact now, until what they are expected to free covers the shortfall.
+  ``lead`` steps ahead (a window of queries to save, the scoring step and the copy's), when the running requests'
+  growth exceeds the free blocks, the requests holding most generated KV beyond their budget are asked to compact
+  now, until what they are expected to free covers the shortfall.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.reports import ANTICIPATE_STEPS, SCORE_AHEAD_STEPS
-from rcstat_vllm.settings import decode_lead
+from rcstat_vllm.settings import decode_queries
 
 
 def cdiv(a: int, b: int) -> int:
@@ -103,12 +103,12 @@ def blocks_wanted(
 
 
 def decode_shortfall(running: Sequence[RunningRequest], free_blocks: int, block_size: int) -> tuple[int, int, str]:
-    """The blocks the running requests will lack within ``lead`` steps (:func:`~rcstat_vllm.settings.decode_lead`;
-    <= 0: none), the lead, and why; ``(0, 0, "")`` when none compresses generated KV."""
+    """The blocks the running requests will lack within ``lead`` steps (a window of queries to save, the scoring
+    step and the copy's; <= 0: none), the lead, and why; ``(0, 0, "")`` when none compresses generated KV."""
     watched = [r.config for r in running if r.config is not None]
     if not watched:
         return 0, 0, ""
-    lead = max(decode_lead(config) for config in watched)
+    lead = max(decode_queries(config) for config in watched) + 2
     wanted = sum(r.growth(r.num_tokens + lead, block_size) for r in running)
     return wanted - free_blocks, lead, f"{wanted} blocks wanted within {lead} steps, {free_blocks} free"
 

@@ -118,8 +118,8 @@ class DecodeCompressor:
         self.next_due = num_tokens + max(self.budget + self.interval - generated, self.num_queries)
         #: the heads held ``held`` generated entries on average when the request had ``since`` tokens
         self.held, self.since = generated, num_tokens
-        #: the scheduler asked for the next compaction (the pool is about to run short): it goes first when several
-        #: are due, and waits for its turn a few steps at most (:class:`~rcstat_vllm.worker.step_plan.DueCompactions`)
+        #: the scheduler asked for the next compaction (the pool is about to run short): it starts when due, never
+        #: waits its turn behind others due in the same step (:func:`~rcstat_vllm.worker.step_plan.decode_jobs_allowed`)
         self.hurried = False
 
     @property

@@ -25,7 +25,7 @@ from rcstat_vllm.attribution.capture import attribution_capture
 from rcstat_vllm.log import logger
 from rcstat_vllm.paging.head_pages import CompactedRequest
 from rcstat_vllm.paging.page_space import cdiv
-from rcstat_vllm.settings import HURRIED_TURN_STEPS, window_queries
+from rcstat_vllm.settings import window_queries
 from rcstat_vllm.worker.decode_compression import DecodeCompressor
 from rcstat_vllm.worker.jobs import DecodeJob, PromptJob
 from rcstat_vllm.worker.prompt_compression import deferred_keep_blocks, plan_compression
@@ -79,23 +79,23 @@ def rows_match(num_requests: int, num_rows: int, query_start: list[int]) -> bool
 
 
 def decode_jobs_allowed(rate: float) -> int:
-    """How many decode-time compactions one step starts: twice the rate at which the batch's watched requests fall
-    due (``rate``: the sum of their ``1 / decode_interval``), at least one.
+    """How many decode-time compactions one step starts, besides those the scheduler asked for: twice the rate at
+    which the batch's watched requests fall due (``rate``: the sum of their ``1 / decode_interval``), at least one.
 
-    Requests that fall due in the same step would each have every layer scored in that step, which delays every
-    request's next token: a batch that started together falls due together, and the scheduler asks for several at
-    once when the pool is about to run short (on the AVX-512 CPU, 12 requests of 256 + 1024 tokens with
-    ``decode_budget`` 512 in a pool for 4: 52 of 56 compactions asked for, 3 to 5 a step, steps of 250-500 ms against
-    a median of 45). Spread over steps each waits a few steps at most, its window of queries still sliding, and twice
-    the rate clears a backlog at least as fast as it forms."""
+    Requests that fall due in the same step (started together with equal prompts: a batch in lockstep) would each
+    have every layer scored in that step, which delays every request's next token: on the AVX-512 CPU, 12 requests
+    of 256 + 1024 tokens with ``decode_budget`` 512 in a pool for all fell due 8 and 4 at a time, steps of 510-950 ms
+    against a median of 64; taking turns, the longest step was 188 ms. Each waits a few steps at most (its window of
+    queries keeps sliding; it holds a few more entries meanwhile), and twice the rate clears a backlog at least as
+    fast as it forms. Those the scheduler asked for are not held back: its forecast counts on their blocks (making
+    them wait too, with the lead lengthened to match, cut the longest steps under pressure but cost a preemption in
+    an A/B, ``throughput_long_output_decode_turns_hurried_ab_avx512_cpu.json``)."""
     return max(1, math.ceil(2 * rate))
 
 
 class DueCompactions:
-    """One step's decode-time compactions that are due, started in turn: those the scheduler asked for first (the pool
-    is about to run short), then those due longest, up to :func:`decode_jobs_allowed`; the rest wait for a later step.
-    One the scheduler asked for waits at most :data:`~rcstat_vllm.settings.HURRIED_TURN_STEPS` (its lead counts
-    them)."""
+    """One step's decode-time compactions that are due: those the scheduler asked for start (the pool is about to run
+    short), then those due longest, up to :func:`decode_jobs_allowed`; the rest wait for a later step."""
 
     def __init__(self) -> None:
         self.rate = 0.0
@@ -114,8 +114,8 @@ class DueCompactions:
         allowed = decode_jobs_allowed(self.rate)
         ordered = sorted(self.due, key=lambda due: (not due[0], -due[1]))  # (stable: the batch's order in ties)
         started = 0
-        for hurried, overdue, num_tokens, start in ordered:
-            if started < allowed or (hurried and overdue >= HURRIED_TURN_STEPS):
+        for hurried, _, num_tokens, start in ordered:
+            if hurried or started < allowed:
                 start(num_tokens)
                 started += 1
         return len(ordered) - started
