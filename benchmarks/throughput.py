@@ -233,7 +233,7 @@ def build_prompts(
     return prompts
 
 
-def step_percentiles(durations: list[float]) -> dict:
+def step_percentiles(durations: list[float], prefix: str = "step_ms") -> dict:
     """The steps' durations in ms: median, p90, p99, p99.9 and the longest (nearest-rank percentiles)."""
     if not durations:
         return {}
@@ -243,7 +243,7 @@ def step_percentiles(durations: list[float]) -> dict:
         return round(1000 * ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))], 2)
 
     quantiles = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "p999": 0.999, "max": 1.0}
-    return {f"step_ms_{name}": rank(q) for name, q in quantiles.items()}
+    return {f"{prefix}_{name}": rank(q) for name, q in quantiles.items()}
 
 
 class StepSampler:
@@ -254,6 +254,7 @@ class StepSampler:
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:num_preemptions",
+        "vllm:prompt_tokens",
     )
 
     def __init__(self, llm):
@@ -289,6 +290,10 @@ class StepSampler:
         durations = [b - a for a, b in itertools.pairwise(times)]
         total = sum(durations) or 1.0
         preempt = self.samples[-1][1].get("vllm:num_preemptions", 0) - self.base.get("vllm:num_preemptions", 0)
+        prompt_tokens = [self.base.get("vllm:prompt_tokens", 0)] + [
+            v.get("vllm:prompt_tokens", 0) for _, v in self.samples
+        ]
+        decode_only = [d for d, (a, b) in zip(durations, itertools.pairwise(prompt_tokens)) if a == b]
         return {
             "steps": len(self.samples),
             "peak_running": max(running),
@@ -299,8 +304,9 @@ class StepSampler:
             "peak_kv_blocks_used": round(max(usage) * num_blocks) if num_blocks else None,
             "preemptions": preempt,
             # Each step gives every decoding request its next token: the steps' durations are the inter-token gaps
-            # (a compacting step's own cost shows in the tail).
+            # (a compacting step's own cost shows in the tail); those that computed no prompt token are decode's alone.
             **step_percentiles(durations),
+            **step_percentiles(decode_only, "decode_step_ms"),
             "running_trace": running[:: max(1, len(running) // 200)],
         }
 
@@ -638,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                 **ordered[(len(ordered) - 1) // 2],
                 "rounds_output_tok_per_s": [x["output_tok_per_s"] for x in repeats[name]],
                 "rounds_step_ms_p99": [x.get("step_ms_p99") for x in repeats[name]],
+                "rounds_decode_step_ms_max": [x.get("decode_step_ms_max") for x in repeats[name]],
             }
 
     for name, r in results.items():

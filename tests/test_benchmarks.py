@@ -760,3 +760,4 @@ def test_throughput_step_percentiles_are_nearest_rank():
         ("step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_p999", "step_ms_max"), 250.0
     )
     assert throughput.step_percentiles([]) == {}
+    assert throughput.step_percentiles([0.5], "decode_step_ms")["decode_step_ms_max"] == 500.0
