@@ -119,7 +119,7 @@ class DecodeCompressor:
         #: the heads held ``held`` generated entries on average when the request had ``since`` tokens
         self.held, self.since = generated, num_tokens
         #: the scheduler asked for the next compaction (the pool is about to run short): it starts when due, never
-        #: waits its turn behind others due in the same step (:func:`~rcstat_vllm.worker.step_plan.decode_jobs_allowed`)
+        #: waits its turn behind others due in the same step (:class:`~rcstat_vllm.worker.step_plan.DueCompactions`)
         self.hurried = False
 
     @property

@@ -4,9 +4,9 @@
 info and the batch's common attention metadata and, per row: a compressed request grows its head pages for this step;
 a prompt finishing its prefill starts its prompt job (or is reported skipped, and why); a non-final prefill chunk keeps
 its trailing queries; a decoding request with ``decode_budget`` is watched, and starts a decode-time job when one is
-due. Lengths come from the step info (computed + scheduled tokens), not from device tensors: on CUDA this costs no
-synchronisation. The head-as-sequence attention of the compressed rows is planned by the backends' builders from this
-plan (:mod:`rcstat_vllm.attention.head_plan`).
+due and its turn comes (:class:`DueCompactions`). Lengths come from the step info (computed + scheduled tokens), not
+from device tensors: on CUDA this costs no synchronisation. The head-as-sequence attention of the compressed rows is
+planned by the backends' builders from this plan (:mod:`rcstat_vllm.attention.head_plan`).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def decode_jobs_allowed(rate: float) -> int:
 
     Requests that fall due in the same step (started together with equal prompts: a batch in lockstep) would each
     have every layer scored in that step, which delays every request's next token: on the AVX-512 CPU, 12 requests
-    of 256 + 1024 tokens with ``decode_budget`` 512 in a pool for all fell due 8 and 4 at a time, steps of 510-950 ms
-    against a median of 64; taking turns, the longest step was 188 ms. Each waits a few steps at most (its window of
+    of 256 + 1024 tokens with ``decode_budget`` 512 in a pool for all fell due 8 and 4 at a time, the longest decode
+    step 855-1246 ms against a median of 55-62; taking turns, 225-235 ms, the p99 step up from 85-107 to 161-199 ms
+    (``throughput_long_output_lockstep_turns_ab_avx512_cpu.json``). Each waits a few steps at most (its window of
     queries keeps sliding; it holds a few more entries meanwhile), and twice the rate clears a backlog at least as
     fast as it forms. Those the scheduler asked for are not held back: its forecast counts on their blocks (making
     them wait too, with the lead lengthened to match, cut the longest steps under pressure but cost a preemption in
