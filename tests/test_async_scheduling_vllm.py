@@ -37,8 +37,13 @@ def _driver(rcstat: dict | None, **kwargs):
     )
 
 
+def _greedy(max_tokens: int, **rcstat) -> SamplingParams:
+    extra = {"rcstat": rcstat} if rcstat else None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+
+
 def _requests(driver, n: int = 3):
-    params = SamplingParams(temperature=0.0, max_tokens=OUT, ignore_eos=True)
+    params = _greedy(OUT)
     return [(f"r{i}", driver.prompt(PROMPT, offset=97 * i), params) for i in range(n)]
 
 
@@ -98,7 +103,7 @@ def test_decode_time_compactions_carry_the_token_of_the_step_in_flight(prompts):
         {"async_scheduling": "keep", "decode_budget": 32, "decode_interval": 32, **prompts},
         kv_cache_memory_bytes=160 << 20,  # (room for every request at once)
     )
-    params = SamplingParams(temperature=0.0, max_tokens=104, ignore_eos=True)
+    params = _greedy(104)
     requests = [(f"r{n}", driver.prompt(n, offset=97 * i), params) for i, n in enumerate((400, 415, 416, 417))]
     initial = driver.free_blocks()
     outputs = []
@@ -136,7 +141,7 @@ def _run_cut_short(driver, tag: str, event: str, late: int):
     """A request and a bystander decode 80 tokens each; ``late`` steps after the worker first holds the request's
     decode-time plan (at 64 generated tokens) it is aborted or preempted. Its phase then, and every finished
     request's tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    params = _greedy(80)
     victim, bystander = f"victim-{tag}", f"bystander-{tag}"
     driver.engine.add_request(victim, driver.prompt(PROMPT), params)
     driver.engine.add_request(bystander, driver.prompt(350, offset=300), params)
@@ -179,10 +184,6 @@ def test_a_decode_time_compaction_cut_short_at_any_step_leaves_no_trace(decoding
             assert result["skipped_reason"] is None  # recomputed, compacted again
     print(f"\n[{event}] the request's phase at each step: {phases}")
     assert {"awaiting blocks", "compressed"} <= set(phases)
-
-
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.mark.parametrize("first_turn", [1, 65, 67], ids=["prompt_plan_open", "decode_plan_open", "decode_copied"])
@@ -258,7 +259,7 @@ def test_a_small_pool_soak_with_preemptions_aborts_and_decode_time_compactions()
 
     def params(i: int) -> SamplingParams:
         rcstat = settings[i % len(settings)]
-        return SamplingParams(temperature=0.0, max_tokens=120 + 8 * i, ignore_eos=True, extra_args={"rcstat": rcstat})
+        return _greedy(120 + 8 * i, **rcstat)
 
     requests = [(f"r{i}", driver.prompt(300 + 37 * i, offset=53 * i), params(i)) for i in range(8)]
     twins = SamplingParams(

@@ -112,6 +112,8 @@ class DueCompactions:
 
     def start(self) -> int:
         """Start the jobs whose turn it is, in that order; how many wait."""
+        if not self.due:
+            return 0
         allowed = decode_jobs_allowed(self.rate)
         ordered = sorted(self.due, key=lambda due: (not due[0], -due[1]))  # (stable: the batch's order in ties)
         started = 0
