@@ -8,6 +8,7 @@ prefix caching on, chunked prefill):
   rc_0.8          {"method": "rc", "target_ratio": 0.8}
   tova_0.8        {"method": "tova", "target_ratio": 0.8}
   default_decode  the bare flag with decode_budget (generated KV compacted too)
+  vanilla_3x_pool vanilla with three times the KV pool (about what RC 0.8 frees here): as many requests at once
 
 Workload (KV-bound on purpose): vLLM's ``random`` dataset (random token ids, no download, the tokenizer is the local
 model folder), ``--num-prompts`` prompts of ``input_len`` tokens (+-``range_ratio``), ``output_len`` output tokens
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -105,7 +107,12 @@ SETTINGS = (
     ("rc_0.8", {}, {"method": "rc", "target_ratio": 0.8}),
     ("tova_0.8", {}, {"method": "tova", "target_ratio": 0.8}),
     ("default_decode", {}, {"decode_budget": None, "decode_interval": None}),
+    ("vanilla_3x_pool", {"VLLM_PLUGINS": "__none__"}, None),
 )
+#: settings whose KV pool is this many times the preset's: vanilla with about the memory RC 0.8 frees on these
+#: requests (0.8 of 320 prompt tokens: 136 of 392 tokens held), the control for what running more requests at once
+#: does to latency by itself (each prompt's prefill step delays every request decoding beside it)
+POOL_SCALE = {"vanilla_3x_pool": 3.0}
 PERCENTILES = (50, 90, 99)
 #: Prometheus series summed over their labels, read before and after each run (the run's deltas are reported)
 COUNTERS = (
@@ -416,6 +423,7 @@ def bench_serve(server: Server, cfg: dict, rate, seed: int) -> dict:
             "--disable-tqdm",
             "--num-warmups",
             "0",
+            "--save-detailed",  # (each request's start, TTFT and gaps, kept in memory: read by itl_tail)
         ]
     )
     result = main(args)
@@ -434,7 +442,36 @@ def bench_serve(server: Server, cfg: dict, rate, seed: int) -> dict:
         keep += [f"p{p}_{metric}_ms" for p in PERCENTILES]
     out = {k: result.get(k) for k in keep}
     out["errors"] = sorted({e for e in result.get("errors", []) if e})[:5]
+    out["itl_tail"] = itl_tail(result.get("start_times") or [], result.get("ttfts") or [], result.get("itls") or [])
     return out
+
+
+def itl_tail(start_times: list[float], ttfts: list[float], itls: list[list[float]], share: float = 0.01) -> dict:
+    """What the slowest ``share`` of the inter-token gaps (at least 5) were waiting for: how many of them contain
+    another request's first token (a step that prefilled a prompt beside this request's decoding; with chunked
+    prefill the earlier chunks' steps are not marked, so this counts at least those), and the gaps themselves, slowest
+    first, as ``[ms, seconds into the run, other requests' first tokens in the gap]``. Times in seconds, as vLLM's
+    benchmark records them."""
+    first_tokens = [start + ttft if ttft else None for start, ttft in zip(start_times, ttfts)]
+    gaps = []  # (duration, end, request)
+    for request, (start, ttft, gaps_of) in enumerate(zip(start_times, ttfts, itls)):
+        end = start + (ttft or 0.0)
+        for gap in gaps_of or []:
+            end += gap
+            gaps.append((gap, end, request))
+    if not gaps:
+        return {}
+    t0 = min(start_times)
+    count = max(5, math.ceil(share * len(gaps)))
+    slowest = []
+    for gap, end, request in sorted(gaps, reverse=True)[:count]:
+        others = sum(1 for i, t in enumerate(first_tokens) if i != request and t is not None and end - gap < t <= end)
+        slowest.append([round(1000 * gap, 1), round(end - t0, 2), others])
+    return {
+        "gaps": len(gaps),
+        "slowest": slowest,
+        "slowest_beside_a_prefill": sum(1 for *_, others in slowest if others),
+    }
 
 
 def counter_deltas(before: dict, after: dict) -> dict:
@@ -454,11 +491,14 @@ def counter_deltas(before: dict, after: dict) -> dict:
 
 
 def start_setting(name: str, env: dict, rcstat: dict | None, cfg: dict, model: str, log_dir: Path) -> Server:
-    kv_tokens = int(cfg["pool_requests"] * (cfg["input_len"] + cfg["output_len"]))
+    kv_tokens = int(POOL_SCALE.get(name, 1.0) * cfg["pool_requests"] * (cfg["input_len"] + cfg["output_len"]))
     max_model_len = -(-int(cfg["input_len"] * (1 + cfg["range_ratio"]) + cfg["output_len"] + 32) // 128) * 128
     # vLLM refuses a pool that cannot hold one max_model_len request (with its own rounding: a little slack)
     kv_tokens = max(kv_tokens, max_model_len + 2 * BLOCK_SIZE)
-    server = Server(server_kwargs(model, rcstat, kv_tokens, max_model_len), env, log_dir / f"{name}.log")
+    # (every setting alike: vLLM's cap on the tokens one step computes, chunking prefills: the latency trade it offers)
+    batched = cfg.get("max_num_batched_tokens")
+    extra = ("--max-num-batched-tokens", str(batched)) if batched else ()
+    server = Server(server_kwargs(model, rcstat, kv_tokens, max_model_len), env, log_dir / f"{name}.log", extra)
     server.kv_tokens, server.started = kv_tokens, time.monotonic()
     return server
 
@@ -479,12 +519,13 @@ def measure_setting(name: str, server: Server, cfg: dict, round_index: int) -> d
             "load_avg_before": load0,
             "load_avg_after": load_avg(),
         }
-        m = runs[str(rate)]["metrics"]
+        m, tail = runs[str(rate)]["metrics"], summary["itl_tail"]
         print(
             f"[{name} r{round_index}] rate {rate}: {summary['request_throughput']:.3f} req/s, "
             f"{summary['output_throughput']:.1f} tok/s, TTFT p99 {summary['p99_ttft_ms']:.0f} ms, "
             f"ITL p99 {summary['p99_itl_ms']:.0f} ms, preemptions {m['vllm:num_preemptions_total']:.0f}, "
-            f"compaction {m['compaction_ms_per_step']:.2f} ms/step",
+            f"compaction {m['compaction_ms_per_step']:.2f} ms/step, {tail.get('slowest_beside_a_prefill', 0)} of the "
+            f"{len(tail.get('slowest', []))} slowest gaps beside a prompt's first token",
             file=sys.stderr,
             flush=True,
         )
@@ -604,6 +645,8 @@ def serving_benchmark(args) -> int:
         cfg["rounds"] = args.rounds
     if args.num_prompts is not None:
         cfg["num_prompts"] = args.num_prompts
+    if args.max_num_batched_tokens is not None:
+        cfg["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.rates:
         cfg["rates"] = tuple(r if r == "inf" or r.endswith("x") else float(r) for r in args.rates)
     from rcstat_vllm.model import default_model_dir
@@ -1183,6 +1226,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--settings", nargs="*", default=None, help="a subset of: " + ", ".join(n for n, _, _ in SETTINGS)
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="vLLM's cap on the tokens one step computes, for every server (default: vLLM's, 2048 served on a CPU); "
+        "lower chunks prefills into shorter steps, the inter-token latency a decoding request waits behind them",
     )
     parser.add_argument(
         "--soak",

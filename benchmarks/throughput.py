@@ -246,6 +246,15 @@ def step_percentiles(durations: list[float], prefix: str = "step_ms") -> dict:
     return {f"{prefix}_{name}": rank(q) for name, q in quantiles.items()}
 
 
+def slowest_steps(durations: list[float], prompt_tokens: list[int], running: list[float], share: float = 0.01) -> list:
+    """The slowest ``share`` of the steps (at least 5), slowest first, as ``[ms, prompt tokens computed, requests
+    running]``: what the inter-token tail is made of (a step that prefills several prompts beside the decodes, or
+    one that compacts)."""
+    count = max(5, math.ceil(share * len(durations)))
+    order = sorted(range(len(durations)), key=lambda i: -durations[i])[:count]
+    return [[round(1000 * durations[i], 1), prompt_tokens[i], int(running[i])] for i in order]
+
+
 class StepSampler:
     """Wraps ``llm.llm_engine.step`` to read vLLM's gauges after every step."""
 
@@ -293,7 +302,8 @@ class StepSampler:
         prompt_tokens = [self.base.get("vllm:prompt_tokens", 0)] + [
             v.get("vllm:prompt_tokens", 0) for _, v in self.samples
         ]
-        decode_only = [d for d, (a, b) in zip(durations, itertools.pairwise(prompt_tokens)) if a == b]
+        step_prompt_tokens = [int(b - a) for a, b in itertools.pairwise(prompt_tokens)]
+        decode_only = [d for d, new in zip(durations, step_prompt_tokens) if new == 0]
         return {
             "steps": len(self.samples),
             "peak_running": max(running),
@@ -307,6 +317,7 @@ class StepSampler:
             # (a compacting step's own cost shows in the tail); those that computed no prompt token are decode's alone.
             **step_percentiles(durations),
             **step_percentiles(decode_only, "decode_step_ms"),
+            "slowest_steps": slowest_steps(durations, step_prompt_tokens, running),
             "running_trace": running[:: max(1, len(running) // 200)],
         }
 

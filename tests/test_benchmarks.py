@@ -761,3 +761,16 @@ def test_throughput_step_percentiles_are_nearest_rank():
     )
     assert throughput.step_percentiles([]) == {}
     assert throughput.step_percentiles([0.5], "decode_step_ms")["decode_step_ms_max"] == 500.0
+
+
+def test_throughput_slowest_steps_name_what_each_computed():
+    import throughput
+
+    durations = [0.001 * (i + 1) for i in range(1000)]  # 1 ms .. 1 s
+    prompt_tokens = [i % 7 for i in range(1000)]
+    running = [float(i % 5) for i in range(1000)]
+    # 1% of 1000 steps: the ten slowest, slowest first, each with its prompt tokens and running requests
+    assert throughput.slowest_steps(durations, prompt_tokens, running) == [
+        [float(i + 1), i % 7, i % 5] for i in range(999, 989, -1)
+    ]
+    assert len(throughput.slowest_steps(durations[:20], prompt_tokens[:20], running[:20])) == 5  # (at least 5)

@@ -47,6 +47,27 @@ def test_ratios_to_vanilla_are_taken_within_a_round_then_the_median():
     assert out["default"]["inf"]["copies_per_step"] == 2.0
 
 
+def test_settings_servers_get_their_pool_and_the_step_token_cap(monkeypatch, tmp_path):
+    started = {}
+
+    class Recorded:
+        def __init__(self, kwargs, env, log_path, extra_args=()):
+            started[log_path.stem] = (kwargs["kv_cache_memory_bytes"], tuple(extra_args), env)
+
+    monkeypatch.setattr(serving, "Server", Recorded)
+    cfg = dict(serving.PRESETS["default"], max_num_batched_tokens=256)
+    for name, env, rcstat in serving.SETTINGS:
+        if name in ("vanilla", "vanilla_3x_pool", "rc_0.8"):
+            serving.start_setting(name, env, rcstat, cfg, "model", tmp_path)
+    vanilla, big, rc = started["vanilla"], started["vanilla_3x_pool"], started["rc_0.8"]
+    assert big[0] == 3 * vanilla[0] and rc[0] == vanilla[0]  # (the preset's pool, 588 tokens, above one request)
+    assert big[2] == vanilla[2] == {"VLLM_PLUGINS": "__none__"}
+    assert {vanilla[1], big[1], rc[1]} == {("--max-num-batched-tokens", "256")}
+    started.clear()
+    serving.start_setting("vanilla", {}, None, serving.PRESETS["default"], "model", tmp_path)
+    assert started["vanilla"][1] == ()  # (vLLM's own cap unless asked)
+
+
 def _record(i, kind, status=200, outcome="completed", **extra):
     return {"i": i, "kind": kind, "status": status, "outcome": outcome, **extra}
 
@@ -101,3 +122,14 @@ def test_the_soak_fails_on_any_5xx_wrong_rejection_unfinished_request_leak_or_gr
             "failures"
         ][0]
     )
+
+
+def test_the_itl_tail_names_the_gaps_that_waited_for_another_prompts_first_token():
+    # Request 0 starts at 0 s, first token at 1 s, then ten 0.1 s gaps and one 0.5 s gap (1.5 .. 2.0 s, in which
+    # request 1's first token comes at 1.9 s); request 1's gaps are 0.1 s each.
+    tail = serving.itl_tail([0.0, 1.0], [1.0, 0.9], [[0.1] * 5 + [0.5] + [0.1] * 5, [0.1] * 6], share=0.0)
+    assert tail["gaps"] == 17
+    assert tail["slowest"][0] == [500.0, 2.0, 1]
+    assert [gap[0] for gap in tail["slowest"]] == [500.0, 100.0, 100.0, 100.0, 100.0]  # (at least 5)
+    assert tail["slowest_beside_a_prefill"] == 1
+    assert serving.itl_tail([], [], []) == {}
