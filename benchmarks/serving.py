@@ -447,11 +447,12 @@ def bench_serve(server: Server, cfg: dict, rate, seed: int) -> dict:
 
 
 def itl_tail(start_times: list[float], ttfts: list[float], itls: list[list[float]], share: float = 0.01) -> dict:
-    """What the slowest ``share`` of the inter-token gaps (at least 5) were waiting for: how many of them contain
-    another request's first token (a step that prefilled a prompt beside this request's decoding; with chunked
-    prefill the earlier chunks' steps are not marked, so this counts at least those), and the gaps themselves, slowest
-    first, as ``[ms, seconds into the run, other requests' first tokens in the gap]``. Times in seconds, as vLLM's
-    benchmark records them."""
+    """What the slowest ``share`` of the inter-token gaps (at least 5) were waiting for. Each as ``[ms, seconds into
+    the run, ms from its end to the nearest other request's first token]`` (negative: inside the gap), slowest first,
+    and how many of them had another request's first token inside them or within half a median gap after (the same
+    step's outputs reach the clients one after another): a step that prefilled a prompt beside this request's
+    decoding. With chunked prefill a prompt's earlier chunks produce no token, so this counts at least those steps.
+    Times in seconds, as vLLM's benchmark records them."""
     first_tokens = [start + ttft if ttft else None for start, ttft in zip(start_times, ttfts)]
     gaps = []  # (duration, end, request)
     for request, (start, ttft, gaps_of) in enumerate(zip(start_times, ttfts, itls)):
@@ -461,17 +462,17 @@ def itl_tail(start_times: list[float], ttfts: list[float], itls: list[list[float
             gaps.append((gap, end, request))
     if not gaps:
         return {}
-    t0 = min(start_times)
+    t0, slack = min(start_times), statistics.median(gap for gap, _, _ in gaps) / 2
     count = max(5, math.ceil(share * len(gaps)))
-    slowest = []
+    slowest, beside = [], 0
     for gap, end, request in sorted(gaps, reverse=True)[:count]:
-        others = sum(1 for i, t in enumerate(first_tokens) if i != request and t is not None and end - gap < t <= end)
-        slowest.append([round(1000 * gap, 1), round(end - t0, 2), others])
-    return {
-        "gaps": len(gaps),
-        "slowest": slowest,
-        "slowest_beside_a_prefill": sum(1 for *_, others in slowest if others),
-    }
+        offsets = [t - end for i, t in enumerate(first_tokens) if i != request and t is not None]
+        nearest = min(offsets, key=abs) if offsets else None
+        beside += any(-gap < offset <= slack for offset in offsets)
+        slowest.append(
+            [round(1000 * gap, 1), round(end - t0, 2), None if nearest is None else round(1000 * nearest, 1)]
+        )
+    return {"gaps": len(gaps), "slowest": slowest, "slowest_beside_a_prefill": beside}
 
 
 def counter_deltas(before: dict, after: dict) -> dict:

@@ -125,11 +125,17 @@ def test_the_soak_fails_on_any_5xx_wrong_rejection_unfinished_request_leak_or_gr
 
 
 def test_the_itl_tail_names_the_gaps_that_waited_for_another_prompts_first_token():
-    # Request 0 starts at 0 s, first token at 1 s, then ten 0.1 s gaps and one 0.5 s gap (1.5 .. 2.0 s, in which
-    # request 1's first token comes at 1.9 s); request 1's gaps are 0.1 s each.
-    tail = serving.itl_tail([0.0, 1.0], [1.0, 0.9], [[0.1] * 5 + [0.5] + [0.1] * 5, [0.1] * 6], share=0.0)
+    # Request 0 starts at 0 s, first token at 1 s, then five 0.1 s gaps, one 0.5 s gap (1.5 .. 2.0 s: request 1's first
+    # token comes at 1.9 s, inside it) and five more; request 1's gaps are 0.1 s each.
+    tail = serving.itl_tail([0.0, 1.0], [1.0, 0.9], [[0.1] * 5 + [0.5] + [0.1] * 5, [0.1] * 6])
     assert tail["gaps"] == 17
-    assert tail["slowest"][0] == [500.0, 2.0, 1]
+    assert tail["slowest"][0] == [500.0, 2.0, -100.0]  # (request 1's first token 0.1 s before the gap's end)
     assert [gap[0] for gap in tail["slowest"]] == [500.0, 100.0, 100.0, 100.0, 100.0]  # (at least 5)
     assert tail["slowest_beside_a_prefill"] == 1
+    # A first token just after a gap's end is that step's (the step's outputs reach the clients one after another):
+    # within half a median gap (here 0.05 s) it counts, 0.2 s after it does not.
+    for after, beside in ((0.01, 1), (0.2, 0)):
+        tail = serving.itl_tail([0.0, 0.0], [1.0, 2.0 + after], [[0.1] * 5 + [0.5], []])
+        assert tail["slowest"][0] == [500.0, 2.0, round(1000 * after, 1)]
+        assert tail["slowest_beside_a_prefill"] == beside
     assert serving.itl_tail([], [], []) == {}
