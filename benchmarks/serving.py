@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
@@ -68,6 +67,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, environment, load_avg, resolved_config, write_report
+from latency_tail import itl_tail
 from throughput import BLOCK_SIZE, KV_BYTES_PER_TOKEN_SMOLLM2
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -444,35 +444,6 @@ def bench_serve(server: Server, cfg: dict, rate, seed: int) -> dict:
     out["errors"] = sorted({e for e in result.get("errors", []) if e})[:5]
     out["itl_tail"] = itl_tail(result.get("start_times") or [], result.get("ttfts") or [], result.get("itls") or [])
     return out
-
-
-def itl_tail(start_times: list[float], ttfts: list[float], itls: list[list[float]], share: float = 0.01) -> dict:
-    """What the slowest ``share`` of the inter-token gaps (at least 5) were waiting for. Each as ``[ms, seconds into
-    the run, ms from its end to the nearest other request's first token]`` (negative: inside the gap), slowest first,
-    and how many of them had another request's first token inside them or within half a median gap after (the same
-    step's outputs reach the clients one after another): a step that prefilled a prompt beside this request's
-    decoding. With chunked prefill a prompt's earlier chunks produce no token, so this counts at least those steps.
-    Times in seconds, as vLLM's benchmark records them."""
-    first_tokens = [start + ttft if ttft else None for start, ttft in zip(start_times, ttfts)]
-    gaps = []  # (duration, end, request)
-    for request, (start, ttft, gaps_of) in enumerate(zip(start_times, ttfts, itls)):
-        end = start + (ttft or 0.0)
-        for gap in gaps_of or []:
-            end += gap
-            gaps.append((gap, end, request))
-    if not gaps:
-        return {}
-    t0, slack = min(start_times), statistics.median(gap for gap, _, _ in gaps) / 2
-    count = max(5, math.ceil(share * len(gaps)))
-    slowest, beside = [], 0
-    for gap, end, request in sorted(gaps, reverse=True)[:count]:
-        offsets = [t - end for i, t in enumerate(first_tokens) if i != request and t is not None]
-        nearest = min(offsets, key=abs) if offsets else None
-        beside += any(-gap < offset <= slack for offset in offsets)
-        slowest.append(
-            [round(1000 * gap, 1), round(end - t0, 2), None if nearest is None else round(1000 * nearest, 1)]
-        )
-    return {"gaps": len(gaps), "slowest": slowest, "slowest_beside_a_prefill": beside}
 
 
 def counter_deltas(before: dict, after: dict) -> dict:

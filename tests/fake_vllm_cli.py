@@ -72,6 +72,10 @@ def bench(argv: list[str]) -> int:
         "p99_itl_ms": 40.0,
         "errors": [""] * prompts,
         "tokenizer_id": arg(argv, "--tokenizer"),
+        # (--save-detailed) two requests sent at 0 s; request 1's first token at 0.5 s, inside request 0's 0.4 s gap
+        "start_times": [0.0, 0.0],
+        "ttfts": [0.1, 0.5],
+        "itls": [[0.02, 0.02, 0.4], [0.02]],
     }
     Path(arg(argv, "--result-dir"), arg(argv, "--result-filename")).write_text(json.dumps(result))
     return 0

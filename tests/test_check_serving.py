@@ -62,6 +62,12 @@ def test_rows_measured_one_server_at_a_time_half_rate_from_vanilla(tmp_path):
         bench = by_row[row]["bench_commands"]["half"]
         assert bench[bench.index("--request-rate") + 1] == "1.0"
         assert by_row[row]["sat"]["metrics"]["vllm:num_preemptions_total"] == 1.0  # /metrics read around the run
+        # the slowest gaps from the saved per-request times (benchmarks/latency_tail.py): the 0.4 s one waited for
+        # the other request's prefill
+        tail = by_row[row]["sat"]["itl_tail"]
+        assert (
+            tail["gaps"] == 4 and tail["slowest"][0] == [400.0, 0.54, -40.0] and tail["slowest_beside_a_prefill"] == 1
+        )
     assert by_row["long:vanilla"]["long"]["completed"] == 8 and "half" not in by_row["long:vanilla"]
     # the plan reader counts exactly the rows measured (content, not names)
     assert [r for r in plan.SERVING_ROWS if plan.serving_row_done(by_row.get(r, {}))] == [

@@ -58,7 +58,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also when imported by path: build_carry.py, the tests)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # (latency_tail: standard library only)
 import gpu_common
+from latency_tail import itl_tail
 
 #: row -> (kind, setting)
 ROWS = {
@@ -415,6 +417,8 @@ def run_bench(cmd: list, result_path: Path, timeout: float, log_path: Path) -> d
     out = {k: saved.get(k) for k in KEEP if k in saved}
     errors = sorted({str(e)[:300] for e in saved.get("errors") or [] if e})[:3]
     out.update(wall_s=wall, exit=code, errors=errors)
+    # the slowest gaps and whether another prompt's prefill ended in them (benchmarks/latency_tail.py)
+    out["itl_tail"] = itl_tail(saved.get("start_times") or [], saved.get("ttfts") or [], saved.get("itls") or [])
     out["ok"] = code == 0 and bool(saved.get("completed")) and not saved.get("failed")
     return out
 
