@@ -28,7 +28,10 @@ round, at every rate; numbers are medians over rounds, and each setting's ratio 
 vanilla is taken within a round, then the median. Per run: request throughput, output tokens/s, TTFT and ITL
 p50/p90/p99 (vLLM's benchmark), and from the server's ``/metrics`` over the run: preemptions (``vllm:num_preemptions``),
 the plugin's compactions, their time per step (``rcstat:step_compaction_seconds``), copies per step, requests
-compressed / planned / never compacted, and blocks freed.
+compressed / planned / never compacted, and blocks freed; and the slowest 1% of the inter-token gaps with what they
+waited for (``itl_tail``, benchmarks/latency_tail.py: a gap that ends as another request's first token comes waited
+for that prompt's prefill step). ``--max-num-batched-tokens N`` gives every server vLLM's cap on the tokens a step
+computes (chunked prefill: shorter prefill steps beside the decodes).
 
     python benchmarks/serving.py                  # default: writes benchmarks/results/serving_cpu.json (+ .png)
     python benchmarks/serving.py --quick          # ~4 min: one round at saturation, *_quick.json
