@@ -9,6 +9,7 @@ prefix caching on, chunked prefill):
   tova_0.8        {"method": "tova", "target_ratio": 0.8}
   default_decode  the bare flag with decode_budget (generated KV compacted too)
   vanilla_3x_pool vanilla with three times the KV pool (about what RC 0.8 frees here): as many requests at once
+                  (a control, run only when --settings names it)
 
 Workload (KV-bound on purpose): vLLM's ``random`` dataset (random token ids, no download, the tokenizer is the local
 model folder), ``--num-prompts`` prompts of ``input_len`` tokens (+-``range_ratio``), ``output_len`` output tokens
@@ -116,6 +117,8 @@ SETTINGS = (
 #: requests (0.8 of 320 prompt tokens: 136 of 392 tokens held), the control for what running more requests at once
 #: does to latency by itself (each prompt's prefill step delays every request decoding beside it)
 POOL_SCALE = {"vanilla_3x_pool": 3.0}
+#: run only when ``--settings`` names them (controls, not the comparison itself)
+NAMED_ONLY = ("vanilla_3x_pool",)
 PERCENTILES = (50, 90, 99)
 #: Prometheus series summed over their labels, read before and after each run (the run's deltas are reported)
 COUNTERS = (
@@ -465,6 +468,11 @@ def counter_deltas(before: dict, after: dict) -> dict:
     return out
 
 
+def selected_settings(asked: list[str] | None) -> list[tuple]:
+    """The settings ``--settings`` names, in :data:`SETTINGS`' order; all but the controls when it names none."""
+    return [setting for setting in SETTINGS if (setting[0] in asked if asked else setting[0] not in NAMED_ONLY)]
+
+
 def start_setting(name: str, env: dict, rcstat: dict | None, cfg: dict, model: str, log_dir: Path) -> Server:
     kv_tokens = int(POOL_SCALE.get(name, 1.0) * cfg["pool_requests"] * (cfg["input_len"] + cfg["output_len"]))
     max_model_len = -(-int(cfg["input_len"] * (1 + cfg["range_ratio"]) + cfg["output_len"] + 32) // 128) * 128
@@ -635,8 +643,7 @@ def serving_benchmark(args) -> int:
             if r is not None and "decode_budget" in r
             else r,
         )
-        for n, e, r in SETTINGS
-        if not args.settings or n in args.settings
+        for n, e, r in selected_settings(args.settings)
     ]
     names = [n for n, _, _ in settings]
     requested_rates = list(cfg["rates"])

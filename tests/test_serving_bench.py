@@ -124,6 +124,18 @@ def test_the_soak_fails_on_any_5xx_wrong_rejection_unfinished_request_leak_or_gr
     )
 
 
+def test_controls_run_only_when_named():
+    assert [n for n, _, _ in serving.selected_settings(None)] == [
+        "vanilla",
+        "default",
+        "rc_0.8",
+        "tova_0.8",
+        "default_decode",
+    ]
+    chosen = serving.selected_settings(["vanilla", "rc_0.8", "vanilla_3x_pool"])
+    assert [n for n, _, _ in chosen] == ["vanilla", "rc_0.8", "vanilla_3x_pool"]
+
+
 def test_the_itl_tail_names_the_gaps_that_waited_for_another_prompts_first_token():
     # Request 0 starts at 0 s, first token at 1 s, then five 0.1 s gaps, one 0.5 s gap (1.5 .. 2.0 s: request 1's first
     # token comes at 1.9 s, inside it) and five more; request 1's gaps are 0.1 s each.
