@@ -10,6 +10,7 @@ prefix caching on, chunked prefill):
   default_decode  the bare flag with decode_budget (generated KV compacted too)
   vanilla_3x_pool vanilla with three times the KV pool (about what RC 0.8 frees here): as many requests at once
                   (a control, run only when --settings names it)
+  rc_0.8_eager    RC 0.8 compacting every prompt after its prefill (eviction eager; only when named)
 
 Workload (KV-bound on purpose): vLLM's ``random`` dataset (random token ids, no download, the tokenizer is the local
 model folder), ``--num-prompts`` prompts of ``input_len`` tokens (+-``range_ratio``), ``output_len`` output tokens
@@ -112,13 +113,14 @@ SETTINGS = (
     ("tova_0.8", {}, {"method": "tova", "target_ratio": 0.8}),
     ("default_decode", {}, {"decode_budget": None, "decode_interval": None}),
     ("vanilla_3x_pool", {"VLLM_PLUGINS": "__none__"}, None),
+    ("rc_0.8_eager", {}, {"method": "rc", "target_ratio": 0.8, "eviction": "eager"}),
 )
 #: settings whose KV pool is this many times the preset's: vanilla with about the memory RC 0.8 frees on these
 #: requests (0.8 of 320 prompt tokens: 136 of 392 tokens held), the control for what running more requests at once
 #: does to latency by itself (each prompt's prefill step delays every request decoding beside it)
 POOL_SCALE = {"vanilla_3x_pool": 3.0}
 #: run only when ``--settings`` names them (controls, not the comparison itself)
-NAMED_ONLY = ("vanilla_3x_pool",)
+NAMED_ONLY = ("vanilla_3x_pool", "rc_0.8_eager")
 PERCENTILES = (50, 90, 99)
 #: Prometheus series summed over their labels, read before and after each run (the run's deltas are reported)
 COUNTERS = (
