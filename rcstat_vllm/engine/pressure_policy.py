@@ -107,9 +107,8 @@ def prompt_waits_for_blocks(snapshot: PoolSnapshot) -> bool:
     a step's token budget). Lazy eviction's plans parked in such a step are wanted as soon as they are parked (the
     relief compacts them for that prompt), so the workers score them in the prefill step instead of deferring: a
     deferred plan is scored ahead over ``SCORE_AHEAD_STEPS`` steps while the prompt waits, which at saturation cost
-    RC 0.8 a sixth to a fifth of its requests per second against eager eviction
-    (``serving_itl_tail_eager_avx512_cpu.json``; scored at prefill, as many: ``serving_prompt_waits_avx512_cpu.json``).
-    The prefill step it adds to already stalls every decode beside it."""
+    the bare flag a fifth of its requests per second against eager eviction
+    (``serving_itl_tail_eager_avx512_cpu.json``); the prefill step it adds to already stalls every decode beside it."""
     if snapshot.first_waiting_tokens <= 0:
         return False
     wanted, _ = blocks_wanted((), snapshot.first_waiting_tokens, snapshot.block_size, snapshot.other_block_sizes)
