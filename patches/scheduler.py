@@ -91,8 +91,6 @@ class RCStatSchedulerOutput(SchedulerOutput):
     rcstat_decode_soon: tuple[str, ...] = ()
     #: parked plans (lazy eviction) the workers should score ahead of their copy, a share of layers per step
     rcstat_score_ahead: ScoreAhead = field(default_factory=ScoreAhead)
-    #: a prompt waits for blocks after this schedule: lazy plans parked now are scored in their prefill step
-    rcstat_prompt_waits: bool = False
 
 
 def scheduler_stats(scheduler) -> CompressionStats | None:
@@ -174,20 +172,6 @@ def other_block_sizes(scheduler) -> tuple[int, ...]:
 
 def first_waiting_tokens(scheduler) -> int:
     return scheduler.waiting.peek_request().num_tokens if len(scheduler.waiting) else 0
-
-
-def prompt_waits_for_blocks(scheduler) -> bool:
-    """After a schedule: the first waiting prompt does not fit in the free blocks
-    (:func:`~rcstat_vllm.engine.pressure_policy.prompt_waits_for_blocks`)."""
-    if not len(scheduler.waiting):
-        return False
-    snapshot = pressure_policy.PoolSnapshot(
-        scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-        block_size(scheduler),
-        first_waiting_tokens=first_waiting_tokens(scheduler),
-        other_block_sizes=other_block_sizes(scheduler),
-    )
-    return pressure_policy.prompt_waits_for_blocks(snapshot)
 
 
 def longest_running_prompt(scheduler) -> int:
@@ -334,15 +318,13 @@ def _schedule(original):
         decode_soon = bring_decode_compactions_forward(self, state)
         compactions = state.take_outgoing(lambda req_id: is_running(self, req_id))
         score_ahead = ahead._replace(req_ids=tuple(r for r in ahead.req_ids if is_running(self, r)))  # (not preempted)
-        prompt_waits = prompt_waits_for_blocks(self)
-        if not compactions and not decode_soon and not score_ahead.req_ids and not prompt_waits:
+        if not compactions and not decode_soon and not score_ahead.req_ids:
             return output
         return RCStatSchedulerOutput(
             **{f.name: getattr(output, f.name) for f in fields(output)},
             rcstat_compactions=compactions,
             rcstat_decode_soon=tuple(decode_soon),
             rcstat_score_ahead=score_ahead,
-            rcstat_prompt_waits=prompt_waits,
         )
 
     return wrapper

@@ -12,7 +12,6 @@ from rcstat_vllm.engine.pressure_policy import (
     cover,
     decode_shortfall,
     expected_gain,
-    prompt_waits_for_blocks,
     relief,
     requests_to_hurry,
     score_ahead_shortfall,
@@ -214,12 +213,3 @@ def test_requests_asked_earlier_cover_the_shortfall_until_twice_the_lead_has_pas
     assert requests_to_hurry([a, b], 7, 10, BLOCK, check=21).chosen == (("b", 3),)  # a is not asked twice
     expired = requests_to_hurry([a, b], 6, 10, BLOCK, check=22)  # 21 checks since: asked again
     assert expired.expired == ("a",) and expired.chosen == (("a", 6),)
-
-
-def test_a_prompt_waits_for_blocks_when_its_whole_prompt_does_not_fit():
-    snapshot = PoolSnapshot(free_blocks=10, block_size=32, first_waiting_tokens=320)  # 10 blocks: it fits
-    assert not prompt_waits_for_blocks(snapshot)
-    assert prompt_waits_for_blocks(replace(snapshot, first_waiting_tokens=321))  # 11 blocks
-    assert not prompt_waits_for_blocks(replace(snapshot, free_blocks=0, first_waiting_tokens=0))
-    # a hybrid model's other groups take blocks from the same pool for the same prompt
-    assert prompt_waits_for_blocks(replace(snapshot, other_block_sizes=(64,)))  # 10 + 5 blocks

@@ -102,19 +102,6 @@ def blocks_wanted(
     return growth + waiting, f"{growth} blocks for running requests' growth and {waiting} for the first waiting request"
 
 
-def prompt_waits_for_blocks(snapshot: PoolSnapshot) -> bool:
-    """After a schedule: the first waiting prompt does not fit in the free blocks (a prompt waits for memory, not for
-    a step's token budget). Lazy eviction's plans parked in such a step are wanted as soon as they are parked (the
-    relief compacts them for that prompt), so the workers score them in the prefill step instead of deferring: a
-    deferred plan is scored ahead over ``SCORE_AHEAD_STEPS`` steps while the prompt waits, which at saturation cost
-    the bare flag a fifth of its requests per second against eager eviction
-    (``serving_itl_tail_eager_avx512_cpu.json``); the prefill step it adds to already stalls every decode beside it."""
-    if snapshot.first_waiting_tokens <= 0:
-        return False
-    wanted, _ = blocks_wanted((), snapshot.first_waiting_tokens, snapshot.block_size, snapshot.other_block_sizes)
-    return wanted > snapshot.free_blocks
-
-
 def decode_shortfall(running: Sequence[RunningRequest], free_blocks: int, block_size: int) -> tuple[int, int, str]:
     """The blocks the running requests will lack within ``lead`` steps (a window of queries to save, the scoring
     step and the copy's; <= 0: none), the lead, and why; ``(0, 0, "")`` when none compresses generated KV."""

@@ -54,6 +54,3 @@ class StepInfo:
     decode_soon: frozenset[str] = frozenset()
     #: parked plans (lazy eviction) the scheduler expects to compact within a few steps: scored ahead of their copy
     score_ahead: ScoreAhead = field(default_factory=ScoreAhead)
-    #: a prompt waits for blocks (the scheduler says so): lazy plans parked in this step are wanted at once, so
-    #: prompts finishing their prefill are scored now, not deferred (``pressure_policy.prompt_waits_for_blocks``)
-    prompt_waits: bool = False

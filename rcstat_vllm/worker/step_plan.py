@@ -202,7 +202,7 @@ class StepPlanner:
                     if self._watch_decode(plan, step, record, num_tokens, *rows):
                         due.add(record.decode, num_tokens, partial(self._start_decode_job, plan, record, record.pages))
             elif request.finishes_prefill:
-                self._plan_prompt(plan, record, request, *rows, block_table[row], step.prompt_waits)
+                self._plan_prompt(plan, record, request, *rows, block_table[row])
             elif request.num_computed_tokens >= request.num_prompt_tokens:
                 self._plan_uncompressed_decode(plan, step, record, request, rows, block_table, row, due)
             elif request.num_tokens_after_step < request.num_prompt_tokens:
@@ -249,12 +249,8 @@ class StepPlanner:
         settings = self.request_settings.of(request.req_id, request.extra_args)
         return settings.invalid is None and settings.config.decode_compression
 
-    def _plan_prompt(
-        self, plan: StepCompression, record, request, start: int, end: int, block_row, prompt_waits: bool = False
-    ) -> None:
-        """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped.
-        Under lazy eviction its scoring is deferred to its compaction, unless a prompt waits for blocks
-        (``prompt_waits``): the plan is then wanted as soon as it is parked, and scored now."""
+    def _plan_prompt(self, plan: StepCompression, record, request, start: int, end: int, block_row) -> None:
+        """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped."""
         saved = None if record is None else record.saved_for(0)
         settings = self.request_settings.of(request.req_id, request.extra_args)
         decision = plan_compression(
@@ -275,7 +271,7 @@ class StepPlanner:
             self.layout,
             cached_tokens=record.cached_tokens,
             saved_queries=record.saved_queries,
-            deferred_bound=None if prompt_waits else self._deferred_bound(decision, record.cached_tokens),
+            deferred_bound=self._deferred_bound(decision, record.cached_tokens),
         )
         self.requests.start_job(record, job)
         plan.scoring.append(record)
