@@ -8,12 +8,17 @@ import math
 import statistics
 
 
+def tail_count(total: int, share: float) -> int:
+    """How many of ``total`` samples the slowest ``share`` is: at least 5 (a tail of a short run is still read)."""
+    return max(5, math.ceil(share * total))
+
+
 def itl_tail(start_times: list[float], ttfts: list[float], itls: list[list[float]], share: float = 0.01) -> dict:
     """What the slowest ``share`` of the inter-token gaps (at least 5) were waiting for. Each as ``[ms, seconds into
     the run, ms from its end to the nearest other request's first token]`` (negative: inside the gap), slowest first,
     and how many of them had another request's first token inside them or within half a median gap after (the same
     step's outputs reach the clients one after another): a step that prefilled a prompt beside this request's
-    decoding. With chunked prefill a prompt's earlier chunks produce no token, so this counts at least those steps.
+    decoding. With chunked prefill a prompt's earlier chunks produce no token and are not counted: a lower bound.
     Times in seconds, as vLLM's benchmark records them."""
     first_tokens = [start + ttft if ttft else None for start, ttft in zip(start_times, ttfts)]
     gaps = []  # (duration, end, request)
@@ -25,7 +30,7 @@ def itl_tail(start_times: list[float], ttfts: list[float], itls: list[list[float
     if not gaps:
         return {}
     t0, slack = min(start_times), statistics.median(gap for gap, _, _ in gaps) / 2
-    count = max(5, math.ceil(share * len(gaps)))
+    count = tail_count(len(gaps), share)
     slowest, beside = [], 0
     for gap, end, request in sorted(gaps, reverse=True)[:count]:
         offsets = [t - end for i, t in enumerate(first_tokens) if i != request and t is not None]

@@ -78,6 +78,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import engine_options, environment, load_avg, resolved_config, write_report
+from latency_tail import tail_count
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -250,8 +251,7 @@ def slowest_steps(durations: list[float], prompt_tokens: list[int], running: lis
     """The slowest ``share`` of the steps (at least 5), slowest first, as ``[ms, prompt tokens computed, requests
     running]``: what the inter-token tail is made of (a step that prefills several prompts beside the decodes, or
     one that compacts)."""
-    count = max(5, math.ceil(share * len(durations)))
-    order = sorted(range(len(durations)), key=lambda i: -durations[i])[:count]
+    order = sorted(range(len(durations)), key=lambda i: -durations[i])[: tail_count(len(durations), share)]
     return [[round(1000 * durations[i], 1), prompt_tokens[i], int(running[i])] for i in order]
 
 
