@@ -57,15 +57,10 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, environment, load_avg, resolved_config, write_report
 from latency_tail import itl_tail
+from server_process import ServerProcess, free_port
 from throughput import BLOCK_SIZE, KV_BYTES_PER_TOKEN_SMOLLM2
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -155,12 +151,6 @@ GAUGES = (
 # ---- one server ----
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_kwargs(
     model: str, rcstat: dict | None, kv_tokens: int, max_model_len: int, dtype: str | None = None
 ) -> dict:
@@ -185,12 +175,12 @@ def server_kwargs(
     return with_embedded_dtype(kwargs)
 
 
-class Server:
-    """``rcstat-vllm serve`` on the loopback address, its output in ``log_path``; a process group of its own."""
+class Server(ServerProcess):
+    """``rcstat-vllm serve`` of :func:`server_kwargs` on the loopback address, its output in ``log_path``."""
 
     def __init__(self, kwargs: dict, env: dict, log_path: Path, extra_args: tuple[str, ...] = ()):
-        self.kwargs, self.port = kwargs, free_port()
-        self.url, self.model, self.log_path = f"http://127.0.0.1:{self.port}", kwargs["model"], log_path
+        port = free_port()
+        self.kwargs, self.port, self.model = kwargs, port, kwargs["model"]
         cmd = [
             sys.executable,
             "-m",
@@ -200,7 +190,7 @@ class Server:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            str(port),
             "--enforce-eager",
             "--compilation-config",
             json.dumps(kwargs["compilation_config"]),
@@ -218,63 +208,17 @@ class Server:
             cmd += ["--dtype", kwargs["dtype"]]
         if "additional_config" in kwargs:
             cmd += ["--additional-config", json.dumps(kwargs["additional_config"])]
-        full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        full_env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        full_env["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
         full_env.update(env)
-        self._log = open(log_path, "w")  # noqa: SIM115 - the server's log, open while it runs
-        self.proc = subprocess.Popen(
-            cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def log_tail(self, n: int = 6000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-n:]
+        super().__init__(cmd, full_env, log_path, port)
 
     def wait_healthy(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"server not healthy after {timeout} s\n{self.log_tail()}")
-
-    def post(self, path: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
+        """As :meth:`ServerProcess.wait_healthy`, the server's last output in the error."""
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            raw = err.read() or b"{}"
-            try:
-                return err.code, json.loads(raw)
-            except json.JSONDecodeError:
-                return err.code, {"raw": raw.decode(errors="replace")}
-
-    def metrics(self) -> dict[str, float]:
-        """``/metrics``: every sample summed over its labels (histogram buckets left out), by sample name."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.endswith("_bucket"):
-                    continue
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-                if "kind" in sample.labels:  # (rcstat:compaction_seconds: copies and score-ahead runs apart)
-                    key = f"{sample.name}:{sample.labels['kind']}"
-                    out[key] = out.get(key, 0.0) + sample.value
-        return out
+            super().wait_healthy(timeout)
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(f"{err}\n{self.log_tail()}") from err
 
     def rss_bytes(self) -> int:
         """Resident memory of the server's process tree (API server, engine core)."""
@@ -287,20 +231,6 @@ class Server:
             except OSError:
                 pass
         return total
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        self._log.close()
 
 
 def process_name(cmdline: str, root: bool = False) -> str:

