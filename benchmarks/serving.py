@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, environment, load_avg, resolved_config, write_report
 from latency_tail import itl_tail
-from server_process import ServerProcess, free_port
+from server_process import PERCENTILES, ServerProcess, bench_fields, bench_serve_args, free_port
 from throughput import BLOCK_SIZE, KV_BYTES_PER_TOKEN_SMOLLM2
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -117,7 +117,6 @@ SETTINGS = (
 POOL_SCALE = {"vanilla_3x_pool": 3.0}
 #: run only when ``--settings`` names them (controls, not the comparison itself)
 NAMED_ONLY = ("vanilla_3x_pool", "rc_0.8_eager")
-PERCENTILES = (50, 90, 99)
 #: Prometheus series summed over their labels, read before and after each run (the run's deltas are reported)
 COUNTERS = (
     "vllm:num_preemptions_total",
@@ -326,60 +325,20 @@ def bench_serve(server: Server, cfg: dict, rate, seed: int) -> dict:
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(
-        [
-            "--backend",
-            "vllm",
-            "--base-url",
+        bench_serve_args(
             server.url,
-            "--endpoint",
-            "/v1/completions",
-            "--model",
             server.model,
-            "--tokenizer",
             server.model,
-            "--dataset-name",
-            "random",
-            "--num-prompts",
-            str(cfg["num_prompts"]),
-            "--random-input-len",
-            str(cfg["input_len"]),
-            "--random-output-len",
-            str(cfg["output_len"]),
-            "--random-range-ratio",
-            str(cfg["range_ratio"]),
-            "--request-rate",
-            str(rate),
-            "--seed",
-            str(seed),
-            "--ignore-eos",
-            "--temperature",
-            "0",
-            "--percentile-metrics",
-            "ttft,tpot,itl,e2el",
-            "--metric-percentiles",
-            ",".join(map(str, PERCENTILES)),
-            "--disable-tqdm",
-            "--num-warmups",
-            "0",
-            "--save-detailed",  # (each request's start, TTFT and gaps, kept in memory: read by itl_tail)
-        ]
+            num_prompts=cfg["num_prompts"],
+            input_len=cfg["input_len"],
+            output_len=cfg["output_len"],
+            range_ratio=cfg["range_ratio"],
+            rate=rate,
+            seed=seed,
+        )
     )
     result = main(args)
-    keep = [
-        "duration",
-        "completed",
-        "failed",
-        "total_input_tokens",
-        "total_output_tokens",
-        "request_throughput",
-        "output_throughput",
-        "max_concurrent_requests",
-    ]
-    for metric in ("ttft", "itl", "tpot", "e2el"):
-        keep.append(f"mean_{metric}_ms")
-        keep += [f"p{p}_{metric}_ms" for p in PERCENTILES]
-    out = {k: result.get(k) for k in keep}
-    out["errors"] = sorted({e for e in result.get("errors", []) if e})[:5]
+    out = bench_fields(result)
     out["itl_tail"] = itl_tail(result.get("start_times") or [], result.get("ttfts") or [], result.get("itls") or [])
     return out
 

@@ -145,3 +145,37 @@ def test_a_server_that_exits_or_never_answers_is_reported(tmp_path):
     finally:
         silent.close()
     assert silent.proc.poll() is not None
+
+
+def test_bench_arguments_parse_as_vllm_bench_serve_reads_them():
+    """The arguments both serving benchmarks pass to ``vllm bench serve``, through vLLM's own parser."""
+    pytest.importorskip("vllm")
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    workload = dict(num_prompts=12, input_len=320, output_len=72, range_ratio=0.2)
+    args = parser.parse_args(sp.bench_serve_args("http://127.0.0.1:1", "m", "tok", **workload, rate="inf", seed=7))
+    assert (args.base_url, args.endpoint, args.model, args.tokenizer) == (
+        "http://127.0.0.1:1",
+        "/v1/completions",
+        "m",
+        "tok",
+    )
+    assert (args.dataset_name, args.num_prompts, args.random_input_len, args.random_output_len) == (
+        "random",
+        12,
+        320,
+        72,
+    )
+    assert float(args.random_range_ratio) == 0.2 and args.request_rate == float("inf") and args.seed == 7
+    assert args.ignore_eos and args.temperature == 0 and args.num_warmups == 0 and args.save_detailed
+    assert args.metric_percentiles == "50,90,99" and args.percentile_metrics == "ttft,tpot,itl,e2el"
+
+
+def test_bench_fields_keep_the_latencies_and_the_first_errors():
+    result = {name: 1.0 for name in sp.BENCH_FIELDS} | {"itls": [[0.1]], "errors": ["", "b" * 400, "a", "a", *"cdefg"]}
+    kept = sp.bench_fields(result)
+    assert set(kept) == {*sp.BENCH_FIELDS, "errors"} and "p99_itl_ms" in kept and "itls" not in kept
+    assert kept["errors"] == ["a", "b" * 300, "c", "d", "e"]

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also when imported 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_common
 from latency_tail import itl_tail
-from server_process import ServerProcess, free_port
+from server_process import ServerProcess, bench_fields, bench_serve_args, free_port
 
 #: row -> (kind, setting)
 ROWS = {
@@ -85,21 +85,6 @@ TOKENIZER_VOCAB = 49152
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: Where build_carry.py puts the tokenizer in the core bundle, and where the carry's unpacked bundle lies on the GPU.
 CARRY_TOKENIZER = Path("tokenizer") / "smollm2"
-PERCENTILES = (50, 90, 99)
-#: The bench's summary fields kept per run
-KEEP = (
-    "duration",
-    "completed",
-    "failed",
-    "total_input_tokens",
-    "total_output_tokens",
-    "request_rate",
-    "request_throughput",
-    "output_throughput",
-    "total_token_throughput",
-    "max_concurrent_requests",
-    *(f"{stat}_{m}_ms" for m in ("ttft", "itl", "tpot", "e2el") for stat in ("mean", *(f"p{p}" for p in PERCENTILES))),
-)
 #: Prometheus series read before and after each bench run (their deltas are reported)
 COUNTERS = (
     "vllm:num_preemptions_total",
@@ -218,53 +203,19 @@ def bench_command(url: str, tokenizer: Path, run: dict, rate, result_dir: Path, 
     """``vllm bench serve`` for one run: the random dataset, greedy, ``ignore_eos``, its JSON saved (with the
     per-request errors: ``--save-detailed``). No ready check: the server answered its warm-up already, and the bench's
     check is a whole request of the workload's first prompt before the clock starts."""
-    return [
-        *vllm_cli(),
-        "bench",
-        "serve",
-        "--backend",
-        "vllm",
-        "--base-url",
+    args = bench_serve_args(
         url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
         "dummy-llama-3.1-8b",
-        "--tokenizer",
         str(tokenizer),
-        "--dataset-name",
-        "random",
-        "--num-prompts",
-        str(run["prompts"]),
-        "--random-input-len",
-        str(run["input_len"]),
-        "--random-output-len",
-        str(run["output_len"]),
-        "--random-range-ratio",
-        str(run["range_ratio"]),
-        "--request-rate",
-        str(rate),
-        "--seed",
-        "0",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--percentile-metrics",
-        "ttft,tpot,itl,e2el",
-        "--metric-percentiles",
-        ",".join(map(str, PERCENTILES)),
-        "--num-warmups",
-        "0",
-        "--ready-check-timeout-sec",
-        "0",
-        "--disable-tqdm",
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(result_dir),
-        "--result-filename",
-        result_file,
-    ]
+        num_prompts=run["prompts"],
+        input_len=run["input_len"],
+        output_len=run["output_len"],
+        range_ratio=run["range_ratio"],
+        rate=rate,
+        seed=0,
+    )
+    saved = ["--save-result", "--result-dir", str(result_dir), "--result-filename", result_file]
+    return [*vllm_cli(), "bench", "serve", *args, "--ready-check-timeout-sec", "0", *saved]
 
 
 def workload_of(args) -> dict:
@@ -317,7 +268,7 @@ class Server(ServerProcess):
 
 
 def run_bench(cmd: list, result_path: Path, timeout: float, log_path: Path) -> dict:
-    """One ``vllm bench serve`` subprocess; its saved JSON, the fields of KEEP."""
+    """One ``vllm bench serve`` subprocess; its saved JSON, the fields ``server_process.bench_fields`` keeps."""
     env = dict(os.environ)
     env.update(gpu_common.BASE_ENV)
     t0 = time.perf_counter()
@@ -344,9 +295,8 @@ def run_bench(cmd: list, result_path: Path, timeout: float, log_path: Path) -> d
             "wall_s": wall,
             "log_tail": gpu_common.tail(log_path, 40),
         }
-    out = {k: saved.get(k) for k in KEEP if k in saved}
-    errors = sorted({str(e)[:300] for e in saved.get("errors") or [] if e})[:3]
-    out.update(wall_s=wall, exit=code, errors=errors)
+    out = bench_fields(saved)
+    out.update(wall_s=wall, exit=code)
     # the slowest gaps and whether another prompt's prefill ended in them (benchmarks/latency_tail.py)
     out["itl_tail"] = itl_tail(saved.get("start_times") or [], saved.get("ttfts") or [], saved.get("itls") or [])
     out["ok"] = code == 0 and bool(saved.get("completed")) and not saved.get("failed")
