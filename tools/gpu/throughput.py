@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also when imported by path: the tests)
 import gpu_common
 
 DEFAULT_SETTINGS = "vanilla,bare,rc0.8,tova0.8"
@@ -174,6 +175,21 @@ def summarize(report: dict) -> dict:
     return summary
 
 
+def engine_for(setting: str, mode: str, model, max_model_len: int, kv_bytes: int, requests: int) -> dict:
+    """``LLM(...)`` arguments of one run: ``setting``'s (gpu_common.SETTINGS, ENGINE_EXTRA) in ``mode``."""
+    _, rcstat = gpu_common.SETTINGS[setting]
+    extra = dict(gpu_common.ENGINE_EXTRA.get(setting, {}))
+    if mode == "graphs":
+        # The workload never runs more than ``requests`` at once, so capping vLLM's max_num_seqs there changes no
+        # step; it caps CUDA-graph capture at 2 x requests tokens (1, 2, 4, 8, 16, 24, 32 for 16 requests, instead of
+        # 51 sizes up to 512): every decode-only batch pads to the same size as at the default, and engines start
+        # sooner; a mixed step of 33-512 tokens (a prompt's short last chunk beside decodes) runs without a graph.
+        extra = {"max_num_seqs": requests, **extra}
+    return gpu_common.engine_kwargs(
+        model, rcstat, eager=(mode == "eager"), max_model_len=max_model_len, kv_bytes=kv_bytes, **extra
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -224,14 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "prompts": "uniform random token ids in [1000, 128000)",
     }
-    graph_cap = {}
     if args.mode == "graphs":
-        # The workload never runs more than --requests at once, so capping vLLM's max_num_seqs there changes no step;
-        # it caps CUDA-graph capture at 2 x requests tokens (1, 2, 4, 8, 16, 24, 32 for 16 requests, instead of 51
-        # sizes up to 512): every decode-only batch pads to the same size as at the default, and engines start
-        # sooner; a mixed step of 33-512 tokens (a prompt's short last chunk beside decodes) runs without a graph.
-        graph_cap = {"max_num_seqs": args.requests}
-        workload["max_num_seqs"] = args.requests
+        workload["max_num_seqs"] = args.requests  # (engine_for: graphs captured up to the requests run at once)
     report = None if args.fresh else gpu_common.read_result(name)
     if report is not None and report.get("workload") != workload:
         print(f"[throughput] {name}: earlier runs had another workload; starting afresh", file=sys.stderr)
@@ -274,14 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             break
         env, rcstat = gpu_common.SETTINGS[setting]
-        engine = gpu_common.engine_kwargs(
-            model,
-            rcstat,
-            eager=(args.mode == "eager"),
-            max_model_len=max_model_len,
-            kv_bytes=kv_bytes,
-            **{**graph_cap, **gpu_common.ENGINE_EXTRA.get(setting, {})},
-        )
+        engine = engine_for(setting, args.mode, model, max_model_len, kv_bytes, args.requests)
         spec = {
             "engine": engine,
             "rcstat": rcstat,
