@@ -243,7 +243,5 @@ def test_plans_are_scored_at_prefill_only_for_what_the_parked_ones_cannot_free()
     assert to_score_at_prefill(replace(snapshot, free_blocks=20), finishing) == ("b",)  # 1 short
     # a prompt expected to free nothing is never scored for it
     assert to_score_at_prefill(snapshot, [FinishingPrompt("a", 0)]) == ()
-    # more than they all free: none (scored now, they would not let the prompt in; compacted early, they would
-    # decode over head pages for longer)
-    assert to_score_at_prefill(replace(snapshot, free_blocks=0), finishing) == ()
-    assert to_score_at_prefill(replace(snapshot, free_blocks=2), finishing) == ("b", "c", "a")  # 19 short: all
+    # more than they free: all of them
+    assert to_score_at_prefill(replace(snapshot, free_blocks=0), finishing) == ("b", "c", "a")

@@ -276,9 +276,7 @@ def to_score_at_prefill(snapshot: PoolSnapshot, finishing: Sequence[FinishingPro
     these plans for it within a step or two, and a plan scored at its prefill is ready at once, where a deferred one
     waits ``SCORE_AHEAD_STEPS`` steps of scoring ahead while the prompt waits (the relief covers a waiting prompt
     with ready plans only, :func:`cover`). Those expected to free most, as the relief picks, until they cover what
-    is left, and only if they do: plans that cannot let the prompt in are left deferred, as are the others (a plan
-    never compacted is never scored; one compacted early decodes its request over head pages for longer). Empty
-    when no prompt waits."""
+    is left; the others stay deferred (a plan never compacted is never scored). Empty when no prompt waits."""
     if not finishing or snapshot.first_waiting_tokens <= 0:
         return ()
     short = shortfall(snapshot)[0] - sum(max(p.blocks_freed, 0) for p in snapshot.parked)
@@ -288,7 +286,7 @@ def to_score_at_prefill(snapshot: PoolSnapshot, finishing: Sequence[FinishingPro
             break
         chosen.append(prompt.req_id)
         covered += prompt.gain
-    return tuple(chosen) if covered >= short else ()
+    return tuple(chosen)
 
 
 def to_score_ahead(short_ahead: int, parked: Sequence[ParkedPlan], compacted_now: Sequence[str]) -> tuple[str, ...]:
