@@ -162,7 +162,6 @@ def step_info(runner, scheduler_output) -> StepInfo:
         block_size=None if host_table is None else host_table.block_size,
         decode_soon=frozenset(getattr(scheduler_output, "rcstat_decode_soon", None) or ()),
         score_ahead=getattr(scheduler_output, "rcstat_score_ahead", None) or ScoreAhead(),
-        score_at_prefill=frozenset(getattr(scheduler_output, "rcstat_score_at_prefill", None) or ()),
     )
 
 

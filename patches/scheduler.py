@@ -91,9 +91,6 @@ class RCStatSchedulerOutput(SchedulerOutput):
     rcstat_decode_soon: tuple[str, ...] = ()
     #: parked plans (lazy eviction) the workers should score ahead of their copy, a share of layers per step
     rcstat_score_ahead: ScoreAhead = field(default_factory=ScoreAhead)
-    #: prompts finishing their prefill in this step whose lazy plans the workers score now, not at their compaction
-    #: (a prompt waits for blocks the parked plans cannot free: :func:`prompts_to_score_at_prefill`)
-    rcstat_score_at_prefill: tuple[str, ...] = ()
 
 
 def scheduler_stats(scheduler) -> CompressionStats | None:
@@ -177,13 +174,6 @@ def first_waiting_tokens(scheduler) -> int:
     return scheduler.waiting.peek_request().num_tokens if len(scheduler.waiting) else 0
 
 
-def parked_plans(scheduler, state: EngineCompaction) -> tuple[pressure_policy.ParkedPlan, ...]:
-    """The parked plans of running requests and what compacting each frees now (``EngineCompaction.parked``)."""
-    return state.parked(
-        lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id) else None
-    )
-
-
 def longest_running_prompt(scheduler) -> int:
     return max((r.num_prompt_tokens for r in scheduler.running), default=0)
 
@@ -237,7 +227,9 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> ScoreAhead:
     short_ahead, steps = pressure_policy.score_ahead_shortfall(snapshot, decode, longest_running_prompt(scheduler))
     if max(short, short_ahead) <= 0:  # (most steps: the parked plans' gains, read from their block lists, not needed)
         return ScoreAhead()
-    parked = parked_plans(scheduler, state)
+    parked = state.parked(
+        lambda req_id: running_request_tokens(scheduler, req_id) if is_running(scheduler, req_id) else None
+    )
     relief = pressure_policy.cover(short, reason, parked, pressure_policy.urgent_shortfall(snapshot, decode))
     if relief.scoring:
         logger.debug(
@@ -254,54 +246,6 @@ def relieve_pressure(scheduler, state: EngineCompaction) -> ScoreAhead:
     }
     ahead = pressure_policy.to_score_ahead(short_ahead, parked, relief.compact)
     return ScoreAhead(tuple(req_id for req_id in ahead if req_id in to_score), steps)
-
-
-def prompts_to_score_at_prefill(scheduler, state: EngineCompaction, output: SchedulerOutput) -> tuple[str, ...]:
-    """After a schedule: the prompts finishing their prefill in it (lazy eviction with a budget: their scoring would
-    wait for their compaction) whose plans the workers should score in that step, because the first waiting prompt
-    does not fit even once every parked plan is compacted
-    (:func:`~rcstat_vllm.engine.pressure_policy.to_score_at_prefill`). ``num_computed_tokens`` counts this step's
-    tokens already (vLLM advances it at the end of its schedule)."""
-    if not len(scheduler.waiting):
-        return ()
-    finishing = []
-    size = block_size(scheduler)
-    for req_id, scheduled in output.num_scheduled_tokens.items():
-        request = scheduler.requests[req_id]
-        prompt, computed = request.num_prompt_tokens, request.num_computed_tokens
-        if not computed - scheduled < prompt <= computed:
-            continue
-        extra_args = request.sampling_params and request.sampling_params.extra_args
-        settings = state.settings_of(req_id, extra_args)
-        config = settings.config
-        if settings.invalid is not None or not lazy_budget(config) or prompt < config.min_prompt_len:
-            continue
-        gain = pressure_policy.expected_prompt_gain(prompt, config.target_ratio, config.window, size)  # type: ignore[arg-type]
-        finishing.append(pressure_policy.FinishingPrompt(req_id, gain))
-    if not finishing:
-        return ()
-    snapshot = pressure_policy.PoolSnapshot(
-        scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-        size,
-        running_snapshot(scheduler, state),
-        first_waiting_tokens(scheduler),
-        parked_plans(scheduler, state),
-        other_block_sizes(scheduler),
-    )
-    chosen = pressure_policy.to_score_at_prefill(snapshot, finishing)
-    if chosen:
-        logger.debug(
-            "rcstat: lazy eviction: %d prompts finishing their prefill are scored now (a waiting prompt needs more "
-            "blocks than the parked plans free): %s",
-            len(chosen),
-            ", ".join(chosen),
-        )
-    return chosen
-
-
-def lazy_budget(config: RCStatConfig) -> bool:
-    """Lazy eviction with a budget: a plan's scoring waits for its compaction (``_deferred_bound`` on the worker)."""
-    return config.eviction == "lazy" and config.budget_mode and config.method != "none"
 
 
 def bring_decode_compactions_forward(scheduler, state: EngineCompaction) -> list[str]:
@@ -374,15 +318,13 @@ def _schedule(original):
         decode_soon = bring_decode_compactions_forward(self, state)
         compactions = state.take_outgoing(lambda req_id: is_running(self, req_id))
         score_ahead = ahead._replace(req_ids=tuple(r for r in ahead.req_ids if is_running(self, r)))  # (not preempted)
-        score_now = prompts_to_score_at_prefill(self, state, output)
-        if not compactions and not decode_soon and not score_ahead.req_ids and not score_now:
+        if not compactions and not decode_soon and not score_ahead.req_ids:
             return output
         return RCStatSchedulerOutput(
             **{f.name: getattr(output, f.name) for f in fields(output)},
             rcstat_compactions=compactions,
             rcstat_decode_soon=tuple(decode_soon),
             rcstat_score_ahead=score_ahead,
-            rcstat_score_at_prefill=score_now,
         )
 
     return wrapper

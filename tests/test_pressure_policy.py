@@ -5,7 +5,6 @@ from dataclasses import replace
 
 from rcstat_vllm.config import RCStatConfig
 from rcstat_vllm.engine.pressure_policy import (
-    FinishingPrompt,
     ParkedPlan,
     PoolSnapshot,
     RunningRequest,
@@ -13,13 +12,11 @@ from rcstat_vllm.engine.pressure_policy import (
     cover,
     decode_shortfall,
     expected_gain,
-    expected_prompt_gain,
     relief,
     requests_to_hurry,
     score_ahead_shortfall,
     shortfall,
     to_score_ahead,
-    to_score_at_prefill,
     urgent_shortfall,
 )
 
@@ -216,32 +213,3 @@ def test_requests_asked_earlier_cover_the_shortfall_until_twice_the_lead_has_pas
     assert requests_to_hurry([a, b], 7, 10, BLOCK, check=21).chosen == (("b", 3),)  # a is not asked twice
     expired = requests_to_hurry([a, b], 6, 10, BLOCK, check=22)  # 21 checks since: asked again
     assert expired.expired == ("a",) and expired.chosen == (("a", 6),)
-
-
-# Lazy eviction, after a schedule: the prompts finishing their prefill whose plans are scored at once.
-
-
-def test_a_prompts_expected_gain_is_its_blocks_less_those_its_kept_share_fills():
-    assert expected_prompt_gain(320, 0.8, 32, BLOCK) == 20 - 4  # keeps 64 of 320: 4 of its 20 blocks
-    assert expected_prompt_gain(321, 0.4, 32, BLOCK) == 21 - 13  # keeps 321 - 128 = 193: 13 blocks
-    assert expected_prompt_gain(100, 0.9, 32, BLOCK) == 7 - 2  # keeps its window (32), not 10
-    assert expected_prompt_gain(32, 0.9, 32, BLOCK) == 0
-
-
-def test_plans_are_scored_at_prefill_only_for_what_the_parked_ones_cannot_free():
-    # 10 free blocks; the waiting prompt of 320 tokens wants 20 and the running request's next token 1 (its 33rd,
-    # past its 2 blocks): 11 short.
-    snapshot = PoolSnapshot(10, BLOCK, (running("r", 33, held=2),), first_waiting_tokens=320)
-    finishing = [FinishingPrompt("a", 4), FinishingPrompt("b", 9), FinishingPrompt("c", 6)]
-    assert to_score_at_prefill(snapshot, finishing) == ("b", "c")  # freeing most first, until 11 are covered
-    # parked plans (ready or being scored ahead) count first: 8 of the 11 are theirs, a plan that frees nothing not
-    assert to_score_at_prefill(replace(snapshot, parked=parked(p=5, q=3, z=-2)), finishing) == ("b",)
-    assert to_score_at_prefill(replace(snapshot, parked=parked(p=11)), finishing) == ()
-    # nothing waits, or the waiting prompt fits: every plan stays deferred to its compaction
-    assert to_score_at_prefill(replace(snapshot, first_waiting_tokens=0), finishing) == ()
-    assert to_score_at_prefill(replace(snapshot, free_blocks=21), finishing) == ()
-    assert to_score_at_prefill(replace(snapshot, free_blocks=20), finishing) == ("b",)  # 1 short
-    # a prompt expected to free nothing is never scored for it
-    assert to_score_at_prefill(snapshot, [FinishingPrompt("a", 0)]) == ()
-    # more than they free: all of them
-    assert to_score_at_prefill(replace(snapshot, free_blocks=0), finishing) == ("b", "c", "a")

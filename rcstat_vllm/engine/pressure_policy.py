@@ -252,43 +252,6 @@ def score_ahead_shortfall(
     return shortfall(anticipated, decode, ANTICIPATE_STEPS)[0], ANTICIPATE_STEPS
 
 
-@dataclass(frozen=True)
-class FinishingPrompt:
-    """A prompt whose prefill ends in the step just scheduled, under lazy eviction with a budget (its scoring would be
-    deferred to its compaction), and the blocks its compaction is expected to free (:func:`expected_prompt_gain`)."""
-
-    req_id: str
-    gain: int
-
-
-def expected_prompt_gain(num_prompt_tokens: int, target_ratio: float, window: int, block_size: int) -> int:
-    """The blocks a budget's compaction of a ``num_prompt_tokens``-token prompt is expected to free: its prompt's
-    blocks less those the entries it keeps fill (``1 - target_ratio`` of them, at least the window), as if every head
-    kept as many; its plan says exactly once scored."""
-    kept = max(num_prompt_tokens - round(target_ratio * num_prompt_tokens), window)
-    return cdiv(num_prompt_tokens, block_size) - cdiv(kept, block_size)
-
-
-def to_score_at_prefill(snapshot: PoolSnapshot, finishing: Sequence[FinishingPrompt]) -> tuple[str, ...]:
-    """After a schedule: the prompts finishing their prefill in it whose plans to score in that step instead of at
-    their compaction. Only when the first waiting prompt does not fit (the :func:`shortfall` after the schedule)
-    even once every parked plan is compacted (ready or being scored ahead): then the relief will compact some of
-    these plans for it within a step or two, and a plan scored at its prefill is ready at once, where a deferred one
-    waits ``SCORE_AHEAD_STEPS`` steps of scoring ahead while the prompt waits (the relief covers a waiting prompt
-    with ready plans only, :func:`cover`). Those expected to free most, as the relief picks, until they cover what
-    is left; the others stay deferred (a plan never compacted is never scored). Empty when no prompt waits."""
-    if not finishing or snapshot.first_waiting_tokens <= 0:
-        return ()
-    short = shortfall(snapshot)[0] - sum(max(p.blocks_freed, 0) for p in snapshot.parked)
-    chosen, covered = [], 0
-    for prompt in sorted(finishing, key=lambda p: -p.gain):
-        if covered >= short or prompt.gain <= 0:
-            break
-        chosen.append(prompt.req_id)
-        covered += prompt.gain
-    return tuple(chosen)
-
-
 def to_score_ahead(short_ahead: int, parked: Sequence[ParkedPlan], compacted_now: Sequence[str]) -> tuple[str, ...]:
     """The parked plans to score ahead: those a relief would compact for ``short_ahead`` blocks (the
     :func:`shortfall` ``SCORE_AHEAD_STEPS`` steps later, :data:`rcstat_vllm.reports.SCORE_AHEAD_STEPS`; those freeing

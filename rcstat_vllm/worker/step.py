@@ -54,6 +54,3 @@ class StepInfo:
     decode_soon: frozenset[str] = frozenset()
     #: parked plans (lazy eviction) the scheduler expects to compact within a few steps: scored ahead of their copy
     score_ahead: ScoreAhead = field(default_factory=ScoreAhead)
-    #: prompts finishing their prefill whose lazy plans are scored in this step, not at their compaction: a prompt
-    #: waits for more blocks than the parked plans free (``pressure_policy.to_score_at_prefill``)
-    score_at_prefill: frozenset[str] = frozenset()

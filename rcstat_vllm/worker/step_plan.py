@@ -202,8 +202,7 @@ class StepPlanner:
                     if self._watch_decode(plan, step, record, num_tokens, *rows):
                         due.add(record.decode, num_tokens, partial(self._start_decode_job, plan, record, record.pages))
             elif request.finishes_prefill:
-                score_now = request.req_id in step.score_at_prefill
-                self._plan_prompt(plan, record, request, *rows, block_table[row], score_now)
+                self._plan_prompt(plan, record, request, *rows, block_table[row])
             elif request.num_computed_tokens >= request.num_prompt_tokens:
                 self._plan_uncompressed_decode(plan, step, record, request, rows, block_table, row, due)
             elif request.num_tokens_after_step < request.num_prompt_tokens:
@@ -250,12 +249,8 @@ class StepPlanner:
         settings = self.request_settings.of(request.req_id, request.extra_args)
         return settings.invalid is None and settings.config.decode_compression
 
-    def _plan_prompt(
-        self, plan: StepCompression, record, request, start: int, end: int, block_row, score_now: bool = False
-    ) -> None:
-        """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped.
-        Under lazy eviction with a budget its scoring waits for its compaction, unless the scheduler wants its plan
-        ready at once (``score_now``: a prompt waits for more blocks than the parked plans free)."""
+    def _plan_prompt(self, plan: StepCompression, record, request, start: int, end: int, block_row) -> None:
+        """A prompt finishing its prefill: its prompt job starts (PREFILL -> SCORING), or it is reported skipped."""
         saved = None if record is None else record.saved_for(0)
         settings = self.request_settings.of(request.req_id, request.extra_args)
         decision = plan_compression(
@@ -276,7 +271,7 @@ class StepPlanner:
             self.layout,
             cached_tokens=record.cached_tokens,
             saved_queries=record.saved_queries,
-            deferred_bound=None if score_now else self._deferred_bound(decision, record.cached_tokens),
+            deferred_bound=self._deferred_bound(decision, record.cached_tokens),
         )
         self.requests.start_job(record, job)
         plan.scoring.append(record)
