@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -55,10 +56,29 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def free_port() -> int:
-    """A TCP port free on the loopback address now (the server binds it a moment later)."""
-    with socket.socket() as sock:
+    """A TCP port free on the loopback address now, below the kernel's ephemeral range: the server binds it seconds
+    later, once vLLM is imported, and meanwhile other processes bind port 0 (engines started beside it, torch's and
+    ZMQ's sockets), which the kernel serves from that range only; a port taken from it collided once ("Address
+    already in use")."""
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # (all taken: any free port)
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 by default; elsewhere that default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def parse_metrics(text: str) -> dict[str, float]:

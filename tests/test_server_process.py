@@ -89,6 +89,13 @@ SERVER = textwrap.dedent(
 )
 
 
+def test_a_free_port_is_below_the_ephemeral_range():
+    """Processes started beside a server bind port 0 meanwhile, served from the ephemeral range only."""
+    low = sp._ephemeral_low()
+    ports = {sp.free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports) and len(ports) > 1
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
